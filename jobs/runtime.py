@@ -1,0 +1,35 @@
+"""The per-process worker context (arq's ``ctx``): who runs the job, on which device."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """Identity of the process running jobs; recorded in every chunk's output metadata."""
+
+    name: str
+    host: str
+    pid: int
+    device: str  # "cpu" or "cuda" (the one GPU that CUDA_VISIBLE_DEVICES leaves visible)
+    gpu: str | None = None  # the physical GPU index the pool pinned, for the record
+
+
+_context: WorkerContext | None = None
+
+
+def set_context(context: WorkerContext) -> None:
+    global _context
+    _context = context
+
+
+def current() -> WorkerContext:
+    """The context the worker set at start-up, or a CPU default for plain in-process calls."""
+    if _context is not None:
+        return _context
+    return WorkerContext(
+        name=f"local-{os.getpid()}", host=socket.gethostname(), pid=os.getpid(), device="cpu"
+    )

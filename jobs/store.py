@@ -1,0 +1,195 @@
+"""The store layout and its atomic writes.
+
+    <store>/runs/<run>/manifest.json           run manifest (written last by submit)
+    <store>/runs/<run>/inputs/<chunk>.jsonl    {"id": ..., "text": ...} per row
+    <store>/runs/<run>/outputs/<chunk>.npy     float32 rows x dim
+    <store>/runs/<run>/outputs/<chunk>.json    output metadata; its presence commits the .npy
+    <store>/runs/<run>/result/                 embeddings.npy, ids.jsonl, manifest.json (published by rename)
+
+Every file is written to a temporary name in the same directory and renamed into place, so a reader
+sees either the whole file or none of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jobs.errors import BadInputError, StoreError
+from jobs.specs import validate_run_id
+
+CHUNK_NAME_WIDTH = 6
+
+
+def chunk_name(index: int) -> str:
+    return f"{index:0{CHUNK_NAME_WIDTH}d}"
+
+
+class RunLayout:
+    """Paths of one run under a store root; the run id is validated so no path escapes the store."""
+
+    def __init__(self, store: str | os.PathLike[str], run_id: str) -> None:
+        self.store = Path(store).resolve()
+        self.run_id = validate_run_id(run_id)
+        self.root = self.store / "runs" / self.run_id
+
+    @property
+    def manifest(self) -> Path:
+        return self.root / "manifest.json"
+
+    @property
+    def inputs(self) -> Path:
+        return self.root / "inputs"
+
+    @property
+    def outputs(self) -> Path:
+        return self.root / "outputs"
+
+    @property
+    def result(self) -> Path:
+        return self.root / "result"
+
+    def input_path(self, index: int) -> Path:
+        return self.inputs / f"{chunk_name(index)}.jsonl"
+
+    def output_npy(self, index: int) -> Path:
+        return self.outputs / f"{chunk_name(index)}.npy"
+
+    def output_meta(self, index: int) -> Path:
+        return self.outputs / f"{chunk_name(index)}.json"
+
+    def done_chunks(self) -> set[int]:
+        """Indices whose output metadata (the commit marker) exists."""
+        if not self.outputs.is_dir():
+            return set()
+        done = set()
+        for entry in os.scandir(self.outputs):
+            stem, dot, ext = entry.name.partition(".")
+            if ext == "json" and dot and stem.isdigit():
+                done.add(int(stem))
+        return done
+
+
+@contextlib.contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; on success fsync it and rename it over ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        yield tmp
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+
+
+def atomic_write_json(path: Path, data: Any) -> None:
+    atomic_write_bytes(path, (json.dumps(data, indent=2, ensure_ascii=False) + "\n").encode())
+
+
+def read_json(path: Path) -> Any:
+    with open(path, encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def file_sha256(path: Path, block: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(block):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def save_npy_atomic(path: Path, array: np.ndarray[Any, Any]) -> str:
+    """Write ``array`` as .npy atomically and return the file's sha256."""
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as fh:
+            np.save(fh, array, allow_pickle=False)
+        digest = file_sha256(tmp)
+    return digest
+
+
+def write_chunk_input(layout: RunLayout, index: int, rows: list[tuple[str, str]]) -> None:
+    """Write one chunk's (id, text) rows as JSON lines."""
+    lines = [json.dumps({"id": rid, "text": text}, ensure_ascii=False) for rid, text in rows]
+    atomic_write_bytes(layout.input_path(index), ("\n".join(lines) + "\n").encode())
+
+
+def read_chunk_input(layout: RunLayout, index: int) -> tuple[list[str], list[str]]:
+    """Return (ids, texts) of one chunk; a malformed row raises BadInputError naming it."""
+    path = layout.input_path(index)
+    if not path.is_file():
+        raise StoreError(f"chunk input {path} is missing")
+    ids: list[str] = []
+    texts: list[str] = []
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise BadInputError(f"{path}:{lineno}: invalid JSON: {exc.msg}") from exc
+            text = row.get("text") if isinstance(row, dict) else None
+            if not isinstance(text, str):
+                raise BadInputError(f"{path}:{lineno}: text is {type(text).__name__}, not a string")
+            ids.append(str(row.get("id")))
+            texts.append(text)
+    return ids, texts
+
+
+def verify_output(layout: RunLayout, index: int, expected_rows: int) -> tuple[dict[str, Any] | None, str]:
+    """Check a chunk output against its metadata: return (meta, "") if whole, else (None, reason)."""
+    meta_path, npy_path = layout.output_meta(index), layout.output_npy(index)
+    if not meta_path.is_file():
+        return None, "output metadata missing"
+    try:
+        meta = read_json(meta_path)
+    except (OSError, ValueError) as exc:
+        return None, f"output metadata unreadable: {exc}"
+    if not npy_path.is_file():
+        return None, f"{npy_path.name} missing"
+    if file_sha256(npy_path) != meta.get("sha256"):
+        return None, f"{npy_path.name} checksum does not match its metadata"
+    try:
+        array = np.load(npy_path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        return None, f"{npy_path.name} unreadable: {exc}"
+    if array.ndim != 2 or array.dtype != np.float32:
+        return None, f"{npy_path.name} has shape {array.shape} and dtype {array.dtype}, expected 2-D float32"
+    if array.shape[0] != expected_rows or meta.get("rows") != expected_rows:
+        return None, f"{npy_path.name} has {array.shape[0]} rows, expected {expected_rows}"
+    if meta.get("dim") != array.shape[1]:
+        return None, f"{npy_path.name} has dimension {array.shape[1]}, metadata says {meta.get('dim')}"
+    return meta, ""
+
+
+def write_output(
+    layout: RunLayout, index: int, embeddings: np.ndarray[Any, Any], meta: dict[str, Any]
+) -> dict[str, Any]:
+    """Publish a chunk output: the .npy first, then its metadata, which commits it."""
+    array = np.ascontiguousarray(embeddings, dtype=np.float32)
+    digest = save_npy_atomic(layout.output_npy(index), array)
+    full = {
+        **meta,
+        "rows": int(array.shape[0]),
+        "dim": int(array.shape[1]),
+        "dtype": "float32",
+        "sha256": digest,
+    }
+    atomic_write_json(layout.output_meta(index), full)
+    return full

@@ -1,0 +1,37 @@
+"""Named worker exit codes, so the pool knows why a worker ended without parsing its log.
+
+RQ itself exits 0 after max-jobs, burst, idle timeout and warm shutdown alike.
+"""
+
+from __future__ import annotations
+
+import signal
+
+EXIT_STOPPED = 0  # asked to stop (signal) and did so cleanly
+EXIT_ERROR = 1  # an unexpected exception in the worker itself
+EXIT_MAX_JOBS = 10  # ran its N jobs: recycle, so the CUDA context is destroyed rather than flushed
+EXIT_CUDA_FATAL = 11  # the CUDA context is broken; only a fresh process can use the GPU again
+EXIT_CONFIG = 12  # the settings cannot work (no CUDA on a GPU worker, bad model); restarting will not help
+EXIT_REDIS = 13  # lost the connection to Redis
+EXIT_ORPHANED = 14  # its pool is gone
+
+REASONS = {
+    EXIT_STOPPED: "stopped on request",
+    EXIT_ERROR: "crashed with an unexpected error",
+    EXIT_MAX_JOBS: "ran its max jobs (recycle)",
+    EXIT_CUDA_FATAL: "hit a fatal CUDA error",
+    EXIT_CONFIG: "refused its configuration",
+    EXIT_REDIS: "lost Redis",
+    EXIT_ORPHANED: "found its pool gone",
+}
+
+
+def describe(returncode: int) -> str:
+    """A human reason for a worker's return code (negative means killed by a signal)."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"killed by {name}"
+    return REASONS.get(returncode, f"exited with unknown code {returncode}")

@@ -1,0 +1,108 @@
+"""GPU discovery through NVML (never a CUDA context in the pool) and per-worker pinning."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+from jobs.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ALLOC_CONF = "expandable_segments:True"
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    index: int
+    name: str
+    uuid: str
+    memory_total: int
+    memory_free: int
+
+
+def discover() -> list[GpuInfo]:
+    """The GPUs NVML sees, in PCI bus order; an empty list where there is no driver or no GPU."""
+    try:
+        import pynvml
+    except ImportError:  # pragma: no cover - nvidia-ml-py is a dependency
+        return []
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        log.debug("NVML unavailable (%s): no GPUs", exc)
+        return []
+    try:
+        gpus = []
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            name = pynvml.nvmlDeviceGetName(handle)
+            uuid = pynvml.nvmlDeviceGetUUID(handle)
+            gpus.append(
+                GpuInfo(
+                    index=index,
+                    name=name.decode() if isinstance(name, bytes) else str(name),
+                    uuid=uuid.decode() if isinstance(uuid, bytes) else str(uuid),
+                    memory_total=int(memory.total),
+                    memory_free=int(memory.free),
+                )
+            )
+        return gpus
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def select(spec: str, available: list[GpuInfo]) -> list[GpuInfo]:
+    """Resolve ``--gpus`` (``all``, ``none`` or ``0,2``) against the GPUs present.
+
+    ``all`` on a machine without GPUs means CPU workers; naming an index that does not exist is the
+    "invalid device ordinal" case and is refused with the list of GPUs that do.
+    """
+    spec = spec.strip().lower()
+    if spec in ("none", "cpu", ""):
+        return []
+    if spec == "all":
+        return list(available)
+    by_index = {gpu.index: gpu for gpu in available}
+    chosen = []
+    for part in spec.split(","):
+        try:
+            index = int(part)
+        except ValueError:
+            raise ConfigError(
+                f"--gpus: {part!r} is not a GPU index (use all, none or a list like 0,2)"
+            ) from None
+        if index not in by_index:
+            present = ", ".join(f"{g.index} ({g.name})" for g in available) or "none"
+            raise ConfigError(f"--gpus: GPU {index} does not exist; GPUs present: {present}")
+        chosen.append(by_index[index])
+    return chosen
+
+
+def worker_environment(base: dict[str, str], gpu: GpuInfo | None, cpu_threads: int) -> dict[str, str]:
+    """The environment of one worker: pinned to one GPU (or none) before it imports torch."""
+    env = dict(base)
+    # NVML numbers GPUs in PCI bus order; make CUDA agree so index N is the same card in both.
+    env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    if gpu is None:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        env["CHUNKQ_DEVICE"] = "cpu"
+        env.pop("CHUNKQ_GPU", None)
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = gpu.uuid or str(gpu.index)
+        env["CHUNKQ_DEVICE"] = "cuda"
+        env["CHUNKQ_GPU"] = str(gpu.index)
+        env.setdefault("PYTORCH_CUDA_ALLOC_CONF", DEFAULT_ALLOC_CONF)
+    threads = str(max(1, cpu_threads))
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        env.setdefault(var, threads)
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Per-worker download/loading bars would interleave in the pool's log.
+    env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    return env
+
+
+def cpu_threads_per_worker(workers: int) -> int:
+    return max(1, (os.cpu_count() or 1) // max(1, workers))

@@ -1,0 +1,1 @@
+"""Submits corpora, watches runs, assembles and verifies results; home of the ``chunkq`` CLI."""

@@ -1,0 +1,111 @@
+"""Assembly: verify every chunk output and publish one ordered embedding matrix, whole or not at all.
+
+The matrix is written through a memory map one chunk at a time, so memory stays flat in the corpus
+size; the result directory is built under a temporary name and renamed into place only when whole.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jobs.errors import AssemblyError, BadInputError
+from jobs.store import RunLayout, atomic_write_json, file_sha256, read_chunk_input, read_json, verify_output
+from supervisor.manifest import RunManifest, load_manifest
+
+log = logging.getLogger(__name__)
+
+
+def published_result(layout: RunLayout, manifest: RunManifest) -> dict[str, Any] | None:
+    """The published result manifest if one exists for this very run, else None."""
+    path = layout.result / "manifest.json"
+    if not path.is_file():
+        return None
+    result = read_json(path)
+    return result if result.get("fingerprint") == manifest.fingerprint else None
+
+
+def _verify_all(layout: RunLayout, manifest: RunManifest) -> tuple[list[dict[str, Any]], list[str]]:
+    metas, problems = [], []
+    dim: int | None = None
+    for index in range(manifest.chunks):
+        first, rows = manifest.first_row(index), manifest.chunk_rows(index)
+        meta, why = verify_output(layout, index, rows)
+        where = f"chunk {index} (rows {first}-{first + rows - 1})"
+        if meta is None:
+            problems.append(f"{where}: {why}")
+            continue
+        if meta.get("run_id") != manifest.run_id or meta.get("chunk") != index:
+            problems.append(f"{where}: output belongs to run {meta.get('run_id')} chunk {meta.get('chunk')}")
+        dim = dim if dim is not None else int(meta["dim"])
+        if meta["dim"] != dim:
+            problems.append(f"{where}: dimension {meta['dim']}, other chunks have {dim}")
+        metas.append(meta)
+    return metas, problems
+
+
+def _write_result(layout: RunLayout, manifest: RunManifest, tmp: Path, dim: int) -> dict[str, Any]:
+    matrix = np.lib.format.open_memmap(
+        tmp / "embeddings.npy", mode="w+", dtype=np.float32, shape=(manifest.rows, dim)
+    )
+    with open(tmp / "ids.jsonl", "w", encoding="utf-8") as ids_out:
+        for index in range(manifest.chunks):
+            first, rows = manifest.first_row(index), manifest.chunk_rows(index)
+            ids, _ = read_chunk_input(layout, index)
+            if len(ids) != rows:
+                raise BadInputError(f"chunk {index}: input holds {len(ids)} rows, the manifest says {rows}")
+            matrix[first : first + rows] = np.load(
+                layout.output_npy(index), mmap_mode="r", allow_pickle=False
+            )
+            ids_out.writelines(json.dumps(rid, ensure_ascii=False) + "\n" for rid in ids)
+        ids_out.flush()
+        os.fsync(ids_out.fileno())
+    matrix.flush()
+    del matrix
+    return {
+        "embeddings_sha256": file_sha256(tmp / "embeddings.npy"),
+        "ids_sha256": file_sha256(tmp / "ids.jsonl"),
+    }
+
+
+def assemble(layout: RunLayout) -> dict[str, Any]:
+    """Verify every chunk and publish ``result/``; raise AssemblyError naming every problem."""
+    manifest = load_manifest(layout)
+    existing = published_result(layout, manifest)
+    if existing is not None:
+        return existing
+    metas, problems = _verify_all(layout, manifest)
+    if problems:
+        raise AssemblyError(manifest.run_id, problems)
+    dim = int(metas[0]["dim"])
+    tmp = layout.root / f".result.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        digests = _write_result(layout, manifest, tmp, dim)
+        result = {
+            **manifest.data,
+            **digests,
+            "dim": dim,
+            "dtype": "float32",
+            "assembled_at": datetime.now(UTC).isoformat(),
+            "workers": sorted({m["worker"] for m in metas}),
+            "devices": sorted({m["device"] for m in metas}),
+            "encode_seconds": round(sum(float(m["seconds"]) for m in metas), 3),
+        }
+        atomic_write_json(tmp / "manifest.json", result)
+        if layout.result.exists():  # a stale result of an earlier, different run under this id
+            shutil.rmtree(layout.result)
+        os.rename(tmp, layout.result)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("run %s: published %d x %d embeddings in %s", manifest.run_id, manifest.rows, dim, layout.result)
+    return result

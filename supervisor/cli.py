@@ -1,0 +1,330 @@
+"""The ``chunkq`` command line. Every option also reads a ``CHUNKQ_*`` environment variable."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+import redis
+
+from jobs.errors import AssemblyError, BadInputError, ChunkqError, ConfigError, RunConflictError
+from jobs.models import default_model
+from jobs.specs import PRECISIONS, EncodeOptions
+from jobs.store import RunLayout
+from queue_worker import gpus as gpu_discovery
+from queue_worker.pool import Pool, PoolSettings, default_pool_name
+from queue_worker.worker import DEFAULT_QUEUE
+from supervisor.assemble import assemble
+from supervisor.corpus import FORMATS, CorpusOptions, detect_format
+from supervisor.display import ProgressDisplay, describe
+from supervisor.manifest import load_manifest
+from supervisor.progress import Tracker
+from supervisor.run import RunOutcome, RunRequest, run
+from supervisor.submit import DEFAULT_CHUNK_SIZE, SubmitRequest, submit
+from supervisor.watch import Outcome, failure_report, supervise
+
+log = logging.getLogger("chunkq")
+
+EXIT_OK = 0
+EXIT_CHUNKS_FAILED = 1  # some chunks failed for good; the report names them
+EXIT_USAGE = 2  # click's own code for a bad command line
+EXIT_BAD_INPUT = 3  # the corpus is malformed
+EXIT_CONFLICT = 4  # the run id is taken by another corpus or other options
+EXIT_ASSEMBLY = 5  # chunk outputs missing or corrupt
+EXIT_CONFIG = 6  # settings that cannot work
+EXIT_REDIS = 7  # Redis unreachable
+EXIT_POOL_DIED = 8  # chunkq run: the worker pool ended before the run did
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _exit_code(exc: Exception) -> int:
+    for kind, code in (
+        (AssemblyError, EXIT_ASSEMBLY),
+        (BadInputError, EXIT_BAD_INPUT),
+        (RunConflictError, EXIT_CONFLICT),
+        (redis.RedisError, EXIT_REDIS),
+    ):
+        if isinstance(exc, kind):
+            return code
+    return EXIT_CONFIG
+
+
+def reports_errors(func: F) -> F:
+    """Turn chunkq's own errors into one clear message and a named exit code, without a traceback."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except (ChunkqError, redis.RedisError) as exc:
+            click.echo(f"chunkq: error: {exc}", err=True)
+            sys.exit(_exit_code(exc))
+
+    return wrapper  # type: ignore[return-value]
+
+
+def store_option(func: F) -> F:
+    return click.option(
+        "--store",
+        type=click.Path(path_type=Path),
+        default=Path("chunkq-store"),
+        envvar="CHUNKQ_STORE",
+        show_default=True,
+        help="Store root shared by all hosts.",
+    )(func)
+
+
+def redis_option(required: bool) -> Callable[[F], F]:
+    return click.option(
+        "--redis-url",
+        envvar="CHUNKQ_REDIS_URL",
+        required=required,
+        help="redis:// or rediss:// URL (password or ACL user included).",
+    )
+
+
+def queue_option(func: F) -> F:
+    return click.option("--queue", default=DEFAULT_QUEUE, envvar="CHUNKQ_QUEUE", show_default=True)(func)
+
+
+def submit_options(func: F) -> F:
+    options = [
+        click.argument("corpus", type=click.Path(path_type=Path)),
+        click.option(
+            "--model", envvar="CHUNKQ_MODEL", help="Model name or path (default: the bundled model)."
+        ),
+        click.option("--run-id", help="Default: derived from the corpus checksum and options."),
+        click.option("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE, show_default=True),
+        click.option("--format", "fmt", type=click.Choice(FORMATS), help="Default: from the file suffix."),
+        click.option("--text-field", default="text", show_default=True),
+        click.option("--id-field", default="id", show_default=True),
+        click.option("--batch-size", type=int, default=32, show_default=True),
+        click.option("--normalize/--no-normalize", default=False, show_default=True),
+        click.option("--max-seq-length", type=int, default=None),
+        click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True),
+        click.option(
+            "--job-timeout", type=int, default=None, help="Seconds per chunk (default scales with size)."
+        ),
+        queue_option,
+        store_option,
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def pool_options(func: F) -> F:
+    options = [
+        click.option(
+            "--gpus", default="all", envvar="CHUNKQ_GPUS", show_default=True, help="all, none or 0,2"
+        ),
+        click.option("--workers-per-gpu", type=click.IntRange(1), default=1, show_default=True),
+        click.option(
+            "--cpu-workers",
+            type=click.IntRange(1),
+            default=1,
+            show_default=True,
+            help="Workers when no GPU is used.",
+        ),
+        click.option(
+            "--max-jobs",
+            type=click.IntRange(1),
+            default=20,
+            envvar="CHUNKQ_MAX_JOBS",
+            show_default=True,
+            help="Chunks a worker runs before it exits and a fresh process replaces it.",
+        ),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def _submit_request(corpus: Path, **kw: Any) -> SubmitRequest:
+    fmt = detect_format(corpus, kw["fmt"])
+    return SubmitRequest(
+        corpus=corpus,
+        store=kw["store"].resolve(),
+        model=kw["model"] or default_model(),
+        corpus_options=CorpusOptions(format=fmt, text_field=kw["text_field"], id_field=kw["id_field"]),
+        chunk_size=kw["chunk_size"],
+        encode=EncodeOptions(
+            batch_size=kw["batch_size"],
+            normalize_embeddings=kw["normalize"],
+            max_seq_length=kw["max_seq_length"],
+            precision=kw["precision"],
+        ),
+        run_id=kw["run_id"],
+        queue=kw["queue"],
+        job_timeout=kw["job_timeout"],
+    )
+
+
+def _finish(outcome: Outcome) -> int:
+    """Print the end of a watched run and pick the exit code."""
+    if outcome.failures:
+        click.echo(failure_report(outcome.failures), err=True)
+        return EXIT_CHUNKS_FAILED
+    if outcome.result is None:
+        click.echo(
+            f"run {outcome.snapshot.run_id} stopped before it settled: {describe(outcome.snapshot)}", err=True
+        )
+        return EXIT_CHUNKS_FAILED
+    result = outcome.result
+    click.echo(
+        f"run {result['run_id']}: {result['rows']} x {result['dim']} embeddings, "
+        f"{len(result['workers'])} worker process(es)"
+    )
+    return EXIT_OK
+
+
+@click.group()
+@click.option("--log-level", default="INFO", envvar="CHUNKQ_LOG_LEVEL", show_default=True)
+@click.version_option(package_name="chunkq")
+def cli(log_level: str) -> None:
+    """chunkq: embed large corpora with sentence-transformers; nothing is lost when a process dies."""
+    logging.basicConfig(
+        level=log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+
+@cli.command("submit")
+@submit_options
+@redis_option(required=True)
+@reports_errors
+def submit_cmd(corpus: Path, redis_url: str, **kw: Any) -> None:
+    """Split CORPUS into chunks in the store and enqueue one job per chunk (idempotent)."""
+    result = submit(_submit_request(corpus, **kw), redis.Redis.from_url(redis_url))
+    c = result.counts
+    click.echo(
+        f"{result.run_id}\t{result.rows} rows, {result.chunks} chunks: {result.done} done, "
+        f"{c.in_flight} in flight, {c.enqueued} enqueued, {c.requeued} requeued"
+    )
+
+
+@cli.command("pool")
+@pool_options
+@click.option("--preload", default=None, help="Model each worker loads before its first job.")
+@click.option("--precision", type=click.Choice(PRECISIONS), default="fp32")
+@click.option("--name", default=None, help="Pool name (prefix of its worker names).")
+@queue_option
+@redis_option(required=True)
+@reports_errors
+def pool_cmd(redis_url: str, gpus: str, name: str | None, **kw: Any) -> None:
+    """Run fresh worker processes on this host's GPUs (or CPU) until signalled."""
+    chosen = gpu_discovery.select(gpus, gpu_discovery.discover())
+    if not chosen:
+        log.info("no GPU in use; running %d CPU worker(s)", kw["cpu_workers"])
+    settings = PoolSettings(
+        redis_url=redis_url,
+        queue=kw["queue"],
+        workers_per_gpu=kw["workers_per_gpu"],
+        cpu_workers=kw["cpu_workers"],
+        max_jobs=kw["max_jobs"],
+        preload=kw["preload"],
+        precision=kw["precision"],
+        name=name or default_pool_name(),
+    )
+    sys.exit(Pool(settings, chosen).run())
+
+
+@cli.command("supervise")
+@click.argument("run_id")
+@click.option("--poll", type=float, default=1.0, show_default=True, help="Seconds between looks.")
+@store_option
+@redis_option(required=True)
+@reports_errors
+def supervise_cmd(run_id: str, store: Path, redis_url: str, poll: float) -> None:
+    """Watch RUN_ID with a live progress display; assemble the result when every chunk is done."""
+    with ProgressDisplay() as display:
+        outcome = supervise(redis.Redis.from_url(redis_url), RunLayout(store, run_id), display, poll)
+    sys.exit(_finish(outcome))
+
+
+@cli.command("status")
+@click.argument("run_id")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@store_option
+@redis_option(required=True)
+@reports_errors
+def status_cmd(run_id: str, store: Path, redis_url: str, as_json: bool) -> None:
+    """Print where RUN_ID stands, once."""
+    layout = RunLayout(store, run_id)
+    snap = Tracker(redis.Redis.from_url(redis_url), layout, load_manifest(layout)).poll()
+    if as_json:
+        click.echo(json.dumps(snap.to_json(), indent=2))
+        return
+    click.echo(describe(snap))
+    if snap.failures:
+        click.echo(failure_report(snap.failures))
+    if snap.result_published:
+        click.echo(f"result published in {layout.result}")
+
+
+@cli.command("assemble")
+@click.argument("run_id")
+@store_option
+@reports_errors
+def assemble_cmd(run_id: str, store: Path) -> None:
+    """Verify every chunk output of RUN_ID and publish result/ (whole, or not at all)."""
+    result = assemble(RunLayout(store, run_id))
+    click.echo(f"{RunLayout(store, run_id).result}: {result['rows']} x {result['dim']}")
+
+
+@cli.command("run")
+@submit_options
+@pool_options
+@redis_option(required=False)
+@reports_errors
+def run_cmd(
+    corpus: Path,
+    redis_url: str | None,
+    gpus: str,
+    workers_per_gpu: int,
+    cpu_workers: int,
+    max_jobs: int,
+    **kw: Any,
+) -> None:
+    """Everything on this machine: embedded Redis (unless --redis-url), pool, submit, supervise, assemble."""
+    req = RunRequest(
+        submit=_submit_request(corpus, **kw),
+        redis_url=redis_url,
+        gpus=gpus,
+        workers_per_gpu=workers_per_gpu,
+        cpu_workers=cpu_workers,
+        max_jobs=max_jobs,
+    )
+    if gpus not in ("all", "none", "cpu"):
+        gpu_discovery.select(gpus, gpu_discovery.discover())  # refuse a missing GPU before starting anything
+    with ProgressDisplay() as display:
+        outcome: RunOutcome = run(req, display)
+    layout = RunLayout(req.submit.store, outcome.submitted.run_id)
+    if outcome.outcome is None:
+        click.echo(f"run {outcome.submitted.run_id}: already complete; result in {layout.result}")
+        sys.exit(EXIT_OK)
+    if outcome.pool_died and outcome.outcome.result is None:
+        click.echo(
+            "chunkq: error: the worker pool exited before the run finished; see its log above", err=True
+        )
+        sys.exit(EXIT_POOL_DIED)
+    code = _finish(outcome.outcome)
+    if code == EXIT_OK:
+        click.echo(f"result in {layout.result}")
+    sys.exit(code)
+
+
+def main() -> None:
+    cli(prog_name="chunkq")
+
+
+if __name__ == "__main__":
+    main()
+
+__all__ = ["EXIT_USAGE", "ConfigError", "assemble", "main"]

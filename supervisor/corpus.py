@@ -1,0 +1,176 @@
+"""Streaming corpus readers: JSON Lines, CSV, Parquet and plain text, one (id, text) at a time.
+
+Memory stays flat in the corpus size. Every error names the file and the line (or row). When a
+corpus has no id field, ids are line numbers (row numbers for CSV and Parquet), counted from 1.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jobs.errors import CorpusError
+
+FORMATS = ("jsonl", "csv", "parquet", "txt")
+_SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".parquet": "parquet", ".txt": "txt"}
+
+
+@dataclass(frozen=True)
+class CorpusOptions:
+    """How to read a corpus; part of a run's identity."""
+
+    format: str
+    text_field: str = "text"
+    id_field: str = "id"
+
+
+def detect_format(path: Path, given: str | None = None) -> str:
+    if given:
+        if given not in FORMATS:
+            raise CorpusError(f"{path}: unknown format {given!r}; use one of {', '.join(FORMATS)}")
+        return given
+    fmt = _SUFFIXES.get(path.suffix.lower())
+    if fmt is None:
+        raise CorpusError(
+            f"{path}: cannot tell the format from the suffix {path.suffix!r}; "
+            f"pass --format ({', '.join(FORMATS)})"
+        )
+    return fmt
+
+
+def check_readable(path: Path) -> None:
+    if not path.exists():
+        raise CorpusError(f"{path}: no such file")
+    if path.is_dir():
+        raise CorpusError(f"{path}: is a directory, not a corpus file")
+    try:
+        with open(path, "rb") as fh:
+            fh.read(1)
+    except OSError as exc:
+        raise CorpusError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+
+
+class _IdPolicy:
+    """Ids from the id field if the first record has one (then every record needs it), else row numbers."""
+
+    def __init__(self, path: Path, field: str) -> None:
+        self.path, self.field = path, field
+        self.from_field: bool | None = None
+
+    def pick(self, record: dict[str, Any], where: str, number: int) -> str:
+        present = self.field in record and record[self.field] is not None
+        if self.from_field is None:
+            self.from_field = present
+        if not self.from_field:
+            return str(number)
+        if not present:
+            raise CorpusError(f"{where}: missing id field {self.field!r} (earlier records have one)")
+        value = record[self.field]
+        if isinstance(value, bool) or not isinstance(value, str | int):
+            raise CorpusError(
+                f"{where}: id {self.field!r} is {type(value).__name__}, expected a string or integer"
+            )
+        return str(value)
+
+
+def _text_of(record: dict[str, Any], field: str, where: str) -> str:
+    if field not in record:
+        raise CorpusError(f"{where}: missing text field {field!r}")
+    text = record[field]
+    if not isinstance(text, str):
+        kind = "null" if text is None else type(text).__name__
+        raise CorpusError(f"{where}: text field {field!r} is {kind}, not a string")
+    return text
+
+
+def _lines(path: Path) -> Iterator[tuple[int, str]]:
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            try:
+                yield lineno, raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise CorpusError(
+                    f"{path}:{lineno}: not valid UTF-8 ({exc.reason} at byte {exc.start})"
+                ) from None
+
+
+def _read_jsonl(path: Path, opts: CorpusOptions) -> Iterator[tuple[str, str]]:
+    ids = _IdPolicy(path, opts.id_field)
+    for lineno, line in _lines(path):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise CorpusError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+        if not isinstance(record, dict):
+            raise CorpusError(f"{where}: expected a JSON object, got {type(record).__name__}")
+        yield ids.pick(record, where, lineno), _text_of(record, opts.text_field, where)
+
+
+def _read_txt(path: Path, opts: CorpusOptions) -> Iterator[tuple[str, str]]:
+    for lineno, line in _lines(path):
+        text = line.rstrip("\r\n")
+        if text.strip():
+            yield str(lineno), text
+
+
+def _read_csv(path: Path, opts: CorpusOptions) -> Iterator[tuple[str, str]]:
+    ids = _IdPolicy(path, opts.id_field)
+    try:
+        with open(path, encoding="utf-8", newline="") as fh:
+            reader = csv.DictReader(fh)
+            header = reader.fieldnames or []
+            if opts.text_field not in header:
+                raise CorpusError(
+                    f"{path}:1: header has no column {opts.text_field!r} (columns: {', '.join(header)})"
+                )
+            for number, row in enumerate(reader, 1):
+                where = f"{path}:{reader.line_num}"
+                if None in row or any(value is None for value in row.values()):
+                    raise CorpusError(
+                        f"{where}: row has {len(header)} columns expected, found a different number"
+                    )
+                yield ids.pick(row, where, number), row[opts.text_field]
+    except UnicodeDecodeError as exc:
+        raise CorpusError(f"{path}: not valid UTF-8 ({exc.reason})") from None
+    except csv.Error as exc:
+        raise CorpusError(f"{path}: malformed CSV: {exc}") from None
+
+
+def _read_parquet(path: Path, opts: CorpusOptions) -> Iterator[tuple[str, str]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        pfile = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise CorpusError(f"{path}: not a readable Parquet file: {exc}") from None
+    schema = pfile.schema_arrow
+    if opts.text_field not in schema.names:
+        raise CorpusError(f"{path}: no column {opts.text_field!r} (columns: {', '.join(schema.names)})")
+    text_type = schema.field(opts.text_field).type
+    if not (pa.types.is_string(text_type) or pa.types.is_large_string(text_type)):
+        raise CorpusError(f"{path}: column {opts.text_field!r} has type {text_type}, expected string")
+    columns = [opts.text_field] + ([opts.id_field] if opts.id_field in schema.names else [])
+    ids = _IdPolicy(path, opts.id_field)
+    number = 0
+    for batch in pfile.iter_batches(batch_size=4096, columns=columns):
+        for record in batch.to_pylist():
+            number += 1
+            where = f"{path}: row {number}"
+            yield ids.pick(record, where, number), _text_of(record, opts.text_field, where)
+
+
+_READERS = {"jsonl": _read_jsonl, "csv": _read_csv, "parquet": _read_parquet, "txt": _read_txt}
+
+
+def read_corpus(path: Path, opts: CorpusOptions) -> Iterator[tuple[str, str]]:
+    """Yield (id, text) in corpus order; raise CorpusError naming the file and line on bad input."""
+    check_readable(path)
+    return _READERS[opts.format](path, opts)

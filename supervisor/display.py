@@ -1,0 +1,87 @@
+"""Progress display: a live rich bar on a terminal, plain log lines anywhere else."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from types import TracebackType
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+
+from supervisor.progress import Snapshot
+
+log = logging.getLogger(__name__)
+
+PLAIN_EVERY_SECONDS = 5.0
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    seconds = int(seconds)
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+
+
+def describe(snap: Snapshot) -> str:
+    """One line: chunks and rows done, rows/s, ETA, failures."""
+    rate = f"{snap.rows_per_second:,.0f} rows/s" if snap.rows_per_second else "- rows/s"
+    return (
+        f"run {snap.run_id}: chunks {snap.chunks_done}/{snap.chunks} done, {snap.chunks_running} running, "
+        f"{snap.chunks_queued} queued, {snap.chunks_failed} failed; rows {snap.rows_done:,}/{snap.rows:,}; "
+        f"{rate}; ETA {_duration(snap.eta_seconds)}"
+    )
+
+
+class ProgressDisplay:
+    """``update()`` with each snapshot; a context manager so the live bar is always closed."""
+
+    def __init__(self, live: bool | None = None) -> None:
+        self.live = sys.stderr.isatty() if live is None else live
+        self._last_plain = 0.0
+        self._last_line = ""
+        self._progress: Progress | None = None
+        self._task: TaskID | None = None
+
+    def __enter__(self) -> ProgressDisplay:
+        if self.live:
+            self._progress = Progress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn(
+                    "rows {task.fields[rows]}  {task.fields[rate]}  ETA {task.fields[eta]}  "
+                    "[red]{task.fields[failed]} failed"
+                ),
+                TimeElapsedColumn(),
+                console=Console(stderr=True),
+            )
+            self._progress.start()
+        return self
+
+    def update(self, snap: Snapshot) -> None:
+        if self._progress is not None:
+            if self._task is None:
+                self._task = self._progress.add_task(f"run {snap.run_id}", total=snap.chunks)
+            self._progress.update(
+                self._task,
+                completed=snap.chunks_done,
+                rows=f"{snap.rows_done:,}/{snap.rows:,}",
+                rate=f"{snap.rows_per_second:,.0f}/s" if snap.rows_per_second else "-/s",
+                eta=_duration(snap.eta_seconds),
+                failed=snap.chunks_failed,
+            )
+            return
+        line = describe(snap)
+        now = time.monotonic()
+        if snap.settled or (line != self._last_line and now - self._last_plain >= PLAIN_EVERY_SECONDS):
+            log.info("%s", line)
+            self._last_plain, self._last_line = now, line
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._progress is not None:
+            self._progress.stop()

@@ -1,0 +1,97 @@
+"""Enqueue chunk jobs idempotently: a chunk that is done or in flight is never queued twice."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from itertools import islice
+
+import redis
+from rq import Queue, Retry
+from rq.job import Job
+from rq.queue import EnqueueData
+from rq.registry import FailedJobRegistry
+from rq.serializers import JSONSerializer
+
+from jobs.allowlist import EMBED_CHUNK, AllowListedJob
+from jobs.specs import chunk_job_id
+from jobs.store import RunLayout
+from supervisor.manifest import RunManifest
+
+log = logging.getLogger(__name__)
+
+BATCH = 1000
+RESULT_TTL = 7 * 24 * 3600  # results are tiny JSON; keep them as long as a run may take
+FAILURE_TTL = 30 * 24 * 3600
+IN_FLIGHT = {"queued", "started", "deferred", "scheduled"}
+RQ_RETRIES = 2  # RQ's own immediate retries; the supervisor's back-off policy is issue 3's work
+
+
+@dataclass
+class EnqueueCounts:
+    enqueued: int = 0
+    requeued: int = 0
+    in_flight: int = 0
+
+
+def chunk_queue(connection: redis.Redis, name: str) -> Queue:
+    return Queue(name, connection=connection, serializer=JSONSerializer, job_class=AllowListedJob)
+
+
+def _batches(items: Iterable[int], size: int) -> Iterator[list[int]]:
+    it = iter(items)
+    while batch := list(islice(it, size)):
+        yield batch
+
+
+def job_statuses(connection: redis.Redis, job_ids: list[str]) -> list[str | None]:
+    """Each job's status straight from its hash, in one round trip (None where the job is gone)."""
+    with connection.pipeline(transaction=False) as pipe:
+        for job_id in job_ids:
+            pipe.hget(Job.key_for(job_id), "status")
+        raw = pipe.execute()
+    return [value.decode() if isinstance(value, bytes) else value for value in raw]
+
+
+def enqueue_chunks(
+    connection: redis.Redis, layout: RunLayout, manifest: RunManifest, indices: Iterable[int]
+) -> EnqueueCounts:
+    """Queue each chunk in ``indices`` unless its job is already queued or running."""
+    queue = chunk_queue(connection, manifest.queue)
+    failed = FailedJobRegistry(queue=queue)
+    counts = EnqueueCounts()
+    for batch in _batches(indices, BATCH):
+        ids = [chunk_job_id(manifest.run_id, i) for i in batch]
+        fresh = []
+        for index, job_id, status in zip(batch, ids, job_statuses(connection, ids), strict=True):
+            if status in IN_FLIGHT:
+                counts.in_flight += 1
+            elif status == "failed":
+                failed.requeue(job_id)
+                counts.requeued += 1
+            else:
+                if status is not None:  # finished, stopped or canceled, yet its output is not in the store
+                    Job(job_id, connection=connection, serializer=JSONSerializer).delete()
+                fresh.append(_job_data(layout, manifest, index, job_id))
+        if fresh:
+            with connection.pipeline() as pipe:
+                queue.enqueue_many(fresh, pipeline=pipe)
+                pipe.execute()
+            counts.enqueued += len(fresh)
+    return counts
+
+
+def _job_data(layout: RunLayout, manifest: RunManifest, index: int, job_id: str) -> EnqueueData:
+    spec = manifest.chunk_spec(layout.store, index)
+    return Queue.prepare_data(
+        EMBED_CHUNK,
+        args=(spec.to_dict(),),
+        job_id=job_id,
+        timeout=manifest.job_timeout,
+        result_ttl=RESULT_TTL,
+        failure_ttl=FAILURE_TTL,
+        description=f"chunkq run {manifest.run_id} chunk {index} ({spec.rows} rows)",
+        meta={"run_id": manifest.run_id, "chunk": index, "rows": spec.rows, "first_row": spec.first_row},
+        retry=Retry(max=RQ_RETRIES),
+    )

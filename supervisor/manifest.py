@@ -1,0 +1,69 @@
+"""The run manifest: what a run is (corpus, options, chunking) and the arithmetic of its chunks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jobs.errors import StoreError
+from jobs.specs import ChunkSpec, EncodeOptions
+from jobs.store import RunLayout, read_json
+
+
+@dataclass(frozen=True)
+class RunManifest:
+    """A parsed ``runs/<run>/manifest.json``; chunk sizes are derived, not listed, so it stays small."""
+
+    data: dict[str, Any]
+
+    @property
+    def run_id(self) -> str:
+        return str(self.data["run_id"])
+
+    @property
+    def rows(self) -> int:
+        return int(self.data["rows"])
+
+    @property
+    def chunk_size(self) -> int:
+        return int(self.data["chunk_size"])
+
+    @property
+    def chunks(self) -> int:
+        return int(self.data["chunks"])
+
+    @property
+    def fingerprint(self) -> str:
+        return str(self.data["fingerprint"])
+
+    @property
+    def queue(self) -> str:
+        return str(self.data["queue"])
+
+    @property
+    def job_timeout(self) -> int:
+        return int(self.data["job_timeout"])
+
+    def first_row(self, index: int) -> int:
+        return index * self.chunk_size
+
+    def chunk_rows(self, index: int) -> int:
+        return min(self.chunk_size, self.rows - self.first_row(index))
+
+    def chunk_spec(self, store: Path, index: int) -> ChunkSpec:
+        return ChunkSpec(
+            run_id=self.run_id,
+            index=index,
+            first_row=self.first_row(index),
+            rows=self.chunk_rows(index),
+            model=str(self.data["model"]),
+            store=str(store),
+            options=EncodeOptions.from_dict(self.data["options"]),
+        )
+
+
+def load_manifest(layout: RunLayout) -> RunManifest:
+    if not layout.manifest.is_file():
+        raise StoreError(f"run {layout.run_id} not found in store {layout.store} (no {layout.manifest.name})")
+    return RunManifest(read_json(layout.manifest))

@@ -1,0 +1,121 @@
+"""``chunkq run``: everything on one machine — embedded Redis, pool, submit, supervise, assemble."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from types import TracebackType
+
+import redis
+
+from jobs.store import RunLayout
+from queue_worker.pool import die_with_parent
+from supervisor.assemble import published_result
+from supervisor.display import ProgressDisplay
+from supervisor.embedded_redis import EmbeddedRedis
+from supervisor.manifest import load_manifest
+from supervisor.submit import SubmitRequest, SubmitResult, submit
+from supervisor.watch import Outcome, supervise
+
+log = logging.getLogger(__name__)
+
+POOL_STOP_SECONDS = 120.0  # workers finish the chunk in hand; after assembly they are idle
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    submit: SubmitRequest
+    redis_url: str | None = None
+    gpus: str = "all"
+    workers_per_gpu: int = 1
+    cpu_workers: int = 1
+    max_jobs: int | None = None
+    poll_seconds: float = 1.0
+
+
+@dataclass
+class RunOutcome:
+    submitted: SubmitResult
+    outcome: Outcome | None  # None when the result was already published
+    pool_died: bool = False
+
+
+class PoolProcess:
+    """``chunkq pool`` as a child process, stopped (drained) on exit and never left behind."""
+
+    def __init__(self, req: RunRequest, redis_url: str) -> None:
+        sub = req.submit
+        self.cmd = [
+            sys.executable,
+            "-m",
+            "supervisor.cli",
+            "pool",
+            "--gpus",
+            req.gpus,
+            "--queue",
+            sub.queue,
+            "--workers-per-gpu",
+            str(req.workers_per_gpu),
+            "--cpu-workers",
+            str(req.cpu_workers),
+            "--preload",
+            sub.model,
+            "--precision",
+            sub.encode.precision,
+        ]
+        if req.max_jobs is not None:
+            self.cmd += ["--max-jobs", str(req.max_jobs)]
+        self.env = dict(os.environ, CHUNKQ_REDIS_URL=redis_url)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def __enter__(self) -> PoolProcess:
+        self.proc = subprocess.Popen(self.cmd, env=self.env, preexec_fn=die_with_parent)
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=POOL_STOP_SECONDS)
+            except subprocess.TimeoutExpired:
+                self.proc.send_signal(signal.SIGTERM)  # the second signal: stop now
+                try:
+                    self.proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+
+
+def _always() -> bool:
+    return True
+
+
+def run(req: RunRequest, display: ProgressDisplay) -> RunOutcome:
+    """Submit, work and assemble on this machine; resumable from whatever the store already holds."""
+    store = req.submit.store
+    with contextlib.ExitStack() as stack:
+        url = req.redis_url or stack.enter_context(EmbeddedRedis(store / "redis")).url
+        connection = redis.Redis.from_url(url)
+        submitted = submit(req.submit, connection)
+        layout = RunLayout(store, submitted.run_id)
+        if published_result(layout, load_manifest(layout)) is not None:
+            log.info("run %s: result already published in %s", submitted.run_id, layout.result)
+            return RunOutcome(submitted, None)
+        keep_going = _always
+        if submitted.done < submitted.chunks:
+            pool = stack.enter_context(PoolProcess(req, url))
+            keep_going = pool.alive
+        outcome = supervise(connection, layout, display, req.poll_seconds, keep_going)
+        return RunOutcome(submitted, outcome, pool_died=not keep_going())
