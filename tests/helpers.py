@@ -1,0 +1,85 @@
+"""Shared helpers for the tests: corpora, CLI runs, bounded waits."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+WORDS = (
+    "alpha beta gamma delta river mountain queue worker chunk embed vector model sentence graph cloud rain "
+    "sun tree ocean lantern copper violet harbor meadow engine signal archive orbit"
+).split()
+
+
+def make_texts(n: int, seed: int = 0) -> tuple[list[str], list[str]]:
+    """``n`` (ids, texts) of varied lengths, deterministic per seed."""
+    rng = random.Random(seed)
+    texts = [" ".join(rng.choices(WORDS, k=rng.randint(2, 60))) for _ in range(n)]
+    ids = [f"doc-{seed}-{i}" for i in range(n)]
+    return ids, texts
+
+
+def write_corpus(path: Path, ids: list[str], texts: list[str], fmt: str) -> Path:
+    if fmt == "jsonl":
+        with open(path, "w", encoding="utf-8") as fh:
+            for rid, text in zip(ids, texts, strict=True):
+                fh.write(json.dumps({"id": rid, "text": text}) + "\n")
+    elif fmt == "csv":
+        with open(path, "w", encoding="utf-8", newline="") as fh:
+            writer = csv.writer(fh)
+            writer.writerow(["id", "text"])
+            writer.writerows(zip(ids, texts, strict=True))
+    elif fmt == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({"id": ids, "text": texts}), path, row_group_size=17)
+    elif fmt == "txt":
+        path.write_text("".join(t + "\n" for t in texts), encoding="utf-8")
+    else:
+        raise ValueError(fmt)
+    return path
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env.pop("CHUNKQ_REDIS_URL", None)
+    env.update(extra)
+    return env
+
+
+def run_cli(
+    *args: str, cwd: Path | None = None, timeout: float = 240, **env: str
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "supervisor.cli", *args],
+        cwd=cwd,
+        env=cli_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, what: str, interval: float = 0.05) -> None:
+    """Wait until ``predicate()`` holds, failing the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+def max_abs_diff(a: np.ndarray, b: np.ndarray) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64))))

@@ -1,0 +1,87 @@
+"""Assembly: a verified, ordered result published whole, or a clear error naming every problem."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import redis
+
+from jobs.embed import embed_chunk
+from jobs.errors import AssemblyError
+from jobs.models import BUNDLED_MODEL
+from jobs.store import RunLayout
+from supervisor.assemble import assemble
+from supervisor.corpus import CorpusOptions
+from supervisor.manifest import load_manifest
+from supervisor.submit import SubmitRequest, submit
+from tests.helpers import make_texts, max_abs_diff, run_cli, write_corpus
+
+
+@pytest.fixture
+def encoded_run(
+    tmp_path: Path, store: Path, connection: redis.Redis
+) -> tuple[RunLayout, list[str], list[str]]:
+    """A submitted run whose chunks were all encoded in-process by the real job function."""
+    ids, texts = make_texts(47, seed=4)
+    corpus = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")
+    result = submit(
+        SubmitRequest(corpus, store, BUNDLED_MODEL, CorpusOptions("jsonl"), chunk_size=10), connection
+    )
+    layout = RunLayout(store, result.run_id)
+    manifest = load_manifest(layout)
+    for index in range(manifest.chunks):
+        embed_chunk(manifest.chunk_spec(store, index).to_dict())
+    return layout, ids, texts
+
+
+def _reencode(layout: RunLayout, *indices: int) -> None:
+    manifest = load_manifest(layout)
+    for index in indices:
+        embed_chunk(manifest.chunk_spec(layout.store, index).to_dict())
+
+
+def test_result_is_ordered_and_equals_plain_encode(encoded_run: Any, reference_model: Any) -> None:
+    layout, ids, texts = encoded_run
+    result = assemble(layout)
+    matrix = np.load(layout.result / "embeddings.npy")
+    assert matrix.shape == (47, 384) and matrix.dtype == np.float32
+    assert max_abs_diff(matrix, reference_model.encode(texts)) <= 1e-5
+    lines = (layout.result / "ids.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == ids
+    assert result["rows"] == 47 and result["dim"] == 384 and len(result["embeddings_sha256"]) == 64
+    assert sorted(p.name for p in layout.result.iterdir()) == ["embeddings.npy", "ids.jsonl", "manifest.json"]
+    assert not list(layout.root.glob(".result.tmp-*"))
+    assert assemble(layout) == result  # assembling again returns the published result
+
+
+def test_missing_and_corrupt_chunks_are_all_named(encoded_run: Any) -> None:
+    layout, _, _ = encoded_run
+    layout.output_npy(1).unlink()
+    layout.output_meta(3).unlink()
+    npy = layout.output_npy(4)
+    raw = bytearray(npy.read_bytes())
+    raw[200] ^= 0x01
+    npy.write_bytes(bytes(raw))
+    with pytest.raises(AssemblyError) as caught:
+        assemble(layout)
+    assert caught.value.problems == [
+        "chunk 1 (rows 10-19): 000001.npy missing",
+        "chunk 3 (rows 30-39): output metadata missing",
+        "chunk 4 (rows 40-46): 000004.npy checksum does not match its metadata",
+    ]
+    assert not layout.result.exists()
+    _reencode(layout, 1, 3, 4)
+    assert assemble(layout)["rows"] == 47
+
+
+def test_cli_assemble_fails_with_named_chunk_and_exit_code(encoded_run: Any) -> None:
+    layout, _, _ = encoded_run
+    layout.output_npy(2).write_bytes(b"\x93NUMPY garbage")
+    result = run_cli("assemble", layout.run_id, "--store", str(layout.store))
+    assert result.returncode == 5
+    assert "chunk 2 (rows 20-29): 000002.npy checksum does not match" in result.stderr
+    assert not layout.result.exists()

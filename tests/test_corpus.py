@@ -1,0 +1,110 @@
+"""Corpus readers: every format yields the same rows; bad input names the file and line."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from jobs.errors import CorpusError
+from supervisor.corpus import CorpusOptions, check_readable, detect_format, read_corpus
+from tests.helpers import make_texts, write_corpus
+
+
+def _read(path: Path, fmt: str | None = None, **kw: str) -> list[tuple[str, str]]:
+    return list(read_corpus(path, CorpusOptions(format=detect_format(path, fmt), **kw)))
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "csv", "parquet"])
+def test_formats_with_ids_read_identically(tmp_path: Path, fmt: str) -> None:
+    ids, texts = make_texts(50, seed=3)
+    texts[5] = 'comma, "quote" and\nnewline'
+    rows = _read(write_corpus(tmp_path / f"c.{fmt}", ids, texts, fmt))
+    assert rows == list(zip(ids, texts, strict=True))
+
+
+def test_txt_ids_are_line_numbers_and_blank_lines_are_skipped(tmp_path: Path) -> None:
+    path = tmp_path / "c.txt"
+    path.write_text("first\n\nthird\r\nfourth\n", encoding="utf-8")
+    assert _read(path) == [("1", "first"), ("3", "third"), ("4", "fourth")]
+
+
+def test_jsonl_without_id_field_uses_line_numbers(tmp_path: Path) -> None:
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"text": "a"}\n\n{"text": "b"}\n', encoding="utf-8")
+    assert _read(path) == [("1", "a"), ("3", "b")]
+
+
+def test_custom_fields(tmp_path: Path) -> None:
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"key": 7, "body": "x"}\n', encoding="utf-8")
+    assert _read(path, text_field="body", id_field="key") == [("7", "x")]
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ('{"id": 1, "text": "ok"}\n{"id": 2, "text": \n', "c.jsonl:2: invalid JSON"),
+        ('{"id": 1, "text": "ok"}\n{"id": 2}\n', "c.jsonl:2: missing text field 'text'"),
+        ('{"id": 1, "text": 5}\n', "c.jsonl:1: text field 'text' is int, not a string"),
+        ('{"id": 1, "text": null}\n', "c.jsonl:1: text field 'text' is null"),
+        ('["a list"]\n', "c.jsonl:1: expected a JSON object, got list"),
+        ('{"id": 1, "text": "a"}\n{"text": "b"}\n', "c.jsonl:2: missing id field 'id'"),
+        ('{"id": [1], "text": "a"}\n', "c.jsonl:1: id 'id' is list"),
+    ],
+)
+def test_jsonl_errors_name_file_and_line(tmp_path: Path, content: str, message: str) -> None:
+    path = tmp_path / "c.jsonl"
+    path.write_text(content, encoding="utf-8")
+    with pytest.raises(CorpusError, match=message.replace("[", r"\[").replace("(", r"\(")):
+        _read(path)
+
+
+def test_non_utf8_names_line(tmp_path: Path) -> None:
+    path = tmp_path / "c.txt"
+    path.write_bytes(b"fine\nbad \xff byte\n")
+    with pytest.raises(CorpusError, match=r"c.txt:2: not valid UTF-8"):
+        _read(path)
+
+
+def test_csv_missing_column_and_ragged_rows(tmp_path: Path) -> None:
+    path = tmp_path / "c.csv"
+    path.write_text("id,body\n1,x\n", encoding="utf-8")
+    with pytest.raises(CorpusError, match=r"c.csv:1: header has no column 'text'"):
+        _read(path)
+    path.write_text("id,text\n1,x\n2\n", encoding="utf-8")
+    with pytest.raises(CorpusError, match=r"c.csv:3: row has 2 columns"):
+        _read(path)
+
+
+def test_parquet_wrong_column_type(tmp_path: Path) -> None:
+    path = tmp_path / "c.parquet"
+    pq.write_table(pa.table({"id": ["a"], "text": [1]}), path)
+    with pytest.raises(CorpusError, match=r"column 'text' has type int64, expected string"):
+        _read(path)
+
+
+def test_missing_file_directory_and_unknown_suffix(tmp_path: Path) -> None:
+    with pytest.raises(CorpusError, match="no such file"):
+        _read(tmp_path / "absent.jsonl")
+    (tmp_path / "dir.jsonl").mkdir()
+    with pytest.raises(CorpusError, match="is a directory"):
+        _read(tmp_path / "dir.jsonl")
+    with pytest.raises(CorpusError, match="pass --format"):
+        detect_format(tmp_path / "c.dat")
+
+
+def test_unreadable_file(tmp_path: Path) -> None:
+    if os.geteuid() == 0:
+        # root reads any file whatever its mode; /proc/self/mem fails to read at offset 0 for everyone.
+        path = Path("/proc/self/mem")
+    else:
+        path = tmp_path / "c.jsonl"
+        path.write_text(json.dumps({"text": "a"}) + "\n")
+        path.chmod(0)
+    with pytest.raises(CorpusError, match="cannot read"):
+        check_readable(path)

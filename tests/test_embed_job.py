@@ -1,0 +1,93 @@
+"""The embed job as a plain function: real model, real store, no queue."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from jobs.embed import embed_chunk
+from jobs.errors import BadInputError, ConfigError
+from jobs.models import BUNDLED_MODEL
+from jobs.specs import ChunkSpec, EncodeOptions
+from jobs.store import RunLayout, verify_output, write_chunk_input
+from tests.helpers import make_texts, max_abs_diff
+
+
+def _chunk(store: Path, rows: int = 20, **options: Any) -> tuple[ChunkSpec, list[str]]:
+    ids, texts = make_texts(rows, seed=11)
+    layout = RunLayout(store, "job-test")
+    write_chunk_input(layout, 0, list(zip(ids, texts, strict=True)))
+    spec = ChunkSpec("job-test", 0, 0, rows, BUNDLED_MODEL, str(store), EncodeOptions(**options))
+    return spec, texts
+
+
+def test_output_equals_plain_encode(store: Path, reference_model: Any) -> None:
+    spec, texts = _chunk(store)
+    meta = embed_chunk(spec.to_dict())
+    layout = RunLayout(store, spec.run_id)
+    got = np.load(layout.output_npy(0))
+    assert got.dtype == np.float32 and got.shape == (20, 384)
+    assert max_abs_diff(got, reference_model.encode(texts)) <= 1e-5
+    assert meta["skipped"] is False
+    assert {
+        "rows",
+        "dim",
+        "dtype",
+        "sha256",
+        "worker",
+        "host",
+        "device",
+        "seconds",
+        "batch_size",
+    } <= meta.keys()
+    assert meta["rows"] == 20 and meta["device"] == "cpu" and meta["batch_size"] == 32
+    assert verify_output(layout, 0, 20)[0] is not None
+
+
+def test_options_normalize_and_max_seq_length(store: Path, reference_model: Any) -> None:
+    spec, texts = _chunk(store, normalize_embeddings=True, max_seq_length=8, batch_size=4)
+    embed_chunk(spec.to_dict())
+    got = np.load(RunLayout(store, spec.run_id).output_npy(0))
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+    reference_model.max_seq_length = 8
+    try:
+        want = reference_model.encode(texts, normalize_embeddings=True, batch_size=4)
+    finally:
+        reference_model.max_seq_length = 256
+    assert max_abs_diff(got, want) <= 1e-5
+
+
+def test_valid_output_is_not_encoded_again(store: Path) -> None:
+    spec, _ = _chunk(store)
+    first = embed_chunk(spec.to_dict())
+    npy = RunLayout(store, spec.run_id).output_npy(0)
+    mtime = npy.stat().st_mtime_ns
+    again = embed_chunk(spec.to_dict())
+    assert again["skipped"] is True and again["sha256"] == first["sha256"]
+    assert npy.stat().st_mtime_ns == mtime
+
+
+def test_corrupt_output_is_encoded_again(store: Path) -> None:
+    spec, _ = _chunk(store)
+    first = embed_chunk(spec.to_dict())
+    npy = RunLayout(store, spec.run_id).output_npy(0)
+    npy.write_bytes(npy.read_bytes()[:-8])
+    again = embed_chunk(spec.to_dict())
+    assert again["skipped"] is False and again["sha256"] == first["sha256"]
+
+
+def test_row_count_mismatch_is_bad_input(store: Path) -> None:
+    spec, _ = _chunk(store)
+    wrong = ChunkSpec(spec.run_id, 0, 0, 21, spec.model, spec.store)
+    with pytest.raises(BadInputError, match="input holds 20 rows, the spec says 21"):
+        embed_chunk(wrong.to_dict())
+    assert not RunLayout(store, spec.run_id).output_meta(0).exists()
+
+
+def test_half_precision_is_refused_on_cpu(store: Path) -> None:
+    spec, _ = _chunk(store, precision="fp16")
+    with pytest.raises(ConfigError, match="fp16 needs a GPU"):
+        embed_chunk(spec.to_dict())

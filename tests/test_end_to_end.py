@@ -1,0 +1,114 @@
+"""The CLI end to end as subprocesses: real Valkey, real pool, real model, verified result."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from jobs.store import RunLayout, read_json
+from tests.helpers import cli_env, make_texts, max_abs_diff, run_cli, write_corpus
+
+
+def _only_run(store: Path) -> RunLayout:
+    (run_dir,) = (store / "runs").iterdir()
+    return RunLayout(store, run_dir.name)
+
+
+def _check_result(
+    layout: RunLayout, ids: list[str], texts: list[str], reference_model: Any
+) -> dict[str, Any]:
+    matrix = np.load(layout.result / "embeddings.npy")
+    assert max_abs_diff(matrix, reference_model.encode(texts)) <= 1e-5
+    assert [json.loads(line) for line in (layout.result / "ids.jsonl").read_text().splitlines()] == ids
+    result: dict[str, Any] = read_json(layout.result / "manifest.json")
+    return result
+
+
+def test_run_matches_plain_encode_and_reruns_from_the_store(tmp_path: Path, reference_model: Any) -> None:
+    ids, texts = make_texts(300, seed=1)
+    corpus = write_corpus(tmp_path / "corpus.jsonl", ids, texts, "jsonl")
+    store = tmp_path / "store"
+    first = run_cli("run", str(corpus), "--chunk-size", "25", "--max-jobs", "2", "--store", str(store))
+    assert first.returncode == 0, first.stderr[-3000:]
+    layout = _only_run(store)
+    result = _check_result(layout, ids, texts, reference_model)
+    metas = [read_json(layout.output_meta(i)) for i in range(12)]
+    pids = {m["pid"] for m in metas}
+    assert len(pids) == 6, pids  # 12 chunks, 2 per worker process: six fresh processes
+    assert len(result["workers"]) == 6 and result["devices"] == ["cpu"]
+    assert "ran its max jobs (recycle); starting a fresh one" in first.stderr
+    assert (store / "redis" / "appendonlydir").is_dir()  # the embedded server persisted the queue
+
+    stamps = {p.name: p.stat().st_mtime_ns for p in layout.outputs.iterdir()}
+    again = run_cli("run", str(corpus), "--chunk-size", "25", "--max-jobs", "2", "--store", str(store))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "already complete" in again.stdout
+    assert "started worker" not in again.stderr  # nothing to do, so no pool was started
+    assert {p.name: p.stat().st_mtime_ns for p in layout.outputs.iterdir()} == stamps
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet", "txt"])
+def test_every_input_format(tmp_path: Path, fmt: str, reference_model: Any) -> None:
+    ids, texts = make_texts(45, seed=9)
+    corpus = write_corpus(tmp_path / f"corpus.{fmt}", ids, texts, fmt)
+    store = tmp_path / "store"
+    done = run_cli("run", str(corpus), "--chunk-size", "20", "--max-jobs", "2", "--store", str(store))
+    assert done.returncode == 0, done.stderr[-3000:]
+    want_ids = [str(i) for i in range(1, 46)] if fmt == "txt" else ids  # plain text: ids are line numbers
+    _check_result(_only_run(store), want_ids, texts, reference_model)
+
+
+def test_submit_pool_supervise_status_on_a_shared_redis(
+    tmp_path: Path, redis_url: str, reference_model: Any
+) -> None:
+    ids, texts = make_texts(40, seed=2)
+    corpus = write_corpus(tmp_path / "corpus.jsonl", ids, texts, "jsonl")
+    store = str(tmp_path / "store")
+    env = {"CHUNKQ_REDIS_URL": redis_url, "CHUNKQ_STORE": store, "CHUNKQ_QUEUE": "e2e"}
+    submitted = run_cli("submit", str(corpus), "--chunk-size", "10", "--run-id", "shared-run", **env)
+    assert submitted.returncode == 0, submitted.stderr
+    assert submitted.stdout.startswith("shared-run\t40 rows, 4 chunks: 0 done, 0 in flight, 4 enqueued")
+    before = json.loads(run_cli("status", "shared-run", "--json", **env).stdout)
+    assert (before["chunks_done"], before["chunks_queued"], before["settled"]) == (0, 4, False)
+
+    pool = subprocess.Popen(
+        [sys.executable, "-m", "supervisor.cli", "pool", "--gpus", "none", "--max-jobs", "3"],
+        env=cli_env(**env),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        watched = run_cli("supervise", "shared-run", "--poll", "0.2", **env)
+    finally:
+        pool.send_signal(signal.SIGTERM)
+        pool.wait(timeout=120)
+    assert watched.returncode == 0, watched.stderr[-3000:]
+    assert "chunks 4/4 done" in watched.stderr
+    _check_result(RunLayout(store, "shared-run"), ids, texts, reference_model)
+    after = json.loads(run_cli("status", "shared-run", "--json", **env).stdout)
+    assert (after["chunks_done"], after["rows_done"], after["result_published"]) == (4, 40, True)
+    resubmitted = run_cli("submit", str(corpus), "--chunk-size", "10", "--run-id", "shared-run", **env)
+    assert "4 done, 0 in flight, 0 enqueued" in resubmitted.stdout
+
+
+def test_cli_errors_are_clear_with_named_exit_codes(tmp_path: Path, redis_url: str) -> None:
+    corpus = tmp_path / "bad.jsonl"
+    corpus.write_text('{"id": 1, "text": "fine"}\n{"id": 2, "text": 3}\n')
+    env = {"CHUNKQ_REDIS_URL": redis_url, "CHUNKQ_STORE": str(tmp_path / "store")}
+    bad = run_cli("submit", str(corpus), **env)
+    assert bad.returncode == 3
+    assert "bad.jsonl:2: text field 'text' is int, not a string" in bad.stderr
+    assert "Traceback" not in bad.stderr
+    corpus.write_text('{"id": 1, "text": "fine"}\n')
+    assert run_cli("submit", str(corpus), "--run-id", "taken", **env).returncode == 0
+    clash = run_cli("submit", str(corpus), "--run-id", "taken", "--chunk-size", "5", **env)
+    assert clash.returncode == 4 and "run taken already exists" in clash.stderr
+    missing_gpu = run_cli("run", str(corpus), "--gpus", "3", "--store", str(tmp_path / "s2"))
+    assert missing_gpu.returncode == 6 and "GPU 3 does not exist; GPUs present: none" in missing_gpu.stderr

@@ -1,0 +1,42 @@
+"""GPU selection and pinning, through injected device lists (no GPU here)."""
+
+from __future__ import annotations
+
+import pytest
+
+from jobs.errors import ConfigError
+from queue_worker.gpus import GpuInfo, discover, select, worker_environment
+
+GPUS = [GpuInfo(0, "H100", "GPU-aaa", 80 << 30, 70 << 30), GpuInfo(1, "H100", "GPU-bbb", 80 << 30, 79 << 30)]
+
+
+def test_select_all_none_and_lists() -> None:
+    assert select("all", GPUS) == GPUS
+    assert select("none", GPUS) == []
+    assert select("1", GPUS) == [GPUS[1]]
+    assert select("all", []) == []  # no GPU: CPU workers
+
+
+def test_missing_gpu_is_refused_listing_those_present() -> None:
+    with pytest.raises(ConfigError, match=r"GPU 2 does not exist; GPUs present: 0 \(H100\), 1 \(H100\)"):
+        select("0,2", GPUS)
+    with pytest.raises(ConfigError, match="GPUs present: none"):
+        select("0", [])
+    with pytest.raises(ConfigError, match="not a GPU index"):
+        select("first", GPUS)
+
+
+def test_worker_environment_pins_one_gpu_before_torch() -> None:
+    env = worker_environment({"PATH": "/bin"}, GPUS[1], cpu_threads=4)
+    assert env["CUDA_VISIBLE_DEVICES"] == "GPU-bbb" and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert env["CHUNKQ_DEVICE"] == "cuda" and env["CHUNKQ_GPU"] == "1"
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert env["OMP_NUM_THREADS"] == "4"
+    user = worker_environment({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}, GPUS[0], 1)
+    assert user["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
+    cpu = worker_environment({"CHUNKQ_GPU": "0"}, None, 2)
+    assert cpu["CUDA_VISIBLE_DEVICES"] == "" and cpu["CHUNKQ_DEVICE"] == "cpu" and "CHUNKQ_GPU" not in cpu
+
+
+def test_discover_without_a_driver_finds_nothing() -> None:
+    assert discover() == []  # this machine has no NVIDIA driver; NVML fails and we say "no GPUs"

@@ -1,0 +1,70 @@
+"""Specs and the store layout: safe run ids, atomic writes, output verification."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jobs.errors import ConfigError
+from jobs.specs import ChunkSpec, EncodeOptions, chunk_job_id, validate_run_id
+from jobs.store import RunLayout, atomic_write_json, read_json, verify_output, write_output
+
+
+@pytest.mark.parametrize("bad", ["", "../etc", "a/b", "/abs", "a__b", "a_", "-lead", "x" * 81, "a:b", "a.b"])
+def test_unsafe_run_ids_are_refused(bad: str) -> None:
+    with pytest.raises(ConfigError, match="invalid run id"):
+        validate_run_id(bad)
+    with pytest.raises(ConfigError):
+        RunLayout("/tmp/store", bad)
+
+
+def test_job_ids_are_deterministic_and_rq_safe() -> None:
+    assert chunk_job_id("corpus-abc_1", 7) == "corpus-abc_1__c000007"
+    assert chunk_job_id("r", 1_234_567) == "r__c1234567"
+
+
+def test_chunk_spec_round_trips_through_json_dict() -> None:
+    spec = ChunkSpec(
+        "r1", 2, 50, 25, "bundled:x", "/s", EncodeOptions(batch_size=8, normalize_embeddings=True)
+    )
+    assert ChunkSpec.from_dict(spec.to_dict()) == spec
+    with pytest.raises(ConfigError, match="precision"):
+        EncodeOptions(precision="int4")
+    with pytest.raises(ConfigError, match="batch size"):
+        EncodeOptions(batch_size=0)
+
+
+def test_atomic_write_leaves_no_temporary_files(tmp_path: Path) -> None:
+    target = tmp_path / "sub" / "m.json"
+    atomic_write_json(target, {"a": 1})
+    atomic_write_json(target, {"a": 2})
+    assert read_json(target) == {"a": 2}
+    assert sorted(p.name for p in target.parent.iterdir()) == ["m.json"]
+
+
+def test_atomic_write_failure_keeps_the_old_file(tmp_path: Path) -> None:
+    target = tmp_path / "m.json"
+    atomic_write_json(target, {"a": 1})
+    with pytest.raises(TypeError):
+        atomic_write_json(target, {"a": object()})
+    assert read_json(target) == {"a": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["m.json"]
+
+
+def test_verify_output_detects_every_defect(tmp_path: Path) -> None:
+    layout = RunLayout(tmp_path, "r1")
+    array = np.arange(12, dtype=np.float32).reshape(3, 4)
+    assert verify_output(layout, 0, 3) == (None, "output metadata missing")
+    write_output(layout, 0, array, {"run_id": "r1", "chunk": 0})
+    meta, why = verify_output(layout, 0, 3)
+    assert why == "" and meta is not None and meta["rows"] == 3 and meta["dim"] == 4
+    assert verify_output(layout, 0, 4)[1] == "000000.npy has 3 rows, expected 4"
+    raw = bytearray(layout.output_npy(0).read_bytes())
+    raw[-1] ^= 0xFF
+    layout.output_npy(0).write_bytes(bytes(raw))
+    assert "checksum does not match" in verify_output(layout, 0, 3)[1]
+    layout.output_npy(0).unlink()
+    assert verify_output(layout, 0, 3)[1] == "000000.npy missing"
+    assert layout.done_chunks() == {0}  # the marker alone says "done"; verification says otherwise

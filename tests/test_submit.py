@@ -1,0 +1,117 @@
+"""Submit against a real Redis: chunks in the store, one JSON job per chunk, idempotent."""
+
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import redis
+from rq.job import Job
+
+from jobs.allowlist import EMBED_CHUNK
+from jobs.errors import CorpusError, RunConflictError
+from jobs.models import BUNDLED_MODEL
+from jobs.specs import EncodeOptions, chunk_job_id
+from jobs.store import RunLayout, read_chunk_input, read_json
+from supervisor.corpus import CorpusOptions
+from supervisor.enqueue import chunk_queue
+from supervisor.submit import SubmitRequest, submit
+from tests.helpers import make_texts, write_corpus
+
+
+def _request(corpus: Path, store: Path, **kw: object) -> SubmitRequest:
+    base = SubmitRequest(corpus, store, BUNDLED_MODEL, CorpusOptions("jsonl"), chunk_size=10, queue="t")
+    return replace(base, **kw)  # type: ignore[arg-type]
+
+
+def test_submit_writes_chunks_manifest_and_jobs(tmp_path: Path, store: Path, connection: redis.Redis) -> None:
+    ids, texts = make_texts(35)
+    corpus = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")
+    result = submit(_request(corpus, store), connection)
+    assert (result.rows, result.chunks, result.counts.enqueued, result.created) == (35, 4, 4, True)
+    layout = RunLayout(store, result.run_id)
+    manifest = read_json(layout.manifest)
+    assert manifest["rows"] == 35 and manifest["chunk_size"] == 10 and manifest["model"] == BUNDLED_MODEL
+    assert len(manifest["corpus"]["sha256"]) == 64 and manifest["created_at"]
+    assert read_chunk_input(layout, 3) == (ids[30:], texts[30:])
+    queue = chunk_queue(connection, "t")
+    assert queue.count == 4
+    job = Job.fetch(chunk_job_id(result.run_id, 1), connection=connection, serializer=queue.serializer)
+    assert job.func_name == EMBED_CHUNK and job.timeout == 600
+    assert job.args[0]["first_row"] == 10 and job.args[0]["rows"] == 10
+    assert job.meta == {"run_id": result.run_id, "chunk": 1, "rows": 10, "first_row": 10}
+    # The job hash holds JSON, not pickle: anyone reading Redis sees plain data.
+    raw = connection.hget(job.key, "data")
+    assert raw is not None
+    func, _, args, _ = json.loads(zlib.decompress(raw))  # RQ zlib-compresses the serialized call
+    assert func == EMBED_CHUNK and args[0]["index"] == 1
+
+
+def test_resubmit_enqueues_nothing_new(tmp_path: Path, store: Path, connection: redis.Redis) -> None:
+    corpus = write_corpus(tmp_path / "c.jsonl", *make_texts(35), "jsonl")
+    first = submit(_request(corpus, store), connection)
+    again = submit(_request(corpus, store), connection)
+    assert again.run_id == first.run_id and not again.created
+    assert (again.counts.enqueued, again.counts.in_flight) == (0, 4)
+    assert chunk_queue(connection, "t").count == 4
+
+
+def test_lost_jobs_are_enqueued_again_on_resubmit(
+    tmp_path: Path, store: Path, connection: redis.Redis
+) -> None:
+    corpus = write_corpus(tmp_path / "c.jsonl", *make_texts(35), "jsonl")
+    first = submit(_request(corpus, store), connection)
+    queue = chunk_queue(connection, "t")
+    Job.fetch(chunk_job_id(first.run_id, 2), connection=connection, serializer=queue.serializer).delete()
+    again = submit(_request(corpus, store), connection)
+    assert (again.counts.enqueued, again.counts.in_flight) == (1, 3)
+    assert queue.count == 4
+
+
+def test_run_id_follows_corpus_and_options(tmp_path: Path, store: Path, connection: redis.Redis) -> None:
+    corpus = write_corpus(tmp_path / "c.jsonl", *make_texts(35), "jsonl")
+    a = submit(_request(corpus, store), connection).run_id
+    b = submit(_request(corpus, store, chunk_size=7), connection).run_id
+    c = submit(_request(corpus, store, encode=EncodeOptions(normalize_embeddings=True)), connection).run_id
+    assert len({a, b, c}) == 3 and all(r.startswith("c-") for r in (a, b, c))
+
+
+def test_different_options_under_a_taken_run_id_are_refused(
+    tmp_path: Path, store: Path, connection: redis.Redis
+) -> None:
+    corpus = write_corpus(tmp_path / "c.jsonl", *make_texts(35), "jsonl")
+    submit(_request(corpus, store, run_id="mine"), connection)
+    with pytest.raises(RunConflictError, match=r"run mine already exists .*chunk_size: stored 10, given 7"):
+        submit(_request(corpus, store, run_id="mine", chunk_size=7), connection)
+    other = write_corpus(tmp_path / "d.jsonl", *make_texts(35, seed=5), "jsonl")
+    with pytest.raises(RunConflictError, match="corpus_sha256"):
+        submit(_request(other, store, run_id="mine"), connection)
+    assert chunk_queue(connection, "t").count == 4
+
+
+def test_bad_corpus_leaves_store_and_redis_untouched(
+    tmp_path: Path, store: Path, connection: redis.Redis
+) -> None:
+    ids, texts = make_texts(35)
+    corpus = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")
+    with open(corpus, "a") as fh:
+        fh.write("{not json\n")
+    with pytest.raises(CorpusError, match=r"c.jsonl:36: invalid JSON"):
+        submit(_request(corpus, store, run_id="bad"), connection)
+    assert not RunLayout(store, "bad").root.exists()
+    assert chunk_queue(connection, "t").count == 0
+    corpus.write_text(
+        "".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in zip(ids, texts, strict=True))
+    )
+    assert submit(_request(corpus, store, run_id="bad"), connection).counts.enqueued == 4
+
+
+def test_empty_corpus_is_refused(tmp_path: Path, store: Path, connection: redis.Redis) -> None:
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("\n")
+    with pytest.raises(CorpusError, match="holds no texts"):
+        submit(_request(corpus, store), connection)
+    assert not (store / "runs").exists() or not any((store / "runs").iterdir())

@@ -1,0 +1,185 @@
+"""Workers and the pool as real processes against a real Redis, with the real model on the CPU."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import psutil
+import pytest
+import redis
+from rq import Queue
+from rq.job import Job
+from rq.registry import FailedJobRegistry
+from rq.serializers import JSONSerializer
+
+from jobs.models import BUNDLED_MODEL
+from jobs.specs import chunk_job_id
+from jobs.store import RunLayout, read_json
+from queue_worker import exit_codes
+from supervisor.corpus import CorpusOptions
+from supervisor.enqueue import job_statuses
+from supervisor.submit import SubmitRequest, SubmitResult, submit
+from tests.helpers import cli_env, make_texts, wait_for, write_corpus
+
+
+def _submit(
+    tmp_path: Path, store: Path, connection: redis.Redis, rows: int, chunk: int, words: int = 0
+) -> SubmitResult:
+    ids, texts = make_texts(rows, seed=21)
+    if words:
+        texts = [" ".join([t] * (words // max(1, len(t.split())) + 1)) for t in texts]
+    corpus = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")
+    request = SubmitRequest(corpus, store, BUNDLED_MODEL, CorpusOptions("jsonl"), chunk_size=chunk, queue="t")
+    return submit(request, connection)
+
+
+@contextmanager
+def running_pool(
+    tmp_path: Path, redis_url: str, *args: str
+) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+    log = tmp_path / "pool.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "supervisor.cli", "pool", "--gpus", "none", "--queue", "t", *args],
+            env=cli_env(CHUNKQ_REDIS_URL=redis_url),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        yield proc, log
+    finally:
+        for child in psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []:
+            child.kill()
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def _workers_of(proc: subprocess.Popen[bytes]) -> list[psutil.Process]:
+    workers = []
+    for child in psutil.Process(proc.pid).children():
+        try:
+            if "queue_worker.worker" in " ".join(child.cmdline()):
+                workers.append(child)
+        except psutil.Error:  # exited between the listing and the look (a zombie the pool has not reaped)
+            continue
+    return workers
+
+
+def test_pool_recycles_workers_and_finishes_every_chunk(
+    tmp_path: Path, store: Path, connection: redis.Redis, redis_url: str
+) -> None:
+    run = _submit(tmp_path, store, connection, rows=60, chunk=10)
+    layout = RunLayout(store, run.run_id)
+    seen_workers: set[int] = set()
+    with running_pool(tmp_path, redis_url, "--max-jobs", "2") as (pool, log):
+
+        def all_done() -> bool:
+            seen_workers.update(p.pid for p in _workers_of(pool))
+            return len(layout.done_chunks()) == 6
+
+        wait_for(all_done, 180, "six chunks done")
+        pool.send_signal(signal.SIGTERM)
+        assert pool.wait(timeout=60) == 0
+        text = log.read_text()
+    pids = {read_json(layout.output_meta(i))["pid"] for i in range(6)}
+    assert len(pids) == 3, pids  # max-jobs 2: each worker process ran exactly two chunks
+    assert pids <= seen_workers
+    assert text.count("ran its max jobs (recycle); starting a fresh one") >= 2
+    assert all(not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie" for pid in seen_workers)
+
+
+def test_first_signal_drains_the_chunk_in_hand(
+    tmp_path: Path, store: Path, connection: redis.Redis, redis_url: str
+) -> None:
+    run = _submit(tmp_path, store, connection, rows=600, chunk=600, words=120)
+    job_id = chunk_job_id(run.run_id, 0)
+    with running_pool(tmp_path, redis_url) as (pool, _):
+        wait_for(lambda: job_statuses(connection, [job_id]) == ["started"], 120, "the chunk to start")
+        pool.send_signal(signal.SIGTERM)
+        signalled = time.time()
+        assert pool.wait(timeout=120) == 0
+    meta = read_json(RunLayout(store, run.run_id).output_meta(0))
+    assert meta["rows"] == 600
+    assert job_statuses(connection, [job_id]) == ["finished"]
+    from datetime import datetime
+
+    assert datetime.fromisoformat(meta["finished_at"]).timestamp() > signalled  # it was busy when signalled
+
+
+def test_second_signal_stops_at_once(
+    tmp_path: Path, store: Path, connection: redis.Redis, redis_url: str
+) -> None:
+    run = _submit(tmp_path, store, connection, rows=3000, chunk=3000, words=200)
+    job_id = chunk_job_id(run.run_id, 0)
+    with running_pool(tmp_path, redis_url) as (pool, log):
+        wait_for(lambda: job_statuses(connection, [job_id]) == ["started"], 120, "the chunk to start")
+        pool.send_signal(signal.SIGTERM)
+        wait_for(lambda: "draining" in log.read_text(), 10, "the pool to begin draining")
+        pool.send_signal(signal.SIGTERM)
+        assert pool.wait(timeout=60) == 0
+        assert "stopping now" in log.read_text()
+    assert not RunLayout(store, run.run_id).output_meta(0).exists()
+    # Interrupted mid-chunk: the attempt counts as failed and RQ's retry puts the chunk back in the queue.
+    assert job_statuses(connection, [job_id]) == ["queued"]
+    assert Job.fetch(job_id, connection=connection, serializer=JSONSerializer).retries_left == 1
+
+
+def test_killed_pool_leaves_no_orphans(
+    tmp_path: Path, store: Path, connection: redis.Redis, redis_url: str
+) -> None:
+    with running_pool(tmp_path, redis_url, "--cpu-workers", "2") as (pool, _):
+        wait_for(lambda: len(_workers_of(pool)) == 2, 60, "two workers")
+        workers = _workers_of(pool)
+        pool.kill()
+        pool.wait(timeout=10)
+        _gone, alive = psutil.wait_procs(workers, timeout=60)
+        assert not alive, f"orphaned workers: {alive}"
+
+
+def test_worker_refuses_functions_outside_the_allow_list(
+    tmp_path: Path, connection: redis.Redis, redis_url: str
+) -> None:
+    marker = tmp_path / "pwned"
+    queue = Queue("t", connection=connection, serializer=JSONSerializer)
+    job = queue.enqueue("os.system", f"touch {marker}")
+    result = subprocess.run(
+        [sys.executable, "-m", "queue_worker.worker", "--queue", "t", "--burst"],
+        env=cli_env(CHUNKQ_REDIS_URL=redis_url, CHUNKQ_DEVICE="cpu"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == exit_codes.EXIT_STOPPED, result.stderr
+    assert not marker.exists()
+    assert job.id in FailedJobRegistry(queue=queue).get_job_ids()
+    job.refresh()
+    assert "not on chunkq's allow-list" in (job.latest_result().exc_string or "")
+
+
+def test_gpu_worker_never_falls_back_to_cpu(redis_url: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "queue_worker.worker", "--queue", "t", "--burst"],
+        env=cli_env(
+            CHUNKQ_REDIS_URL=redis_url, CHUNKQ_DEVICE="cuda", CHUNKQ_GPU="0", CUDA_VISIBLE_DEVICES=""
+        ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == exit_codes.EXIT_CONFIG
+    assert "refusing to run on the CPU" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("code", "reason"), [(10, "max jobs"), (11, "fatal CUDA"), (-9, "SIGKILL"), (99, "unknown")]
+)
+def test_exit_codes_describe_why(code: int, reason: str) -> None:
+    assert reason in exit_codes.describe(code)
