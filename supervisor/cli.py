@@ -40,6 +40,7 @@ EXIT_ASSEMBLY = 5  # chunk outputs missing or corrupt
 EXIT_CONFIG = 6  # settings that cannot work
 EXIT_REDIS = 7  # Redis unreachable
 EXIT_POOL_DIED = 8  # chunkq run: the worker pool ended before the run did
+EXIT_INTERRUPTED = 130  # Ctrl+C; the run resumes from the store
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -303,8 +304,15 @@ def run_cmd(
     )
     if gpus not in ("all", "none", "cpu"):
         gpu_discovery.select(gpus, gpu_discovery.discover())  # refuse a missing GPU before starting anything
-    with ProgressDisplay() as display:
-        outcome: RunOutcome = run(req, display)
+    try:
+        with ProgressDisplay() as display:
+            outcome: RunOutcome = run(req, display)
+    except KeyboardInterrupt:
+        click.echo(
+            "chunkq: interrupted; the store keeps every finished chunk: run the same command to resume",
+            err=True,
+        )
+        sys.exit(EXIT_INTERRUPTED)
     layout = RunLayout(req.submit.store, outcome.submitted.run_id)
     if outcome.outcome is None:
         click.echo(f"run {outcome.submitted.run_id}: already complete; result in {layout.result}")

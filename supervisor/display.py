@@ -64,7 +64,9 @@ class ProgressDisplay:
     def update(self, snap: Snapshot) -> None:
         if self._progress is not None:
             if self._task is None:
-                self._task = self._progress.add_task(f"run {snap.run_id}", total=snap.chunks)
+                self._task = self._progress.add_task(
+                    f"run {snap.run_id}", total=snap.chunks, rows="", rate="", eta="", failed=0
+                )
             self._progress.update(
                 self._task,
                 completed=snap.chunks_done,

@@ -101,6 +101,9 @@ class EmbeddedRedis:
                 self._command(conf),
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
+                # Its own session, so a Ctrl+C meant for us does not take Redis away from workers
+                # that are finishing their chunks; we stop it last.
+                start_new_session=True,
                 preexec_fn=die_with_parent,
             )
             if self._wait_ready():

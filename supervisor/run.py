@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 
 import redis
@@ -48,7 +49,7 @@ class RunOutcome:
 class PoolProcess:
     """``chunkq pool`` as a child process, stopped (drained) on exit and never left behind."""
 
-    def __init__(self, req: RunRequest, redis_url: str) -> None:
+    def __init__(self, req: RunRequest, redis_url: str, log_path: Path | None = None) -> None:
         sub = req.submit
         self.cmd = [
             sys.executable,
@@ -71,13 +72,28 @@ class PoolProcess:
         if req.max_jobs is not None:
             self.cmd += ["--max-jobs", str(req.max_jobs)]
         self.env = dict(os.environ, CHUNKQ_REDIS_URL=redis_url)
+        self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
     def __enter__(self) -> PoolProcess:
-        self.proc = subprocess.Popen(self.cmd, env=self.env, preexec_fn=die_with_parent)
+        log_file = None
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            log_file = open(self.log_path, "ab")
+        # Its own session: a terminal's Ctrl+C reaches only us, and we decide what the pool hears.
+        self.proc = subprocess.Popen(
+            self.cmd,
+            env=self.env,
+            stdout=log_file,
+            stderr=log_file,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
+        if log_file is not None:
+            log_file.close()
         return self
 
     def __exit__(
@@ -86,14 +102,15 @@ class PoolProcess:
         if self.proc is None:
             return
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.proc.send_signal(signal.SIGTERM)  # drain: workers finish the chunk in hand
             try:
                 self.proc.wait(timeout=POOL_STOP_SECONDS)
-            except subprocess.TimeoutExpired:
+            except (subprocess.TimeoutExpired, KeyboardInterrupt):
+                log.warning("stopping the pool now; interrupted chunks go back to the queue")
                 self.proc.send_signal(signal.SIGTERM)  # the second signal: stop now
                 try:
                     self.proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
+                except (subprocess.TimeoutExpired, KeyboardInterrupt):
                     self.proc.kill()
                     self.proc.wait()
 
@@ -115,7 +132,11 @@ def run(req: RunRequest, display: ProgressDisplay) -> RunOutcome:
             return RunOutcome(submitted, None)
         keep_going = _always
         if submitted.done < submitted.chunks:
-            pool = stack.enter_context(PoolProcess(req, url))
+            # Under a live progress bar the workers' log lines would tear it: send them to a file.
+            log_path = layout.root / "logs" / "pool.log" if display.live else None
+            if log_path is not None:
+                log.info("worker logs: %s", log_path)
+            pool = stack.enter_context(PoolProcess(req, url, log_path))
             keep_going = pool.alive
         outcome = supervise(connection, layout, display, req.poll_seconds, keep_going)
         return RunOutcome(submitted, outcome, pool_died=not keep_going())
