@@ -258,7 +258,7 @@ def supervise_cmd(run_id: str, store: Path, redis_url: str, poll: float) -> None
 def status_cmd(run_id: str, store: Path, redis_url: str, as_json: bool) -> None:
     """Print where RUN_ID stands, once."""
     layout = RunLayout(store, run_id)
-    snap = Tracker(redis.Redis.from_url(redis_url), layout, load_manifest(layout)).poll()
+    snap = Tracker(redis.Redis.from_url(redis_url), layout, load_manifest(layout)).poll_once()
     if as_json:
         click.echo(json.dumps(snap.to_json(), indent=2))
         return

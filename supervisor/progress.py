@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -67,6 +68,21 @@ def _last_error(connection: redis.Redis, job_id: str) -> str:
     return lines[-1] if lines else "(no traceback recorded)"
 
 
+def recent_rate(layout: RunLayout, manifest: RunManifest, window: float = 60.0) -> float | None:
+    """Rows per second over the last ``window`` seconds, from when chunk outputs were committed.
+
+    For a one-shot ``chunkq status``, which has no history of its own to measure a rate from.
+    """
+    if not layout.outputs.is_dir():
+        return None
+    since, rows = time.time() - window, 0
+    for entry in os.scandir(layout.outputs):
+        stem, _, ext = entry.name.partition(".")
+        if ext == "json" and stem.isdigit() and entry.stat().st_mtime >= since:
+            rows += manifest.chunk_rows(int(stem))
+    return rows / window if rows else None
+
+
 class Tracker:
     """Polls a run; work per poll grows with the chunks not yet done, not with the run's size."""
 
@@ -82,6 +98,14 @@ class Tracker:
             self.pending.discard(index)
             self.failures.pop(index, None)
             self.rows_done += self.manifest.chunk_rows(index)
+
+    def poll_once(self) -> Snapshot:
+        """A single look (``chunkq status``): the rate comes from the store's recent commits."""
+        snap = self.poll()
+        snap.rows_per_second = recent_rate(self.layout, self.manifest)
+        if snap.rows_per_second:
+            snap.eta_seconds = (snap.rows - snap.rows_done) / snap.rows_per_second
+        return snap
 
     def poll(self, now: float | None = None) -> Snapshot:
         now = time.monotonic() if now is None else now

@@ -94,6 +94,7 @@ def test_submit_pool_supervise_status_on_a_shared_redis(
     _check_result(RunLayout(store, "shared-run"), ids, texts, reference_model)
     after = json.loads(run_cli("status", "shared-run", "--json", **env).stdout)
     assert (after["chunks_done"], after["rows_done"], after["result_published"]) == (4, 40, True)
+    assert after["rows_per_second"] > 0 and after["eta_seconds"] == 0  # chunks were committed within a minute
     resubmitted = run_cli("submit", str(corpus), "--chunk-size", "10", "--run-id", "shared-run", **env)
     assert "4 done, 0 in flight, 0 enqueued" in resubmitted.stdout
 

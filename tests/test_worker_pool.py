@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 
 import psutil
@@ -107,8 +108,6 @@ def test_first_signal_drains_the_chunk_in_hand(
     meta = read_json(RunLayout(store, run.run_id).output_meta(0))
     assert meta["rows"] == 600
     assert job_statuses(connection, [job_id]) == ["finished"]
-    from datetime import datetime
-
     assert datetime.fromisoformat(meta["finished_at"]).timestamp() > signalled  # it was busy when signalled
 
 
