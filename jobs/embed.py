@@ -1,20 +1,29 @@
-"""The embed job: read a chunk from the store, encode it, publish the output atomically."""
+"""The embed job: read a chunk from the store, encode it, publish the output atomically.
+
+Out of memory: free what can be freed, halve the batch and try again, down to 1; the size that
+fitted is recorded for the run's later chunks on the same kind of device. A broken CUDA context:
+fail with CudaFatalError and tell the worker to exit, since no in-process reset exists.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
+from rq import get_current_job
 
-from jobs import models, runtime
-from jobs.errors import BadInputError
+from jobs import cuda, errors, faults, models, runtime
+from jobs.errors import BadInputError, ChunkOutOfMemoryError, CudaFatalError
 from jobs.specs import ChunkSpec, EncodeOptions
-from jobs.store import RunLayout, read_chunk_input, verify_output, write_output
+from jobs.store import RunLayout, atomic_write_json, read_chunk_input, read_json, verify_output, write_output
 
 log = logging.getLogger(__name__)
+
+MIN_BATCH = 1
 
 
 def encode_texts(
@@ -34,26 +43,105 @@ def encode_texts(
     return np.asarray(embeddings, dtype=np.float32)
 
 
+def _learned_batch(layout: RunLayout, device_kind: str) -> int | None:
+    try:
+        return int(read_json(layout.learned_batch(device_kind))["batch_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _remember_batch(layout: RunLayout, device_kind: str, batch: int) -> None:
+    known = _learned_batch(layout, device_kind)
+    if known is None or batch < known:
+        atomic_write_json(layout.learned_batch(device_kind), {"batch_size": batch, "device": device_kind})
+
+
+def encode_with_backoff(
+    loaded: models.LoadedModel,
+    texts: list[str],
+    chunk: ChunkSpec,
+    attempt: int,
+    start_batch: int,
+    device: str,
+) -> tuple[np.ndarray[Any, Any], int]:
+    """Encode, halving the batch after each out-of-memory error; return (embeddings, batch that fitted)."""
+    batch = start_batch
+    while True:
+        try:
+            faults.inject(chunk.run_id, chunk.index, attempt, batch)
+            return encode_texts(loaded, texts, replace(chunk.options, batch_size=batch)), batch
+        except Exception as exc:
+            kind = errors.classify(exc)
+            if kind == errors.CUDA_FATAL:
+                raise CudaFatalError(f"chunk {chunk.job_id}: {exc}") from exc
+            if kind != errors.OOM:
+                raise
+            cuda.free_cached_memory(device)
+            if not cuda.context_usable(device) or faults.probe_fails(chunk.run_id, chunk.index, attempt):
+                raise CudaFatalError(f"chunk {chunk.job_id}: CUDA context unusable after: {exc}") from exc
+            if batch <= MIN_BATCH:
+                raise ChunkOutOfMemoryError(
+                    f"chunk {chunk.job_id}: out of memory even at batch size {batch}"
+                ) from exc
+            batch = max(MIN_BATCH, batch // 2)
+            log.warning("chunk %s: out of memory; retrying with batch size %d", chunk.job_id, batch)
+
+
+def _job_meta(updates: dict[str, Any]) -> int:
+    """Record who runs the chunk in the RQ job's meta (for the dashboard); return the attempt number."""
+    job = get_current_job()
+    if job is None:
+        return 1
+    job.meta.update(updates)
+    job.meta.setdefault("attempt", 1)
+    job.save_meta()  # type: ignore[no-untyped-call]
+    return int(job.meta["attempt"])
+
+
+def _record_failure(exc: BaseException) -> None:
+    kind = errors.classify(exc)
+    if kind == errors.CUDA_FATAL:
+        runtime.mark_context_broken(str(exc))
+    job = get_current_job()
+    if job is not None:
+        job.meta["error_class"] = kind
+        job.meta["error"] = str(exc)[:500]
+        job.save_meta()  # type: ignore[no-untyped-call]
+
+
 def embed_chunk(spec: dict[str, Any]) -> dict[str, Any]:
     """RQ job function: encode one chunk and return its output metadata (JSON)."""
     chunk = ChunkSpec.from_dict(spec)
+    try:
+        return _embed(chunk)
+    except Exception as exc:
+        _record_failure(exc)
+        raise
+
+
+def _embed(chunk: ChunkSpec) -> dict[str, Any]:
     layout = RunLayout(chunk.store, chunk.run_id)
     existing, _ = verify_output(layout, chunk.index, chunk.rows)
     if existing is not None:
         log.info("chunk %s already has a valid output; not encoding it again", chunk.job_id)
         return {**existing, "skipped": True}
 
+    ctx = runtime.current()
+    attempt = _job_meta({"worker": ctx.name, "host": ctx.host, "device": ctx.device, "gpu": ctx.gpu})
     _, texts = read_chunk_input(layout, chunk.index)
     if len(texts) != chunk.rows:
         raise BadInputError(
             f"chunk {chunk.job_id}: input holds {len(texts)} rows, the spec says {chunk.rows}"
         )
-    ctx = runtime.current()
     loaded = models.get_model(chunk.model, ctx.device, chunk.options.precision)
+    learned = _learned_batch(layout, ctx.device_kind)
+    start_batch = min(chunk.options.batch_size, learned or chunk.options.batch_size)
     started_at = datetime.now(UTC)
     t0 = time.perf_counter()
-    embeddings = encode_texts(loaded, texts, chunk.options)
+    embeddings, batch = encode_with_backoff(loaded, texts, chunk, attempt, start_batch, ctx.device)
     seconds = time.perf_counter() - t0
+    if batch < chunk.options.batch_size:
+        _remember_batch(layout, ctx.device_kind, batch)
     meta = {
         "run_id": chunk.run_id,
         "chunk": chunk.index,
@@ -63,13 +151,16 @@ def embed_chunk(spec: dict[str, Any]) -> dict[str, Any]:
         "pid": ctx.pid,
         "host": ctx.host,
         "device": ctx.device,
+        "device_kind": ctx.device_kind,
         "gpu": ctx.gpu,
         "precision": chunk.options.precision,
-        "batch_size": chunk.options.batch_size,
+        "batch_size": batch,
+        "batch_size_requested": chunk.options.batch_size,
+        "attempt": attempt,
         "seconds": round(seconds, 4),
         "started_at": started_at.isoformat(),
         "finished_at": datetime.now(UTC).isoformat(),
     }
     published = write_output(layout, chunk.index, embeddings, meta)
-    log.info("chunk %s: %d rows in %.2f s", chunk.job_id, len(texts), seconds)
+    log.info("chunk %s: %d rows in %.2f s (batch size %d)", chunk.job_id, len(texts), seconds, batch)
     return {**published, "skipped": False}

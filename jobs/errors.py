@@ -39,3 +39,65 @@ class AssemblyError(StoreError):
 
 class JobNotAllowedError(ChunkqError):
     """A job named a function, callback or webhook outside the allow-list."""
+
+
+class ChunkOutOfMemoryError(ChunkqError):
+    """Out of memory even at the smallest batch size; another worker or GPU may still manage."""
+
+
+class CudaFatalError(ChunkqError):
+    """The CUDA context is broken (sticky error); only a fresh process can use the GPU again."""
+
+
+class ChunkAbandonedError(ChunkqError):
+    """The worker running the chunk died or hung; the chunk itself may be fine."""
+
+
+# Error classes as recorded in a job's meta and used by the supervisor's retry policy.
+OOM = "oom"
+CUDA_FATAL = "cuda_fatal"
+BAD_INPUT = "bad_input"
+CONFIG = "config"
+ABANDONED = "abandoned"
+OTHER = "other"
+NEVER_RETRIED = frozenset({BAD_INPUT, CONFIG})
+
+_OOM_MARKERS = ("out of memory", "cublas_status_alloc_failed", "cudnn_status_alloc_failed",
+                "cudnn_status_not_enough_workspace")  # fmt: skip
+_CUDA_FATAL_MARKERS = (
+    "illegal memory access",
+    "unspecified launch failure",
+    "device-side assert",
+    "nvml_success == driverapi::get()->nvmlinit_v2_()",
+    "cudacachingallocator",
+    "expandable_segments",
+    "cuda error",
+    "cuda driver error",
+    "cublas_status_execution_failed",
+    "cudnn_status_execution_failed",
+    "misaligned address",
+    "an illegal instruction",
+)
+
+
+def classify(exc: BaseException) -> str:
+    """Which error class ``exc`` belongs to; decides retry, back-off or quarantine."""
+    if isinstance(exc, ChunkOutOfMemoryError):
+        return OOM
+    if isinstance(exc, CudaFatalError):
+        return CUDA_FATAL
+    if isinstance(exc, BadInputError):
+        return BAD_INPUT
+    if isinstance(exc, ConfigError):
+        return CONFIG
+    if isinstance(exc, ChunkAbandonedError):
+        return ABANDONED
+    message = str(exc).lower()
+    if type(exc).__name__ == "OutOfMemoryError" or (
+        isinstance(exc, RuntimeError) and any(marker in message for marker in _OOM_MARKERS)
+    ):
+        # A failed expandable-segments mapping reports "out of memory" too, but it breaks the context.
+        return CUDA_FATAL if "expandable_segments" in message else OOM
+    if isinstance(exc, RuntimeError) and any(marker in message for marker in _CUDA_FATAL_MARKERS):
+        return CUDA_FATAL
+    return OTHER

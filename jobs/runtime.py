@@ -16,14 +16,26 @@ class WorkerContext:
     pid: int
     device: str  # "cpu" or "cuda" (the one GPU that CUDA_VISIBLE_DEVICES leaves visible)
     gpu: str | None = None  # the physical GPU index the pool pinned, for the record
+    device_kind: str = "cpu"  # the GPU's model name: what a learned batch size is valid for
 
 
 _context: WorkerContext | None = None
+_broken: str | None = None
 
 
 def set_context(context: WorkerContext) -> None:
     global _context
     _context = context
+
+
+def mark_context_broken(reason: str) -> None:
+    """Record that this process's CUDA context is unusable; the worker exits after the job."""
+    global _broken
+    _broken = reason
+
+
+def context_broken() -> str | None:
+    return _broken
 
 
 def current() -> WorkerContext:

@@ -66,6 +66,11 @@ class RunLayout:
     def output_meta(self, index: int) -> Path:
         return self.outputs / f"{chunk_name(index)}.json"
 
+    def learned_batch(self, device_kind: str) -> Path:
+        """Where the batch size that fitted on this kind of device is kept for the run's later chunks."""
+        safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in device_kind)[:80] or "device"
+        return self.root / "learned" / f"{safe}.json"
+
     def done_chunks(self) -> set[int]:
         """Indices whose output metadata (the commit marker) exists."""
         if not self.outputs.is_dir():

@@ -2,7 +2,10 @@
 whenever one ends, pinned through its environment, and never left behind as an orphan.
 
 ``rq worker-pool`` forks its workers (CUDA cannot be used in a forked child) and cannot give each
-one its own environment, hence this pool built on ``subprocess``.
+one its own environment, hence this pool built on ``subprocess``. The pool also does what RQ
+does late or never: it fails the job of a worker that died at once (RQ waits for timeout + 60 s),
+kills a worker whose job hangs past its timeout (SIGALRM cannot interrupt a CUDA call), and takes
+a GPU out of service when its workers keep dying.
 """
 
 from __future__ import annotations
@@ -10,14 +13,21 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from types import FrameType
 
+import redis
+from rq.job import Job
+from rq.serializers import JSONSerializer
+
+from jobs.abandon import forget_worker, mark_abandoned, running_job_ids
 from queue_worker import exit_codes
 from queue_worker.gpus import GpuInfo, cpu_threads_per_worker, worker_environment
 from queue_worker.worker import DEFAULT_QUEUE
@@ -25,13 +35,24 @@ from queue_worker.worker import DEFAULT_QUEUE
 log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.2
+WATCHDOG_SECONDS = 2.0
+HUNG_GRACE_SECONDS = 30.0  # past the job timeout, before a busy worker is taken for hung
 _PR_SET_PDEATHSIG = 1
-# Exits after which starting the same worker again cannot help.
-NO_RESTART = {exit_codes.EXIT_CONFIG}
+NO_RESTART = {exit_codes.EXIT_CONFIG}  # starting the same worker again cannot help
+CLEAN_EXITS = {exit_codes.EXIT_MAX_JOBS, exit_codes.EXIT_STOPPED}
+NOT_THE_GPUS_FAULT = CLEAN_EXITS | NO_RESTART | {exit_codes.EXIT_REDIS}
 
 
 def default_pool_name() -> str:
     return f"pool-{socket.gethostname()}-{os.getpid()}"
+
+
+def jittered_max_jobs(max_jobs: int | None, fraction: float, rng: random.Random) -> int | None:
+    """Spread recycles: workers that all reload after exactly N chunks would reload at once."""
+    if max_jobs is None:
+        return None
+    spread = round(max_jobs * fraction)
+    return max(1, max_jobs + rng.randint(-spread, spread))
 
 
 @dataclass(frozen=True)
@@ -43,12 +64,15 @@ class PoolSettings:
     workers_per_gpu: int = 1
     cpu_workers: int = 1
     max_jobs: int | None = None
+    max_jobs_jitter: float = 0.1  # each worker's max-jobs varies by up to this fraction
     preload: str | None = None
     precision: str = "fp32"
     name: str = field(default_factory=default_pool_name)
     log_level: str = "INFO"
     restart_delay: float = 1.0  # after an unexpected exit, so a crashing worker cannot spin
     kill_grace: float = 10.0  # after a second signal, before SIGKILL
+    crash_limit: int = 5  # a GPU whose workers die this many times ...
+    crash_window: float = 300.0  # ... within this many seconds is taken out of the pool
 
 
 @dataclass
@@ -58,9 +82,14 @@ class Slot:
     key: str
     gpu: GpuInfo | None
     proc: subprocess.Popen[bytes] | None = None
+    worker_name: str = ""
     generation: int = 0
     retired: bool = False
     not_before: float = 0.0
+
+    @property
+    def device(self) -> str:
+        return "cpu" if self.gpu is None else f"gpu{self.gpu.index}"
 
 
 def die_with_parent() -> None:
@@ -73,7 +102,7 @@ def die_with_parent() -> None:
 class Pool:
     """Starts, watches and restarts the workers of one host."""
 
-    def __init__(self, settings: PoolSettings, gpus: list[GpuInfo]) -> None:
+    def __init__(self, settings: PoolSettings, gpus: list[GpuInfo], rng: random.Random | None = None) -> None:
         self.settings = settings
         if gpus:
             self.slots = [
@@ -83,32 +112,39 @@ class Pool:
             ]
         else:
             self.slots = [Slot(key=f"cpu-w{n}", gpu=None) for n in range(settings.cpu_workers)]
+        self.connection = redis.Redis.from_url(settings.redis_url)
+        self.rng = rng or random.Random()  # noqa: S311 - jitter, not security
         self._signals = 0
+        self._crashes: dict[str, deque[float]] = {}
+        self._to_abandon: list[tuple[str, str]] = []  # (worker name, reason) while Redis is away
+        self._hung: dict[str, str] = {}  # worker name -> why the watchdog killed it
+        self._next_watchdog = 0.0
         self.exits: list[tuple[str, int]] = []
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         # Only count: logging or killing inside a handler can deadlock on locks the loop holds.
         self._signals += 1
 
-    def _command(self, slot: Slot, name: str) -> list[str]:
+    def _command(self, name: str) -> list[str]:
         cmd = [sys.executable, "-m", "queue_worker.worker", "--queue", self.settings.queue, "--name", name]
         cmd += ["--log-level", self.settings.log_level, "--precision", self.settings.precision]
-        if self.settings.max_jobs is not None:
-            cmd += ["--max-jobs", str(self.settings.max_jobs)]
+        max_jobs = jittered_max_jobs(self.settings.max_jobs, self.settings.max_jobs_jitter, self.rng)
+        if max_jobs is not None:
+            cmd += ["--max-jobs", str(max_jobs)]
         if self.settings.preload:
             cmd += ["--preload", self.settings.preload]
         return cmd
 
     def start_worker(self, slot: Slot) -> None:
         slot.generation += 1
-        name = f"{self.settings.name}-{slot.key}-g{slot.generation}"
+        slot.worker_name = f"{self.settings.name}-{slot.key}-g{slot.generation}"
         base = dict(os.environ, CHUNKQ_REDIS_URL=self.settings.redis_url, CHUNKQ_POOL_PID=str(os.getpid()))
         threads = cpu_threads_per_worker(len(self.slots)) if slot.gpu is None else 2
         env = worker_environment(base, slot.gpu, threads)
         slot.proc = subprocess.Popen(
-            self._command(slot, name), env=env, start_new_session=True, preexec_fn=die_with_parent
+            self._command(slot.worker_name), env=env, start_new_session=True, preexec_fn=die_with_parent
         )
-        log.info("started worker %s (pid %d) on %s", name, slot.proc.pid, self._where(slot))
+        log.info("started worker %s (pid %d) on %s", slot.worker_name, slot.proc.pid, self._where(slot))
 
     @staticmethod
     def _where(slot: Slot) -> str:
@@ -122,30 +158,74 @@ class Pool:
                 except ProcessLookupError:
                     pass
 
+    def _release_jobs(self) -> None:
+        """Fail the jobs of workers that died, now rather than after RQ's timeout + 60 s."""
+        pending, self._to_abandon = self._to_abandon, []
+        for worker_name, reason in pending:
+            try:
+                for job_id in running_job_ids(self.connection, worker_name):
+                    mark_abandoned(self.connection, job_id, f"worker {worker_name} {reason}")
+                forget_worker(self.connection, worker_name)
+            except redis.RedisError as exc:
+                log.warning("cannot release the job of %s yet (%s); will retry", worker_name, exc)
+                self._to_abandon.append((worker_name, reason))
+
+    def _count_crash(self, slot: Slot, now: float) -> None:
+        crashes = self._crashes.setdefault(slot.device, deque())
+        crashes.append(now)
+        while crashes and now - crashes[0] > self.settings.crash_window:
+            crashes.popleft()
+        if len(crashes) >= self.settings.crash_limit:
+            log.error(
+                "%s: %d worker deaths within %.0f s; taking it out of this pool (the other devices go on)",
+                self._where(slot), len(crashes), self.settings.crash_window,
+            )  # fmt: skip
+            for other in self.slots:
+                if other.device == slot.device:
+                    other.retired = True
+
     def _reap(self, stopping: bool, now: float) -> None:
         for slot in self.slots:
-            if slot.proc is None:
-                continue
-            code = slot.proc.poll()
+            code = None if slot.proc is None else slot.proc.poll()
             if code is None:
                 continue
             self.exits.append((slot.key, code))
-            reason = exit_codes.describe(code)
+            reason = self._hung.pop(slot.worker_name, None) or exit_codes.describe(code)
             slot.proc = None
+            if code not in CLEAN_EXITS:
+                self._to_abandon.append((slot.worker_name, reason))
+            if code not in NOT_THE_GPUS_FAULT:
+                self._count_crash(slot, now)
             if stopping:
-                log.info("worker on %s (%s) %s", slot.key, self._where(slot), reason)
+                log.info("worker %s on %s %s", slot.worker_name, self._where(slot), reason)
             elif code in NO_RESTART:
                 slot.retired = True
-                log.error("worker on %s %s; not restarting this slot", slot.key, reason)
-            else:
-                expected = code in (exit_codes.EXIT_MAX_JOBS, exit_codes.EXIT_STOPPED)
-                slot.not_before = now if expected else now + self.settings.restart_delay
-                log.log(
-                    logging.INFO if expected else logging.WARNING,
-                    "worker on %s %s; starting a fresh one",
-                    slot.key,
-                    reason,
-                )
+                log.error("worker %s %s; not restarting slot %s", slot.worker_name, reason, slot.key)
+            elif not slot.retired:
+                delay = 0.0 if code in CLEAN_EXITS else self.settings.restart_delay
+                slot.not_before = now + (2 * delay if code == exit_codes.EXIT_REDIS else delay)
+                level = logging.INFO if code in CLEAN_EXITS else logging.WARNING
+                log.log(level, "worker %s %s; starting a fresh one", slot.worker_name, reason)
+
+    def _watchdog(self, now: float) -> None:
+        """Kill a worker whose job runs past its timeout: SIGALRM cannot stop a hung CUDA call."""
+        if now < self._next_watchdog:
+            return
+        self._next_watchdog = now + WATCHDOG_SECONDS
+        for slot in self.slots:
+            if slot.proc is None or slot.proc.poll() is not None:
+                continue
+            try:
+                for job_id in running_job_ids(self.connection, slot.worker_name):
+                    job = Job.fetch(job_id, connection=self.connection, serializer=JSONSerializer)
+                    started = job.started_at.timestamp() if job.started_at else time.time()
+                    limit = (job.timeout or 0) + HUNG_GRACE_SECONDS
+                    if job.timeout and time.time() - started > limit:
+                        self._hung[slot.worker_name] = f"hung on {job_id} for over {limit:.0f} s; killed"
+                        log.error("worker %s %s", slot.worker_name, self._hung[slot.worker_name])
+                        slot.proc.kill()
+            except Exception as exc:  # a job gone between the two reads, or Redis away
+                log.debug("watchdog skipped %s: %s", slot.worker_name, exc)
 
     def _fill(self, now: float) -> None:
         for slot in self.slots:
@@ -154,6 +234,27 @@ class Pool:
 
     def _alive(self) -> bool:
         return any(slot.proc is not None for slot in self.slots)
+
+    def _step(self, handled: int, now: float) -> int | None:
+        """One turn of the loop; an exit code once the pool is done."""
+        self._reap(stopping=handled > 0, now=now)
+        if self._to_abandon:
+            self._release_jobs()
+        if handled:
+            if self._alive():
+                return None
+            if self._to_abandon:  # Redis is away; the supervisor's heartbeat check will catch these
+                log.warning(
+                    "pool exiting with %d dead worker(s) whose jobs it could not release",
+                    len(self._to_abandon),
+                )
+            return 0
+        self._watchdog(now)
+        self._fill(now)
+        if all(slot.retired for slot in self.slots) and not self._alive():
+            log.error("pool %s: no device left to run workers on; giving up", self.settings.name)
+            return exit_codes.EXIT_CONFIG
+        return None
 
     def run(self) -> int:
         """Run until signalled: first signal drains (finish current chunk), second stops at once."""
@@ -172,17 +273,9 @@ class Pool:
                         kill_at = now + self.settings.kill_grace
                 if kill_at is not None and now >= kill_at:
                     self._signal_all(signal.SIGKILL)
-                self._reap(stopping=handled > 0, now=now)
-                if handled:
-                    if not self._alive():
-                        return 0
-                else:
-                    self._fill(now)
-                    if all(slot.retired for slot in self.slots):
-                        log.error(
-                            "pool %s: every worker refused its configuration; giving up", self.settings.name
-                        )
-                        return exit_codes.EXIT_CONFIG
+                code = self._step(handled, now)
+                if code is not None:
+                    return code
                 time.sleep(POLL_SECONDS)
         finally:
             self._shutdown_leftovers()

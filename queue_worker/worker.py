@@ -13,18 +13,20 @@ import os
 import signal
 import socket
 import sys
+import threading
 from types import FrameType
 from typing import Any
 
 import redis
 from rq.serializers import JSONSerializer
-from rq.worker import SimpleWorker
+from rq.worker import SimpleWorker, WorkerStatus
 
-from jobs import models, runtime
+from jobs import faults, models, runtime
 from jobs.allowlist import AllowListedJob
 from jobs.errors import ConfigError
 from queue_worker.exit_codes import (
     EXIT_CONFIG,
+    EXIT_CUDA_FATAL,
     EXIT_ERROR,
     EXIT_MAX_JOBS,
     EXIT_ORPHANED,
@@ -37,17 +39,60 @@ log = logging.getLogger(__name__)
 DEFAULT_QUEUE = "chunkq"
 
 
+HEARTBEAT_SECONDS = 5.0
+
+
+class Heartbeat:
+    """Keeps a running job's heartbeat going from a thread: SimpleWorker sends none while a job runs,
+    so without it a long chunk would look abandoned to anyone watching."""
+
+    def __init__(
+        self, worker: ChunkWorker, job: Any, execution: Any, interval: float = HEARTBEAT_SECONDS
+    ) -> None:
+        self.worker, self.job, self.execution, self.interval = worker, job, execution, interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="chunkq-heartbeat", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.worker.maintain_heartbeats(self.job, self.execution)
+            except Exception as exc:  # Redis away for a moment: the next beat tries again
+                log.warning("heartbeat for %s failed: %s", self.job.id, exc)
+
+    def __enter__(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
 class ChunkWorker(SimpleWorker):
-    """SimpleWorker (no fork: the model stays loaded) that counts jobs and honours a second signal."""
+    """SimpleWorker (no fork: the model stays loaded) that counts jobs, beats while busy, exits at
+    once when the CUDA context broke, and honours a second signal."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.jobs_run = 0
         self.stop_signalled = False
+        self.cuda_broken: str | None = None
 
     def execute_job(self, job: Any, queue: Any) -> None:
         self.jobs_run += 1
-        super().execute_job(job, queue)
+        execution = self.prepare_execution(job)
+        with Heartbeat(self, job, execution):
+            self.perform_job(job, queue, execution)
+        self.set_state(WorkerStatus.IDLE)
+        broken = runtime.context_broken()
+        if broken:
+            # No empty_cache() or model reload repairs a sticky CUDA error; a fresh process does.
+            self.cuda_broken = broken
+            self._stop_requested = True
+            self.log.error(
+                "Worker %s: CUDA context broken (%s); exiting for a fresh process", self.name, broken
+            )
 
     def request_stop(self, signum: int, frame: FrameType | None) -> None:
         self.stop_signalled = True
@@ -74,26 +119,27 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _context(name: str) -> runtime.WorkerContext:
+    """Who this worker is; a GPU worker never falls back to the CPU: it fails loudly instead."""
     device = os.environ.get("CHUNKQ_DEVICE", "cpu")
+    gpu = os.environ.get("CHUNKQ_GPU")
+    kind = "cpu"
+    if device != "cpu":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"worker {name} was given GPU {gpu} but torch sees no CUDA device (CUDA_VISIBLE_DEVICES="
+                f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}); refusing to run on the CPU"
+            )
+        device, kind = "cuda:0", torch.cuda.get_device_name(0)  # the one GPU left visible
     return runtime.WorkerContext(
-        name=name, host=socket.gethostname(), pid=os.getpid(), device=device, gpu=os.environ.get("CHUNKQ_GPU")
+        name=name, host=socket.gethostname(), pid=os.getpid(), device=device, gpu=gpu, device_kind=kind
     )
 
 
-def _check_device(ctx: runtime.WorkerContext) -> None:
-    """A worker given a GPU never falls back to the CPU: it fails loudly instead."""
-    if ctx.device == "cpu":
-        return
-    import torch
-
-    if not torch.cuda.is_available():
-        raise ConfigError(
-            f"worker {ctx.name} was given GPU {ctx.gpu} but torch sees no CUDA device "
-            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); refusing to run on the CPU"
-        )
-
-
 def _exit_code(worker: ChunkWorker, max_jobs: int | None, connection: redis.Redis) -> int:
+    if worker.cuda_broken:
+        return EXIT_CUDA_FATAL
     if max_jobs is not None and worker.jobs_run >= max_jobs:
         return EXIT_MAX_JOBS
     if worker.stop_signalled:
@@ -121,12 +167,14 @@ def main(argv: list[str] | None = None) -> int:
     early_stop = _EarlyStop()
     args = _parse(argv)
     name = args.name or f"cq-{socket.gethostname()}-{os.getpid()}"
-    ctx = _context(name)
+    where = f"{name} gpu={os.environ.get('CHUNKQ_GPU', '-')}"
     logging.basicConfig(
         level=args.log_level.upper(),
-        format=f"%(asctime)s %(levelname)s [{name} gpu={ctx.gpu or '-'}] %(name)s: %(message)s",
+        format=f"%(asctime)s %(levelname)s [{where}] %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if faults.active():
+        log.warning("FAULT INJECTION IS ON (%s); this worker will fail on purpose", faults.ENV)
     pool_pid = os.environ.get("CHUNKQ_POOL_PID")
     if pool_pid and os.getppid() != int(pool_pid):
         log.error("pool %s is gone before this worker started; exiting", pool_pid)
@@ -136,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("CHUNKQ_REDIS_URL is not set")
         return EXIT_CONFIG
     try:
-        _check_device(ctx)
+        ctx = _context(name)
         runtime.set_context(ctx)
         connection = redis.Redis.from_url(url)
         connection.ping()
