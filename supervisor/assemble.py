@@ -19,23 +19,29 @@ import numpy as np
 from jobs.errors import AssemblyError, BadInputError
 from jobs.store import RunLayout, atomic_write_json, file_sha256, read_chunk_input, read_json, verify_output
 from supervisor.manifest import RunManifest, load_manifest
+from supervisor.progress import Failure
 
 log = logging.getLogger(__name__)
 
 
 def published_result(layout: RunLayout, manifest: RunManifest) -> dict[str, Any] | None:
-    """The published result manifest if one exists for this very run, else None."""
+    """The published result manifest if a whole one exists for this very run, else None."""
     path = layout.result / "manifest.json"
     if not path.is_file():
         return None
     result = read_json(path)
-    return result if result.get("fingerprint") == manifest.fingerprint else None
+    whole = result.get("fingerprint") == manifest.fingerprint and result.get("complete", True)
+    return result if whole else None
 
 
-def _verify_all(layout: RunLayout, manifest: RunManifest) -> tuple[list[dict[str, Any]], list[str]]:
+def _verify_all(
+    layout: RunLayout, manifest: RunManifest, skip: set[int]
+) -> tuple[list[dict[str, Any]], list[str]]:
     metas, problems = [], []
     dim: int | None = None
     for index in range(manifest.chunks):
+        if index in skip:
+            continue
         first, rows = manifest.first_row(index), manifest.chunk_rows(index)
         meta, why = verify_output(layout, index, rows)
         where = f"chunk {index} (rows {first}-{first + rows - 1})"
@@ -51,19 +57,25 @@ def _verify_all(layout: RunLayout, manifest: RunManifest) -> tuple[list[dict[str
     return metas, problems
 
 
-def _write_result(layout: RunLayout, manifest: RunManifest, tmp: Path, dim: int) -> dict[str, Any]:
+def _write_result(
+    layout: RunLayout, manifest: RunManifest, tmp: Path, dim: int, skip: set[int], total: int
+) -> dict[str, Any]:
     matrix = np.lib.format.open_memmap(
-        tmp / "embeddings.npy", mode="w+", dtype=np.float32, shape=(manifest.rows, dim)
+        tmp / "embeddings.npy", mode="w+", dtype=np.float32, shape=(total, dim)
     )
+    first = 0
     with open(tmp / "ids.jsonl", "w", encoding="utf-8") as ids_out:
         for index in range(manifest.chunks):
-            first, rows = manifest.first_row(index), manifest.chunk_rows(index)
+            if index in skip:
+                continue
+            rows = manifest.chunk_rows(index)
             ids, _ = read_chunk_input(layout, index)
             if len(ids) != rows:
                 raise BadInputError(f"chunk {index}: input holds {len(ids)} rows, the manifest says {rows}")
             matrix[first : first + rows] = np.load(
                 layout.output_npy(index), mmap_mode="r", allow_pickle=False
             )
+            first += rows
             ids_out.writelines(json.dumps(rid, ensure_ascii=False) + "\n" for rid in ids)
         ids_out.flush()
         os.fsync(ids_out.fileno())
@@ -75,24 +87,46 @@ def _write_result(layout: RunLayout, manifest: RunManifest, tmp: Path, dim: int)
     }
 
 
-def assemble(layout: RunLayout) -> dict[str, Any]:
-    """Verify every chunk and publish ``result/``; raise AssemblyError naming every problem."""
+def assemble(layout: RunLayout, missing: list[Failure] | None = None) -> dict[str, Any]:
+    """Verify every chunk and publish ``result/``; raise AssemblyError naming every problem.
+
+    ``missing`` (``--allow-partial``) leaves those chunks out; the result manifest then says
+    ``complete: false`` and lists their row ranges and errors, so a partial result is never silent.
+    """
     manifest = load_manifest(layout)
     existing = published_result(layout, manifest)
     if existing is not None:
         return existing
-    metas, problems = _verify_all(layout, manifest)
+    skip = {f.chunk: f for f in missing or []}
+    metas, problems = _verify_all(layout, manifest, set(skip))
     if problems:
         raise AssemblyError(manifest.run_id, problems)
+    if not metas:
+        raise AssemblyError(manifest.run_id, ["no chunk of the run has an output"])
     dim = int(metas[0]["dim"])
+    total = manifest.rows - sum(f.rows for f in skip.values())
     tmp = layout.root / f".result.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        digests = _write_result(layout, manifest, tmp, dim)
+        digests = _write_result(layout, manifest, tmp, dim, set(skip), total)
+        missing_rows = [
+            {
+                "chunk": f.chunk,
+                "first_row": f.first_row,
+                "rows": f.rows,
+                "error_class": f.error_class,
+                "error": f.error,
+            }
+            for f in skip.values()
+        ]
         result = {
             **manifest.data,
             **digests,
+            "complete": not skip,
+            "corpus_rows": manifest.rows,
+            "rows": total,
+            "missing": missing_rows,
             "dim": dim,
             "dtype": "float32",
             "assembled_at": datetime.now(UTC).isoformat(),
@@ -107,5 +141,8 @@ def assemble(layout: RunLayout) -> dict[str, Any]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log.info("run %s: published %d x %d embeddings in %s", manifest.run_id, manifest.rows, dim, layout.result)
+    if skip:
+        log.warning("run %s: published a PARTIAL result: %d of %d rows; %d chunk(s) missing", manifest.run_id,
+                    total, manifest.rows, len(skip))  # fmt: skip
+    log.info("run %s: published %d x %d embeddings in %s", manifest.run_id, total, dim, layout.result)
     return result

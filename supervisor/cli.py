@@ -23,16 +23,18 @@ from queue_worker.worker import DEFAULT_QUEUE
 from supervisor.assemble import assemble
 from supervisor.corpus import FORMATS, CorpusOptions, detect_format
 from supervisor.display import ProgressDisplay, describe
+from supervisor.lock import RunLockedError
 from supervisor.manifest import load_manifest
 from supervisor.progress import Tracker
+from supervisor.retry import RetryPolicy
 from supervisor.run import RunOutcome, RunRequest, run
 from supervisor.submit import DEFAULT_CHUNK_SIZE, SubmitRequest, submit
-from supervisor.watch import Outcome, failure_report, supervise
+from supervisor.watch import Outcome, RedisGoneError, WatchSettings, failure_report, supervise
 
 log = logging.getLogger("chunkq")
 
 EXIT_OK = 0
-EXIT_CHUNKS_FAILED = 1  # some chunks failed for good; the report names them
+EXIT_CHUNKS_FAILED = 1  # chunks were quarantined; the report names each with its rows and last error
 EXIT_USAGE = 2  # click's own code for a bad command line
 EXIT_BAD_INPUT = 3  # the corpus is malformed
 EXIT_CONFLICT = 4  # the run id is taken by another corpus or other options
@@ -40,6 +42,8 @@ EXIT_ASSEMBLY = 5  # chunk outputs missing or corrupt
 EXIT_CONFIG = 6  # settings that cannot work
 EXIT_REDIS = 7  # Redis unreachable
 EXIT_POOL_DIED = 8  # chunkq run: the worker pool ended before the run did
+EXIT_PARTIAL = 9  # --allow-partial: a result without the quarantined chunks was published
+EXIT_LOCKED = 10  # another supervisor is watching the run
 EXIT_INTERRUPTED = 130  # Ctrl+C; the run resumes from the store
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -47,6 +51,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def _exit_code(exc: Exception) -> int:
     for kind, code in (
+        (RunLockedError, EXIT_LOCKED),
+        (RedisGoneError, EXIT_REDIS),
         (AssemblyError, EXIT_ASSEMBLY),
         (BadInputError, EXIT_BAD_INPUT),
         (RunConflictError, EXIT_CONFLICT),
@@ -142,10 +148,34 @@ def pool_options(func: F) -> F:
             show_default=True,
             help="Chunks a worker runs before it exits and a fresh process replaces it.",
         ),
-    ]
+        click.option("--max-jobs-jitter", type=click.FloatRange(0, 0.9), default=0.1, show_default=True,
+                     help="Each worker's max-jobs varies by up to this fraction, so reloads are staggered."),
+        click.option("--crash-limit", type=click.IntRange(1), default=5, show_default=True,
+                     help="Worker deaths on one GPU within --crash-window that take it out of the pool."),
+        click.option("--crash-window", type=float, default=300.0, show_default=True, help="Seconds."),
+    ]  # fmt: skip
     for option in reversed(options):
         func = option(func)
     return func
+
+
+def watch_options(func: F) -> F:
+    options = [
+        click.option("--poll", type=float, default=1.0, show_default=True, help="Seconds between looks."),
+        click.option("--max-attempts", type=click.IntRange(1), default=3, envvar="CHUNKQ_MAX_ATTEMPTS",
+                     show_default=True, help="Attempts per chunk before it is quarantined."),
+        click.option("--allow-partial", is_flag=True,
+                     help="With quarantined chunks, publish the rest and list the missing rows (exit 9)."),
+    ]  # fmt: skip
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def _watch_settings(poll: float, max_attempts: int, allow_partial: bool) -> WatchSettings:
+    return WatchSettings(
+        poll_seconds=poll, policy=RetryPolicy(max_attempts=max_attempts), allow_partial=allow_partial
+    )
 
 
 def _submit_request(corpus: Path, **kw: Any) -> SubmitRequest:
@@ -170,8 +200,13 @@ def _submit_request(corpus: Path, **kw: Any) -> SubmitRequest:
 
 def _finish(outcome: Outcome) -> int:
     """Print the end of a watched run and pick the exit code."""
-    if outcome.failures:
-        click.echo(failure_report(outcome.failures), err=True)
+    if outcome.quarantined:
+        click.echo(failure_report(outcome.quarantined), err=True)
+        if outcome.partial and outcome.result is not None:
+            result = outcome.result
+            click.echo(f"PARTIAL result: {result['rows']} of {result['corpus_rows']} rows; the missing row "
+                       "ranges are listed under 'missing' in result/manifest.json", err=True)  # fmt: skip
+            return EXIT_PARTIAL
         return EXIT_CHUNKS_FAILED
     if outcome.result is None:
         click.echo(
@@ -229,6 +264,9 @@ def pool_cmd(redis_url: str, gpus: str, name: str | None, **kw: Any) -> None:
         workers_per_gpu=kw["workers_per_gpu"],
         cpu_workers=kw["cpu_workers"],
         max_jobs=kw["max_jobs"],
+        max_jobs_jitter=kw["max_jobs_jitter"],
+        crash_limit=kw["crash_limit"],
+        crash_window=kw["crash_window"],
         preload=kw["preload"],
         precision=kw["precision"],
         name=name or default_pool_name(),
@@ -238,14 +276,15 @@ def pool_cmd(redis_url: str, gpus: str, name: str | None, **kw: Any) -> None:
 
 @cli.command("supervise")
 @click.argument("run_id")
-@click.option("--poll", type=float, default=1.0, show_default=True, help="Seconds between looks.")
+@watch_options
 @store_option
 @redis_option(required=True)
 @reports_errors
-def supervise_cmd(run_id: str, store: Path, redis_url: str, poll: float) -> None:
-    """Watch RUN_ID with a live progress display; assemble the result when every chunk is done."""
+def supervise_cmd(run_id: str, store: Path, redis_url: str, **watch: Any) -> None:
+    """Watch RUN_ID: retry or quarantine failed chunks, then assemble the result when all are done."""
     with ProgressDisplay() as display:
-        outcome = supervise(redis.Redis.from_url(redis_url), RunLayout(store, run_id), display, poll)
+        layout = RunLayout(store, run_id)
+        outcome = supervise(redis.Redis.from_url(redis_url), layout, display, _watch_settings(**watch))
     sys.exit(_finish(outcome))
 
 
@@ -282,6 +321,7 @@ def assemble_cmd(run_id: str, store: Path) -> None:
 @cli.command("run")
 @submit_options
 @pool_options
+@watch_options
 @redis_option(required=False)
 @reports_errors
 def run_cmd(
@@ -291,9 +331,16 @@ def run_cmd(
     workers_per_gpu: int,
     cpu_workers: int,
     max_jobs: int,
+    poll: float,
+    max_attempts: int,
+    allow_partial: bool,
     **kw: Any,
 ) -> None:
     """Everything on this machine: embedded Redis (unless --redis-url), pool, submit, supervise, assemble."""
+    pool_args = tuple(
+        arg for name in ("max_jobs_jitter", "crash_limit", "crash_window")
+        for arg in (f"--{name.replace('_', '-')}", str(kw.pop(name)))
+    )  # fmt: skip
     req = RunRequest(
         submit=_submit_request(corpus, **kw),
         redis_url=redis_url,
@@ -301,6 +348,8 @@ def run_cmd(
         workers_per_gpu=workers_per_gpu,
         cpu_workers=cpu_workers,
         max_jobs=max_jobs,
+        watch=_watch_settings(poll, max_attempts, allow_partial),
+        pool_args=pool_args,
     )
     if gpus not in ("all", "none", "cpu"):
         gpu_discovery.select(gpus, gpu_discovery.discover())  # refuse a missing GPU before starting anything

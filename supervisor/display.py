@@ -30,7 +30,9 @@ def describe(snap: Snapshot) -> str:
     rate = f"{snap.rows_per_second:,.0f} rows/s" if snap.rows_per_second else "- rows/s"
     return (
         f"run {snap.run_id}: chunks {snap.chunks_done}/{snap.chunks} done, {snap.chunks_running} running, "
-        f"{snap.chunks_queued} queued, {snap.chunks_failed} failed; rows {snap.rows_done:,}/{snap.rows:,}; "
+        f"{snap.chunks_queued} queued, {snap.chunks_retrying} retrying, "
+        f"{snap.chunks_quarantined} quarantined; "
+        f"rows {snap.rows_done:,}/{snap.rows:,}; "
         f"{rate}; ETA {_duration(snap.eta_seconds)}"
     )
 
@@ -73,7 +75,7 @@ class ProgressDisplay:
                 rows=f"{snap.rows_done:,}/{snap.rows:,}",
                 rate=f"{snap.rows_per_second:,.0f}/s" if snap.rows_per_second else "-/s",
                 eta=_duration(snap.eta_seconds),
-                failed=snap.chunks_failed,
+                failed=snap.chunks_retrying + snap.chunks_quarantined,
             )
             return
         line = describe(snap)

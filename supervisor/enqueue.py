@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from itertools import islice
 
 import redis
-from rq import Queue, Retry
+from rq import Queue
 from rq.job import Job
 from rq.queue import EnqueueData
 from rq.registry import FailedJobRegistry
@@ -25,7 +25,6 @@ BATCH = 1000
 RESULT_TTL = 7 * 24 * 3600  # results are tiny JSON; keep them as long as a run may take
 FAILURE_TTL = 30 * 24 * 3600
 IN_FLIGHT = {"queued", "started", "deferred", "scheduled"}
-RQ_RETRIES = 2  # RQ's own immediate retries; the supervisor's back-off policy is issue 3's work
 
 
 @dataclass
@@ -68,6 +67,12 @@ def enqueue_chunks(
             if status in IN_FLIGHT:
                 counts.in_flight += 1
             elif status == "failed":
+                # Submitting again is the user's "try these again": fresh attempts, no quarantine.
+                job = Job.fetch(job_id, connection=connection, serializer=JSONSerializer)
+                for key in ("quarantined", "quarantine_reason", "retry_at"):
+                    job.meta.pop(key, None)
+                job.meta["attempt"] = 1
+                job.save_meta()  # type: ignore[no-untyped-call]
                 failed.requeue(job_id)
                 counts.requeued += 1
             else:
@@ -92,6 +97,11 @@ def _job_data(layout: RunLayout, manifest: RunManifest, index: int, job_id: str)
         result_ttl=RESULT_TTL,
         failure_ttl=FAILURE_TTL,
         description=f"chunkq run {manifest.run_id} chunk {index} ({spec.rows} rows)",
-        meta={"run_id": manifest.run_id, "chunk": index, "rows": spec.rows, "first_row": spec.first_row},
-        retry=Retry(max=RQ_RETRIES),
+        meta={
+            "run_id": manifest.run_id,
+            "chunk": index,
+            "rows": spec.rows,
+            "first_row": spec.first_row,
+            "attempt": 1,
+        },
     )

@@ -11,6 +11,7 @@ from typing import Any
 import redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
+from rq.utils import str_to_date
 
 from jobs.specs import chunk_job_id
 from jobs.store import RunLayout
@@ -18,14 +19,23 @@ from supervisor.enqueue import job_statuses
 from supervisor.manifest import RunManifest
 
 RATE_WINDOW_SECONDS = 30.0
+STALE_HEARTBEAT_SECONDS = 60.0  # workers beat every 5 s while a chunk runs
 
 
 @dataclass
 class Failure:
+    """A chunk whose last attempt failed: waiting for its next attempt, or quarantined."""
+
     chunk: int
+    first_row: int
     rows: int
     job_id: str
+    error_class: str
+    attempt: int
     error: str
+    traceback: str
+    quarantined: bool
+    reason: str = ""
 
 
 @dataclass
@@ -39,8 +49,10 @@ class Snapshot:
     rows_done: int = 0
     chunks_queued: int = 0
     chunks_running: int = 0
-    chunks_failed: int = 0
+    chunks_retrying: int = 0
+    chunks_quarantined: int = 0
     lost: list[int] = field(default_factory=list)
+    stale: list[int] = field(default_factory=list)
     failures: list[Failure] = field(default_factory=list)
     rows_per_second: float | None = None
     eta_seconds: float | None = None
@@ -48,8 +60,12 @@ class Snapshot:
 
     @property
     def settled(self) -> bool:
-        """Every chunk is either done or failed for good."""
-        return self.chunks_done + self.chunks_failed == self.chunks
+        """Every chunk is either done or quarantined: nothing more will happen by itself."""
+        return self.chunks_done + self.chunks_quarantined == self.chunks
+
+    @property
+    def quarantined(self) -> list[Failure]:
+        return [f for f in self.failures if f.quarantined]
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -57,15 +73,26 @@ class Snapshot:
         return data
 
 
-def _last_error(connection: redis.Redis, job_id: str) -> str:
+def _failure(job: Job, index: int, manifest: RunManifest) -> Failure:
+    meta = job.meta
     try:
-        job = Job.fetch(job_id, connection=connection, serializer=JSONSerializer)
         result = job.latest_result()
-        text = (result.exc_string if result is not None else None) or job.exc_info or ""
-    except Exception as exc:  # a job we cannot read still counts as failed
-        return f"(error unavailable: {exc})"
-    lines = [line for line in str(text).strip().splitlines() if line.strip()]
-    return lines[-1] if lines else "(no traceback recorded)"
+        text = str((result.exc_string if result is not None else None) or job.exc_info or "")
+    except Exception as exc:  # a job we cannot fully read still counts as failed
+        text = f"(traceback unavailable: {exc})"
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return Failure(
+        chunk=index,
+        first_row=manifest.first_row(index),
+        rows=manifest.chunk_rows(index),
+        job_id=job.id,
+        error_class=str(meta.get("error_class", "other")),
+        attempt=int(meta.get("attempt", 1)),
+        error=str(meta.get("error") or (lines[-1] if lines else "(no traceback recorded)")),
+        traceback=text,
+        quarantined=bool(meta.get("quarantined")),
+        reason=str(meta.get("quarantine_reason", "")),
+    )
 
 
 def recent_rate(layout: RunLayout, manifest: RunManifest, window: float = 60.0) -> float | None:
@@ -90,14 +117,16 @@ class Tracker:
         self.connection, self.layout, self.manifest = connection, layout, manifest
         self.pending = set(range(manifest.chunks))
         self.rows_done = 0
-        self.failures: dict[int, Failure] = {}
+        self.failed_jobs: dict[int, Job] = {}
         self._history: deque[tuple[float, int]] = deque()
 
     def _mark_done(self, indices: set[int]) -> None:
         for index in indices:
             self.pending.discard(index)
-            self.failures.pop(index, None)
             self.rows_done += self.manifest.chunk_rows(index)
+
+    def _job_id(self, index: int) -> str:
+        return chunk_job_id(self.manifest.run_id, index)
 
     def poll_once(self) -> Snapshot:
         """A single look (``chunkq status``): the rate comes from the store's recent commits."""
@@ -112,32 +141,52 @@ class Tracker:
         self._mark_done(self.layout.done_chunks() & self.pending)
         snap = Snapshot(self.manifest.run_id, self.manifest.chunks, self.manifest.rows)
         order = sorted(self.pending)
-        statuses = job_statuses(self.connection, [chunk_job_id(self.manifest.run_id, i) for i in order])
-        finished_late = set()
-        for index, status in zip(order, statuses, strict=True):
-            if status == "failed":
-                if index not in self.failures:
-                    job_id = chunk_job_id(self.manifest.run_id, index)
-                    error = _last_error(self.connection, job_id)
-                    self.failures[index] = Failure(index, self.manifest.chunk_rows(index), job_id, error)
-            else:
-                self.failures.pop(index, None)
-            if status == "queued" or status in ("deferred", "scheduled"):
+        failed, running, finished_late = [], [], set()
+        for index, status in zip(
+            order, job_statuses(self.connection, [self._job_id(i) for i in order]), strict=True
+        ):
+            if status in ("queued", "deferred", "scheduled"):
                 snap.chunks_queued += 1
             elif status == "started":
-                snap.chunks_running += 1
+                running.append(index)
+            elif status == "failed":
+                failed.append(index)
             elif status == "finished" and self.layout.output_meta(index).is_file():
                 finished_late.add(index)  # finished between the store listing and the status read
-            elif status != "failed":
+            else:
                 snap.lost.append(index)  # no live job and no output: it must be queued again
         self._mark_done(finished_late)
+        snap.chunks_running = len(running)
+        snap.stale = self._stale(running)
+        self.failed_jobs = self._fetch(failed)
+        snap.failures = [_failure(job, i, self.manifest) for i, job in sorted(self.failed_jobs.items())]
+        snap.chunks_quarantined = len(snap.quarantined)
+        snap.chunks_retrying = len(snap.failures) - snap.chunks_quarantined
         snap.chunks_done = self.manifest.chunks - len(self.pending)
         snap.rows_done = self.rows_done
-        snap.failures = [self.failures[i] for i in sorted(self.failures)]
-        snap.chunks_failed = len(snap.failures)
         snap.result_published = (self.layout.result / "manifest.json").is_file()
         self._rate(snap, now)
         return snap
+
+    def _fetch(self, indices: list[int]) -> dict[int, Job]:
+        jobs = Job.fetch_many([self._job_id(i) for i in indices], self.connection, serializer=JSONSerializer)
+        return {i: job for i, job in zip(indices, jobs, strict=True) if job is not None}
+
+    def _stale(self, running: list[int]) -> list[int]:
+        """Started chunks whose worker stopped beating: it died or hangs, and no pool said so."""
+        if not running:
+            return []
+        with self.connection.pipeline(transaction=False) as pipe:
+            for index in running:
+                pipe.hget(Job.key_for(self._job_id(index)), "last_heartbeat")
+            beats = pipe.execute()
+        stale, wall = [], time.time()
+        for index, beat in zip(running, beats, strict=True):
+            if beat is None:
+                continue
+            if wall - str_to_date(beat).timestamp() > STALE_HEARTBEAT_SECONDS:
+                stale.append(index)
+        return stale
 
     def _rate(self, snap: Snapshot, now: float) -> None:
         self._history.append((now, snap.rows_done))

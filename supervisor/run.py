@@ -8,7 +8,7 @@ import os
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
@@ -21,7 +21,7 @@ from supervisor.display import ProgressDisplay
 from supervisor.embedded_redis import EmbeddedRedis
 from supervisor.manifest import load_manifest
 from supervisor.submit import SubmitRequest, SubmitResult, submit
-from supervisor.watch import Outcome, supervise
+from supervisor.watch import Outcome, WatchSettings, supervise
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,8 @@ class RunRequest:
     workers_per_gpu: int = 1
     cpu_workers: int = 1
     max_jobs: int | None = None
-    poll_seconds: float = 1.0
+    watch: WatchSettings = field(default_factory=WatchSettings)
+    pool_args: tuple[str, ...] = ()  # extra `chunkq pool` options (crash limits, jitter)
 
 
 @dataclass
@@ -71,6 +72,7 @@ class PoolProcess:
         ]
         if req.max_jobs is not None:
             self.cmd += ["--max-jobs", str(req.max_jobs)]
+        self.cmd += list(req.pool_args)
         self.env = dict(os.environ, CHUNKQ_REDIS_URL=redis_url)
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
@@ -138,5 +140,5 @@ def run(req: RunRequest, display: ProgressDisplay) -> RunOutcome:
                 log.info("worker logs: %s", log_path)
             pool = stack.enter_context(PoolProcess(req, url, log_path))
             keep_going = pool.alive
-        outcome = supervise(connection, layout, display, req.poll_seconds, keep_going)
+        outcome = supervise(connection, layout, display, req.watch, keep_going)
         return RunOutcome(submitted, outcome, pool_died=not keep_going())

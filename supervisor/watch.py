@@ -1,69 +1,133 @@
-"""``chunkq supervise``: watch a run until every chunk is settled, re-queue lost chunks, assemble."""
+"""``chunkq supervise``: watch a run until every chunk is settled, act on failures, assemble.
+
+Each look: chunks with no job and no output are queued again; chunks whose worker stopped beating
+are failed as abandoned; failed chunks get their next attempt after a back-off, or are quarantined.
+Nothing lives only in this process: attempts, back-off deadlines and quarantines are in job meta.
+"""
 
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
 
+from jobs.abandon import mark_abandoned
+from jobs.errors import ChunkqError
+from jobs.specs import chunk_job_id
 from jobs.store import RunLayout
 from supervisor.assemble import assemble
 from supervisor.display import ProgressDisplay
 from supervisor.enqueue import enqueue_chunks
-from supervisor.manifest import load_manifest
-from supervisor.progress import Failure, Snapshot, Tracker
+from supervisor.lock import RunLock
+from supervisor.manifest import RunManifest, load_manifest
+from supervisor.progress import STALE_HEARTBEAT_SECONDS, Failure, Snapshot, Tracker
+from supervisor.retry import RetryPolicy, settle_failure
 
 log = logging.getLogger(__name__)
 
 POLL_SECONDS = 1.0
+REDIS_PATIENCE_SECONDS = 300.0  # how long Redis may stay away before the supervisor gives up
+
+
+class RedisGoneError(ChunkqError):
+    """Redis stayed unreachable for longer than the supervisor's patience."""
+
+
+@dataclass(frozen=True)
+class WatchSettings:
+    poll_seconds: float = POLL_SECONDS
+    policy: RetryPolicy = field(default_factory=RetryPolicy)
+    allow_partial: bool = False
+    redis_patience: float = REDIS_PATIENCE_SECONDS
 
 
 @dataclass
 class Outcome:
     snapshot: Snapshot
-    result: dict[str, Any] | None  # the published result manifest, when the run is whole
+    result: dict[str, Any] | None  # the published result manifest (whole, or partial if allowed)
 
     @property
-    def failures(self) -> list[Failure]:
-        return self.snapshot.failures
+    def quarantined(self) -> list[Failure]:
+        return self.snapshot.quarantined
+
+    @property
+    def partial(self) -> bool:
+        return self.result is not None and not self.result.get("complete", True)
 
 
 def failure_report(failures: list[Failure]) -> str:
-    lines = [f"{len(failures)} chunk(s) failed:"]
-    lines += [f"  chunk {f.chunk} ({f.rows} rows, job {f.job_id}): {f.error}" for f in failures]
+    lines = [f"{len(failures)} chunk(s) quarantined:"]
+    lines += [
+        f"  chunk {f.chunk} (rows {f.first_row}-{f.first_row + f.rows - 1}, job {f.job_id}, {f.error_class}, "
+        f"attempt {f.attempt}{', ' + f.reason if f.reason else ''}): {f.error}"
+        for f in failures
+    ]
     return "\n".join(lines)
+
+
+def _act(connection: redis.Redis, layout: RunLayout, manifest: RunManifest, tracker: Tracker, snap: Snapshot,
+         settings: WatchSettings, rng: random.Random) -> None:  # fmt: skip
+    if snap.lost:
+        counts = enqueue_chunks(connection, layout, manifest, snap.lost)
+        log.warning("run %s: %d chunk(s) had no job and no output; queued again", manifest.run_id,
+                    counts.enqueued + counts.requeued)  # fmt: skip
+    for index in snap.stale:
+        mark_abandoned(connection, chunk_job_id(manifest.run_id, index),
+                       f"no heartbeat for over {STALE_HEARTBEAT_SECONDS:.0f} s")  # fmt: skip
+    for job in tracker.failed_jobs.values():
+        settle_failure(connection, job, settings.policy, rng)
+
+
+def _look(connection: redis.Redis, layout: RunLayout, manifest: RunManifest, tracker: Tracker,
+          settings: WatchSettings, rng: random.Random, lock: RunLock) -> Snapshot:  # fmt: skip
+    lock.renew()
+    snap = tracker.poll()
+    _act(connection, layout, manifest, tracker, snap, settings, rng)
+    return tracker.poll() if snap.failures or snap.stale or snap.lost else snap
 
 
 def supervise(
     connection: redis.Redis,
     layout: RunLayout,
     display: ProgressDisplay,
-    poll_seconds: float = POLL_SECONDS,
+    settings: WatchSettings | None = None,
     keep_going: Callable[[], bool] = lambda: True,
 ) -> Outcome:
-    """Poll until every chunk is done or has failed for good, then assemble when all are done.
+    """Watch until every chunk is done or quarantined, then assemble (partially only if allowed).
 
     ``keep_going`` lets a caller stop the watch early (``chunkq run`` when its pool has died).
     """
+    settings = settings or WatchSettings()
     manifest = load_manifest(layout)
     tracker = Tracker(connection, layout, manifest)
-    while True:
-        snap = tracker.poll()
-        if snap.lost:
-            counts = enqueue_chunks(connection, layout, manifest, snap.lost)
-            log.warning(
-                "run %s: %d chunk(s) had no job and no output; queued again",
-                manifest.run_id,
-                counts.enqueued + counts.requeued,
-            )
-        display.update(snap)
-        if snap.settled or not keep_going():
-            break
-        time.sleep(poll_seconds)
-    if not snap.settled or snap.failures:
+    rng = random.Random()  # noqa: S311 - back-off jitter, not security
+    lock = RunLock(connection, manifest.run_id)
+    lock.acquire()
+    redis_lost_at: float | None = None
+    try:
+        while True:
+            try:
+                snap = _look(connection, layout, manifest, tracker, settings, rng, lock)
+                redis_lost_at = None
+            except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError) as exc:
+                now = time.monotonic()
+                redis_lost_at = redis_lost_at or now
+                if now - redis_lost_at > settings.redis_patience:
+                    raise RedisGoneError(f"Redis unreachable for {now - redis_lost_at:.0f} s: {exc}") from exc
+                log.warning("Redis unreachable (%s); the run goes on when it is back", exc)
+                time.sleep(settings.poll_seconds)
+                continue
+            display.update(snap)
+            if snap.settled or not keep_going():
+                break
+            time.sleep(settings.poll_seconds)
+    finally:
+        lock.release()
+    if not snap.settled or (snap.quarantined and not settings.allow_partial):
         return Outcome(snap, None)
-    return Outcome(snap, assemble(layout))
+    return Outcome(snap, assemble(layout, missing=snap.quarantined if settings.allow_partial else None))

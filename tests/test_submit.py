@@ -42,7 +42,7 @@ def test_submit_writes_chunks_manifest_and_jobs(tmp_path: Path, store: Path, con
     job = Job.fetch(chunk_job_id(result.run_id, 1), connection=connection, serializer=queue.serializer)
     assert job.func_name == EMBED_CHUNK and job.timeout == 600
     assert job.args[0]["first_row"] == 10 and job.args[0]["rows"] == 10
-    assert job.meta == {"run_id": result.run_id, "chunk": 1, "rows": 10, "first_row": 10}
+    assert job.meta == {"run_id": result.run_id, "chunk": 1, "rows": 10, "first_row": 10, "attempt": 1}
     # The job hash holds JSON, not pickle: anyone reading Redis sees plain data.
     raw = connection.hget(job.key, "data")
     assert raw is not None

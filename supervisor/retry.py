@@ -1,0 +1,72 @@
+"""The supervisor's retry policy: attempts, exponential back-off with jitter, quarantine.
+
+Every decision is written into the job's meta (``attempt``, ``retry_at``, ``quarantined``), so a
+supervisor that is killed and restarted picks up exactly where the last one stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+import redis
+from rq.job import Job
+from rq.registry import FailedJobRegistry
+from rq.serializers import JSONSerializer
+
+from jobs import errors
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    max_attempts: int = 3
+    backoff_base: float = 2.0  # seconds before the second attempt; doubles each time
+    backoff_cap: float = 120.0
+    jitter: float = 0.25  # +-25 %, so chunks that failed together do not return together
+
+    def delay(self, attempt: int, rng: random.Random) -> float:
+        base = min(self.backoff_cap, self.backoff_base * 2.0 ** max(0, attempt - 1))
+        return float(base * (1 + rng.uniform(-self.jitter, self.jitter)))
+
+    def quarantine_reason(self, error_class: str, attempt: int) -> str | None:
+        """Why a failed chunk must not be tried again, or None if it gets another attempt."""
+        if error_class in errors.NEVER_RETRIED:
+            return f"{error_class} errors are not retried"
+        if attempt >= self.max_attempts:
+            return f"failed {attempt} of {self.max_attempts} attempts"
+        return None
+
+
+def settle_failure(
+    connection: redis.Redis, job: Job, policy: RetryPolicy, rng: random.Random, now: float | None = None
+) -> str:
+    """Act on one failed chunk job: 'quarantined', 'waiting' (back-off) or 'requeued'."""
+    now = time.time() if now is None else now
+    meta = job.meta
+    if meta.get("quarantined"):
+        return "quarantined"
+    attempt = int(meta.get("attempt", 1))
+    error_class = str(meta.get("error_class", errors.OTHER))
+    reason = policy.quarantine_reason(error_class, attempt)
+    if reason is not None:
+        meta.update(quarantined=True, quarantine_reason=reason)
+        job.save_meta()  # type: ignore[no-untyped-call]
+        log.error("chunk job %s quarantined: %s; last error: %s", job.id, reason, meta.get("error", "?"))
+        return "quarantined"
+    if "retry_at" not in meta:
+        meta["retry_at"] = now + policy.delay(attempt, rng)
+        job.save_meta()  # type: ignore[no-untyped-call]
+        log.warning("chunk job %s failed (%s, attempt %d); retrying in %.1f s",
+                    job.id, error_class, attempt, meta["retry_at"] - now)  # fmt: skip
+    if float(meta["retry_at"]) > now:
+        return "waiting"
+    meta["attempt"] = attempt + 1
+    meta.pop("retry_at", None)
+    job.save_meta()  # type: ignore[no-untyped-call]
+    FailedJobRegistry(job.origin, connection=connection, serializer=JSONSerializer).requeue(job.id)
+    log.info("chunk job %s: attempt %d queued", job.id, attempt + 1)
+    return "requeued"
