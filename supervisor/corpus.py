@@ -11,12 +11,15 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from jobs.errors import CorpusError
 
 FORMATS = ("jsonl", "csv", "parquet", "txt")
 _SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".parquet": "parquet", ".txt": "txt"}
+
+
+MAX_TEXT_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,13 @@ class CorpusOptions:
     format: str
     text_field: str = "text"
     id_field: str = "id"
+    max_text_bytes: int = MAX_TEXT_BYTES  # a longer line or text is a data bug, not a document
+
+
+class Record(NamedTuple):
+    id: str
+    text: str
+    where: str  # "file:line" or "file: row N", for error messages
 
 
 def detect_format(path: Path, given: str | None = None) -> str:
@@ -77,19 +87,28 @@ class _IdPolicy:
         return str(value)
 
 
-def _text_of(record: dict[str, Any], field: str, where: str) -> str:
+def _text_of(record: dict[str, Any], opts: CorpusOptions, where: str) -> str:
+    field = opts.text_field
     if field not in record:
         raise CorpusError(f"{where}: missing text field {field!r}")
     text = record[field]
     if not isinstance(text, str):
         kind = "null" if text is None else type(text).__name__
         raise CorpusError(f"{where}: text field {field!r} is {kind}, not a string")
+    if not text.strip():
+        raise CorpusError(f"{where}: text field {field!r} is empty")
+    if len(text) > opts.max_text_bytes:  # characters: a cheap lower bound of the bytes
+        raise CorpusError(f"{where}: text is over the limit of {opts.max_text_bytes} bytes")
     return text
 
 
-def _lines(path: Path) -> Iterator[tuple[int, str]]:
+def _lines(path: Path, limit: int) -> Iterator[tuple[int, str]]:
     with open(path, "rb") as fh:
-        for lineno, raw in enumerate(fh, 1):
+        lineno = 0
+        while raw := fh.readline(limit + 2):  # never read more of a line than the limit allows
+            lineno += 1
+            if len(raw.rstrip(b"\r\n")) > limit:
+                raise CorpusError(f"{path}:{lineno}: line is over the limit of {limit} bytes")
             try:
                 yield lineno, raw.decode("utf-8")
             except UnicodeDecodeError as exc:
@@ -98,9 +117,9 @@ def _lines(path: Path) -> Iterator[tuple[int, str]]:
                 ) from None
 
 
-def _read_jsonl(path: Path, opts: CorpusOptions) -> Iterator[tuple[str, str]]:
+def _read_jsonl(path: Path, opts: CorpusOptions) -> Iterator[Record]:
     ids = _IdPolicy(path, opts.id_field)
-    for lineno, line in _lines(path):
+    for lineno, line in _lines(path, opts.max_text_bytes):
         if not line.strip():
             continue
         where = f"{path}:{lineno}"
@@ -110,17 +129,17 @@ def _read_jsonl(path: Path, opts: CorpusOptions) -> Iterator[tuple[str, str]]:
             raise CorpusError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from None
         if not isinstance(record, dict):
             raise CorpusError(f"{where}: expected a JSON object, got {type(record).__name__}")
-        yield ids.pick(record, where, lineno), _text_of(record, opts.text_field, where)
+        yield Record(ids.pick(record, where, lineno), _text_of(record, opts, where), where)
 
 
-def _read_txt(path: Path, opts: CorpusOptions) -> Iterator[tuple[str, str]]:
-    for lineno, line in _lines(path):
+def _read_txt(path: Path, opts: CorpusOptions) -> Iterator[Record]:
+    for lineno, line in _lines(path, opts.max_text_bytes):
         text = line.rstrip("\r\n")
         if text.strip():
-            yield str(lineno), text
+            yield Record(str(lineno), text, f"{path}:{lineno}")
 
 
-def _read_csv(path: Path, opts: CorpusOptions) -> Iterator[tuple[str, str]]:
+def _read_csv(path: Path, opts: CorpusOptions) -> Iterator[Record]:
     ids = _IdPolicy(path, opts.id_field)
     try:
         with open(path, encoding="utf-8", newline="") as fh:
@@ -136,14 +155,14 @@ def _read_csv(path: Path, opts: CorpusOptions) -> Iterator[tuple[str, str]]:
                     raise CorpusError(
                         f"{where}: row has {len(header)} columns expected, found a different number"
                     )
-                yield ids.pick(row, where, number), row[opts.text_field]
+                yield Record(ids.pick(row, where, number), _text_of(row, opts, where), where)
     except UnicodeDecodeError as exc:
         raise CorpusError(f"{path}: not valid UTF-8 ({exc.reason})") from None
     except csv.Error as exc:
         raise CorpusError(f"{path}: malformed CSV: {exc}") from None
 
 
-def _read_parquet(path: Path, opts: CorpusOptions) -> Iterator[tuple[str, str]]:
+def _read_parquet(path: Path, opts: CorpusOptions) -> Iterator[Record]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -164,13 +183,13 @@ def _read_parquet(path: Path, opts: CorpusOptions) -> Iterator[tuple[str, str]]:
         for record in batch.to_pylist():
             number += 1
             where = f"{path}: row {number}"
-            yield ids.pick(record, where, number), _text_of(record, opts.text_field, where)
+            yield Record(ids.pick(record, where, number), _text_of(record, opts, where), where)
 
 
 _READERS = {"jsonl": _read_jsonl, "csv": _read_csv, "parquet": _read_parquet, "txt": _read_txt}
 
 
-def read_corpus(path: Path, opts: CorpusOptions) -> Iterator[tuple[str, str]]:
+def read_corpus(path: Path, opts: CorpusOptions) -> Iterator[Record]:
     """Yield (id, text) in corpus order; raise CorpusError naming the file and line on bad input."""
     check_readable(path)
     return _READERS[opts.format](path, opts)

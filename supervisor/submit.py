@@ -22,7 +22,8 @@ from jobs.errors import ConfigError, CorpusError, RunConflictError
 from jobs.specs import FORMAT_VERSION, EncodeOptions, fingerprint, validate_run_id
 from jobs.store import RunLayout, atomic_write_json, write_chunk_input
 from queue_worker.worker import DEFAULT_QUEUE
-from supervisor.corpus import CorpusOptions, check_readable, read_corpus
+from supervisor.corpus import CorpusOptions, Record, check_readable, read_corpus
+from supervisor.dupes import IdRegistry
 from supervisor.enqueue import EnqueueCounts, enqueue_chunks
 from supervisor.manifest import RunManifest, load_manifest
 
@@ -102,15 +103,21 @@ def _conflict(manifest: RunManifest, identity: dict[str, Any]) -> RunConflictErr
 
 def _write_inputs(req: SubmitRequest, layout: RunLayout) -> int:
     """Stream the corpus into chunk files; return the row count. Only one chunk is ever in memory."""
-    rows, index, buffer = 0, 0, []
-    for record in read_corpus(req.corpus, req.corpus_options):
-        buffer.append(record)
-        if len(buffer) == req.chunk_size:
-            write_chunk_input(layout, index, buffer)
-            rows, index, buffer = rows + len(buffer), index + 1, []
-    if buffer:
-        write_chunk_input(layout, index, buffer)
-        rows += len(buffer)
+    rows, index, buffer = 0, 0, list[Record]()
+    with IdRegistry(layout.root / ".ids.sqlite") as seen:
+
+        def flush() -> None:
+            seen.add(buffer)
+            write_chunk_input(layout, index, [(r.id, r.text) for r in buffer])
+
+        for record in read_corpus(req.corpus, req.corpus_options):
+            buffer.append(record)
+            if len(buffer) == req.chunk_size:
+                flush()
+                rows, index, buffer = rows + len(buffer), index + 1, []
+        if buffer:
+            flush()
+            rows += len(buffer)
     if rows == 0:
         raise CorpusError(f"{req.corpus}: the corpus holds no texts")
     return rows

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -15,8 +16,8 @@ from supervisor.corpus import CorpusOptions, check_readable, detect_format, read
 from tests.helpers import make_texts, write_corpus
 
 
-def _read(path: Path, fmt: str | None = None, **kw: str) -> list[tuple[str, str]]:
-    return list(read_corpus(path, CorpusOptions(format=detect_format(path, fmt), **kw)))
+def _read(path: Path, fmt: str | None = None, **kw: Any) -> list[tuple[str, str]]:
+    return [(r.id, r.text) for r in read_corpus(path, CorpusOptions(format=detect_format(path, fmt), **kw))]
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "csv", "parquet"])
@@ -108,3 +109,32 @@ def test_unreadable_file(tmp_path: Path) -> None:
         path.chmod(0)
     with pytest.raises(CorpusError, match="cannot read"):
         check_readable(path)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "content", "message"),
+    [
+        (
+            "jsonl",
+            '{"id": 1, "text": "ok"}\n{"id": 2, "text": "  "}\n',
+            "c.jsonl:2: text field 'text' is empty",
+        ),
+        ("csv", "id,text\n1,ok\n2,\n", "c.csv:3: text field 'text' is empty"),
+    ],
+)
+def test_empty_text_is_refused(tmp_path: Path, fmt: str, content: str, message: str) -> None:
+    path = tmp_path / f"c.{fmt}"
+    path.write_text(content, encoding="utf-8")
+    with pytest.raises(CorpusError, match=message):
+        _read(path)
+
+
+def test_line_over_the_size_limit_is_refused_without_reading_it_whole(tmp_path: Path) -> None:
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"text": "ok"}\n' + json.dumps({"text": "x" * 5000}) + "\n", encoding="utf-8")
+    with pytest.raises(CorpusError, match=r"c.jsonl:2: line is over the limit of 1000 bytes"):
+        _read(path, max_text_bytes=1000)
+    parquet = tmp_path / "c.parquet"
+    pq.write_table(pa.table({"text": ["ok", "y" * 5000]}), parquet)
+    with pytest.raises(CorpusError, match=r"row 2: text is over the limit of 1000 bytes"):
+        _read(parquet, max_text_bytes=1000)

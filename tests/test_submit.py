@@ -115,3 +115,15 @@ def test_empty_corpus_is_refused(tmp_path: Path, store: Path, connection: redis.
     with pytest.raises(CorpusError, match="holds no texts"):
         submit(_request(corpus, store), connection)
     assert not (store / "runs").exists() or not any((store / "runs").iterdir())
+
+
+def test_duplicate_ids_are_named_with_both_places(
+    tmp_path: Path, store: Path, connection: redis.Redis
+) -> None:
+    ids, texts = make_texts(35)
+    ids[27] = ids[3]
+    corpus = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")
+    with pytest.raises(CorpusError, match=r"c.jsonl:28: duplicate id 'doc-0-3' \(first at .*c.jsonl:4\)"):
+        submit(_request(corpus, store, run_id="dup"), connection)
+    assert not RunLayout(store, "dup").root.exists()
+    assert chunk_queue(connection, "t").count == 0
