@@ -73,6 +73,7 @@ class PoolSettings:
     kill_grace: float = 10.0  # after a second signal, before SIGKILL
     crash_limit: int = 5  # a GPU whose workers die this many times ...
     crash_window: float = 300.0  # ... within this many seconds is taken out of the pool
+    hung_grace: float = HUNG_GRACE_SECONDS
 
 
 @dataclass
@@ -219,7 +220,7 @@ class Pool:
                 for job_id in running_job_ids(self.connection, slot.worker_name):
                     job = Job.fetch(job_id, connection=self.connection, serializer=JSONSerializer)
                     started = job.started_at.timestamp() if job.started_at else time.time()
-                    limit = (job.timeout or 0) + HUNG_GRACE_SECONDS
+                    limit = (job.timeout or 0) + self.settings.hung_grace
                     if job.timeout and time.time() - started > limit:
                         self._hung[slot.worker_name] = f"hung on {job_id} for over {limit:.0f} s; killed"
                         log.error("worker %s %s", slot.worker_name, self._hung[slot.worker_name])

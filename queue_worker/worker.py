@@ -204,11 +204,9 @@ def main(argv: list[str] | None = None) -> int:
         [args.queue], connection=connection, name=name, serializer=JSONSerializer, job_class=AllowListedJob
     )
     worker.work(burst=args.burst, max_jobs=args.max_jobs, logging_level=args.log_level.upper())
-    code = (
-        EXIT_STOPPED
-        if args.burst and not worker.stop_signalled
-        else _exit_code(worker, args.max_jobs, connection)
-    )
+    code = _exit_code(worker, args.max_jobs, connection)
+    if args.burst and code == EXIT_ERROR:  # burst: an empty queue is the normal end
+        code = EXIT_STOPPED
     log.info("worker %s exiting after %d job(s) with code %d", name, worker.jobs_run, code)
     return code
 

@@ -153,6 +153,8 @@ def pool_options(func: F) -> F:
         click.option("--crash-limit", type=click.IntRange(1), default=5, show_default=True,
                      help="Worker deaths on one GPU within --crash-window that take it out of the pool."),
         click.option("--crash-window", type=float, default=300.0, show_default=True, help="Seconds."),
+        click.option("--hung-grace", type=float, default=30.0, show_default=True,
+                     help="Seconds past a job's timeout before its worker is killed as hung."),
     ]  # fmt: skip
     for option in reversed(options):
         func = option(func)
@@ -267,6 +269,7 @@ def pool_cmd(redis_url: str, gpus: str, name: str | None, **kw: Any) -> None:
         max_jobs_jitter=kw["max_jobs_jitter"],
         crash_limit=kw["crash_limit"],
         crash_window=kw["crash_window"],
+        hung_grace=kw["hung_grace"],
         preload=kw["preload"],
         precision=kw["precision"],
         name=name or default_pool_name(),
@@ -338,7 +341,7 @@ def run_cmd(
 ) -> None:
     """Everything on this machine: embedded Redis (unless --redis-url), pool, submit, supervise, assemble."""
     pool_args = tuple(
-        arg for name in ("max_jobs_jitter", "crash_limit", "crash_window")
+        arg for name in ("max_jobs_jitter", "crash_limit", "crash_window", "hung_grace")
         for arg in (f"--{name.replace('_', '-')}", str(kw.pop(name)))
     )  # fmt: skip
     req = RunRequest(
