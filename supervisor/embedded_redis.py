@@ -54,10 +54,11 @@ def free_port() -> int:
 class EmbeddedRedis:
     """Start with ``start()`` (or as a context manager); ``url`` carries the password."""
 
-    def __init__(self, data_dir: Path, password: str | None = None) -> None:
+    def __init__(self, data_dir: Path, password: str | None = None, port: int | None = None) -> None:
         self.data_dir = Path(data_dir)
         self.password = password or secrets.token_urlsafe(24)
-        self.port = 0
+        self.fixed_port = port  # a restart on the same address, for clients that keep their URL
+        self.port = port or 0
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -92,7 +93,7 @@ class EmbeddedRedis:
     def start(self) -> EmbeddedRedis:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         for _attempt in range(3):  # the free port can be taken between probe and bind
-            self.port = free_port()
+            self.port = self.fixed_port or free_port()
             conf = self.data_dir / "auth.conf"
             conf.touch(mode=0o600, exist_ok=True)
             conf.chmod(0o600)

@@ -1,0 +1,152 @@
+"""Error classes, fault injection and the OOM back-off, in-process with the real model on the CPU."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from jobs import errors, faults, runtime
+from jobs.embed import embed_chunk
+from jobs.errors import ChunkOutOfMemoryError, ConfigError, CudaFatalError
+from jobs.models import BUNDLED_MODEL
+from jobs.specs import ChunkSpec, EncodeOptions
+from jobs.store import RunLayout, read_json, write_chunk_input
+from queue_worker.pool import jittered_max_jobs
+from supervisor.retry import RetryPolicy
+from tests.helpers import make_texts, max_abs_diff
+
+
+@pytest.mark.parametrize(
+    ("exc", "kind"),
+    [
+        (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB"), errors.OOM),
+        (
+            RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
+            errors.OOM,
+        ),
+        (RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"), errors.OOM),
+        (RuntimeError("CUDA error: an illegal memory access was encountered"), errors.CUDA_FATAL),
+        (RuntimeError("CUDA error: unspecified launch failure"), errors.CUDA_FATAL),
+        (RuntimeError("CUDA error: device-side assert triggered"), errors.CUDA_FATAL),
+        (
+            RuntimeError(
+                "NVML_SUCCESS == DriverAPI::get()->nvmlInit_v2_() INTERNAL ASSERT FAILED at "
+                '"../c10/cuda/CUDACachingAllocator.cpp":1123'
+            ),
+            errors.CUDA_FATAL,
+        ),
+        (
+            RuntimeError("CUDA driver error: out of memory (expandable_segments map failed)"),
+            errors.CUDA_FATAL,
+        ),
+        (errors.CorpusError("c.jsonl:3: text is int"), errors.BAD_INPUT),
+        (ConfigError("fp16 needs a GPU"), errors.CONFIG),
+        (ValueError("something else"), errors.OTHER),
+    ],
+)
+def test_classify(exc: BaseException, kind: str) -> None:
+    assert errors.classify(exc) == kind
+
+
+def test_fault_rules_are_validated_and_off_by_default() -> None:
+    assert not faults.active()  # nothing in the test environment turns them on
+    assert faults.parse(None) == () and faults.parse("") == ()
+    rules = faults.parse(
+        '[{"kind": "oom", "chunks": [1, 2], "above_batch": 4}, {"kind": "sigkill", "probability": 0.5}]'
+    )
+    assert rules[0].matches("r", 2, 1) and not rules[0].matches("r", 3, 1)
+    draws = [rules[1].matches("r", chunk, 1) for chunk in range(200)]
+    assert 60 < sum(draws) < 140 and draws == [
+        rules[1].matches("r", c, 1) for c in range(200)
+    ]  # deterministic
+    for bad in ("not json", '{"kind": "oom"}', '[{"kind": "explode"}]', '[{"kind": "oom", "chunk": [1]}]'):
+        with pytest.raises(ConfigError, match="CHUNKQ_FAULTS"):
+            faults.parse(bad)
+
+
+@pytest.fixture
+def inject(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """Turn on fault rules for this test only (the worker reads the same switch from its environment)."""
+
+    def set_rules(raw: str) -> None:
+        monkeypatch.setattr(faults, "_FAULTS", faults.parse(raw))
+
+    yield set_rules
+    runtime.mark_context_broken(None)  # type: ignore[arg-type]
+
+
+def _chunk(store: Path, index: int = 0, rows: int = 24, batch: int = 32) -> tuple[ChunkSpec, list[str]]:
+    ids, texts = make_texts(rows, seed=30 + index)
+    layout = RunLayout(store, "faulty")
+    write_chunk_input(layout, index, list(zip(ids, texts, strict=True)))
+    return ChunkSpec(
+        "faulty", index, index * rows, rows, BUNDLED_MODEL, str(store), EncodeOptions(batch_size=batch)
+    ), texts
+
+
+def test_oom_halves_the_batch_and_later_chunks_start_from_what_fitted(
+    store: Path, inject: Any, reference_model: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    inject('[{"kind": "oom", "above_batch": 8}]')
+    spec, texts = _chunk(store)
+    meta = embed_chunk(spec.to_dict())
+    assert meta["batch_size"] == 8 and meta["batch_size_requested"] == 32
+    got = np.load(RunLayout(store, "faulty").output_npy(0))
+    assert max_abs_diff(got, reference_model.encode(texts)) <= 1e-5
+    assert "retrying with batch size 16" in caplog.text and "retrying with batch size 8" in caplog.text
+    assert read_json(RunLayout(store, "faulty").learned_batch("cpu"))["batch_size"] == 8
+    caplog.clear()
+    second, _ = _chunk(store, index=1)
+    assert embed_chunk(second.to_dict())["batch_size"] == 8
+    assert "out of memory" not in caplog.text  # started at the learned size: no OOM this time
+
+
+def test_oom_at_batch_size_one_fails_the_chunk_as_oom(store: Path, inject: Any) -> None:
+    inject('[{"kind": "oom"}]')
+    spec, _ = _chunk(store, batch=4)
+    with pytest.raises(ChunkOutOfMemoryError, match="out of memory even at batch size 1"):
+        embed_chunk(spec.to_dict())
+    assert not RunLayout(store, "faulty").output_meta(0).exists()
+    assert runtime.context_broken() is None  # an OOM alone does not condemn the process
+
+
+def test_broken_context_after_oom_is_fatal(store: Path, inject: Any) -> None:
+    inject('[{"kind": "oom"}, {"kind": "broken_context"}]')
+    spec, _ = _chunk(store)
+    with pytest.raises(CudaFatalError, match="CUDA context unusable after"):
+        embed_chunk(spec.to_dict())
+    assert runtime.context_broken()
+
+
+def test_cuda_fatal_marks_the_process_broken(store: Path, inject: Any) -> None:
+    inject('[{"kind": "cuda_fatal", "attempts": [1]}]')
+    spec, _ = _chunk(store)
+    with pytest.raises(CudaFatalError, match="illegal memory access"):
+        embed_chunk(spec.to_dict())
+    assert "illegal memory access" in (runtime.context_broken() or "")
+
+
+def test_retry_policy() -> None:
+    policy = RetryPolicy(max_attempts=3, backoff_base=2.0, backoff_cap=10.0, jitter=0.25)
+    rng = random.Random(1)
+    assert policy.delay(1, rng, errors.ABANDONED) == 0.0 and policy.delay(2, rng, errors.CUDA_FATAL) == 0.0
+    for attempt, base in ((1, 2.0), (2, 4.0), (3, 8.0), (6, 10.0)):
+        delays = [policy.delay(attempt, rng) for _ in range(50)]
+        assert all(0.75 * base <= d <= 1.25 * base for d in delays) and len(set(delays)) > 1
+    assert policy.quarantine_reason(errors.OOM, 1) is None
+    assert policy.quarantine_reason(errors.OOM, 3) == "failed 3 of 3 attempts"
+    assert policy.quarantine_reason(errors.BAD_INPUT, 1) == "bad_input errors are not retried"
+
+
+def test_recycle_jitter_spreads_max_jobs() -> None:
+    rng = random.Random(3)
+    values = [jittered_max_jobs(20, 0.1, rng) for _ in range(100)]
+    assert set(values) <= set(range(18, 23)) and len(set(values)) >= 4
+    assert {jittered_max_jobs(2, 0.1, rng) for _ in range(20)} == {2}
+    assert jittered_max_jobs(None, 0.1, rng) is None
