@@ -61,6 +61,7 @@ CONFIG = "config"
 ABANDONED = "abandoned"
 OTHER = "other"
 NEVER_RETRIED = frozenset({BAD_INPUT, CONFIG})
+NOT_THE_CHUNKS_FAULT = frozenset({ABANDONED, CUDA_FATAL})  # retried at once, on a fresh process
 
 _OOM_MARKERS = ("out of memory", "cublas_status_alloc_failed", "cudnn_status_alloc_failed",
                 "cudnn_status_not_enough_workspace")  # fmt: skip

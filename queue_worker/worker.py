@@ -203,7 +203,11 @@ def main(argv: list[str] | None = None) -> int:
     worker = ChunkWorker(
         [args.queue], connection=connection, name=name, serializer=JSONSerializer, job_class=AllowListedJob
     )
-    worker.work(burst=args.burst, max_jobs=args.max_jobs, logging_level=args.log_level.upper())
+    try:
+        worker.work(burst=args.burst, max_jobs=args.max_jobs, logging_level=args.log_level.upper())
+    except redis.RedisError as exc:  # Redis went away mid-job or at teardown: not this GPU's fault
+        log.error("worker %s lost Redis: %s", name, exc)
+        return EXIT_CUDA_FATAL if worker.cuda_broken else EXIT_REDIS
     code = _exit_code(worker, args.max_jobs, connection)
     if args.burst and code == EXIT_ERROR:  # burst: an empty queue is the normal end
         code = EXIT_STOPPED

@@ -80,8 +80,9 @@ class EmbeddedRedis:
             str(self.data_dir),
             "--appendonly",
             "yes",
+            # Every write on disk before it is acknowledged: a killed server loses no enqueue.
             "--appendfsync",
-            "everysec",
+            "always",
             "--save",
             "",
             "--daemonize",

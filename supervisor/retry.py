@@ -28,7 +28,9 @@ class RetryPolicy:
     backoff_cap: float = 120.0
     jitter: float = 0.25  # +-25 %, so chunks that failed together do not return together
 
-    def delay(self, attempt: int, rng: random.Random) -> float:
+    def delay(self, attempt: int, rng: random.Random, error_class: str = errors.OTHER) -> float:
+        if error_class in errors.NOT_THE_CHUNKS_FAULT:
+            return 0.0  # the cure is the fresh worker that already replaced the dead one
         base = min(self.backoff_cap, self.backoff_base * 2.0 ** max(0, attempt - 1))
         return float(base * (1 + rng.uniform(-self.jitter, self.jitter)))
 
@@ -58,7 +60,7 @@ def settle_failure(
         log.error("chunk job %s quarantined: %s; last error: %s", job.id, reason, meta.get("error", "?"))
         return "quarantined"
     if "retry_at" not in meta:
-        meta["retry_at"] = now + policy.delay(attempt, rng)
+        meta["retry_at"] = now + policy.delay(attempt, rng, error_class)
         job.save_meta()  # type: ignore[no-untyped-call]
         log.warning("chunk job %s failed (%s, attempt %d); retrying in %.1f s",
                     job.id, error_class, attempt, meta["retry_at"] - now)  # fmt: skip
