@@ -9,8 +9,8 @@ the job pays one empty-tuple check. A worker with faults on says so loudly at st
 
 Kinds: ``oom`` (raises torch's OutOfMemoryError while the batch size is above ``above_batch``),
 ``cuda_fatal`` (raises the illegal-memory-access RuntimeError), ``broken_context`` (the
-after-error probe finds the context unusable), ``hang`` (blocks SIGALRM, which a hung CUDA call
-would not answer either, and sleeps), ``sigkill`` (kills its own process).
+after-error probe finds the context unusable), ``hang`` (ignores SIGALRM, as a hung CUDA call
+would, and sleeps), ``sigkill`` (kills its own process).
 """
 
 from __future__ import annotations
@@ -108,7 +108,8 @@ def inject(run_id: str, chunk: int, attempt: int, batch_size: int) -> None:
         if fault.kind == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
         if fault.kind == "hang":
-            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+            # Like a hung CUDA call: RQ's SIGALRM job timeout cannot get it out.
+            signal.signal(signal.SIGALRM, signal.SIG_IGN)
             while True:
                 time.sleep(3600)
 

@@ -202,7 +202,9 @@ class Pool:
             elif code in NO_RESTART:
                 slot.retired = True
                 log.error("worker %s %s; not restarting slot %s", slot.worker_name, reason, slot.key)
-            elif not slot.retired:
+            elif slot.retired:
+                log.error("worker %s %s; its device is out of service", slot.worker_name, reason)
+            else:
                 delay = 0.0 if code in CLEAN_EXITS else self.settings.restart_delay
                 slot.not_before = now + (2 * delay if code == exit_codes.EXIT_REDIS else delay)
                 level = logging.INFO if code in CLEAN_EXITS else logging.WARNING

@@ -83,3 +83,32 @@ def wait_for(predicate: Callable[[], bool], timeout: float, what: str, interval:
 def max_abs_diff(a: np.ndarray, b: np.ndarray) -> float:
     assert a.shape == b.shape, (a.shape, b.shape)
     return float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64))))
+
+
+def start_cli(log: Path, *args: str, **env: str) -> subprocess.Popen[bytes]:
+    """A long-running ``chunkq`` command in the background, its output in ``log``."""
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "supervisor.cli", *args],
+            env=cli_env(**env),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def stop_tree(proc: subprocess.Popen[bytes]) -> None:
+    """Kill a process and everything it started (workers run in their own sessions)."""
+    import psutil
+
+    try:
+        children = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        children = []
+    for p in [*children]:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    proc.kill()
+    proc.wait(timeout=30)
+    psutil.wait_procs(children, timeout=30)
