@@ -6,20 +6,23 @@ import os
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import redis
+from rq.intermediate_queue import IntermediateQueue
 from rq.job import Job
 from rq.serializers import JSONSerializer
 from rq.utils import str_to_date
 
 from jobs.specs import chunk_job_id
 from jobs.store import RunLayout
-from supervisor.enqueue import job_statuses
+from supervisor.enqueue import chunk_queue, job_statuses
 from supervisor.manifest import RunManifest
 
 RATE_WINDOW_SECONDS = 30.0
 STALE_HEARTBEAT_SECONDS = 60.0  # workers beat every 5 s while a chunk runs
+STRANDED_SECONDS = 10.0  # a live worker starts what it dequeued within milliseconds
 
 
 @dataclass
@@ -53,6 +56,7 @@ class Snapshot:
     chunks_quarantined: int = 0
     lost: list[int] = field(default_factory=list)
     stale: list[int] = field(default_factory=list)
+    stranded: list[int] = field(default_factory=list)  # dequeued by a worker that died before starting it
     failures: list[Failure] = field(default_factory=list)
     rows_per_second: float | None = None
     eta_seconds: float | None = None
@@ -156,6 +160,8 @@ class Tracker:
             else:
                 snap.lost.append(index)  # no live job and no output: it must be queued again
         self._mark_done(finished_late)
+        if snap.chunks_queued:
+            snap.stranded = self._stranded([i for i in order if i not in finished_late])
         snap.chunks_running = len(running)
         snap.stale = self._stale(running)
         self.failed_jobs = self._fetch(failed)
@@ -171,6 +177,28 @@ class Tracker:
     def _fetch(self, indices: list[int]) -> dict[int, Job]:
         jobs = Job.fetch_many([self._job_id(i) for i in indices], self.connection, serializer=JSONSerializer)
         return {i: job for i, job in zip(indices, jobs, strict=True) if job is not None}
+
+    def _stranded(self, pending: list[int]) -> list[int]:
+        """Queued chunks left in RQ's intermediate list: a worker took them and died before starting.
+
+        RQ repairs these itself only in its ten-minute maintenance pass; the first-seen marks it
+        keeps in Redis make this check survive a supervisor restart.
+        """
+        intermediate = IntermediateQueue(
+            chunk_queue(self.connection, self.manifest.queue).key, self.connection
+        )
+        held = set(intermediate.get_job_ids())
+        if not held:
+            return []
+        stranded, limit = [], timedelta(seconds=STRANDED_SECONDS)
+        for index in pending:
+            job_id = self._job_id(index)
+            if job_id not in held or intermediate.set_first_seen(job_id):
+                continue
+            first = intermediate.get_first_seen(job_id)
+            if first is not None and datetime.now(UTC) - first > limit:
+                stranded.append(index)
+        return stranded
 
     def _stale(self, running: list[int]) -> list[int]:
         """Started chunks whose worker stopped beating: it died or hangs, and no pool said so."""

@@ -12,7 +12,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 
@@ -22,7 +22,7 @@ from jobs.specs import chunk_job_id
 from jobs.store import RunLayout
 from supervisor.assemble import assemble
 from supervisor.display import ProgressDisplay
-from supervisor.enqueue import enqueue_chunks
+from supervisor.enqueue import chunk_queue, enqueue_chunks
 from supervisor.lock import RunLock
 from supervisor.manifest import RunManifest, load_manifest
 from supervisor.progress import STALE_HEARTBEAT_SECONDS, Failure, Snapshot, Tracker
@@ -76,6 +76,16 @@ def _act(connection: redis.Redis, layout: RunLayout, manifest: RunManifest, trac
         counts = enqueue_chunks(connection, layout, manifest, snap.lost)
         log.warning("run %s: %d chunk(s) had no job and no output; queued again", manifest.run_id,
                     counts.enqueued + counts.requeued)  # fmt: skip
+    if snap.stranded:
+        queue = chunk_queue(connection, manifest.queue)
+        with connection.pipeline() as pipe:
+            for index in snap.stranded:
+                job_id = chunk_job_id(manifest.run_id, index)
+                pipe.lrem(queue.intermediate_queue_key, 1, job_id)
+                queue.push_job_id(job_id, pipeline=pipe)
+            pipe.execute()
+        log.warning("run %s: chunk(s) %s were taken by a worker that died before starting them; queued again",
+                    manifest.run_id, snap.stranded)  # fmt: skip
     for index in snap.stale:
         mark_abandoned(connection, chunk_job_id(manifest.run_id, index),
                        f"no heartbeat for over {STALE_HEARTBEAT_SECONDS:.0f} s")  # fmt: skip
@@ -88,7 +98,25 @@ def _look(connection: redis.Redis, layout: RunLayout, manifest: RunManifest, tra
     lock.renew()
     snap = tracker.poll()
     _act(connection, layout, manifest, tracker, snap, settings, rng)
-    return tracker.poll() if snap.failures or snap.stale or snap.lost else snap
+    return tracker.poll() if snap.failures or snap.stale or snap.lost or snap.stranded else snap
+
+
+T = TypeVar("T")
+
+
+def _patiently(step: Callable[[], T], settings: WatchSettings) -> T:
+    """Run ``step``, riding out a Redis outage (a restart with append-only persistence) up to the patience."""
+    lost_at: float | None = None
+    while True:
+        try:
+            return step()
+        except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError) as exc:
+            now = time.monotonic()
+            lost_at = lost_at or now
+            if now - lost_at > settings.redis_patience:
+                raise RedisGoneError(f"Redis unreachable for {now - lost_at:.0f} s: {exc}") from exc
+            log.warning("Redis unreachable (%s); the run goes on when it is back", exc)
+            time.sleep(settings.poll_seconds)
 
 
 def supervise(
@@ -107,21 +135,12 @@ def supervise(
     tracker = Tracker(connection, layout, manifest)
     rng = random.Random()  # noqa: S311 - back-off jitter, not security
     lock = RunLock(connection, manifest.run_id)
-    lock.acquire()
-    redis_lost_at: float | None = None
+    _patiently(lock.acquire, settings)
     try:
         while True:
-            try:
-                snap = _look(connection, layout, manifest, tracker, settings, rng, lock)
-                redis_lost_at = None
-            except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError) as exc:
-                now = time.monotonic()
-                redis_lost_at = redis_lost_at or now
-                if now - redis_lost_at > settings.redis_patience:
-                    raise RedisGoneError(f"Redis unreachable for {now - redis_lost_at:.0f} s: {exc}") from exc
-                log.warning("Redis unreachable (%s); the run goes on when it is back", exc)
-                time.sleep(settings.poll_seconds)
-                continue
+            snap = _patiently(
+                lambda: _look(connection, layout, manifest, tracker, settings, rng, lock), settings
+            )
             display.update(snap)
             if snap.settled or not keep_going():
                 break

@@ -1,0 +1,105 @@
+"""Chaos: workers SIGKILLed at random, injected OOM and broken CUDA, the supervisor and Redis killed
+and restarted mid-run. The result must equal a clean single-process encode, row for row."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import pytest
+
+from jobs.store import RunLayout, read_json
+from supervisor.embedded_redis import EmbeddedRedis
+from tests.helpers import make_texts, max_abs_diff, run_cli, start_cli, stop_tree, write_corpus
+
+OOM_CHUNKS = [3, 17, 33, 48]
+CUDA_CHUNKS = [7, 25, 41, 55]
+DEADLINE_SECONDS = 420
+
+
+def _workers(pool: Any) -> list[psutil.Process]:
+    found = []
+    for child in psutil.Process(pool.pid).children():
+        try:
+            if "queue_worker.worker" in " ".join(child.cmdline()):
+                found.append(child)
+        except psutil.Error:
+            continue
+    return found
+
+
+@pytest.mark.timeout(DEADLINE_SECONDS + 60)
+def test_chaos_run_loses_and_duplicates_nothing(tmp_path: Path, reference_model: Any) -> None:
+    ids, texts = make_texts(300, seed=50)
+    corpus = write_corpus(tmp_path / "corpus.jsonl", ids, texts, "jsonl")
+    server = EmbeddedRedis(tmp_path / "redis").start()
+    store = tmp_path / "store"
+    env = {"CHUNKQ_REDIS_URL": server.url, "CHUNKQ_STORE": str(store), "CHUNKQ_QUEUE": "chaos"}
+    faults = json.dumps([
+        {"kind": "oom", "chunks": OOM_CHUNKS, "above_batch": 2},
+        {"kind": "cuda_fatal", "chunks": CUDA_CHUNKS, "attempts": [1]},
+    ])  # fmt: skip
+    submitted = run_cli(
+        "submit", str(corpus), "--chunk-size", "5", "--run-id", "chaos", "--batch-size", "8", **env
+    )
+    assert submitted.returncode == 0 and "60 chunks" in submitted.stdout, submitted.stderr
+    pool_args = ("pool", "--gpus", "none", "--cpu-workers", "2", "--max-jobs", "8", "--crash-limit", "100")
+    pool = start_cli(tmp_path / "pool.log", *pool_args, CHUNKQ_FAULTS=faults, **env)
+    supervise_args = ("supervise", "chaos", "--poll", "0.2", "--max-attempts", "6")
+    supervisor = start_cli(tmp_path / "supervisor-1.log", *supervise_args, **env)
+    layout, rng = RunLayout(store, "chaos"), random.Random(5)
+    kills, supervisor_restarted, redis_restarted = 0, False, False
+    deadline = time.monotonic() + DEADLINE_SECONDS
+    try:
+        while supervisor.poll() is None:
+            assert time.monotonic() < deadline, "chaos run did not finish in time"
+            done = len(layout.done_chunks())
+            workers = _workers(pool)
+            if kills < 3 and done >= 8 + 14 * kills and workers:
+                rng.choice(workers).kill()
+                kills += 1
+            if not supervisor_restarted and done >= 20:
+                supervisor.kill()
+                supervisor.wait(timeout=30)
+                supervisor = start_cli(tmp_path / "supervisor-2.log", *supervise_args, **env)
+                supervisor_restarted = True
+            if not redis_restarted and done >= 32:
+                assert server.proc is not None
+                server.proc.kill()
+                server.proc.wait(timeout=30)
+                server = EmbeddedRedis(tmp_path / "redis", password=server.password, port=server.port).start()
+                redis_restarted = True
+            time.sleep(0.1)  # polling the run's progress, not waiting for an event
+        assert supervisor.returncode == 0, (tmp_path / "supervisor-2.log").read_text()[-4000:]
+    finally:
+        stop_tree(pool)
+        if supervisor.poll() is None:
+            stop_tree(supervisor)
+        server.stop()
+
+    assert (kills, supervisor_restarted, redis_restarted) == (3, True, True)
+    matrix = np.load(layout.result / "embeddings.npy")
+    assert matrix.shape == (300, 384)
+    assert max_abs_diff(matrix, reference_model.encode(texts)) <= 1e-5
+    got_ids = [json.loads(line) for line in (layout.result / "ids.jsonl").read_text().splitlines()]
+    assert got_ids == ids and len(set(got_ids)) == 300  # nothing lost, nothing twice
+    metas = [read_json(layout.output_meta(i)) for i in range(60)]
+    assert all(metas[i]["batch_size"] <= 2 for i in OOM_CHUNKS)
+    assert all(metas[i]["attempt"] >= 2 for i in CUDA_CHUNKS)
+
+    pool_log = (tmp_path / "pool.log").read_text()
+    supervisor_logs = (tmp_path / "supervisor-1.log").read_text() + (
+        tmp_path / "supervisor-2.log"
+    ).read_text()
+    assert "retrying with batch size 2" in pool_log  # OOM back-off
+    assert "hit a fatal CUDA error; starting a fresh one" in pool_log  # broken-CUDA recycling
+    assert "killed by SIGKILL; starting a fresh one" in pool_log  # dead worker replaced ...
+    assert "marked failed: worker" in pool_log  # ... and its chunk released at once
+    assert "ran its max jobs (recycle)" in pool_log
+    assert "queued" in supervisor_logs and "attempt 2 queued" in supervisor_logs  # requeue
+    assert "Redis unreachable" in supervisor_logs  # rode out the Redis restart
