@@ -1,0 +1,82 @@
+"""Malformed corpora through the real CLI: a clear message naming file and line, exit 3, and
+nothing written to the store or Redis. (Reader-level cases live in test_corpus.py.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import redis
+
+from tests.helpers import run_cli
+
+
+def _write(path: Path, content: bytes | str) -> Path:
+    if isinstance(content, str):
+        content = content.encode()
+    path.write_bytes(content)
+    return path
+
+
+CASES = {
+    "invalid-json": ("c.jsonl", '{"id": 1, "text": "a"}\n{"id": 2, "text": "b"\n', "c.jsonl:2: invalid JSON"),
+    "missing-text": ("c.jsonl", '{"id": 1, "body": "a"}\n', "c.jsonl:1: missing text field 'text'"),
+    "text-not-string": ("c.jsonl", '{"id": 1, "text": ["a"]}\n', "c.jsonl:1: text field 'text' is list"),
+    "null-text": ("c.jsonl", '{"id": 1, "text": null}\n', "c.jsonl:1: text field 'text' is null"),
+    "empty-text": ("c.jsonl", '{"id": 1, "text": ""}\n', "c.jsonl:1: text field 'text' is empty"),
+    "empty-file": ("c.jsonl", "", "the corpus holds no texts"),
+    "non-utf8": ("c.txt", b"ok\n\xc3\x28 broken\n", "c.txt:2: not valid UTF-8"),
+    "duplicate-ids": (
+        "c.jsonl",
+        '{"id": 1, "text": "a"}\n{"id": 1, "text": "b"}\n',
+        "c.jsonl:2: duplicate id '1'",
+    ),
+    "csv-missing-column": ("c.csv", "id,body\n1,a\n", "c.csv:1: header has no column 'text'"),
+    "csv-ragged": ("c.csv", "id,text\n1,a\n2,b,extra\n", "c.csv:3: row has 2 columns"),
+    "over-long-line": (
+        "c.jsonl",
+        json.dumps({"text": "x" * (1 << 20)}) + "\n",
+        "c.jsonl:1: line is over the limit",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_malformed_corpus_is_refused_cleanly(
+    tmp_path: Path, case: str, redis_url: str, connection: redis.Redis
+) -> None:
+    name, content, message = CASES[case]
+    corpus = _write(tmp_path / name, content)
+    store = tmp_path / "store"
+    result = run_cli(
+        "submit", str(corpus), "--store", str(store), "--run-id", "bad", CHUNKQ_REDIS_URL=redis_url
+    )
+    assert result.returncode == 3, result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert not (store / "runs" / "bad").exists()
+    assert connection.dbsize() == 0  # nothing enqueued
+
+
+def test_parquet_wrong_type_missing_file_directory(tmp_path: Path, redis_url: str) -> None:
+    parquet = tmp_path / "c.parquet"
+    pq.write_table(pa.table({"id": [1], "text": [1.5]}), parquet)
+    (tmp_path / "dir.jsonl").mkdir()
+    for corpus, message in (
+        (parquet, "column 'text' has type double, expected string"),
+        (tmp_path / "absent.jsonl", "absent.jsonl: no such file"),
+        (tmp_path / "dir.jsonl", "dir.jsonl: is a directory"),
+    ):
+        result = run_cli("submit", str(corpus), "--store", str(tmp_path / "s"), CHUNKQ_REDIS_URL=redis_url)
+        assert result.returncode == 3 and message in result.stderr, result.stderr
+
+
+def test_corpus_changed_between_submit_and_resume_is_refused(tmp_path: Path, redis_url: str) -> None:
+    corpus = _write(tmp_path / "c.jsonl", '{"id": 1, "text": "a"}\n')
+    args = ("submit", str(corpus), "--store", str(tmp_path / "s"), "--run-id", "resume-me")
+    assert run_cli(*args, CHUNKQ_REDIS_URL=redis_url).returncode == 0
+    _write(corpus, '{"id": 1, "text": "changed"}\n')
+    changed = run_cli(*args, CHUNKQ_REDIS_URL=redis_url)
+    assert changed.returncode == 4 and "corpus_sha256: stored" in changed.stderr
