@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -112,3 +113,17 @@ def stop_tree(proc: subprocess.Popen[bytes]) -> None:
     proc.kill()
     proc.wait(timeout=30)
     psutil.wait_procs(children, timeout=30)
+
+
+def worker_processes(pool: subprocess.Popen[bytes]) -> list[Any]:
+    """The live worker processes a pool has started (psutil.Process each)."""
+    import psutil
+
+    found = []
+    for child in psutil.Process(pool.pid).children():
+        try:
+            if "queue_worker.worker" in " ".join(child.cmdline()):
+                found.append(child)
+        except psutil.Error:  # exited between the listing and the look (a zombie not yet reaped)
+            continue
+    return found

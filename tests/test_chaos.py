@@ -10,27 +10,24 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import psutil
 import pytest
 
 from jobs.store import RunLayout, read_json
 from supervisor.embedded_redis import EmbeddedRedis
-from tests.helpers import make_texts, max_abs_diff, run_cli, start_cli, stop_tree, write_corpus
+from tests.helpers import (
+    make_texts,
+    max_abs_diff,
+    run_cli,
+    start_cli,
+    stop_tree,
+    wait_for,
+    worker_processes,
+    write_corpus,
+)
 
 OOM_CHUNKS = [3, 17, 33, 48]
 CUDA_CHUNKS = [7, 25, 41, 55]
 DEADLINE_SECONDS = 420
-
-
-def _workers(pool: Any) -> list[psutil.Process]:
-    found = []
-    for child in psutil.Process(pool.pid).children():
-        try:
-            if "queue_worker.worker" in " ".join(child.cmdline()):
-                found.append(child)
-        except psutil.Error:
-            continue
-    return found
 
 
 @pytest.mark.timeout(DEADLINE_SECONDS + 60)
@@ -59,7 +56,7 @@ def test_chaos_run_loses_and_duplicates_nothing(tmp_path: Path, reference_model:
         while supervisor.poll() is None:
             assert time.monotonic() < deadline, "chaos run did not finish in time"
             done = len(layout.done_chunks())
-            workers = _workers(pool)
+            workers = worker_processes(pool)
             if kills < 3 and done >= 8 + 14 * kills and workers:
                 rng.choice(workers).kill()
                 kills += 1
@@ -72,6 +69,9 @@ def test_chaos_run_loses_and_duplicates_nothing(tmp_path: Path, reference_model:
                 assert server.proc is not None
                 server.proc.kill()
                 server.proc.wait(timeout=30)
+                # Keep it down until the supervisor has noticed, so the outage is a real one.
+                wait_for(lambda: "Redis unreachable" in (tmp_path / "supervisor-2.log").read_text(), 60,
+                         "the supervisor to notice Redis is gone")  # fmt: skip
                 server = EmbeddedRedis(tmp_path / "redis", password=server.password, port=server.port).start()
                 redis_restarted = True
             time.sleep(0.1)  # polling the run's progress, not waiting for an event

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import psutil
 import pytest
 import redis
 from rq.job import Job
@@ -27,7 +26,16 @@ from supervisor.corpus import CorpusOptions
 from supervisor.enqueue import job_statuses
 from supervisor.lock import RunLock, RunLockedError
 from supervisor.submit import SubmitRequest, SubmitResult, submit
-from tests.helpers import make_texts, max_abs_diff, run_cli, start_cli, stop_tree, wait_for, write_corpus
+from tests.helpers import (
+    make_texts,
+    max_abs_diff,
+    run_cli,
+    start_cli,
+    stop_tree,
+    wait_for,
+    worker_processes,
+    write_corpus,
+)
 
 
 @pytest.fixture
@@ -54,17 +62,6 @@ def _meta(connection: redis.Redis, job_id: str) -> dict[str, Any]:
     return dict(Job.fetch(job_id, connection=connection, serializer=JSONSerializer).meta)
 
 
-def _workers(pool: Any) -> list[psutil.Process]:
-    found = []
-    for child in psutil.Process(pool.pid).children():
-        try:
-            if "queue_worker.worker" in " ".join(child.cmdline()):
-                found.append(child)
-        except psutil.Error:
-            continue
-    return found
-
-
 def test_killed_worker_is_seen_at_once_and_its_chunk_runs_again(
     tmp_path: Path,
     store: Path,
@@ -81,7 +78,7 @@ def test_killed_worker_is_seen_at_once_and_its_chunk_runs_again(
     procs.append(supervisor)
     job_id = chunk_job_id(run.run_id, 0)
     wait_for(lambda: job_statuses(connection, [job_id]) == ["started"], 120, "chunk 0 to start")
-    (worker,) = _workers(pool)
+    (worker,) = worker_processes(pool)
     worker.send_signal(signal.SIGKILL)
     killed = time.monotonic()
     wait_for(lambda: _meta(connection, job_id).get("attempt") == 2, 30, "chunk 0's second attempt")

@@ -25,7 +25,7 @@ from queue_worker import exit_codes
 from supervisor.corpus import CorpusOptions
 from supervisor.enqueue import job_statuses
 from supervisor.submit import SubmitRequest, SubmitResult, submit
-from tests.helpers import cli_env, make_texts, wait_for, write_corpus
+from tests.helpers import cli_env, make_texts, wait_for, worker_processes, write_corpus
 
 
 def _submit(
@@ -60,17 +60,6 @@ def running_pool(
         proc.wait(timeout=30)
 
 
-def _workers_of(proc: subprocess.Popen[bytes]) -> list[psutil.Process]:
-    workers = []
-    for child in psutil.Process(proc.pid).children():
-        try:
-            if "queue_worker.worker" in " ".join(child.cmdline()):
-                workers.append(child)
-        except psutil.Error:  # exited between the listing and the look (a zombie the pool has not reaped)
-            continue
-    return workers
-
-
 def test_pool_recycles_workers_and_finishes_every_chunk(
     tmp_path: Path, store: Path, connection: redis.Redis, redis_url: str
 ) -> None:
@@ -80,7 +69,7 @@ def test_pool_recycles_workers_and_finishes_every_chunk(
     with running_pool(tmp_path, redis_url, "--max-jobs", "2") as (pool, log):
 
         def all_done() -> bool:
-            seen_workers.update(p.pid for p in _workers_of(pool))
+            seen_workers.update(p.pid for p in worker_processes(pool))
             return len(layout.done_chunks()) == 6
 
         wait_for(all_done, 180, "six chunks done")
@@ -131,8 +120,8 @@ def test_killed_pool_leaves_no_orphans(
     tmp_path: Path, store: Path, connection: redis.Redis, redis_url: str
 ) -> None:
     with running_pool(tmp_path, redis_url, "--cpu-workers", "2") as (pool, _):
-        wait_for(lambda: len(_workers_of(pool)) == 2, 60, "two workers")
-        workers = _workers_of(pool)
+        wait_for(lambda: len(worker_processes(pool)) == 2, 60, "two workers")
+        workers = worker_processes(pool)
         pool.kill()
         pool.wait(timeout=10)
         _gone, alive = psutil.wait_procs(workers, timeout=60)
