@@ -1,5 +1,5 @@
-"""Chaos: workers SIGKILLed at random, injected OOM and broken CUDA, the supervisor and Redis killed
-and restarted mid-run. The result must equal a clean single-process encode, row for row."""
+"""Chaos: workers SIGKILLed at random, injected OOM and broken CUDA, the supervisor, Redis and the
+pool killed and restarted mid-run. The result must equal a clean single-process encode, row for row."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def test_chaos_run_loses_and_duplicates_nothing(tmp_path: Path, reference_model:
     supervise_args = ("supervise", "chaos", "--poll", "0.2", "--max-attempts", "6")
     supervisor = start_cli(tmp_path / "supervisor-1.log", *supervise_args, **env)
     layout, rng = RunLayout(store, "chaos"), random.Random(5)
-    kills, supervisor_restarted, redis_restarted = 0, False, False
+    kills, supervisor_restarted, redis_restarted, pool_restarted = 0, False, False, False
     deadline = time.monotonic() + DEADLINE_SECONDS
     try:
         while supervisor.poll() is None:
@@ -74,6 +74,11 @@ def test_chaos_run_loses_and_duplicates_nothing(tmp_path: Path, reference_model:
                          "the supervisor to notice Redis is gone")  # fmt: skip
                 server = EmbeddedRedis(tmp_path / "redis", password=server.password, port=server.port).start()
                 redis_restarted = True
+            if not pool_restarted and done >= 44:
+                pool.kill()  # its workers get SIGTERM from the kernel, finish their chunk and exit
+                pool.wait(timeout=30)
+                pool = start_cli(tmp_path / "pool.log", *pool_args, CHUNKQ_FAULTS=faults, **env)
+                pool_restarted = True
             time.sleep(0.1)  # polling the run's progress, not waiting for an event
         assert supervisor.returncode == 0, (tmp_path / "supervisor-2.log").read_text()[-4000:]
     finally:
@@ -82,7 +87,7 @@ def test_chaos_run_loses_and_duplicates_nothing(tmp_path: Path, reference_model:
             stop_tree(supervisor)
         server.stop()
 
-    assert (kills, supervisor_restarted, redis_restarted) == (3, True, True)
+    assert (kills, supervisor_restarted, redis_restarted, pool_restarted) == (3, True, True, True)
     matrix = np.load(layout.result / "embeddings.npy")
     assert matrix.shape == (300, 384)
     assert max_abs_diff(matrix, reference_model.encode(texts)) <= 1e-5
