@@ -30,6 +30,7 @@ from rq.serializers import JSONSerializer
 from jobs.abandon import forget_worker, mark_abandoned, running_job_ids
 from queue_worker import exit_codes
 from queue_worker.gpus import GpuInfo, cpu_threads_per_worker, worker_environment
+from queue_worker.standby import LAST_JOB, NOTIFY_FD_ENV, WAIT_FOR_PID_ENV
 from queue_worker.worker import DEFAULT_QUEUE
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ class PoolSettings:
     crash_limit: int = 5  # a GPU whose workers die this many times ...
     crash_window: float = 300.0  # ... within this many seconds is taken out of the pool
     hung_grace: float = HUNG_GRACE_SECONDS
+    standby: bool = True  # start each replacement while its predecessor runs its last chunk
 
 
 @dataclass
@@ -84,6 +86,8 @@ class Slot:
     gpu: GpuInfo | None
     proc: subprocess.Popen[bytes] | None = None
     worker_name: str = ""
+    notify_fd: int | None = None  # read end of the pipe on which the worker announces its last job
+    standby: tuple[subprocess.Popen[bytes], str, int] | None = None  # (process, name, notify fd)
     generation: int = 0
     retired: bool = False
     not_before: float = 0.0
@@ -136,26 +140,91 @@ class Pool:
             cmd += ["--preload", self.settings.preload]
         return cmd
 
-    def start_worker(self, slot: Slot) -> None:
+    def _spawn(self, slot: Slot, wait_for: int | None = None) -> tuple[subprocess.Popen[bytes], str, int]:
         slot.generation += 1
-        slot.worker_name = f"{self.settings.name}-{slot.key}-g{slot.generation}"
+        name = f"{self.settings.name}-{slot.key}-g{slot.generation}"
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(read_fd, False)
         base = dict(os.environ, CHUNKQ_REDIS_URL=self.settings.redis_url, CHUNKQ_POOL_PID=str(os.getpid()))
+        base[NOTIFY_FD_ENV] = str(write_fd)
+        if wait_for is not None:
+            base[WAIT_FOR_PID_ENV] = str(wait_for)
         threads = cpu_threads_per_worker(len(self.slots)) if slot.gpu is None else 2
         env = worker_environment(base, slot.gpu, threads)
-        slot.proc = subprocess.Popen(
-            self._command(slot.worker_name), env=env, start_new_session=True, preexec_fn=die_with_parent
-        )
+        try:
+            proc = subprocess.Popen(
+                self._command(name),
+                env=env,
+                start_new_session=True,
+                preexec_fn=die_with_parent,
+                pass_fds=(write_fd,),
+            )
+        finally:
+            os.close(write_fd)
+        return proc, name, read_fd
+
+    def start_worker(self, slot: Slot) -> None:
+        slot.proc, slot.worker_name, slot.notify_fd = self._spawn(slot)
         log.info("started worker %s (pid %d) on %s", slot.worker_name, slot.proc.pid, self._where(slot))
+
+    def _start_standby(self, slot: Slot, predecessor: int) -> None:
+        slot.standby = self._spawn(slot, wait_for=predecessor)
+        log.info(
+            "started standby %s (pid %d) for %s, which is on its last job",
+            slot.standby[1],
+            slot.standby[0].pid,
+            slot.worker_name,
+        )
+
+    def _check_announcements(self, stopping: bool) -> None:
+        """Start a standby for each worker that has announced its last job."""
+        for slot in self.slots:
+            if slot.notify_fd is None:
+                continue
+            try:
+                said = os.read(slot.notify_fd, 64)
+            except BlockingIOError:
+                continue
+            if LAST_JOB.strip() in said and self.settings.standby and slot.standby is None:
+                if not (stopping or slot.retired or slot.proc is None):
+                    self._start_standby(slot, slot.proc.pid)
+
+    def _check_standbys(self, stopping: bool) -> None:
+        for slot in self.slots:
+            if slot.standby is not None and slot.standby[0].poll() is not None:
+                proc, name, fd = slot.standby
+                level = logging.INFO if stopping else logging.WARNING
+                log.log(
+                    level, "standby %s %s before it was needed", name, exit_codes.describe(proc.returncode)
+                )
+                os.close(fd)
+                slot.standby = None
+
+    def _promote(self, slot: Slot) -> bool:
+        """Let the waiting standby take the slot; False if there is none."""
+        if slot.notify_fd is not None:
+            os.close(slot.notify_fd)
+            slot.notify_fd = None
+        if slot.standby is None:
+            return False
+        slot.proc, slot.worker_name, slot.notify_fd = slot.standby
+        slot.standby = None
+        log.info("standby %s (pid %d) takes over %s", slot.worker_name, slot.proc.pid, slot.key)
+        return True
 
     @staticmethod
     def _where(slot: Slot) -> str:
         return "CPU" if slot.gpu is None else f"GPU {slot.gpu.index} ({slot.gpu.name})"
 
+    def _processes(self) -> list[subprocess.Popen[bytes]]:
+        procs = [slot.proc for slot in self.slots if slot.proc is not None]
+        return procs + [slot.standby[0] for slot in self.slots if slot.standby is not None]
+
     def _signal_all(self, sig: signal.Signals) -> None:
-        for slot in self.slots:
-            if slot.proc is not None and slot.proc.poll() is None:
+        for proc in self._processes():
+            if proc.poll() is None:
                 try:
-                    slot.proc.send_signal(sig)
+                    proc.send_signal(sig)
                 except ProcessLookupError:
                     pass
 
@@ -192,12 +261,19 @@ class Pool:
                 continue
             self.exits.append((slot.key, code))
             reason = self._hung.pop(slot.worker_name, None) or exit_codes.describe(code)
+            dead = slot.worker_name
             slot.proc = None
+            if stopping and code == -signal.SIGTERM:
+                code = exit_codes.EXIT_STOPPED  # told to stop before its handlers were even installed
             if code not in CLEAN_EXITS:
-                self._to_abandon.append((slot.worker_name, reason))
+                self._to_abandon.append((dead, reason))
             if code not in NOT_THE_GPUS_FAULT:
                 self._count_crash(slot, now)
-            if stopping:
+            if not slot.retired and self._promote(slot):
+                log.log(
+                    logging.INFO if code in CLEAN_EXITS else logging.WARNING, "worker %s %s", dead, reason
+                )
+            elif stopping:
                 log.info("worker %s on %s %s", slot.worker_name, self._where(slot), reason)
             elif code in NO_RESTART:
                 slot.retired = True
@@ -236,10 +312,12 @@ class Pool:
                 self.start_worker(slot)
 
     def _alive(self) -> bool:
-        return any(slot.proc is not None for slot in self.slots)
+        return any(slot.proc is not None or slot.standby is not None for slot in self.slots)
 
     def _step(self, handled: int, now: float) -> int | None:
         """One turn of the loop; an exit code once the pool is done."""
+        self._check_announcements(stopping=handled > 0)
+        self._check_standbys(stopping=handled > 0)
         self._reap(stopping=handled > 0, now=now)
         if self._to_abandon:
             self._release_jobs()
@@ -289,11 +367,9 @@ class Pool:
         """Whatever way the loop ended, leave no worker running."""
         self._signal_all(signal.SIGTERM)
         deadline = time.monotonic() + self.settings.kill_grace
-        for slot in self.slots:
-            if slot.proc is None:
-                continue
+        for proc in self._processes():
             try:
-                slot.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                slot.proc.kill()
-                slot.proc.wait()
+                proc.kill()
+                proc.wait()

@@ -33,6 +33,7 @@ from queue_worker.exit_codes import (
     EXIT_REDIS,
     EXIT_STOPPED,
 )
+from queue_worker.standby import announce_last_job, wait_for_predecessor
 
 log = logging.getLogger(__name__)
 
@@ -73,14 +74,17 @@ class ChunkWorker(SimpleWorker):
     """SimpleWorker (no fork: the model stays loaded) that counts jobs, beats while busy, exits at
     once when the CUDA context broke, and honours a second signal."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, max_jobs: int | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.max_jobs = max_jobs
         self.jobs_run = 0
         self.stop_signalled = False
         self.cuda_broken: str | None = None
 
     def execute_job(self, job: Any, queue: Any) -> None:
         self.jobs_run += 1
+        if self.max_jobs is not None and self.jobs_run >= self.max_jobs:
+            announce_last_job()  # the pool starts our replacement now, to load while we compute
         execution = self.prepare_execution(job)
         with Heartbeat(self, job, execution):
             self.perform_job(job, queue, execution)
@@ -197,11 +201,17 @@ def main(argv: list[str] | None = None) -> int:
         log.error("cannot reach Redis: %s", exc)
         return EXIT_REDIS
 
+    wait_for_predecessor(lambda: early_stop.requested)
     if early_stop.requested:
         log.info("worker %s: stop requested during start-up; exiting before taking a job", name)
         return EXIT_STOPPED
     worker = ChunkWorker(
-        [args.queue], connection=connection, name=name, serializer=JSONSerializer, job_class=AllowListedJob
+        [args.queue],
+        connection=connection,
+        name=name,
+        serializer=JSONSerializer,
+        job_class=AllowListedJob,
+        max_jobs=args.max_jobs,
     )
     try:
         worker.work(burst=args.burst, max_jobs=args.max_jobs, logging_level=args.log_level.upper())

@@ -153,6 +153,8 @@ def pool_options(func: F) -> F:
         click.option("--crash-limit", type=click.IntRange(1), default=5, show_default=True,
                      help="Worker deaths on one GPU within --crash-window that take it out of the pool."),
         click.option("--crash-window", type=float, default=300.0, show_default=True, help="Seconds."),
+        click.option("--standby/--no-standby", default=True, show_default=True,
+                     help="Start each replacement worker while its predecessor runs its last chunk."),
         click.option("--hung-grace", type=float, default=30.0, show_default=True,
                      help="Seconds past a job's timeout before its worker is killed as hung."),
     ]  # fmt: skip
@@ -270,6 +272,7 @@ def pool_cmd(redis_url: str, gpus: str, name: str | None, **kw: Any) -> None:
         crash_limit=kw["crash_limit"],
         crash_window=kw["crash_window"],
         hung_grace=kw["hung_grace"],
+        standby=kw["standby"],
         preload=kw["preload"],
         precision=kw["precision"],
         name=name or default_pool_name(),
@@ -343,7 +346,7 @@ def run_cmd(
     pool_args = tuple(
         arg for name in ("max_jobs_jitter", "crash_limit", "crash_window", "hung_grace")
         for arg in (f"--{name.replace('_', '-')}", str(kw.pop(name)))
-    )  # fmt: skip
+    ) + (("--standby",) if kw.pop("standby") else ("--no-standby",))  # fmt: skip
     req = RunRequest(
         submit=_submit_request(corpus, **kw),
         redis_url=redis_url,

@@ -102,8 +102,8 @@ def test_chaos_run_loses_and_duplicates_nothing(tmp_path: Path, reference_model:
         tmp_path / "supervisor-2.log"
     ).read_text()
     assert "retrying with batch size 2" in pool_log  # OOM back-off
-    assert "hit a fatal CUDA error; starting a fresh one" in pool_log  # broken-CUDA recycling
-    assert "killed by SIGKILL; starting a fresh one" in pool_log  # dead worker replaced ...
+    assert "hit a fatal CUDA error" in pool_log  # broken-CUDA recycling
+    assert "killed by SIGKILL" in pool_log  # dead worker replaced ...
     assert "marked failed: worker" in pool_log  # ... and its chunk released at once
     assert "ran its max jobs (recycle)" in pool_log
     assert "queued" in supervisor_logs and "attempt 2 queued" in supervisor_logs  # requeue

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import signal
 import subprocess
@@ -43,7 +44,10 @@ def test_run_matches_plain_encode_and_reruns_from_the_store(tmp_path: Path, refe
     pids = {m["pid"] for m in metas}
     assert len(pids) == 6, pids  # 12 chunks, 2 per worker process: six fresh processes
     assert len(result["workers"]) == 6 and result["devices"] == ["cpu"]
-    assert "ran its max jobs (recycle); starting a fresh one" in first.stderr
+    # Warm standby: each replacement loaded while its predecessor worked, yet never computed beside it.
+    spans = sorted((m["started_at"], m["finished_at"]) for m in metas)
+    assert all(later[0] >= earlier[1] for earlier, later in itertools.pairwise(spans))
+    assert "ran its max jobs (recycle)" in first.stderr and "takes over" in first.stderr
     assert (store / "redis" / "appendonlydir").is_dir()  # the embedded server persisted the queue
 
     stamps = {p.name: p.stat().st_mtime_ns for p in layout.outputs.iterdir()}

@@ -40,3 +40,21 @@ def test_worker_environment_pins_one_gpu_before_torch() -> None:
 
 def test_discover_without_a_driver_finds_nothing() -> None:
     assert discover() == []  # this machine has no NVIDIA driver; NVML fails and we say "no GPUs"
+
+
+def test_standby_waits_for_its_predecessor_to_exit(monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+    import sys
+
+    from queue_worker.standby import WAIT_FOR_PID_ENV, wait_for_predecessor
+
+    old = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+    monkeypatch.setenv(WAIT_FOR_PID_ENV, str(old.pid))
+    try:
+        wait_for_predecessor()
+        # pidfd readiness means the process has terminated (a zombie until we reap it)
+        assert old.wait(timeout=5) == 0
+    finally:
+        old.kill()
+    monkeypatch.setenv(WAIT_FOR_PID_ENV, "999999999")
+    wait_for_predecessor()  # a predecessor that is already gone: returns at once

@@ -106,7 +106,7 @@ def test_broken_cuda_context_recycles_the_worker(
     assert supervised.returncode == 0, supervised.stderr[-3000:]
     pool_log = (tmp_path / "pool.log").read_text()
     assert "FAULT INJECTION IS ON" in pool_log
-    assert "CUDA context broken" in pool_log and "hit a fatal CUDA error; starting a fresh one" in pool_log
+    assert "CUDA context broken" in pool_log and "hit a fatal CUDA error" in pool_log
     meta = _meta(connection, chunk_job_id(run.run_id, 1))
     assert meta["error_class"] == "cuda_fatal" and meta["attempt"] == 2
     pids = {read_json(RunLayout(store, run.run_id).output_meta(i))["pid"] for i in range(3)}
