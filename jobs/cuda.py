@@ -33,3 +33,29 @@ def context_usable(device: str) -> bool:
     except Exception as exc:
         log.error("CUDA context probe failed: %s", exc)
         return False
+
+
+def reset_peak_memory(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_memory(device: str) -> dict[str, int]:
+    """Peak GPU memory allocated and reserved since the reset (on the CPU: the process's RSS)."""
+    if device.startswith("cuda"):
+        import torch
+
+        return {
+            "peak_allocated_bytes": int(torch.cuda.max_memory_allocated()),
+            "peak_reserved_bytes": int(torch.cuda.max_memory_reserved()),
+        }
+    import resource
+
+    import psutil
+
+    return {
+        "rss_bytes": int(psutil.Process().memory_info().rss),
+        "peak_rss_bytes": int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024,  # KiB on Linux
+    }

@@ -137,6 +137,7 @@ def _embed(chunk: ChunkSpec) -> dict[str, Any]:
     learned = _learned_batch(layout, ctx.device_kind)
     start_batch = min(chunk.options.batch_size, learned or chunk.options.batch_size)
     started_at = datetime.now(UTC)
+    cuda.reset_peak_memory(ctx.device)
     t0 = time.perf_counter()
     embeddings, batch = encode_with_backoff(loaded, texts, chunk, attempt, start_batch, ctx.device)
     seconds = time.perf_counter() - t0
@@ -158,6 +159,7 @@ def _embed(chunk: ChunkSpec) -> dict[str, Any]:
         "batch_size_requested": chunk.options.batch_size,
         "attempt": attempt,
         "seconds": round(seconds, 4),
+        **cuda.peak_memory(ctx.device),
         "started_at": started_at.isoformat(),
         "finished_at": datetime.now(UTC).isoformat(),
     }

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from jobs.errors import ConfigError
 
@@ -14,12 +15,39 @@ DEFAULT_ALLOC_CONF = "expandable_segments:True"
 
 
 @dataclass(frozen=True)
+class GpuProcess:
+    pid: int
+    name: str
+    used_memory: int | None
+
+
+@dataclass(frozen=True)
 class GpuInfo:
     index: int
     name: str
     uuid: str
     memory_total: int
     memory_free: int
+    processes: tuple[GpuProcess, ...] = ()
+
+
+def _process_name(pid: int) -> str:
+    try:
+        import psutil
+
+        return str(psutil.Process(pid).name())
+    except Exception:  # another container's pid, or gone
+        return "?"
+
+
+def _processes(pynvml: Any, handle: Any) -> tuple[GpuProcess, ...]:
+    try:
+        running = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+    except pynvml.NVMLError:
+        return ()
+    return tuple(
+        GpuProcess(int(p.pid), _process_name(int(p.pid)), getattr(p, "usedGpuMemory", None)) for p in running
+    )
 
 
 def discover() -> list[GpuInfo]:
@@ -47,6 +75,7 @@ def discover() -> list[GpuInfo]:
                     uuid=uuid.decode() if isinstance(uuid, bytes) else str(uuid),
                     memory_total=int(memory.total),
                     memory_free=int(memory.free),
+                    processes=_processes(pynvml, handle),
                 )
             )
         return gpus
@@ -81,7 +110,40 @@ def select(spec: str, available: list[GpuInfo]) -> list[GpuInfo]:
     return chosen
 
 
-def worker_environment(base: dict[str, str], gpu: GpuInfo | None, cpu_threads: int) -> dict[str, str]:
+def usable(gpus: list[GpuInfo], min_free_memory: int, skip_busy: bool) -> list[GpuInfo]:
+    """Report GPUs short of free memory or busy with other processes; skip them as configured."""
+    kept = []
+    for gpu in gpus:
+        if gpu.memory_free < min_free_memory:
+            log.warning("GPU %d (%s): %.1f GiB free, below --min-free-memory %.1f GiB; skipped", gpu.index,
+                        gpu.name, gpu.memory_free / 2**30, min_free_memory / 2**30)  # fmt: skip
+            continue
+        if gpu.processes:
+            names = ", ".join(f"{p.name} (pid {p.pid})" for p in gpu.processes)
+            log.warning(
+                "GPU %d (%s) is busy with: %s%s", gpu.index, gpu.name, names, "; skipped" if skip_busy else ""
+            )
+            if skip_busy:
+                continue
+        kept.append(gpu)
+    return kept
+
+
+def parse_size(text: str) -> int:
+    """'8GiB', '512M', '0' -> bytes."""
+    units = {"": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20,
+             "g": 2**30, "gb": 2**30, "gib": 2**30, "t": 2**40, "tb": 2**40, "tib": 2**40}  # fmt: skip
+    raw = text.strip().lower()
+    number = raw.rstrip("kmgtib")
+    try:
+        return int(float(number) * units[raw[len(number) :]])
+    except (ValueError, KeyError):
+        raise ConfigError(f"cannot read the size {text!r} (use e.g. 8GiB, 512MiB)") from None
+
+
+def worker_environment(
+    base: dict[str, str], gpu: GpuInfo | None, cpu_threads: int, no_nvml: bool = False
+) -> dict[str, str]:
     """The environment of one worker: pinned to one GPU (or none) before it imports torch."""
     env = dict(base)
     # NVML numbers GPUs in PCI bus order; make CUDA agree so index N is the same card in both.
@@ -95,6 +157,8 @@ def worker_environment(base: dict[str, str], gpu: GpuInfo | None, cpu_threads: i
         env["CHUNKQ_DEVICE"] = "cuda"
         env["CHUNKQ_GPU"] = str(gpu.index)
         env.setdefault("PYTORCH_CUDA_ALLOC_CONF", DEFAULT_ALLOC_CONF)
+        if no_nvml:  # sidesteps the NVML INTERNAL ASSERT in the caching allocator on some drivers
+            env["PYTORCH_NO_NVML"] = "1"
     threads = str(max(1, cpu_threads))
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         env.setdefault(var, threads)

@@ -76,6 +76,7 @@ class PoolSettings:
     crash_window: float = 300.0  # ... within this many seconds is taken out of the pool
     hung_grace: float = HUNG_GRACE_SECONDS
     standby: bool = True  # start each replacement while its predecessor runs its last chunk
+    no_nvml: bool = False  # PYTORCH_NO_NVML=1 in GPU workers
 
 
 @dataclass
@@ -150,7 +151,7 @@ class Pool:
         if wait_for is not None:
             base[WAIT_FOR_PID_ENV] = str(wait_for)
         threads = cpu_threads_per_worker(len(self.slots)) if slot.gpu is None else 2
-        env = worker_environment(base, slot.gpu, threads)
+        env = worker_environment(base, slot.gpu, threads, no_nvml=self.settings.no_nvml)
         try:
             proc = subprocess.Popen(
                 self._command(name),

@@ -23,6 +23,7 @@ from queue_worker.worker import DEFAULT_QUEUE
 from supervisor.assemble import assemble
 from supervisor.corpus import FORMATS, CorpusOptions, detect_format
 from supervisor.display import ProgressDisplay, describe
+from supervisor.doctor import examine, render
 from supervisor.lock import RunLockedError
 from supervisor.manifest import load_manifest
 from supervisor.progress import Tracker
@@ -153,6 +154,11 @@ def pool_options(func: F) -> F:
         click.option("--crash-limit", type=click.IntRange(1), default=5, show_default=True,
                      help="Worker deaths on one GPU within --crash-window that take it out of the pool."),
         click.option("--crash-window", type=float, default=300.0, show_default=True, help="Seconds."),
+        click.option("--min-free-memory", default="0", show_default=True, envvar="CHUNKQ_MIN_FREE_MEMORY",
+                     help="Skip GPUs with less free memory than this (e.g. 8GiB)."),
+        click.option("--busy-gpus", type=click.Choice(["use", "skip"]), default="use", show_default=True,
+                     help="What to do with GPUs other processes are using (they are reported either way)."),
+        click.option("--no-nvml", is_flag=True, help="Set PYTORCH_NO_NVML=1 in GPU workers."),
         click.option("--standby/--no-standby", default=True, show_default=True,
                      help="Start each replacement worker while its predecessor runs its last chunk."),
         click.option("--hung-grace", type=float, default=30.0, show_default=True,
@@ -259,7 +265,11 @@ def submit_cmd(corpus: Path, redis_url: str, **kw: Any) -> None:
 @reports_errors
 def pool_cmd(redis_url: str, gpus: str, name: str | None, **kw: Any) -> None:
     """Run fresh worker processes on this host's GPUs (or CPU) until signalled."""
-    chosen = gpu_discovery.select(gpus, gpu_discovery.discover())
+    chosen = gpu_discovery.usable(
+        gpu_discovery.select(gpus, gpu_discovery.discover()),
+        gpu_discovery.parse_size(kw.pop("min_free_memory")),
+        skip_busy=kw.pop("busy_gpus") == "skip",
+    )
     if not chosen:
         log.info("no GPU in use; running %d CPU worker(s)", kw["cpu_workers"])
     settings = PoolSettings(
@@ -273,6 +283,7 @@ def pool_cmd(redis_url: str, gpus: str, name: str | None, **kw: Any) -> None:
         crash_window=kw["crash_window"],
         hung_grace=kw["hung_grace"],
         standby=kw["standby"],
+        no_nvml=kw["no_nvml"],
         preload=kw["preload"],
         precision=kw["precision"],
         name=name or default_pool_name(),
@@ -314,6 +325,17 @@ def status_cmd(run_id: str, store: Path, redis_url: str, as_json: bool) -> None:
         click.echo(f"result published in {layout.result}")
 
 
+@cli.command("doctor")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@store_option
+@redis_option(required=False)
+def doctor_cmd(store: Path, redis_url: str | None, as_json: bool) -> None:
+    """List GPUs, what torch sees, Redis and the store; exit 1 with advice when something is wrong."""
+    report = examine(store, redis_url)
+    click.echo(json.dumps(report.to_json(), indent=2) if as_json else render(report))
+    sys.exit(EXIT_OK if not report.problems else EXIT_CHUNKS_FAILED)
+
+
 @cli.command("assemble")
 @click.argument("run_id")
 @store_option
@@ -347,6 +369,8 @@ def run_cmd(
         arg for name in ("max_jobs_jitter", "crash_limit", "crash_window", "hung_grace")
         for arg in (f"--{name.replace('_', '-')}", str(kw.pop(name)))
     ) + (("--standby",) if kw.pop("standby") else ("--no-standby",))  # fmt: skip
+    pool_args += ("--min-free-memory", kw.pop("min_free_memory"), "--busy-gpus", kw.pop("busy_gpus"))
+    pool_args += ("--no-nvml",) if kw.pop("no_nvml") else ()
     req = RunRequest(
         submit=_submit_request(corpus, **kw),
         redis_url=redis_url,

@@ -44,6 +44,7 @@ def test_output_equals_plain_encode(store: Path, reference_model: Any) -> None:
         "batch_size",
     } <= meta.keys()
     assert meta["rows"] == 20 and meta["device"] == "cpu" and meta["batch_size"] == 32
+    assert meta["peak_rss_bytes"] >= meta["rss_bytes"] > 50 << 20  # the CPU stand-in for GPU peak memory
     assert verify_output(layout, 0, 20)[0] is not None
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from jobs.errors import ConfigError
@@ -58,3 +61,35 @@ def test_standby_waits_for_its_predecessor_to_exit(monkeypatch: pytest.MonkeyPat
         old.kill()
     monkeypatch.setenv(WAIT_FOR_PID_ENV, "999999999")
     wait_for_predecessor()  # a predecessor that is already gone: returns at once
+
+
+def test_busy_and_short_gpus_are_reported_and_skipped_as_configured(caplog: pytest.LogCaptureFixture) -> None:
+    from queue_worker.gpus import GpuProcess, parse_size, usable
+
+    busy = GpuInfo(2, "A100", "GPU-ccc", 40 << 30, 30 << 30, (GpuProcess(4242, "python", 10 << 30),))
+    gpus = [*GPUS, busy]
+    assert usable(gpus, parse_size("75GiB"), skip_busy=False) == [GPUS[1]]
+    assert "GPU 0 (H100): 70.0 GiB free, below --min-free-memory 75.0 GiB; skipped" in caplog.text
+    assert usable(gpus, 0, skip_busy=True) == GPUS
+    assert "GPU 2 (A100) is busy with: python (pid 4242); skipped" in caplog.text
+    assert usable(gpus, 0, skip_busy=False) == gpus
+    assert parse_size("512MiB") == 512 << 20 and parse_size("1.5g") == 3 << 29 and parse_size("0") == 0
+    with pytest.raises(ConfigError, match="cannot read the size"):
+        parse_size("lots")
+    assert worker_environment({}, GPUS[0], 1, no_nvml=True)["PYTORCH_NO_NVML"] == "1"
+
+
+def test_doctor_on_a_machine_without_gpus(tmp_path: Path, redis_url: str) -> None:
+    from tests.helpers import run_cli
+
+    ok = run_cli("doctor", "--json", "--store", str(tmp_path / "s"), "--redis-url", redis_url)
+    report = json.loads(ok.stdout)
+    assert ok.returncode == 0 and report["ok"] and report["gpus"] == []
+    assert report["redis"]["reachable"] and report["store"]["writable"]
+    assert any("no NVIDIA GPU found" in note and "CPU" in note for note in report["notes"])
+    bad = run_cli("doctor", "--store", str(tmp_path / "s"), "--redis-url", "redis://127.0.0.1:1/0")
+    assert bad.returncode == 1 and "PROBLEM: Redis:" in bad.stdout and "check --redis-url" in bad.stdout
+    (tmp_path / "ro").mkdir()
+    (tmp_path / "ro" / "s").write_text("a file, not a directory")
+    unwritable = run_cli("doctor", "--store", str(tmp_path / "ro" / "s"))
+    assert unwritable.returncode == 1 and "is not writable" in unwritable.stdout

@@ -1,0 +1,147 @@
+"""``chunkq doctor``: what this host offers chunkq, and advice where something is wrong.
+
+GPUs come from NVML (no CUDA context is created for them); torch is asked separately, so a
+CPU-only torch on a GPU host (the silent-CPU-fallback trap) is called out.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from queue_worker import gpus as gpu_discovery
+from supervisor.embedded_redis import server_binary
+
+
+@dataclass
+class Report:
+    gpus: list[dict[str, Any]] = field(default_factory=list)
+    nvml: dict[str, Any] = field(default_factory=dict)
+    torch: dict[str, Any] = field(default_factory=dict)
+    redis: dict[str, Any] = field(default_factory=dict)
+    store: dict[str, Any] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["ok"] = not self.problems
+        return data
+
+
+def _nvml() -> dict[str, Any]:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception as exc:
+        return {"available": False, "error": str(exc)}
+    try:
+        cuda = pynvml.nvmlSystemGetCudaDriverVersion()
+        return {
+            "available": True,
+            "driver": str(pynvml.nvmlSystemGetDriverVersion()),
+            "cuda_driver": f"{cuda // 1000}.{cuda % 1000 // 10}",
+        }
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _torch() -> dict[str, Any]:
+    import torch
+
+    info: dict[str, Any] = {"version": torch.__version__, "cuda_build": torch.version.cuda}
+    info["cuda_available"] = bool(torch.cuda.is_available())
+    info["device_count"] = torch.cuda.device_count() if info["cuda_available"] else 0
+    return info
+
+
+def _redis(url: str | None) -> dict[str, Any]:
+    if not url:
+        try:
+            return {"mode": "embedded (chunkq run)", "server_binary": server_binary(), "reachable": None}
+        except Exception as exc:
+            return {"mode": "embedded (chunkq run)", "error": str(exc), "reachable": False}
+    try:
+        info = redis.Redis.from_url(url, socket_timeout=3).info("server")
+        return {"mode": "external", "reachable": True, "version": info.get("redis_version")}
+    except redis.RedisError as exc:
+        return {"mode": "external", "reachable": False, "error": str(exc)}
+
+
+def _store(path: Path) -> dict[str, Any]:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".doctor-"):
+            pass
+        usage = os.statvfs(path)
+        return {"path": str(path.resolve()), "writable": True, "free_bytes": usage.f_bavail * usage.f_frsize}
+    except OSError as exc:
+        return {"path": str(path), "writable": False, "error": str(exc)}
+
+
+def examine(store: Path, redis_url: str | None) -> Report:
+    report = Report(nvml=_nvml(), torch=_torch(), redis=_redis(redis_url), store=_store(store))
+    found = gpu_discovery.discover()
+    report.gpus = [asdict(gpu) for gpu in found]
+    if not found:
+        report.notes.append(
+            "no NVIDIA GPU found"
+            + (f" ({report.nvml['error']})" if "error" in report.nvml else "")
+            + "; workers will run on the CPU"
+        )
+    elif not report.torch["cuda_available"]:
+        report.problems.append(
+            f"{len(found)} GPU(s) present but torch {report.torch['version']} sees none: "
+            "install a CUDA build of torch (the one matching your driver, from pytorch.org); "
+            "chunkq refuses to fall back to the CPU on a GPU"
+        )
+    for gpu in found:
+        if gpu.processes:
+            names = ", ".join(f"{p.name} (pid {p.pid})" for p in gpu.processes)
+            report.notes.append(f"GPU {gpu.index} is in use by: {names}")
+    if report.redis.get("reachable") is False:
+        report.problems.append(f"Redis: {report.redis.get('error')}; check --redis-url / CHUNKQ_REDIS_URL")
+    if not report.store["writable"]:
+        report.problems.append(f"store {report.store['path']} is not writable: {report.store.get('error')}")
+    return report
+
+
+def render(report: Report) -> str:
+    lines = []
+    nvml = report.nvml
+    if nvml.get("available"):
+        lines.append(f"NVIDIA driver {nvml['driver']}, CUDA driver {nvml['cuda_driver']}")
+    for gpu in report.gpus:
+        lines.append(
+            f"GPU {gpu['index']}: {gpu['name']}, {gpu['memory_free'] / 2**30:.1f} of "
+            f"{gpu['memory_total'] / 2**30:.1f} GiB free, {len(gpu['processes'])} process(es)"
+        )
+        lines += [f"    pid {p['pid']} {p['name']}" for p in gpu["processes"]]
+    t = report.torch
+    lines.append(
+        f"torch {t['version']} (CUDA build {t['cuda_build'] or 'none'}): "
+        f"{t['device_count']} CUDA device(s) visible"
+    )
+    r = report.redis
+    lines.append(
+        f"Redis ({r['mode']}): "
+        + (
+            "reachable, version " + str(r.get("version"))
+            if r.get("reachable")
+            else r.get("server_binary") or r.get("error", "?")
+        )
+    )
+    s = report.store
+    lines.append(
+        f"store {s['path']}: " + ("writable" if s["writable"] else f"NOT writable ({s.get('error')})")
+    )
+    lines += [f"note: {n}" for n in report.notes]
+    lines += [f"PROBLEM: {p}" for p in report.problems]
+    lines.append("all good" if not report.problems else f"{len(report.problems)} problem(s) found")
+    return "\n".join(lines)
