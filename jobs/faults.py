@@ -10,7 +10,7 @@ the job pays one empty-tuple check. A worker with faults on says so loudly at st
 Kinds: ``oom`` (raises torch's OutOfMemoryError while the batch size is above ``above_batch``),
 ``cuda_fatal`` (raises the illegal-memory-access RuntimeError), ``broken_context`` (the
 after-error probe finds the context unusable), ``hang`` (ignores SIGALRM, as a hung CUDA call
-would, and sleeps), ``sigkill`` (kills its own process).
+would, and sleeps), ``sigkill`` (kills its own process), ``slow`` (takes ``seconds`` longer).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 from jobs.errors import ConfigError
 
 ENV = "CHUNKQ_FAULTS"
-KINDS = ("oom", "cuda_fatal", "broken_context", "hang", "sigkill")
+KINDS = ("oom", "cuda_fatal", "broken_context", "hang", "sigkill", "slow")
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,7 @@ class Fault:
     probability: float = 1.0
     seed: int = 0
     above_batch: int = 0  # oom: only while the batch size is above this
+    seconds: float = 0.0  # slow: how long the chunk takes longer
     run_id: str | None = None
 
     def matches(self, run_id: str, chunk: int, attempt: int) -> bool:
@@ -68,7 +69,16 @@ def parse(raw: str | None) -> tuple[Fault, ...]:
 def _rule(rule: Any) -> Fault:
     if not isinstance(rule, dict) or rule.get("kind") not in KINDS:
         raise ConfigError(f"{ENV}: each rule needs a kind out of {', '.join(KINDS)}; got {rule!r}")
-    unknown = set(rule) - {"kind", "chunks", "attempts", "probability", "seed", "above_batch", "run_id"}
+    unknown = set(rule) - {
+        "kind",
+        "chunks",
+        "attempts",
+        "probability",
+        "seed",
+        "above_batch",
+        "seconds",
+        "run_id",
+    }
     if unknown:
         raise ConfigError(f"{ENV}: unknown field(s) {sorted(unknown)} in {rule!r}")
     chunks, attempts = rule.get("chunks"), rule.get("attempts")
@@ -79,6 +89,7 @@ def _rule(rule: Any) -> Fault:
         probability=float(rule.get("probability", 1.0)),
         seed=int(rule.get("seed", 0)),
         above_batch=int(rule.get("above_batch", 0)),
+        seconds=float(rule.get("seconds", 0.0)),
         run_id=rule.get("run_id"),
     )
 
@@ -105,6 +116,8 @@ def inject(run_id: str, chunk: int, attempt: int, batch_size: int) -> None:
             )
         if fault.kind == "cuda_fatal":
             raise RuntimeError(f"CUDA error: an illegal memory access was encountered (injected by {ENV})")
+        if fault.kind == "slow":
+            time.sleep(fault.seconds)  # a long chunk: something to kill a worker in the middle of
         if fault.kind == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
         if fault.kind == "hang":

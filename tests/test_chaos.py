@@ -11,9 +11,14 @@ from typing import Any
 
 import numpy as np
 import pytest
+import redis
+from rq.job import Job
+from rq.serializers import JSONSerializer
 
+from jobs.specs import chunk_job_id
 from jobs.store import RunLayout, read_json
 from supervisor.embedded_redis import EmbeddedRedis
+from supervisor.enqueue import job_statuses
 from tests.helpers import (
     make_texts,
     max_abs_diff,
@@ -27,19 +32,34 @@ from tests.helpers import (
 
 OOM_CHUNKS = [3, 17, 33, 48]
 CUDA_CHUNKS = [7, 25, 41, 55]
+SLOW_CHUNKS = [12, 29]  # their workers are SIGKILLed mid-chunk
 DEADLINE_SECONDS = 420
 
 
 @pytest.mark.timeout(DEADLINE_SECONDS + 60)
+def _running_worker(connection: redis.Redis, chunk: int, workers: list[Any]) -> Any:
+    """The worker process running ``chunk`` right now, if any."""
+    job_id = chunk_job_id("chaos", chunk)
+    try:
+        if job_statuses(connection, [job_id]) != ["started"]:
+            return None
+        name = Job.fetch(job_id, connection=connection, serializer=JSONSerializer).worker_name
+    except redis.RedisError:
+        return None
+    return next((w for w in workers if name and name in " ".join(w.cmdline())), None)
+
+
 def test_chaos_run_loses_and_duplicates_nothing(tmp_path: Path, reference_model: Any) -> None:
     ids, texts = make_texts(300, seed=50)
     corpus = write_corpus(tmp_path / "corpus.jsonl", ids, texts, "jsonl")
     server = EmbeddedRedis(tmp_path / "redis").start()
+    connection = redis.Redis.from_url(server.url, socket_timeout=2)
     store = tmp_path / "store"
     env = {"CHUNKQ_REDIS_URL": server.url, "CHUNKQ_STORE": str(store), "CHUNKQ_QUEUE": "chaos"}
     faults = json.dumps([
         {"kind": "oom", "chunks": OOM_CHUNKS, "above_batch": 2},
         {"kind": "cuda_fatal", "chunks": CUDA_CHUNKS, "attempts": [1]},
+        {"kind": "slow", "chunks": SLOW_CHUNKS, "attempts": [1], "seconds": 3},
     ])  # fmt: skip
     submitted = run_cli(
         "submit", str(corpus), "--chunk-size", "5", "--run-id", "chaos", "--batch-size", "8", **env
@@ -57,7 +77,12 @@ def test_chaos_run_loses_and_duplicates_nothing(tmp_path: Path, reference_model:
             assert time.monotonic() < deadline, "chaos run did not finish in time"
             done = len(layout.done_chunks())
             workers = worker_processes(pool)
-            if kills < 3 and done >= 8 + 14 * kills and workers:
+            if kills < len(SLOW_CHUNKS):  # a busy worker, in the middle of its chunk
+                busy = _running_worker(connection, SLOW_CHUNKS[kills], workers)
+                if busy is not None:
+                    busy.kill()
+                    kills += 1
+            elif kills == len(SLOW_CHUNKS) and done >= 38 and workers:  # any worker, whatever it is doing
                 rng.choice(workers).kill()
                 kills += 1
             if not supervisor_restarted and done >= 20:
@@ -73,6 +98,7 @@ def test_chaos_run_loses_and_duplicates_nothing(tmp_path: Path, reference_model:
                 wait_for(lambda: "Redis unreachable" in (tmp_path / "supervisor-2.log").read_text(), 60,
                          "the supervisor to notice Redis is gone")  # fmt: skip
                 server = EmbeddedRedis(tmp_path / "redis", password=server.password, port=server.port).start()
+                connection = redis.Redis.from_url(server.url, socket_timeout=2)
                 redis_restarted = True
             if not pool_restarted and done >= 44:
                 pool.kill()  # its workers get SIGTERM from the kernel, finish their chunk and exit
@@ -95,7 +121,7 @@ def test_chaos_run_loses_and_duplicates_nothing(tmp_path: Path, reference_model:
     assert got_ids == ids and len(set(got_ids)) == 300  # nothing lost, nothing twice
     metas = [read_json(layout.output_meta(i)) for i in range(60)]
     assert all(metas[i]["batch_size"] <= 2 for i in OOM_CHUNKS)
-    assert all(metas[i]["attempt"] >= 2 for i in CUDA_CHUNKS)
+    assert all(metas[i]["attempt"] >= 2 for i in CUDA_CHUNKS + SLOW_CHUNKS)
 
     pool_log = (tmp_path / "pool.log").read_text()
     supervisor_logs = (tmp_path / "supervisor-1.log").read_text() + (
