@@ -71,16 +71,18 @@ class RunLayout:
         safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in device_kind)[:80] or "device"
         return self.root / "learned" / f"{safe}.json"
 
-    def done_chunks(self) -> set[int]:
-        """Indices whose output metadata (the commit marker) exists."""
+    def committed_outputs(self) -> Iterator[tuple[int, os.DirEntry[str]]]:
+        """(index, directory entry) of each chunk whose output metadata (the commit marker) exists."""
         if not self.outputs.is_dir():
-            return set()
-        done = set()
+            return
         for entry in os.scandir(self.outputs):
             stem, dot, ext = entry.name.partition(".")
             if ext == "json" and dot and stem.isdigit():
-                done.add(int(stem))
-        return done
+                yield int(stem), entry
+
+    def done_chunks(self) -> set[int]:
+        """Indices whose output metadata (the commit marker) exists."""
+        return {index for index, _ in self.committed_outputs()}
 
 
 @contextlib.contextmanager

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import click
 import redis
 
-from jobs.errors import AssemblyError, BadInputError, ChunkqError, ConfigError, RunConflictError
+from jobs.errors import AssemblyError, BadInputError, ChunkqError, RunConflictError
 from jobs.models import default_model
 from jobs.specs import PRECISIONS, EncodeOptions
 from jobs.store import RunLayout
@@ -413,5 +413,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-
-__all__ = ["EXIT_USAGE", "ConfigError", "assemble", "main"]

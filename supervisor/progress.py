@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -104,13 +103,10 @@ def recent_rate(layout: RunLayout, manifest: RunManifest, window: float = 60.0) 
 
     For a one-shot ``chunkq status``, which has no history of its own to measure a rate from.
     """
-    if not layout.outputs.is_dir():
-        return None
-    since, rows = time.time() - window, 0
-    for entry in os.scandir(layout.outputs):
-        stem, _, ext = entry.name.partition(".")
-        if ext == "json" and stem.isdigit() and entry.stat().st_mtime >= since:
-            rows += manifest.chunk_rows(int(stem))
+    since = time.time() - window
+    rows = sum(
+        manifest.chunk_rows(i) for i, entry in layout.committed_outputs() if entry.stat().st_mtime >= since
+    )
     return rows / window if rows else None
 
 
