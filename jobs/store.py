@@ -6,17 +6,16 @@
     <store>/runs/<run>/outputs/<chunk>.json    output metadata; its presence commits the .npy
     <store>/runs/<run>/result/                 embeddings.npy, ids.jsonl, manifest.json (published by rename)
 
-Every file is written to a temporary name in the same directory and renamed into place, so a reader
-sees either the whole file or none of it.
+Every file is published whole (see jobs.storage): a reader sees either the whole file or none of it,
+and a chunk output counts only once its metadata, written after the .npy, exists.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
+import io
 import json
 import os
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ import numpy as np
 
 from jobs.errors import BadInputError, StoreError
 from jobs.specs import validate_run_id
+from jobs.storage import atomic_path, is_local, list_with_mtime, open_store
 
 CHUNK_NAME_WIDTH = 6
 
@@ -37,7 +37,7 @@ class RunLayout:
     """Paths of one run under a store root; the run id is validated so no path escapes the store."""
 
     def __init__(self, store: str | os.PathLike[str], run_id: str) -> None:
-        self.store = Path(store).resolve()
+        self.store = open_store(store)
         self.run_id = validate_run_id(run_id)
         self.root = self.store / "runs" / self.run_id
 
@@ -71,34 +71,16 @@ class RunLayout:
         safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in device_kind)[:80] or "device"
         return self.root / "learned" / f"{safe}.json"
 
-    def committed_outputs(self) -> Iterator[tuple[int, os.DirEntry[str]]]:
-        """(index, directory entry) of each chunk whose output metadata (the commit marker) exists."""
-        if not self.outputs.is_dir():
-            return
-        for entry in os.scandir(self.outputs):
-            stem, dot, ext = entry.name.partition(".")
+    def committed_outputs(self) -> Iterator[tuple[int, float]]:
+        """(index, commit time) of each chunk whose output metadata (the commit marker) exists."""
+        for name, mtime in list_with_mtime(self.outputs):
+            stem, dot, ext = name.partition(".")
             if ext == "json" and dot and stem.isdigit():
-                yield int(stem), entry
+                yield int(stem), mtime
 
     def done_chunks(self) -> set[int]:
         """Indices whose output metadata (the commit marker) exists."""
         return {index for index, _ in self.committed_outputs()}
-
-
-@contextlib.contextmanager
-def atomic_path(path: Path) -> Iterator[Path]:
-    """Yield a temporary path beside ``path``; on success fsync it and rename it over ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
-        yield tmp
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -111,13 +93,12 @@ def atomic_write_json(path: Path, data: Any) -> None:
 
 
 def read_json(path: Path) -> Any:
-    with open(path, encoding="utf-8") as fh:
-        return json.load(fh)
+    return json.loads(path.read_bytes())
 
 
 def file_sha256(path: Path, block: int = 1 << 20) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as fh:
+    with path.open("rb") as fh:
         while chunk := fh.read(block):
             digest.update(chunk)
     return digest.hexdigest()
@@ -130,6 +111,16 @@ def save_npy_atomic(path: Path, array: np.ndarray[Any, Any]) -> str:
             np.save(fh, array, allow_pickle=False)
         digest = file_sha256(tmp)
     return digest
+
+
+def load_npy(path: Path) -> np.ndarray[Any, Any]:
+    """A chunk output: memory-mapped from a local file, read whole (it is one chunk) from an object store."""
+    array: np.ndarray[Any, Any]
+    if is_local(path):
+        array = np.load(path, mmap_mode="r", allow_pickle=False)
+    else:
+        array = np.load(io.BytesIO(path.read_bytes()), allow_pickle=False)
+    return array
 
 
 def write_chunk_input(layout: RunLayout, index: int, rows: list[tuple[str, str]]) -> None:
@@ -145,7 +136,7 @@ def read_chunk_input(layout: RunLayout, index: int) -> tuple[list[str], list[str
         raise StoreError(f"chunk input {path} is missing")
     ids: list[str] = []
     texts: list[str] = []
-    with open(path, encoding="utf-8") as fh:
+    with path.open("r", encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, 1):
             try:
                 row = json.loads(line)
@@ -173,7 +164,7 @@ def verify_output(layout: RunLayout, index: int, expected_rows: int) -> tuple[di
     if file_sha256(npy_path) != meta.get("sha256"):
         return None, f"{npy_path.name} checksum does not match its metadata"
     try:
-        array = np.load(npy_path, mmap_mode="r", allow_pickle=False)
+        array = load_npy(npy_path)
     except (OSError, ValueError) as exc:
         return None, f"{npy_path.name} unreadable: {exc}"
     if array.ndim != 2 or array.dtype != np.float32:

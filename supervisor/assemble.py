@@ -1,7 +1,9 @@
 """Assembly: verify every chunk output and publish one ordered embedding matrix, whole or not at all.
 
 The matrix is written through a memory map one chunk at a time, so memory stays flat in the corpus
-size; the result directory is built under a temporary name and renamed into place only when whole.
+size. The result is built in a local directory under a temporary name; on a filesystem store it is
+renamed into place only when whole, on an object store its files are uploaded and its manifest, the
+commit marker that readers look for, is uploaded last.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -17,7 +20,16 @@ from typing import Any
 import numpy as np
 
 from jobs.errors import AssemblyError, BadInputError
-from jobs.store import RunLayout, atomic_write_json, file_sha256, read_chunk_input, read_json, verify_output
+from jobs.storage import is_local, publish_file, remove_tree
+from jobs.store import (
+    RunLayout,
+    atomic_write_json,
+    file_sha256,
+    load_npy,
+    read_chunk_input,
+    read_json,
+    verify_output,
+)
 from supervisor.manifest import RunManifest, load_manifest
 from supervisor.progress import Failure
 
@@ -72,9 +84,7 @@ def _write_result(
             ids, _ = read_chunk_input(layout, index)
             if len(ids) != rows:
                 raise BadInputError(f"chunk {index}: input holds {len(ids)} rows, the manifest says {rows}")
-            matrix[first : first + rows] = np.load(
-                layout.output_npy(index), mmap_mode="r", allow_pickle=False
-            )
+            matrix[first : first + rows] = load_npy(layout.output_npy(index))
             first += rows
             ids_out.writelines(json.dumps(rid, ensure_ascii=False) + "\n" for rid in ids)
         ids_out.flush()
@@ -85,6 +95,19 @@ def _write_result(
         "embeddings_sha256": file_sha256(tmp / "embeddings.npy"),
         "ids_sha256": file_sha256(tmp / "ids.jsonl"),
     }
+
+
+def _publish(built: Path, result: Path) -> None:
+    """Put a whole result directory in place; readers trust it only once its manifest.json exists."""
+    if is_local(result):
+        if result.exists():  # a stale result of an earlier, different run under this id
+            shutil.rmtree(result)
+        os.rename(built, result)
+        return
+    (result / "manifest.json").unlink(missing_ok=True)  # uncommit a stale result before replacing its files
+    remove_tree(result)
+    for name in ("embeddings.npy", "ids.jsonl", "manifest.json"):
+        publish_file(built / name, result / name)
 
 
 def assemble(layout: RunLayout, missing: list[Failure] | None = None) -> dict[str, Any]:
@@ -105,9 +128,12 @@ def assemble(layout: RunLayout, missing: list[Failure] | None = None) -> dict[st
         raise AssemblyError(manifest.run_id, ["no chunk of the run has an output"])
     dim = int(metas[0]["dim"])
     total = manifest.rows - sum(f.rows for f in skip.values())
-    tmp = layout.root / f".result.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    if is_local(layout.root):
+        tmp = layout.root / f".result.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    else:
+        tmp = Path(tempfile.mkdtemp(prefix=f"chunkq-result-{manifest.run_id}-"))
     try:
         digests = _write_result(layout, manifest, tmp, dim, set(skip), total)
         missing_rows = [
@@ -135,12 +161,9 @@ def assemble(layout: RunLayout, missing: list[Failure] | None = None) -> dict[st
             "encode_seconds": round(sum(float(m["seconds"]) for m in metas), 3),
         }
         atomic_write_json(tmp / "manifest.json", result)
-        if layout.result.exists():  # a stale result of an earlier, different run under this id
-            shutil.rmtree(layout.result)
-        os.rename(tmp, layout.result)
-    except BaseException:
+        _publish(tmp, layout.result)
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
     if skip:
         log.warning("run %s: published a PARTIAL result: %d of %d rows; %d chunk(s) missing", manifest.run_id,
                     total, manifest.rows, len(skip))  # fmt: skip

@@ -13,9 +13,10 @@ from typing import Any, TypeVar
 import click
 import redis
 
-from jobs.errors import AssemblyError, BadInputError, ChunkqError, RunConflictError
+from jobs.errors import AssemblyError, BadInputError, ChunkqError, ConfigError, RunConflictError
 from jobs.models import default_model
 from jobs.specs import PRECISIONS, EncodeOptions
+from jobs.storage import open_store
 from jobs.store import RunLayout
 from queue_worker import gpus as gpu_discovery
 from queue_worker.pool import Pool, PoolSettings, default_pool_name
@@ -81,12 +82,19 @@ def reports_errors(func: F) -> F:
 def store_option(func: F) -> F:
     return click.option(
         "--store",
-        type=click.Path(path_type=Path),
-        default=Path("chunkq-store"),
+        default="chunkq-store",
         envvar="CHUNKQ_STORE",
         show_default=True,
-        help="Store root shared by all hosts.",
+        callback=_open_store,
+        help="Store shared by all hosts: a local or network path, or s3://bucket/prefix, gs://bucket/prefix.",
     )(func)
+
+
+def _open_store(ctx: click.Context, param: click.Parameter, value: str) -> Path:
+    try:
+        return open_store(value)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc)) from exc
 
 
 def redis_option(required: bool) -> Callable[[F], F]:
@@ -192,7 +200,7 @@ def _submit_request(corpus: Path, **kw: Any) -> SubmitRequest:
     fmt = detect_format(corpus, kw["fmt"])
     return SubmitRequest(
         corpus=corpus,
-        store=kw["store"].resolve(),
+        store=kw["store"],
         model=kw["model"] or default_model(),
         corpus_options=CorpusOptions(format=fmt, text_field=kw["text_field"], id_field=kw["id_field"]),
         chunk_size=kw["chunk_size"],

@@ -7,13 +7,15 @@ CPU-only torch on a GPU host (the silent-CPU-fallback trap) is called out.
 from __future__ import annotations
 
 import os
-import tempfile
+import socket
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import redis
 
+from jobs.storage import is_local
+from jobs.store import atomic_write_bytes
 from queue_worker import gpus as gpu_discovery
 from supervisor.embedded_redis import server_binary
 
@@ -75,14 +77,18 @@ def _redis(url: str | None) -> dict[str, Any]:
 
 
 def _store(path: Path) -> dict[str, Any]:
+    probe = path / f".doctor-{socket.gethostname()}-{os.getpid()}"
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".doctor-"):
-            pass
-        usage = os.statvfs(path)
-        return {"path": str(path.resolve()), "writable": True, "free_bytes": usage.f_bavail * usage.f_frsize}
-    except OSError as exc:
-        return {"path": str(path), "writable": False, "error": str(exc)}
+        # The same publish path the jobs use, so a store doctor calls writable is writable for them.
+        atomic_write_bytes(probe, b"chunkq doctor\n")
+        probe.unlink()
+        report: dict[str, Any] = {"path": str(path), "writable": True}
+        if is_local(path):
+            usage = os.statvfs(path)
+            report["free_bytes"] = usage.f_bavail * usage.f_frsize
+        return report
+    except Exception as exc:  # an object store raises its own client errors, not only OSError
+        return {"path": str(path), "writable": False, "error": f"{type(exc).__name__}: {exc}"}
 
 
 def examine(store: Path, redis_url: str | None) -> Report:

@@ -104,9 +104,7 @@ def recent_rate(layout: RunLayout, manifest: RunManifest, window: float = 60.0) 
     For a one-shot ``chunkq status``, which has no history of its own to measure a rate from.
     """
     since = time.time() - window
-    rows = sum(
-        manifest.chunk_rows(i) for i, entry in layout.committed_outputs() if entry.stat().st_mtime >= since
-    )
+    rows = sum(manifest.chunk_rows(i) for i, mtime in layout.committed_outputs() if mtime >= since)
     return rows / window if rows else None
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import signal
@@ -14,6 +15,7 @@ from types import TracebackType
 
 import redis
 
+from jobs.storage import is_local
 from jobs.store import RunLayout
 from queue_worker.pool import die_with_parent
 from supervisor.assemble import published_result
@@ -117,6 +119,19 @@ class PoolProcess:
                     self.proc.wait()
 
 
+def local_state_dir(store: Path) -> Path:
+    """Where ``chunkq run`` keeps what must stay on this machine (the embedded Redis's data, logs):
+    in the store when it is a filesystem, in the user's cache when it is an object store."""
+    if is_local(store):
+        return store
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "chunkq" / hashlib.sha256(str(store).encode()).hexdigest()[:16]
+
+
+def embedded_redis_dir(store: Path) -> Path:
+    return local_state_dir(store) / "redis"
+
+
 def _always() -> bool:
     return True
 
@@ -125,7 +140,7 @@ def run(req: RunRequest, display: ProgressDisplay) -> RunOutcome:
     """Submit, work and assemble on this machine; resumable from whatever the store already holds."""
     store = req.submit.store
     with contextlib.ExitStack() as stack:
-        url = req.redis_url or stack.enter_context(EmbeddedRedis(store / "redis")).url
+        url = req.redis_url or stack.enter_context(EmbeddedRedis(embedded_redis_dir(store))).url
         connection = redis.Redis.from_url(url)
         submitted = submit(req.submit, connection)
         layout = RunLayout(store, submitted.run_id)
@@ -135,7 +150,11 @@ def run(req: RunRequest, display: ProgressDisplay) -> RunOutcome:
         keep_going = _always
         if submitted.done < submitted.chunks:
             # Under a live progress bar the workers' log lines would tear it: send them to a file.
-            log_path = layout.root / "logs" / "pool.log" if display.live else None
+            log_path = (
+                local_state_dir(store) / "runs" / layout.run_id / "logs" / "pool.log"
+                if display.live
+                else None
+            )
             if log_path is not None:
                 log.info("worker logs: %s", log_path)
             pool = stack.enter_context(PoolProcess(req, url, log_path))

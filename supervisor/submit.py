@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
-import shutil
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -20,6 +19,7 @@ import redis
 
 from jobs.errors import ConfigError, CorpusError, RunConflictError
 from jobs.specs import FORMAT_VERSION, EncodeOptions, fingerprint, validate_run_id
+from jobs.storage import local_scratch, remove_tree
 from jobs.store import RunLayout, atomic_write_json, write_chunk_input
 from queue_worker.worker import DEFAULT_QUEUE
 from supervisor.corpus import CorpusOptions, Record, check_readable, read_corpus
@@ -104,7 +104,7 @@ def _conflict(manifest: RunManifest, identity: dict[str, Any]) -> RunConflictErr
 def _write_inputs(req: SubmitRequest, layout: RunLayout) -> int:
     """Stream the corpus into chunk files; return the row count. Only one chunk is ever in memory."""
     rows, index, buffer = 0, 0, list[Record]()
-    with IdRegistry(layout.root / ".ids.sqlite") as seen:
+    with local_scratch(layout.root) as scratch, IdRegistry(scratch / ".ids.sqlite") as seen:
 
         def flush() -> None:
             seen.add(buffer)
@@ -128,7 +128,7 @@ def _create_run(req: SubmitRequest, layout: RunLayout, identity: dict[str, Any],
         rows = _write_inputs(req, layout)
     except BaseException:
         # No manifest was written, so nothing refers to these inputs: leave the store as it was.
-        shutil.rmtree(layout.root, ignore_errors=True)
+        remove_tree(layout.root)
         raise
     data = {
         "format_version": FORMAT_VERSION,

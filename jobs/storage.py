@@ -1,0 +1,162 @@
+"""Where the store lives and how a file lands there whole: a local or network path, or an object store.
+
+A store is a plain local path (``/mnt/shared/chunkq``) or an fsspec URL (``s3://bucket/prefix``,
+``gs://bucket/prefix``; their filesystems come from the ``chunkq[s3]`` and ``chunkq[gcs]`` extras).
+Paths are ``pathlib.Path`` for local stores and ``upath.UPath`` for the others, so the layout code
+is the same for both.
+
+Atomic publication differs, the guarantee does not:
+- local and network filesystems: write a temporary file in the same directory, fsync, rename;
+- object stores have no atomic rename, but a single PUT (or a completed multipart upload) makes an
+  object appear whole or not at all. A file is written locally, then uploaded as one object; a group
+  of files (a chunk output, a run result) is committed by a marker object uploaded after the others.
+
+Credentials and endpoints come from each host's environment the way fsspec reads them
+(``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``, ``GOOGLE_APPLICATION_CREDENTIALS``, ``FSSPEC_S3_*``),
+never from the job data in Redis.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any, cast
+
+from jobs.errors import ConfigError
+
+_LOCAL_PROTOCOLS = ("", "file", "local")
+
+
+def open_store(store: str | os.PathLike[str] | Path) -> Path:
+    """The store root: a ``Path`` for a local path or ``file://`` URL, a ``UPath`` for an object store."""
+    text = str(store)  # an object-store UPath is not os.PathLike, but str() is its URL
+    protocol, sep, rest = text.partition("://")
+    if not sep or protocol in _LOCAL_PROTOCOLS:
+        return Path(rest if sep else text).expanduser().resolve()
+    try:
+        from upath import UPath
+
+        # Listings are not cached: the supervisor polls for objects that other hosts upload.
+        root = UPath(text, use_listings_cache=False)
+        root.fs  # noqa: B018 - resolves the filesystem now, so a missing extra fails here, clearly
+    except (ImportError, ValueError) as exc:
+        raise ConfigError(
+            f"store {text!r}: no filesystem for {protocol}:// ({exc}); "
+            "install chunkq[s3] for s3://, chunkq[gcs] for gs://"
+        ) from exc
+    return cast(Path, root)  # UPath offers pathlib's interface; the layout code needs no more
+
+
+def _fs(path: Path) -> tuple[Any, str]:
+    """The fsspec filesystem of an object-store path, and the path within it."""
+    remote: Any = path
+    return remote.fs, remote.path
+
+
+def is_local(path: Path) -> bool:
+    return getattr(path, "protocol", "") in _LOCAL_PROTOCOLS
+
+
+def store_url(path: Path) -> str:
+    """How a store is named in job data and manifests: an absolute path or a URL."""
+    return str(path)
+
+
+@contextlib.contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """Yield a local temporary file; on success publish it at ``path`` whole (rename, or one upload)."""
+    if is_local(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        directory: str | None = str(path.parent)
+    else:
+        directory = None
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        yield tmp
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        if directory is not None:
+            os.replace(tmp, path)
+        else:
+            _upload(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _upload(local: Path, remote: Path) -> None:
+    fs, where = _fs(remote)
+    fs.put_file(str(local), where)
+
+
+def publish_file(local: Path, path: Path) -> None:
+    """Move a finished local file to ``path``: a rename on the same filesystem, else one upload."""
+    if is_local(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(local, path)
+    else:
+        _upload(local, path)
+        local.unlink()
+
+
+def remove_tree(path: Path) -> None:
+    if is_local(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            fs, where = _fs(path)
+            fs.rm(where, recursive=True)
+
+
+@contextlib.contextmanager
+def local_scratch(path: Path) -> Iterator[Path]:
+    """A local directory for files that must be local (SQLite) while working on ``path``: ``path``
+    itself on a filesystem store, a temporary directory removed afterwards on an object store."""
+    if is_local(path):
+        path.mkdir(parents=True, exist_ok=True)
+        yield path
+        return
+    scratch = Path(tempfile.mkdtemp(prefix="chunkq-"))
+    try:
+        yield scratch
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _mtime(info: dict[str, Any]) -> float:
+    # Each fsspec filesystem names the modification time its own way.
+    for key in ("mtime", "LastModified", "updated", "last_modified", "created"):
+        value = info.get(key)
+        if isinstance(value, int | float):
+            return float(value)
+        if isinstance(value, datetime):
+            return value.timestamp()
+        if isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    return 0.0
+
+
+def list_with_mtime(directory: Path) -> Iterator[tuple[str, float]]:
+    """(name, modification time) of each file in ``directory``; one listing call on object stores."""
+    if is_local(directory):
+        if not directory.is_dir():
+            return
+        for entry in os.scandir(directory):
+            if entry.is_file():
+                yield entry.name, entry.stat().st_mtime
+        return
+    fs, where = _fs(directory)
+    try:
+        infos = fs.ls(where, detail=True, refresh=True)
+    except FileNotFoundError:
+        return
+    for info in infos:
+        if info.get("type") == "file":
+            yield info["name"].rstrip("/").rsplit("/", 1)[-1], _mtime(info)

@@ -1,0 +1,128 @@
+"""The store on an object store (s3://), where nothing can be renamed atomically.
+
+The server is moto's S3 server, a real HTTP server on a loopback port started from the binary that
+the dev dependencies install; chunkq talks to it through s3fs exactly as it would to S3.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from jobs.storage import open_store
+from jobs.store import RunLayout, save_npy_atomic, verify_output, write_output
+from tests.helpers import make_texts, max_abs_diff, run_cli, wait_for, write_corpus
+
+pytest.importorskip("s3fs")
+BUCKET = "chunkq-test"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.fixture(scope="module")
+def s3_env() -> Iterator[dict[str, str]]:
+    """A moto S3 server with one bucket; the environment that points fsspec at it."""
+    binary = Path(sys.executable).parent / "moto_server"
+    if not binary.exists():
+        pytest.skip("moto_server is not installed (pip install -e '.[dev]')")
+    port = _free_port()
+    quiet = subprocess.DEVNULL
+    proc = subprocess.Popen([str(binary), "-H", "127.0.0.1", "-p", str(port)], stdout=quiet, stderr=quiet)
+    env = {
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_ACCESS_KEY_ID": "chunkq-test",
+        "AWS_SECRET_ACCESS_KEY": "chunkq-test",  # moto accepts any key
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        wait_for(lambda: _listening(port), 30, "the moto S3 server to listen")
+        import s3fs
+
+        s3fs.S3FileSystem(skip_instance_cache=True).mkdir(BUCKET)
+        yield env
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def _names(layout: RunLayout) -> set[str]:
+    return {p.name for p in layout.outputs.iterdir()}
+
+
+def test_a_chunk_output_counts_only_once_its_metadata_is_uploaded(s3_env: dict[str, str]) -> None:
+    layout = RunLayout(f"s3://{BUCKET}/unit-{time.time_ns()}", "r1")
+    assert type(layout.store).__name__ == "S3Path"
+    embeddings = np.random.default_rng(0).standard_normal((7, 4)).astype(np.float32)
+
+    save_npy_atomic(layout.output_npy(0), embeddings)  # a worker that died between the two uploads
+    assert layout.done_chunks() == set()
+    assert verify_output(layout, 0, 7) == (None, "output metadata missing")
+
+    write_output(layout, 0, embeddings, {"run_id": "r1", "chunk": 0})
+    assert layout.done_chunks() == {0}
+    meta, why = verify_output(layout, 0, 7)
+    assert why == "" and meta is not None and meta["rows"] == 7
+    ((index, committed),) = list(layout.committed_outputs())
+    assert index == 0 and abs(committed - time.time()) < 120
+    assert _names(layout) == {"000000.npy", "000000.json"}  # no temporary objects left behind
+
+    # A corrupted object is caught by the checksum, as on a filesystem.
+    layout.output_npy(0).write_bytes(layout.output_npy(0).read_bytes()[:-4] + b"\0\0\0\0")
+    assert verify_output(layout, 0, 7)[1] == "000000.npy checksum does not match its metadata"
+
+
+def test_an_unknown_protocol_is_refused_clearly() -> None:
+    with pytest.raises(Exception, match=r"no filesystem for nosuch://"):
+        open_store("nosuch://bucket/prefix")
+
+
+def test_run_end_to_end_on_s3(s3_env: dict[str, str], tmp_path: Path, reference_model: Any) -> None:
+    ids, texts = make_texts(120, seed=7)
+    corpus = write_corpus(tmp_path / "corpus.jsonl", ids, texts, "jsonl")
+    store = f"s3://{BUCKET}/e2e-{time.time_ns()}"
+    args = ("run", str(corpus), "--chunk-size", "30", "--max-jobs", "2", "--store", store)
+    args += ("--run-id", "s3run")
+    env = {**s3_env, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    first = run_cli(*args, cwd=tmp_path, **env)
+    assert first.returncode == 0, first.stderr[-3000:]
+
+    layout = RunLayout(store, "s3run")
+    matrix = np.load(io.BytesIO((layout.result / "embeddings.npy").read_bytes()), allow_pickle=False)
+    assert max_abs_diff(matrix, reference_model.encode(texts)) <= 1e-5
+    assert [json.loads(x) for x in (layout.result / "ids.jsonl").read_text().splitlines()] == ids
+    result = json.loads((layout.result / "manifest.json").read_text())
+    assert result["complete"] and result["rows"] == 120
+    assert layout.done_chunks() == {0, 1, 2, 3}
+    # Nothing that must stay local went to the bucket, nor into the working directory.
+    assert not (tmp_path / "chunkq-store").exists()
+    assert list((tmp_path / "cache" / "chunkq").glob("*/redis/appendonlydir"))
+
+    again = run_cli(*args, cwd=tmp_path, **env)
+    assert again.returncode == 0 and "already complete" in again.stdout, again.stderr[-3000:]
