@@ -18,6 +18,7 @@ from rq import get_current_job
 
 from jobs import cuda, errors, faults, models, runtime
 from jobs.errors import BadInputError, ChunkOutOfMemoryError, CudaFatalError
+from jobs.policy import check_spec
 from jobs.specs import ChunkSpec, EncodeOptions
 from jobs.store import RunLayout, atomic_write_json, read_chunk_input, read_json, verify_output, write_output
 
@@ -120,13 +121,14 @@ def embed_chunk(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _embed(chunk: ChunkSpec) -> dict[str, Any]:
+    ctx = runtime.current()
+    check_spec(chunk, ctx)
     layout = RunLayout(chunk.store, chunk.run_id)
     existing, _ = verify_output(layout, chunk.index, chunk.rows)
     if existing is not None:
         log.info("chunk %s already has a valid output; not encoding it again", chunk.job_id)
         return {**existing, "skipped": True}
 
-    ctx = runtime.current()
     attempt = _job_meta({"worker": ctx.name, "host": ctx.host, "device": ctx.device, "gpu": ctx.gpu})
     _, texts = read_chunk_input(layout, chunk.index)
     if len(texts) != chunk.rows:

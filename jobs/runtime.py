@@ -17,6 +17,10 @@ class WorkerContext:
     device: str  # "cpu" or "cuda" (the one GPU that CUDA_VISIBLE_DEVICES leaves visible)
     gpu: str | None = None  # the physical GPU index the pool pinned, for the record
     device_kind: str = "cpu"  # the GPU's model name: what a learned batch size is valid for
+    # What jobs may name, since anyone who can write to Redis can write a job: the one store this
+    # worker serves and the models it may load. None only for plain in-process calls (tests, notebooks).
+    store: str | None = None
+    models: frozenset[str] | None = None
 
 
 _context: WorkerContext | None = None

@@ -67,6 +67,8 @@ class PoolSettings:
     max_jobs: int | None = None
     max_jobs_jitter: float = 0.1  # each worker's max-jobs varies by up to this fraction
     preload: str | None = None
+    store: str | None = None  # the store workers serve; None: theirs from CHUNKQ_STORE or the default
+    allowed_models: tuple[str, ...] = ()  # models jobs may ask for beside the bundled one and preload
     precision: str = "fp32"
     name: str = field(default_factory=default_pool_name)
     log_level: str = "INFO"
@@ -139,6 +141,10 @@ class Pool:
             cmd += ["--max-jobs", str(max_jobs)]
         if self.settings.preload:
             cmd += ["--preload", self.settings.preload]
+        if self.settings.store:
+            cmd += ["--store", self.settings.store]
+        for model in self.settings.allowed_models:
+            cmd += ["--allow-model", model]
         return cmd
 
     def _spawn(self, slot: Slot, wait_for: int | None = None) -> tuple[subprocess.Popen[bytes], str, int]:

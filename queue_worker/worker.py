@@ -24,6 +24,8 @@ from rq.worker import SimpleWorker, WorkerStatus
 from jobs import faults, models, runtime
 from jobs.allowlist import AllowListedJob
 from jobs.errors import ConfigError
+from jobs.nopickle import forbid_pickle
+from jobs.storage import open_store
 from queue_worker.exit_codes import (
     EXIT_CONFIG,
     EXIT_CUDA_FATAL,
@@ -119,10 +121,21 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--precision", default="fp32")
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--burst", action="store_true", help="exit once the queue is empty")
+    parser.add_argument(
+        "--store",
+        default=os.environ.get("CHUNKQ_STORE", "chunkq-store"),
+        help="the one store this worker serves; jobs naming another are refused",
+    )
+    parser.add_argument(
+        "--allow-model",
+        action="append",
+        default=[m for m in os.environ.get("CHUNKQ_ALLOWED_MODELS", "").split(",") if m],
+        help="a model jobs may ask for, beside the bundled one and --preload ('*': any; unsafe)",
+    )
     return parser.parse_args(argv)
 
 
-def _context(name: str) -> runtime.WorkerContext:
+def _context(name: str, args: argparse.Namespace) -> runtime.WorkerContext:
     """Who this worker is; a GPU worker never falls back to the CPU: it fails loudly instead."""
     device = os.environ.get("CHUNKQ_DEVICE", "cpu")
     gpu = os.environ.get("CHUNKQ_GPU")
@@ -136,8 +149,16 @@ def _context(name: str) -> runtime.WorkerContext:
                 f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}); refusing to run on the CPU"
             )
         device, kind = "cuda:0", torch.cuda.get_device_name(0)  # the one GPU left visible
+    allowed = {models.BUNDLED_MODEL, *args.allow_model, *([args.preload] if args.preload else [])}
     return runtime.WorkerContext(
-        name=name, host=socket.gethostname(), pid=os.getpid(), device=device, gpu=gpu, device_kind=kind
+        name=name,
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        device=device,
+        gpu=gpu,
+        device_kind=kind,
+        store=str(open_store(args.store)),
+        models=frozenset(allowed),
     )
 
 
@@ -169,6 +190,7 @@ class _EarlyStop:
 
 def main(argv: list[str] | None = None) -> int:
     early_stop = _EarlyStop()
+    forbid_pickle()
     args = _parse(argv)
     name = args.name or f"cq-{socket.gethostname()}-{os.getpid()}"
     where = f"{name} gpu={os.environ.get('CHUNKQ_GPU', '-')}"
@@ -188,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("CHUNKQ_REDIS_URL is not set")
         return EXIT_CONFIG
     try:
-        ctx = _context(name)
+        ctx = _context(name, args)
         runtime.set_context(ctx)
         connection = redis.Redis.from_url(url)
         connection.ping()

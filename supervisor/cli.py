@@ -15,6 +15,7 @@ import redis
 
 from jobs.errors import AssemblyError, BadInputError, ChunkqError, ConfigError, RunConflictError
 from jobs.models import default_model
+from jobs.nopickle import forbid_pickle
 from jobs.specs import PRECISIONS, EncodeOptions
 from jobs.storage import open_store
 from jobs.store import RunLayout
@@ -268,6 +269,15 @@ def submit_cmd(corpus: Path, redis_url: str, **kw: Any) -> None:
 @click.option("--preload", default=None, help="Model each worker loads before its first job.")
 @click.option("--precision", type=click.Choice(PRECISIONS), default="fp32")
 @click.option("--name", default=None, help="Pool name (prefix of its worker names).")
+@click.option(
+    "--allow-model",
+    "allowed_models",
+    multiple=True,
+    envvar="CHUNKQ_ALLOWED_MODELS",
+    callback=lambda ctx, param, values: tuple(m for v in values for m in v.split(",") if m),
+    help="A model jobs may ask for, beside the bundled one and --preload (repeatable; '*': any, unsafe).",
+)
+@store_option
 @queue_option
 @redis_option(required=True)
 @reports_errors
@@ -293,6 +303,8 @@ def pool_cmd(redis_url: str, gpus: str, name: str | None, **kw: Any) -> None:
         standby=kw["standby"],
         no_nvml=kw["no_nvml"],
         preload=kw["preload"],
+        store=str(kw["store"]),
+        allowed_models=tuple(kw["allowed_models"]),
         precision=kw["precision"],
         name=name or default_pool_name(),
     )
@@ -416,6 +428,7 @@ def run_cmd(
 
 
 def main() -> None:
+    forbid_pickle()
     cli(prog_name="chunkq")
 
 

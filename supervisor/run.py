@@ -71,6 +71,8 @@ class PoolProcess:
             sub.model,
             "--precision",
             sub.encode.precision,
+            "--store",
+            str(sub.store),
         ]
         if req.max_jobs is not None:
             self.cmd += ["--max-jobs", str(req.max_jobs)]

@@ -118,7 +118,7 @@ def test_hung_job_is_killed_by_the_pool_watchdog(
 ) -> None:
     run = _submit(tmp_path, store, connection, rows=10, chunk=10, job_timeout=4)
     faults = json.dumps([{"kind": "hang", "attempts": [1]}])
-    env = {"CHUNKQ_REDIS_URL": redis_url, "CHUNKQ_QUEUE": "r"}
+    env = {"CHUNKQ_REDIS_URL": redis_url, "CHUNKQ_QUEUE": "r", "CHUNKQ_STORE": str(store)}
     pool = start_cli(
         tmp_path / "pool.log",
         "pool",
@@ -144,7 +144,7 @@ def test_crash_loop_takes_the_device_out(
 ) -> None:
     _submit(tmp_path, store, connection, rows=50, chunk=10)
     faults = json.dumps([{"kind": "sigkill"}])
-    env = {"CHUNKQ_REDIS_URL": redis_url, "CHUNKQ_QUEUE": "r"}
+    env = {"CHUNKQ_REDIS_URL": redis_url, "CHUNKQ_QUEUE": "r", "CHUNKQ_STORE": str(store)}
     limits = ("--crash-limit", "3", "--crash-window", "120")
     pool = start_cli(tmp_path / "pool.log", "pool", "--gpus", "none", *limits, CHUNKQ_FAULTS=faults, **env)
     procs.append(pool)

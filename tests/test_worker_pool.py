@@ -47,7 +47,7 @@ def running_pool(
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "supervisor.cli", "pool", "--gpus", "none", "--queue", "t", *args],
-            env=cli_env(CHUNKQ_REDIS_URL=redis_url),
+            env=cli_env(CHUNKQ_REDIS_URL=redis_url, CHUNKQ_STORE=str(tmp_path / "store")),
             stdout=out,
             stderr=subprocess.STDOUT,
         )

@@ -1,0 +1,30 @@
+"""What a chunk spec may name on this worker: its store and its model.
+
+The function allow-list (``jobs.allowlist``) stops a job from calling anything but ``embed_chunk``;
+this stops a legitimate function from being pointed elsewhere: at another store (reading or
+overwriting files outside the worker's runs) or at a model the operator never chose (loading
+weights from a path the attacker wrote). Run ids are validated by ``ChunkSpec`` itself, so
+paths stay under ``<store>/runs/<run>/``.
+"""
+
+from __future__ import annotations
+
+from jobs.errors import ConfigError
+from jobs.runtime import WorkerContext
+from jobs.specs import ChunkSpec
+from jobs.storage import open_store
+
+ANY_MODEL = "*"
+
+
+def check_spec(chunk: ChunkSpec, ctx: WorkerContext) -> None:
+    """Raise ConfigError unless ``chunk`` names this worker's store and one of its models."""
+    if ctx.store is not None and str(open_store(chunk.store)) != ctx.store:
+        raise ConfigError(
+            f"chunk {chunk.job_id} names store {chunk.store!r}; this worker serves only {ctx.store!r}"
+        )
+    if ctx.models is not None and ANY_MODEL not in ctx.models and chunk.model not in ctx.models:
+        raise ConfigError(
+            f"chunk {chunk.job_id} asks for model {chunk.model!r}, which this worker may not load "
+            f"(allowed: {', '.join(sorted(ctx.models))}); start the pool with --allow-model {chunk.model}"
+        )

@@ -1,0 +1,234 @@
+"""Someone who can write to Redis must not run code on a worker: raw jobs written the way an attacker would.
+
+No RQ API is used to plant them: the hashes and queue entries are written with plain Redis
+commands, so nothing in RQ's enqueue path filters them first. A real worker then takes them all.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from rq.job import Job
+from rq.registry import FailedJobRegistry
+from rq.serializers import JSONSerializer
+
+from jobs.models import BUNDLED_MODEL
+from jobs.nopickle import PickleRefusedError, forbid_pickle
+from queue_worker import exit_codes
+from tests.helpers import cli_env, make_texts, run_cli, write_corpus
+
+QUEUE = "attack"
+
+
+class Exploit:
+    """A pickle payload: unpickling it runs ``touch <marker>``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _plant(connection: redis.Redis, job_id: str, data: bytes, meta: bytes = b"{}", **fields: str) -> None:
+    """Write a job hash and queue it, as raw Redis commands."""
+    mapping: dict[str, bytes | str] = {
+        "status": "queued",
+        "created_at": "2026-11-22T00:00:00.000000Z",
+        "enqueued_at": "2026-11-22T00:00:00.000000Z",
+        "origin": QUEUE,
+        "description": job_id,
+        "timeout": "60",
+        "data": data,
+        "meta": meta,
+        **fields,
+    }
+    connection.hset(f"rq:job:{job_id}", mapping=mapping)
+    connection.sadd("rq:queues", f"rq:queue:{QUEUE}")
+    connection.rpush(f"rq:queue:{QUEUE}", job_id)
+
+
+def _call(func: str, *args: Any, **kwargs: Any) -> bytes:
+    return zlib.compress(json.dumps([func, None, list(args), kwargs]).encode())
+
+
+@pytest.fixture
+def listener() -> Iterator[list[str]]:
+    """An HTTP server on loopback that records every request a webhook would send."""
+    received: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            received.append(self.path)
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    received.append(f"http://127.0.0.1:{server.server_address[1]}/hook")  # [0] is the URL itself
+    try:
+        yield received
+    finally:
+        server.shutdown()
+
+
+def _spec(store: Path, **changes: Any) -> dict[str, Any]:
+    spec = {
+        "run_id": "victim",
+        "index": 0,
+        "first_row": 0,
+        "rows": 1,
+        "model": BUNDLED_MODEL,
+        "store": str(store),
+        "options": {
+            "batch_size": 8,
+            "normalize_embeddings": False,
+            "max_seq_length": None,
+            "precision": "fp32",
+        },
+        "format_version": 1,
+    }
+    spec.update(changes)
+    return spec
+
+
+def test_raw_jobs_from_an_attacker_run_nothing(
+    tmp_path: Path, store: Path, connection: redis.Redis, redis_url: str, listener: list[str]
+) -> None:
+    marker = tmp_path / "pwned"
+    touch = f"touch {marker}"
+    hook = json.dumps(
+        [{"url": listener[0], "job_status": "failed"}, {"url": listener[0], "job_status": "finished"}]
+    )
+    evil_model = tmp_path / "evil-model"
+    planted = {
+        "a-system": (_call("os.system", touch), {}),
+        "a-eval": (_call("builtins.eval", f"__import__('os').system('{touch}')"), {}),
+        "a-exec": (_call("builtins.exec", f"import os; os.system('{touch}')"), {}),
+        "a-subprocess": (_call("subprocess.run", ["touch", str(marker)]), {}),
+        "a-failure-callback": (_call("jobs.embed.embed_chunk", {}), {"failure_callback_name": "os.system"}),
+        "a-success-callback": (_call("jobs.embed.embed_chunk", {}), {"success_callback_name": "os.system"}),
+        "a-webhook": (_call("jobs.embed.embed_chunk", {}), {"webhooks": hook}),
+        "a-pickled-data": (zlib.compress(pickle.dumps(Exploit(marker))), {}),
+        "a-other-store": (_call("jobs.embed.embed_chunk", _spec(tmp_path / "elsewhere")), {}),
+        "a-path-escape": (_call("jobs.embed.embed_chunk", _spec(store, run_id="../../etc")), {}),
+        "a-evil-model": (_call("jobs.embed.embed_chunk", _spec(store, model=str(evil_model))), {}),
+    }
+    for job_id, (data, fields) in planted.items():
+        _plant(connection, job_id, data, **fields)
+    _plant(connection, "a-pickled-meta", _call("os.getpid"), meta=pickle.dumps(Exploit(marker)))
+
+    result = subprocess.run(
+        [sys.executable, "-m", "queue_worker.worker", "--queue", QUEUE, "--burst", "--store", str(store)],
+        env=cli_env(CHUNKQ_REDIS_URL=redis_url, CHUNKQ_DEVICE="cpu"),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert result.returncode == exit_codes.EXIT_STOPPED, result.stderr[-4000:]
+    assert not marker.exists(), "an attacker's job ran code on the worker"
+    assert listener[1:] == [], "a webhook was sent"
+    assert not (tmp_path / "elsewhere").exists() and not evil_model.exists()
+
+    failed = set(FailedJobRegistry(QUEUE, connection=connection, serializer=JSONSerializer).get_job_ids())
+    expected_reasons = {
+        "a-system": "function 'os.system' is not on chunkq's allow-list",
+        "a-eval": "function 'builtins.eval' is not on chunkq's allow-list",
+        "a-exec": "function 'builtins.exec' is not on chunkq's allow-list",
+        "a-subprocess": "function 'subprocess.run' is not on chunkq's allow-list",
+        "a-failure-callback": "failure callback 'os.system' refused",
+        "a-success-callback": "success callback 'os.system' refused",
+        "a-webhook": "webhooks refused",
+        "a-other-store": "this worker serves only",
+        "a-path-escape": "invalid run id '../../etc'",
+        "a-evil-model": "which this worker may not load",
+        "a-pickled-meta": "function 'os.getpid' is not on chunkq's allow-list",
+    }
+    for job_id, reason in expected_reasons.items():
+        assert job_id in failed, (job_id, result.stderr[-4000:])
+        job = Job.fetch(job_id, connection=connection, serializer=JSONSerializer)
+        latest = job.latest_result()
+        assert latest is not None and reason in (latest.exc_string or ""), (
+            job_id,
+            latest and latest.exc_string,
+        )
+    # Pickled job data is read as JSON only, so it fails to decode and is never unpickled.
+    pickled = Job.fetch("a-pickled-data", connection=connection, serializer=JSONSerializer).latest_result()
+    assert "a-pickled-data" in failed and pickled is not None
+    assert "DeserializationError" in (pickled.exc_string or "")
+    assert connection.lrange(f"rq:queue:{QUEUE}", 0, -1) == []
+
+
+def test_rq_pickle_serializer_refuses_in_chunkq_processes(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    payload = pickle.dumps(Exploit(marker))
+    forbid_pickle()
+    from rq.serializers import DefaultSerializer
+
+    with pytest.raises(PickleRefusedError):
+        DefaultSerializer.loads(payload)
+    assert not marker.exists()
+
+
+def test_user_job_functions_can_be_allow_listed(
+    tmp_path: Path, store: Path, connection: redis.Redis, redis_url: str
+) -> None:
+    _plant(connection, "u-getpid", _call("os.getpid"))
+    result = subprocess.run(
+        [sys.executable, "-m", "queue_worker.worker", "--queue", QUEUE, "--burst", "--store", str(store)],
+        env=cli_env(CHUNKQ_REDIS_URL=redis_url, CHUNKQ_DEVICE="cpu", CHUNKQ_ALLOWED_JOBS="os.getpid"),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert result.returncode == exit_codes.EXIT_STOPPED, result.stderr[-3000:]
+    job = Job.fetch("u-getpid", connection=connection, serializer=JSONSerializer)
+    assert job.get_status() == "finished" and isinstance(job.return_value(), int)
+
+
+def test_rq_cli_reads_and_requeues_chunkq_queues(tmp_path: Path, store: Path, redis_url: str) -> None:
+    """Stock ``rq info -S json`` and ``rq requeue -S json`` work on chunkq's queues and jobs."""
+    ids, texts = make_texts(20, seed=3)
+    corpus = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")
+    env = {"CHUNKQ_REDIS_URL": redis_url, "CHUNKQ_STORE": str(store), "CHUNKQ_QUEUE": "rqcli"}
+    submitted = run_cli("submit", str(corpus), "--chunk-size", "10", "--run-id", "rqcli", **env)
+    assert submitted.returncode == 0, submitted.stderr
+    rq_bin = str(Path(sys.executable).parent / "rq")
+
+    info = subprocess.run(
+        [rq_bin, "info", "-u", redis_url, "-S", "json", "rqcli"],
+        capture_output=True, text=True, timeout=60, check=False, env=cli_env(),
+    )  # fmt: skip
+    assert info.returncode == 0, info.stderr
+    assert "rqcli        |██ 2, 0 executing, 0 finished, 0 failed" in info.stdout
+
+    # Fail one chunk the way a worker would, then requeue it with the stock CLI.
+    client = redis.Redis.from_url(redis_url)
+    job = Job.fetch("rqcli__c000000", connection=client, serializer=JSONSerializer)
+    client.lrem("rq:queue:rqcli", 0, job.id)
+    FailedJobRegistry("rqcli", connection=client, serializer=JSONSerializer).add(job, exc_string="boom")
+    requeue = subprocess.run(
+        [rq_bin, "requeue", "-u", redis_url, "-S", "json", "--queue", "rqcli", "--all"],
+        capture_output=True, text=True, timeout=60, check=False, env=cli_env(),
+    )  # fmt: skip
+    assert requeue.returncode == 0, requeue.stderr
+    assert "Requeueing 1 jobs" in requeue.stdout
+    assert "rqcli__c000000" in [j.decode() for j in client.lrange("rq:queue:rqcli", 0, -1)]
