@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint clean compose-tool
+.PHONY: demo test lint clean system-tools
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,14 +25,17 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-# compose.yaml is validated with Debian's docker-compose (no container engine is needed for
-# `config`); installed here where apt can, otherwise its test is skipped outside CI.
-compose-tool:
-	@command -v docker-compose >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] \
-		&& apt-get update -qq && apt-get install -y -qq docker-compose >/dev/null; } \
-		|| echo "docker-compose unavailable: tests/test_compose.py will be skipped (fails under CI=true)"
+# Debian tools some tests drive: docker-compose validates compose.yaml (`config` needs no container
+# engine), headless Chromium opens the dashboard. Installed here where apt can; otherwise those
+# tests are skipped outside CI and fail under CI=true.
+system-tools:
+	@missing=""; command -v docker-compose >/dev/null 2>&1 || missing="$$missing docker-compose"; \
+	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
+	[ -z "$$missing" ] || { command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] \
+		&& apt-get update -qq && apt-get install -y -qq $$missing >/dev/null; } \
+		|| echo "unavailable:$$missing; the tests that need them will be skipped (fail under CI=true)"
 
-test: lint compose-tool
+test: lint system-tools
 	$(BIN)/pytest
 
 clean:

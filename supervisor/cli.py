@@ -24,6 +24,8 @@ from queue_worker.pool import Pool, PoolSettings, default_pool_name
 from queue_worker.worker import DEFAULT_QUEUE
 from supervisor.assemble import assemble
 from supervisor.corpus import FORMATS, CorpusOptions, detect_format
+from supervisor.dashboard import DEFAULT_PORT as DEFAULT_DASHBOARD_PORT
+from supervisor.dashboard import serve as serve_dashboard
 from supervisor.display import ProgressDisplay, describe
 from supervisor.doctor import examine, render
 from supervisor.lock import RunLockedError
@@ -309,6 +311,25 @@ def pool_cmd(redis_url: str, gpus: str, name: str | None, **kw: Any) -> None:
         name=name or default_pool_name(),
     )
     sys.exit(Pool(settings, chosen).run())
+
+
+@cli.command("dashboard")
+@click.option("--bind", default="127.0.0.1", envvar="CHUNKQ_DASHBOARD_BIND", show_default=True)
+@click.option(
+    "--port", type=int, default=DEFAULT_DASHBOARD_PORT, envvar="CHUNKQ_DASHBOARD_PORT", show_default=True
+)
+@click.option("--username", default=None, envvar="CHUNKQ_DASHBOARD_USERNAME")
+@click.option(
+    "--password",
+    default=None,
+    envvar="CHUNKQ_DASHBOARD_PASSWORD",
+    help="Prefer CHUNKQ_DASHBOARD_PASSWORD: a command line is visible to every user of the host.",
+)
+@redis_option(required=True)
+@reports_errors
+def dashboard_cmd(redis_url: str, bind: str, port: int, username: str | None, password: str | None) -> None:
+    """rq-dashboard for chunkq's queues: JSON only, loopback unless credentials are set."""
+    serve_dashboard(redis_url, bind, port, username, password)
 
 
 @cli.command("supervise")

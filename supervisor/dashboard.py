@@ -1,0 +1,178 @@
+"""``chunkq dashboard``: rq-dashboard for chunkq's Redis, with the holes of rq-dashboard 0.9 closed.
+
+As shipped, rq-dashboard 0.9 binds 0.0.0.0, reads jobs with pickle unless told ``--json``, and
+its workers endpoint unpickles each worker's current job even then (``Worker.all()`` is called
+without a serializer). Here:
+- every endpoint reads JSON, the workers endpoint is replaced by one that passes the serializer,
+  and RQ's pickle loader is disabled in the process (``jobs.nopickle``), so a path we missed fails
+  instead of running a planted payload;
+- it binds to loopback unless credentials are set; credentials are checked in constant time on
+  every request, static files included; a POST (requeue, delete) must come from the dashboard's
+  own pages (same Origin), so another site open in the browser cannot drive it;
+- the job and workers pages insert strings into HTML unescaped, and those strings come from
+  Redis (and from tracebacks that quote corpus text): they are HTML-escaped before they leave.
+"""
+
+from __future__ import annotations
+
+import base64
+import hmac
+import html
+import ipaddress
+import logging
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlsplit
+
+from rq.serializers import JSONSerializer
+
+from jobs.errors import ConfigError
+from jobs.nopickle import forbid_pickle
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 9181
+# Endpoints whose templates insert every field as raw HTML.
+_RAW_HTML_ENDPOINTS = ("rq_dashboard.job_info", "rq_dashboard.list_workers", "rq_dashboard.list_queues")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(bind: str, username: str | None, password: str | None) -> None:
+    if bool(username) != bool(password):
+        raise ConfigError("give both --username and --password, or neither")
+    if not is_loopback(bind) and not password:
+        raise ConfigError(
+            f"refusing to serve the dashboard on {bind} without authentication: "
+            "set --username and --password (or CHUNKQ_DASHBOARD_USERNAME/_PASSWORD), or bind to 127.0.0.1"
+        )
+
+
+def _escape(value: Any) -> Any:
+    if isinstance(value, str):
+        return html.escape(value)
+    if isinstance(value, list):
+        return [_escape(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _escape(v) for k, v in value.items()}
+    return value
+
+
+def _list_workers(instance_number: int) -> dict[str, Any]:
+    """rq-dashboard's workers endpoint, reading each worker's current job as JSON, never pickle."""
+    from flask import current_app
+    from rq import Worker
+
+    app: Any = current_app  # rq-dashboard keeps its connection on the app
+    rows = []
+    for worker in Worker.all(connection=app.redis_conn, serializer=JSONSerializer):
+        try:
+            job = worker.get_current_job()
+            current: Any = (
+                "idle"
+                if job is None
+                else {
+                    "job_id": job.id,
+                    "description": job.description,
+                    "created_at": job.created_at.isoformat() if job.created_at else None,
+                    "call_string": job.get_call_string(),
+                }
+            )
+        except Exception as exc:  # a job that is not JSON: say so, do not load it another way
+            current = f"unreadable job ({type(exc).__name__})"
+        rows.append(
+            {
+                "name": worker.name,
+                "pid": worker.pid,
+                "queues": [q.name for q in worker.queues],
+                "state": str(worker.get_state()),
+                "current_job": current,
+                "last_heartbeat": worker.last_heartbeat,
+                "birth_date": worker.birth_date,
+                "successful_job_count": worker.successful_job_count,
+                "failed_job_count": worker.failed_job_count,
+                "total_working_time": worker.total_working_time,
+            }
+        )
+    rows.sort(key=lambda w: (w["state"], w["queues"], w["name"]))
+    return {"workers": rows}
+
+
+def _pretty_meta(view: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
+    """The job page prints ``metadata`` as one line of JSON; indent it so each field reads on its own."""
+    import json
+
+    def job_info(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        info = view(*args, **kwargs)
+        try:
+            info["metadata"] = json.dumps(json.loads(info["metadata"]), indent=1, sort_keys=True)
+        except (KeyError, TypeError, ValueError):
+            pass
+        return info
+
+    return job_info
+
+
+def _authorised(header: str | None, username: str, password: str) -> bool:
+    if not header or not header.startswith("Basic "):
+        return False
+    try:
+        user, _, given = base64.b64decode(header[6:]).decode().partition(":")
+    except (ValueError, UnicodeDecodeError):
+        return False
+    # Both compared, always, in constant time: neither the name nor the password leaks by timing.
+    return hmac.compare_digest(user.encode(), username.encode()) & hmac.compare_digest(
+        given.encode(), password.encode()
+    )
+
+
+def create_app(redis_url: str, username: str | None = None, password: str | None = None) -> Any:
+    """The rq-dashboard Flask app for ``redis_url``, its holes closed (see the module docstring)."""
+    forbid_pickle()
+    from flask import Response, request
+    from rq_dashboard import web
+    from rq_dashboard.cli import make_flask_app
+
+    web.config.serializer = JSONSerializer
+    app = make_flask_app(None, None, None, url_prefix="")
+    app.config["RQ_DASHBOARD_REDIS_URL"] = redis_url
+    web.setup_rq_connection(app)
+    app.view_functions["rq_dashboard.list_workers"] = web.jsonify(_list_workers)
+    app.view_functions["rq_dashboard.job_info"] = web.jsonify(_pretty_meta(web.job_info.__wrapped__))
+
+    def guard() -> Any:
+        if password and not _authorised(request.headers.get("Authorization"), username or "", password):
+            return Response("authentication required", 401, {"WWW-Authenticate": 'Basic realm="chunkq"'})
+        if request.method not in ("GET", "HEAD", "OPTIONS"):
+            origin = request.headers.get("Origin") or request.headers.get("Referer") or ""
+            if urlsplit(origin).netloc != request.host:
+                return Response("cross-origin request refused", 403)
+        return None
+
+    def escape_raw_html_fields(response: Any) -> Any:
+        if request.endpoint in _RAW_HTML_ENDPOINTS and response.is_json:
+            response.set_data(app.json.dumps(_escape(response.get_json())))
+        response.headers.setdefault("X-Content-Type-Options", "nosniff")
+        response.headers.setdefault("X-Frame-Options", "DENY")
+        return response
+
+    app.before_request(guard)
+    app.after_request(escape_raw_html_fields)
+    return app
+
+
+def serve(redis_url: str, bind: str, port: int, username: str | None, password: str | None) -> None:
+    """Serve the dashboard with waitress (a production WSGI server) until interrupted."""
+    check_bind(bind, username, password)
+    import waitress
+
+    app = create_app(redis_url, username, password)
+    log.info("dashboard on http://%s:%d/ (%s)", bind, port, "authenticated" if password else "loopback only")
+    waitress.serve(app, host=bind, port=port, threads=4, ident="chunkq")
