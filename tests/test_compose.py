@@ -12,7 +12,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = shutil.which("docker-compose")
-ENV = {"REDIS_PASSWORD": "s3cret-for-test", "CHUNKQ_RUN_ID": "demo", "CHUNKQ_CORPUS": "sample.jsonl"}
+ENV = {
+    "REDIS_PASSWORD": "s3cret-for-test",
+    "CHUNKQ_RUN_ID": "demo",
+    "CHUNKQ_CORPUS": "sample.jsonl",
+    "CHUNKQ_DASHBOARD_PASSWORD": "dash-s3cret",
+}
 
 pytestmark = pytest.mark.skipif(
     TOOL is None and not os.environ.get("CI"), reason="docker-compose not installed (make test installs it)"
@@ -30,11 +35,13 @@ def test_compose_file_is_valid_and_complete() -> None:
     result = _config(ENV)
     assert result.returncode == 0, result.stderr
     text = result.stdout
-    assert set(_config(ENV, "--services").stdout.split()) == {"redis", "supervisor", "pool"}
+    assert set(_config(ENV, "--services").stdout.split()) == {"redis", "supervisor", "pool", "dashboard"}
     assert "--appendonly" in text and "--requirepass" in text and "s3cret-for-test" in text
     assert "driver: nvidia" in text and "gpu" in text  # GPU reservation on the pool
     assert "redis://:s3cret-for-test@redis:6379/0" in text
-    assert "published" not in text and "ports:" not in text  # nothing listens on the host
+    # Only the dashboard is published, on the host's loopback only, and it requires a password.
+    assert text.count("ports:") == 1 and "- 127.0.0.1:9181:9181/tcp" in text
+    assert "CHUNKQ_DASHBOARD_PASSWORD: dash-s3cret" in text
     assert "stop_grace_period" in text
 
 

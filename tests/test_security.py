@@ -321,3 +321,22 @@ def test_rediss_urls_reach_redis_over_tls(tmp_path: Path, store: Path, connectio
         # The certificate is checked: without the CA, the same URL is refused.
         untrusted = run_cli("status", "tls", CHUNKQ_REDIS_URL=url.split("?")[0], CHUNKQ_STORE=str(store))
         assert untrusted.returncode != 0 and "CERTIFICATE_VERIFY_FAILED" in untrusted.stderr
+
+
+def test_embedded_redis_is_loopback_only_and_needs_its_password(tmp_path: Path) -> None:
+    import psutil
+
+    from supervisor.embedded_redis import EmbeddedRedis
+
+    with EmbeddedRedis(tmp_path / "redis") as server:
+        client = redis.Redis.from_url(server.url)
+        assert client.config_get("bind")["bind"] == "127.0.0.1"
+        assert client.config_get("protected-mode")["protected-mode"] == "yes"
+        port = client.connection_pool.connection_kwargs["port"]
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(host="127.0.0.1", port=port).ping()
+        assert server.proc is not None
+        cmdline = " ".join(psutil.Process(server.proc.pid).cmdline())
+        assert "127.0.0.1" in cmdline
+        assert server.password not in cmdline  # not visible in ps
+        assert oct((tmp_path / "redis" / "auth.conf").stat().st_mode & 0o777) == "0o600"
