@@ -161,6 +161,8 @@ def _embed(chunk: ChunkSpec) -> dict[str, Any]:
         "batch_size_requested": chunk.options.batch_size,
         "attempt": attempt,
         "seconds": round(seconds, 4),
+        "model_load_seconds": round(loaded.load_seconds, 3),
+        "model_loaded_at": loaded.loaded_at,
         **cuda.peak_memory(ctx.device),
         "started_at": started_at.isoformat(),
         "finished_at": datetime.now(UTC).isoformat(),

@@ -7,6 +7,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from jobs.errors import ConfigError
@@ -56,6 +57,7 @@ class LoadedModel:
     model: SentenceTransformer
     default_max_seq_length: int | None
     load_seconds: float
+    loaded_at: str  # ISO time the load finished, for the run report's timeline
 
 
 _cache: dict[tuple[str, str, str], LoadedModel] = {}
@@ -86,7 +88,9 @@ def get_model(ref: str, device: str, precision: str) -> LoadedModel:
     if precision != "fp32":
         model = model.to(_torch_dtype(precision))
     model.eval()
-    loaded = LoadedModel(model, model.max_seq_length, time.perf_counter() - started)
+    loaded = LoadedModel(
+        model, model.max_seq_length, time.perf_counter() - started, datetime.now(UTC).isoformat()
+    )
     log.info("loaded model %s on %s (%s) in %.1f s", ref, device, precision, loaded.load_seconds)
     _cache[key] = loaded
     return loaded

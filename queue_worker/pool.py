@@ -30,7 +30,8 @@ from rq.serializers import JSONSerializer
 from jobs.abandon import forget_worker, mark_abandoned, running_job_ids
 from queue_worker import exit_codes
 from queue_worker.gpus import GpuInfo, cpu_threads_per_worker, worker_environment
-from queue_worker.standby import LAST_JOB, NOTIFY_FD_ENV, WAIT_FOR_PID_ENV
+from queue_worker.metrics import PoolMetrics, serve
+from queue_worker.standby import NOTIFY_FD_ENV, WAIT_FOR_PID_ENV, parse_announcements
 from queue_worker.worker import DEFAULT_QUEUE
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ class PoolSettings:
     hung_grace: float = HUNG_GRACE_SECONDS
     standby: bool = True  # start each replacement while its predecessor runs its last chunk
     no_nvml: bool = False  # PYTORCH_NO_NVML=1 in GPU workers
+    metrics_port: int | None = None  # serve Prometheus metrics on 127.0.0.1:<port> (0: any free port)
 
 
 @dataclass
@@ -128,6 +130,7 @@ class Pool:
         self._hung: dict[str, str] = {}  # worker name -> why the watchdog killed it
         self._next_watchdog = 0.0
         self.exits: list[tuple[str, int]] = []
+        self.metrics = PoolMetrics(settings.name, [gpu.index for gpu in gpus])
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         # Only count: logging or killing inside a handler can deadlock on locks the loop holds.
@@ -158,6 +161,7 @@ class Pool:
             base[WAIT_FOR_PID_ENV] = str(wait_for)
         threads = cpu_threads_per_worker(len(self.slots)) if slot.gpu is None else 2
         env = worker_environment(base, slot.gpu, threads, no_nvml=self.settings.no_nvml)
+        self.metrics.worker_started(slot.device)
         try:
             proc = subprocess.Popen(
                 self._command(name),
@@ -189,10 +193,13 @@ class Pool:
             if slot.notify_fd is None:
                 continue
             try:
-                said = os.read(slot.notify_fd, 64)
+                said = os.read(slot.notify_fd, 4096)
             except BlockingIOError:
                 continue
-            if LAST_JOB.strip() in said and self.settings.standby and slot.standby is None:
+            last, loads = parse_announcements(said)
+            for seconds in loads:
+                self.metrics.model_loaded(slot.device, seconds)
+            if last and self.settings.standby and slot.standby is None:
                 if not (stopping or slot.retired or slot.proc is None):
                     self._start_standby(slot, slot.proc.pid)
 
@@ -267,6 +274,7 @@ class Pool:
             if code is None:
                 continue
             self.exits.append((slot.key, code))
+            self.metrics.worker_exited(slot.device, code, hung=slot.worker_name in self._hung)
             reason = self._hung.pop(slot.worker_name, None) or exit_codes.describe(code)
             dead = slot.worker_name
             slot.proc = None
@@ -326,6 +334,7 @@ class Pool:
         self._check_announcements(stopping=handled > 0)
         self._check_standbys(stopping=handled > 0)
         self._reap(stopping=handled > 0, now=now)
+        self.metrics.set_running(sum(1 for proc in self._processes() if proc.poll() is None))
         if self._to_abandon:
             self._release_jobs()
         if handled:
@@ -349,6 +358,8 @@ class Pool:
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         handled = 0
         kill_at: float | None = None
+        if self.settings.metrics_port is not None:
+            serve(self.metrics.registry, self.settings.metrics_port)
         try:
             self._fill(time.monotonic())
             while True:

@@ -18,17 +18,40 @@ log = logging.getLogger(__name__)
 NOTIFY_FD_ENV = "CHUNKQ_NOTIFY_FD"  # the worker writes one line here when it starts its last job
 WAIT_FOR_PID_ENV = "CHUNKQ_WAIT_FOR_PID"  # a standby waits for this process to exit first
 LAST_JOB = b"last\n"
+MODEL_LOADED = b"loaded"  # followed by the seconds the load took, for the pool's metrics
 
 
-def announce_last_job() -> None:
-    """Tell the pool this worker has started its last job (no-op outside a pool)."""
+def _tell_pool(line: bytes) -> None:
     fd = os.environ.get(NOTIFY_FD_ENV)
     if not fd:
         return
     try:
-        os.write(int(fd), LAST_JOB)
+        os.write(int(fd), line)
     except OSError as exc:  # the pool is gone; its parent-death signal will follow
-        log.debug("could not tell the pool about the last job: %s", exc)
+        log.debug("could not tell the pool %r: %s", line, exc)
+
+
+def announce_last_job() -> None:
+    """Tell the pool this worker has started its last job (no-op outside a pool)."""
+    _tell_pool(LAST_JOB)
+
+
+def announce_model_loaded(seconds: float) -> None:
+    _tell_pool(MODEL_LOADED + f" {seconds:.3f}\n".encode())
+
+
+def parse_announcements(data: bytes) -> tuple[bool, list[float]]:
+    """(whether the worker started its last job, the model load times it reported) from pipe bytes."""
+    last, loads = False, []
+    for line in data.splitlines():
+        if line == LAST_JOB.strip():
+            last = True
+        elif line.startswith(MODEL_LOADED + b" "):
+            try:
+                loads.append(float(line.split()[1]))
+            except ValueError:
+                pass
+    return last, loads
 
 
 def wait_for_predecessor(should_stop: object = None) -> None:

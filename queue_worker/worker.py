@@ -35,7 +35,7 @@ from queue_worker.exit_codes import (
     EXIT_REDIS,
     EXIT_STOPPED,
 )
-from queue_worker.standby import announce_last_job, wait_for_predecessor
+from queue_worker.standby import announce_last_job, announce_model_loaded, wait_for_predecessor
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         connection = redis.Redis.from_url(url)
         connection.ping()
         if args.preload:
-            models.get_model(args.preload, ctx.device, args.precision)
+            announce_model_loaded(models.get_model(args.preload, ctx.device, args.precision).load_seconds)
     except ConfigError as exc:
         log.error("%s", exc)
         return EXIT_CONFIG

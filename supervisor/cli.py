@@ -17,7 +17,7 @@ from jobs.errors import AssemblyError, BadInputError, ChunkqError, ConfigError, 
 from jobs.models import default_model
 from jobs.nopickle import forbid_pickle
 from jobs.specs import PRECISIONS, EncodeOptions
-from jobs.storage import open_store
+from jobs.storage import is_local, open_store
 from jobs.store import RunLayout
 from queue_worker import gpus as gpu_discovery
 from queue_worker.pool import Pool, PoolSettings, default_pool_name
@@ -31,6 +31,7 @@ from supervisor.doctor import examine, render
 from supervisor.lock import RunLockedError
 from supervisor.manifest import load_manifest
 from supervisor.progress import Tracker
+from supervisor.report import write_report
 from supervisor.retry import RetryPolicy
 from supervisor.run import RunOutcome, RunRequest, run
 from supervisor.submit import DEFAULT_CHUNK_SIZE, SubmitRequest, submit
@@ -187,15 +188,24 @@ def watch_options(func: F) -> F:
                      show_default=True, help="Attempts per chunk before it is quarantined."),
         click.option("--allow-partial", is_flag=True,
                      help="With quarantined chunks, publish the rest and list the missing rows (exit 9)."),
+        click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
+                     envvar="CHUNKQ_METRICS_PORT",
+                     help="Serve the supervisor's Prometheus metrics on 127.0.0.1:PORT "
+                          "(chunkq run: the pool's on PORT+1)."),
     ]  # fmt: skip
     for option in reversed(options):
         func = option(func)
     return func
 
 
-def _watch_settings(poll: float, max_attempts: int, allow_partial: bool) -> WatchSettings:
+def _watch_settings(
+    poll: float, max_attempts: int, allow_partial: bool, metrics_port: int | None = None
+) -> WatchSettings:
     return WatchSettings(
-        poll_seconds=poll, policy=RetryPolicy(max_attempts=max_attempts), allow_partial=allow_partial
+        poll_seconds=poll,
+        policy=RetryPolicy(max_attempts=max_attempts),
+        allow_partial=allow_partial,
+        metrics_port=metrics_port,
     )
 
 
@@ -279,6 +289,13 @@ def submit_cmd(corpus: Path, redis_url: str, **kw: Any) -> None:
     callback=lambda ctx, param, values: tuple(m for v in values for m in v.split(",") if m),
     help="A model jobs may ask for, beside the bundled one and --preload (repeatable; '*': any, unsafe).",
 )
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    envvar="CHUNKQ_POOL_METRICS_PORT",
+    help="Serve the pool's Prometheus metrics on 127.0.0.1:PORT.",
+)
 @store_option
 @queue_option
 @redis_option(required=True)
@@ -307,6 +324,7 @@ def pool_cmd(redis_url: str, gpus: str, name: str | None, **kw: Any) -> None:
         preload=kw["preload"],
         store=str(kw["store"]),
         allowed_models=tuple(kw["allowed_models"]),
+        metrics_port=kw["metrics_port"],
         precision=kw["precision"],
         name=name or default_pool_name(),
     )
@@ -330,6 +348,28 @@ def pool_cmd(redis_url: str, gpus: str, name: str | None, **kw: Any) -> None:
 def dashboard_cmd(redis_url: str, bind: str, port: int, username: str | None, password: str | None) -> None:
     """rq-dashboard for chunkq's queues: JSON only, loopback unless credentials are set."""
     serve_dashboard(redis_url, bind, port, username, password)
+
+
+@cli.command("report")
+@click.argument("run_id")
+@click.option("--out", type=click.Path(path_type=Path), default=None,
+              help="Directory for report.png, report.md, report.json (default: the run's report/ in a "
+                   "filesystem store, ./chunkq-report-RUN otherwise).")  # fmt: skip
+@store_option
+@redis_option(required=False)
+@reports_errors
+def report_cmd(run_id: str, out: Path | None, store: Path, redis_url: str | None) -> None:
+    """A timeline PNG and a summary of RUN: chunks per process, model loads, failures, throughput, lengths."""
+    layout = RunLayout(store, run_id)
+    if out is None:
+        out = layout.root / "report" if is_local(store) else Path(f"chunkq-report-{run_id}")
+    if redis_url is None:
+        log.warning("no --redis-url: the report shows no failed attempts (they live in Redis)")
+    numbers = write_report(layout, redis.Redis.from_url(redis_url) if redis_url else None, out)
+    click.echo(
+        f"{out / 'report.png'}, {out / 'report.md'}: {numbers['rows_done']} rows, "
+        f"{numbers['worker_processes']} worker processes, {numbers['failed_attempts']} failed attempt(s)"
+    )
 
 
 @cli.command("supervise")
@@ -412,6 +452,9 @@ def run_cmd(
     ) + (("--standby",) if kw.pop("standby") else ("--no-standby",))  # fmt: skip
     pool_args += ("--min-free-memory", kw.pop("min_free_memory"), "--busy-gpus", kw.pop("busy_gpus"))
     pool_args += ("--no-nvml",) if kw.pop("no_nvml") else ()
+    metrics_port = kw.pop("metrics_port")
+    if metrics_port is not None:
+        pool_args += ("--metrics-port", str(metrics_port + 1 if metrics_port else 0))
     req = RunRequest(
         submit=_submit_request(corpus, **kw),
         redis_url=redis_url,
@@ -419,7 +462,7 @@ def run_cmd(
         workers_per_gpu=workers_per_gpu,
         cpu_workers=cpu_workers,
         max_jobs=max_jobs,
-        watch=_watch_settings(poll, max_attempts, allow_partial),
+        watch=_watch_settings(poll, max_attempts, allow_partial, metrics_port),
         pool_args=pool_args,
     )
     if gpus not in ("all", "none", "cpu"):

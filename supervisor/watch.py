@@ -20,11 +20,13 @@ from jobs.abandon import mark_abandoned
 from jobs.errors import ChunkqError
 from jobs.specs import chunk_job_id
 from jobs.store import RunLayout
+from queue_worker.metrics import serve as serve_metrics
 from supervisor.assemble import assemble
 from supervisor.display import ProgressDisplay
 from supervisor.enqueue import chunk_queue, enqueue_chunks
 from supervisor.lock import RunLock
 from supervisor.manifest import RunManifest, load_manifest
+from supervisor.metrics import RunMetrics
 from supervisor.progress import STALE_HEARTBEAT_SECONDS, Failure, Snapshot, Tracker
 from supervisor.retry import RetryPolicy, settle_failure
 
@@ -44,6 +46,7 @@ class WatchSettings:
     policy: RetryPolicy = field(default_factory=RetryPolicy)
     allow_partial: bool = False
     redis_patience: float = REDIS_PATIENCE_SECONDS
+    metrics_port: int | None = None  # Prometheus metrics on 127.0.0.1:<port> (0: any free port)
 
 
 @dataclass
@@ -71,7 +74,7 @@ def failure_report(failures: list[Failure]) -> str:
 
 
 def _act(connection: redis.Redis, layout: RunLayout, manifest: RunManifest, tracker: Tracker, snap: Snapshot,
-         settings: WatchSettings, rng: random.Random) -> None:  # fmt: skip
+         settings: WatchSettings, rng: random.Random, metrics: RunMetrics | None) -> None:  # fmt: skip
     if snap.lost:
         counts = enqueue_chunks(connection, layout, manifest, snap.lost)
         log.warning("run %s: %d chunk(s) had no job and no output; queued again", manifest.run_id,
@@ -90,15 +93,23 @@ def _act(connection: redis.Redis, layout: RunLayout, manifest: RunManifest, trac
         mark_abandoned(connection, chunk_job_id(manifest.run_id, index),
                        f"no heartbeat for over {STALE_HEARTBEAT_SECONDS:.0f} s")  # fmt: skip
     for job in tracker.failed_jobs.values():
-        settle_failure(connection, job, settings.policy, rng)
+        already = bool(job.meta.get("quarantined"))
+        outcome = settle_failure(connection, job, settings.policy, rng)
+        if metrics is not None:
+            new = "quarantined_now" if outcome == "quarantined" and not already else outcome
+            metrics.settled(new, str(job.meta.get("error_class", "other")))
 
 
 def _look(connection: redis.Redis, layout: RunLayout, manifest: RunManifest, tracker: Tracker,
-          settings: WatchSettings, rng: random.Random, lock: RunLock) -> Snapshot:  # fmt: skip
+          settings: WatchSettings, rng: random.Random, lock: RunLock,
+          metrics: RunMetrics | None) -> Snapshot:  # fmt: skip
     lock.renew()
     snap = tracker.poll()
-    _act(connection, layout, manifest, tracker, snap, settings, rng)
-    return tracker.poll() if snap.failures or snap.stale or snap.lost or snap.stranded else snap
+    _act(connection, layout, manifest, tracker, snap, settings, rng, metrics)
+    snap = tracker.poll() if snap.failures or snap.stale or snap.lost or snap.stranded else snap
+    if metrics is not None:
+        metrics.observe(snap)
+    return snap
 
 
 T = TypeVar("T")
@@ -135,11 +146,15 @@ def supervise(
     tracker = Tracker(connection, layout, manifest)
     rng = random.Random()  # noqa: S311 - back-off jitter, not security
     lock = RunLock(connection, manifest.run_id)
+    metrics = None
+    if settings.metrics_port is not None:
+        metrics = RunMetrics(manifest.run_id)
+        serve_metrics(metrics.registry, settings.metrics_port)
     _patiently(lock.acquire, settings)
     try:
         while True:
             snap = _patiently(
-                lambda: _look(connection, layout, manifest, tracker, settings, rng, lock), settings
+                lambda: _look(connection, layout, manifest, tracker, settings, rng, lock, metrics), settings
             )
             display.update(snap)
             if snap.settled or not keep_going():

@@ -1,0 +1,128 @@
+"""What chunkq costs against a plain ``SentenceTransformer.encode`` loop, on one corpus in one run.
+
+    python bench/overhead.py [--rows 6000] [--chunk-size 500] [--max-jobs 3] [--model REF] [--precision fp16]
+
+Three measurements, each a fresh process, the same corpus and model:
+- plain: a script that imports sentence-transformers, loads the model, reads the corpus, encodes it
+  in one ``encode`` call and saves the matrix (the baseline a user would write);
+- chunkq run, workers recycled every ``--max-jobs`` chunks, warm standby on;
+- the same with ``--no-standby``.
+Printed as ratios against plain: end to end (wall time of the whole command, start-up, model load
+and assembly included; goal >= 0.95) and steady state (rows per second between the first chunk's
+start and the last chunk's end, against the plain encode call alone; goal >= 0.98).
+On a GPU host pass a larger model and ``--precision fp16``; on CPU the bundled model is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+WORDS = "alpha beta gamma delta river mountain queue worker chunk embed vector model sentence graph".split()
+
+PLAIN = """
+import json, sys, time
+t0 = time.perf_counter()
+import numpy as np
+from sentence_transformers import SentenceTransformer
+from jobs.models import resolve_model
+model = SentenceTransformer(resolve_model(sys.argv[2]), device=sys.argv[4])
+if sys.argv[5] != "fp32":
+    import torch
+    model = model.to({"fp16": torch.float16, "bf16": torch.bfloat16}[sys.argv[5]])
+texts = [json.loads(line)["text"] for line in open(sys.argv[1], encoding="utf-8")]
+t1 = time.perf_counter()
+matrix = model.encode(texts, batch_size=32, convert_to_numpy=True)
+t2 = time.perf_counter()
+np.save(sys.argv[3], matrix.astype(np.float32))
+print(json.dumps({"encode_seconds": t2 - t1, "setup_seconds": t1 - t0, "rows": len(texts)}))
+"""
+
+
+def _device() -> str:
+    try:
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        return "cpu"
+
+
+def _plain(work: Path, corpus: Path, model: str, precision: str) -> tuple[float, float, int]:
+    started = time.perf_counter()
+    out = subprocess.run(
+        [sys.executable, "-c", PLAIN, str(corpus), model, str(work / "plain.npy"), _device(), precision],
+        check=True,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, HF_HUB_OFFLINE="1"),
+    )
+    wall = time.perf_counter() - started
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    return wall, figures["encode_seconds"], figures["rows"]
+
+
+def _chunkq(work: Path, corpus: Path, args: argparse.Namespace, standby: bool) -> tuple[float, float]:
+    store = work / f"store-{standby}-{time.monotonic_ns()}"
+    cmd = [sys.executable, "-m", "supervisor.cli", "--log-level", "WARNING", "run", str(corpus)]
+    cmd += ["--store", str(store), "--chunk-size", str(args.chunk_size), "--max-jobs", str(args.max_jobs)]
+    cmd += ["--model", args.model, "--precision", args.precision, "--max-jobs-jitter", "0"]
+    cmd += ["--standby" if standby else "--no-standby"]
+    started = time.perf_counter()
+    subprocess.run(cmd, check=True, capture_output=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    wall = time.perf_counter() - started
+    (run_dir,) = (store / "runs").iterdir()
+    metas = [json.loads(p.read_text()) for p in (run_dir / "outputs").glob("*.json")]
+    first = min(datetime.fromisoformat(m["started_at"]) for m in metas)
+    last = max(datetime.fromisoformat(m["finished_at"]) for m in metas)
+    return wall, (last - first).total_seconds()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", type=int, default=6000)
+    parser.add_argument("--chunk-size", type=int, default=500)
+    parser.add_argument("--max-jobs", type=int, default=3)
+    parser.add_argument("--model", default="bundled:all-MiniLM-L6-v2")
+    parser.add_argument("--precision", default="fp32")
+    args = parser.parse_args()
+    rng = random.Random(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        corpus = work / "corpus.jsonl"
+        with open(corpus, "w", encoding="utf-8") as fh:
+            for i in range(args.rows):
+                fh.write(
+                    json.dumps({"id": i, "text": " ".join(rng.choices(WORDS, k=rng.randint(10, 120)))}) + "\n"
+                )
+        _plain(work, corpus, args.model, args.precision)  # warm-up: page cache, .pyc files
+        plain_wall, plain_encode, rows = _plain(work, corpus, args.model, args.precision)
+        runs = {standby: _chunkq(work, corpus, args, standby) for standby in (True, False)}
+    chunks = -(-rows // args.chunk_size)
+    print(
+        f"{rows} rows, {chunks} chunks of {args.chunk_size}, workers recycled every {args.max_jobs} chunks,"
+    )
+    print(f"model {args.model} ({args.precision}) on {_device()}, {os.cpu_count()} CPU cores")
+    print(
+        f"plain encode: {plain_wall:.1f} s end to end, {plain_encode:.1f} s in encode "
+        f"({rows / plain_encode:.0f} rows/s)"
+    )
+    for standby, (wall, span) in runs.items():
+        label = "standby on " if standby else "standby off"
+        print(
+            f"chunkq {label}: {wall:.1f} s end to end (ratio {plain_wall / wall:.3f}), "
+            f"{span:.1f} s first chunk start to last chunk end, {rows / span:.0f} rows/s "
+            f"(steady-state ratio {plain_encode / span:.3f})"
+        )
+
+
+if __name__ == "__main__":
+    main()

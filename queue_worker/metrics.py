@@ -1,0 +1,99 @@
+"""Prometheus metrics of a pool, and the loopback-only HTTP endpoint that serves them.
+
+Each process keeps its own registry (not the global one), so a test or a ``chunkq run`` that
+holds a pool and a supervisor in one interpreter never mixes their series.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from jobs.errors import ConfigError
+from queue_worker import exit_codes
+from queue_worker.gpus import discover
+
+log = logging.getLogger(__name__)
+
+METRICS_HOST = "127.0.0.1"
+
+
+def serve(registry: CollectorRegistry, port: int, host: str = METRICS_HOST) -> int:
+    """Serve ``registry`` on ``host:port`` (loopback only: the endpoint has no authentication)."""
+    if not ipaddress.ip_address(host).is_loopback:
+        raise ConfigError(f"metrics are served on loopback only (they have no authentication), not {host}")
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    bound = int(server.server_address[1])
+    log.info("metrics on http://%s:%d/metrics", host, bound)
+    return bound
+
+
+def exit_reason(returncode: int) -> str:
+    """A short, bounded label for a worker's exit (``describe`` is for people, this is for series)."""
+    if returncode < 0:
+        return "killed"
+    return {
+        exit_codes.EXIT_STOPPED: "stopped",
+        exit_codes.EXIT_ERROR: "error",
+        exit_codes.EXIT_MAX_JOBS: "recycled",
+        exit_codes.EXIT_CUDA_FATAL: "cuda_fatal",
+        exit_codes.EXIT_CONFIG: "config",
+        exit_codes.EXIT_REDIS: "redis",
+        exit_codes.EXIT_ORPHANED: "orphaned",
+    }.get(returncode, "unknown")
+
+
+class _GpuMemory(Collector):
+    """Per-GPU memory from NVML at scrape time (no CUDA context in the pool)."""
+
+    def __init__(self, indices: list[int]) -> None:
+        self.indices = set(indices)
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        used = GaugeMetricFamily("chunkq_gpu_memory_used_bytes", "GPU memory in use", labels=["gpu", "name"])
+        total = GaugeMetricFamily(
+            "chunkq_gpu_memory_total_bytes", "GPU memory in all", labels=["gpu", "name"]
+        )
+        for gpu in discover():
+            if gpu.index in self.indices:
+                used.add_metric([str(gpu.index), gpu.name], float(gpu.memory_total - gpu.memory_free))
+                total.add_metric([str(gpu.index), gpu.name], float(gpu.memory_total))
+        yield used
+        yield total
+
+
+class PoolMetrics:
+    def __init__(self, pool: str, gpu_indices: list[int]) -> None:
+        self.registry = CollectorRegistry()
+        self.pool = pool
+        self.exits = Counter(
+            "chunkq_worker_exits", "Worker processes that ended, by reason", ["pool", "device", "reason"],
+            registry=self.registry,
+        )  # fmt: skip
+        self.started = Counter(
+            "chunkq_workers_started", "Worker processes started", ["pool", "device"], registry=self.registry
+        )
+        self.running = Gauge("chunkq_workers", "Live worker processes", ["pool"], registry=self.registry)
+        self.model_load = Histogram(
+            "chunkq_model_load_seconds", "Seconds a worker took to load its model", ["pool", "device"],
+            buckets=(0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300), registry=self.registry,
+        )  # fmt: skip
+        if gpu_indices:
+            self.registry.register(_GpuMemory(gpu_indices))
+
+    def worker_started(self, device: str) -> None:
+        self.started.labels(self.pool, device).inc()
+
+    def worker_exited(self, device: str, returncode: int, hung: bool = False) -> None:
+        self.exits.labels(self.pool, device, "hung" if hung else exit_reason(returncode)).inc()
+
+    def model_loaded(self, device: str, seconds: float) -> None:
+        self.model_load.labels(self.pool, device).observe(seconds)
+
+    def set_running(self, count: int) -> None:
+        self.running.labels(self.pool).set(count)

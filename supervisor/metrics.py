@@ -1,0 +1,47 @@
+"""Prometheus metrics of a supervised run (served on loopback by ``queue_worker.metrics.serve``)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from supervisor.progress import Snapshot
+
+STATES = ("done", "queued", "running", "retrying", "quarantined")
+
+
+class RunMetrics:
+    def __init__(self, run_id: str) -> None:
+        self.registry = CollectorRegistry()
+        self.run_id = run_id
+        self.chunks = Gauge(
+            "chunkq_chunks", "Chunks of the run by state", ["run", "state"], registry=self.registry
+        )
+        self.rows_done = Gauge("chunkq_rows_done", "Rows whose embeddings are in the store", ["run"],
+                               registry=self.registry)  # fmt: skip
+        self.rows_total = Gauge("chunkq_rows", "Rows in the run", ["run"], registry=self.registry)
+        self.rate = Gauge("chunkq_rows_per_second", "Recent throughput", ["run"], registry=self.registry)
+        self.retries = Counter("chunkq_chunk_retries", "Failed chunk attempts queued again, by error class",
+                               ["run", "error_class"], registry=self.registry)  # fmt: skip
+        self.quarantines = Counter("chunkq_chunks_quarantined", "Chunks quarantined, by error class",
+                                   ["run", "error_class"], registry=self.registry)  # fmt: skip
+
+    def observe(self, snap: Snapshot) -> None:
+        counts = {
+            "done": snap.chunks_done,
+            "queued": snap.chunks_queued,
+            "running": snap.chunks_running,
+            "retrying": snap.chunks_retrying,
+            "quarantined": snap.chunks_quarantined,
+        }
+        for state in STATES:
+            self.chunks.labels(self.run_id, state).set(counts[state])
+        self.rows_done.labels(self.run_id).set(snap.rows_done)
+        self.rows_total.labels(self.run_id).set(snap.rows)
+        self.rate.labels(self.run_id).set(snap.rows_per_second or 0.0)
+
+    def settled(self, outcome: str, error_class: str) -> None:
+        """Count what the retry policy did with one failed chunk ('requeued' or 'quarantined_now')."""
+        if outcome == "requeued":
+            self.retries.labels(self.run_id, error_class).inc()
+        elif outcome == "quarantined_now":
+            self.quarantines.labels(self.run_id, error_class).inc()

@@ -1,0 +1,91 @@
+"""Prometheus metrics scraped from a live pool and supervisor, then ``chunkq report`` on the same run."""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+from pathlib import Path
+
+import redis
+
+from jobs.store import RunLayout, read_json
+from supervisor.embedded_redis import free_port
+from tests.helpers import make_texts, run_cli, start_cli, stop_tree, wait_for, write_corpus
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _scrape(port: int) -> dict[str, float]:
+    """``name{labels}`` -> value of every sample an endpoint serves."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:  # noqa: S310
+            text = response.read().decode()
+    except OSError:
+        return {}
+    samples = {}
+    for line in text.splitlines():
+        match = re.match(r"^([a-z_]+(?:\{[^}]*\})?) (\S+)$", line)
+        if match:
+            samples[match.group(1)] = float(match.group(2))
+    return samples
+
+
+def test_metrics_during_a_run_and_the_report_after_it(
+    tmp_path: Path, store: Path, connection: redis.Redis, redis_url: str
+) -> None:
+    ids, texts = make_texts(60, seed=9)
+    corpus = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")
+    env = {"CHUNKQ_REDIS_URL": redis_url, "CHUNKQ_STORE": str(store), "CHUNKQ_QUEUE": "obs"}
+    submitted = run_cli("submit", str(corpus), "--chunk-size", "10", "--run-id", "obs", **env)
+    assert submitted.returncode == 0, submitted.stderr
+    # Chunk 1 breaks CUDA on its first attempt; chunk 5 is slow, so the run is still going when scraped.
+    faults = json.dumps([{"kind": "cuda_fatal", "chunks": [1], "attempts": [1]},
+                         {"kind": "slow", "chunks": [5], "seconds": 20}])  # fmt: skip
+    pool_port, sup_port = free_port(), free_port()
+    pool = start_cli(tmp_path / "pool.log", "pool", "--gpus", "none", "--max-jobs", "3", "--preload",
+                     "bundled:all-MiniLM-L6-v2", "--metrics-port", str(pool_port), CHUNKQ_FAULTS=faults, **env)  # fmt: skip
+    supervisor = start_cli(tmp_path / "sup.log", "supervise", "obs", "--poll", "0.2", "--metrics-port",
+                           str(sup_port), **env)  # fmt: skip
+    try:
+        run = '{run="obs"}'
+        wait_for(lambda: _scrape(sup_port).get(f"chunkq_rows_done{run}", 0) >= 40, 180, "40 rows done")
+        sup = _scrape(sup_port)
+        pool_metrics = _scrape(pool_port)
+        assert sup[f"chunkq_rows{run}"] == 60
+        assert sup['chunkq_chunk_retries_total{error_class="cuda_fatal",run="obs"}'] == 1
+        assert sup['chunkq_chunks{run="obs",state="done"}'] >= 4
+        assert sup['chunkq_chunks{run="obs",state="quarantined"}'] == 0
+        assert pool_metrics['chunkq_worker_exits_total{device="cpu",pool="' + _pool_name(tmp_path) + '",reason="cuda_fatal"}'] == 1
+        assert pool_metrics[f'chunkq_workers{{pool="{_pool_name(tmp_path)}"}}'] >= 1
+        assert sum(v for k, v in pool_metrics.items() if k.startswith("chunkq_model_load_seconds_count")) >= 2
+        wait_for(lambda: supervisor.poll() is not None, 180, "the supervisor to assemble the result")
+        assert supervisor.returncode == 0, (tmp_path / "sup.log").read_text()[-3000:]
+    finally:
+        stop_tree(supervisor) if supervisor.poll() is None else None
+        stop_tree(pool)
+
+    out = tmp_path / "report"
+    report = run_cli("report", "obs", "--out", str(out), **env)
+    assert report.returncode == 0, report.stderr[-3000:]
+    assert (out / "report.png").read_bytes()[:8] == PNG and (out / "report.png").stat().st_size > 20_000
+    numbers = json.loads((out / "report.json").read_text())
+    layout = RunLayout(store, "obs")
+    metas = [read_json(layout.output_meta(i)) for i in range(6)]
+    assert numbers["rows_done"] == 60 and numbers["chunks_done"] == 6
+    assert numbers["worker_processes"] == len({m["pid"] for m in metas})
+    assert numbers["failed_attempts"] == 1 and numbers["failures_by_class"] == {"cuda_fatal": 1}
+    assert numbers["quarantined_chunks"] == []
+    assert numbers["length_unit"] == "tokens" and numbers["truncation_point"] == 256
+    md = (out / "report.md").read_text()
+    assert "| rows done | 60 of 60 |" in md and "| failed attempts | 1 (cuda_fatal: 1) |" in md
+    assert f"| worker processes | {numbers['worker_processes']} |" in md
+
+
+def _pool_name(tmp_path: Path) -> str:
+    match = re.search(r"pool (\S+):", (tmp_path / "pool.log").read_text())
+    if match:
+        return match.group(1)
+    found = re.search(r"started worker (\S+)-cpu-w0-g1", (tmp_path / "pool.log").read_text())
+    assert found, (tmp_path / "pool.log").read_text()[-2000:]
+    return found.group(1)
