@@ -240,6 +240,16 @@ def test_rq_cli_reads_and_requeues_chunkq_queues(tmp_path: Path, store: Path, re
     assert "rqcli__c000000" in [j.decode() for j in client.lrange("rq:queue:rqcli", 0, -1)]
 
 
+def _submit_through(tmp_path: Path, store: Path, url: str, run: str, connection: redis.Redis) -> None:
+    """Submit 10 texts in 2 chunks through ``url``; check both landed in the queue (read directly)."""
+    ids, texts = make_texts(10, seed=4)
+    corpus = write_corpus(tmp_path / f"{run}.jsonl", ids, texts, "jsonl")
+    env = {"CHUNKQ_REDIS_URL": url, "CHUNKQ_STORE": str(store), "CHUNKQ_QUEUE": run}
+    submitted = run_cli("submit", str(corpus), "--chunk-size", "5", "--run-id", run, **env)
+    assert submitted.returncode == 0, submitted.stderr
+    assert connection.llen(f"rq:queue:{run}") == 2
+
+
 def test_redis_urls_with_an_acl_user_pass_through(
     tmp_path: Path, store: Path, connection: redis.Redis, redis_url: str
 ) -> None:
@@ -247,15 +257,8 @@ def test_redis_urls_with_an_acl_user_pass_through(
     connection.acl_setuser("chunkq-acl", enabled=True, passwords=["+acl-secret"], keys=["*"], channels=["*"],
                            commands=["+@all"])  # fmt: skip
     try:
-        ids, texts = make_texts(10, seed=4)
-        corpus = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")
         acl_url = f"redis://chunkq-acl:acl-secret@127.0.0.1:{port}/0"
-        submitted = run_cli(
-            "submit", str(corpus), "--chunk-size", "5", "--run-id", "acl",
-            CHUNKQ_REDIS_URL=acl_url, CHUNKQ_STORE=str(store), CHUNKQ_QUEUE="acl",
-        )  # fmt: skip
-        assert submitted.returncode == 0, submitted.stderr
-        assert connection.llen("rq:queue:acl") == 2
+        _submit_through(tmp_path, store, acl_url, "acl", connection)
         wrong = run_cli(
             "status", "acl", CHUNKQ_REDIS_URL=acl_url.replace("acl-secret", "nope"), CHUNKQ_STORE=str(store)
         )
@@ -308,16 +311,9 @@ def test_rediss_urls_reach_redis_over_tls(tmp_path: Path, store: Path, connectio
         check=True, capture_output=True, timeout=60,
     )  # fmt: skip
     kwargs = connection.connection_pool.connection_kwargs
-    ids, texts = make_texts(10, seed=4)
-    corpus = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")
     with tls_terminator(kwargs["port"], cert, key) as port:
         url = f"rediss://:{kwargs['password']}@127.0.0.1:{port}/0?ssl_ca_certs={cert}"
-        submitted = run_cli(
-            "submit", str(corpus), "--chunk-size", "5", "--run-id", "tls",
-            CHUNKQ_REDIS_URL=url, CHUNKQ_STORE=str(store), CHUNKQ_QUEUE="tls",
-        )  # fmt: skip
-        assert submitted.returncode == 0, submitted.stderr
-        assert connection.llen("rq:queue:tls") == 2
+        _submit_through(tmp_path, store, url, "tls", connection)
         # The certificate is checked: without the CA, the same URL is refused.
         untrusted = run_cli("status", "tls", CHUNKQ_REDIS_URL=url.split("?")[0], CHUNKQ_STORE=str(store))
         assert untrusted.returncode != 0 and "CERTIFICATE_VERIFY_FAILED" in untrusted.stderr
