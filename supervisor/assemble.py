@@ -1,6 +1,6 @@
 """Assembly: verify every chunk output and publish one ordered embedding matrix, whole or not at all.
 
-The matrix is written through a memory map one chunk at a time, so memory stays flat in the corpus
+The matrix is appended to one chunk at a time, so memory stays flat in the corpus
 size. The result is built in a local directory under a temporary name; on a filesystem store it is
 renamed into place only when whole, on an object store its files are uploaded and its manifest, the
 commit marker that readers look for, is uploaded last.
@@ -72,11 +72,19 @@ def _verify_all(
 def _write_result(
     layout: RunLayout, manifest: RunManifest, tmp: Path, dim: int, skip: set[int], total: int
 ) -> dict[str, Any]:
-    matrix = np.lib.format.open_memmap(
-        tmp / "embeddings.npy", mode="w+", dtype=np.float32, shape=(total, dim)
-    )
-    first = 0
-    with open(tmp / "ids.jsonl", "w", encoding="utf-8") as ids_out:
+    # Plain appends, not a memory map: dirty pages of a map count as the process's resident memory
+    # until written back, which made assembly's peak RSS grow with the matrix.
+    header = {
+        "descr": np.lib.format.dtype_to_descr(np.dtype("<f4")),
+        "fortran_order": False,
+        "shape": (total, dim),
+    }
+    written = 0
+    with (
+        open(tmp / "embeddings.npy", "wb") as matrix,
+        open(tmp / "ids.jsonl", "w", encoding="utf-8") as ids_out,
+    ):
+        np.lib.format.write_array_header_1_0(matrix, header)
         for index in range(manifest.chunks):
             if index in skip:
                 continue
@@ -84,13 +92,19 @@ def _write_result(
             ids, _ = read_chunk_input(layout, index)
             if len(ids) != rows:
                 raise BadInputError(f"chunk {index}: input holds {len(ids)} rows, the manifest says {rows}")
-            matrix[first : first + rows] = load_npy(layout.output_npy(index))
-            first += rows
+            block = np.ascontiguousarray(load_npy(layout.output_npy(index)), dtype="<f4")
+            if block.shape != (rows, dim):
+                raise BadInputError(
+                    f"chunk {index}: output has shape {block.shape}, expected ({rows}, {dim})"
+                )
+            matrix.write(block.data)
+            written += rows
             ids_out.writelines(json.dumps(rid, ensure_ascii=False) + "\n" for rid in ids)
-        ids_out.flush()
-        os.fsync(ids_out.fileno())
-    matrix.flush()
-    del matrix
+        if written != total:
+            raise BadInputError(f"assembled {written} rows, the manifest expects {total}")
+        for fh in (matrix, ids_out):
+            fh.flush()
+            os.fsync(fh.fileno())
     return {
         "embeddings_sha256": file_sha256(tmp / "embeddings.npy"),
         "ids_sha256": file_sha256(tmp / "ids.jsonl"),

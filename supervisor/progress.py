@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 import redis
 from rq.intermediate_queue import IntermediateQueue
 from rq.job import Job
+from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
 from rq.utils import str_to_date
 
@@ -22,6 +24,9 @@ from supervisor.manifest import RunManifest
 RATE_WINDOW_SECONDS = 30.0
 STALE_HEARTBEAT_SECONDS = 60.0  # workers beat every 5 s while a chunk runs
 STRANDED_SECONDS = 10.0  # a live worker starts what it dequeued within milliseconds
+CURSOR_MARGIN_SECONDS = 300.0
+MIN_RECONCILE_SECONDS = 0.0  # small runs reconcile on every look: it costs a millisecond
+RECONCILE_COST_FACTOR = 50.0  # a full reconcile takes at most ~2% of the supervisor's time
 
 
 @dataclass
@@ -109,14 +114,39 @@ def recent_rate(layout: RunLayout, manifest: RunManifest, window: float = 60.0) 
 
 
 class Tracker:
-    """Polls a run; work per poll grows with the chunks not yet done, not with the run's size."""
+    """Polls a run; a look costs what changed since the last one, not the run's size.
 
-    def __init__(self, connection: redis.Redis, layout: RunLayout, manifest: RunManifest) -> None:
+    Most looks are incremental: they read what RQ's finished and failed registries gained since the
+    last look, the started registry and the intermediate list (bounded by the workers), and the
+    statuses of chunks already known to have failed. A full reconcile (the store's listing and the
+    status of every pending chunk) catches what no registry records, such as a job whose hash
+    vanished; it runs on the first look and then at an interval that grows with its own measured
+    cost, so its amortised share of a look stays flat at any run size.
+    """
+
+    def __init__(
+        self,
+        connection: redis.Redis,
+        layout: RunLayout,
+        manifest: RunManifest,
+        min_reconcile_seconds: float = MIN_RECONCILE_SECONDS,
+    ) -> None:
         self.connection, self.layout, self.manifest = connection, layout, manifest
+        self.min_reconcile_seconds = min_reconcile_seconds
         self.pending = set(range(manifest.chunks))
         self.rows_done = 0
         self.failed_jobs: dict[int, Job] = {}
+        self.full_looks = 0
         self._history: deque[tuple[float, int]] = deque()
+        self._prefix = chunk_job_id(manifest.run_id, 0)[: -len("000000")]
+        queue = chunk_queue(connection, manifest.queue)
+        self._finished_key = FinishedJobRegistry(queue=queue).key
+        self._failed_key = FailedJobRegistry(queue=queue).key
+        self._started = StartedJobRegistry(queue=queue)
+        self._intermediate = IntermediateQueue(queue.key, connection)
+        self._cursors: dict[str, float] = {}
+        self._failed: set[int] = set()
+        self._next_full = 0.0
 
     def _mark_done(self, indices: set[int]) -> None:
         for index in indices:
@@ -125,6 +155,19 @@ class Tracker:
 
     def _job_id(self, index: int) -> str:
         return chunk_job_id(self.manifest.run_id, index)
+
+    def _index(self, job_id: str) -> int | None:
+        """The chunk index of one of this run's job ids, else None (queues may be shared by runs)."""
+        tail = job_id[len(self._prefix) :]
+        return int(tail) if job_id.startswith(self._prefix) and tail.isdigit() else None
+
+    def _pending_indices(self, job_ids: Iterable[bytes | str]) -> set[int]:
+        found = set()
+        for raw in job_ids:
+            index = self._index(raw.decode() if isinstance(raw, bytes) else raw)
+            if index is not None and index in self.pending:
+                found.add(index)
+        return found
 
     def poll_once(self) -> Snapshot:
         """A single look (``chunkq status``): the rate comes from the store's recent commits."""
@@ -136,29 +179,19 @@ class Tracker:
 
     def poll(self, now: float | None = None) -> Snapshot:
         now = time.monotonic() if now is None else now
-        self._mark_done(self.layout.done_chunks() & self.pending)
         snap = Snapshot(self.manifest.run_id, self.manifest.chunks, self.manifest.rows)
-        order = sorted(self.pending)
-        failed, running, finished_late = [], [], set()
-        for index, status in zip(
-            order, job_statuses(self.connection, [self._job_id(i) for i in order]), strict=True
-        ):
-            if status in ("queued", "deferred", "scheduled"):
-                snap.chunks_queued += 1
-            elif status == "started":
-                running.append(index)
-            elif status == "failed":
-                failed.append(index)
-            elif status == "finished" and self.layout.output_meta(index).is_file():
-                finished_late.add(index)  # finished between the store listing and the status read
-            else:
-                snap.lost.append(index)  # no live job and no output: it must be queued again
-        self._mark_done(finished_late)
-        if snap.chunks_queued:
-            snap.stranded = self._stranded([i for i in order if i not in finished_late])
+        if now >= self._next_full:
+            started = time.monotonic()
+            running, failed = self._full_look(snap)
+            self.full_looks += 1
+            self._next_full = now + max(
+                self.min_reconcile_seconds, RECONCILE_COST_FACTOR * (time.monotonic() - started)
+            )
+        else:
+            running, failed = self._incremental_look(snap)
         snap.chunks_running = len(running)
-        snap.stale = self._stale(running)
-        self.failed_jobs = self._fetch(failed)
+        snap.stale = self._stale(sorted(running))
+        self.failed_jobs = self._fetch(sorted(failed))
         snap.failures = [_failure(job, i, self.manifest) for i, job in sorted(self.failed_jobs.items())]
         snap.chunks_quarantined = len(snap.quarantined)
         snap.chunks_retrying = len(snap.failures) - snap.chunks_quarantined
@@ -168,28 +201,78 @@ class Tracker:
         self._rate(snap, now)
         return snap
 
+    def _registry_tail(self, key: str) -> list[bytes]:
+        """Members a registry gained since the last look (scores are now + a fixed TTL, so they grow
+        with time); read from a margin before the last score seen, for clock skew between hosts."""
+        since = self._cursors.get(key, 0.0) - CURSOR_MARGIN_SECONDS
+        members = cast(
+            list[tuple[bytes, float]], self.connection.zrangebyscore(key, since, "+inf", withscores=True)
+        )
+        if members:
+            self._cursors[key] = max(self._cursors.get(key, 0.0), max(score for _, score in members))
+        return [member for member, _ in members]
+
+    def _set_cursors(self) -> None:
+        for key in (self._finished_key, self._failed_key):
+            last = cast(list[tuple[bytes, float]], self.connection.zrevrange(key, 0, 0, withscores=True))
+            self._cursors[key] = last[0][1] if last else 0.0
+
+    def _full_look(self, snap: Snapshot) -> tuple[set[int], set[int]]:
+        self._set_cursors()  # before the scan: whatever lands during it is read by the next look
+        self._mark_done(self.layout.done_chunks() & self.pending)
+        order = sorted(self.pending)
+        failed, running, finished_late = set(), set(), set()
+        for index, status in zip(
+            order, job_statuses(self.connection, [self._job_id(i) for i in order]), strict=True
+        ):
+            if status in ("queued", "deferred", "scheduled"):
+                snap.chunks_queued += 1
+            elif status == "started":
+                running.add(index)
+            elif status == "failed":
+                failed.add(index)
+            elif status == "finished" and self.layout.output_meta(index).is_file():
+                finished_late.add(index)  # finished between the store listing and the status read
+            else:
+                snap.lost.append(index)  # no live job and no output: it must be queued again
+        self._mark_done(finished_late)
+        self._failed = failed
+        if snap.chunks_queued:
+            snap.stranded = self._stranded()
+        return running, failed
+
+    def _incremental_look(self, snap: Snapshot) -> tuple[set[int], set[int]]:
+        finished = self._pending_indices(self._registry_tail(self._finished_key))
+        self._mark_done({i for i in finished if self.layout.output_meta(i).is_file()})
+        self._failed = (
+            self._failed | self._pending_indices(self._registry_tail(self._failed_key))
+        ) & self.pending
+        known = sorted(self._failed)
+        statuses = job_statuses(self.connection, [self._job_id(i) for i in known])
+        self._failed = {i for i, status in zip(known, statuses, strict=True) if status == "failed"}
+        running = self._pending_indices(self._started.get_job_ids(cleanup=False))
+        snap.chunks_queued = len(self.pending) - len(running | self._failed)
+        if snap.chunks_queued:
+            snap.stranded = self._stranded()
+        return running, set(self._failed)
+
     def _fetch(self, indices: list[int]) -> dict[int, Job]:
         jobs = Job.fetch_many([self._job_id(i) for i in indices], self.connection, serializer=JSONSerializer)
         return {i: job for i, job in zip(indices, jobs, strict=True) if job is not None}
 
-    def _stranded(self, pending: list[int]) -> list[int]:
+    def _stranded(self) -> list[int]:
         """Queued chunks left in RQ's intermediate list: a worker took them and died before starting.
 
         RQ repairs these itself only in its ten-minute maintenance pass; the first-seen marks it
         keeps in Redis make this check survive a supervisor restart.
         """
-        intermediate = IntermediateQueue(
-            chunk_queue(self.connection, self.manifest.queue).key, self.connection
-        )
-        held = set(intermediate.get_job_ids())
-        if not held:
-            return []
+        held = self._intermediate.get_job_ids()
         stranded, limit = [], timedelta(seconds=STRANDED_SECONDS)
-        for index in pending:
+        for index in sorted(self._pending_indices(held)):
             job_id = self._job_id(index)
-            if job_id not in held or intermediate.set_first_seen(job_id):
+            if self._intermediate.set_first_seen(job_id):
                 continue
-            first = intermediate.get_first_seen(job_id)
+            first = self._intermediate.get_first_seen(job_id)
             if first is not None and datetime.now(UTC) - first > limit:
                 stranded.append(index)
         return stranded

@@ -1,0 +1,94 @@
+"""The supervisor's look: incremental between full reconciles, and still right.
+
+A real Redis and RQ, a real worker and the bundled model; Redis's own command statistics show how
+much a look asked for.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import redis
+from rq.job import Job
+
+from jobs.models import BUNDLED_MODEL
+from jobs.specs import chunk_job_id
+from jobs.store import RunLayout
+from queue_worker import exit_codes
+from supervisor.corpus import CorpusOptions
+from supervisor.manifest import load_manifest
+from supervisor.progress import Tracker
+from supervisor.submit import SubmitRequest, SubmitResult, submit
+from tests.helpers import cli_env, make_texts, write_corpus
+
+
+def _submit(
+    tmp_path: Path, store: Path, connection: redis.Redis, rows: int, chunk: int, queue: str
+) -> SubmitResult:
+    ids, texts = make_texts(rows, seed=61)
+    corpus = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")
+    request = SubmitRequest(
+        corpus, store, BUNDLED_MODEL, CorpusOptions("jsonl"), chunk_size=chunk, queue=queue
+    )
+    return submit(request, connection)
+
+
+def _calls(connection: redis.Redis, command: str) -> int:
+    stats = connection.info("commandstats").get(f"cmdstat_{command}")
+    return int(stats["calls"]) if stats else 0
+
+
+def test_a_look_between_reconciles_reads_no_status_per_chunk(
+    tmp_path: Path, store: Path, connection: redis.Redis
+) -> None:
+    run = _submit(tmp_path, store, connection, rows=400, chunk=1, queue="look")
+    layout = RunLayout(store, run.run_id)
+    tracker = Tracker(connection, layout, load_manifest(layout), min_reconcile_seconds=3600)
+    before = _calls(connection, "hget")
+    full = tracker.poll()
+    assert _calls(connection, "hget") - before >= 400  # the reconcile reads every chunk's status
+    assert full.chunks_queued == 400 and tracker.full_looks == 1
+    before = _calls(connection, "hget")
+    look = tracker.poll()
+    assert _calls(connection, "hget") - before == 0
+    assert tracker.full_looks == 1
+    assert (look.chunks_queued, look.chunks_done, look.chunks_running) == (400, 0, 0)
+
+
+def test_incremental_looks_follow_a_run_and_the_reconcile_finds_what_they_cannot(
+    tmp_path: Path, store: Path, connection: redis.Redis, redis_url: str
+) -> None:
+    run = _submit(tmp_path, store, connection, rows=12, chunk=2, queue="follow")
+    layout = RunLayout(store, run.run_id)
+    tracker = Tracker(connection, layout, load_manifest(layout), min_reconcile_seconds=3600)
+    assert tracker.poll().chunks_queued == 6
+    worker = subprocess.run(
+        [sys.executable, "-m", "queue_worker.worker", "--queue", "follow", "--burst", "--store", str(store)],
+        env=cli_env(
+            CHUNKQ_REDIS_URL=redis_url,
+            CHUNKQ_DEVICE="cpu",
+            CHUNKQ_FAULTS='[{"kind": "cuda_fatal", "chunks": [5]}]',
+        ),
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert worker.returncode == exit_codes.EXIT_CUDA_FATAL, worker.stderr
+    look = tracker.poll()
+    assert tracker.full_looks == 1  # what follows was learnt from the registries alone
+    assert (look.chunks_done, look.rows_done, look.chunks_queued, look.chunks_running) == (5, 10, 0, 0)
+    assert [(f.chunk, f.error_class) for f in look.failures] == [(5, "cuda_fatal")]
+
+    # A job hash that vanishes (a flushed or evicted Redis) leaves no trace in any registry: the
+    # incremental look stops counting the chunk as failed, and only the reconcile calls it lost.
+    Job(chunk_job_id(run.run_id, 5), connection=connection).delete()
+    look = tracker.poll()
+    assert (look.failures, look.lost, look.chunks_queued) == ([], [], 1)
+    tracker.min_reconcile_seconds = 0
+    tracker._next_full = 0
+    look = tracker.poll()
+    assert tracker.full_looks == 2
+    assert (look.lost, look.chunks_done) == ([5], 5)
