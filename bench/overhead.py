@@ -6,7 +6,9 @@ Three measurements, each a fresh process, the same corpus and model:
 - plain: a script that imports sentence-transformers, loads the model, reads the corpus, encodes it
   in one ``encode`` call and saves the matrix (the baseline a user would write);
 - chunkq run, workers recycled every ``--max-jobs`` chunks, warm standby on;
-- the same with ``--no-standby``.
+- the same with ``--no-standby``;
+- the same never recycled (one worker process serves every chunk), which separates what recycling
+  costs from what running a chunk through the queue costs.
 Printed as ratios against plain: end to end (wall time of the whole command, start-up, model load
 and assembly included; goal >= 0.95) and steady state (rows per second between the first chunk's
 start and the last chunk's end, against the plain encode call alone; goal >= 0.98).
@@ -32,6 +34,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+NEVER = 1_000_000  # --max-jobs for the run without recycling, which isolates the per-chunk cost
 WORDS = "alpha beta gamma delta river mountain queue worker chunk embed vector model sentence graph".split()
 
 PLAIN = """
@@ -76,10 +79,12 @@ def _plain(work: Path, corpus: Path, model: str, precision: str) -> tuple[float,
     return wall, figures["encode_seconds"], figures["rows"]
 
 
-def _chunkq(work: Path, corpus: Path, args: argparse.Namespace, standby: bool) -> tuple[float, float]:
+def _chunkq(
+    work: Path, corpus: Path, args: argparse.Namespace, standby: bool, max_jobs: int
+) -> tuple[float, float]:
     store = work / f"store-{standby}-{time.monotonic_ns()}"
     cmd = [sys.executable, "-m", "supervisor.cli", "--log-level", "WARNING", "run", str(corpus)]
-    cmd += ["--store", str(store), "--chunk-size", str(args.chunk_size), "--max-jobs", str(args.max_jobs)]
+    cmd += ["--store", str(store), "--chunk-size", str(args.chunk_size), "--max-jobs", str(max_jobs)]
     cmd += ["--model", args.model, "--precision", args.precision, "--max-jobs-jitter", "0"]
     cmd += ["--standby" if standby else "--no-standby"]
     started = time.perf_counter()
@@ -111,7 +116,11 @@ def main() -> None:
                 )
         _plain(work, corpus, args.model, args.precision)  # warm-up: page cache, .pyc files
         plain_wall, plain_encode, rows = _plain(work, corpus, args.model, args.precision)
-        runs = {standby: _chunkq(work, corpus, args, standby) for standby in (True, False)}
+        runs = {
+            f"recycled every {args.max_jobs}, standby on ": _chunkq(work, corpus, args, True, args.max_jobs),
+            f"recycled every {args.max_jobs}, standby off": _chunkq(work, corpus, args, False, args.max_jobs),
+            "never recycled              ": _chunkq(work, corpus, args, True, NEVER),
+        }
     chunks = -(-rows // args.chunk_size)
     print(
         f"{rows} rows, {chunks} chunks of {args.chunk_size}, workers recycled every {args.max_jobs} chunks,"
@@ -121,8 +130,7 @@ def main() -> None:
         f"plain encode: {plain_wall:.1f} s end to end, {plain_encode:.1f} s in encode "
         f"({rows / plain_encode:.0f} rows/s)"
     )
-    for standby, (wall, span) in runs.items():
-        label = "standby on " if standby else "standby off"
+    for label, (wall, span) in runs.items():
         print(
             f"chunkq {label}: {wall:.1f} s end to end (ratio {plain_wall / wall:.3f}), "
             f"{span:.1f} s first chunk start to last chunk end, {rows / span:.0f} rows/s "

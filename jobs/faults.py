@@ -97,6 +97,12 @@ def _rule(rule: Any) -> Fault:
 _FAULTS: tuple[Fault, ...] = parse(os.environ.get(ENV))
 
 
+def reload() -> None:
+    """Read the rules again: a worker forked by the fork server gets its environment after import."""
+    global _FAULTS
+    _FAULTS = parse(os.environ.get(ENV))
+
+
 def active() -> bool:
     return bool(_FAULTS)
 

@@ -10,7 +10,6 @@ a GPU out of service when its workers keep dying.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import random
@@ -30,16 +29,19 @@ from rq.serializers import JSONSerializer
 from jobs.abandon import forget_worker, mark_abandoned, running_job_ids
 from queue_worker import exit_codes
 from queue_worker.gpus import GpuInfo, cpu_threads_per_worker, worker_environment
+from queue_worker.lifeline import PARENT_PID_ENV, die_with_parent
 from queue_worker.metrics import PoolMetrics, serve
 from queue_worker.standby import NOTIFY_FD_ENV, WAIT_FOR_PID_ENV, parse_announcements
 from queue_worker.worker import DEFAULT_QUEUE
+from queue_worker.zygote import ForkedWorker, ForkServer, ForkServerError
 
 log = logging.getLogger(__name__)
+
+WorkerProcess = subprocess.Popen[bytes] | ForkedWorker
 
 POLL_SECONDS = 0.2
 WATCHDOG_SECONDS = 2.0
 HUNG_GRACE_SECONDS = 30.0  # past the job timeout, before a busy worker is taken for hung
-_PR_SET_PDEATHSIG = 1
 NO_RESTART = {exit_codes.EXIT_CONFIG}  # starting the same worker again cannot help
 CLEAN_EXITS = {exit_codes.EXIT_MAX_JOBS, exit_codes.EXIT_STOPPED}
 NOT_THE_GPUS_FAULT = CLEAN_EXITS | NO_RESTART | {exit_codes.EXIT_REDIS}
@@ -79,6 +81,7 @@ class PoolSettings:
     crash_window: float = 300.0  # ... within this many seconds is taken out of the pool
     hung_grace: float = HUNG_GRACE_SECONDS
     standby: bool = True  # start each replacement while its predecessor runs its last chunk
+    fork_server: bool = True  # fork workers from a process that has imported torch (queue_worker.zygote)
     no_nvml: bool = False  # PYTORCH_NO_NVML=1 in GPU workers
     metrics_port: int | None = None  # serve Prometheus metrics on 127.0.0.1:<port> (0: any free port)
 
@@ -89,10 +92,10 @@ class Slot:
 
     key: str
     gpu: GpuInfo | None
-    proc: subprocess.Popen[bytes] | None = None
+    proc: WorkerProcess | None = None
     worker_name: str = ""
     notify_fd: int | None = None  # read end of the pipe on which the worker announces its last job
-    standby: tuple[subprocess.Popen[bytes], str, int] | None = None  # (process, name, notify fd)
+    standby: tuple[WorkerProcess, str, int] | None = None  # (process, name, notify fd)
     generation: int = 0
     retired: bool = False
     not_before: float = 0.0
@@ -100,13 +103,6 @@ class Slot:
     @property
     def device(self) -> str:
         return "cpu" if self.gpu is None else f"gpu{self.gpu.index}"
-
-
-def die_with_parent() -> None:
-    """Runs in the child before exec: SIGTERM it if the pool dies, even by SIGKILL."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class Pool:
@@ -131,6 +127,7 @@ class Pool:
         self._next_watchdog = 0.0
         self.exits: list[tuple[str, int]] = []
         self.metrics = PoolMetrics(settings.name, [gpu.index for gpu in gpus])
+        self.fork_server = ForkServer(dict(os.environ)) if settings.fork_server else None
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         # Only count: logging or killing inside a handler can deadlock on locks the loop holds.
@@ -150,12 +147,13 @@ class Pool:
             cmd += ["--allow-model", model]
         return cmd
 
-    def _spawn(self, slot: Slot, wait_for: int | None = None) -> tuple[subprocess.Popen[bytes], str, int]:
+    def _spawn(self, slot: Slot, wait_for: int | None = None) -> tuple[WorkerProcess, str, int]:
         slot.generation += 1
         name = f"{self.settings.name}-{slot.key}-g{slot.generation}"
         read_fd, write_fd = os.pipe()
         os.set_blocking(read_fd, False)
-        base = dict(os.environ, CHUNKQ_REDIS_URL=self.settings.redis_url, CHUNKQ_POOL_PID=str(os.getpid()))
+        base = dict(os.environ, CHUNKQ_REDIS_URL=self.settings.redis_url)
+        base[PARENT_PID_ENV] = str(os.getpid())
         base[NOTIFY_FD_ENV] = str(write_fd)
         if wait_for is not None:
             base[WAIT_FOR_PID_ENV] = str(wait_for)
@@ -163,16 +161,21 @@ class Pool:
         env = worker_environment(base, slot.gpu, threads, no_nvml=self.settings.no_nvml)
         self.metrics.worker_started(slot.device)
         try:
-            proc = subprocess.Popen(
-                self._command(name),
-                env=env,
-                start_new_session=True,
-                preexec_fn=die_with_parent,
-                pass_fds=(write_fd,),
-            )
+            return self._start_process(self._command(name), env, write_fd), name, read_fd
         finally:
             os.close(write_fd)
-        return proc, name, read_fd
+
+    def _start_process(self, cmd: list[str], env: dict[str, str], notify_fd: int) -> WorkerProcess:
+        if self.fork_server is not None:
+            try:
+                return self.fork_server.spawn(cmd[3:], env, notify_fd)
+            except (ForkServerError, OSError) as exc:
+                log.warning("fork server unusable (%s); starting each worker with a fresh interpreter", exc)
+                self.fork_server.close()
+                self.fork_server = None
+        return subprocess.Popen(
+            cmd, env=env, start_new_session=True, preexec_fn=die_with_parent, pass_fds=(notify_fd,)
+        )
 
     def start_worker(self, slot: Slot) -> None:
         slot.proc, slot.worker_name, slot.notify_fd = self._spawn(slot)
@@ -205,12 +208,11 @@ class Pool:
 
     def _check_standbys(self, stopping: bool) -> None:
         for slot in self.slots:
-            if slot.standby is not None and slot.standby[0].poll() is not None:
-                proc, name, fd = slot.standby
+            code = None if slot.standby is None else slot.standby[0].poll()
+            if slot.standby is not None and code is not None:
+                _, name, fd = slot.standby
                 level = logging.INFO if stopping else logging.WARNING
-                log.log(
-                    level, "standby %s %s before it was needed", name, exit_codes.describe(proc.returncode)
-                )
+                log.log(level, "standby %s %s before it was needed", name, exit_codes.describe(code))
                 os.close(fd)
                 slot.standby = None
 
@@ -230,7 +232,7 @@ class Pool:
     def _where(slot: Slot) -> str:
         return "CPU" if slot.gpu is None else f"GPU {slot.gpu.index} ({slot.gpu.name})"
 
-    def _processes(self) -> list[subprocess.Popen[bytes]]:
+    def _processes(self) -> list[WorkerProcess]:
         procs = [slot.proc for slot in self.slots if slot.proc is not None]
         return procs + [slot.standby[0] for slot in self.slots if slot.standby is not None]
 
@@ -382,7 +384,7 @@ class Pool:
                 signal.signal(sig, handler)
 
     def _shutdown_leftovers(self) -> None:
-        """Whatever way the loop ended, leave no worker running."""
+        """Whatever way the loop ended, leave no worker running, and no fork server."""
         self._signal_all(signal.SIGTERM)
         deadline = time.monotonic() + self.settings.kill_grace
         for proc in self._processes():
@@ -391,3 +393,5 @@ class Pool:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if self.fork_server is not None:
+            self.fork_server.close()

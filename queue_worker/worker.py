@@ -18,6 +18,7 @@ from types import FrameType
 from typing import Any
 
 import redis
+import setproctitle
 from rq.serializers import JSONSerializer
 from rq.worker import SimpleWorker, WorkerStatus
 
@@ -35,6 +36,7 @@ from queue_worker.exit_codes import (
     EXIT_REDIS,
     EXIT_STOPPED,
 )
+from queue_worker.lifeline import PARENT_PID_ENV
 from queue_worker.standby import announce_last_job, announce_model_loaded, wait_for_predecessor
 
 log = logging.getLogger(__name__)
@@ -75,6 +77,10 @@ class Heartbeat:
 class ChunkWorker(SimpleWorker):
     """SimpleWorker (no fork: the model stays loaded) that counts jobs, beats while busy, exits at
     once when the CUDA context broke, and honours a second signal."""
+
+    def procline(self, message: str) -> None:
+        # RQ's title drops the command line; ps and the pool's tools look for the module and name.
+        setproctitle.setproctitle(f"{sys.executable} -m queue_worker.worker --name {self.name}: {message}")
 
     def __init__(self, *args: Any, max_jobs: int | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -201,9 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     if faults.active():
         log.warning("FAULT INJECTION IS ON (%s); this worker will fail on purpose", faults.ENV)
-    pool_pid = os.environ.get("CHUNKQ_POOL_PID")
-    if pool_pid and os.getppid() != int(pool_pid):
-        log.error("pool %s is gone before this worker started; exiting", pool_pid)
+    parent = os.environ.get(PARENT_PID_ENV)
+    if parent and os.getppid() != int(parent):
+        log.error("parent %s (the pool or its fork server) is gone before this worker started", parent)
         return EXIT_ORPHANED
     url = os.environ.get("CHUNKQ_REDIS_URL")
     if not url:

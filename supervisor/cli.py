@@ -173,6 +173,9 @@ def pool_options(func: F) -> F:
         click.option("--no-nvml", is_flag=True, help="Set PYTORCH_NO_NVML=1 in GPU workers."),
         click.option("--standby/--no-standby", default=True, show_default=True,
                      help="Start each replacement worker while its predecessor runs its last chunk."),
+        click.option("--fork-server/--no-fork-server", default=True, show_default=True,
+                     help="Fork each worker from a process that has imported torch (saves ~5 s of CPU "
+                          "per worker); off: a fresh interpreter each time."),
         click.option("--hung-grace", type=float, default=30.0, show_default=True,
                      help="Seconds past a job's timeout before its worker is killed as hung."),
     ]  # fmt: skip
@@ -320,6 +323,7 @@ def pool_cmd(redis_url: str, gpus: str, name: str | None, **kw: Any) -> None:
         crash_window=kw["crash_window"],
         hung_grace=kw["hung_grace"],
         standby=kw["standby"],
+        fork_server=kw["fork_server"],
         no_nvml=kw["no_nvml"],
         preload=kw["preload"],
         store=str(kw["store"]),
@@ -452,6 +456,7 @@ def run_cmd(
     ) + (("--standby",) if kw.pop("standby") else ("--no-standby",))  # fmt: skip
     pool_args += ("--min-free-memory", kw.pop("min_free_memory"), "--busy-gpus", kw.pop("busy_gpus"))
     pool_args += ("--no-nvml",) if kw.pop("no_nvml") else ()
+    pool_args += ("--fork-server",) if kw.pop("fork_server") else ("--no-fork-server",)
     metrics_port = kw.pop("metrics_port")
     if metrics_port is not None:
         pool_args += ("--metrics-port", str(metrics_port + 1 if metrics_port else 0))

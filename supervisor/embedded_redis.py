@@ -19,7 +19,7 @@ from types import TracebackType
 import redis
 
 from jobs.errors import ConfigError
-from queue_worker.pool import die_with_parent
+from queue_worker.lifeline import die_with_parent
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import redis
 
 from jobs.storage import is_local
 from jobs.store import RunLayout
-from queue_worker.pool import die_with_parent
+from queue_worker.lifeline import die_with_parent
 from supervisor.assemble import published_result
 from supervisor.display import ProgressDisplay
 from supervisor.embedded_redis import EmbeddedRedis

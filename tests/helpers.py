@@ -116,11 +116,11 @@ def stop_tree(proc: subprocess.Popen[bytes]) -> None:
 
 
 def worker_processes(pool: subprocess.Popen[bytes]) -> list[Any]:
-    """The live worker processes a pool has started (psutil.Process each)."""
+    """The live worker processes a pool has started (psutil.Process each), forked or not."""
     import psutil
 
     found = []
-    for child in psutil.Process(pool.pid).children():
+    for child in psutil.Process(pool.pid).children(recursive=True):
         try:
             if "queue_worker.worker" in " ".join(child.cmdline()):
                 found.append(child)

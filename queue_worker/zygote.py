@@ -1,0 +1,340 @@
+"""The fork server: one process that has imported torch and sentence-transformers forks each worker.
+
+Importing torch, transformers and sentence-transformers costs about 5 s of CPU (measured on the
+CI machine), against 0.4 s to load a small model. A worker recycled every few chunks paid that
+import every time, on the same cores that were encoding. The fork server pays it once per pool.
+
+It never touches CUDA (no ``torch.cuda`` call, no NVML), so every forked worker creates its own
+CUDA context and destroys it when it exits: recycling still cures a broken context. Each worker is
+a new process in its own session, gets its environment (``CUDA_VISIBLE_DEVICES`` and the rest)
+before it could initialise CUDA, dies with the fork server, which dies with the pool, and shows
+its worker command line in ``ps``.
+
+Requests and replies are JSON over a Unix socket pair (no pickle); the worker's notify pipe
+travels as SCM_RIGHTS. The pool side, ``ForkServer`` and ``ForkedWorker``, offers what the pool
+used of ``subprocess.Popen``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from typing import Any, NoReturn
+
+import psutil
+import setproctitle
+
+from queue_worker.lifeline import PARENT_PID_ENV, die_with_parent
+from queue_worker.standby import NOTIFY_FD_ENV
+
+SOCKET_FD_ENV = "CHUNKQ_FORK_SERVER_FD"
+PRELOAD = ("torch", "sentence_transformers", "queue_worker.worker")
+PRELOAD_ENV = "CHUNKQ_FORK_SERVER_PRELOAD"  # more modules to import once, e.g. your own job functions
+WORKER_MODULE = "queue_worker.worker"
+START_TIMEOUT = 300.0  # imports on a cold disk
+MESSAGE_BYTES = 1 << 20
+REAP_SECONDS = 0.05
+
+
+class ForkServerError(RuntimeError):
+    """The fork server could not be started or stopped answering."""
+
+
+def _send(sock: socket.socket, message: dict[str, Any], fds: list[int] | None = None) -> None:
+    socket.send_fds(sock, [json.dumps(message).encode()], fds or [])
+
+
+def _receive(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
+    """One message and the fds that came with it; (None, []) when the other end has closed."""
+    data, fds, _flags, _addr = socket.recv_fds(sock, MESSAGE_BYTES, 4)
+    if not data:
+        return None, list(fds)
+    message = json.loads(data)
+    if not isinstance(message, dict):
+        raise ForkServerError(f"unexpected message {message!r}")
+    return message, list(fds)
+
+
+# ---- the server process -------------------------------------------------------------------------
+
+
+def _run_worker(request: dict[str, Any], fds: list[int]) -> int:
+    os.setsid()
+    die_with_parent()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
+        signal.signal(sig, signal.SIG_DFL)
+    env = {str(k): str(v) for k, v in request["env"].items()}
+    if fds:
+        env[NOTIFY_FD_ENV] = str(fds[0])
+    env[PARENT_PID_ENV] = str(os.getppid())
+    os.environ.clear()
+    os.environ.update(env)
+    args = [str(a) for a in request["args"]]
+    import torch
+
+    from jobs import faults
+    from queue_worker.worker import main
+
+    setproctitle.setproctitle(" ".join([sys.executable, "-m", WORKER_MODULE, *args]))
+    faults.reload()  # parsed at import, in the fork server's environment
+    # OpenMP read OMP_NUM_THREADS when torch was imported, in the fork server.
+    if env.get("OMP_NUM_THREADS", "").isdigit():
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    _apply_allocator_settings(env)
+    return main(args)
+
+
+def _apply_allocator_settings(env: dict[str, str]) -> None:
+    """Hand PYTORCH_CUDA_ALLOC_CONF to the allocator directly: whether torch read the variable
+    lazily or while the fork server imported it, the worker's own setting is the one in force."""
+    conf = env.get("PYTORCH_CUDA_ALLOC_CONF")
+    if not conf or env.get("CHUNKQ_DEVICE") != "cuda":
+        return
+    import torch
+
+    try:
+        torch.cuda.memory._set_allocator_settings(conf)
+    except (AttributeError, RuntimeError) as exc:  # a CPU build of torch, or an older one
+        print(f"chunkq: could not apply PYTORCH_CUDA_ALLOC_CONF={conf!r}: {exc}", file=sys.stderr)
+
+
+def _fork_worker(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> int:
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        sock.close()
+        code = _run_worker(request, fds)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _reap(sock: socket.socket) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        _send(sock, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+
+
+def _cuda_touched() -> str:
+    """Why a fork would inherit a CUDA driver state (an import that called into CUDA), or ""."""
+    import torch
+
+    if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        return "torch.cuda is initialised"
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+            if any("libcuda.so" in line for line in maps):
+                return "the CUDA driver library is loaded"
+    except FileNotFoundError:  # not Linux
+        pass
+    return ""
+
+
+def serve(sock: socket.socket) -> None:
+    """Import the heavy modules, say ready, then fork a worker per request until the pool hangs up."""
+    extra = [m.strip() for m in os.environ.get(PRELOAD_ENV, "").split(",") if m.strip()]
+    for name in (*PRELOAD, *extra):
+        importlib.import_module(name)
+    touched = _cuda_touched()
+    if touched:
+        _send(
+            sock,
+            {"refused": f"CUDA was initialised while importing ({touched}); forked workers could not use it"},
+        )
+        return
+    _send(sock, {"ready": os.getpid()})
+    while True:
+        readable, _, _ = select.select([sock], [], [], REAP_SECONDS)
+        if readable:
+            request, fds = _receive(sock)
+            if request is None:
+                return
+            pid = _fork_worker(sock, request, fds)
+            for fd in fds:
+                os.close(fd)
+            _send(sock, {"started": pid})
+        _reap(sock)
+
+
+def server_main() -> NoReturn:
+    # Claim the environment block for process titles now, while it is the one the kernel gave us:
+    # after a worker's os.environ is replaced there would be no room left for its title.
+    setproctitle.setproctitle(setproctitle.getproctitle())
+    sock = socket.socket(fileno=int(os.environ.pop(SOCKET_FD_ENV)))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the pool decides when workers stop
+    try:
+        serve(sock)
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the pool is gone; the workers follow through their parent-death signal
+    os._exit(0)
+
+
+# ---- the pool's side ----------------------------------------------------------------------------
+
+
+class ForkedWorker:
+    """A worker forked by the fork server, with the part of ``subprocess.Popen`` the pool uses."""
+
+    def __init__(self, server: ForkServer, pid: int) -> None:
+        self.server, self.pid = server, pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.server.collect()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired([WORKER_MODULE, str(self.pid)], timeout or 0.0)
+            self.server.collect(wait=min(0.1, left) if left is not None else 0.1)
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class ForkServer:
+    """Starts the fork server on first use and again if it dies; forks workers through it."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.sock: socket.socket | None = None
+        self.workers: dict[int, ForkedWorker] = {}
+
+    def _start(self) -> socket.socket:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "queue_worker.zygote"],
+            env=dict(self.env, **{SOCKET_FD_ENV: str(theirs.fileno())}),
+            pass_fds=(theirs.fileno(),),
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
+        theirs.close()
+        self.sock = ours
+        reply = self._next(START_TIMEOUT)
+        if reply is None or "ready" not in reply:
+            self.close()
+            raise ForkServerError(f"the fork server did not start (it said {reply!r})")
+        return ours
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def _next(self, timeout: float) -> dict[str, Any] | None:
+        """The next message that is not an exit report (those are applied), or None on timeout/EOF."""
+        deadline = time.monotonic() + timeout
+        while self.sock is not None:
+            if not select.select([self.sock], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                return None
+            message, _ = _receive(self.sock)
+            if message is None:
+                self._lost()
+                return None
+            if "exited" not in message:
+                return message
+            self._exited(int(message["exited"]), int(message["code"]))
+        return None
+
+    def _exited(self, pid: int, code: int) -> None:
+        worker = self.workers.pop(pid, None)
+        if worker is not None:
+            worker.returncode = code
+
+    def _lost(self) -> None:
+        """The fork server died: its workers get SIGTERM from their parent-death signal; wait for
+        them to go (they are no longer ours to reap) and report them killed by it."""
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+        if self.proc is not None:
+            self.proc.wait()
+            self.proc = None
+        for pid in list(self.workers):
+            deadline = time.monotonic() + 30
+            while _alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+            self._exited(pid, -signal.SIGTERM)
+
+    def collect(self, wait: float = 0.0) -> None:
+        """Apply every exit report waiting (up to ``wait`` seconds for the first)."""
+        if self.sock is None:
+            return
+        message = self._next(wait)
+        while message is not None:  # a reply nobody waits for: ignore it
+            message = self._next(0.0)
+
+    def spawn(self, args: list[str], env: dict[str, str], notify_fd: int) -> ForkedWorker:
+        """Fork a worker running ``python -m queue_worker.worker ARGS`` in ``env``."""
+        sock = self.sock or self._start()
+        try:
+            _send(sock, {"args": args, "env": env}, [notify_fd])
+        except OSError:
+            self._lost()
+            sock = self._start()
+            _send(sock, {"args": args, "env": env}, [notify_fd])
+        reply = self._next(30.0)
+        if reply is None or "started" not in reply:
+            raise ForkServerError(f"the fork server did not fork a worker (it said {reply!r})")
+        worker = ForkedWorker(self, int(reply["started"]))
+        self.workers[worker.pid] = worker
+        return worker
+
+    def close(self) -> None:
+        """Hang up; the fork server exits, and any worker still alive gets its parent-death signal."""
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return False
+
+
+if __name__ == "__main__":
+    server_main()

@@ -1,0 +1,133 @@
+"""The fork server: workers forked from a process that imported torch once, still fresh processes.
+
+Real processes, a real Redis and the bundled model on the CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import psutil
+import redis
+
+from jobs.models import BUNDLED_MODEL
+from jobs.store import RunLayout, read_json
+from queue_worker import exit_codes
+from queue_worker.zygote import ForkServer
+from supervisor.corpus import CorpusOptions
+from supervisor.submit import SubmitRequest, SubmitResult, submit
+from tests.helpers import cli_env, make_texts, stop_tree, wait_for, worker_processes, write_corpus
+
+
+def _submit(tmp_path: Path, store: Path, connection: redis.Redis, rows: int, chunk: int) -> SubmitResult:
+    ids, texts = make_texts(rows, seed=71)
+    corpus = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")
+    request = SubmitRequest(
+        corpus, store, BUNDLED_MODEL, CorpusOptions("jsonl"), chunk_size=chunk, queue="fs"
+    )
+    return submit(request, connection)
+
+
+@contextmanager
+def _pool(
+    tmp_path: Path, redis_url: str, *args: str, **env: str
+) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+    log = tmp_path / "pool.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "supervisor.cli", "pool", "--gpus", "none", "--queue", "fs", *args],
+            env=cli_env(CHUNKQ_REDIS_URL=redis_url, CHUNKQ_STORE=str(tmp_path / "store"), **env),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        yield proc, log
+    finally:
+        stop_tree(proc)
+
+
+def _fork_server(pool: subprocess.Popen[bytes]) -> psutil.Process:
+    (server,) = [
+        c for c in psutil.Process(pool.pid).children() if "queue_worker.zygote" in " ".join(c.cmdline())
+    ]
+    return server
+
+
+def test_each_worker_is_a_new_process_forked_from_one_server(
+    tmp_path: Path, store: Path, connection: redis.Redis, redis_url: str
+) -> None:
+    run = _submit(tmp_path, store, connection, rows=40, chunk=10)
+    layout = RunLayout(store, run.run_id)
+    with _pool(tmp_path, redis_url, "--max-jobs", "1", "--max-jobs-jitter", "0") as (pool, log):
+        wait_for(lambda: len(layout.done_chunks()) == 4, 180, "four chunks done")
+        server = _fork_server(pool)
+        workers = worker_processes(pool)
+        assert workers and all(w.ppid() == server.pid for w in workers)
+        assert all(os.getsid(w.pid) == w.pid for w in workers)  # own session, as with a fresh interpreter
+        pool.send_signal(signal.SIGTERM)
+        assert pool.wait(timeout=60) == 0
+        assert not server.is_running() or server.status() == psutil.STATUS_ZOMBIE
+        text = log.read_text()
+    pids = {read_json(layout.output_meta(i))["pid"] for i in range(4)}
+    assert len(pids) == 4 and server.pid not in pids  # max-jobs 1: a new process for every chunk
+    assert "fork server unusable" not in text
+    assert text.count("loaded model") >= 4  # each forked worker loaded the model itself
+
+
+def test_a_forked_worker_lives_in_the_environment_it_was_given(tmp_path: Path) -> None:
+    """The fork server's own environment has no GPU settings; the worker's request does."""
+    server = ForkServer(cli_env())
+    try:
+        read_fd, write_fd = os.pipe()
+        env = cli_env(CHUNKQ_REDIS_URL="redis://127.0.0.1:9", CHUNKQ_DEVICE="cuda", CHUNKQ_GPU="0")
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        worker = server.spawn(["--queue", "fs", "--burst"], env, write_fd)
+        os.close(write_fd)
+        assert psutil.Process(worker.pid).ppid() == server.pid
+        # Given a GPU it cannot see, the worker refuses to fall back to the CPU: it read CHUNKQ_DEVICE
+        # and CUDA_VISIBLE_DEVICES from the request, not from the fork server.
+        assert worker.wait(timeout=60) == exit_codes.EXIT_CONFIG
+        os.close(read_fd)
+    finally:
+        server.close()
+    assert server.proc is None
+
+
+def test_a_dead_fork_server_is_replaced_and_its_workers_are_not_left_behind(
+    tmp_path: Path, store: Path, connection: redis.Redis, redis_url: str
+) -> None:
+    run = _submit(tmp_path, store, connection, rows=20, chunk=10)
+    layout = RunLayout(store, run.run_id)
+    with _pool(tmp_path, redis_url, "--cpu-workers", "2") as (pool, _log):
+        wait_for(lambda: len(worker_processes(pool)) == 2, 120, "two workers")
+        first = _fork_server(pool)
+        old_workers = worker_processes(pool)
+        first.kill()
+        _gone, alive = psutil.wait_procs(old_workers, timeout=60)
+        assert not alive, f"workers outlived their fork server: {alive}"
+        wait_for(lambda: len(worker_processes(pool)) == 2, 120, "two new workers")
+        assert _fork_server(pool).pid != first.pid
+        assert pool.poll() is None
+        wait_for(lambda: len(layout.done_chunks()) == 2, 180, "the run done by the new workers")
+        pool.send_signal(signal.SIGTERM)
+        assert pool.wait(timeout=60) == 0
+
+
+def test_a_fork_server_that_cannot_start_leaves_the_pool_on_fresh_interpreters(
+    tmp_path: Path, store: Path, connection: redis.Redis, redis_url: str
+) -> None:
+    run = _submit(tmp_path, store, connection, rows=10, chunk=10)
+    layout = RunLayout(store, run.run_id)
+    with _pool(tmp_path, redis_url, CHUNKQ_FORK_SERVER_PRELOAD="no_such_module_here") as (pool, log):
+        wait_for(lambda: len(layout.done_chunks()) == 1, 180, "the chunk done")
+        assert "fork server unusable" in log.read_text()
+        (worker,) = worker_processes(pool)
+        assert worker.ppid() == pool.pid  # started with a fresh interpreter
+        pool.send_signal(signal.SIGTERM)
+        assert pool.wait(timeout=60) == 0
