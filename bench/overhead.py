@@ -6,7 +6,7 @@ Three measurements, each a fresh process, the same corpus and model:
 - plain: a script that imports sentence-transformers, loads the model, reads the corpus, encodes it
   in one ``encode`` call and saves the matrix (the baseline a user would write);
 - chunkq run, workers recycled every ``--max-jobs`` chunks, warm standby on;
-- the same with ``--no-standby``;
+- the same with ``--no-standby``, and with ``--no-fork-server`` (each worker a fresh interpreter);
 - the same never recycled (one worker process serves every chunk), which separates what recycling
   costs from what running a chunk through the queue costs.
 Printed as ratios against plain: end to end (wall time of the whole command, start-up, model load
@@ -80,13 +80,14 @@ def _plain(work: Path, corpus: Path, model: str, precision: str) -> tuple[float,
 
 
 def _chunkq(
-    work: Path, corpus: Path, args: argparse.Namespace, standby: bool, max_jobs: int
+    work: Path, corpus: Path, args: argparse.Namespace, standby: bool, max_jobs: int, fork_server: bool = True
 ) -> tuple[float, float]:
     store = work / f"store-{standby}-{time.monotonic_ns()}"
     cmd = [sys.executable, "-m", "supervisor.cli", "--log-level", "WARNING", "run", str(corpus)]
     cmd += ["--store", str(store), "--chunk-size", str(args.chunk_size), "--max-jobs", str(max_jobs)]
     cmd += ["--model", args.model, "--precision", args.precision, "--max-jobs-jitter", "0"]
     cmd += ["--standby" if standby else "--no-standby"]
+    cmd += ["--fork-server" if fork_server else "--no-fork-server"]
     started = time.perf_counter()
     subprocess.run(cmd, check=True, capture_output=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     wall = time.perf_counter() - started
@@ -119,6 +120,9 @@ def main() -> None:
         runs = {
             f"recycled every {args.max_jobs}, standby on ": _chunkq(work, corpus, args, True, args.max_jobs),
             f"recycled every {args.max_jobs}, standby off": _chunkq(work, corpus, args, False, args.max_jobs),
+            f"recycled every {args.max_jobs}, standby on, no fork server": _chunkq(
+                work, corpus, args, True, args.max_jobs, fork_server=False
+            ),
             "never recycled              ": _chunkq(work, corpus, args, True, NEVER),
         }
     chunks = -(-rows // args.chunk_size)
