@@ -19,6 +19,7 @@ from rq.serializers import JSONSerializer
 from rq.worker import SimpleWorker
 
 from jobs.errors import ABANDONED
+from jobs.events import announce_settled
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ def mark_abandoned(connection: redis.Redis, job_id: str, reason: str) -> bool:
         registry.remove_executions(job, pipeline=pipe)
         record_job_failure(job, exc_string, pipe)
         pipe.execute()
+    announce_settled(connection, job.origin, job_id)
     log.warning("job %s marked failed: %s", job_id, reason)
     return True
 

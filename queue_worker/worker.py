@@ -25,6 +25,7 @@ from rq.worker import SimpleWorker, WorkerStatus
 from jobs import faults, models, runtime
 from jobs.allowlist import AllowListedJob
 from jobs.errors import ConfigError
+from jobs.events import announce_settled
 from jobs.nopickle import forbid_pickle
 from jobs.storage import open_store
 from queue_worker.exit_codes import (
@@ -96,6 +97,7 @@ class ChunkWorker(SimpleWorker):
         execution = self.prepare_execution(job)
         with Heartbeat(self, job, execution):
             self.perform_job(job, queue, execution)
+        announce_settled(self.connection, queue.name, job.id)  # the supervisor looks now, not in a second
         self.set_state(WorkerStatus.IDLE)
         broken = runtime.context_broken()
         if broken:
@@ -105,6 +107,14 @@ class ChunkWorker(SimpleWorker):
             self.log.error(
                 "Worker %s: CUDA context broken (%s); exiting for a fresh process", self.name, broken
             )
+
+    def unsubscribe(self) -> None:
+        # RQ sends UNSUBSCRIBE before it stops its listener thread. When the reply wakes the thread
+        # first, the thread goes back to a 60 s wait and RQ's join(timeout=1) sits it out: up to a
+        # second added to every recycle. Stopped first, the thread ends on that reply.
+        if self.pubsub_thread:
+            self.pubsub_thread.stop()
+        super().unsubscribe()  # type: ignore[no-untyped-call]
 
     def request_stop(self, signum: int, frame: FrameType | None) -> None:
         self.stop_signalled = True

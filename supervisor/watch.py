@@ -29,6 +29,7 @@ from supervisor.manifest import RunManifest, load_manifest
 from supervisor.metrics import RunMetrics
 from supervisor.progress import STALE_HEARTBEAT_SECONDS, Failure, Snapshot, Tracker
 from supervisor.retry import RetryPolicy, settle_failure
+from supervisor.wakeup import Wakeup
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +152,7 @@ def supervise(
         metrics = RunMetrics(manifest.run_id)
         serve_metrics(metrics.registry, settings.metrics_port)
     _patiently(lock.acquire, settings)
+    wakeup = Wakeup(connection, manifest.queue)
     try:
         while True:
             snap = _patiently(
@@ -159,8 +161,9 @@ def supervise(
             display.update(snap)
             if snap.settled or not keep_going():
                 break
-            time.sleep(settings.poll_seconds)
+            wakeup.wait(settings.poll_seconds)
     finally:
+        wakeup.close()
         lock.release()
     if not snap.settled or (snap.quarantined and not settings.allow_partial):
         return Outcome(snap, None)

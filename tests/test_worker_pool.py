@@ -170,3 +170,16 @@ def test_gpu_worker_never_falls_back_to_cpu(redis_url: str) -> None:
 )
 def test_exit_codes_describe_why(code: int, reason: str) -> None:
     assert reason in exit_codes.describe(code)
+
+
+def test_worker_teardown_does_not_wait_on_its_listener_thread(connection: redis.Redis) -> None:
+    from queue_worker.worker import ChunkWorker
+
+    queue = Queue("teardown", connection=connection)
+    for attempt in range(10):  # the race bites some of the time
+        worker = ChunkWorker([queue], connection=connection, name=f"td-{attempt}")
+        worker.subscribe()
+        wait_for(lambda: bool(worker.pubsub.subscribed), 10, "its subscription")  # noqa: B023 - called at once
+        worker.unsubscribe()
+        # RQ's order (UNSUBSCRIBE, then stop) can leave the thread in a 60 s wait that RQ's join sits out.
+        assert not worker.pubsub_thread.is_alive()
