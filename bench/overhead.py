@@ -34,6 +34,8 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+from supervisor.submit import DEFAULT_CHUNK_SIZE
+
 NEVER = 1_000_000  # --max-jobs for the run without recycling, which isolates the per-chunk cost
 WORDS = "alpha beta gamma delta river mountain queue worker chunk embed vector model sentence graph".split()
 
@@ -100,8 +102,8 @@ def _chunkq(
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rows", type=int, default=6000)
-    parser.add_argument("--chunk-size", type=int, default=500)
+    parser.add_argument("--rows", type=int, default=8000)  # plain encode: over a minute here
+    parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE)
     parser.add_argument("--max-jobs", type=int, default=3)
     parser.add_argument("--model", default="bundled:all-MiniLM-L6-v2")
     parser.add_argument("--precision", default="fp32")
