@@ -149,8 +149,11 @@ def list_with_mtime(directory: Path) -> Iterator[tuple[str, float]]:
         if not directory.is_dir():
             return
         for entry in os.scandir(directory):
-            if entry.is_file():
-                yield entry.name, entry.stat().st_mtime
+            try:
+                if entry.is_file():
+                    yield entry.name, entry.stat().st_mtime
+            except FileNotFoundError:  # a writer renamed its temporary file since the listing
+                continue
         return
     fs, where = _fs(directory)
     try:

@@ -9,6 +9,7 @@ import pytest
 
 from jobs.errors import ConfigError
 from jobs.specs import ChunkSpec, EncodeOptions, chunk_job_id, validate_run_id
+from jobs.storage import list_with_mtime
 from jobs.store import RunLayout, atomic_write_json, read_json, verify_output, write_output
 
 
@@ -42,6 +43,18 @@ def test_atomic_write_leaves_no_temporary_files(tmp_path: Path) -> None:
     atomic_write_json(target, {"a": 2})
     assert read_json(target) == {"a": 2}
     assert sorted(p.name for p in target.parent.iterdir()) == ["m.json"]
+
+
+def test_a_listing_skips_files_renamed_while_it_runs(tmp_path: Path) -> None:
+    """A worker's temporary file can be renamed between the listing and the look at it (seen in CI)."""
+    for n in range(5):
+        (tmp_path / f".{n:06d}.json.tmp").write_text("{}")
+    listing = list_with_mtime(tmp_path)
+    first, _mtime = next(listing)
+    for other in tmp_path.iterdir():
+        if other.name != first:
+            other.unlink()
+    assert list(listing) == []
 
 
 def test_atomic_write_failure_keeps_the_old_file(tmp_path: Path) -> None:
