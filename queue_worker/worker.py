@@ -14,11 +14,13 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
 import redis
 import setproctitle
+from rq.exceptions import StopRequested
 from rq.serializers import JSONSerializer
 from rq.worker import SimpleWorker, WorkerStatus
 
@@ -83,9 +85,16 @@ class ChunkWorker(SimpleWorker):
         # RQ's title drops the command line; ps and the pool's tools look for the module and name.
         setproctitle.setproctitle(f"{sys.executable} -m queue_worker.worker --name {self.name}: {message}")
 
-    def __init__(self, *args: Any, max_jobs: int | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        max_jobs: int | None = None,
+        stopped_before_start: Callable[[], bool] = lambda: False,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.max_jobs = max_jobs
+        self.stopped_before_start = stopped_before_start
         self.jobs_run = 0
         self.stop_signalled = False
         self.cuda_broken: str | None = None
@@ -115,6 +124,14 @@ class ChunkWorker(SimpleWorker):
         if self.pubsub_thread:
             self.pubsub_thread.stop()
         super().unsubscribe()  # type: ignore[no-untyped-call]
+
+    def _install_signal_handlers(self) -> None:
+        super()._install_signal_handlers()  # type: ignore[no-untyped-call]
+        # A signal that reached main()'s start-up handler after its last look would otherwise be
+        # lost: a worker whose fork server or pool died then would work on as an orphan (seen in CI).
+        if self.stopped_before_start():
+            self.stop_signalled = True
+            self._stop_requested = True
 
     def request_stop(self, signum: int, frame: FrameType | None) -> None:
         self.stop_signalled = True
@@ -250,9 +267,13 @@ def main(argv: list[str] | None = None) -> int:
         serializer=JSONSerializer,
         job_class=AllowListedJob,
         max_jobs=args.max_jobs,
+        stopped_before_start=lambda: early_stop.requested,
     )
     try:
         worker.work(burst=args.burst, max_jobs=args.max_jobs, logging_level=args.log_level.upper())
+    except StopRequested:  # a signal between RQ installing its handler and entering its loop
+        log.info("worker %s: stop requested while starting its loop", name)
+        return EXIT_STOPPED
     except redis.RedisError as exc:  # Redis went away mid-job or at teardown: not this GPU's fault
         log.error("worker %s lost Redis: %s", name, exc)
         return EXIT_CUDA_FATAL if worker.cuda_broken else EXIT_REDIS

@@ -66,7 +66,7 @@ def _receive(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
 # ---- the server process -------------------------------------------------------------------------
 
 
-def _run_worker(request: dict[str, Any], fds: list[int]) -> int:
+def _run_worker(request: dict[str, Any], fds: list[int], server_pid: int) -> int:
     os.setsid()
     die_with_parent()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
@@ -74,7 +74,9 @@ def _run_worker(request: dict[str, Any], fds: list[int]) -> int:
     env = {str(k): str(v) for k, v in request["env"].items()}
     if fds:
         env[NOTIFY_FD_ENV] = str(fds[0])
-    env[PARENT_PID_ENV] = str(os.getppid())
+    # The pid from before the fork: had the server died since, getppid() would name the reaper and
+    # the worker's orphan check would pass.
+    env[PARENT_PID_ENV] = str(server_pid)
     os.environ.clear()
     os.environ.update(env)
     args = [str(a) for a in request["args"]]
@@ -107,13 +109,14 @@ def _apply_allocator_settings(env: dict[str, str]) -> None:
 
 
 def _fork_worker(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> int:
+    server_pid = os.getpid()
     pid = os.fork()
     if pid:
         return pid
     code = 1
     try:
         sock.close()
-        code = _run_worker(request, fds)
+        code = _run_worker(request, fds, server_pid)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:

@@ -26,6 +26,41 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedR
         server.stop()
 
 
+def _still_connected(port: int) -> list[Any]:
+    """Processes other than this one with a connection to the session's Redis on ``port``."""
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter():
+        if proc.pid == os.getpid():
+            continue
+        try:
+            if any(c.raddr and c.raddr.port == port for c in proc.net_connections("tcp")):
+                found.append(proc)
+        except psutil.Error:  # gone, or not ours to look at
+            continue
+    return found
+
+
+@pytest.fixture(autouse=True)
+def no_process_outlives_its_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fail the test that leaked a worker, pool or supervisor still using the shared Redis: a leaked
+    worker would take the next test's jobs and fail that test instead (seen in CI)."""
+    yield
+    if "redis_server" not in request.fixturenames:
+        return
+    import psutil
+
+    server: EmbeddedRedis = request.getfixturevalue("redis_server")
+    _gone, alive = psutil.wait_procs(_still_connected(server.port), timeout=30)
+    if alive:
+        described = [(p.pid, " ".join(p.cmdline())[:120]) for p in alive if p.is_running()]
+        for proc in alive:
+            proc.kill()
+        if described:
+            pytest.fail(f"processes outlived the test, still on its Redis: {described}")
+
+
 @pytest.fixture
 def redis_url(redis_server: EmbeddedRedis) -> str:
     return redis_server.url

@@ -183,3 +183,20 @@ def test_worker_teardown_does_not_wait_on_its_listener_thread(connection: redis.
         worker.unsubscribe()
         # RQ's order (UNSUBSCRIBE, then stop) can leave the thread in a 60 s wait that RQ's join sits out.
         assert not worker.pubsub_thread.is_alive()
+
+
+def test_a_stop_signalled_during_start_up_is_not_lost(connection: redis.Redis) -> None:
+    """A signal caught by the start-up handler after main()'s last look still stops the worker."""
+    from queue_worker.worker import ChunkWorker
+
+    queue = Queue("early-stop", connection=connection, serializer=JSONSerializer)
+    job = queue.enqueue("jobs.embed.embed_chunk", {})
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    worker = ChunkWorker([queue], connection=connection, name="early", stopped_before_start=lambda: True)
+    try:
+        worker.work(burst=True)  # burst: without the fix it takes the job, then ends on the empty queue
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert worker.jobs_run == 0 and worker.stop_signalled
+    assert job.get_status(refresh=True) == "queued"
