@@ -59,6 +59,17 @@ def _fork_server(pool: subprocess.Popen[bytes]) -> psutil.Process:
     return server
 
 
+def _lineage(pool: subprocess.Popen[bytes], seen: list[list[tuple[int, int, int]]]) -> bool:
+    """Append (pid, parent pid, session id) of each live worker to ``seen``; False while there is
+    none, or one exits as it is looked at."""
+    try:
+        found = [(w.pid, w.ppid(), os.getsid(w.pid)) for w in worker_processes(pool)]
+    except (psutil.Error, ProcessLookupError):
+        return False
+    seen.append(found)
+    return bool(found)
+
+
 def test_each_worker_is_a_new_process_forked_from_one_server(
     tmp_path: Path, store: Path, connection: redis.Redis, redis_url: str
 ) -> None:
@@ -67,9 +78,11 @@ def test_each_worker_is_a_new_process_forked_from_one_server(
     with _pool(tmp_path, redis_url, "--max-jobs", "1", "--max-jobs-jitter", "0") as (pool, log):
         wait_for(lambda: len(layout.done_chunks()) == 4, 180, "four chunks done")
         server = _fork_server(pool)
-        workers = worker_processes(pool)
-        assert workers and all(w.ppid() == server.pid for w in workers)
-        assert all(os.getsid(w.pid) == w.pid for w in workers)  # own session, as with a fresh interpreter
+        # The last chunk's worker may have exited before its successor is forked: wait for one.
+        seen: list[list[tuple[int, int, int]]] = []
+        wait_for(lambda: bool(_lineage(pool, seen)), 60, "the pool's next worker")
+        assert all(ppid == server.pid for _pid, ppid, _sid in seen[-1])
+        assert all(sid == pid for pid, _ppid, sid in seen[-1])  # own session, as with a fresh interpreter
         pool.send_signal(signal.SIGTERM)
         assert pool.wait(timeout=60) == 0
         assert not server.is_running() or server.status() == psutil.STATUS_ZOMBIE
