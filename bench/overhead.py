@@ -147,25 +147,19 @@ def main() -> None:
     )
     walls, encodes = zip(*plain, strict=True)
     print(
-        f"plain encode: {_runs(walls)} s end to end, {_runs(encodes)} s in encode "
+        f"plain encode: {_summary(walls, 1)} s end to end, {_summary(encodes, 1)} s in encode "
         f"({rows / statistics.median(encodes):.0f} rows/s)"
     )
     print("chunkq, ratios against plain in the same repeat (median, then each repeat):")
     for label, pairs in ratios.items():
         e2e, steady = zip(*pairs, strict=True)
-        print(f"  {label}: end to end {_ratios(e2e)}, steady state {_ratios(steady)}")
+        print(f"  {label}: end to end {_summary(e2e, 3)}, steady state {_summary(steady, 3)}")
 
 
-def _runs(values: tuple[float, ...]) -> str:
-    return f"{statistics.median(values):.1f}" + (
-        f" ({', '.join(f'{v:.1f}' for v in values)})" if len(values) > 1 else ""
-    )
-
-
-def _ratios(values: tuple[float, ...]) -> str:
-    return f"{statistics.median(values):.3f}" + (
-        f" ({', '.join(f'{v:.3f}' for v in values)})" if len(values) > 1 else ""
-    )
+def _summary(values: tuple[float, ...], digits: int) -> str:
+    """The median, then each repeat's value when there was more than one."""
+    each = f" ({', '.join(f'{v:.{digits}f}' for v in values)})" if len(values) > 1 else ""
+    return f"{statistics.median(values):.{digits}f}{each}"
 
 
 if __name__ == "__main__":

@@ -163,18 +163,19 @@ def main() -> None:
     ):
         values = [r[i] for r in results]
         print(
-            f"SIGKILL -> {name}: median {statistics.median(values):.2f} s "
-            f"(runs: {', '.join(f'{v:.2f}' for v in values)}); "
+            f"SIGKILL -> {name}: {_seconds(values)}; "
             f"ratio to RQ's own abandoned-job rule ({baseline} s): {statistics.median(values) / baseline:.4f}"
         )
 
     ratios = [f / n for f, n in zip(forked, fresh, strict=True)]
     print(
-        f"broken CUDA -> a fresh worker taking a job: median {statistics.median(forked):.2f} s "
-        f"(runs: {', '.join(f'{v:.2f}' for v in forked)}); with --no-fork-server (fresh interpreter) "
-        f"{statistics.median(fresh):.2f} s (runs: {', '.join(f'{v:.2f}' for v in fresh)}); "
-        f"ratio {statistics.median(ratios):.3f}"
+        f"broken CUDA -> a fresh worker taking a job: {_seconds(forked)}; "
+        f"with --no-fork-server (fresh interpreter) {_seconds(fresh)}; ratio {statistics.median(ratios):.3f}"
     )
+
+
+def _seconds(values: list[float]) -> str:
+    return f"median {statistics.median(values):.2f} s (runs: {', '.join(f'{v:.2f}' for v in values)})"
 
 
 if __name__ == "__main__":

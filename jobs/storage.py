@@ -150,10 +150,12 @@ def list_with_mtime(directory: Path) -> Iterator[tuple[str, float]]:
             return
         for entry in os.scandir(directory):
             try:
-                if entry.is_file():
-                    yield entry.name, entry.stat().st_mtime
+                if not entry.is_file():
+                    continue
+                mtime = entry.stat().st_mtime
             except FileNotFoundError:  # a writer renamed its temporary file since the listing
                 continue
+            yield entry.name, mtime
         return
     fs, where = _fs(directory)
     try:

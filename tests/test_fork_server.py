@@ -80,7 +80,7 @@ def test_each_worker_is_a_new_process_forked_from_one_server(
         server = _fork_server(pool)
         # The last chunk's worker may have exited before its successor is forked: wait for one.
         seen: list[list[tuple[int, int, int]]] = []
-        wait_for(lambda: bool(_lineage(pool, seen)), 60, "the pool's next worker")
+        wait_for(lambda: _lineage(pool, seen), 60, "the pool's next worker")
         assert all(ppid == server.pid for _pid, ppid, _sid in seen[-1])
         assert all(sid == pid for pid, _ppid, sid in seen[-1])  # own session, as with a fresh interpreter
         pool.send_signal(signal.SIGTERM)
