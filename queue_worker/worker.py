@@ -48,6 +48,7 @@ DEFAULT_QUEUE = "chunkq"
 
 
 HEARTBEAT_SECONDS = 5.0
+STOP_POLL_SECONDS = 1  # the longest an idle worker waits for a job before it looks for a stop
 
 
 class Heartbeat:
@@ -98,12 +99,44 @@ class ChunkWorker(SimpleWorker):
         self.jobs_run = 0
         self.stop_signalled = False
         self.cuda_broken: str | None = None
+        self.jobs_given_back = 0
+        self._taking_job = False  # from waiting for a job until it is started: a stop only marks
+
+    def _shutdown(self) -> None:
+        # RQ raises StopRequested from the signal handler when the worker is not busy. Once Redis has
+        # moved a job to this worker and before it starts, that raise strands the job in RQ's
+        # intermediate list until a supervisor or RQ's ten-minute maintenance repairs it (seen in
+        # a test: a pool stopped as its workers took their first chunks).
+        if self._taking_job:
+            self._stop_requested = True
+            return
+        super()._shutdown()  # type: ignore[no-untyped-call]
+
+    def dequeue_job_and_maintain_ttl(self, timeout: int | None, max_idle_time: int | None = None) -> Any:
+        self._taking_job = True
+        if timeout is None or max_idle_time is not None:  # burst: one look, no wait
+            result = super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
+        else:
+            # Short waits, since a signal no longer interrupts one: a stop is seen within a wait.
+            result = None
+            while result is None and not self._stop_requested:
+                result = super().dequeue_job_and_maintain_ttl(STOP_POLL_SECONDS, STOP_POLL_SECONDS)
+        if result is None:
+            self._taking_job = False
+            if self._stop_requested:
+                self.log.info("Worker %s: stopping on request", self.name)
+        return result
 
     def execute_job(self, job: Any, queue: Any) -> None:
+        if self._stop_requested:  # the stop came while this worker took the job: it goes back, unstarted
+            self._give_back(job, queue)
+            self._taking_job = False
+            raise StopRequested
+        execution = self.prepare_execution(job)  # busy from here: RQ's own stop handling is right
+        self._taking_job = False
         self.jobs_run += 1
         if self.max_jobs is not None and self.jobs_run >= self.max_jobs:
             announce_last_job()  # the pool starts our replacement now, to load while we compute
-        execution = self.prepare_execution(job)
         with Heartbeat(self, job, execution):
             self.perform_job(job, queue, execution)
         announce_settled(self.connection, queue.name, job.id)  # the supervisor looks now, not in a second
@@ -116,6 +149,16 @@ class ChunkWorker(SimpleWorker):
             self.log.error(
                 "Worker %s: CUDA context broken (%s); exiting for a fresh process", self.name, broken
             )
+
+    def _give_back(self, job: Any, queue: Any) -> None:
+        with self.connection.pipeline(transaction=True) as pipe:
+            pipe.lrem(queue.intermediate_queue_key, 1, job.id)
+            pipe.lpush(queue.key, job.id)  # the front: it was next
+            pipe.execute()
+        self.jobs_given_back += 1
+        self.log.info(
+            "Worker %s: stop requested; gave job %s back to %s unstarted", self.name, job.id, queue.name
+        )
 
     def unsubscribe(self) -> None:
         # RQ sends UNSUBSCRIBE before it stops its listener thread. When the reply wakes the thread

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -200,3 +203,54 @@ def test_a_stop_signalled_during_start_up_is_not_lost(connection: redis.Redis) -
             signal.signal(sig, handler)
     assert worker.jobs_run == 0 and worker.stop_signalled
     assert job.get_status(refresh=True) == "queued"
+
+
+def test_a_stop_signalled_as_a_job_is_taken_gives_it_back_unstarted(connection: redis.Redis) -> None:
+    """A signal after Redis moved a job to the worker and before it started: the job goes back to
+    the front of its queue, not into RQ's intermediate list where nothing runs it for minutes."""
+    from queue_worker.worker import ChunkWorker
+
+    class SignalledAsItTakes(ChunkWorker):
+        def dequeue_job_and_maintain_ttl(self, timeout: int | None, max_idle_time: int | None = None) -> Any:
+            result = super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
+            os.kill(os.getpid(), signal.SIGTERM)  # the pool's stop, as the job arrives
+            return result
+
+    queue = Queue("taken", connection=connection, serializer=JSONSerializer)
+    first, second = (queue.enqueue("jobs.embed.embed_chunk", {}) for _ in range(2))
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    worker = SignalledAsItTakes([queue], connection=connection, name="taken")
+    try:
+        worker.work(burst=True)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert worker.stop_signalled and worker.jobs_run == 0 and worker.jobs_given_back == 1
+    assert queue.get_job_ids() == [first.id, second.id]
+    assert connection.llen(queue.intermediate_queue_key) == 0
+    assert first.get_status(refresh=True) == "queued"
+
+
+def test_an_idle_worker_still_stops_on_a_signal(connection: redis.Redis) -> None:
+    from queue_worker.worker import STOP_POLL_SECONDS, ChunkWorker
+
+    queue = Queue("idle-stop", connection=connection, serializer=JSONSerializer)
+    worker = ChunkWorker([queue], connection=connection, name="idle-stop")
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    signalled: list[float] = []
+
+    def stop_when_listening() -> None:
+        wait_for(lambda: connection.hget(worker.key, "state") == b"idle", 30, "the worker waiting for a job")
+        signalled.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    helper = threading.Thread(target=stop_when_listening, daemon=True)
+    helper.start()
+    try:
+        worker.work()  # not burst: it would wait for a job for minutes
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    helper.join(timeout=10)
+    assert worker.stop_signalled and signalled
+    assert time.monotonic() - signalled[0] < STOP_POLL_SECONDS + 5
