@@ -61,6 +61,9 @@ class LoadedModel:
 
 
 _cache: dict[tuple[str, str, str], LoadedModel] = {}
+# Models loaded on the CPU in fp32 by a process that forks workers (queue_worker.zygote): a forked
+# worker takes its copy instead of reading and building the model again.
+_templates: dict[str, SentenceTransformer] = {}
 
 
 def _torch_dtype(precision: str) -> Any:
@@ -77,20 +80,57 @@ def get_model(ref: str, device: str, precision: str) -> LoadedModel:
         return cached
     if precision != "fp32" and not device.startswith("cuda"):
         raise ConfigError(f"precision {precision} needs a GPU; this worker runs on {device}")
-    path = resolve_model(ref)
-    if os.path.isdir(path):
-        # A local model must never reach for the hub (no network on many GPU hosts).
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from sentence_transformers import SentenceTransformer
-
     started = time.perf_counter()
-    model = SentenceTransformer(path, device=device)
+    template = _templates.pop(ref, None)
+    if template is not None:
+        # SentenceTransformer(path, device=...) builds the model on the CPU and then moves it too.
+        model = template.to(device)
+    else:
+        model = _load(ref, device)
     if precision != "fp32":
         model = model.to(_torch_dtype(precision))
     model.eval()
     loaded = LoadedModel(
         model, model.max_seq_length, time.perf_counter() - started, datetime.now(UTC).isoformat()
     )
-    log.info("loaded model %s on %s (%s) in %.1f s", ref, device, precision, loaded.load_seconds)
+    how = "took model %s from the fork server" if template is not None else "loaded model %s"
+    log.info(how + " on %s (%s) in %.2f s", ref, device, precision, loaded.load_seconds)
     _cache[key] = loaded
     return loaded
+
+
+def _load(ref: str, device: str) -> SentenceTransformer:
+    path = resolve_model(ref)
+    if os.path.isdir(path):
+        # A local model must never reach for the hub (no network on many GPU hosts).
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(path, device=device)
+
+
+def load_template(ref: str, max_bytes: int) -> float:
+    """Load ``ref`` on the CPU in fp32 for processes forked from this one; the seconds it took.
+
+    Only for a process that forks workers and never runs the model itself: it must not start
+    torch's OpenMP threads, which a forked child could not use (it hangs in its first parallel
+    region), so the load runs single-threaded. A model whose weights exceed ``max_bytes`` is not
+    kept (ConfigError): it would hold that much host memory for as long as the process lives.
+    """
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        started = time.perf_counter()
+        model = _load(ref, "cpu")
+        model.eval()
+    finally:
+        torch.set_num_threads(threads)
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    if size > max_bytes:
+        raise ConfigError(
+            f"its weights take {size / 2**30:.1f} GiB, more than the {max_bytes / 2**30:.1f} GiB allowed"
+        )
+    _templates[ref] = model
+    return time.perf_counter() - started

@@ -33,6 +33,7 @@ from queue_worker.lifeline import PARENT_PID_ENV, die_with_parent
 from queue_worker.metrics import PoolMetrics, serve
 from queue_worker.standby import NOTIFY_FD_ENV, WAIT_FOR_PID_ENV, parse_announcements
 from queue_worker.worker import DEFAULT_QUEUE
+from queue_worker.zygote import MODEL_ENV as FORK_SERVER_MODEL_ENV
 from queue_worker.zygote import ForkedWorker, ForkServer, ForkServerError
 
 log = logging.getLogger(__name__)
@@ -127,7 +128,10 @@ class Pool:
         self._next_watchdog = 0.0
         self.exits: list[tuple[str, int]] = []
         self.metrics = PoolMetrics(settings.name, [gpu.index for gpu in gpus])
-        self.fork_server = ForkServer(dict(os.environ)) if settings.fork_server else None
+        server_env = dict(os.environ)
+        if settings.preload:
+            server_env[FORK_SERVER_MODEL_ENV] = settings.preload
+        self.fork_server = ForkServer(server_env) if settings.fork_server else None
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         # Only count: logging or killing inside a handler can deadlock on locks the loop holds.

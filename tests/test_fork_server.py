@@ -5,6 +5,7 @@ Real processes, a real Redis and the bundled model on the CPU.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -12,17 +13,30 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import psutil
+import pytest
 import redis
 
+from jobs import models
+from jobs.errors import ConfigError
 from jobs.models import BUNDLED_MODEL
 from jobs.store import RunLayout, read_json
 from queue_worker import exit_codes
-from queue_worker.zygote import ForkServer
+from queue_worker.zygote import MODEL_ENV, ForkServer
 from supervisor.corpus import CorpusOptions
 from supervisor.submit import SubmitRequest, SubmitResult, submit
-from tests.helpers import cli_env, make_texts, stop_tree, wait_for, worker_processes, write_corpus
+from tests.helpers import (
+    cli_env,
+    make_texts,
+    max_abs_diff,
+    stop_tree,
+    wait_for,
+    worker_processes,
+    write_corpus,
+)
 
 
 def _submit(tmp_path: Path, store: Path, connection: redis.Redis, rows: int, chunk: int) -> SubmitResult:
@@ -91,6 +105,46 @@ def test_each_worker_is_a_new_process_forked_from_one_server(
     assert len(pids) == 4 and server.pid not in pids  # max-jobs 1: a new process for every chunk
     assert "fork server unusable" not in text
     assert text.count("loaded model") >= 4  # each forked worker loaded the model itself
+
+
+def test_workers_take_the_preloaded_model_from_the_fork_server(
+    tmp_path: Path, store: Path, connection: redis.Redis, redis_url: str, reference_model: Any
+) -> None:
+    run = _submit(tmp_path, store, connection, rows=30, chunk=10)
+    layout = RunLayout(store, run.run_id)
+    args = ("--preload", BUNDLED_MODEL, "--max-jobs", "1", "--max-jobs-jitter", "0")
+    with _pool(tmp_path, redis_url, *args) as (pool, log):
+        wait_for(lambda: len(layout.done_chunks()) == 3, 180, "three chunks done")
+        pool.send_signal(signal.SIGTERM)
+        assert pool.wait(timeout=60) == 0
+        text = log.read_text()
+    assert "fork server loaded bundled:all-MiniLM-L6-v2" in text
+    assert text.count("took model bundled:all-MiniLM-L6-v2 from the fork server") >= 3
+    assert "loaded model bundled" not in text  # no worker built the model itself
+    _ids, texts = make_texts(30, seed=71)
+    for i in range(3):
+        meta = read_json(layout.output_meta(i))
+        # The load it reports is its own: moving a model the fork server built, not building one.
+        assert meta["model_load_seconds"] < 0.2
+        got = np.load(layout.output_npy(i))
+        assert max_abs_diff(got, reference_model.encode(texts[i * 10 : (i + 1) * 10])) <= 1e-5
+
+
+def test_a_model_the_fork_server_cannot_load_is_left_to_the_workers(caplog: pytest.LogCaptureFixture) -> None:
+    server = ForkServer(cli_env(**{MODEL_ENV: "/no/such/model/here"}))
+    try:
+        with caplog.at_level(logging.INFO, logger="queue_worker.zygote"):
+            server._start()
+        assert server.proc is not None and server.proc.poll() is None  # it serves all the same
+        assert "fork server could not load /no/such/model/here" in caplog.text
+    finally:
+        server.close()
+
+
+def test_a_model_too_large_to_keep_is_not_kept() -> None:
+    with pytest.raises(ConfigError, match="weights take"):
+        models.load_template(BUNDLED_MODEL, max_bytes=1 << 20)  # 1 MiB: MiniLM has about 90
+    assert BUNDLED_MODEL not in models._templates
 
 
 def test_a_forked_worker_lives_in_the_environment_it_was_given(tmp_path: Path) -> None:
