@@ -188,19 +188,26 @@ def test_worker_teardown_does_not_wait_on_its_listener_thread(connection: redis.
         assert not worker.pubsub_thread.is_alive()
 
 
+@contextmanager
+def _signal_handlers_restored() -> Iterator[None]:
+    """An in-process worker installs RQ's SIGTERM/SIGINT handlers; give pytest its own back."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
 def test_a_stop_signalled_during_start_up_is_not_lost(connection: redis.Redis) -> None:
     """A signal caught by the start-up handler after main()'s last look still stops the worker."""
     from queue_worker.worker import ChunkWorker
 
     queue = Queue("early-stop", connection=connection, serializer=JSONSerializer)
     job = queue.enqueue("jobs.embed.embed_chunk", {})
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     worker = ChunkWorker([queue], connection=connection, name="early", stopped_before_start=lambda: True)
-    try:
+    with _signal_handlers_restored():
         worker.work(burst=True)  # burst: without the fix it takes the job, then ends on the empty queue
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
     assert worker.jobs_run == 0 and worker.stop_signalled
     assert job.get_status(refresh=True) == "queued"
 
@@ -218,13 +225,9 @@ def test_a_stop_signalled_as_a_job_is_taken_gives_it_back_unstarted(connection: 
 
     queue = Queue("taken", connection=connection, serializer=JSONSerializer)
     first, second = (queue.enqueue("jobs.embed.embed_chunk", {}) for _ in range(2))
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     worker = SignalledAsItTakes([queue], connection=connection, name="taken")
-    try:
+    with _signal_handlers_restored():
         worker.work(burst=True)
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
     assert worker.stop_signalled and worker.jobs_run == 0 and worker.jobs_given_back == 1
     assert queue.get_job_ids() == [first.id, second.id]
     assert connection.llen(queue.intermediate_queue_key) == 0
@@ -236,7 +239,6 @@ def test_an_idle_worker_still_stops_on_a_signal(connection: redis.Redis) -> None
 
     queue = Queue("idle-stop", connection=connection, serializer=JSONSerializer)
     worker = ChunkWorker([queue], connection=connection, name="idle-stop")
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     signalled: list[float] = []
 
     def stop_when_listening() -> None:
@@ -246,11 +248,8 @@ def test_an_idle_worker_still_stops_on_a_signal(connection: redis.Redis) -> None
 
     helper = threading.Thread(target=stop_when_listening, daemon=True)
     helper.start()
-    try:
+    with _signal_handlers_restored():
         worker.work()  # not burst: it would wait for a job for minutes
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
     helper.join(timeout=10)
     assert worker.stop_signalled and signalled
     assert time.monotonic() - signalled[0] < STOP_POLL_SECONDS + 5
