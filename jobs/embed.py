@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
+import traceback
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -57,6 +58,15 @@ def _remember_batch(layout: RunLayout, device_kind: str, batch: int) -> None:
         atomic_write_json(layout.learned_batch(device_kind), {"batch_size": batch, "device": device_kind})
 
 
+@dataclass
+class Encoded:
+    """What an encode with back-off produced: the rows, the batch size that fitted, each halving."""
+
+    embeddings: np.ndarray[Any, Any]
+    batch_size: int
+    backoffs: list[dict[str, Any]] = field(default_factory=list)
+
+
 def encode_with_backoff(
     loaded: models.LoadedModel,
     texts: list[str],
@@ -64,28 +74,37 @@ def encode_with_backoff(
     attempt: int,
     start_batch: int,
     device: str,
-) -> tuple[np.ndarray[Any, Any], int]:
-    """Encode, halving the batch after each out-of-memory error; return (embeddings, batch that fitted)."""
+) -> Encoded:
+    """Encode, halving the batch after each out-of-memory error, down to MIN_BATCH."""
     batch = start_batch
+    backoffs: list[dict[str, Any]] = []
     while True:
         try:
-            faults.inject(chunk.run_id, chunk.index, attempt, batch)
-            return encode_texts(loaded, texts, replace(chunk.options, batch_size=batch)), batch
+            faults.inject(chunk.run_id, chunk.index, attempt, batch, device)
+            options = replace(chunk.options, batch_size=batch)
+            return Encoded(encode_texts(loaded, texts, options), batch, backoffs)
         except Exception as exc:
             kind = errors.classify(exc)
             if kind == errors.CUDA_FATAL:
                 raise CudaFatalError(f"chunk {chunk.job_id}: {exc}") from exc
             if kind != errors.OOM:
                 raise
-            cuda.free_cached_memory(device)
-            if not cuda.context_usable(device) or faults.probe_fails(chunk.run_id, chunk.index, attempt):
-                raise CudaFatalError(f"chunk {chunk.job_id}: CUDA context unusable after: {exc}") from exc
-            if batch <= MIN_BATCH:
-                raise ChunkOutOfMemoryError(
-                    f"chunk {chunk.job_id}: out of memory even at batch size {batch}"
-                ) from exc
-            batch = max(MIN_BATCH, batch // 2)
-            log.warning("chunk %s: out of memory; retrying with batch size %d", chunk.job_id, batch)
+            detail = str(exc)
+            # The failed forward pass's frames hold its activations; whoever still holds the
+            # exception (a log handler, a debugger) would keep that memory from the next attempt.
+            traceback.clear_frames(exc.__traceback__)
+        # Out of the except block, so nothing refers to the failed attempt any more: only now can
+        # empty_cache() hand its memory back for the smaller batch.
+        cuda.free_cached_memory(device)
+        if not cuda.context_usable(device) or faults.probe_fails(chunk.run_id, chunk.index, attempt):
+            raise CudaFatalError(f"chunk {chunk.job_id}: CUDA context unusable after: {detail}")
+        if batch <= MIN_BATCH:
+            raise ChunkOutOfMemoryError(
+                f"chunk {chunk.job_id}: out of memory even at batch size {batch}: {detail}"
+            )
+        backoffs.append({"batch_size": batch, "error": errors.first_sentence_of(detail)})
+        batch = max(MIN_BATCH, batch // 2)
+        log.warning("chunk %s: out of memory; retrying with batch size %d", chunk.job_id, batch)
 
 
 def _job_meta(updates: dict[str, Any]) -> int:
@@ -141,8 +160,9 @@ def _embed(chunk: ChunkSpec) -> dict[str, Any]:
     started_at = datetime.now(UTC)
     cuda.reset_peak_memory(ctx.device)
     t0 = time.perf_counter()
-    embeddings, batch = encode_with_backoff(loaded, texts, chunk, attempt, start_batch, ctx.device)
+    encoded = encode_with_backoff(loaded, texts, chunk, attempt, start_batch, ctx.device)
     seconds = time.perf_counter() - t0
+    embeddings, batch = encoded.embeddings, encoded.batch_size
     if batch < chunk.options.batch_size:
         _remember_batch(layout, ctx.device_kind, batch)
     meta = {
@@ -159,6 +179,7 @@ def _embed(chunk: ChunkSpec) -> dict[str, Any]:
         "precision": chunk.options.precision,
         "batch_size": batch,
         "batch_size_requested": chunk.options.batch_size,
+        "oom_backoffs": encoded.backoffs,  # each halving this attempt made: from which size, and why
         "attempt": attempt,
         "seconds": round(seconds, 4),
         "model_load_seconds": round(loaded.load_seconds, 3),

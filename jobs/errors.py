@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 
 class ChunkqError(Exception):
     """Base of every error chunkq raises on purpose."""
@@ -63,22 +65,67 @@ OTHER = "other"
 NEVER_RETRIED = frozenset({BAD_INPUT, CONFIG})
 NOT_THE_CHUNKS_FAULT = frozenset({ABANDONED, CUDA_FATAL})  # retried at once, on a fresh process
 
-_OOM_MARKERS = ("out of memory", "cublas_status_alloc_failed", "cudnn_status_alloc_failed",
-                "cudnn_status_not_enough_workspace")  # fmt: skip
-_CUDA_FATAL_MARKERS = (
-    "illegal memory access",
-    "unspecified launch failure",
-    "device-side assert",
-    "nvml_success == driverapi::get()->nvmlinit_v2_()",
-    "cudacachingallocator",
-    "expandable_segments",
-    "cuda error",
-    "cuda driver error",
-    "cublas_status_execution_failed",
-    "cudnn_status_execution_failed",
-    "misaligned address",
-    "an illegal instruction",
+# Classification reads the exception's type and its first sentence only. A real torch OOM message
+# ends in advice that names ``expandable_segments`` (torch >= 2.3, CUDACachingAllocator.cpp), so
+# any marker searched for in the whole text would misread an OOM as a broken context (issue 14,
+# seen on an H100). Each pattern below is matched against the start of the first sentence.
+_OOM_HEADS = (
+    "cuda out of memory",  # CUDACachingAllocator: torch.OutOfMemoryError (a RuntimeError before 1.13)
+    "hip out of memory",  # the same allocator on ROCm
+    "cuda error: out of memory",  # cudaErrorMemoryAllocation outside the caching allocator
+    "cuda error: cublas_status_alloc_failed",  # cuBLAS could not allocate its workspace
+    "cudnn error: cudnn_status_alloc_failed",
 )
+# Host RAM on a CPU worker, where a smaller batch helps too. torch 2.13 words it "[enforce fail at
+# alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: ...": the second sentence.
+_CPU_OOM = "defaultcpuallocator: can't allocate memory"
+# A sticky error: the context, or the caching allocator's view of it, stays broken for the life of
+# the process (PyTorch has no in-process reset).
+_CUDA_FATAL_HEADS = (
+    "cuda driver error:",  # C10_CUDA_DRIVER_CHECK: an expandable-segments map/set-access failure
+    "cuda error:",  # any other CUDA runtime error: illegal address, device-side assert, launch failure
+    "cudnn error: cudnn_status_execution_failed",
+)
+# A failed assert in torch's CUDA code, e.g. `NVML_SUCCESS == DriverAPI::get()->nvmlInit_v2_()
+# INTERNAL ASSERT FAILED at "../c10/cuda/CUDACachingAllocator.cpp":1123` (also reported "at
+# PeerToPeerAccess.cpp:83"), or the allocator's own `!handles_.at(i) INTERNAL ASSERT FAILED at
+# "c10/cuda/CUDACachingAllocator.cpp":487` after a partial expandable-segment mapping.
+_INTERNAL_ASSERT = "internal assert failed"
+_CUDA_WORDS = ("cuda", "nvml")
+_SENTENCE_END = re.compile(r"\.(\s|$)")
+
+
+def first_sentence(exc: BaseException) -> str:
+    """The exception's first line, up to its first full stop: the error without torch's advice."""
+    return first_sentence_of(str(exc))
+
+
+def first_line(text: str) -> str:
+    text = text.strip()
+    return text.splitlines()[0] if text else ""
+
+
+def first_sentence_of(text: str) -> str:
+    return _SENTENCE_END.split(first_line(text), maxsplit=1)[0].strip()
+
+
+def _torch_error(exc: BaseException) -> str | None:
+    """OOM or CUDA_FATAL for an error raised by torch or a CUDA library, None for anything else."""
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    head = first_sentence(exc).lower()
+    if "OutOfMemoryError" in names:  # torch.OutOfMemoryError (torch.cuda.OutOfMemoryError is an alias)
+        return OOM
+    if not isinstance(exc, RuntimeError):
+        return None
+    if head.startswith(_OOM_HEADS) or _CPU_OOM in first_line(str(exc)).lower():
+        return OOM
+    if head.startswith(_CUDA_FATAL_HEADS) or (
+        _INTERNAL_ASSERT in head and any(word in head for word in _CUDA_WORDS)
+    ):
+        return CUDA_FATAL
+    if "AcceleratorError" in names:  # torch >= 2.8 raises CUDA runtime errors as this RuntimeError subclass
+        return CUDA_FATAL
+    return None
 
 
 def classify(exc: BaseException) -> str:
@@ -93,12 +140,4 @@ def classify(exc: BaseException) -> str:
         return CONFIG
     if isinstance(exc, ChunkAbandonedError):
         return ABANDONED
-    message = str(exc).lower()
-    if type(exc).__name__ == "OutOfMemoryError" or (
-        isinstance(exc, RuntimeError) and any(marker in message for marker in _OOM_MARKERS)
-    ):
-        # A failed expandable-segments mapping reports "out of memory" too, but it breaks the context.
-        return CUDA_FATAL if "expandable_segments" in message else OOM
-    if isinstance(exc, RuntimeError) and any(marker in message for marker in _CUDA_FATAL_MARKERS):
-        return CUDA_FATAL
-    return OTHER
+    return _torch_error(exc) or OTHER

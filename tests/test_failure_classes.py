@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from jobs import errors, faults, runtime
+from jobs import embed, errors, faults, runtime
 from jobs.embed import embed_chunk
 from jobs.errors import ChunkOutOfMemoryError, ConfigError, CudaFatalError
 from jobs.models import BUNDLED_MODEL
@@ -20,38 +21,6 @@ from jobs.store import RunLayout, read_json, write_chunk_input
 from queue_worker.pool import jittered_max_jobs
 from supervisor.retry import RetryPolicy
 from tests.helpers import make_texts, max_abs_diff
-
-
-@pytest.mark.parametrize(
-    ("exc", "kind"),
-    [
-        (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB"), errors.OOM),
-        (
-            RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
-            errors.OOM,
-        ),
-        (RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"), errors.OOM),
-        (RuntimeError("CUDA error: an illegal memory access was encountered"), errors.CUDA_FATAL),
-        (RuntimeError("CUDA error: unspecified launch failure"), errors.CUDA_FATAL),
-        (RuntimeError("CUDA error: device-side assert triggered"), errors.CUDA_FATAL),
-        (
-            RuntimeError(
-                "NVML_SUCCESS == DriverAPI::get()->nvmlInit_v2_() INTERNAL ASSERT FAILED at "
-                '"../c10/cuda/CUDACachingAllocator.cpp":1123'
-            ),
-            errors.CUDA_FATAL,
-        ),
-        (
-            RuntimeError("CUDA driver error: out of memory (expandable_segments map failed)"),
-            errors.CUDA_FATAL,
-        ),
-        (errors.CorpusError("c.jsonl:3: text is int"), errors.BAD_INPUT),
-        (ConfigError("fp16 needs a GPU"), errors.CONFIG),
-        (ValueError("something else"), errors.OTHER),
-    ],
-)
-def test_classify(exc: BaseException, kind: str) -> None:
-    assert errors.classify(exc) == kind
 
 
 def test_fault_rules_are_validated_and_off_by_default() -> None:
@@ -105,6 +74,65 @@ def test_oom_halves_the_batch_and_later_chunks_start_from_what_fitted(
     second, _ = _chunk(store, index=1)
     assert embed_chunk(second.to_dict())["batch_size"] == 8
     assert "out of memory" not in caplog.text  # started at the learned size: no OOM this time
+
+
+def test_the_injected_oom_carries_torchs_real_text_and_each_halving_is_recorded(
+    store: Path, inject: Any
+) -> None:
+    inject('[{"kind": "oom", "above_batch": 8}]')
+    with pytest.raises(torch.OutOfMemoryError) as raised:
+        faults.inject("faulty", 0, 1, 32)
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in str(raised.value)  # torch's own advice
+    assert errors.classify(raised.value) == errors.OOM
+    spec, _ = _chunk(store)
+    embed_chunk(spec.to_dict())
+    backoffs = read_json(RunLayout(store, "faulty").output_meta(0))["oom_backoffs"]
+    assert backoffs == [
+        {"batch_size": 32, "error": "CUDA out of memory"},
+        {"batch_size": 16, "error": "CUDA out of memory"},
+    ]
+
+
+def test_the_failed_attempts_memory_is_released_before_the_smaller_batch(
+    store: Path, monkeypatch: pytest.MonkeyPatch, reference_model: Any
+) -> None:
+    """A real allocator failure (the CPU's) from inside an attempt that holds "activations"; someone
+    keeps the exception, as a log handler or debugger would. The next attempt must not see them."""
+    real_encode = embed.encode_texts
+    activations: list[weakref.ref[torch.Tensor]] = []
+    kept: list[BaseException] = []
+    alive_at_retry: list[bool] = []
+
+    def encode(loaded: Any, texts: list[str], options: EncodeOptions) -> Any:
+        if options.batch_size > 8:
+            held = torch.ones(1 << 20)
+            activations.append(weakref.ref(held))
+            try:
+                torch.empty(1 << 62, dtype=torch.uint8)  # DefaultCPUAllocator: can't allocate memory
+            except RuntimeError as exc:
+                kept.append(exc)
+                raise
+        alive_at_retry.extend(ref() is not None for ref in activations)
+        return real_encode(loaded, texts, options)
+
+    monkeypatch.setattr(embed, "encode_texts", encode)
+    spec, texts = _chunk(store)
+    meta = embed_chunk(spec.to_dict())
+    assert meta["batch_size"] == 8 and len(activations) == 2 and len(kept) == 2
+    assert alive_at_retry == [False, False]
+    got = np.load(RunLayout(store, "faulty").output_npy(0))
+    assert max_abs_diff(got, reference_model.encode(texts)) <= 1e-5
+
+
+def test_device_assert_outside_a_gpu_raises_torchs_text_and_condemns_the_process(
+    store: Path, inject: Any
+) -> None:
+    inject('[{"kind": "device_assert", "attempts": [1]}]')
+    spec, _ = _chunk(store)
+    with pytest.raises(CudaFatalError, match="CUDA error: device-side assert triggered") as raised:
+        embed_chunk(spec.to_dict())
+    assert type(raised.value.__cause__).__name__ == getattr(torch, "AcceleratorError", RuntimeError).__name__
+    assert "device-side assert" in (runtime.context_broken() or "")
 
 
 def test_oom_at_batch_size_one_fails_the_chunk_as_oom(store: Path, inject: Any) -> None:
