@@ -14,6 +14,7 @@ EXIT_CUDA_FATAL = 11  # the CUDA context is broken; only a fresh process can use
 EXIT_CONFIG = 12  # the settings cannot work (no CUDA on a GPU worker, bad model); restarting will not help
 EXIT_REDIS = 13  # lost the connection to Redis
 EXIT_ORPHANED = 14  # its pool is gone
+EXIT_FORKED_NO_CUDA = 15  # forked by the fork server, it cannot create a CUDA context: use fresh interpreters
 
 REASONS = {
     EXIT_STOPPED: "stopped on request",
@@ -23,6 +24,7 @@ REASONS = {
     EXIT_CONFIG: "refused its configuration",
     EXIT_REDIS: "lost Redis",
     EXIT_ORPHANED: "found its pool gone",
+    EXIT_FORKED_NO_CUDA: "could not create a CUDA context in a forked process",
 }
 
 

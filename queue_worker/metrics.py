@@ -45,6 +45,7 @@ def exit_reason(returncode: int) -> str:
         exit_codes.EXIT_CONFIG: "config",
         exit_codes.EXIT_REDIS: "redis",
         exit_codes.EXIT_ORPHANED: "orphaned",
+        exit_codes.EXIT_FORKED_NO_CUDA: "forked_no_cuda",
     }.get(returncode, "unknown")
 
 

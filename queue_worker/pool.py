@@ -45,7 +45,7 @@ WATCHDOG_SECONDS = 2.0
 HUNG_GRACE_SECONDS = 30.0  # past the job timeout, before a busy worker is taken for hung
 NO_RESTART = {exit_codes.EXIT_CONFIG}  # starting the same worker again cannot help
 CLEAN_EXITS = {exit_codes.EXIT_MAX_JOBS, exit_codes.EXIT_STOPPED}
-NOT_THE_GPUS_FAULT = CLEAN_EXITS | NO_RESTART | {exit_codes.EXIT_REDIS}
+NOT_THE_GPUS_FAULT = CLEAN_EXITS | NO_RESTART | {exit_codes.EXIT_REDIS, exit_codes.EXIT_FORKED_NO_CUDA}
 
 
 def default_pool_name() -> str:
@@ -169,14 +169,18 @@ class Pool:
         finally:
             os.close(write_fd)
 
+    def _stop_forking(self, why: str) -> None:
+        if self.fork_server is not None:
+            log.warning("fork server unusable (%s); starting each worker with a fresh interpreter", why)
+            self.fork_server.close()
+            self.fork_server = None
+
     def _start_process(self, cmd: list[str], env: dict[str, str], notify_fd: int) -> WorkerProcess:
         if self.fork_server is not None:
             try:
                 return self.fork_server.spawn(cmd[3:], env, notify_fd)
             except (ForkServerError, OSError) as exc:
-                log.warning("fork server unusable (%s); starting each worker with a fresh interpreter", exc)
-                self.fork_server.close()
-                self.fork_server = None
+                self._stop_forking(str(exc))
         return subprocess.Popen(
             cmd, env=env, start_new_session=True, preexec_fn=die_with_parent, pass_fds=(notify_fd,)
         )
@@ -286,6 +290,8 @@ class Pool:
             slot.proc = None
             if stopping and code == -signal.SIGTERM:
                 code = exit_codes.EXIT_STOPPED  # told to stop before its handlers were even installed
+            if code == exit_codes.EXIT_FORKED_NO_CUDA:
+                self._stop_forking("a forked worker could not create its CUDA context; its log says why")
             if code not in CLEAN_EXITS:
                 self._to_abandon.append((dead, reason))
             if code not in NOT_THE_GPUS_FAULT:

@@ -34,6 +34,7 @@ from typing import Any, NoReturn
 import psutil
 import setproctitle
 
+from queue_worker.exit_codes import EXIT_FORKED_NO_CUDA
 from queue_worker.lifeline import PARENT_PID_ENV, die_with_parent
 from queue_worker.standby import NOTIFY_FD_ENV
 
@@ -43,6 +44,9 @@ PRELOAD_ENV = "CHUNKQ_FORK_SERVER_PRELOAD"  # more modules to import once, e.g. 
 MODEL_ENV = "CHUNKQ_FORK_SERVER_MODEL"  # the pool's --preload model, loaded once on the CPU
 TEMPLATE_MEMORY_SHARE = 0.25  # of host memory; a larger model is loaded by each worker instead
 WORKER_MODULE = "queue_worker.worker"
+# torch.cuda.is_available() and device_count() then ask NVML, not the driver (whose cuInit a forked
+# child would inherit), should an import call them in the fork server.
+NVML_BASED_CUDA_CHECK = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
 START_TIMEOUT = 300.0  # imports on a cold disk
 MESSAGE_BYTES = 1 << 20
 REAP_SECONDS = 0.05
@@ -97,6 +101,10 @@ def _run_worker(request: dict[str, Any], fds: list[int], server_pid: int) -> int
     if env.get("OMP_NUM_THREADS", "").isdigit():
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     _apply_allocator_settings(env)
+    problem = forked_cuda_problem(env)
+    if problem:
+        print(f"chunkq: a forked worker cannot create its CUDA context: {problem}", file=sys.stderr)
+        return EXIT_FORKED_NO_CUDA
     return main(args)
 
 
@@ -144,18 +152,31 @@ def _reap(sock: socket.socket) -> None:
         _send(sock, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
 
 
-def _cuda_touched() -> str:
-    """Why a fork would inherit a CUDA driver state (an import that called into CUDA), or ""."""
+def _cuda_initialised() -> bool:
+    """Whether this process initialised CUDA, which a forked child could then not use.
+
+    Importing a CUDA build of torch maps libcuda without initialising CUDA: measured on an H100,
+    ``torch.cuda.is_initialized()`` stays False through ``import transformers, sentence_transformers``
+    and a child forked then creates its context and computes correctly. A driver call made during
+    an import (``torch.cuda.is_available()`` reaches ``cuInit``) is kept off the driver by
+    ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` in this process; each forked GPU worker still checks that it
+    can create its context (``forked_cuda_problem``) before it takes a job.
+    """
     import torch
 
-    if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-        return "torch.cuda is initialised"
+    return bool(torch.cuda.is_initialized())  # type: ignore[no-untyped-call]
+
+
+def forked_cuda_problem(env: dict[str, str]) -> str:
+    """Why this forked GPU worker cannot create its CUDA context, or "" (always "" on the CPU)."""
+    if env.get("CHUNKQ_DEVICE") != "cuda":
+        return ""
+    import torch
+
     try:
-        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
-            if any("libcuda.so" in line for line in maps):
-                return "the CUDA driver library is loaded"
-    except FileNotFoundError:  # not Linux
-        pass
+        torch.ones(1, device="cuda").item()
+    except Exception as exc:  # any failure: the pool falls back to fresh interpreters
+        return f"{type(exc).__name__}: {exc}".strip()
     return ""
 
 
@@ -181,11 +202,9 @@ def serve(sock: socket.socket) -> None:
     model = os.environ.get(MODEL_ENV)
     if model:
         ready.update(_load_model_template(model))
-    touched = _cuda_touched()
-    if touched:
+    if _cuda_initialised():
         _send(
-            sock,
-            {"refused": f"CUDA was initialised while importing ({touched}); forked workers could not use it"},
+            sock, {"refused": "torch.cuda was initialised while importing; forked workers could not use it"}
         )
         return
     # Objects that exist now are shared by every worker: keep the collector from writing to them,
@@ -266,7 +285,7 @@ class ForkServer:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "queue_worker.zygote"],
-            env=dict(self.env, **{SOCKET_FD_ENV: str(theirs.fileno())}),
+            env=dict(self.env, **{SOCKET_FD_ENV: str(theirs.fileno())}, **NVML_BASED_CUDA_CHECK),
             pass_fds=(theirs.fileno(),),
             start_new_session=True,
             preexec_fn=die_with_parent,

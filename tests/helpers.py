@@ -6,10 +6,12 @@ import csv
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -127,3 +129,14 @@ def worker_processes(pool: subprocess.Popen[bytes]) -> list[Any]:
         except psutil.Error:  # exited between the listing and the look (a zombie not yet reaped)
             continue
     return found
+
+
+@contextmanager
+def signal_handlers_restored() -> Iterator[None]:
+    """An in-process worker installs RQ's SIGTERM/SIGINT handlers; give pytest its own back."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)

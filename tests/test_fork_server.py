@@ -25,13 +25,16 @@ from jobs.errors import ConfigError
 from jobs.models import BUNDLED_MODEL
 from jobs.store import RunLayout, read_json
 from queue_worker import exit_codes
-from queue_worker.zygote import MODEL_ENV, ForkServer
+from queue_worker.gpus import GpuInfo
+from queue_worker.pool import Pool, PoolSettings
+from queue_worker.zygote import MODEL_ENV, ForkServer, ForkServerError
 from supervisor.corpus import CorpusOptions
 from supervisor.submit import SubmitRequest, SubmitResult, submit
 from tests.helpers import (
     cli_env,
     make_texts,
     max_abs_diff,
+    signal_handlers_restored,
     stop_tree,
     wait_for,
     worker_processes,
@@ -157,9 +160,10 @@ def test_a_forked_worker_lives_in_the_environment_it_was_given(tmp_path: Path) -
         worker = server.spawn(["--queue", "fs", "--burst"], env, write_fd)
         os.close(write_fd)
         assert psutil.Process(worker.pid).ppid() == server.pid
-        # Given a GPU it cannot see, the worker refuses to fall back to the CPU: it read CHUNKQ_DEVICE
-        # and CUDA_VISIBLE_DEVICES from the request, not from the fork server.
-        assert worker.wait(timeout=60) == exit_codes.EXIT_CONFIG
+        # Given a GPU, the forked worker first creates its CUDA context, which this CPU build of
+        # torch cannot: it read CHUNKQ_DEVICE from the request, not from the fork server, and says
+        # so with the code that sends the pool to fresh interpreters.
+        assert worker.wait(timeout=60) == exit_codes.EXIT_FORKED_NO_CUDA
         os.close(read_fd)
     finally:
         server.close()
@@ -198,3 +202,63 @@ def test_a_fork_server_that_cannot_start_leaves_the_pool_on_fresh_interpreters(
         assert worker.ppid() == pool.pid  # started with a fresh interpreter
         pool.send_signal(signal.SIGTERM)
         assert pool.wait(timeout=60) == 0
+
+
+def _preload(tmp_path: Path, name: str, source: str) -> dict[str, str]:
+    """Environment for a fork server that also imports ``source`` as module ``name``."""
+    (tmp_path / f"{name}.py").write_text(source, encoding="utf-8")
+    path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", ""), os.getcwd()])
+    return cli_env(PYTHONPATH=path, CHUNKQ_FORK_SERVER_PRELOAD=name)
+
+
+def test_a_fork_server_with_the_cuda_driver_mapped_but_not_initialised_serves(tmp_path: Path) -> None:
+    """What ``import torch`` does on a CUDA build: libcuda mapped, CUDA not initialised (measured on
+    an H100). Simulated by mapping a library named libcuda.so.1; the old guard refused this."""
+    env = _preload(
+        tmp_path,
+        "map_libcuda",
+        "import ctypes, os, shutil, _ctypes\n"
+        f"ctypes.CDLL(shutil.copy(_ctypes.__file__, {str(tmp_path / 'libcuda.so.1')!r}))\n"
+        f"open({str(tmp_path / 'nvml_check')!r}, 'w').write(os.environ['PYTORCH_NVML_BASED_CUDA_CHECK'])\n",
+    )
+    server = ForkServer(env)
+    try:
+        server._start()
+        assert server.proc is not None and server.proc.poll() is None
+        maps = Path(f"/proc/{server.proc.pid}/maps").read_text()
+        assert "libcuda.so.1" in maps  # the simulation took: the driver library is mapped
+        # and torch's availability checks in it ask NVML, never the driver
+        assert (tmp_path / "nvml_check").read_text() == "1"
+        read_fd, write_fd = os.pipe()
+        worker = server.spawn(
+            ["--queue", "fs", "--burst"], cli_env(CHUNKQ_REDIS_URL="redis://127.0.0.1:9"), write_fd
+        )
+        os.close(write_fd)
+        assert worker.wait(timeout=60) == exit_codes.EXIT_REDIS  # forked and ran: nothing listens there
+        os.close(read_fd)
+    finally:
+        server.close()
+
+
+def test_a_fork_server_in_which_cuda_was_initialised_refuses(tmp_path: Path) -> None:
+    env = _preload(tmp_path, "init_cuda", "import torch\ntorch.cuda.is_initialized = lambda: True\n")
+    server = ForkServer(env)
+    with pytest.raises(ForkServerError, match=r"torch\.cuda was initialised while importing"):
+        server._start()
+    assert server.proc is None
+
+
+def test_a_pool_whose_forked_gpu_workers_cannot_create_a_context_falls_back_once(
+    redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A GPU slot on this CPU host: the forked worker really cannot create a CUDA context; the pool
+    says so once and starts fresh interpreters, whose worker then refuses to run on the CPU."""
+    gpu = GpuInfo(index=0, name="no such GPU here", uuid="", memory_total=1 << 30, memory_free=1 << 30)
+    settings = PoolSettings(redis_url=redis_url, queue="fs-gpu", restart_delay=0.0, name="fs-gpu")
+    pool = Pool(settings, [gpu])
+    with signal_handlers_restored(), caplog.at_level(logging.INFO, logger="queue_worker.pool"):
+        assert pool.run() == exit_codes.EXIT_CONFIG  # no device left once the CPU fallback is refused
+    assert [code for _slot, code in pool.exits] == [exit_codes.EXIT_FORKED_NO_CUDA, exit_codes.EXIT_CONFIG]
+    assert pool.fork_server is None
+    assert caplog.text.count("fork server unusable") == 1
+    assert "could not create its CUDA context" in caplog.text

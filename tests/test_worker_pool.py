@@ -28,7 +28,14 @@ from queue_worker import exit_codes
 from supervisor.corpus import CorpusOptions
 from supervisor.enqueue import job_statuses
 from supervisor.submit import SubmitRequest, SubmitResult, submit
-from tests.helpers import cli_env, make_texts, wait_for, worker_processes, write_corpus
+from tests.helpers import (
+    cli_env,
+    make_texts,
+    signal_handlers_restored,
+    wait_for,
+    worker_processes,
+    write_corpus,
+)
 
 
 def _submit(
@@ -188,17 +195,6 @@ def test_worker_teardown_does_not_wait_on_its_listener_thread(connection: redis.
         assert not worker.pubsub_thread.is_alive()
 
 
-@contextmanager
-def _signal_handlers_restored() -> Iterator[None]:
-    """An in-process worker installs RQ's SIGTERM/SIGINT handlers; give pytest its own back."""
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-
-
 def test_a_stop_signalled_during_start_up_is_not_lost(connection: redis.Redis) -> None:
     """A signal caught by the start-up handler after main()'s last look still stops the worker."""
     from queue_worker.worker import ChunkWorker
@@ -206,7 +202,7 @@ def test_a_stop_signalled_during_start_up_is_not_lost(connection: redis.Redis) -
     queue = Queue("early-stop", connection=connection, serializer=JSONSerializer)
     job = queue.enqueue("jobs.embed.embed_chunk", {})
     worker = ChunkWorker([queue], connection=connection, name="early", stopped_before_start=lambda: True)
-    with _signal_handlers_restored():
+    with signal_handlers_restored():
         worker.work(burst=True)  # burst: without the fix it takes the job, then ends on the empty queue
     assert worker.jobs_run == 0 and worker.stop_signalled
     assert job.get_status(refresh=True) == "queued"
@@ -226,7 +222,7 @@ def test_a_stop_signalled_as_a_job_is_taken_gives_it_back_unstarted(connection: 
     queue = Queue("taken", connection=connection, serializer=JSONSerializer)
     first, second = (queue.enqueue("jobs.embed.embed_chunk", {}) for _ in range(2))
     worker = SignalledAsItTakes([queue], connection=connection, name="taken")
-    with _signal_handlers_restored():
+    with signal_handlers_restored():
         worker.work(burst=True)
     assert worker.stop_signalled and worker.jobs_run == 0 and worker.jobs_given_back == 1
     assert queue.get_job_ids() == [first.id, second.id]
@@ -248,7 +244,7 @@ def test_an_idle_worker_still_stops_on_a_signal(connection: redis.Redis) -> None
 
     helper = threading.Thread(target=stop_when_listening, daemon=True)
     helper.start()
-    with _signal_handlers_restored():
+    with signal_handlers_restored():
         worker.work()  # not burst: it would wait for a job for minutes
     helper.join(timeout=10)
     assert worker.stop_signalled and signalled
