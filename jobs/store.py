@@ -4,6 +4,7 @@
     <store>/runs/<run>/inputs/<chunk>.jsonl    {"id": ..., "text": ...} per row
     <store>/runs/<run>/outputs/<chunk>.npy     float32 rows x dim
     <store>/runs/<run>/outputs/<chunk>.json    output metadata; its presence commits the .npy
+    <store>/runs/<run>/failures/<chunk>-a<N>.json  each failed attempt, recorded by the supervisor
     <store>/runs/<run>/result/                 embeddings.npy, ids.jsonl, manifest.json (published by rename)
 
 Every file is published whole (see jobs.storage): a reader sees either the whole file or none of it,
@@ -65,6 +66,13 @@ class RunLayout:
 
     def output_meta(self, index: int) -> Path:
         return self.outputs / f"{chunk_name(index)}.json"
+
+    @property
+    def failures(self) -> Path:
+        return self.root / "failures"
+
+    def failure_path(self, index: int, attempt: int) -> Path:
+        return self.failures / f"{chunk_name(index)}-a{attempt}.json"
 
     def learned_batch(self, device_kind: str) -> Path:
         """Where the batch size that fitted on this kind of device is kept for the run's later chunks."""

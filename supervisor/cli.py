@@ -23,6 +23,7 @@ from queue_worker import gpus as gpu_discovery
 from queue_worker.pool import Pool, PoolSettings, default_pool_name
 from queue_worker.worker import DEFAULT_QUEUE
 from supervisor.assemble import assemble
+from supervisor.attempts import describe_attempts, failed_attempts, to_json
 from supervisor.corpus import FORMATS, CorpusOptions, detect_format
 from supervisor.dashboard import DEFAULT_PORT as DEFAULT_DASHBOARD_PORT
 from supervisor.dashboard import serve as serve_dashboard
@@ -364,12 +365,11 @@ def dashboard_cmd(redis_url: str, bind: str, port: int, username: str | None, pa
 @reports_errors
 def report_cmd(run_id: str, out: Path | None, store: Path, redis_url: str | None) -> None:
     """A timeline PNG and a summary of RUN: chunks per process, model loads, failures, throughput, lengths."""
+    del redis_url  # accepted like everywhere; the report reads the store alone, Redis gone or not
     layout = RunLayout(store, run_id)
     if out is None:
         out = layout.root / "report" if is_local(store) else Path(f"chunkq-report-{run_id}")
-    if redis_url is None:
-        log.warning("no --redis-url: the report shows no failed attempts (they live in Redis)")
-    numbers = write_report(layout, redis.Redis.from_url(redis_url) if redis_url else None, out)
+    numbers = write_report(layout, out)
     click.echo(
         f"{out / 'report.png'}, {out / 'report.md'}: {numbers['rows_done']} rows, "
         f"{numbers['worker_processes']} worker processes, {numbers['failed_attempts']} failed attempt(s)"
@@ -400,10 +400,12 @@ def status_cmd(run_id: str, store: Path, redis_url: str, as_json: bool) -> None:
     """Print where RUN_ID stands, once."""
     layout = RunLayout(store, run_id)
     snap = Tracker(redis.Redis.from_url(redis_url), layout, load_manifest(layout)).poll_once()
+    attempts = failed_attempts(layout)
     if as_json:
-        click.echo(json.dumps(snap.to_json(), indent=2))
+        click.echo(json.dumps({**snap.to_json(), "failed_attempts": to_json(attempts)}, indent=2))
         return
     click.echo(describe(snap))
+    click.echo(describe_attempts(attempts))
     if snap.failures:
         click.echo(failure_report(snap.failures))
     if snap.result_published:

@@ -1,9 +1,10 @@
-"""``chunkq report RUN``: a PNG of the run's timeline and a markdown summary, from the store and Redis.
+"""``chunkq report RUN``: a PNG of the run's timeline and a markdown summary, from the store alone.
 
 The store's chunk metadata says which process did each chunk, when, on which device, and when that
-process loaded its model; RQ's per-job results (the last ten attempts) say when and where attempts
-failed. The figure has three panels: a timeline with one lane per worker process (grouped by
-device), throughput over time, and the text lengths in tokens with the model's truncation point.
+process loaded its model; the supervisor's failure records (``failures/``) say when and where
+attempts failed, and of which class. The figure has three panels: a timeline with one lane per
+worker process (grouped by device), throughput over time, and the text lengths in tokens with the
+model's truncation point.
 """
 
 from __future__ import annotations
@@ -16,14 +17,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import redis
-from rq.job import Job
-from rq.results import Result
-from rq.serializers import JSONSerializer
-
 from jobs.models import resolve_model
-from jobs.specs import chunk_job_id
 from jobs.store import RunLayout, read_chunk_input, read_json
+from supervisor.attempts import FailedAttempt, by_class, failed_attempts, to_json
 from supervisor.manifest import RunManifest, load_manifest
 
 log = logging.getLogger(__name__)
@@ -32,20 +28,14 @@ LENGTH_SAMPLE = 20_000  # texts whose token length is measured for the histogram
 
 
 @dataclass
-class Attempt:
-    chunk: int
-    worker: str
-    at: datetime
-    error_class: str
-    error: str
-
-
-@dataclass
 class RunFacts:
     manifest: RunManifest
     outputs: list[dict[str, Any]]
-    failures: list[Attempt] = field(default_factory=list)
-    quarantined: list[int] = field(default_factory=list)
+    failures: list[FailedAttempt] = field(default_factory=list)
+
+    @property
+    def quarantined(self) -> list[int]:
+        return sorted({a.chunk for a in self.failures if a.quarantined})
 
     @property
     def processes(self) -> dict[tuple[str, int], list[dict[str, Any]]]:
@@ -67,48 +57,11 @@ def _ts(text: str) -> datetime:
     return datetime.fromisoformat(text)
 
 
-def gather(layout: RunLayout, connection: redis.Redis | None) -> RunFacts:
+def gather(layout: RunLayout) -> RunFacts:
+    """What the store says of a run: its chunk outputs and every failed attempt (no Redis needed)."""
     manifest = load_manifest(layout)
     outputs = [read_json(layout.output_meta(i)) for i in sorted(layout.done_chunks())]
-    facts = RunFacts(manifest, outputs)
-    if connection is None:
-        return facts
-    ids = [chunk_job_id(manifest.run_id, i) for i in range(manifest.chunks)]
-    for index, job in enumerate(Job.fetch_many(ids, connection, serializer=JSONSerializer)):
-        if job is None:
-            continue
-        if job.meta.get("quarantined"):
-            facts.quarantined.append(index)
-        for result in job.results():
-            if result.type == Result.Type.FAILED:
-                text = (result.exc_string or "").strip()
-                last_line = text.splitlines()[-1] if text else ""
-                facts.failures.append(
-                    Attempt(
-                        index,
-                        result.worker_name or "?",
-                        result.created_at,
-                        _error_class(last_line),
-                        last_line,
-                    )
-                )
-    facts.failures.sort(key=lambda a: a.at)
-    return facts
-
-
-def _error_class(last_line: str) -> str:
-    """The chunkq error class of a failed attempt, from the exception named on its traceback's last line."""
-    from jobs import errors
-
-    name = last_line.split(":", 1)[0].rsplit(".", 1)[-1]
-    return {
-        "ChunkOutOfMemoryError": errors.OOM,
-        "OutOfMemoryError": errors.OOM,
-        "CudaFatalError": errors.CUDA_FATAL,
-        "BadInputError": errors.BAD_INPUT,
-        "ConfigError": errors.CONFIG,
-        "AbandonedJobError": errors.ABANDONED,
-    }.get(name, errors.OTHER)
+    return RunFacts(manifest, outputs, failed_attempts(layout))
 
 
 def _token_lengths(layout: RunLayout, manifest: RunManifest) -> tuple[list[int], int | None, str]:
@@ -162,8 +115,9 @@ def summary(facts: RunFacts, lengths: list[int], limit: int | None, unit: str) -
         "wall_seconds": round(wall, 2),
         "rows_per_second": round(rows_done / wall, 1) if wall else None,
         "failed_attempts": len(facts.failures),
-        "failures_by_class": dict(sorted(Counter(a.error_class for a in facts.failures).items())),
-        "quarantined_chunks": sorted(facts.quarantined),
+        "failures_by_class": by_class(facts.failures),
+        "failures": to_json(facts.failures),
+        "quarantined_chunks": facts.quarantined,
         "model_load_seconds_mean": round(sum(loads) / len(loads), 2) if loads else None,
         "model_loads": sum(1 for v in per_process.values() if v is not None),
         "length_unit": unit,
@@ -207,7 +161,7 @@ def _plot(facts: RunFacts, lengths: list[int], limit: int | None, unit: str, pat
     for attempt in facts.failures:
         # A process that never finished a chunk has no lane of its own: its failures sit below the lanes.
         row = lane_of_worker.get(attempt.worker, -1)
-        x = (attempt.at - t0).total_seconds()
+        x = (attempt.when - t0).total_seconds()
         ax_lanes.plot([x], [row], marker="x", color="tab:red", markersize=9)
         ax_lanes.annotate(
             attempt.error_class,
@@ -272,11 +226,11 @@ def _markdown(s: dict[str, Any], png: Path) -> str:
     return "\n".join(lines)
 
 
-def write_report(layout: RunLayout, connection: redis.Redis | None, out: Path) -> dict[str, Any]:
+def write_report(layout: RunLayout, out: Path) -> dict[str, Any]:
     """Write ``report.png``, ``report.md`` and ``report.json`` under ``out``; return the summary."""
     import json
 
-    facts = gather(layout, connection)
+    facts = gather(layout)
     lengths, limit, unit = _token_lengths(layout, facts.manifest)
     out.mkdir(parents=True, exist_ok=True)
     png = out / "report.png"

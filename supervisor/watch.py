@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import redis
+from rq.job import Job
 
 from jobs.abandon import mark_abandoned
 from jobs.errors import ChunkqError
@@ -22,6 +23,7 @@ from jobs.specs import chunk_job_id
 from jobs.store import RunLayout
 from queue_worker.metrics import serve as serve_metrics
 from supervisor.assemble import assemble
+from supervisor.attempts import AttemptRecorder, FailedAttempt
 from supervisor.display import ProgressDisplay
 from supervisor.enqueue import chunk_queue, enqueue_chunks
 from supervisor.lock import RunLock
@@ -74,43 +76,67 @@ def failure_report(failures: list[Failure]) -> str:
     return "\n".join(lines)
 
 
-def _act(connection: redis.Redis, layout: RunLayout, manifest: RunManifest, tracker: Tracker, snap: Snapshot,
-         settings: WatchSettings, rng: random.Random, metrics: RunMetrics | None) -> None:  # fmt: skip
-    if snap.lost:
-        counts = enqueue_chunks(connection, layout, manifest, snap.lost)
-        log.warning("run %s: %d chunk(s) had no job and no output; queued again", manifest.run_id,
-                    counts.enqueued + counts.requeued)  # fmt: skip
-    if snap.stranded:
-        queue = chunk_queue(connection, manifest.queue)
-        with connection.pipeline() as pipe:
-            for index in snap.stranded:
-                job_id = chunk_job_id(manifest.run_id, index)
+@dataclass
+class Supervisor:
+    """One run under watch: what a look reads (the tracker) and what it acts with."""
+
+    connection: redis.Redis
+    layout: RunLayout
+    manifest: RunManifest
+    settings: WatchSettings
+    lock: RunLock
+    metrics: RunMetrics | None = None
+    rng: random.Random = field(default_factory=random.Random)  # back-off jitter, not security
+    tracker: Tracker = field(init=False)
+    recorder: AttemptRecorder = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.tracker = Tracker(self.connection, self.layout, self.manifest)
+        self.recorder = AttemptRecorder(self.layout)
+
+    def look(self) -> Snapshot:
+        self.lock.renew()
+        snap = self.tracker.poll()
+        self._act(snap)
+        snap = self.tracker.poll() if snap.failures or snap.stale or snap.lost or snap.stranded else snap
+        if self.metrics is not None:
+            self.metrics.observe(snap)
+        return snap
+
+    def _act(self, snap: Snapshot) -> None:
+        run_id = self.manifest.run_id
+        if snap.lost:
+            counts = enqueue_chunks(self.connection, self.layout, self.manifest, snap.lost)
+            log.warning("run %s: %d chunk(s) had no job and no output; queued again", run_id,
+                        counts.enqueued + counts.requeued)  # fmt: skip
+        if snap.stranded:
+            self._requeue_stranded(snap.stranded)
+        for index in snap.stale:
+            mark_abandoned(self.connection, chunk_job_id(run_id, index),
+                           f"no heartbeat for over {STALE_HEARTBEAT_SECONDS:.0f} s")  # fmt: skip
+        for index, job in self.tracker.failed_jobs.items():
+            self._settle(index, job)
+
+    def _requeue_stranded(self, stranded: list[int]) -> None:
+        queue = chunk_queue(self.connection, self.manifest.queue)
+        with self.connection.pipeline() as pipe:
+            for index in stranded:
+                job_id = chunk_job_id(self.manifest.run_id, index)
                 pipe.lrem(queue.intermediate_queue_key, 1, job_id)
                 queue.push_job_id(job_id, pipeline=pipe)
             pipe.execute()
         log.warning("run %s: chunk(s) %s were taken by a worker that died before starting them; queued again",
-                    manifest.run_id, snap.stranded)  # fmt: skip
-    for index in snap.stale:
-        mark_abandoned(connection, chunk_job_id(manifest.run_id, index),
-                       f"no heartbeat for over {STALE_HEARTBEAT_SECONDS:.0f} s")  # fmt: skip
-    for job in tracker.failed_jobs.values():
+                    self.manifest.run_id, stranded)  # fmt: skip
+
+    def _settle(self, index: int, job: Job) -> None:
         already = bool(job.meta.get("quarantined"))
-        outcome = settle_failure(connection, job, settings.policy, rng)
-        if metrics is not None:
+        attempt = int(job.meta.get("attempt", 1))
+        outcome = settle_failure(self.connection, job, self.settings.policy, self.rng)
+        reason = str(job.meta.get("quarantine_reason", "")) if outcome == "quarantined" else None
+        self.recorder.record(FailedAttempt.from_job(job, index, attempt, reason))
+        if self.metrics is not None:
             new = "quarantined_now" if outcome == "quarantined" and not already else outcome
-            metrics.settled(new, str(job.meta.get("error_class", "other")))
-
-
-def _look(connection: redis.Redis, layout: RunLayout, manifest: RunManifest, tracker: Tracker,
-          settings: WatchSettings, rng: random.Random, lock: RunLock,
-          metrics: RunMetrics | None) -> Snapshot:  # fmt: skip
-    lock.renew()
-    snap = tracker.poll()
-    _act(connection, layout, manifest, tracker, snap, settings, rng, metrics)
-    snap = tracker.poll() if snap.failures or snap.stale or snap.lost or snap.stranded else snap
-    if metrics is not None:
-        metrics.observe(snap)
-    return snap
+            self.metrics.settled(new, str(job.meta.get("error_class", "other")))
 
 
 T = TypeVar("T")
@@ -144,20 +170,17 @@ def supervise(
     """
     settings = settings or WatchSettings()
     manifest = load_manifest(layout)
-    tracker = Tracker(connection, layout, manifest)
-    rng = random.Random()  # noqa: S311 - back-off jitter, not security
     lock = RunLock(connection, manifest.run_id)
     metrics = None
     if settings.metrics_port is not None:
         metrics = RunMetrics(manifest.run_id)
         serve_metrics(metrics.registry, settings.metrics_port)
+    watch = Supervisor(connection, layout, manifest, settings, lock, metrics)
     _patiently(lock.acquire, settings)
     wakeup = Wakeup(connection, manifest.queue)
     try:
         while True:
-            snap = _patiently(
-                lambda: _look(connection, layout, manifest, tracker, settings, rng, lock, metrics), settings
-            )
+            snap = _patiently(watch.look, settings)
             display.update(snap)
             if snap.settled or not keep_going():
                 break

@@ -117,3 +117,35 @@ def test_cli_errors_are_clear_with_named_exit_codes(tmp_path: Path, redis_url: s
     assert clash.returncode == 4 and "run taken already exists" in clash.stderr
     missing_gpu = run_cli("run", str(corpus), "--gpus", "3", "--store", str(tmp_path / "s2"))
     assert missing_gpu.returncode == 6 and "GPU 3 does not exist; GPUs present: none" in missing_gpu.stderr
+
+
+def test_failures_outlive_the_runs_redis_and_the_report_lists_them_by_class(
+    tmp_path: Path, reference_model: Any
+) -> None:
+    """A broken CUDA context (a device-side assert, torch's wording) and a SIGKILLed worker during
+    ``chunkq run``; the report made afterwards, with the run's embedded Redis gone, names both."""
+    ids, texts = make_texts(80, seed=4)
+    corpus = write_corpus(tmp_path / "corpus.jsonl", ids, texts, "jsonl")
+    store = tmp_path / "store"
+    faults = json.dumps([{"kind": "device_assert", "chunks": [1], "attempts": [1]},
+                         {"kind": "sigkill", "chunks": [3], "attempts": [1]}])  # fmt: skip
+    done = run_cli("run", str(corpus), "--chunk-size", "20", "--store", str(store), CHUNKQ_FAULTS=faults)
+    assert done.returncode == 0, done.stderr[-3000:]
+    layout = _only_run(store)
+    _check_result(layout, ids, texts, reference_model)
+
+    out = tmp_path / "report"
+    report = run_cli("report", layout.run_id, "--store", str(store), "--out", str(out))
+    assert report.returncode == 0, report.stderr[-3000:]
+    assert "2 failed attempt(s)" in report.stdout
+    numbers = json.loads((out / "report.json").read_text())
+    assert numbers["failures_by_class"] == {"abandoned": 1, "cuda_fatal": 1}
+    by_chunk = {(f["chunk"], f["attempt"]): f for f in numbers["failures"]}
+    assert set(by_chunk) == {(1, 1), (3, 1)}
+    assert by_chunk[(1, 1)]["error_class"] == "cuda_fatal"
+    assert "CUDA error: device-side assert triggered" in by_chunk[(1, 1)]["error"]
+    assert by_chunk[(3, 1)]["error_class"] == "abandoned" and "SIGKILL" in by_chunk[(3, 1)]["error"]
+    assert all(
+        f["worker"] != "?" and f["device"] == "cpu" and not f["quarantined"] for f in by_chunk.values()
+    )
+    assert "| failed attempts | 2 (abandoned: 1, cuda_fatal: 1) |" in (out / "report.md").read_text()
