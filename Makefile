@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint clean system-tools
+.PHONY: demo test test-gpu lint clean system-tools
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,11 @@ system-tools:
 
 test: lint system-tools
 	$(BIN)/pytest
+
+# The GPU tier (tests/gpu): real faults on a real GPU. Skipped, not failed, where there is no CUDA.
+# On an offline GPU host whose packages are installed another way: python3 -m pytest -m gpu tests/gpu
+test-gpu: $(STAMP)
+	$(BIN)/pytest -m gpu tests/gpu
 
 clean:
 	rm -rf $(VENV) chunkq-store

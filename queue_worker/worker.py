@@ -14,10 +14,12 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
+import psutil
 import redis
 import setproctitle
 from rq.exceptions import StopRequested
@@ -299,6 +301,10 @@ def main(argv: list[str] | None = None) -> int:
         log.error("cannot reach Redis: %s", exc)
         return EXIT_REDIS
 
+    # Start to ready (model on its device), before any wait for a predecessor: what a recycle costs.
+    log.info(
+        "worker %s ready %.2f s after its process started", name, time.time() - psutil.Process().create_time()
+    )
     wait_for_predecessor(lambda: early_stop.requested)
     if early_stop.requested:
         log.info("worker %s: stop requested during start-up; exiting before taking a job", name)
