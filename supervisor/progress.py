@@ -287,7 +287,7 @@ class Tracker:
             beats = pipe.execute()
         stale, wall = [], time.time()
         for index, beat in zip(running, beats, strict=True):
-            if beat is None:
+            if not beat:  # RQ writes an empty last_heartbeat until the first beat (seen at 2,000+ chunks)
                 continue
             if wall - str_to_date(beat).timestamp() > STALE_HEARTBEAT_SECONDS:
                 stale.append(index)

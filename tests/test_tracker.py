@@ -92,3 +92,16 @@ def test_incremental_looks_follow_a_run_and_the_reconcile_finds_what_they_cannot
     look = tracker.poll()
     assert tracker.full_looks == 2
     assert (look.lost, look.chunks_done) == ([5], 5)
+
+
+def test_a_started_chunk_whose_job_has_an_empty_heartbeat_is_neither_stale_nor_a_crash(
+    tmp_path: Path, store: Path, connection: redis.Redis
+) -> None:
+    """RQ stores ``last_heartbeat`` as an empty string until a job's first beat; the supervisor
+    of a 5,000-chunk run died on it (``ValueError: Empty string or bytestring provided``)."""
+    run = _submit(tmp_path, store, connection, rows=6, chunk=2, queue="emptybeat")
+    layout = RunLayout(store, run.run_id)
+    tracker = Tracker(connection, layout, load_manifest(layout))
+    connection.hset(Job.key_for(chunk_job_id(run.run_id, 1)), "last_heartbeat", "")
+    assert connection.hget(Job.key_for(chunk_job_id(run.run_id, 0)), "last_heartbeat") is not None
+    assert tracker._stale([0, 1, 2]) == []
