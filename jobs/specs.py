@@ -13,12 +13,12 @@ from jobs.errors import ConfigError
 FORMAT_VERSION = 1
 PRECISIONS = ("fp32", "fp16", "bf16")
 # RQ job ids allow letters, digits, '_' and '-'; '__' is kept free to separate run and chunk.
-_RUN_ID_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9-]|_(?!_)){0,79}$")
+_RUN_ID_RE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]|_(?!_)){0,79}")  # fullmatch: `$` would let "ab\n" in
 
 
 def validate_run_id(run_id: str) -> str:
     """Return ``run_id`` if it is safe as a path component and an RQ job id prefix, else raise."""
-    if not isinstance(run_id, str) or not _RUN_ID_RE.match(run_id) or run_id.endswith("_"):
+    if not isinstance(run_id, str) or not _RUN_ID_RE.fullmatch(run_id) or run_id.endswith("_"):
         raise ConfigError(
             f"invalid run id {run_id!r}: use 1-80 letters, digits, '-' or single '_', "
             "starting with a letter or digit"

@@ -84,7 +84,21 @@ class _IdPolicy:
             raise CorpusError(
                 f"{where}: id {self.field!r} is {type(value).__name__}, expected a string or integer"
             )
-        return str(value)
+        return _unicode(str(value), f"id {self.field!r}", where)
+
+
+def _unicode(value: str, what: str, where: str) -> str:
+    """``value`` if it can be written as UTF-8; JSON's ``"\\ud800"`` decodes to a lone surrogate,
+    which cannot be, and would fail far from here (in the store, or in the tokenizer)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = value[exc.start]
+        raise CorpusError(
+            f"{where}: {what} holds a lone surrogate (\\u{ord(bad):04x} at character {exc.start}), "
+            "which is not valid Unicode; fix or drop that escape"
+        ) from None
+    return value
 
 
 def _text_of(record: dict[str, Any], opts: CorpusOptions, where: str) -> str:
@@ -99,7 +113,7 @@ def _text_of(record: dict[str, Any], opts: CorpusOptions, where: str) -> str:
         raise CorpusError(f"{where}: text field {field!r} is empty")
     if len(text) > opts.max_text_bytes:  # characters: a cheap lower bound of the bytes
         raise CorpusError(f"{where}: text is over the limit of {opts.max_text_bytes} bytes")
-    return text
+    return _unicode(text, f"text field {field!r}", where)
 
 
 def _lines(path: Path, limit: int) -> Iterator[tuple[int, str]]:

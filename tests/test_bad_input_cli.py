@@ -34,6 +34,16 @@ CASES = {
         '{"id": 1, "text": "a"}\n{"id": 1, "text": "b"}\n',
         "c.jsonl:2: duplicate id '1'",
     ),
+    "lone-surrogate-text": (
+        "c.jsonl",
+        '{"id": 1, "text": "ok"}\n{"id": 2, "text": "a\\ud800b"}\n',
+        "c.jsonl:2: text field 'text' holds a lone surrogate (\\ud800 at character 1)",
+    ),
+    "lone-surrogate-id": (
+        "c.jsonl",
+        '{"id": "\\udfff", "text": "a"}\n',
+        "c.jsonl:1: id 'id' holds a lone surrogate (\\udfff at character 0)",
+    ),
     "csv-missing-column": ("c.csv", "id,body\n1,a\n", "c.csv:1: header has no column 'text'"),
     "csv-ragged": ("c.csv", "id,text\n1,a\n2,b,extra\n", "c.csv:3: row has 2 columns"),
     "over-long-line": (
@@ -80,3 +90,17 @@ def test_corpus_changed_between_submit_and_resume_is_refused(tmp_path: Path, red
     _write(corpus, '{"id": 1, "text": "changed"}\n')
     changed = run_cli(*args, CHUNKQ_REDIS_URL=redis_url)
     assert changed.returncode == 4 and "corpus_sha256: stored" in changed.stderr
+
+
+def test_a_run_id_with_a_trailing_newline_is_refused_before_anything_is_written(
+    tmp_path: Path, redis_url: str, connection: redis.Redis
+) -> None:
+    corpus = _write(tmp_path / "c.jsonl", '{"id": 1, "text": "a"}\n')
+    store = tmp_path / "store"
+    result = run_cli(
+        "submit", str(corpus), "--store", str(store), "--run-id", "ab\n", CHUNKQ_REDIS_URL=redis_url
+    )
+    assert result.returncode == 6, result.stderr
+    assert "invalid run id 'ab\\n'" in result.stderr and "Traceback" not in result.stderr
+    assert not (store / "runs").exists() or not any((store / "runs").iterdir())
+    assert connection.dbsize() == 0

@@ -13,7 +13,9 @@ from jobs.storage import list_with_mtime
 from jobs.store import RunLayout, atomic_write_json, read_json, verify_output, write_output
 
 
-@pytest.mark.parametrize("bad", ["", "../etc", "a/b", "/abs", "a__b", "a_", "-lead", "x" * 81, "a:b", "a.b"])
+@pytest.mark.parametrize(
+    "bad", ["", "../etc", "a/b", "/abs", "a__b", "a_", "-lead", "x" * 81, "a:b", "a.b", "ab\n", "a\n"]
+)
 def test_unsafe_run_ids_are_refused(bad: str) -> None:
     with pytest.raises(ConfigError, match="invalid run id"):
         validate_run_id(bad)
