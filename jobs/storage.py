@@ -19,6 +19,8 @@ never from the job data in Redis.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import os
 import shutil
 import tempfile
@@ -103,6 +105,28 @@ def publish_file(local: Path, path: Path) -> None:
     else:
         _upload(local, path)
         local.unlink()
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+def exchange_dirs(a: Path, b: Path) -> bool:
+    """Swap two directories in one step (Linux renameat2 RENAME_EXCHANGE); False where unsupported.
+
+    Replacing a directory otherwise takes two renames, between which it does not exist.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd = -100
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # no exchange on this kernel or filesystem
+        return False
+    raise OSError(err, os.strerror(err), str(b))
 
 
 def remove_tree(path: Path) -> None:

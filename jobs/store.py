@@ -55,6 +55,11 @@ class RunLayout:
         return self.root / "outputs"
 
     @property
+    def damaged_outputs(self) -> Path:
+        """Chunk outputs that failed verification, kept for a look; never read again."""
+        return self.outputs / "damaged"
+
+    @property
     def result(self) -> Path:
         return self.root / "result"
 

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from jobs.errors import AssemblyError, BadInputError
-from jobs.storage import is_local, publish_file, remove_tree
+from jobs.storage import exchange_dirs, is_local, publish_file, remove_tree
 from jobs.store import (
     RunLayout,
     atomic_write_json,
@@ -36,14 +36,40 @@ from supervisor.progress import Failure
 log = logging.getLogger(__name__)
 
 
+RESULT_FILES = {"embeddings.npy": "embeddings_sha256", "ids.jsonl": "ids_sha256"}
+
+
+def result_damage(layout: RunLayout, result: dict[str, Any]) -> list[str]:
+    """What in the published result does not match its manifest's checksums (empty: intact)."""
+    problems = []
+    for name, key in RESULT_FILES.items():
+        path = layout.result / name
+        if not path.is_file():
+            problems.append(f"{name} is missing")
+        elif file_sha256(path) != result.get(key):
+            problems.append(f"{name} does not match the checksum in result/manifest.json")
+    return problems
+
+
 def published_result(layout: RunLayout, manifest: RunManifest) -> dict[str, Any] | None:
-    """The published result manifest if a whole one exists for this very run, else None."""
+    """The published result manifest if a whole, intact one exists for this very run, else None.
+
+    Its files are checked against the manifest's checksums: a damaged result is never vouched for;
+    it is assembled again from the chunk outputs.
+    """
     path = layout.result / "manifest.json"
     if not path.is_file():
         return None
-    result = read_json(path)
+    result: dict[str, Any] = read_json(path)
     whole = result.get("fingerprint") == manifest.fingerprint and result.get("complete", True)
-    return result if whole else None
+    if not whole:
+        return None
+    damage = result_damage(layout, result)
+    if damage:
+        log.warning("run %s: the published result is damaged (%s); assembling it again from the chunk "
+                    "outputs", manifest.run_id, "; ".join(damage))  # fmt: skip
+        return None
+    return result
 
 
 def _verify_all(
@@ -58,7 +84,9 @@ def _verify_all(
         meta, why = verify_output(layout, index, rows)
         where = f"chunk {index} (rows {first}-{first + rows - 1})"
         if meta is None:
-            problems.append(f"{where}: {why}")
+            aside = set_aside(layout, index)
+            again = f"; moved to {aside}, the next run encodes it again" if aside else ""
+            problems.append(f"{where}: {why}{again}")
             continue
         if meta.get("run_id") != manifest.run_id or meta.get("chunk") != index:
             problems.append(f"{where}: output belongs to run {meta.get('run_id')} chunk {meta.get('chunk')}")
@@ -67,6 +95,33 @@ def _verify_all(
             problems.append(f"{where}: dimension {meta['dim']}, other chunks have {dim}")
         metas.append(meta)
     return metas, problems
+
+
+def set_aside(layout: RunLayout, index: int) -> str:
+    """Move a chunk's damaged output out of the way (kept for a look, never read again), so the
+    next run counts the chunk as not done and encodes it again; where it went, or "" if nothing."""
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S%f")
+    moved = ""
+    for path in (layout.output_meta(index), layout.output_npy(index)):  # the commit marker first
+        if path.exists():
+            target = layout.damaged_outputs / f"{path.stem}-{stamp}{path.suffix}"
+            if is_local(path):
+                publish_file(path, target)
+            else:
+                _move_remote(path, target)
+            moved = str(layout.damaged_outputs)
+    if moved:
+        log.warning("run %s: chunk %d's output is damaged; moved to %s, to be encoded again",
+                    layout.run_id, index, moved)  # fmt: skip
+    return moved
+
+
+def _move_remote(path: Path, target: Path) -> None:
+    with tempfile.TemporaryDirectory() as scratch:
+        local = Path(scratch) / path.name
+        local.write_bytes(path.read_bytes())
+        publish_file(local, target)
+    path.unlink()
 
 
 def _write_result(
@@ -114,9 +169,15 @@ def _write_result(
 def _publish(built: Path, result: Path) -> None:
     """Put a whole result directory in place; readers trust it only once its manifest.json exists."""
     if is_local(result):
-        if result.exists():  # a stale result of an earlier, different run under this id
-            shutil.rmtree(result)
-        os.rename(built, result)
+        if not result.exists():
+            os.rename(built, result)
+        elif exchange_dirs(built, result):  # in one step: readers see the old result or the new one
+            shutil.rmtree(built)
+        else:  # no exchange here: the shortest window, the old result renamed aside first
+            old = result.with_name(f".result.old-{os.getpid()}")
+            os.rename(result, old)
+            os.rename(built, result)
+            shutil.rmtree(old)
         return
     (result / "manifest.json").unlink(missing_ok=True)  # uncommit a stale result before replacing its files
     remove_tree(result)

@@ -2,27 +2,34 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import logging
+import os
+import signal
 import sys
+import tempfile
+import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from types import FrameType
+from typing import Any, NoReturn, TypeVar
 
 import click
 import redis
 
+from jobs import errors
 from jobs.errors import AssemblyError, BadInputError, ChunkqError, ConfigError, RunConflictError
 from jobs.models import default_model
 from jobs.nopickle import forbid_pickle
 from jobs.specs import PRECISIONS, EncodeOptions
 from jobs.storage import is_local, open_store
-from jobs.store import RunLayout
+from jobs.store import RunLayout, read_json
 from queue_worker import gpus as gpu_discovery
 from queue_worker.pool import Pool, PoolSettings, default_pool_name
 from queue_worker.worker import DEFAULT_QUEUE
-from supervisor.assemble import assemble
+from supervisor.assemble import assemble, result_damage
 from supervisor.attempts import describe_attempts, failed_attempts, to_json
 from supervisor.corpus import FORMATS, CorpusOptions, detect_format
 from supervisor.dashboard import DEFAULT_PORT as DEFAULT_DASHBOARD_PORT
@@ -51,6 +58,8 @@ EXIT_REDIS = 7  # Redis unreachable
 EXIT_POOL_DIED = 8  # chunkq run: the worker pool ended before the run did
 EXIT_PARTIAL = 9  # --allow-partial: a result without the quarantined chunks was published
 EXIT_LOCKED = 10  # another supervisor is watching the run
+EXIT_STORAGE = 11  # a disk or store is full, read-only or not ours to write
+EXIT_INTERNAL = 70  # a bug in chunkq (sysexits' EX_SOFTWARE); the traceback is written to a file
 EXIT_INTERRUPTED = 130  # Ctrl+C; the run resumes from the store
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -70,8 +79,12 @@ def _exit_code(exc: Exception) -> int:
     return EXIT_CONFIG
 
 
+RESUME_HINT = "the store keeps every finished chunk: run the same command to resume"
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
+
+
 def reports_errors(func: F) -> F:
-    """Turn chunkq's own errors into one clear message and a named exit code, without a traceback."""
+    """Turn every error into one clear line and a named exit code, never a traceback on the terminal."""
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -80,8 +93,52 @@ def reports_errors(func: F) -> F:
         except (ChunkqError, redis.RedisError) as exc:
             click.echo(f"chunkq: error: {exc}", err=True)
             sys.exit(_exit_code(exc))
+        except KeyboardInterrupt:
+            click.echo(f"chunkq: interrupted; {RESUME_HINT}", err=True)
+            sys.exit(EXIT_INTERRUPTED)
+        except click.ClickException:
+            raise
+        except OSError as exc:
+            if exc.errno not in STORAGE_ERRNOS:
+                _internal_error(exc)
+            where = f" writing {exc.filename}" if exc.filename else ""
+            click.echo(
+                f"chunkq: error: {exc.strerror}{where}; make room (or fix the permissions) and run the "
+                f"same command again (nothing partial was published; {RESUME_HINT})",
+                err=True,
+            )
+            sys.exit(EXIT_STORAGE)
+        except Exception as exc:
+            _internal_error(exc)
 
     return wrapper  # type: ignore[return-value]
+
+
+def _internal_error(exc: BaseException) -> NoReturn:
+    """A bug: one line on the terminal, the traceback in a file the line names."""
+    crash = Path(tempfile.gettempdir()) / f"chunkq-crash-{os.getpid()}.txt"
+    try:
+        crash.write_text("".join(traceback.format_exception(exc)), encoding="utf-8")
+        where = f"the traceback is in {crash}"
+    except OSError:
+        where = "run again with --log-level DEBUG for the traceback"
+    log.debug("internal error", exc_info=exc)
+    click.echo(
+        f"chunkq: internal error: {type(exc).__name__}: {errors.first_line(str(exc))} (a bug in chunkq; "
+        f"{where}); {RESUME_HINT}",
+        err=True,
+    )
+    sys.exit(EXIT_INTERNAL)
+
+
+def _interrupt_on_sigterm() -> None:
+    """SIGTERM (timeout, systemd, docker, kill) does what Ctrl+C does: the first drains, the second
+    stops now. Raising KeyboardInterrupt from the handler is what Python's own SIGINT handler does."""
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
 
 
 def store_option(func: F) -> F:
@@ -425,12 +482,28 @@ def doctor_cmd(store: Path, redis_url: str | None, as_json: bool) -> None:
 
 @cli.command("assemble")
 @click.argument("run_id")
+@click.option(
+    "--verify", is_flag=True, help="Only check the published result against its manifest's checksums."
+)
 @store_option
 @reports_errors
-def assemble_cmd(run_id: str, store: Path) -> None:
+def assemble_cmd(run_id: str, store: Path, verify: bool) -> None:
     """Verify every chunk output of RUN_ID and publish result/ (whole, or not at all)."""
-    result = assemble(RunLayout(store, run_id))
-    click.echo(f"{RunLayout(store, run_id).result}: {result['rows']} x {result['dim']}")
+    layout = RunLayout(store, run_id)
+    if verify:
+        manifest_path = layout.result / "manifest.json"
+        if not manifest_path.is_file():
+            raise AssemblyError(run_id, [f"no result is published in {layout.result}"])
+        result = read_json(manifest_path)
+        damage = result_damage(layout, result)
+        if damage:
+            raise AssemblyError(run_id, [*damage, "run `chunkq assemble RUN` to assemble it again"])
+        click.echo(
+            f"{layout.result}: {result['rows']} x {result['dim']}, every checksum matches its manifest"
+        )
+        return
+    result = assemble(layout)
+    click.echo(f"{layout.result}: {result['rows']} x {result['dim']}")
 
 
 @cli.command("run")
@@ -474,15 +547,8 @@ def run_cmd(
     )
     if gpus not in ("all", "none", "cpu"):
         gpu_discovery.select(gpus, gpu_discovery.discover())  # refuse a missing GPU before starting anything
-    try:
-        with ProgressDisplay() as display:
-            outcome: RunOutcome = run(req, display)
-    except KeyboardInterrupt:
-        click.echo(
-            "chunkq: interrupted; the store keeps every finished chunk: run the same command to resume",
-            err=True,
-        )
-        sys.exit(EXIT_INTERRUPTED)
+    with ProgressDisplay() as display:
+        outcome: RunOutcome = run(req, display)
     layout = RunLayout(req.submit.store, outcome.submitted.run_id)
     if outcome.outcome is None:
         click.echo(f"run {outcome.submitted.run_id}: already complete; result in {layout.result}")
@@ -500,6 +566,7 @@ def run_cmd(
 
 def main() -> None:
     forbid_pickle()
+    _interrupt_on_sigterm()  # the pool installs its own handlers, which drain the same way
     cli(prog_name="chunkq")
 
 

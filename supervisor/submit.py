@@ -22,6 +22,7 @@ from jobs.specs import FORMAT_VERSION, EncodeOptions, fingerprint, validate_run_
 from jobs.storage import local_scratch, remove_tree
 from jobs.store import RunLayout, atomic_write_json, write_chunk_input
 from queue_worker.worker import DEFAULT_QUEUE
+from supervisor.assemble import set_aside
 from supervisor.corpus import CorpusOptions, Record, check_readable, read_corpus
 from supervisor.dupes import IdRegistry
 from supervisor.enqueue import EnqueueCounts, enqueue_chunks
@@ -177,6 +178,9 @@ def submit(req: SubmitRequest, connection: redis.Redis) -> SubmitResult:
         if manifest.fingerprint != run_fingerprint:
             raise _conflict(manifest, identity)
     done = layout.done_chunks()
+    for index in sorted(i for i in done if not layout.output_npy(i).exists()):
+        set_aside(layout, index)  # committed, then its .npy was lost: encode it again
+        done.discard(index)
     counts = enqueue_chunks(
         connection, layout, manifest, (i for i in range(manifest.chunks) if i not in done)
     )

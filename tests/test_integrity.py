@@ -1,0 +1,111 @@
+"""Integrity end to end: a damaged published result or chunk output is never vouched for.
+
+Real CLI runs with the embedded Valkey and the bundled model; bytes flipped as a bad disk would.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jobs.store import RunLayout, read_json
+from supervisor.assemble import _publish
+from tests.helpers import make_texts, max_abs_diff, run_cli, write_corpus
+
+
+def _flip(path: Path, offset: int = 200) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _run(corpus: Path, store: Path) -> Any:
+    return run_cli("run", str(corpus), "--chunk-size", "20", "--store", str(store))
+
+
+def _only_run(store: Path) -> RunLayout:
+    (run_dir,) = (store / "runs").iterdir()
+    return RunLayout(store, run_dir.name)
+
+
+def _matches(layout: RunLayout, texts: list[str], reference_model: Any) -> bool:
+    return max_abs_diff(np.load(layout.result / "embeddings.npy"), reference_model.encode(texts)) <= 1e-5
+
+
+def test_a_damaged_published_result_is_refused_and_assembled_again(
+    tmp_path: Path, reference_model: Any
+) -> None:
+    ids, texts = make_texts(60, seed=81)
+    corpus, store = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl"), tmp_path / "store"
+    assert _run(corpus, store).returncode == 0
+    layout = _only_run(store)
+    _flip(layout.result / "embeddings.npy")
+
+    verify = run_cli("assemble", layout.run_id, "--verify", "--store", str(store))
+    assert verify.returncode == 5, verify.stderr
+    assert "embeddings.npy does not match the checksum in result/manifest.json" in verify.stderr
+
+    again = _run(corpus, store)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "already complete" not in again.stdout and "the published result is damaged" in again.stderr
+    assert _matches(layout, texts, reference_model)
+    assert run_cli("assemble", layout.run_id, "--verify", "--store", str(store)).returncode == 0
+
+
+def test_a_damaged_chunk_output_is_set_aside_and_encoded_again(tmp_path: Path, reference_model: Any) -> None:
+    ids, texts = make_texts(60, seed=82)
+    corpus, store = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl"), tmp_path / "store"
+    assert _run(corpus, store).returncode == 0
+    layout = _only_run(store)
+    first_meta = read_json(layout.output_meta(1))
+    (layout.result / "manifest.json").unlink()  # unpublished: assembly has to read the outputs
+    _flip(layout.output_npy(1))
+
+    refused = _run(corpus, store)
+    assert refused.returncode == 5, refused.stderr[-3000:]
+    assert "chunk 1 (rows 20-39)" in refused.stderr and "the next run encodes it again" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert len(list(layout.damaged_outputs.iterdir())) == 2  # kept for a look, .npy and .json
+
+    again = _run(corpus, store)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert read_json(layout.output_meta(1))["finished_at"] > first_meta["finished_at"]
+    assert _matches(layout, texts, reference_model)
+
+    # A chunk whose .npy vanished after it was committed is encoded again by the very next run.
+    (layout.result / "manifest.json").unlink()
+    layout.output_npy(2).unlink()
+    third = _run(corpus, store)
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert _matches(layout, texts, reference_model)
+
+
+def test_a_result_is_replaced_in_one_step(tmp_path: Path) -> None:
+    """Readers polling result/ never find it missing while a new result replaces the old one."""
+    result = tmp_path / "result"
+    result.mkdir()
+    (result / "manifest.json").write_text("0")
+    missing: list[int] = []
+    done = threading.Event()
+
+    def read() -> None:
+        while not done.is_set():
+            if not (result / "manifest.json").exists():
+                missing.append(1)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for n in range(1, 300):
+            built = tmp_path / f"built-{n}"
+            built.mkdir()
+            (built / "manifest.json").write_text(str(n))
+            _publish(built, result)
+    finally:
+        done.set()
+        reader.join(timeout=10)
+    assert (result / "manifest.json").read_text() == "299" and not missing
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["result"]  # nothing old left behind
