@@ -1,0 +1,111 @@
+"""What an unlucky operator meets: SIGTERM, a full disk, a bug, a large run. Real processes, the
+embedded or the session's Valkey, the bundled model."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import pytest
+import redis
+
+from jobs.store import RunLayout
+from tests.helpers import make_texts, max_abs_diff, run_cli, start_cli, wait_for, write_corpus
+
+
+def _only_run(store: Path) -> RunLayout:
+    (run_dir,) = (store / "runs").iterdir()
+    return RunLayout(store, run_dir.name)
+
+
+def test_sigterm_drains_the_chunk_in_hand_and_the_run_resumes(tmp_path: Path, reference_model: Any) -> None:
+    ids, texts = make_texts(60, seed=91)
+    corpus, store = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl"), tmp_path / "store"
+    faults = json.dumps([{"kind": "slow", "chunks": [1], "attempts": [1], "seconds": 5}])
+    log = tmp_path / "run.log"
+    proc = start_cli(
+        log, "run", str(corpus), "--chunk-size", "20", "--store", str(store), CHUNKQ_FAULTS=faults
+    )
+    try:
+        wait_for(lambda: "__c000001" in log.read_text(errors="replace"), 180, "chunk 1 (slow) started")
+        family = psutil.Process(proc.pid).children(recursive=True)
+        assert any("valkey-server" in " ".join(p.cmdline()) for p in family)
+        proc.send_signal(signal.SIGTERM)  # what timeout, systemd, docker and kill send
+        assert proc.wait(timeout=120) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text(errors="replace")
+    assert "chunkq: interrupted; the store keeps every finished chunk" in text and "Traceback" not in text
+    layout = _only_run(store)
+    assert layout.output_meta(1).exists()  # drained: the chunk in hand was finished, not lost
+    _gone, alive = psutil.wait_procs(family, timeout=30)
+    assert not alive, alive  # pool, workers and the embedded server all stopped
+    stamp = layout.output_meta(1).stat().st_mtime_ns
+
+    again = run_cli("run", str(corpus), "--chunk-size", "20", "--store", str(store), timeout=120)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert layout.output_meta(1).stat().st_mtime_ns == stamp  # not encoded twice
+    assert max_abs_diff(np.load(layout.result / "embeddings.npy"), reference_model.encode(texts)) <= 1e-5
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 1.4 MiB tmpfs: room for a run's inputs and outputs, not for its assembled result."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1400k,mode=0700", "tmpfs", str(mount)],
+                          capture_output=True, text=True, check=False)  # fmt: skip
+    if made.returncode != 0:
+        if os.environ.get("CI"):
+            pytest.fail(f"cannot mount a tmpfs under CI: {made.stderr}")
+        pytest.skip(f"cannot mount a tmpfs here ({made.stderr.strip()}); CI runs this as root")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_disk_during_assembly_is_one_clear_line_and_the_run_resumes(
+    tmp_path: Path, small_disk: Path, redis_url: str, connection: redis.Redis, reference_model: Any
+) -> None:
+    ids, texts = make_texts(600, seed=92)
+    corpus = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")
+    store = small_disk / "store"
+    args = ("run", str(corpus), "--chunk-size", "100", "--store", str(store), "--redis-url", redis_url)
+    full = run_cli(*args, timeout=300)
+    assert full.returncode == 11, full.stderr[-3000:]
+    lines = [line for line in full.stderr.splitlines() if line.startswith("chunkq: error")]
+    assert len(lines) == 1 and "No space left on device" in lines[0] and "run the same command" in lines[0]
+    assert "Traceback" not in full.stderr
+    layout = _only_run(store)
+    assert not layout.result.exists()  # nothing half published
+    assert not [p for p in layout.root.iterdir() if p.name.startswith(".result")]
+
+    subprocess.run(["mount", "-o", "remount,size=8m", str(small_disk)], check=True)
+    again = run_cli(*args, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert max_abs_diff(np.load(layout.result / "embeddings.npy"), reference_model.encode(texts)) <= 1e-5
+
+
+def test_an_unexpected_error_is_one_line_with_its_own_exit_code(tmp_path: Path) -> None:
+    """Not 1, which means "chunks quarantined": a script must be able to tell a bug from a bad chunk."""
+    store = tmp_path / "store"
+    layout = RunLayout(store, "odd")
+    layout.root.mkdir(parents=True)
+    layout.manifest.write_text("[]")  # valid JSON, but no manifest: code that trusts it breaks
+    done = run_cli("assemble", "odd", "--store", str(store))
+    assert done.returncode == 70, done.stderr
+    (line,) = [line for line in done.stderr.splitlines() if line.strip()]
+    assert line.startswith("chunkq: internal error:") and "a bug in chunkq" in line
+    crash = Path(re.search(r"the traceback is in (\S+)\)", line).group(1))  # type: ignore[union-attr]
+    assert "Traceback" in crash.read_text()
+    crash.unlink()
