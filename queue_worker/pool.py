@@ -42,6 +42,7 @@ WorkerProcess = subprocess.Popen[bytes] | ForkedWorker
 
 POLL_SECONDS = 0.2
 WATCHDOG_SECONDS = 2.0
+REDIS_BACKOFF_CAP = 60.0  # seconds between workers of a slot while Redis stays away
 HUNG_GRACE_SECONDS = 30.0  # past the job timeout, before a busy worker is taken for hung
 NO_RESTART = {exit_codes.EXIT_CONFIG}  # starting the same worker again cannot help
 CLEAN_EXITS = {exit_codes.EXIT_MAX_JOBS, exit_codes.EXIT_STOPPED}
@@ -100,6 +101,7 @@ class Slot:
     generation: int = 0
     retired: bool = False
     not_before: float = 0.0
+    redis_losses: int = 0  # workers in a row that exited because Redis was away: the back-off grows
 
     @property
     def device(self) -> str:
@@ -309,9 +311,18 @@ class Pool:
                 log.error("worker %s %s; its device is out of service", slot.worker_name, reason)
             else:
                 delay = 0.0 if code in CLEAN_EXITS else self.settings.restart_delay
-                slot.not_before = now + (2 * delay if code == exit_codes.EXIT_REDIS else delay)
+                slot.not_before = now + self._redis_backoff(slot, code, delay)
                 level = logging.INFO if code in CLEAN_EXITS else logging.WARNING
                 log.log(level, "worker %s %s; starting a fresh one", slot.worker_name, reason)
+
+    def _redis_backoff(self, slot: Slot, code: int, delay: float) -> float:
+        """While Redis stays away, each worker that exits for it waits twice as long as the last,
+        up to REDIS_BACKOFF_CAP: not a respawn every second for as long as the outage lasts."""
+        if code != exit_codes.EXIT_REDIS:  # it ended for another reason: Redis was there
+            slot.redis_losses = 0
+            return delay
+        slot.redis_losses += 1
+        return float(min(REDIS_BACKOFF_CAP, max(delay, 1.0) * 2**slot.redis_losses))
 
     def _watchdog(self, now: float) -> None:
         """Kill a worker whose job runs past its timeout: SIGALRM cannot stop a hung CUDA call."""

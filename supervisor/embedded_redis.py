@@ -12,7 +12,9 @@ import secrets
 import shutil
 import socket
 import subprocess
+import threading
 import time
+from collections import deque
 from pathlib import Path
 from types import TracebackType
 
@@ -25,6 +27,11 @@ log = logging.getLogger(__name__)
 
 SERVER_ENV = "CHUNKQ_REDIS_SERVER"  # path of a redis-server or valkey-server binary to use instead
 START_TIMEOUT = 15.0
+WATCH_SECONDS = 0.2  # how often the watcher looks at the server process
+LOW_DISK_BYTES = 1 << 20
+RESTART_LIMIT = 3  # deaths within RESTART_WINDOW after which the server is not started again
+RESTART_WINDOW = 60.0
+RESTART_TIMEOUT = 8.0  # one restart's wait for the server to answer (the append-only file is replayed)
 
 
 def server_binary() -> str:
@@ -60,6 +67,11 @@ class EmbeddedRedis:
         self.fixed_port = port  # a restart on the same address, for clients that keep their URL
         self.port = port or 0
         self.proc: subprocess.Popen[bytes] | None = None
+        self.failure: str | None = None  # why the server is gone for good, once the watcher gives up
+        self.restarts = 0
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._watcher: threading.Thread | None = None
 
     @property
     def url(self) -> str:
@@ -91,9 +103,9 @@ class EmbeddedRedis:
             str(self.data_dir / "server.log"),
         ]
 
-    def start(self) -> EmbeddedRedis:
+    def start(self, attempts: int = 3, timeout: float = START_TIMEOUT) -> EmbeddedRedis:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        for _attempt in range(3):  # the free port can be taken between probe and bind
+        for _attempt in range(attempts):  # the free port can be taken between probe and bind
             self.port = self.fixed_port or free_port()
             conf = self.data_dir / "auth.conf"
             conf.touch(mode=0o600, exist_ok=True)
@@ -108,7 +120,7 @@ class EmbeddedRedis:
                 start_new_session=True,
                 preexec_fn=die_with_parent,
             )
-            if self._wait_ready():
+            if self._wait_ready(timeout):
                 log.info(
                     "embedded Redis (%s) on 127.0.0.1:%d, data in %s",
                     Path(server_binary()).name,
@@ -116,12 +128,74 @@ class EmbeddedRedis:
                     self.data_dir,
                 )
                 return self
-            self.stop()
-        raise ConfigError(f"embedded Redis failed to start; see {self.data_dir / 'server.log'}")
+            self._stop_process()
+        raise ConfigError(f"embedded Redis failed to start: {self.last_log_line()}; see {self.log_path}")
 
-    def _wait_ready(self) -> bool:
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir / "server.log"
+
+    def last_log_line(self) -> str:
+        """Why the server stopped, as far as can be told: its last error line (valkey marks warnings
+        and errors with '#'; the start-up advice it repeats at each start begins with WARNING), and
+        whether its disk is full, since a full disk can keep the reason out of the log too."""
+        try:
+            with open(self.log_path, encoding="utf-8", errors="replace") as fh:
+                marked = [line.split(" # ", 1)[1].strip() for line in deque(fh, maxlen=200) if " # " in line]
+        except OSError:
+            marked = []
+        errors = [line for line in marked if not line.startswith("WARNING")]
+        reason = errors[-1] if errors else "nothing in its log"
+        try:
+            free = shutil.disk_usage(self.data_dir).free
+        except OSError:
+            return reason
+        if free < LOW_DISK_BYTES:
+            reason += f"; the disk of {self.data_dir} is full ({free} bytes free)"
+        return reason
+
+    def watch(self) -> None:
+        """Restart the server from its append-only file whenever it dies (same port and password,
+        so every client reconnects by itself); after RESTART_LIMIT deaths within RESTART_WINDOW,
+        or a restart that fails, give up and say why in ``failure``."""
+        self.fixed_port = self.port
+        self._watcher = threading.Thread(target=self._watch, name="chunkq-redis-watch", daemon=True)
+        self._watcher.start()
+
+    def _watch(self) -> None:
+        deaths: deque[float] = deque()
+        while not self._stopping.wait(WATCH_SECONDS):
+            with self._lock:
+                if self._stopping.is_set() or self.proc is None or self.proc.poll() is None:
+                    continue
+                died_at = time.monotonic()
+                why = f"exit code {self.proc.returncode}: {self.last_log_line()}"
+                deaths.append(died_at)
+                while deaths and died_at - deaths[0] > RESTART_WINDOW:
+                    deaths.popleft()
+                if len(deaths) > RESTART_LIMIT:
+                    self._give_up(
+                        f"it died {len(deaths)} times within {RESTART_WINDOW:.0f} s, last with {why}"
+                    )
+                    return
+                log.warning("embedded Redis exited (%s); restarting it from its append-only file", why)
+                try:
+                    self.start(attempts=1, timeout=RESTART_TIMEOUT)
+                except ConfigError as exc:
+                    self._give_up(f"it exited ({why}) and could not be restarted: {exc}")
+                    return
+                self.restarts += 1
+                log.warning(
+                    "embedded Redis is back after %.1f s; the run goes on", time.monotonic() - died_at
+                )
+
+    def _give_up(self, why: str) -> None:
+        self.failure = f"the embedded Redis is gone for good: {why}; see {self.log_path}"
+        log.error("%s", self.failure)
+
+    def _wait_ready(self, timeout: float = START_TIMEOUT) -> bool:
         client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=1)
-        deadline = time.monotonic() + START_TIMEOUT
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc is None or self.proc.poll() is not None:
                 return False
@@ -136,6 +210,12 @@ class EmbeddedRedis:
         return False
 
     def stop(self) -> None:
+        self._stopping.set()
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(timeout=RESTART_TIMEOUT + 5)
+        self._stop_process()
+
+    def _stop_process(self) -> None:
         if self.proc is None:
             return
         if self.proc.poll() is None:

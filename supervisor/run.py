@@ -23,7 +23,7 @@ from supervisor.display import ProgressDisplay
 from supervisor.embedded_redis import EmbeddedRedis
 from supervisor.manifest import load_manifest
 from supervisor.submit import SubmitRequest, SubmitResult, submit
-from supervisor.watch import Outcome, WatchSettings, supervise
+from supervisor.watch import Outcome, WatchSettings, redis_never_gone, supervise
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,13 @@ def run(req: RunRequest, display: ProgressDisplay) -> RunOutcome:
     """Submit, work and assemble on this machine; resumable from whatever the store already holds."""
     store = req.submit.store
     with contextlib.ExitStack() as stack:
-        url = req.redis_url or stack.enter_context(EmbeddedRedis(embedded_redis_dir(store))).url
+        redis_gone = redis_never_gone
+        if req.redis_url:
+            url = req.redis_url
+        else:
+            server = stack.enter_context(EmbeddedRedis(embedded_redis_dir(store)))
+            server.watch()  # restarted if it dies; the run stops with the reason if it cannot be
+            url, redis_gone = server.url, lambda: server.failure
         connection = redis.Redis.from_url(url)
         submitted = submit(req.submit, connection)
         layout = RunLayout(store, submitted.run_id)
@@ -161,5 +167,5 @@ def run(req: RunRequest, display: ProgressDisplay) -> RunOutcome:
                 log.info("worker logs: %s", log_path)
             pool = stack.enter_context(PoolProcess(req, url, log_path))
             keep_going = pool.alive
-        outcome = supervise(connection, layout, display, req.watch, keep_going)
+        outcome = supervise(connection, layout, display, req.watch, keep_going, redis_gone)
         return RunOutcome(submitted, outcome, pool_died=not keep_going())

@@ -142,13 +142,23 @@ class Supervisor:
 T = TypeVar("T")
 
 
-def _patiently(step: Callable[[], T], settings: WatchSettings) -> T:
-    """Run ``step``, riding out a Redis outage (a restart with append-only persistence) up to the patience."""
+def redis_never_gone() -> str | None:
+    return None
+
+
+def _patiently(
+    step: Callable[[], T], settings: WatchSettings, gone: Callable[[], str | None] = redis_never_gone
+) -> T:
+    """Run ``step``, riding out a Redis outage (a restart with append-only persistence) up to the
+    patience, or until ``gone`` says why the server will not come back."""
     lost_at: float | None = None
     while True:
         try:
             return step()
         except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError) as exc:
+            why = gone()
+            if why:
+                raise RedisGoneError(why) from exc
             now = time.monotonic()
             lost_at = lost_at or now
             if now - lost_at > settings.redis_patience:
@@ -163,10 +173,13 @@ def supervise(
     display: ProgressDisplay,
     settings: WatchSettings | None = None,
     keep_going: Callable[[], bool] = lambda: True,
+    redis_gone: Callable[[], str | None] = redis_never_gone,
 ) -> Outcome:
     """Watch until every chunk is done or quarantined, then assemble (partially only if allowed).
 
-    ``keep_going`` lets a caller stop the watch early (``chunkq run`` when its pool has died).
+    ``keep_going`` lets a caller stop the watch early (``chunkq run`` when its pool has died);
+    ``redis_gone`` says why Redis will not come back (``chunkq run``'s embedded server), so an
+    outage ends the watch at once rather than after the patience.
     """
     settings = settings or WatchSettings()
     manifest = load_manifest(layout)
@@ -176,11 +189,11 @@ def supervise(
         metrics = RunMetrics(manifest.run_id)
         serve_metrics(metrics.registry, settings.metrics_port)
     watch = Supervisor(connection, layout, manifest, settings, lock, metrics)
-    _patiently(lock.acquire, settings)
+    _patiently(lock.acquire, settings, redis_gone)
     wakeup = Wakeup(connection, manifest.queue)
     try:
         while True:
-            snap = _patiently(watch.look, settings)
+            snap = _patiently(watch.look, settings, redis_gone)
             display.update(snap)
             if snap.settled or not keep_going():
                 break

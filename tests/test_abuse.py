@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -109,3 +110,81 @@ def test_an_unexpected_error_is_one_line_with_its_own_exit_code(tmp_path: Path) 
     crash = Path(re.search(r"the traceback is in (\S+)\)", line).group(1))  # type: ignore[union-attr]
     assert "Traceback" in crash.read_text()
     crash.unlink()
+
+
+def _server(proc: subprocess.Popen[bytes]) -> psutil.Process:
+    (server,) = [
+        p
+        for p in psutil.Process(proc.pid).children(recursive=True)
+        if "valkey-server" in " ".join(p.cmdline())
+    ]
+    return server
+
+
+def test_the_embedded_server_killed_mid_run_is_restarted_and_the_run_goes_on(
+    tmp_path: Path, reference_model: Any
+) -> None:
+    ids, texts = make_texts(60, seed=93)
+    corpus, store = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl"), tmp_path / "store"
+    faults = json.dumps([{"kind": "slow", "chunks": [1], "attempts": [1], "seconds": 3}])
+    log = tmp_path / "run.log"
+    proc = start_cli(
+        log, "run", str(corpus), "--chunk-size", "20", "--store", str(store), CHUNKQ_FAULTS=faults
+    )
+    try:
+        wait_for(lambda: "__c000001" in log.read_text(errors="replace"), 180, "chunk 1 (slow) started")
+        first = _server(proc)
+        first.kill()
+        assert proc.wait(timeout=180) == 0, log.read_text(errors="replace")[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text(errors="replace")
+    back = [float(s) for s in re.findall(r"embedded Redis is back after ([0-9.]+) s", text)]
+    assert len(back) == 1 and back[0] < 5, back
+    assert text.count("started worker") < 10  # no respawn storm while it was away
+    layout = _only_run(store)
+    assert max_abs_diff(np.load(layout.result / "embeddings.npy"), reference_model.encode(texts)) <= 1e-5
+
+
+def test_an_embedded_server_that_cannot_write_stops_the_run_with_the_reason(
+    tmp_path: Path, small_disk: Path, reference_model: Any
+) -> None:
+    """The store's disk fills up mid-run: the server exits on its write error, cannot stay up, and
+    the run says so within 30 s (it used to wait 300 s); once there is room, the run resumes."""
+    subprocess.run(["mount", "-o", "remount,size=16m", str(small_disk)], check=True)
+    ids, texts = make_texts(60, seed=94)
+    corpus, store = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl"), small_disk / "store"
+    faults = json.dumps([{"kind": "slow", "chunks": [1], "attempts": [1], "seconds": 20}])
+    log = tmp_path / "run.log"
+    args = ("run", str(corpus), "--chunk-size", "20", "--store", str(store))
+    proc = start_cli(log, *args, CHUNKQ_FAULTS=faults)
+    filler = small_disk / "filler"
+    try:
+        wait_for(lambda: "__c000001" in log.read_text(errors="replace"), 180, "chunk 1 (slow) started")
+        with open(filler, "wb") as fh:
+            try:
+                while True:
+                    fh.write(b"\0" * (1 << 16))
+                    fh.flush()
+            except OSError:
+                pass  # the disk is full
+        started = time.monotonic()
+        code = proc.wait(timeout=60)
+        stopped_after = time.monotonic() - started
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text(errors="replace")
+    assert code == 7, text[-3000:]
+    assert stopped_after < 30, stopped_after
+    (line,) = [line for line in text.splitlines() if line.startswith("chunkq: error")]
+    assert "the embedded Redis is gone for good" in line and "server.log" in line
+    assert text.rstrip().splitlines()[-1] == line  # the last word (workers' logs show their jobs' tracebacks)
+    assert "supervisor/cli.py" not in text
+
+    filler.unlink()
+    again = run_cli(*args, timeout=180)
+    assert again.returncode == 0, again.stderr[-3000:]
+    layout = _only_run(store)
+    assert max_abs_diff(np.load(layout.result / "embeddings.npy"), reference_model.encode(texts)) <= 1e-5

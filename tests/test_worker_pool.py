@@ -249,3 +249,16 @@ def test_an_idle_worker_still_stops_on_a_signal(connection: redis.Redis) -> None
     helper.join(timeout=10)
     assert worker.stop_signalled and signalled
     assert time.monotonic() - signalled[0] < STOP_POLL_SECONDS + 5
+
+
+def test_workers_that_keep_losing_redis_are_restarted_ever_more_slowly(redis_url: str) -> None:
+    """A Redis outage must not become a respawn every second (130 workers in five minutes, seen)."""
+    from queue_worker import exit_codes
+    from queue_worker.pool import REDIS_BACKOFF_CAP, Pool, PoolSettings, Slot
+
+    pool = Pool(PoolSettings(redis_url=redis_url, restart_delay=1.0), [])
+    slot = Slot(key="cpu-w0", gpu=None)
+    delays = [pool._redis_backoff(slot, exit_codes.EXIT_REDIS, 1.0) for _ in range(8)]
+    assert delays == [2.0, 4.0, 8.0, 16.0, 32.0, REDIS_BACKOFF_CAP, REDIS_BACKOFF_CAP, REDIS_BACKOFF_CAP]
+    assert pool._redis_backoff(slot, exit_codes.EXIT_MAX_JOBS, 0.0) == 0.0  # it worked: Redis is back
+    assert pool._redis_backoff(slot, exit_codes.EXIT_REDIS, 1.0) == 2.0
