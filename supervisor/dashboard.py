@@ -7,8 +7,13 @@ without a serializer). Here:
   and RQ's pickle loader is disabled in the process (``jobs.nopickle``), so a path we missed fails
   instead of running a planted payload;
 - it binds to loopback unless credentials are set; credentials are checked in constant time on
-  every request, static files included; a POST (requeue, delete) must come from the dashboard's
-  own pages (same Origin), so another site open in the browser cannot drive it;
+  every request, static files included;
+- only the read-only pages answer GET; everything else (requeue, delete, empty, compact, and any
+  route a later rq-dashboard adds) must be a POST from the dashboard's own pages (same Origin), so
+  another site open in the browser cannot drive it, not even through a link or an image (rq-dashboard
+  accepts ``GET /requeue/<queue>``);
+- the Host header must name the address it serves (on loopback: 127.0.0.1, localhost or [::1] with
+  its port), so a page that rebinds its own DNS name to 127.0.0.1 cannot reach it;
 - the job and workers pages insert strings into HTML unescaped, and those strings come from
   Redis (and from tracebacks that quote corpus text): they are HTML-escaped before they leave.
 """
@@ -32,6 +37,13 @@ from jobs.nopickle import forbid_pickle
 log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 9181
+# Endpoints that only read; every other endpoint changes state and must be a same-origin POST.
+_READ_ONLY_ENDPOINTS = frozenset(
+    f"rq_dashboard.{name}"
+    for name in ("static", "favicon", "queues_overview", "workers_overview", "jobs_overview", "job_view",
+                 "list_queues", "list_jobs", "job_info", "list_workers")
+) | {"static"}  # fmt: skip
+_LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
 # Endpoints whose templates insert every field as raw HTML.
 _RAW_HTML_ENDPOINTS = ("rq_dashboard.job_info", "rq_dashboard.list_workers", "rq_dashboard.list_queues")
 
@@ -133,7 +145,21 @@ def _authorised(header: str | None, username: str, password: str) -> bool:
     )
 
 
-def create_app(redis_url: str, username: str | None = None, password: str | None = None) -> Any:
+def allowed_hosts(bind: str, port: int) -> frozenset[str] | None:
+    """The Host headers a dashboard bound to ``bind`` answers; None (any) for a wildcard bind,
+    which needs credentials, and a browser sends those to the dashboard's own origin only."""
+    if bind in ("0.0.0.0", "::"):  # noqa: S104 - a wildcard bind is refused without credentials
+        return None
+    names = _LOOPBACK_NAMES if is_loopback(bind) else (f"[{bind}]" if ":" in bind else bind,)
+    return frozenset(f"{name}:{port}" for name in names)
+
+
+def create_app(
+    redis_url: str,
+    username: str | None = None,
+    password: str | None = None,
+    hosts: frozenset[str] | None = None,
+) -> Any:
     """The rq-dashboard Flask app for ``redis_url``, its holes closed (see the module docstring)."""
     forbid_pickle()
     from flask import Response, request
@@ -148,12 +174,17 @@ def create_app(redis_url: str, username: str | None = None, password: str | None
     app.view_functions["rq_dashboard.job_info"] = web.jsonify(_pretty_meta(web.job_info.__wrapped__))
 
     def guard() -> Any:
+        if hosts is not None and request.host not in hosts:
+            return Response("unknown host: this dashboard answers only to its own address", 403)
         if password and not _authorised(request.headers.get("Authorization"), username or "", password):
             return Response("authentication required", 401, {"WWW-Authenticate": 'Basic realm="chunkq"'})
-        if request.method not in ("GET", "HEAD", "OPTIONS"):
-            origin = request.headers.get("Origin") or request.headers.get("Referer") or ""
-            if urlsplit(origin).netloc != request.host:
-                return Response("cross-origin request refused", 403)
+        if request.endpoint in _READ_ONLY_ENDPOINTS and request.method in ("GET", "HEAD"):
+            return None
+        if request.method != "POST":
+            return Response("this changes state: only a POST from the dashboard's own page may", 405)
+        origin = request.headers.get("Origin") or request.headers.get("Referer") or ""
+        if urlsplit(origin).netloc != request.host:
+            return Response("cross-origin request refused", 403)
         return None
 
     def escape_raw_html_fields(response: Any) -> Any:
@@ -173,6 +204,6 @@ def serve(redis_url: str, bind: str, port: int, username: str | None, password: 
     check_bind(bind, username, password)
     import waitress
 
-    app = create_app(redis_url, username, password)
+    app = create_app(redis_url, username, password, allowed_hosts(bind, port))
     log.info("dashboard on http://%s:%d/ (%s)", bind, port, "authenticated" if password else "loopback only")
     waitress.serve(app, host=bind, port=port, threads=4, ident="chunkq")

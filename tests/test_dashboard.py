@@ -197,6 +197,38 @@ def test_credentials_and_cross_origin_posts(tmp_path: Path, connection: redis.Re
         assert own[0] == 200
 
 
+def test_only_a_same_origin_post_changes_state_and_only_our_host_is_answered(
+    tmp_path: Path, connection: redis.Redis, redis_url: str
+) -> None:
+    """rq-dashboard requeues on ``GET /requeue/<queue>``: a link or an image on any page could."""
+    from rq import Queue
+    from rq.registry import FailedJobRegistry
+    from rq.serializers import JSONSerializer
+
+    queue = Queue("xs", connection=connection, serializer=JSONSerializer)
+    job = queue.enqueue("jobs.embed.embed_chunk", {})
+    queue.remove(job.id)
+    failed = FailedJobRegistry(queue=queue)
+    failed.add(job, exc_string="quarantined on purpose")
+    assert failed.get_job_ids() == [job.id]
+    with dashboard(tmp_path, redis_url) as base:
+        port = base.rsplit(":", 1)[1]
+        for method, headers in (
+            ("GET", {"Origin": "http://evil.example"}),
+            ("GET", {}),  # a plain link or <img src>: no Origin at all
+            ("POST", {"Origin": "http://evil.example"}),
+            ("POST", {}),
+        ):
+            status, _ = _get(f"{base}/requeue/xs", method=method, **headers)
+            assert status in (403, 405), (method, headers, status)
+            assert failed.get_job_ids() == [job.id], (method, headers)
+        # DNS rebinding: a page of evil.example whose name now points at 127.0.0.1.
+        assert _get(f"{base}/0/data/queues.json", Host=f"evil.example:{port}")[0] == 403
+        assert _get(f"{base}/0/data/queues.json", Host=f"localhost:{port}")[0] == 200
+        status, _ = _get(f"{base}/requeue/xs", method="POST", Origin=base)
+        assert status == 200 and failed.get_job_ids() == []
+
+
 def test_strings_from_redis_reach_the_page_escaped(
     tmp_path: Path, connection: redis.Redis, redis_url: str
 ) -> None:
