@@ -5,6 +5,7 @@
     <store>/runs/<run>/outputs/<chunk>.npy     float32 rows x dim
     <store>/runs/<run>/outputs/<chunk>.json    output metadata; its presence commits the .npy
     <store>/runs/<run>/failures/<chunk>-a<N>.json  each failed attempt, recorded by the supervisor
+    <store>/runs/<run>/owner.json              the process that supervises the run (supervisor.owner)
     <store>/runs/<run>/result/                 embeddings.npy, ids.jsonl, manifest.json (published by rename)
 
 Every file is published whole (see jobs.storage): a reader sees either the whole file or none of it,
@@ -71,6 +72,10 @@ class RunLayout:
 
     def output_meta(self, index: int) -> Path:
         return self.outputs / f"{chunk_name(index)}.json"
+
+    @property
+    def owner(self) -> Path:
+        return self.root / "owner.json"
 
     @property
     def failures(self) -> Path:

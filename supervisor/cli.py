@@ -253,6 +253,9 @@ def watch_options(func: F) -> F:
                      envvar="CHUNKQ_METRICS_PORT",
                      help="Serve the supervisor's Prometheus metrics on 127.0.0.1:PORT "
                           "(chunkq run: the pool's on PORT+1)."),
+        click.option("--wait", is_flag=True,
+                     help="If another process owns the run (or the store's embedded Redis), wait for it "
+                          "instead of refusing."),
     ]  # fmt: skip
     for option in reversed(options):
         func = option(func)
@@ -260,13 +263,14 @@ def watch_options(func: F) -> F:
 
 
 def _watch_settings(
-    poll: float, max_attempts: int, allow_partial: bool, metrics_port: int | None = None
+    poll: float, max_attempts: int, allow_partial: bool, metrics_port: int | None = None, wait: bool = False
 ) -> WatchSettings:
     return WatchSettings(
         poll_seconds=poll,
         policy=RetryPolicy(max_attempts=max_attempts),
         allow_partial=allow_partial,
         metrics_port=metrics_port,
+        wait_for_owner=wait,
     )
 
 
@@ -532,7 +536,7 @@ def run_cmd(
     pool_args += ("--min-free-memory", kw.pop("min_free_memory"), "--busy-gpus", kw.pop("busy_gpus"))
     pool_args += ("--no-nvml",) if kw.pop("no_nvml") else ()
     pool_args += ("--fork-server",) if kw.pop("fork_server") else ("--no-fork-server",)
-    metrics_port = kw.pop("metrics_port")
+    metrics_port, wait = kw.pop("metrics_port"), kw.pop("wait")
     if metrics_port is not None:
         pool_args += ("--metrics-port", str(metrics_port + 1 if metrics_port else 0))
     req = RunRequest(
@@ -542,7 +546,7 @@ def run_cmd(
         workers_per_gpu=workers_per_gpu,
         cpu_workers=cpu_workers,
         max_jobs=max_jobs,
-        watch=_watch_settings(poll, max_attempts, allow_partial, metrics_port),
+        watch=_watch_settings(poll, max_attempts, allow_partial, metrics_port, wait),
         pool_args=pool_args,
     )
     if gpus not in ("all", "none", "cpu"):

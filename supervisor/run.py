@@ -22,6 +22,7 @@ from supervisor.assemble import published_result
 from supervisor.display import ProgressDisplay
 from supervisor.embedded_redis import EmbeddedRedis
 from supervisor.manifest import load_manifest
+from supervisor.owner import StoreLock
 from supervisor.submit import SubmitRequest, SubmitResult, submit
 from supervisor.watch import Outcome, WatchSettings, redis_never_gone, supervise
 
@@ -38,7 +39,7 @@ class RunRequest:
     workers_per_gpu: int = 1
     cpu_workers: int = 1
     max_jobs: int | None = None
-    watch: WatchSettings = field(default_factory=WatchSettings)
+    watch: WatchSettings = field(default_factory=WatchSettings)  # wait_for_owner: --wait
     pool_args: tuple[str, ...] = ()  # extra `chunkq pool` options (crash limits, jitter)
 
 
@@ -146,12 +147,19 @@ def run(req: RunRequest, display: ProgressDisplay) -> RunOutcome:
         if req.redis_url:
             url = req.redis_url
         else:
-            server = stack.enter_context(EmbeddedRedis(embedded_redis_dir(store)))
+            # One embedded server per store: two appending to one append-only file corrupt it.
+            data_dir = embedded_redis_dir(store)
+            stack.enter_context(
+                StoreLock(data_dir / "owner.json", f"the embedded Redis of {data_dir}")
+            ).acquire(req.watch.wait_for_owner)
+            server = stack.enter_context(EmbeddedRedis(data_dir))
             server.watch()  # restarted if it dies; the run stops with the reason if it cannot be
             url, redis_gone = server.url, lambda: server.failure
         connection = redis.Redis.from_url(url)
         submitted = submit(req.submit, connection)
         layout = RunLayout(store, submitted.run_id)
+        owner = stack.enter_context(StoreLock(layout.owner, f"run {layout.run_id}"))
+        owner.acquire(req.watch.wait_for_owner)
         if published_result(layout, load_manifest(layout)) is not None:
             log.info("run %s: result already published in %s", submitted.run_id, layout.result)
             return RunOutcome(submitted, None)
@@ -167,5 +175,5 @@ def run(req: RunRequest, display: ProgressDisplay) -> RunOutcome:
                 log.info("worker logs: %s", log_path)
             pool = stack.enter_context(PoolProcess(req, url, log_path))
             keep_going = pool.alive
-        outcome = supervise(connection, layout, display, req.watch, keep_going, redis_gone)
+        outcome = supervise(connection, layout, display, req.watch, keep_going, redis_gone, owner)
         return RunOutcome(submitted, outcome, pool_died=not keep_going())

@@ -7,6 +7,7 @@ Nothing lives only in this process: attempts, back-off deadlines and quarantines
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import time
@@ -29,6 +30,7 @@ from supervisor.enqueue import chunk_queue, enqueue_chunks
 from supervisor.lock import RunLock
 from supervisor.manifest import RunManifest, load_manifest
 from supervisor.metrics import RunMetrics
+from supervisor.owner import StoreLock
 from supervisor.progress import STALE_HEARTBEAT_SECONDS, Failure, Snapshot, Tracker
 from supervisor.retry import RetryPolicy, settle_failure
 from supervisor.wakeup import Wakeup
@@ -50,6 +52,7 @@ class WatchSettings:
     allow_partial: bool = False
     redis_patience: float = REDIS_PATIENCE_SECONDS
     metrics_port: int | None = None  # Prometheus metrics on 127.0.0.1:<port> (0: any free port)
+    wait_for_owner: bool = False  # another process owns the run: wait for it instead of refusing
 
 
 @dataclass
@@ -85,6 +88,7 @@ class Supervisor:
     manifest: RunManifest
     settings: WatchSettings
     lock: RunLock
+    owner: StoreLock
     metrics: RunMetrics | None = None
     rng: random.Random = field(default_factory=random.Random)  # back-off jitter, not security
     tracker: Tracker = field(init=False)
@@ -95,6 +99,7 @@ class Supervisor:
         self.recorder = AttemptRecorder(self.layout)
 
     def look(self) -> Snapshot:
+        self.owner.renew()
         self.lock.renew()
         snap = self.tracker.poll()
         self._act(snap)
@@ -174,21 +179,33 @@ def supervise(
     settings: WatchSettings | None = None,
     keep_going: Callable[[], bool] = lambda: True,
     redis_gone: Callable[[], str | None] = redis_never_gone,
+    owner: StoreLock | None = None,
 ) -> Outcome:
     """Watch until every chunk is done or quarantined, then assemble (partially only if allowed).
 
     ``keep_going`` lets a caller stop the watch early (``chunkq run`` when its pool has died);
     ``redis_gone`` says why Redis will not come back (``chunkq run``'s embedded server), so an
-    outage ends the watch at once rather than after the patience.
+    outage ends the watch at once rather than after the patience. ``owner``: the run's store lock,
+    when the caller took it already; otherwise it is taken here (and released at the end).
     """
     settings = settings or WatchSettings()
+    with contextlib.ExitStack() as stack:
+        if owner is None:
+            owner = stack.enter_context(StoreLock(layout.owner, f"run {layout.run_id}"))
+            owner.acquire(settings.wait_for_owner)
+        return _supervise(connection, layout, display, settings, keep_going, redis_gone, owner)
+
+
+def _supervise(connection: redis.Redis, layout: RunLayout, display: ProgressDisplay, settings: WatchSettings,
+               keep_going: Callable[[], bool], redis_gone: Callable[[], str | None],
+               owner: StoreLock) -> Outcome:  # fmt: skip
     manifest = load_manifest(layout)
     lock = RunLock(connection, manifest.run_id)
     metrics = None
     if settings.metrics_port is not None:
         metrics = RunMetrics(manifest.run_id)
         serve_metrics(metrics.registry, settings.metrics_port)
-    watch = Supervisor(connection, layout, manifest, settings, lock, metrics)
+    watch = Supervisor(connection, layout, manifest, settings, lock, owner, metrics)
     _patiently(lock.acquire, settings, redis_gone)
     wakeup = Wakeup(connection, manifest.queue)
     try:

@@ -188,3 +188,58 @@ def test_an_embedded_server_that_cannot_write_stops_the_run_with_the_reason(
     assert again.returncode == 0, again.stderr[-3000:]
     layout = _only_run(store)
     assert max_abs_diff(np.load(layout.result / "embeddings.npy"), reference_model.encode(texts)) <= 1e-5
+
+
+def test_a_second_run_of_the_same_run_is_refused_or_waits_and_nothing_is_encoded_twice(
+    tmp_path: Path, reference_model: Any
+) -> None:
+    ids, texts = make_texts(60, seed=95)
+    corpus, store = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl"), tmp_path / "store"
+    faults = json.dumps([{"kind": "slow", "chunks": [1], "attempts": [1], "seconds": 4}])
+    args = ("run", str(corpus), "--chunk-size", "20", "--store", str(store))
+    first_log, waiter_log = tmp_path / "first.log", tmp_path / "waiter.log"
+    first = start_cli(first_log, *args, CHUNKQ_FAULTS=faults)
+    waiter = None
+    try:
+        wait_for(lambda: "__c000001" in first_log.read_text(errors="replace"), 180, "chunk 1 (slow) started")
+        second = run_cli(*args, timeout=60)
+        assert second.returncode == 10, second.stderr[-2000:]
+        assert f"is in use by pid {first.pid} on " in second.stderr and "--wait" in second.stderr
+        waiter = start_cli(waiter_log, *args, "--wait")
+        assert first.wait(timeout=180) == 0
+        assert waiter.wait(timeout=180) == 0
+    finally:
+        for proc in (first, waiter):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+    assert "already complete" in waiter_log.read_text(errors="replace")
+    encodes = re.findall(r"chunk \S+__c(\d+): \d+ rows in", first_log.read_text() + waiter_log.read_text())
+    assert sorted(encodes) == ["000000", "000001", "000002"]  # each chunk encoded once
+    layout = _only_run(store)
+    assert max_abs_diff(np.load(layout.result / "embeddings.npy"), reference_model.encode(texts)) <= 1e-5
+    assert not layout.owner.exists()  # released
+
+
+def test_the_locks_of_a_killed_run_are_taken_over(tmp_path: Path, reference_model: Any) -> None:
+    ids, texts = make_texts(40, seed=96)
+    corpus, store = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl"), tmp_path / "store"
+    faults = json.dumps([{"kind": "slow", "chunks": [0], "attempts": [1], "seconds": 30}])
+    args = ("run", str(corpus), "--chunk-size", "20", "--store", str(store))
+    log = tmp_path / "killed.log"
+    killed = start_cli(log, *args, CHUNKQ_FAULTS=faults)
+    try:
+        wait_for(lambda: "__c000000" in log.read_text(errors="replace"), 180, "chunk 0 started")
+        family = psutil.Process(killed.pid).children(recursive=True)
+        killed.kill()  # SIGKILL: no handler runs, both lock files stay behind
+        killed.wait(timeout=30)
+        psutil.wait_procs(family, timeout=30)
+    finally:
+        if killed.poll() is None:
+            killed.kill()
+    assert (store / "redis" / "owner.json").exists() and _only_run(store).owner.exists()
+    again = run_cli(*args, timeout=240)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stderr.count(f"taking over the lock of pid {killed.pid}") == 2  # embedded Redis and run
+    assert f"pid {killed.pid} has exited" in again.stderr
+    layout = _only_run(store)
+    assert max_abs_diff(np.load(layout.result / "embeddings.npy"), reference_model.encode(texts)) <= 1e-5

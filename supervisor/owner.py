@@ -1,0 +1,154 @@
+"""One owner per run, and per embedded server: a lock file in the store, whatever Redis each uses.
+
+The supervisor's Redis lock (``lock.py``) lives in the run's Redis: two ``chunkq run`` of one run
+each start their own embedded server and never see each other's (seen: two servers appending to
+one append-only file, 43 encodes for 25 chunks). This lock lives in the store they share.
+
+The file names its holder (pid, host, start time). It is stale, and taken over with a warning, when
+its holder on this host is gone (or its pid now belongs to a younger process), or when it has not
+been renewed for STALE_SECONDS (a holder on another host that died). On a filesystem the file is
+created exclusively; an object store has no exclusive create, so there two owners starting in the
+same second could both win (documented in README).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import socket
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from jobs.storage import is_local
+from jobs.store import atomic_write_json, read_json
+from supervisor.lock import RunLockedError
+
+log = logging.getLogger(__name__)
+
+STALE_SECONDS = 60.0  # a lock not renewed for this long belongs to a holder that died elsewhere
+RENEW_SECONDS = 10.0
+WAIT_POLL_SECONDS = 0.5
+
+
+class StoreLock:
+    """``acquire`` / ``renew`` / ``release`` of one owner file; ``what`` says what it guards."""
+
+    def __init__(self, path: Path, what: str) -> None:
+        self.path, self.what = path, what
+        self.token = secrets.token_hex(8)
+        self.held = False
+        self._renewed = 0.0
+
+    def _mine(self) -> dict[str, Any]:
+        return {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started_at": datetime.now(UTC).isoformat(),
+            "process_started": psutil.Process().create_time(),
+            "token": self.token,
+        }
+
+    def _create(self) -> bool:
+        """Create the file if nobody holds it; True when it is ours."""
+        data = (json.dumps(self._mine(), indent=2) + "\n").encode()
+        if is_local(self.path):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            except FileExistsError:
+                return False
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+            return True
+        if self.path.exists():
+            return False
+        atomic_write_json(self.path, json.loads(data))
+        return bool(read_json(self.path).get("token") == self.token)
+
+    def holder(self) -> dict[str, Any] | None:
+        try:
+            data: dict[str, Any] = read_json(self.path)
+            return data
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            return {}  # half written or damaged: judged by its age alone
+
+    def _stale(self, holder: dict[str, Any]) -> str:
+        """Why the holder no longer holds the lock, or "" while it may."""
+        if holder.get("host") == socket.gethostname() and holder.get("pid"):
+            try:
+                proc = psutil.Process(int(holder["pid"]))
+                if proc.create_time() > float(holder.get("process_started", 0)) + 1:
+                    return f"pid {holder['pid']} now belongs to another process"
+            except psutil.NoSuchProcess:
+                return f"pid {holder['pid']} has exited"
+            except (psutil.Error, ValueError, TypeError):
+                pass
+        try:
+            age = time.time() - self.path.stat().st_mtime
+        except FileNotFoundError:
+            return "it is gone"
+        if age > STALE_SECONDS:
+            return f"not renewed for {age:.0f} s"
+        return ""
+
+    def acquire(self, wait: bool = False) -> None:
+        """Take the lock; without ``wait``, refuse at once naming its holder."""
+        announced = False
+        while not self._create():
+            holder = self.holder()
+            if holder is None:
+                continue  # released between our try and our look
+            why = self._stale(holder)
+            if why:
+                log.warning("%s: taking over the lock of %s (%s)", self.what, _describe(holder), why)
+                self.path.unlink(missing_ok=True)
+                continue
+            if not wait:
+                raise RunLockedError(
+                    f"{self.what} is in use by {_describe(holder)}; wait for it to finish, or run the same "
+                    "command with --wait"
+                )
+            if not announced:
+                log.info("%s is in use by %s; waiting for it (--wait)", self.what, _describe(holder))
+                announced = True
+            time.sleep(WAIT_POLL_SECONDS)
+        self.held = True
+        self._renewed = time.monotonic()
+
+    def renew(self) -> None:
+        """Show the lock is alive (its mtime), at most every RENEW_SECONDS."""
+        now = time.monotonic()
+        if self.held and now - self._renewed >= RENEW_SECONDS:
+            self._renewed = now
+            try:
+                if is_local(self.path):
+                    os.utime(self.path)
+                else:
+                    self.path.touch()
+            except OSError as exc:
+                log.warning("%s: cannot renew the lock (%s)", self.what, exc)
+
+    def release(self) -> None:
+        if self.held and (self.holder() or {}).get("token") == self.token:
+            self.path.unlink(missing_ok=True)
+        self.held = False
+
+    def __enter__(self) -> StoreLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _describe(holder: dict[str, Any]) -> str:
+    if not holder:
+        return "an unreadable lock file"
+    return f"pid {holder.get('pid')} on {holder.get('host')} since {holder.get('started_at')}"
