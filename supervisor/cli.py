@@ -568,7 +568,13 @@ def run_cmd(
     sys.exit(code)
 
 
+STORE_UMASK = 0o077  # every file and folder chunkq and its servers and workers create: owner-only
+
+
 def main() -> None:
+    # Stored texts, embeddings and the append-only file (which holds tracebacks that quote them) are
+    # the user's data: one mode for all of them, whoever creates them (children inherit the mask).
+    os.umask(STORE_UMASK)
     forbid_pickle()
     _interrupt_on_sigterm()  # the pool installs its own handlers, which drain the same way
     cli(prog_name="chunkq")

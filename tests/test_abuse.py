@@ -21,6 +21,8 @@ import redis
 from jobs.store import RunLayout
 from tests.helpers import make_texts, max_abs_diff, run_cli, start_cli, wait_for, write_corpus
 
+pytestmark = pytest.mark.slow
+
 
 def _only_run(store: Path) -> RunLayout:
     (run_dir,) = (store / "runs").iterdir()
@@ -243,3 +245,36 @@ def test_the_locks_of_a_killed_run_are_taken_over(tmp_path: Path, reference_mode
     assert f"pid {killed.pid} has exited" in again.stderr
     layout = _only_run(store)
     assert max_abs_diff(np.load(layout.result / "embeddings.npy"), reference_model.encode(texts)) <= 1e-5
+
+
+def test_everything_a_run_writes_is_owner_only(tmp_path: Path) -> None:
+    ids, texts = make_texts(30, seed=97)
+    corpus, store = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl"), tmp_path / "store"
+    done = run_cli("run", str(corpus), "--chunk-size", "10", "--store", str(store))
+    assert done.returncode == 0, done.stderr[-3000:]
+    modes = {}
+    for path in [store, *store.rglob("*")]:
+        modes[str(path.relative_to(store))] = path.stat().st_mode & 0o777
+    loose = {name: oct(mode) for name, mode in modes.items() if mode & 0o077}
+    assert not loose, loose  # result files, the append-only file and the server log included
+    assert any(name.startswith("redis/appendonlydir/") for name in modes)
+    assert any(name.endswith("result/embeddings.npy") for name in modes)
+
+
+@pytest.mark.timeout(600)
+def test_a_run_of_two_thousand_chunks(tmp_path: Path, reference_model: Any) -> None:
+    """The supervisor of a 5,000-chunk run died after 34 s (an empty heartbeat); 2,000 is the floor."""
+    rows = 20_000
+    words = "alpha beta gamma delta river mountain queue worker chunk embed".split()
+    ids = [f"w{i}" for i in range(rows)]
+    texts = [f"{words[i % len(words)]} {i}" for i in range(rows)]
+    corpus, store = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl"), tmp_path / "store"
+    done = run_cli("run", str(corpus), "--chunk-size", "10", "--max-jobs", "1000", "--store", str(store),
+                   timeout=560)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    layout = _only_run(store)
+    assert len(layout.done_chunks()) == 2_000
+    sample = slice(0, rows, 97)
+    got = np.load(layout.result / "embeddings.npy", mmap_mode="r")[sample]
+    assert max_abs_diff(np.asarray(got), reference_model.encode(texts[sample])) <= 1e-5
+    assert [json.loads(line) for line in (layout.result / "ids.jsonl").read_text().splitlines()] == ids
