@@ -477,6 +477,7 @@ def status_cmd(run_id: str, store: Path, redis_url: str, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 @store_option
 @redis_option(required=False)
+@reports_errors
 def doctor_cmd(store: Path, redis_url: str | None, as_json: bool) -> None:
     """List GPUs, what torch sees, Redis and the store; exit 1 with advice when something is wrong."""
     report = examine(store, redis_url)

@@ -7,6 +7,7 @@ import json
 import os
 import pickle
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -227,6 +228,19 @@ def test_only_a_same_origin_post_changes_state_and_only_our_host_is_answered(
         assert _get(f"{base}/0/data/queues.json", Host=f"localhost:{port}")[0] == 200
         status, _ = _get(f"{base}/requeue/xs", method="POST", Origin=base)
         assert status == 200 and failed.get_job_ids() == []
+
+
+def test_sigterm_stops_the_dashboard_as_ctrl_c_does(tmp_path: Path, redis_url: str) -> None:
+    port = free_port()
+    log = tmp_path / "dashboard.log"
+    proc = start_cli(log, "dashboard", "--port", str(port), CHUNKQ_REDIS_URL=redis_url)
+    try:
+        wait_for(lambda: b"dashboard on http" in log.read_bytes(), 60, "the dashboard to serve")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0  # waitress shuts down on the interrupt; killed it would be -15
+    finally:
+        stop_tree(proc) if proc.poll() is None else None
+    assert "Traceback" not in log.read_text()
 
 
 def test_strings_from_redis_reach_the_page_escaped(
