@@ -45,6 +45,30 @@ def encode_texts(
     return np.asarray(embeddings, dtype=np.float32)
 
 
+WARM_UP_TOKENS_GPU = (16, 64, 256, 512)  # lengths a warm-up encode covers, capped at the model's maximum
+WARM_UP_TOKENS_CPU = (16, 64)  # on the CPU the predecessor is still computing on the same cores
+WARM_UP_TEXTS = 8
+
+
+def warm_up(loaded: models.LoadedModel, device: str) -> tuple[list[int], float]:
+    """Encode a few texts of representative lengths once, so a new process's first chunk does not
+    pay for kernel selection, allocator growth and lazy initialisation; (lengths, seconds)."""
+    limit = loaded.default_max_seq_length or 512
+    on_gpu = device.startswith("cuda")
+    lengths = sorted({min(n, limit) for n in (WARM_UP_TOKENS_GPU if on_gpu else WARM_UP_TOKENS_CPU)})
+    texts = [
+        " ".join(["warm"] * max(1, n - 2)) for n in lengths for _ in range(WARM_UP_TEXTS if on_gpu else 2)
+    ]
+    started = time.perf_counter()
+    loaded.model.max_seq_length = limit
+    loaded.model.encode(texts, batch_size=len(texts), convert_to_numpy=True, show_progress_bar=False)
+    if on_gpu:
+        import torch
+
+        torch.cuda.synchronize()
+    return lengths, time.perf_counter() - started
+
+
 def _learned_batch(layout: RunLayout, device_kind: str) -> int | None:
     try:
         return int(read_json(layout.learned_batch(device_kind))["batch_size"])

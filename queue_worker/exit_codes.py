@@ -9,7 +9,9 @@ import signal
 
 EXIT_STOPPED = 0  # asked to stop (signal) and did so cleanly
 EXIT_ERROR = 1  # an unexpected exception in the worker itself
-EXIT_MAX_JOBS = 10  # ran its N jobs: recycle, so the CUDA context is destroyed rather than flushed
+# Ran its N jobs or worked its --recycle-after seconds: recycled, so the CUDA context is destroyed
+# rather than flushed.
+EXIT_MAX_JOBS = 10
 EXIT_CUDA_FATAL = 11  # the CUDA context is broken; only a fresh process can use the GPU again
 EXIT_CONFIG = 12  # the settings cannot work (no CUDA on a GPU worker, bad model); restarting will not help
 EXIT_REDIS = 13  # lost the connection to Redis
@@ -19,7 +21,7 @@ EXIT_FORKED_NO_CUDA = 15  # forked by the fork server, it cannot create a CUDA c
 REASONS = {
     EXIT_STOPPED: "stopped on request",
     EXIT_ERROR: "crashed with an unexpected error",
-    EXIT_MAX_JOBS: "ran its max jobs (recycle)",
+    EXIT_MAX_JOBS: "recycled: ran its max jobs or worked its --recycle-after seconds",
     EXIT_CUDA_FATAL: "hit a fatal CUDA error",
     EXIT_CONFIG: "refused its configuration",
     EXIT_REDIS: "lost Redis",

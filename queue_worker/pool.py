@@ -41,6 +41,10 @@ log = logging.getLogger(__name__)
 WorkerProcess = subprocess.Popen[bytes] | ForkedWorker
 
 POLL_SECONDS = 0.2
+# A recycle costs a young process's slower first chunk and the hand-over: about 0.5-0.7 s on an H100
+# (issue 15), so 600 s of work keeps it near 0.1 %. A broken CUDA context does not wait for it: a
+# fatal error exits at once.
+DEFAULT_RECYCLE_AFTER = 600.0
 WATCHDOG_SECONDS = 2.0
 REDIS_BACKOFF_CAP = 60.0  # seconds between workers of a slot while Redis stays away
 HUNG_GRACE_SECONDS = 30.0  # past the job timeout, before a busy worker is taken for hung
@@ -70,7 +74,8 @@ class PoolSettings:
     workers_per_gpu: int = 1
     cpu_workers: int = 1
     max_jobs: int | None = None
-    max_jobs_jitter: float = 0.1  # each worker's max-jobs varies by up to this fraction
+    recycle_after: float | None = DEFAULT_RECYCLE_AFTER  # seconds of work, then a fresh process
+    max_jobs_jitter: float = 0.1  # each worker's max-jobs and recycle-after vary by up to this fraction
     preload: str | None = None
     store: str | None = None  # the store workers serve; None: theirs from CHUNKQ_STORE or the default
     allowed_models: tuple[str, ...] = ()  # models jobs may ask for beside the bundled one and preload
@@ -145,6 +150,10 @@ class Pool:
         max_jobs = jittered_max_jobs(self.settings.max_jobs, self.settings.max_jobs_jitter, self.rng)
         if max_jobs is not None:
             cmd += ["--max-jobs", str(max_jobs)]
+        if self.settings.recycle_after:
+            spread = self.settings.max_jobs_jitter
+            seconds = self.settings.recycle_after * (1 + self.rng.uniform(-spread, spread))
+            cmd += ["--recycle-after", f"{seconds:.1f}"]
         if self.settings.preload:
             cmd += ["--preload", self.settings.preload]
         if self.settings.store:

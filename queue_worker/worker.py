@@ -28,6 +28,7 @@ from rq.worker import SimpleWorker, WorkerStatus
 
 from jobs import faults, models, runtime
 from jobs.allowlist import AllowListedJob
+from jobs.embed import warm_up
 from jobs.errors import ConfigError
 from jobs.events import announce_settled
 from jobs.nopickle import forbid_pickle
@@ -92,11 +93,16 @@ class ChunkWorker(SimpleWorker):
         self,
         *args: Any,
         max_jobs: int | None = None,
+        recycle_after: float | None = None,
         stopped_before_start: Callable[[], bool] = lambda: False,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.max_jobs = max_jobs
+        self.recycle_after = recycle_after  # seconds of work after which the worker recycles
+        self.worked = 0.0  # seconds spent running jobs, idle time not counted
+        self.last_job_seconds = 0.0
+        self.recycled = False
         self.stopped_before_start = stopped_before_start
         self.jobs_run = 0
         self.stop_signalled = False
@@ -137,10 +143,20 @@ class ChunkWorker(SimpleWorker):
         execution = self.prepare_execution(job)  # busy from here: RQ's own stop handling is right
         self._taking_job = False
         self.jobs_run += 1
-        if self.max_jobs is not None and self.jobs_run >= self.max_jobs:
+        by_count = self.max_jobs is not None and self.jobs_run >= self.max_jobs
+        by_time = self._time_is_up_after_this_job()
+        if by_count or by_time:
             announce_last_job()  # the pool starts our replacement now, to load while we compute
+        started = time.monotonic()
         with Heartbeat(self, job, execution):
             self.perform_job(job, queue, execution)
+        self.last_job_seconds = time.monotonic() - started
+        self.worked += self.last_job_seconds
+        if by_time or (self.recycle_after is not None and self.worked >= self.recycle_after):
+            # Announced or not, the time is up: RQ's own max-jobs check covers only the count.
+            self.recycled = self._stop_requested = True
+            self.log.info("Worker %s: recycling after %.1f s of work in %d chunk(s)", self.name,
+                          self.worked, self.jobs_run)  # fmt: skip
         announce_settled(self.connection, queue.name, job.id)  # the supervisor looks now, not in a second
         self.set_state(WorkerStatus.IDLE)
         broken = runtime.context_broken()
@@ -151,6 +167,11 @@ class ChunkWorker(SimpleWorker):
             self.log.error(
                 "Worker %s: CUDA context broken (%s); exiting for a fresh process", self.name, broken
             )
+
+    def _time_is_up_after_this_job(self) -> bool:
+        """Whether the job about to start is the last: the work so far plus one more like the last
+        reaches --recycle-after. Known before it starts, so the standby loads while it runs."""
+        return self.recycle_after is not None and self.worked + self.last_job_seconds >= self.recycle_after
 
     def _give_back(self, job: Any, queue: Any) -> None:
         with self.connection.pipeline(transaction=True) as pipe:
@@ -194,6 +215,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m queue_worker.worker")
     parser.add_argument("--queue", default=DEFAULT_QUEUE)
     parser.add_argument("--max-jobs", type=int, default=None)
+    parser.add_argument("--recycle-after", type=float, default=None, help="seconds of work, then exit")
     parser.add_argument("--name", default=None)
     parser.add_argument("--preload", default=None, help="model reference to load before the first job")
     parser.add_argument("--precision", default="fp32")
@@ -243,7 +265,7 @@ def _context(name: str, args: argparse.Namespace) -> runtime.WorkerContext:
 def _exit_code(worker: ChunkWorker, max_jobs: int | None, connection: redis.Redis) -> int:
     if worker.cuda_broken:
         return EXIT_CUDA_FATAL
-    if max_jobs is not None and worker.jobs_run >= max_jobs:
+    if worker.recycled or (max_jobs is not None and worker.jobs_run >= max_jobs):
         return EXIT_MAX_JOBS
     if worker.stop_signalled:
         return EXIT_STOPPED
@@ -293,7 +315,10 @@ def main(argv: list[str] | None = None) -> int:
         connection = redis.Redis.from_url(url)
         connection.ping()
         if args.preload:
-            announce_model_loaded(models.get_model(args.preload, ctx.device, args.precision).load_seconds)
+            loaded = models.get_model(args.preload, ctx.device, args.precision)
+            announce_model_loaded(loaded.load_seconds)
+            lengths, seconds = warm_up(loaded, ctx.device)
+            log.info("warm-up encode at %s tokens on %s in %.2f s", lengths, ctx.device, seconds)
     except ConfigError as exc:
         log.error("%s", exc)
         return EXIT_CONFIG
@@ -316,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         serializer=JSONSerializer,
         job_class=AllowListedJob,
         max_jobs=args.max_jobs,
+        recycle_after=args.recycle_after,
         stopped_before_start=lambda: early_stop.requested,
     )
     try:

@@ -27,7 +27,7 @@ from jobs.specs import PRECISIONS, EncodeOptions
 from jobs.storage import is_local, open_store
 from jobs.store import RunLayout, read_json
 from queue_worker import gpus as gpu_discovery
-from queue_worker.pool import Pool, PoolSettings, default_pool_name
+from queue_worker.pool import DEFAULT_RECYCLE_AFTER, Pool, PoolSettings, default_pool_name
 from queue_worker.worker import DEFAULT_QUEUE
 from supervisor.assemble import assemble, result_damage
 from supervisor.attempts import describe_attempts, failed_attempts, to_json
@@ -214,10 +214,19 @@ def pool_options(func: F) -> F:
         click.option(
             "--max-jobs",
             type=click.IntRange(1),
-            default=20,
+            default=None,
             envvar="CHUNKQ_MAX_JOBS",
+            help="Chunks a worker runs before it exits and a fresh process replaces it (default: no "
+            "count; --recycle-after decides).",
+        ),
+        click.option(
+            "--recycle-after",
+            type=click.FloatRange(0),
+            default=DEFAULT_RECYCLE_AFTER,
+            envvar="CHUNKQ_RECYCLE_AFTER",
             show_default=True,
-            help="Chunks a worker runs before it exits and a fresh process replaces it.",
+            help="Seconds of work after which a worker exits at the end of its chunk and a fresh process "
+            "replaces it (0: never by time). A broken CUDA context does not wait: it exits at once.",
         ),
         click.option("--max-jobs-jitter", type=click.FloatRange(0, 0.9), default=0.1, show_default=True,
                      help="Each worker's max-jobs varies by up to this fraction, so reloads are staggered."),
@@ -380,6 +389,7 @@ def pool_cmd(redis_url: str, gpus: str, name: str | None, **kw: Any) -> None:
         workers_per_gpu=kw["workers_per_gpu"],
         cpu_workers=kw["cpu_workers"],
         max_jobs=kw["max_jobs"],
+        recycle_after=kw["recycle_after"] or None,
         max_jobs_jitter=kw["max_jobs_jitter"],
         crash_limit=kw["crash_limit"],
         crash_window=kw["crash_window"],
@@ -531,7 +541,7 @@ def run_cmd(
 ) -> None:
     """Everything on this machine: embedded Redis (unless --redis-url), pool, submit, supervise, assemble."""
     pool_args = tuple(
-        arg for name in ("max_jobs_jitter", "crash_limit", "crash_window", "hung_grace")
+        arg for name in ("max_jobs_jitter", "crash_limit", "crash_window", "hung_grace", "recycle_after")
         for arg in (f"--{name.replace('_', '-')}", str(kw.pop(name)))
     ) + (("--standby",) if kw.pop("standby") else ("--no-standby",))  # fmt: skip
     pool_args += ("--min-free-memory", kw.pop("min_free_memory"), "--busy-gpus", kw.pop("busy_gpus"))

@@ -131,6 +131,6 @@ def test_chaos_run_loses_and_duplicates_nothing(tmp_path: Path, reference_model:
     assert "hit a fatal CUDA error" in pool_log  # broken-CUDA recycling
     assert "killed by SIGKILL" in pool_log  # dead worker replaced ...
     assert "marked failed: worker" in pool_log  # ... and its chunk released at once
-    assert "ran its max jobs (recycle)" in pool_log
+    assert "recycled: ran its max jobs" in pool_log
     assert "queued" in supervisor_logs and "attempt 2 queued" in supervisor_logs  # requeue
     assert "Redis unreachable" in supervisor_logs  # rode out the Redis restart

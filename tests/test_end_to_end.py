@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -47,7 +48,7 @@ def test_run_matches_plain_encode_and_reruns_from_the_store(tmp_path: Path, refe
     # Warm standby: each replacement loaded while its predecessor worked, yet never computed beside it.
     spans = sorted((m["started_at"], m["finished_at"]) for m in metas)
     assert all(later[0] >= earlier[1] for earlier, later in itertools.pairwise(spans))
-    assert "ran its max jobs (recycle)" in first.stderr and "takes over" in first.stderr
+    assert "recycled: ran its max jobs" in first.stderr and "takes over" in first.stderr
     assert (store / "redis" / "appendonlydir").is_dir()  # the embedded server persisted the queue
 
     stamps = {p.name: p.stat().st_mtime_ns for p in layout.outputs.iterdir()}
@@ -149,3 +150,35 @@ def test_failures_outlive_the_runs_redis_and_the_report_lists_them_by_class(
         f["worker"] != "?" and f["device"] == "cpu" and not f["quarantined"] for f in by_chunk.values()
     )
     assert "| failed attempts | 2 (abandoned: 1, cuda_fatal: 1) |" in (out / "report.md").read_text()
+
+
+def test_workers_recycle_on_work_time_and_each_successor_is_warm_before_its_first_chunk(
+    tmp_path: Path, reference_model: Any
+) -> None:
+    """--recycle-after 2 with every chunk taking over a second and --max-jobs far away: each worker
+    does two chunks (it knows the second is its last, so its successor loads meanwhile)."""
+    ids, texts = make_texts(60, seed=5)
+    corpus = write_corpus(tmp_path / "corpus.jsonl", ids, texts, "jsonl")
+    store = tmp_path / "store"
+    faults = json.dumps([{"kind": "slow", "seconds": 1.0}])
+    args = ["--chunk-size", "10", "--max-jobs", "1000", "--recycle-after", "2", "--max-jobs-jitter", "0"]
+    done = run_cli("run", str(corpus), *args, "--store", str(store), CHUNKQ_FAULTS=faults)
+    assert done.returncode == 0, done.stderr[-3000:]
+    layout = _only_run(store)
+    _check_result(layout, ids, texts, reference_model)
+    per_process: dict[int, list[int]] = {}
+    for index in range(6):
+        per_process.setdefault(read_json(layout.output_meta(index))["pid"], []).append(index)
+    assert sorted(len(chunks) for chunks in per_process.values()) == [2, 2, 2], per_process
+    assert done.stderr.count("recycling after") == 3 and "takes over" in done.stderr
+    # Each successor ran its warm-up encode before its predecessor exited and it took a job.
+    for name in set(re.findall(r"\[(\S+-g\d+) gpu=-\] \S+: predecessor \d+ exited", done.stderr)):
+        lines = [line for line in done.stderr.splitlines() if f"[{name} gpu=-]" in line]
+        warm = next(i for i, line in enumerate(lines) if "warm-up encode at [16, 64] tokens" in line)
+        waited = next(i for i, line in enumerate(lines) if "predecessor" in line and "exited" in line)
+        assert warm < waited, lines
+    seconds = [
+        float(s)
+        for s in re.findall(r"warm-up encode at \[16, 64\] tokens on cpu in ([0-9.]+) s", done.stderr)
+    ]
+    assert len(seconds) >= 3 and all(s < 5 for s in seconds)

@@ -89,7 +89,7 @@ def test_pool_recycles_workers_and_finishes_every_chunk(
     pids = {read_json(layout.output_meta(i))["pid"] for i in range(6)}
     assert len(pids) == 3, pids  # max-jobs 2: each worker process ran exactly two chunks
     assert pids <= seen_workers
-    assert text.count("ran its max jobs (recycle)") >= 2
+    assert text.count("recycled: ran its max jobs") >= 2
     assert text.count("takes over") >= 2  # each replacement was loaded while its predecessor worked
     assert all(not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie" for pid in seen_workers)
 
