@@ -21,7 +21,7 @@ import redis
 
 from jobs import errors
 from jobs.errors import AssemblyError, BadInputError, ChunkqError, ConfigError, RunConflictError
-from jobs.models import default_model
+from jobs.models import default_model, resolve_model
 from jobs.nopickle import forbid_pickle
 from jobs.specs import PRECISIONS, EncodeOptions
 from jobs.storage import is_local, open_store
@@ -198,12 +198,35 @@ def submit_options(func: F) -> F:
     return func
 
 
+def _workers_per_gpu_value(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    if value == gpu_discovery.AUTO or (value.isdigit() and int(value) >= 1):
+        return value
+    raise click.BadParameter(f"{value!r}: give a number of workers (1 or more) or 'auto'")
+
+
+def _resolve_workers_per_gpu(value: str, gpus: list[gpu_discovery.GpuInfo], preload: str | None,
+                             precision: str) -> int:  # fmt: skip
+    if value != gpu_discovery.AUTO:
+        return int(value)
+    try:
+        path = resolve_model(preload or default_model())
+    except ConfigError:
+        path = None
+    weights = gpu_discovery.model_bytes(path, precision)
+    workers, why = gpu_discovery.auto_workers_per_gpu(gpus, os.cpu_count() or 1, weights)
+    log.info("workers per GPU: auto means %d (%s)", workers, why)
+    return workers
+
+
 def pool_options(func: F) -> F:
     options = [
         click.option(
             "--gpus", default="all", envvar="CHUNKQ_GPUS", show_default=True, help="all, none or 0,2"
         ),
-        click.option("--workers-per-gpu", type=click.IntRange(1), default=1, show_default=True),
+        click.option("--workers-per-gpu", default=gpu_discovery.AUTO, envvar="CHUNKQ_WORKERS_PER_GPU",
+                     show_default=True, callback=_workers_per_gpu_value,
+                     help="Workers sharing each GPU, or 'auto': as many as the CPU cores per GPU feed "
+                          "and GPU memory holds, at most 4 (logged with the reason)."),
         click.option(
             "--cpu-workers",
             type=click.IntRange(1),
@@ -386,7 +409,9 @@ def pool_cmd(redis_url: str, gpus: str, name: str | None, **kw: Any) -> None:
     settings = PoolSettings(
         redis_url=redis_url,
         queue=kw["queue"],
-        workers_per_gpu=kw["workers_per_gpu"],
+        workers_per_gpu=_resolve_workers_per_gpu(
+            kw["workers_per_gpu"], chosen, kw["preload"], kw["precision"]
+        ),
         cpu_workers=kw["cpu_workers"],
         max_jobs=kw["max_jobs"],
         recycle_after=kw["recycle_after"] or None,
@@ -531,7 +556,7 @@ def run_cmd(
     corpus: Path,
     redis_url: str | None,
     gpus: str,
-    workers_per_gpu: int,
+    workers_per_gpu: str,
     cpu_workers: int,
     max_jobs: int,
     poll: float,

@@ -36,7 +36,7 @@ class RunRequest:
     submit: SubmitRequest
     redis_url: str | None = None
     gpus: str = "all"
-    workers_per_gpu: int = 1
+    workers_per_gpu: str = "auto"  # a number, or auto (the pool resolves it)
     cpu_workers: int = 1
     max_jobs: int | None = None
     watch: WatchSettings = field(default_factory=WatchSettings)  # wait_for_owner: --wait
@@ -65,7 +65,7 @@ class PoolProcess:
             "--queue",
             sub.queue,
             "--workers-per-gpu",
-            str(req.workers_per_gpu),
+            req.workers_per_gpu,
             "--cpu-workers",
             str(req.cpu_workers),
             "--preload",

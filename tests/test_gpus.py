@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -93,3 +95,30 @@ def test_doctor_on_a_machine_without_gpus(tmp_path: Path, redis_url: str) -> Non
     (tmp_path / "ro" / "s").write_text("a file, not a directory")
     unwritable = run_cli("doctor", "--store", str(tmp_path / "ro" / "s"))
     assert unwritable.returncode == 1 and "is not writable" in unwritable.stdout
+
+
+def test_workers_per_gpu_auto_resolves_to_a_number_and_says_why(caplog: pytest.LogCaptureFixture) -> None:
+    from jobs.models import BUNDLED_MODEL, resolve_model
+    from queue_worker.gpus import AUTO_MAX_WORKERS, GpuInfo, auto_workers_per_gpu, model_bytes
+    from supervisor.cli import _resolve_workers_per_gpu
+
+    gib = 1 << 30
+    h100 = GpuInfo(
+        index=0, name="NVIDIA H100 80GB HBM3", uuid="GPU-1", memory_total=80 * gib, memory_free=79 * gib
+    )
+    minilm = model_bytes(resolve_model(BUNDLED_MODEL), "fp32")
+    assert minilm is not None and 50 << 20 < minilm < 200 << 20  # about 90 MB of safetensors
+    assert model_bytes(resolve_model(BUNDLED_MODEL), "fp16") == minilm // 2
+    assert auto_workers_per_gpu([h100], 16, minilm)[0] == AUTO_MAX_WORKERS  # cores and memory to spare
+    assert auto_workers_per_gpu([h100, h100], 8, minilm)[0] == 2  # 4 cores per GPU feed two
+    assert auto_workers_per_gpu([h100], 2, minilm)[0] == 1
+    small = GpuInfo(index=0, name="T4", uuid="GPU-2", memory_total=16 * gib, memory_free=12 * gib)
+    workers, why = auto_workers_per_gpu([small], 32, 670_000_000)  # bge-large in fp16
+    assert workers == 3 and "12.0 GiB free" in why and "holds 3" in why
+    assert auto_workers_per_gpu([], 16, minilm)[0] == 1
+    expected, _ = auto_workers_per_gpu([h100], os.cpu_count() or 1, minilm)
+    with caplog.at_level(logging.INFO, logger="chunkq"):
+        assert _resolve_workers_per_gpu("auto", [h100], BUNDLED_MODEL, "fp32") == expected
+        assert _resolve_workers_per_gpu("2", [h100], BUNDLED_MODEL, "fp32") == 2
+    assert f"workers per GPU: auto means {expected} ({os.cpu_count()} CPU cores for 1 GPU(s)" in caplog.text
+    assert caplog.text.count("auto means") == 1  # a number given is used as it is
