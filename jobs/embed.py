@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from rq import get_current_job
 
-from jobs import cuda, errors, faults, models, runtime
+from jobs import cuda, errors, faults, models, runtime, token_batches
 from jobs.errors import BadInputError, ChunkOutOfMemoryError, CudaFatalError
 from jobs.policy import check_spec
 from jobs.specs import ChunkSpec, EncodeOptions
@@ -35,6 +35,8 @@ def encode_texts(
     model = loaded.model
     # The cached model is shared by every run this process serves, so set the length on each call.
     model.max_seq_length = options.max_seq_length or loaded.default_max_seq_length
+    if isinstance(options.batch_tokens, int):
+        return token_batches.encode(model, texts, options.batch_tokens, options.normalize_embeddings)
     embeddings = model.encode(
         texts,
         batch_size=options.batch_size,
@@ -69,17 +71,27 @@ def warm_up(loaded: models.LoadedModel, device: str) -> tuple[list[int], float]:
     return lengths, time.perf_counter() - started
 
 
-def _learned_batch(layout: RunLayout, device_kind: str) -> int | None:
+def _learned(layout: RunLayout, device_kind: str) -> dict[str, Any]:
+    """What the run learned on this kind of device: the batch size or token budget that fitted."""
     try:
-        return int(read_json(layout.learned_batch(device_kind))["batch_size"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+        data = read_json(layout.learned_batch(device_kind))
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
 
 
-def _remember_batch(layout: RunLayout, device_kind: str, batch: int) -> None:
-    known = _learned_batch(layout, device_kind)
-    if known is None or batch < known:
-        atomic_write_json(layout.learned_batch(device_kind), {"batch_size": batch, "device": device_kind})
+def _remember(layout: RunLayout, device_kind: str, updates: dict[str, Any]) -> None:
+    atomic_write_json(layout.learned_batch(device_kind), {**_learned(layout, device_kind), **updates,
+                                                          "device": device_kind})  # fmt: skip
+
+
+def _start_limit(options: EncodeOptions, learned: dict[str, Any]) -> int:
+    """The batch size, or token budget, this chunk starts from."""
+    if options.batch_tokens == token_batches.AUTO:
+        return int(learned.get("batch_tokens") or token_batches.AUTO_START_TOKENS)
+    if isinstance(options.batch_tokens, int):
+        return min(options.batch_tokens, int(learned.get("batch_tokens") or options.batch_tokens))
+    return min(options.batch_size, int(learned.get("batch_size") or options.batch_size))
 
 
 @dataclass
@@ -87,7 +99,7 @@ class Encoded:
     """What an encode with back-off produced: the rows, the batch size that fitted, each halving."""
 
     embeddings: np.ndarray[Any, Any]
-    batch_size: int
+    limit: int  # the batch size, or token budget, that fitted
     backoffs: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -99,13 +111,23 @@ def encode_with_backoff(
     start_batch: int,
     device: str,
 ) -> Encoded:
-    """Encode, halving the batch after each out-of-memory error, down to MIN_BATCH."""
+    """Encode, halving the batch (or the token budget) after each out-of-memory error.
+
+    The floor is one text per batch: MIN_BATCH texts, or a budget of one text at the maximum length.
+    """
+    by_tokens = chunk.options.batch_tokens is not None
+    unit = "batch_tokens" if by_tokens else "batch_size"
+    floor = (chunk.options.max_seq_length or loaded.default_max_seq_length or 512) if by_tokens else MIN_BATCH
     batch = start_batch
     backoffs: list[dict[str, Any]] = []
     while True:
         try:
             faults.inject(chunk.run_id, chunk.index, attempt, batch, device)
-            options = replace(chunk.options, batch_size=batch)
+            options = (
+                replace(chunk.options, batch_tokens=batch)
+                if by_tokens
+                else replace(chunk.options, batch_size=batch)
+            )
             return Encoded(encode_texts(loaded, texts, options), batch, backoffs)
         except Exception as exc:
             kind = errors.classify(exc)
@@ -122,13 +144,27 @@ def encode_with_backoff(
         cuda.free_cached_memory(device)
         if not cuda.context_usable(device) or faults.probe_fails(chunk.run_id, chunk.index, attempt):
             raise CudaFatalError(f"chunk {chunk.job_id}: CUDA context unusable after: {detail}")
-        if batch <= MIN_BATCH:
+        what = "token budget" if by_tokens else "batch size"
+        if batch <= floor:
             raise ChunkOutOfMemoryError(
-                f"chunk {chunk.job_id}: out of memory even at batch size {batch}: {detail}"
+                f"chunk {chunk.job_id}: out of memory even at {what} {batch}: {detail}"
             )
-        backoffs.append({"batch_size": batch, "error": errors.first_sentence_of(detail)})
-        batch = max(MIN_BATCH, batch // 2)
-        log.warning("chunk %s: out of memory; retrying with batch size %d", chunk.job_id, batch)
+        backoffs.append({unit: batch, "error": errors.first_sentence_of(detail)})
+        batch = max(floor, batch // 2)
+        log.warning("chunk %s: out of memory; retrying with %s %d", chunk.job_id, what, batch)
+
+
+def _learn(layout: RunLayout, kind: str, options: EncodeOptions, learned: dict[str, Any], encoded: Encoded,
+           chars_per_second: float) -> None:  # fmt: skip
+    """Keep what fitted for the run's later chunks on this kind of device (and tune ``auto``)."""
+    if options.batch_tokens == token_batches.AUTO:
+        _remember(layout, kind, token_batches.next_auto_budget(learned, encoded.limit, chars_per_second,
+                                                               bool(encoded.backoffs)))  # fmt: skip
+    elif encoded.backoffs:
+        key = "batch_tokens" if options.batch_tokens is not None else "batch_size"
+        known = learned.get(key)
+        if known is None or encoded.limit < int(known):
+            _remember(layout, kind, {key: encoded.limit})
 
 
 def _job_meta(updates: dict[str, Any]) -> int:
@@ -179,16 +215,17 @@ def _embed(chunk: ChunkSpec) -> dict[str, Any]:
             f"chunk {chunk.job_id}: input holds {len(texts)} rows, the spec says {chunk.rows}"
         )
     loaded = models.get_model(chunk.model, ctx.device, chunk.options.precision)
-    learned = _learned_batch(layout, ctx.device_kind)
-    start_batch = min(chunk.options.batch_size, learned or chunk.options.batch_size)
+    learned = _learned(layout, ctx.device_kind)
+    start = _start_limit(chunk.options, learned)
     started_at = datetime.now(UTC)
     cuda.reset_peak_memory(ctx.device)
     t0 = time.perf_counter()
-    encoded = encode_with_backoff(loaded, texts, chunk, attempt, start_batch, ctx.device)
+    encoded = encode_with_backoff(loaded, texts, chunk, attempt, start, ctx.device)
     seconds = time.perf_counter() - t0
-    embeddings, batch = encoded.embeddings, encoded.batch_size
-    if batch < chunk.options.batch_size:
-        _remember_batch(layout, ctx.device_kind, batch)
+    _learn(
+        layout, ctx.device_kind, chunk.options, learned, encoded, sum(map(len, texts)) / max(seconds, 1e-9)
+    )
+    by_tokens = chunk.options.batch_tokens is not None
     meta = {
         "run_id": chunk.run_id,
         "chunk": chunk.index,
@@ -201,8 +238,10 @@ def _embed(chunk: ChunkSpec) -> dict[str, Any]:
         "device_kind": ctx.device_kind,
         "gpu": ctx.gpu,
         "precision": chunk.options.precision,
-        "batch_size": batch,
+        "batch_size": chunk.options.batch_size if by_tokens else encoded.limit,
         "batch_size_requested": chunk.options.batch_size,
+        "batch_tokens": encoded.limit if by_tokens else None,
+        "batch_tokens_requested": chunk.options.batch_tokens,
         "oom_backoffs": encoded.backoffs,  # each halving this attempt made: from which size, and why
         "attempt": attempt,
         "seconds": round(seconds, 4),
@@ -212,6 +251,7 @@ def _embed(chunk: ChunkSpec) -> dict[str, Any]:
         "started_at": started_at.isoformat(),
         "finished_at": datetime.now(UTC).isoformat(),
     }
-    published = write_output(layout, chunk.index, embeddings, meta)
-    log.info("chunk %s: %d rows in %.2f s (batch size %d)", chunk.job_id, len(texts), seconds, batch)
+    published = write_output(layout, chunk.index, encoded.embeddings, meta)
+    log.info("chunk %s: %d rows in %.2f s (%s %d)", chunk.job_id, len(texts), seconds,
+             "token budget" if by_tokens else "batch size", encoded.limit)  # fmt: skip
     return {**published, "skipped": False}

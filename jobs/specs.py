@@ -39,8 +39,19 @@ class EncodeOptions:
     normalize_embeddings: bool = False
     max_seq_length: int | None = None
     precision: str = "fp32"
+    batch_tokens: int | str | None = None  # token-budget batches: padded tokens per batch, or "auto"
 
     def __post_init__(self) -> None:
+        if (
+            self.batch_tokens is not None
+            and self.batch_tokens != "auto"
+            and (
+                not isinstance(self.batch_tokens, int)
+                or isinstance(self.batch_tokens, bool)
+                or self.batch_tokens < 1
+            )
+        ):
+            raise ConfigError(f"batch tokens must be a positive integer or 'auto', got {self.batch_tokens!r}")
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise ConfigError(f"batch size must be a positive integer, got {self.batch_size!r}")
         if self.max_seq_length is not None and (
@@ -51,7 +62,10 @@ class EncodeOptions:
             raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        if data["batch_tokens"] is None:  # absent, so runs made before it existed keep their fingerprint
+            del data["batch_tokens"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EncodeOptions:

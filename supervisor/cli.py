@@ -184,6 +184,13 @@ def submit_options(func: F) -> F:
         click.option("--text-field", default="text", show_default=True),
         click.option("--id-field", default="id", show_default=True),
         click.option("--batch-size", type=int, default=32, show_default=True),
+        click.option(
+            "--batch-tokens",
+            default=None,
+            callback=_batch_tokens_value,
+            help="Batches by a budget of padded tokens over length-sorted texts instead of "
+            "--batch-size texts: a number, or 'auto' (grows while it pays, learns from OOM).",
+        ),
         click.option("--normalize/--no-normalize", default=False, show_default=True),
         click.option("--max-seq-length", type=int, default=None),
         click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True),
@@ -196,6 +203,14 @@ def submit_options(func: F) -> F:
     for option in reversed(options):
         func = option(func)
     return func
+
+
+def _batch_tokens_value(ctx: click.Context, param: click.Parameter, value: str | None) -> int | str | None:
+    if value is None or value == "auto":
+        return value
+    if value.isdigit() and int(value) >= 1:
+        return int(value)
+    raise click.BadParameter(f"{value!r}: give a number of tokens (1 or more) or 'auto'")
 
 
 def _workers_per_gpu_value(ctx: click.Context, param: click.Parameter, value: str) -> str:
@@ -319,6 +334,7 @@ def _submit_request(corpus: Path, **kw: Any) -> SubmitRequest:
             normalize_embeddings=kw["normalize"],
             max_seq_length=kw["max_seq_length"],
             precision=kw["precision"],
+            batch_tokens=kw["batch_tokens"],
         ),
         run_id=kw["run_id"],
         queue=kw["queue"],

@@ -178,3 +178,53 @@ def test_recycle_jitter_spreads_max_jobs() -> None:
     assert set(values) <= set(range(18, 23)) and len(set(values)) >= 4
     assert {jittered_max_jobs(2, 0.1, rng) for _ in range(20)} == {2}
     assert jittered_max_jobs(None, 0.1, rng) is None
+
+
+def test_token_budget_batches_are_cut_longest_first_within_the_budget() -> None:
+    from jobs.token_batches import plan
+
+    assert plan([5, 50, 10, 3], 60) == [[1], [2, 0, 3]]
+    lengths = [random.Random(7).randint(1, 300) for _ in range(500)]
+    batches = plan(lengths, 1024)
+    assert sorted(i for b in batches for i in b) == list(range(500))
+    assert all(len(b) == 1 or lengths[b[0]] * len(b) <= 1024 for b in batches)
+    assert all(lengths[b[0]] == max(lengths[i] for i in b) for b in batches)
+
+
+@pytest.mark.parametrize("budget", [200, "auto"])
+def test_token_budget_batches_give_the_embeddings_of_fixed_batches(
+    store: Path, reference_model: Any, budget: int | str
+) -> None:
+    layout = RunLayout(store, "faulty")
+    outputs = []
+    for index in range(3):
+        spec, texts = _chunk(store, index=index)
+        tokens = ChunkSpec(spec.run_id, spec.index, spec.first_row, spec.rows, spec.model, spec.store,
+                           EncodeOptions(batch_tokens=budget))  # fmt: skip
+        meta = embed_chunk(tokens.to_dict())
+        got = np.load(layout.output_npy(index))
+        assert max_abs_diff(got, reference_model.encode(texts, batch_size=32)) <= 1e-5
+        outputs.append(meta)
+    if budget == "auto":
+        # Doubled after each chunk that ran faster than the last, from the starting budget.
+        assert outputs[0]["batch_tokens"] == 8192
+        assert read_json(layout.learned_batch("cpu"))["batch_tokens"] in (8192, 16384, 32768)
+    else:
+        assert [m["batch_tokens"] for m in outputs] == [200, 200, 200]
+
+
+def test_auto_token_budget_grows_while_it_pays_and_never_past_what_fitted() -> None:
+    from jobs.token_batches import next_auto_budget
+
+    first = next_auto_budget({}, 8192, 1000.0, backed_off=False)
+    assert first["batch_tokens"] == 16384 and not first["settled"]
+    paid = next_auto_budget(first, 16384, 1200.0, backed_off=False)
+    assert paid["batch_tokens"] == 32768
+    flat = next_auto_budget(paid, 32768, 1210.0, backed_off=False)  # under 5 % better: stop there
+    assert flat["batch_tokens"] == 32768 and flat["settled"]
+    assert next_auto_budget(flat, 32768, 5000.0, backed_off=False)["batch_tokens"] == 32768
+    oom = next_auto_budget(paid, 16384, 900.0, backed_off=True)  # halved from 32768 to fit
+    assert oom["batch_tokens"] == 16384 and oom["ceiling"] == 16384
+    assert (
+        next_auto_budget({**oom, "settled": False}, 16384, 2000.0, backed_off=False)["batch_tokens"] == 16384
+    )
