@@ -1,0 +1,248 @@
+"""chunkq against a plain ``SentenceTransformer.encode`` on a GPU host without network.
+
+    python bench/gpu.py [--rows 20000] [--large-rows 8000] [--large PATH] [--chunk-size 1000]
+                        [--configs one,auto,recycled,tokens] [--device cuda] [--out results.json]
+
+Models: the bundled all-MiniLM-L6-v2 in fp32, and a larger local model in fp16 (``--large PATH``;
+without one, a random-weight BERT of bge-large's shape, 335M parameters, built here with
+transformers: fine for speed, meaningless for quality). The corpus: docstring paragraphs of
+Python's standard library (no network needed). For each model, in one run and on one GPU:
+- plain: a fresh process loads the model and calls ``encode(texts, batch_size=32)``: what users write;
+- chunkq ``run`` configurations: ``one`` (1 worker per GPU, never recycled), ``auto`` (the
+  defaults: --workers-per-gpu auto, recycled after 600 s of work), ``recycled`` (the defaults with
+  --recycle-after 20, so recycling shows), ``tokens`` (the defaults with --batch-tokens auto).
+Printed: rows/s of each, its ratio to plain (steady state: the encode call against the span from
+the first chunk's start to the last chunk's end; end to end: whole commands), and the GPU's
+utilisation sampled through NVML every 0.2 s over that span. ``--device cpu`` runs the same on
+the CPU with small defaults (to test the script itself). Goals (issue 15): >= 2x plain for
+MiniLM, >= 1.5x for bge-large size, recycling overhead <= 2 %, utilisation >= 80 %.
+"""
+
+from __future__ import annotations
+
+import sys
+
+if not __package__:
+    sys.path.pop(0)  # bench/queue.py would shadow the standard library's queue
+
+import argparse
+import ast
+import json
+import os
+import statistics
+import subprocess
+import sysconfig
+import tempfile
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+CONFIGS = {
+    "one": ["--workers-per-gpu", "1", "--recycle-after", "0"],
+    "auto": [],
+    "recycled": ["--recycle-after", "20"],
+    "tokens": ["--batch-tokens", "auto"],
+}
+
+PLAIN = """
+import json, sys, time
+import numpy as np, torch
+from sentence_transformers import SentenceTransformer
+from jobs.models import resolve_model
+model = SentenceTransformer(resolve_model(sys.argv[2]), device=sys.argv[4])
+if sys.argv[5] != "fp32":
+    model = model.to({"fp16": torch.float16, "bf16": torch.bfloat16}[sys.argv[5]])
+texts = [json.loads(line)["text"] for line in open(sys.argv[1], encoding="utf-8")]
+print("ready", flush=True)
+t1 = time.perf_counter()
+started = time.time()
+matrix = model.encode(texts, batch_size=32, convert_to_numpy=True)
+if sys.argv[4] == "cuda":
+    torch.cuda.synchronize()
+t2 = time.perf_counter()
+np.save(sys.argv[3], matrix.astype(np.float32))
+print(json.dumps({"encode_seconds": t2 - t1, "rows": len(texts), "start": started, "end": time.time()}))
+"""
+
+
+def docstring_corpus(path: Path, rows: int) -> Path:
+    """Paragraphs of the standard library's docstrings (mean ~180 characters): real text, offline."""
+    found: list[str] = []
+    for source in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+        try:
+            tree = ast.parse(source.read_text(encoding="utf-8", errors="replace"))
+        except (SyntaxError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+                doc = ast.get_docstring(node)
+                found += [" ".join(p.split()) for p in (doc or "").split("\n\n") if len(p.split()) >= 4]
+        if len(found) >= rows:
+            break
+    while len(found) < rows:  # a small stdlib: repeat it
+        found += found[: rows - len(found)]
+    with open(path, "w", encoding="utf-8") as fh:
+        for i, text in enumerate(found[:rows]):
+            fh.write(json.dumps({"id": i, "text": text}) + "\n")
+    return path
+
+
+def large_model(work: Path) -> str:
+    """A random-weight BERT of bge-large's shape with the bundled model's tokenizer (same vocabulary)."""
+    from sentence_transformers import SentenceTransformer, models
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    from jobs.models import BUNDLED_MODEL, resolve_model
+
+    target = work / "bert-large-random"
+    config = BertConfig(
+        hidden_size=1024,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        intermediate_size=4096,
+        vocab_size=30522,
+        max_position_embeddings=512,
+    )
+    BertModel(config).save_pretrained(target / "hf")
+    AutoTokenizer.from_pretrained(resolve_model(BUNDLED_MODEL)).save_pretrained(target / "hf")
+    word = models.Transformer(str(target / "hf"), max_seq_length=512)
+    pooling = models.Pooling(word.get_word_embedding_dimension(), pooling_mode="mean")
+    SentenceTransformer(modules=[word, pooling], device="cpu").save(str(target / "st"))
+    return str(target / "st")
+
+
+class Utilisation:
+    """GPU utilisation samples (time, percent) from NVML every 0.2 s, in a thread."""
+
+    def __init__(self, device: str) -> None:
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if device == "cuda":
+            import pynvml
+
+            pynvml.nvmlInit()
+            handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+            self._thread = threading.Thread(target=self._run, args=(pynvml, handle), daemon=True)
+            self._thread.start()
+
+    def _run(self, pynvml: Any, handle: Any) -> None:
+        while not self._stop.wait(0.2):
+            self.samples.append((time.time(), int(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)))
+
+    def mean(self, start: float, end: float) -> float | None:
+        inside = [p for t, p in self.samples if start <= t <= end]
+        return statistics.mean(inside) if inside else None
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+def plain(work: Path, corpus: Path, model: str, device: str, precision: str) -> dict[str, Any]:
+    started = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", PLAIN, str(corpus), model, str(work / "plain.npy"), device,
+                          precision], check=True, capture_output=True, text=True,
+                         env=dict(os.environ, HF_HUB_OFFLINE="1"))  # fmt: skip
+    figures: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    figures["wall"] = time.perf_counter() - started
+    return figures
+
+
+def chunkq(work: Path, corpus: Path, model: str, precision: str, extra: list[str], chunk_size: int,
+           device: str) -> dict[str, Any]:  # fmt: skip
+    store = work / f"store-{time.monotonic_ns()}"
+    cmd = [sys.executable, "-m", "supervisor.cli", "--log-level", "WARNING", "run", str(corpus)]
+    cmd += ["--store", str(store), "--model", model, "--precision", precision]
+    cmd += ["--chunk-size", str(chunk_size), *extra]
+    cmd += ["--gpus", "0" if device == "cuda" else "none"]
+    started = time.perf_counter()
+    subprocess.run(cmd, check=True, capture_output=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    wall = time.perf_counter() - started
+    (run_dir,) = (store / "runs").iterdir()
+    metas = [json.loads(p.read_text()) for p in (run_dir / "outputs").glob("*.json")]
+    first = min(datetime.fromisoformat(m["started_at"]) for m in metas)
+    last = max(datetime.fromisoformat(m["finished_at"]) for m in metas)
+    young = [m["seconds"] for m in metas if m.get("attempt", 1) == 1]
+    return {"wall": wall, "span": (last - first).total_seconds(), "start": first.timestamp(),
+            "end": last.timestamp(), "processes": len({m["pid"] for m in metas}),
+            "chunk_seconds_median": statistics.median(young) if young else None}  # fmt: skip
+
+
+def bench_model(work: Path, label: str, model: str, precision: str, rows: int, args: argparse.Namespace,
+                gpu: Utilisation) -> dict[str, Any]:  # fmt: skip
+    corpus = docstring_corpus(work / f"corpus-{rows}.jsonl", rows)
+    base = plain(work, corpus, model, args.device, precision)
+    util = gpu.mean(base["start"], base["end"])
+    results: dict[str, Any] = {
+        "plain": {**base, "rows_per_s": rows / base["encode_seconds"], "gpu_util": util}
+    }
+    print(f"\n{label} ({precision}), {rows} rows on {args.device}")
+    print(f"  plain encode, batch 32: {rows / base['encode_seconds']:.0f} rows/s"
+          f"{f', GPU {util:.0f} %' if util is not None else ''}")  # fmt: skip
+    for name in args.configs:
+        run = chunkq(work, corpus, model, precision, CONFIGS[name], args.chunk_size, args.device)
+        util = gpu.mean(run["start"], run["end"])
+        steady, e2e = base["encode_seconds"] / run["span"], base["wall"] / run["wall"]
+        results[name] = {**run, "rows_per_s": rows / run["span"], "steady_ratio": steady, "e2e_ratio": e2e,
+                         "gpu_util": util}  # fmt: skip
+        gpu_text = f", GPU {util:.0f} %" if util is not None else ""
+        print(
+            f"  chunkq {name:9s}: {rows / run['span']:.0f} rows/s, {steady:.2f}x plain "
+            f"(end to end {e2e:.2f}x), {run['processes']} worker process(es){gpu_text}"
+        )
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--rows", type=int, default=None, help="MiniLM corpus (default 20000; 300 on cpu)")
+    parser.add_argument(
+        "--large-rows", type=int, default=None, help="large model corpus (default 8000; 0: skip)"
+    )
+    parser.add_argument(
+        "--large", default=None, help="a local larger model (default: random bge-large shape)"
+    )
+    parser.add_argument("--model", default="bundled:all-MiniLM-L6-v2")
+    parser.add_argument("--chunk-size", type=int, default=None, help="default 1000; 100 on cpu")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"out of {', '.join(CONFIGS)}")
+    parser.add_argument("--out", type=Path, default=None, help="write every figure as JSON here")
+    args = parser.parse_args()
+    cpu = args.device == "cpu"
+    args.rows = args.rows or (300 if cpu else 20_000)
+    args.large_rows = args.large_rows if args.large_rows is not None else (0 if cpu else 8000)
+    args.chunk_size = args.chunk_size or (100 if cpu else 1000)
+    args.configs = [c for c in args.configs.split(",") if c]
+    unknown = set(args.configs) - set(CONFIGS)
+    if unknown:
+        parser.error(f"unknown configuration(s) {sorted(unknown)}")
+    if not cpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("no CUDA device here: run on a GPU host, or pass --device cpu")
+    gpu = Utilisation(args.device)
+    figures: dict[str, Any] = {"device": args.device, "cpu_cores": os.cpu_count()}
+    try:
+        with tempfile.TemporaryDirectory(prefix="chunkq-gpu-bench-") as tmp:
+            work = Path(tmp)
+            figures["minilm"] = bench_model(
+                work, "all-MiniLM-L6-v2", args.model, "fp32", args.rows, args, gpu
+            )
+            if args.large_rows:
+                large = args.large or large_model(work)
+                figures["large"] = bench_model(
+                    work, "bge-large shape", large, "fp16", args.large_rows, args, gpu
+                )
+    finally:
+        gpu.close()
+    if args.out:
+        args.out.write_text(json.dumps(figures, indent=2, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""bench/gpu.py must work unchanged on a GPU host: its help and its CPU path are tried here."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import cli_env
+
+SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "gpu.py"
+
+
+def test_its_help_works_without_a_gpu() -> None:
+    done = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "--large" in done.stdout and "plain" in done.stdout
+
+
+def test_on_a_host_without_cuda_it_says_so_unless_asked_for_the_cpu() -> None:
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=120, env=cli_env()
+    )
+    assert done.returncode == 2 and "no CUDA device here" in done.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_its_cpu_path_measures_plain_and_chunkq_on_one_corpus(tmp_path: Path) -> None:
+    out = tmp_path / "figures.json"
+    cmd = [sys.executable, str(SCRIPT), "--device", "cpu", "--rows", "120", "--configs", "one,tokens"]
+    done = subprocess.run(
+        [*cmd, "--out", str(out)], capture_output=True, text=True, timeout=560, env=cli_env()
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = json.loads(out.read_text())["minilm"]
+    assert set(figures) == {"plain", "one", "tokens"}
+    assert all(
+        figures[name]["rows_per_s"] > 0 and figures[name]["steady_ratio"] > 0 for name in ("one", "tokens")
+    )
+    assert "chunkq one" in done.stdout and "x plain" in done.stdout
