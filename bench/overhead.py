@@ -9,7 +9,8 @@ The measurements, each a fresh process, the same corpus and model:
 - chunkq run, workers recycled every ``--max-jobs`` chunks, warm standby on;
 - the same with ``--no-standby``, and with ``--no-fork-server`` (each worker a fresh interpreter);
 - the same never recycled (one worker process serves every chunk), which separates what recycling
-  costs from what running a chunk through the queue costs.
+  costs from what running a chunk through the queue costs;
+- chunkq's defaults, no option given (recycled after 600 s of work: on this corpus, never).
 Printed as ratios against plain: end to end (wall time of the whole command, start-up, model load
 and assembly included; goal >= 0.95) and steady state (rows per second between the first chunk's
 start and the last chunk's end, against the plain encode call alone; goal >= 0.98).
@@ -84,14 +85,21 @@ def _plain(work: Path, corpus: Path, model: str, precision: str) -> tuple[float,
 
 
 def _chunkq(
-    work: Path, corpus: Path, args: argparse.Namespace, standby: bool, max_jobs: int, fork_server: bool = True
+    work: Path,
+    corpus: Path,
+    args: argparse.Namespace,
+    standby: bool,
+    max_jobs: int | None,
+    fork_server: bool = True,
 ) -> tuple[float, float]:
     store = work / f"store-{standby}-{time.monotonic_ns()}"
     cmd = [sys.executable, "-m", "supervisor.cli", "--log-level", "WARNING", "run", str(corpus)]
-    cmd += ["--store", str(store), "--chunk-size", str(args.chunk_size), "--max-jobs", str(max_jobs)]
-    cmd += ["--model", args.model, "--precision", args.precision, "--max-jobs-jitter", "0"]
-    cmd += ["--standby" if standby else "--no-standby"]
-    cmd += ["--fork-server" if fork_server else "--no-fork-server"]
+    cmd += ["--store", str(store), "--chunk-size", str(args.chunk_size)]
+    cmd += ["--model", args.model, "--precision", args.precision]
+    if max_jobs is not None:  # None: chunkq's defaults, untouched
+        cmd += ["--max-jobs", str(max_jobs), "--max-jobs-jitter", "0"]
+        cmd += ["--standby" if standby else "--no-standby"]
+        cmd += ["--fork-server" if fork_server else "--no-fork-server"]
     started = time.perf_counter()
     subprocess.run(cmd, check=True, capture_output=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     wall = time.perf_counter() - started
@@ -114,7 +122,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     args = parser.parse_args()
     rng = random.Random(0)
-    configs: dict[str, tuple[bool, int, bool]] = {
+    configs: dict[str, tuple[bool, int | None, bool]] = {
+        "the defaults (recycled after 600 s of work, workers per GPU auto)": (True, None, True),
         f"recycled every {args.max_jobs}, standby on": (True, args.max_jobs, True),
         f"recycled every {args.max_jobs}, standby off": (False, args.max_jobs, True),
         f"recycled every {args.max_jobs}, standby on, no fork server": (True, args.max_jobs, False),
