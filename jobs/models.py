@@ -61,7 +61,7 @@ class LoadedModel:
 
 
 _cache: dict[tuple[str, str, str], LoadedModel] = {}
-# Models loaded on the CPU in fp32 by a process that forks workers (queue_worker.zygote): a forked
+# Models loaded on the CPU in fp32 by a process that forks workers (queue_worker.fork_server): a forked
 # worker takes its copy instead of reading and building the model again.
 _templates: dict[str, SentenceTransformer] = {}
 

@@ -28,13 +28,13 @@ from rq.serializers import JSONSerializer
 
 from jobs.abandon import forget_worker, mark_abandoned, running_job_ids
 from queue_worker import exit_codes
+from queue_worker.fork_server import MODEL_ENV as FORK_SERVER_MODEL_ENV
+from queue_worker.fork_server import ForkedWorker, ForkServer, ForkServerError
 from queue_worker.gpus import GpuInfo, cpu_threads_per_worker, worker_environment
 from queue_worker.lifeline import PARENT_PID_ENV, die_with_parent
 from queue_worker.metrics import PoolMetrics, serve
 from queue_worker.standby import NOTIFY_FD_ENV, WAIT_FOR_PID_ENV, parse_announcements
 from queue_worker.worker import DEFAULT_QUEUE
-from queue_worker.zygote import MODEL_ENV as FORK_SERVER_MODEL_ENV
-from queue_worker.zygote import ForkedWorker, ForkServer, ForkServerError
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class PoolSettings:
     crash_window: float = 300.0  # ... within this many seconds is taken out of the pool
     hung_grace: float = HUNG_GRACE_SECONDS
     standby: bool = True  # start each replacement while its predecessor runs its last chunk
-    fork_server: bool = True  # fork workers from a process that has imported torch (queue_worker.zygote)
+    fork_server: bool = True  # fork workers from a process that has imported torch (queue_worker.fork_server)
     no_nvml: bool = False  # PYTORCH_NO_NVML=1 in GPU workers
     metrics_port: int | None = None  # serve Prometheus metrics on 127.0.0.1:<port> (0: any free port)
 

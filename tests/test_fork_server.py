@@ -25,9 +25,9 @@ from jobs.errors import ConfigError
 from jobs.models import BUNDLED_MODEL
 from jobs.store import RunLayout, read_json
 from queue_worker import exit_codes
+from queue_worker.fork_server import MODEL_ENV, ForkServer, ForkServerError
 from queue_worker.gpus import GpuInfo
 from queue_worker.pool import Pool, PoolSettings
-from queue_worker.zygote import MODEL_ENV, ForkServer, ForkServerError
 from supervisor.corpus import CorpusOptions
 from supervisor.submit import SubmitRequest, SubmitResult, submit
 from tests.helpers import (
@@ -71,7 +71,7 @@ def _pool(
 
 def _fork_server(pool: subprocess.Popen[bytes]) -> psutil.Process:
     (server,) = [
-        c for c in psutil.Process(pool.pid).children() if "queue_worker.zygote" in " ".join(c.cmdline())
+        c for c in psutil.Process(pool.pid).children() if "queue_worker.fork_server" in " ".join(c.cmdline())
     ]
     return server
 
@@ -136,7 +136,7 @@ def test_workers_take_the_preloaded_model_from_the_fork_server(
 def test_a_model_the_fork_server_cannot_load_is_left_to_the_workers(caplog: pytest.LogCaptureFixture) -> None:
     server = ForkServer(cli_env(**{MODEL_ENV: "/no/such/model/here"}))
     try:
-        with caplog.at_level(logging.INFO, logger="queue_worker.zygote"):
+        with caplog.at_level(logging.INFO, logger="queue_worker.fork_server"):
             server._start()
         assert server.proc is not None and server.proc.poll() is None  # it serves all the same
         assert "fork server could not load /no/such/model/here" in caplog.text

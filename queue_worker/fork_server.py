@@ -284,7 +284,7 @@ class ForkServer:
     def _start(self) -> socket.socket:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "queue_worker.zygote"],
+            [sys.executable, "-m", "queue_worker.fork_server"],
             env=dict(self.env, **{SOCKET_FD_ENV: str(theirs.fileno())}, **NVML_BASED_CUDA_CHECK),
             pass_fds=(theirs.fileno(),),
             start_new_session=True,
