@@ -30,6 +30,3 @@ def forbid_pickle() -> None:
     """Make RQ's pickle serializer refuse to load, in this process, from now on. Idempotent."""
     DefaultSerializer.loads = _refuse
 
-
-def pickle_forbidden() -> bool:
-    return DefaultSerializer.loads is _refuse

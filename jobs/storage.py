@@ -64,11 +64,6 @@ def is_local(path: Path) -> bool:
     return getattr(path, "protocol", "") in _LOCAL_PROTOCOLS
 
 
-def store_url(path: Path) -> str:
-    """How a store is named in job data and manifests: an absolute path or a URL."""
-    return str(path)
-
-
 @contextlib.contextmanager
 def atomic_path(path: Path) -> Iterator[Path]:
     """Yield a local temporary file; on success publish it at ``path`` whole (rename, or one upload)."""

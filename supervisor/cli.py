@@ -368,8 +368,10 @@ def _finish(outcome: Outcome) -> int:
 @click.group()
 @click.option("--log-level", default="INFO", envvar="CHUNKQ_LOG_LEVEL", show_default=True)
 @click.version_option(package_name="chunkq")
-def cli(log_level: str) -> None:
+@click.pass_context
+def cli(ctx: click.Context, log_level: str) -> None:
     """chunkq: embed large corpora with sentence-transformers; nothing is lost when a process dies."""
+    ctx.obj = {"log_level": log_level.upper()}  # the pool hands it to its workers
     logging.basicConfig(
         level=log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -444,6 +446,7 @@ def pool_cmd(redis_url: str, gpus: str, name: str | None, **kw: Any) -> None:
         metrics_port=kw["metrics_port"],
         precision=kw["precision"],
         name=name or default_pool_name(),
+        log_level=click.get_current_context().obj["log_level"],
     )
     sys.exit(Pool(settings, chosen).run())
 

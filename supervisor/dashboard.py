@@ -32,7 +32,7 @@ from urllib.parse import urlsplit
 from rq.serializers import JSONSerializer
 
 from jobs.errors import ConfigError
-from jobs.nopickle import forbid_pickle
+from jobs.nopickle import PickleRefusedError, forbid_pickle
 
 log = logging.getLogger(__name__)
 
@@ -194,8 +194,16 @@ def create_app(
         response.headers.setdefault("X-Frame-Options", "DENY")
         return response
 
+    def unreadable(exc: Exception) -> Any:
+        # A job that is not JSON (pickled, or planted): say so instead of a bare 500.
+        log.warning("dashboard: unreadable data at %s: %s: %s", request.path, type(exc).__name__, exc)
+        return Response("unreadable job data: not JSON (written with pickle, or by someone who should not "
+                        "write to Redis); chunkq will not read it another way", 422)  # fmt: skip
+
     app.before_request(guard)
     app.after_request(escape_raw_html_fields)
+    app.register_error_handler(PickleRefusedError, unreadable)
+    app.register_error_handler(ValueError, unreadable)  # JSON and UTF-8 decoding errors
     return app
 
 

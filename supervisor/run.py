@@ -59,6 +59,8 @@ class PoolProcess:
             sys.executable,
             "-m",
             "supervisor.cli",
+            "--log-level",
+            logging.getLevelName(logging.getLogger().getEffectiveLevel()),
             "pool",
             "--gpus",
             req.gpus,

@@ -36,7 +36,6 @@ SLOW_CHUNKS = [12, 29]  # their workers are SIGKILLed mid-chunk
 DEADLINE_SECONDS = 420
 
 
-@pytest.mark.timeout(DEADLINE_SECONDS + 60)
 def _running_worker(connection: redis.Redis, chunk: int, workers: list[Any]) -> Any:
     """The worker process running ``chunk`` right now, if any."""
     job_id = chunk_job_id("chaos", chunk)
@@ -49,6 +48,8 @@ def _running_worker(connection: redis.Redis, chunk: int, workers: list[Any]) -> 
     return next((w for w in workers if name and name in " ".join(w.cmdline())), None)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(DEADLINE_SECONDS + 60)
 def test_chaos_run_loses_and_duplicates_nothing(tmp_path: Path, reference_model: Any) -> None:
     ids, texts = make_texts(300, seed=50)
     corpus = write_corpus(tmp_path / "corpus.jsonl", ids, texts, "jsonl")

@@ -182,3 +182,13 @@ def test_workers_recycle_on_work_time_and_each_successor_is_warm_before_its_firs
         for s in re.findall(r"warm-up encode at \[16, 64\] tokens on cpu in ([0-9.]+) s", done.stderr)
     ]
     assert len(seconds) >= 3 and all(s < 5 for s in seconds)
+
+
+def test_log_level_reaches_the_workers(tmp_path: Path) -> None:
+    ids, texts = make_texts(10, seed=6)
+    corpus = write_corpus(tmp_path / "corpus.jsonl", ids, texts, "jsonl")
+    done = run_cli("--log-level", "DEBUG", "run", str(corpus), "--store", str(tmp_path / "store"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert re.search(r" DEBUG \[pool-\S+-cpu-w0-g1 gpu=-\] ", done.stderr)  # a worker's own DEBUG line
+    quiet = run_cli("--log-level", "WARNING", "run", str(corpus), "--store", str(tmp_path / "quiet"))
+    assert quiet.returncode == 0 and " INFO [pool-" not in quiet.stderr
