@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-gpu lint clean system-tools
+.PHONY: demo test test-fast test-gpu lint clean system-tools
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,10 @@ system-tools:
 
 test: lint system-tools
 	$(BIN)/pytest
+
+# The inner loop: everything but the slow tier (real pools and CLI runs) and the GPU tier.
+test-fast: $(STAMP)
+	$(BIN)/pytest -m "not slow and not gpu" -q
 
 # The GPU tier (tests/gpu): real faults on a real GPU. Skipped, not failed, where there is no CUDA.
 # On an offline GPU host whose packages are installed another way: python3 -m pytest -m gpu tests/gpu

@@ -17,6 +17,9 @@ import pytest
 from jobs.store import RunLayout, read_json
 from tests.helpers import cli_env, make_texts, max_abs_diff, run_cli, write_corpus
 
+# Real pools, workers and CLI runs as subprocesses: the slow tier.
+pytestmark = pytest.mark.slow
+
 
 def _only_run(store: Path) -> RunLayout:
     (run_dir,) = (store / "runs").iterdir()

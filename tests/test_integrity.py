@@ -10,10 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from jobs.store import RunLayout, read_json
 from supervisor.assemble import _publish
 from tests.helpers import make_texts, max_abs_diff, run_cli, write_corpus
+
+# Real pools, workers and CLI runs as subprocesses: the slow tier.
+pytestmark = pytest.mark.slow
 
 
 def _flip(path: Path, offset: int = 200) -> None:

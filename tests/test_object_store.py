@@ -24,6 +24,9 @@ from jobs.storage import open_store
 from jobs.store import RunLayout, save_npy_atomic, verify_output, write_output
 from tests.helpers import make_texts, max_abs_diff, run_cli, wait_for, write_corpus
 
+# Real pools, workers and CLI runs as subprocesses: the slow tier.
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("s3fs")
 BUCKET = "chunkq-test"
 

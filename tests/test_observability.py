@@ -7,11 +7,15 @@ import re
 import urllib.request
 from pathlib import Path
 
+import pytest
 import redis
 
 from jobs.store import RunLayout, read_json
 from supervisor.embedded_redis import free_port
 from tests.helpers import make_texts, run_cli, start_cli, stop_tree, wait_for, write_corpus
+
+# Real pools, workers and CLI runs as subprocesses: the slow tier.
+pytestmark = pytest.mark.slow
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -37,6 +37,9 @@ from tests.helpers import (
     write_corpus,
 )
 
+# Real pools, workers and CLI runs as subprocesses: the slow tier.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 def procs() -> Iterator[list[Any]]:

@@ -37,6 +37,9 @@ from tests.helpers import (
     write_corpus,
 )
 
+# Real pools, workers and CLI runs as subprocesses: the slow tier.
+pytestmark = pytest.mark.slow
+
 
 def _submit(
     tmp_path: Path, store: Path, connection: redis.Redis, rows: int, chunk: int, words: int = 0
