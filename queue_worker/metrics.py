@@ -35,18 +35,7 @@ def serve(registry: CollectorRegistry, port: int, host: str = METRICS_HOST) -> i
 
 def exit_reason(returncode: int) -> str:
     """A short, bounded label for a worker's exit (``describe`` is for people, this is for series)."""
-    if returncode < 0:
-        return "killed"
-    return {
-        exit_codes.EXIT_STOPPED: "stopped",
-        exit_codes.EXIT_ERROR: "error",
-        exit_codes.EXIT_MAX_JOBS: "recycled",
-        exit_codes.EXIT_CUDA_FATAL: "cuda_fatal",
-        exit_codes.EXIT_CONFIG: "config",
-        exit_codes.EXIT_REDIS: "redis",
-        exit_codes.EXIT_ORPHANED: "orphaned",
-        exit_codes.EXIT_FORKED_NO_CUDA: "forked_no_cuda",
-    }.get(returncode, "unknown")
+    return exit_codes.of(returncode).label
 
 
 class _GpuMemory(Collector):

@@ -48,9 +48,6 @@ DEFAULT_RECYCLE_AFTER = 600.0
 WATCHDOG_SECONDS = 2.0
 REDIS_BACKOFF_CAP = 60.0  # seconds between workers of a slot while Redis stays away
 HUNG_GRACE_SECONDS = 30.0  # past the job timeout, before a busy worker is taken for hung
-NO_RESTART = {exit_codes.EXIT_CONFIG}  # starting the same worker again cannot help
-CLEAN_EXITS = {exit_codes.EXIT_MAX_JOBS, exit_codes.EXIT_STOPPED}
-NOT_THE_GPUS_FAULT = CLEAN_EXITS | NO_RESTART | {exit_codes.EXIT_REDIS, exit_codes.EXIT_FORKED_NO_CUDA}
 
 
 def default_pool_name() -> str:
@@ -303,25 +300,24 @@ class Pool:
                 code = exit_codes.EXIT_STOPPED  # told to stop before its handlers were even installed
             if code == exit_codes.EXIT_FORKED_NO_CUDA:
                 self._stop_forking("a forked worker could not create its CUDA context; its log says why")
-            if code not in CLEAN_EXITS:
+            meaning = exit_codes.of(code)
+            if not meaning.clean:
                 self._to_abandon.append((dead, reason))
-            if code not in NOT_THE_GPUS_FAULT:
+            if meaning.gpus_fault:
                 self._count_crash(slot, now)
+            level = logging.INFO if meaning.clean else logging.WARNING
             if not slot.retired and self._promote(slot):
-                log.log(
-                    logging.INFO if code in CLEAN_EXITS else logging.WARNING, "worker %s %s", dead, reason
-                )
+                log.log(level, "worker %s %s", dead, reason)
             elif stopping:
                 log.info("worker %s on %s %s", slot.worker_name, self._where(slot), reason)
-            elif code in NO_RESTART:
+            elif not meaning.restart:
                 slot.retired = True
                 log.error("worker %s %s; not restarting slot %s", slot.worker_name, reason, slot.key)
             elif slot.retired:
                 log.error("worker %s %s; its device is out of service", slot.worker_name, reason)
             else:
-                delay = 0.0 if code in CLEAN_EXITS else self.settings.restart_delay
+                delay = 0.0 if meaning.clean else self.settings.restart_delay
                 slot.not_before = now + self._redis_backoff(slot, code, delay)
-                level = logging.INFO if code in CLEAN_EXITS else logging.WARNING
                 log.log(level, "worker %s %s; starting a fresh one", slot.worker_name, reason)
 
     def _redis_backoff(self, slot: Slot, code: int, delay: float) -> float:
