@@ -29,4 +29,3 @@ def _refuse(data: bytes, /, *args: Any, **kwargs: Any) -> Any:
 def forbid_pickle() -> None:
     """Make RQ's pickle serializer refuse to load, in this process, from now on. Idempotent."""
     DefaultSerializer.loads = _refuse
-

@@ -32,6 +32,7 @@ from jobs.embed import warm_up
 from jobs.errors import ConfigError
 from jobs.events import announce_settled
 from jobs.nopickle import forbid_pickle
+from jobs.queueing import give_back
 from jobs.storage import open_store
 from queue_worker.exit_codes import (
     EXIT_CONFIG,
@@ -174,10 +175,7 @@ class ChunkWorker(SimpleWorker):
         return self.recycle_after is not None and self.worked + self.last_job_seconds >= self.recycle_after
 
     def _give_back(self, job: Any, queue: Any) -> None:
-        with self.connection.pipeline(transaction=True) as pipe:
-            pipe.lrem(queue.intermediate_queue_key, 1, job.id)
-            pipe.lpush(queue.key, job.id)  # the front: it was next
-            pipe.execute()
+        give_back(self.connection, queue, [job.id], at_front=True)
         self.jobs_given_back += 1
         self.log.info(
             "Worker %s: stop requested; gave job %s back to %s unstarted", self.name, job.id, queue.name

@@ -7,7 +7,6 @@ refused. Chunk inputs are written before the manifest, so a run with a manifest 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import re
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ import redis
 from jobs.errors import ConfigError, CorpusError, RunConflictError
 from jobs.specs import FORMAT_VERSION, EncodeOptions, fingerprint, validate_run_id
 from jobs.storage import local_scratch, remove_tree
-from jobs.store import RunLayout, atomic_write_json, write_chunk_input
+from jobs.store import RunLayout, atomic_write_json, file_sha256, write_chunk_input
 from queue_worker.worker import DEFAULT_QUEUE
 from supervisor.assemble import set_aside
 from supervisor.corpus import CorpusOptions, Record, check_readable, read_corpus
@@ -62,12 +61,7 @@ class SubmitResult:
 
 
 def corpus_checksum(path: Path) -> tuple[str, int]:
-    digest, size = hashlib.sha256(), 0
-    with open(path, "rb") as fh:
-        while block := fh.read(1 << 20):
-            digest.update(block)
-            size += len(block)
-    return digest.hexdigest(), size
+    return file_sha256(path), path.stat().st_size
 
 
 def _identity(req: SubmitRequest, checksum: str) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from rq.job import Job
 
 from jobs.abandon import mark_abandoned
 from jobs.errors import ChunkqError
+from jobs.queueing import give_back
 from jobs.specs import chunk_job_id
 from jobs.store import RunLayout
 from queue_worker.metrics import serve as serve_metrics
@@ -124,12 +125,9 @@ class Supervisor:
 
     def _requeue_stranded(self, stranded: list[int]) -> None:
         queue = chunk_queue(self.connection, self.manifest.queue)
-        with self.connection.pipeline() as pipe:
-            for index in stranded:
-                job_id = chunk_job_id(self.manifest.run_id, index)
-                pipe.lrem(queue.intermediate_queue_key, 1, job_id)
-                queue.push_job_id(job_id, pipeline=pipe)
-            pipe.execute()
+        give_back(
+            self.connection, queue, [chunk_job_id(self.manifest.run_id, i) for i in stranded], at_front=False
+        )
         log.warning("run %s: chunk(s) %s were taken by a worker that died before starting them; queued again",
                     self.manifest.run_id, stranded)  # fmt: skip
 
