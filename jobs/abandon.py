@@ -18,6 +18,7 @@ from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 from rq.worker import SimpleWorker
 
+from jobs import jobmeta
 from jobs.errors import ABANDONED
 from jobs.events import announce_settled
 
@@ -32,8 +33,7 @@ def mark_abandoned(connection: redis.Redis, job_id: str, reason: str) -> bool:
         return False
     if job.get_status(refresh=True) != JobStatus.STARTED:
         return False
-    job.meta["error_class"] = ABANDONED
-    job.meta["error"] = reason
+    jobmeta.failed(job.meta, ABANDONED, reason)
     exc_string = f"chunkq.ChunkAbandonedError: {reason}"
     registry = StartedJobRegistry(job.origin, connection=connection, serializer=JSONSerializer)
     job.save_meta()  # type: ignore[no-untyped-call]

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from rq import get_current_job
 
-from jobs import cuda, errors, faults, models, runtime, token_batches
+from jobs import cuda, errors, faults, jobmeta, models, runtime, token_batches
 from jobs.errors import BadInputError, ChunkOutOfMemoryError, CudaFatalError
 from jobs.policy import check_spec
 from jobs.specs import ChunkSpec, EncodeOptions
@@ -173,9 +173,9 @@ def _job_meta(updates: dict[str, Any]) -> int:
     if job is None:
         return 1
     job.meta.update(updates)
-    job.meta.setdefault("attempt", 1)
+    job.meta.setdefault(jobmeta.ATTEMPT, 1)
     job.save_meta()  # type: ignore[no-untyped-call]
-    return int(job.meta["attempt"])
+    return jobmeta.attempt(job.meta)
 
 
 def _record_failure(exc: BaseException) -> None:
@@ -184,8 +184,7 @@ def _record_failure(exc: BaseException) -> None:
         runtime.mark_context_broken(str(exc))
     job = get_current_job()
     if job is not None:
-        job.meta["error_class"] = kind
-        job.meta["error"] = str(exc)[:500]
+        jobmeta.failed(job.meta, kind, str(exc))
         job.save_meta()  # type: ignore[no-untyped-call]
 
 
@@ -208,7 +207,8 @@ def _embed(chunk: ChunkSpec) -> dict[str, Any]:
         log.info("chunk %s already has a valid output; not encoding it again", chunk.job_id)
         return {**existing, "skipped": True}
 
-    attempt = _job_meta({"worker": ctx.name, "host": ctx.host, "device": ctx.device, "gpu": ctx.gpu})
+    attempt = _job_meta({jobmeta.WORKER: ctx.name, jobmeta.HOST: ctx.host, jobmeta.DEVICE: ctx.device,
+                         jobmeta.GPU: ctx.gpu})  # fmt: skip
     _, texts = read_chunk_input(layout, chunk.index)
     if len(texts) != chunk.rows:
         raise BadInputError(

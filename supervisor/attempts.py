@@ -14,7 +14,7 @@ from typing import Any
 
 from rq.job import Job
 
-from jobs import errors
+from jobs import errors, jobmeta
 from jobs.storage import list_with_mtime
 from jobs.store import RunLayout, atomic_write_json, read_json
 
@@ -48,12 +48,12 @@ class FailedAttempt:
         return cls(
             chunk=chunk,
             attempt=attempt,
-            error_class=str(meta.get("error_class", errors.OTHER)),
-            error=errors.first_line(str(meta.get("error") or job.exc_info or "")),
-            worker=str(meta.get("worker", "?")),
-            host=str(meta.get("host", "?")),
-            device=str(meta.get("device", "?")),
-            gpu=None if meta.get("gpu") is None else str(meta["gpu"]),
+            error_class=jobmeta.error_class(meta),
+            error=errors.first_line(str(meta.get(jobmeta.ERROR) or job.exc_info or "")),
+            worker=str(meta.get(jobmeta.WORKER, "?")),
+            host=str(meta.get(jobmeta.HOST, "?")),
+            device=str(meta.get(jobmeta.DEVICE, "?")),
+            gpu=None if meta.get(jobmeta.GPU) is None else str(meta[jobmeta.GPU]),
             at=ended.replace(tzinfo=ended.tzinfo or UTC).isoformat(),
             quarantined=quarantine_reason is not None,
             reason=quarantine_reason or "",

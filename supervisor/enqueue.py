@@ -14,6 +14,7 @@ from rq.queue import EnqueueData
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
+from jobs import jobmeta
 from jobs.allowlist import EMBED_CHUNK, AllowListedJob
 from jobs.specs import chunk_job_id
 from jobs.store import RunLayout
@@ -69,9 +70,9 @@ def enqueue_chunks(
             elif status == "failed":
                 # Submitting again is the user's "try these again": fresh attempts, no quarantine.
                 job = Job.fetch(job_id, connection=connection, serializer=JSONSerializer)
-                for key in ("quarantined", "quarantine_reason", "retry_at"):
+                for key in jobmeta.RETRY_STATE:
                     job.meta.pop(key, None)
-                job.meta["attempt"] = 1
+                job.meta[jobmeta.ATTEMPT] = 1
                 job.save_meta()  # type: ignore[no-untyped-call]
                 failed.requeue(job_id)
                 counts.requeued += 1
@@ -97,11 +98,5 @@ def _job_data(layout: RunLayout, manifest: RunManifest, index: int, job_id: str)
         result_ttl=RESULT_TTL,
         failure_ttl=FAILURE_TTL,
         description=f"chunkq run {manifest.run_id} chunk {index} ({spec.rows} rows)",
-        meta={
-            "run_id": manifest.run_id,
-            "chunk": index,
-            "rows": spec.rows,
-            "first_row": spec.first_row,
-            "attempt": 1,
-        },
+        meta=jobmeta.initial(manifest.run_id, index, spec.rows, spec.first_row),
     )

@@ -16,6 +16,7 @@ from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegist
 from rq.serializers import JSONSerializer
 from rq.utils import str_to_date
 
+from jobs import jobmeta
 from jobs.specs import chunk_job_id
 from jobs.store import RunLayout
 from supervisor.enqueue import chunk_queue, job_statuses
@@ -94,12 +95,12 @@ def _failure(job: Job, index: int, manifest: RunManifest) -> Failure:
         first_row=manifest.first_row(index),
         rows=manifest.chunk_rows(index),
         job_id=job.id,
-        error_class=str(meta.get("error_class", "other")),
-        attempt=int(meta.get("attempt", 1)),
-        error=str(meta.get("error") or (lines[-1] if lines else "(no traceback recorded)")),
+        error_class=jobmeta.error_class(meta),
+        attempt=jobmeta.attempt(meta),
+        error=str(meta.get(jobmeta.ERROR) or (lines[-1] if lines else "(no traceback recorded)")),
         traceback=text,
-        quarantined=bool(meta.get("quarantined")),
-        reason=str(meta.get("quarantine_reason", "")),
+        quarantined=jobmeta.quarantined(meta),
+        reason=str(meta.get(jobmeta.QUARANTINE_REASON, "")),
     )
 
 

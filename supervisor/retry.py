@@ -16,7 +16,7 @@ from rq.job import Job
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
-from jobs import errors
+from jobs import errors, jobmeta
 
 log = logging.getLogger(__name__)
 
@@ -49,25 +49,27 @@ def settle_failure(
     """Act on one failed chunk job: 'quarantined', 'waiting' (back-off) or 'requeued'."""
     now = time.time() if now is None else now
     meta = job.meta
-    if meta.get("quarantined"):
+    if jobmeta.quarantined(meta):
         return "quarantined"
-    attempt = int(meta.get("attempt", 1))
-    error_class = str(meta.get("error_class", errors.OTHER))
+    attempt = jobmeta.attempt(meta)
+    error_class = jobmeta.error_class(meta)
     reason = policy.quarantine_reason(error_class, attempt)
     if reason is not None:
-        meta.update(quarantined=True, quarantine_reason=reason)
+        meta.update({jobmeta.QUARANTINED: True, jobmeta.QUARANTINE_REASON: reason})
         job.save_meta()  # type: ignore[no-untyped-call]
-        log.error("chunk job %s quarantined: %s; last error: %s", job.id, reason, meta.get("error", "?"))
+        log.error(
+            "chunk job %s quarantined: %s; last error: %s", job.id, reason, meta.get(jobmeta.ERROR, "?")
+        )
         return "quarantined"
-    if "retry_at" not in meta:
-        meta["retry_at"] = now + policy.delay(attempt, rng, error_class)
+    if jobmeta.RETRY_AT not in meta:
+        meta[jobmeta.RETRY_AT] = now + policy.delay(attempt, rng, error_class)
         job.save_meta()  # type: ignore[no-untyped-call]
         log.warning("chunk job %s failed (%s, attempt %d); retrying in %.1f s",
-                    job.id, error_class, attempt, meta["retry_at"] - now)  # fmt: skip
-    if float(meta["retry_at"]) > now:
+                    job.id, error_class, attempt, meta[jobmeta.RETRY_AT] - now)  # fmt: skip
+    if float(meta[jobmeta.RETRY_AT]) > now:
         return "waiting"
-    meta["attempt"] = attempt + 1
-    meta.pop("retry_at", None)
+    meta[jobmeta.ATTEMPT] = attempt + 1
+    meta.pop(jobmeta.RETRY_AT, None)
     job.save_meta()  # type: ignore[no-untyped-call]
     FailedJobRegistry(job.origin, connection=connection, serializer=JSONSerializer).requeue(job.id)
     log.info("chunk job %s: attempt %d queued", job.id, attempt + 1)

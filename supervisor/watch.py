@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import redis
 from rq.job import Job
 
+from jobs import jobmeta
 from jobs.abandon import mark_abandoned
 from jobs.errors import ChunkqError
 from jobs.queueing import give_back
@@ -132,14 +133,14 @@ class Supervisor:
                     self.manifest.run_id, stranded)  # fmt: skip
 
     def _settle(self, index: int, job: Job) -> None:
-        already = bool(job.meta.get("quarantined"))
-        attempt = int(job.meta.get("attempt", 1))
+        already = jobmeta.quarantined(job.meta)
+        attempt = jobmeta.attempt(job.meta)
         outcome = settle_failure(self.connection, job, self.settings.policy, self.rng)
-        reason = str(job.meta.get("quarantine_reason", "")) if outcome == "quarantined" else None
+        reason = str(job.meta.get(jobmeta.QUARANTINE_REASON, "")) if outcome == "quarantined" else None
         self.recorder.record(FailedAttempt.from_job(job, index, attempt, reason))
         if self.metrics is not None:
             new = "quarantined_now" if outcome == "quarantined" and not already else outcome
-            self.metrics.settled(new, str(job.meta.get("error_class", "other")))
+            self.metrics.settled(new, jobmeta.error_class(job.meta))
 
 
 T = TypeVar("T")

@@ -1,0 +1,48 @@
+"""The job contract: what a chunk's RQ job carries in its meta, one name per key.
+
+Written by submit (run, chunk, rows, first row, attempt), the worker (who runs it; the error class
+and first 500 characters of the error when it fails), the pool and supervisor (abandoned), and the
+supervisor's retry policy (retry_at, quarantined, quarantine_reason, the next attempt). Read by the
+supervisor, the dashboard's users and ``chunkq status``. Nothing else belongs in it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jobs.errors import OTHER
+
+RUN_ID = "run_id"
+CHUNK = "chunk"
+ROWS = "rows"
+FIRST_ROW = "first_row"
+ATTEMPT = "attempt"  # 1-based; the retry policy counts it up when it queues the next
+WORKER, HOST, DEVICE, GPU = "worker", "host", "device", "gpu"
+ERROR_CLASS = "error_class"  # one of jobs.errors' classes
+ERROR = "error"
+ERROR_CHARS = 500
+RETRY_AT = "retry_at"  # epoch seconds before which the next attempt waits (back-off)
+QUARANTINED = "quarantined"
+QUARANTINE_REASON = "quarantine_reason"
+RETRY_STATE = (QUARANTINED, QUARANTINE_REASON, RETRY_AT)  # cleared when a user submits again
+
+
+def initial(run_id: str, chunk: int, rows: int, first_row: int) -> dict[str, Any]:
+    return {RUN_ID: run_id, CHUNK: chunk, ROWS: rows, FIRST_ROW: first_row, ATTEMPT: 1}
+
+
+def failed(meta: dict[str, Any], error_class: str, error: str) -> None:
+    meta[ERROR_CLASS] = error_class
+    meta[ERROR] = error[:ERROR_CHARS]
+
+
+def attempt(meta: dict[str, Any]) -> int:
+    return int(meta.get(ATTEMPT, 1))
+
+
+def error_class(meta: dict[str, Any]) -> str:
+    return str(meta.get(ERROR_CLASS, OTHER))
+
+
+def quarantined(meta: dict[str, Any]) -> bool:
+    return bool(meta.get(QUARANTINED))
