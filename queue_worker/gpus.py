@@ -213,3 +213,23 @@ def auto_workers_per_gpu(gpus: list[GpuInfo], cpu_cores: int, weights: int | Non
         f"{(CONTEXT_BYTES + ACTIVATION_BYTES) / 2**30:.1f} GiB each); at most {AUTO_MAX_WORKERS}"
     )
     return max(1, n), why
+
+
+def resolve_workers_per_gpu(value: str, gpus: list[GpuInfo], preload: str | None, precision: str) -> int:
+    """``--workers-per-gpu``: a number as given, or ``auto`` worked out for these GPUs and this model."""
+    if value != AUTO:
+        return int(value)
+    from jobs.models import default_model, resolve_model
+
+    try:
+        path: str | None = resolve_model(preload or default_model())
+    except ConfigError:
+        path = None
+    workers, why = auto_workers_per_gpu(gpus, os.cpu_count() or 1, model_bytes(path, precision))
+    log.info("workers per GPU: auto means %d (%s)", workers, why)
+    return workers
+
+
+def choose(spec: str, min_free_memory: str, busy: str) -> list[GpuInfo]:
+    """The GPUs a pool uses: ``--gpus``, less those short of memory or (with ``skip``) busy."""
+    return usable(select(spec, discover()), parse_size(min_free_memory), skip_busy=busy == "skip")

@@ -14,12 +14,11 @@ import logging
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import FrameType
 
 import redis
@@ -30,28 +29,19 @@ from jobs.abandon import forget_worker, mark_abandoned, running_job_ids
 from queue_worker import exit_codes
 from queue_worker.fork_server import MODEL_ENV as FORK_SERVER_MODEL_ENV
 from queue_worker.fork_server import ForkedWorker, ForkServer, ForkServerError
-from queue_worker.gpus import GpuInfo, cpu_threads_per_worker, worker_environment
+from queue_worker.gpus import GpuInfo, cpu_threads_per_worker, resolve_workers_per_gpu, worker_environment
 from queue_worker.lifeline import PARENT_PID_ENV, die_with_parent
 from queue_worker.metrics import PoolMetrics, serve
+from queue_worker.settings import PoolSettings, worker_argv
 from queue_worker.standby import NOTIFY_FD_ENV, WAIT_FOR_PID_ENV, parse_announcements
-from queue_worker.worker import DEFAULT_QUEUE
 
 log = logging.getLogger(__name__)
 
 WorkerProcess = subprocess.Popen[bytes] | ForkedWorker
 
 POLL_SECONDS = 0.2
-# A recycle costs a young process's slower first chunk and the hand-over: about 0.5-0.7 s on an H100
-# (issue 15), so 600 s of work keeps it near 0.1 %. A broken CUDA context does not wait for it: a
-# fatal error exits at once.
-DEFAULT_RECYCLE_AFTER = 600.0
 WATCHDOG_SECONDS = 2.0
 REDIS_BACKOFF_CAP = 60.0  # seconds between workers of a slot while Redis stays away
-HUNG_GRACE_SECONDS = 30.0  # past the job timeout, before a busy worker is taken for hung
-
-
-def default_pool_name() -> str:
-    return f"pool-{socket.gethostname()}-{os.getpid()}"
 
 
 def jittered_max_jobs(max_jobs: int | None, fraction: float, rng: random.Random) -> int | None:
@@ -60,34 +50,6 @@ def jittered_max_jobs(max_jobs: int | None, fraction: float, rng: random.Random)
         return None
     spread = round(max_jobs * fraction)
     return max(1, max_jobs + rng.randint(-spread, spread))
-
-
-@dataclass(frozen=True)
-class PoolSettings:
-    """Everything a pool needs; read once from CLI flags and CHUNKQ_* variables."""
-
-    redis_url: str
-    queue: str = DEFAULT_QUEUE
-    workers_per_gpu: int = 1
-    cpu_workers: int = 1
-    max_jobs: int | None = None
-    recycle_after: float | None = DEFAULT_RECYCLE_AFTER  # seconds of work, then a fresh process
-    max_jobs_jitter: float = 0.1  # each worker's max-jobs and recycle-after vary by up to this fraction
-    preload: str | None = None
-    store: str | None = None  # the store workers serve; None: theirs from CHUNKQ_STORE or the default
-    allowed_models: tuple[str, ...] = ()  # models jobs may ask for beside the bundled one and preload
-    precision: str = "fp32"
-    name: str = field(default_factory=default_pool_name)
-    log_level: str = "INFO"
-    restart_delay: float = 1.0  # after an unexpected exit, so a crashing worker cannot spin
-    kill_grace: float = 10.0  # after a second signal, before SIGKILL
-    crash_limit: int = 5  # a GPU whose workers die this many times ...
-    crash_window: float = 300.0  # ... within this many seconds is taken out of the pool
-    hung_grace: float = HUNG_GRACE_SECONDS
-    standby: bool = True  # start each replacement while its predecessor runs its last chunk
-    fork_server: bool = True  # fork workers from a process that has imported torch (queue_worker.fork_server)
-    no_nvml: bool = False  # PYTORCH_NO_NVML=1 in GPU workers
-    metrics_port: int | None = None  # serve Prometheus metrics on 127.0.0.1:<port> (0: any free port)
 
 
 @dataclass
@@ -116,11 +78,10 @@ class Pool:
     def __init__(self, settings: PoolSettings, gpus: list[GpuInfo], rng: random.Random | None = None) -> None:
         self.settings = settings
         if gpus:
-            self.slots = [
-                Slot(key=f"gpu{gpu.index}-w{n}", gpu=gpu)
-                for gpu in gpus
-                for n in range(settings.workers_per_gpu)
-            ]
+            per_gpu = resolve_workers_per_gpu(
+                settings.workers_per_gpu, gpus, settings.preload, settings.precision
+            )
+            self.slots = [Slot(key=f"gpu{gpu.index}-w{n}", gpu=gpu) for gpu in gpus for n in range(per_gpu)]
         else:
             self.slots = [Slot(key=f"cpu-w{n}", gpu=None) for n in range(settings.cpu_workers)]
         self.connection = redis.Redis.from_url(settings.redis_url)
@@ -142,22 +103,13 @@ class Pool:
         self._signals += 1
 
     def _command(self, name: str) -> list[str]:
-        cmd = [sys.executable, "-m", "queue_worker.worker", "--queue", self.settings.queue, "--name", name]
-        cmd += ["--log-level", self.settings.log_level, "--precision", self.settings.precision]
-        max_jobs = jittered_max_jobs(self.settings.max_jobs, self.settings.max_jobs_jitter, self.rng)
-        if max_jobs is not None:
-            cmd += ["--max-jobs", str(max_jobs)]
-        if self.settings.recycle_after:
-            spread = self.settings.max_jobs_jitter
-            seconds = self.settings.recycle_after * (1 + self.rng.uniform(-spread, spread))
-            cmd += ["--recycle-after", f"{seconds:.1f}"]
-        if self.settings.preload:
-            cmd += ["--preload", self.settings.preload]
-        if self.settings.store:
-            cmd += ["--store", self.settings.store]
-        for model in self.settings.allowed_models:
-            cmd += ["--allow-model", model]
-        return cmd
+        spread = self.settings.max_jobs_jitter
+        jittered = {
+            "max_jobs": jittered_max_jobs(self.settings.max_jobs, spread, self.rng),
+            "recycle_after": round(self.settings.recycle_after * (1 + self.rng.uniform(-spread, spread)), 1),
+        }
+        argv = worker_argv(self.settings, **jittered)
+        return [sys.executable, "-m", "queue_worker.worker", "--name", name, *argv]
 
     def _spawn(self, slot: Slot, wait_for: int | None = None) -> tuple[WorkerProcess, str, int]:
         slot.generation += 1

@@ -44,12 +44,10 @@ from queue_worker.exit_codes import (
     EXIT_STOPPED,
 )
 from queue_worker.lifeline import PARENT_PID_ENV
+from queue_worker.settings import add_worker_arguments
 from queue_worker.standby import announce_last_job, announce_model_loaded, wait_for_predecessor
 
 log = logging.getLogger(__name__)
-
-DEFAULT_QUEUE = "chunkq"
-
 
 HEARTBEAT_SECONDS = 5.0
 STOP_POLL_SECONDS = 1  # the longest an idle worker waits for a job before it looks for a stop
@@ -211,26 +209,15 @@ class ChunkWorker(SimpleWorker):
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m queue_worker.worker")
-    parser.add_argument("--queue", default=DEFAULT_QUEUE)
-    parser.add_argument("--max-jobs", type=int, default=None)
-    parser.add_argument("--recycle-after", type=float, default=None, help="seconds of work, then exit")
     parser.add_argument("--name", default=None)
-    parser.add_argument("--preload", default=None, help="model reference to load before the first job")
-    parser.add_argument("--precision", default="fp32")
-    parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--burst", action="store_true", help="exit once the queue is empty")
-    parser.add_argument(
-        "--store",
-        default=os.environ.get("CHUNKQ_STORE", "chunkq-store"),
-        help="the one store this worker serves; jobs naming another are refused",
-    )
-    parser.add_argument(
-        "--allow-model",
-        action="append",
-        default=[m for m in os.environ.get("CHUNKQ_ALLOWED_MODELS", "").split(",") if m],
-        help="a model jobs may ask for, beside the bundled one and --preload ('*': any; unsafe)",
-    )
-    return parser.parse_args(argv)
+    add_worker_arguments(parser)  # queue, max jobs, recycle-after, preload, precision, store, models...
+    args = parser.parse_args(argv)
+    # Started by hand rather than by a pool: the store and models from the environment, like the CLI.
+    args.store = args.store or os.environ.get("CHUNKQ_STORE", "chunkq-store")
+    args.allowed_models += [m for m in os.environ.get("CHUNKQ_ALLOWED_MODELS", "").split(",") if m]
+    args.recycle_after = args.recycle_after or None  # 0: never by time
+    return args
 
 
 def _context(name: str, args: argparse.Namespace) -> runtime.WorkerContext:
@@ -247,7 +234,7 @@ def _context(name: str, args: argparse.Namespace) -> runtime.WorkerContext:
                 f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}); refusing to run on the CPU"
             )
         device, kind = "cuda:0", torch.cuda.get_device_name(0)  # the one GPU left visible
-    allowed = {models.BUNDLED_MODEL, *args.allow_model, *([args.preload] if args.preload else [])}
+    allowed = {models.BUNDLED_MODEL, *args.allowed_models, *([args.preload] if args.preload else [])}
     return runtime.WorkerContext(
         name=name,
         host=socket.gethostname(),

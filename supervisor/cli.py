@@ -21,14 +21,14 @@ import redis
 
 from jobs import errors
 from jobs.errors import AssemblyError, BadInputError, ChunkqError, ConfigError, RunConflictError
-from jobs.models import default_model, resolve_model
+from jobs.models import default_model
 from jobs.nopickle import forbid_pickle
 from jobs.specs import PRECISIONS, EncodeOptions
 from jobs.storage import is_local, open_store
 from jobs.store import RunLayout, read_json
 from queue_worker import gpus as gpu_discovery
-from queue_worker.pool import DEFAULT_RECYCLE_AFTER, Pool, PoolSettings, default_pool_name
-from queue_worker.worker import DEFAULT_QUEUE
+from queue_worker.pool import Pool
+from queue_worker.settings import DEFAULT_QUEUE, PoolSettings
 from supervisor.assemble import assemble, result_damage
 from supervisor.attempts import describe_attempts, failed_attempts, to_json
 from supervisor.corpus import FORMATS, CorpusOptions, detect_format
@@ -38,6 +38,7 @@ from supervisor.display import ProgressDisplay, describe
 from supervisor.doctor import examine, render
 from supervisor.lock import RunLockedError
 from supervisor.manifest import load_manifest
+from supervisor.options import pool_setting_options, pool_settings, pop_pool_values
 from supervisor.progress import Tracker
 from supervisor.report import write_report
 from supervisor.retry import RetryPolicy
@@ -213,80 +214,16 @@ def _batch_tokens_value(ctx: click.Context, param: click.Parameter, value: str |
     raise click.BadParameter(f"{value!r}: give a number of tokens (1 or more) or 'auto'")
 
 
-def _workers_per_gpu_value(ctx: click.Context, param: click.Parameter, value: str) -> str:
-    if value == gpu_discovery.AUTO or (value.isdigit() and int(value) >= 1):
-        return value
-    raise click.BadParameter(f"{value!r}: give a number of workers (1 or more) or 'auto'")
-
-
-def _resolve_workers_per_gpu(value: str, gpus: list[gpu_discovery.GpuInfo], preload: str | None,
-                             precision: str) -> int:  # fmt: skip
-    if value != gpu_discovery.AUTO:
-        return int(value)
-    try:
-        path = resolve_model(preload or default_model())
-    except ConfigError:
-        path = None
-    weights = gpu_discovery.model_bytes(path, precision)
-    workers, why = gpu_discovery.auto_workers_per_gpu(gpus, os.cpu_count() or 1, weights)
-    log.info("workers per GPU: auto means %d (%s)", workers, why)
-    return workers
-
-
-def pool_options(func: F) -> F:
-    options = [
-        click.option(
-            "--gpus", default="all", envvar="CHUNKQ_GPUS", show_default=True, help="all, none or 0,2"
-        ),
-        click.option("--workers-per-gpu", default=gpu_discovery.AUTO, envvar="CHUNKQ_WORKERS_PER_GPU",
-                     show_default=True, callback=_workers_per_gpu_value,
-                     help="Workers sharing each GPU, or 'auto': as many as the CPU cores per GPU feed "
-                          "and GPU memory holds, at most 4 (logged with the reason)."),
-        click.option(
-            "--cpu-workers",
-            type=click.IntRange(1),
-            default=1,
-            show_default=True,
-            help="Workers when no GPU is used.",
-        ),
-        click.option(
-            "--max-jobs",
-            type=click.IntRange(1),
-            default=None,
-            envvar="CHUNKQ_MAX_JOBS",
-            help="Chunks a worker runs before it exits and a fresh process replaces it (default: no "
-            "count; --recycle-after decides).",
-        ),
-        click.option(
-            "--recycle-after",
-            type=click.FloatRange(0),
-            default=DEFAULT_RECYCLE_AFTER,
-            envvar="CHUNKQ_RECYCLE_AFTER",
-            show_default=True,
-            help="Seconds of work after which a worker exits at the end of its chunk and a fresh process "
-            "replaces it (0: never by time). A broken CUDA context does not wait: it exits at once.",
-        ),
-        click.option("--max-jobs-jitter", type=click.FloatRange(0, 0.9), default=0.1, show_default=True,
-                     help="Each worker's max-jobs varies by up to this fraction, so reloads are staggered."),
-        click.option("--crash-limit", type=click.IntRange(1), default=5, show_default=True,
-                     help="Worker deaths on one GPU within --crash-window that take it out of the pool."),
-        click.option("--crash-window", type=float, default=300.0, show_default=True, help="Seconds."),
-        click.option("--min-free-memory", default="0", show_default=True, envvar="CHUNKQ_MIN_FREE_MEMORY",
-                     help="Skip GPUs with less free memory than this (e.g. 8GiB)."),
-        click.option("--busy-gpus", type=click.Choice(["use", "skip"]), default="use", show_default=True,
-                     help="What to do with GPUs other processes are using (they are reported either way)."),
-        click.option("--no-nvml", is_flag=True, help="Set PYTORCH_NO_NVML=1 in GPU workers."),
-        click.option("--standby/--no-standby", default=True, show_default=True,
-                     help="Start each replacement worker while its predecessor runs its last chunk."),
-        click.option("--fork-server/--no-fork-server", default=True, show_default=True,
-                     help="Fork each worker from a process that has imported torch (saves ~5 s of CPU "
-                          "per worker); off: a fresh interpreter each time."),
-        click.option("--hung-grace", type=float, default=30.0, show_default=True,
-                     help="Seconds past a job's timeout before its worker is killed as hung."),
-    ]  # fmt: skip
-    for option in reversed(options):
-        func = option(func)
-    return func
+# What chunkq run decides for its pool itself, from its own options and its embedded Redis.
+RUN_DECIDES_FOR_THE_POOL = (
+    "queue",
+    "store",
+    "preload",
+    "precision",
+    "name",
+    "metrics_port",
+    "allowed_models",
+)
 
 
 def watch_options(func: F) -> F:
@@ -392,62 +329,23 @@ def submit_cmd(corpus: Path, redis_url: str, **kw: Any) -> None:
 
 
 @cli.command("pool")
-@pool_options
-@click.option("--preload", default=None, help="Model each worker loads before its first job.")
-@click.option("--precision", type=click.Choice(PRECISIONS), default="fp32")
-@click.option("--name", default=None, help="Pool name (prefix of its worker names).")
-@click.option(
-    "--allow-model",
-    "allowed_models",
-    multiple=True,
-    envvar="CHUNKQ_ALLOWED_MODELS",
-    callback=lambda ctx, param, values: tuple(m for v in values for m in v.split(",") if m),
-    help="A model jobs may ask for, beside the bundled one and --preload (repeatable; '*': any, unsafe).",
-)
-@click.option(
-    "--metrics-port",
-    type=click.IntRange(0, 65535),
-    default=None,
-    envvar="CHUNKQ_POOL_METRICS_PORT",
-    help="Serve the pool's Prometheus metrics on 127.0.0.1:PORT.",
-)
+@pool_setting_options()
+@click.option("--settings-json", envvar="CHUNKQ_POOL_SETTINGS_JSON", hidden=True,
+              help="Every setting at once, as chunkq run hands them to its pool.")  # fmt: skip
 @store_option
 @queue_option
 @redis_option(required=True)
 @reports_errors
-def pool_cmd(redis_url: str, gpus: str, name: str | None, **kw: Any) -> None:
+def pool_cmd(redis_url: str, store: Path, queue: str, settings_json: str | None, **kw: Any) -> None:
     """Run fresh worker processes on this host's GPUs (or CPU) until signalled."""
-    chosen = gpu_discovery.usable(
-        gpu_discovery.select(gpus, gpu_discovery.discover()),
-        gpu_discovery.parse_size(kw.pop("min_free_memory")),
-        skip_busy=kw.pop("busy_gpus") == "skip",
-    )
+    if settings_json:
+        settings = PoolSettings.from_json(settings_json)
+    else:
+        log_level = click.get_current_context().obj["log_level"]
+        settings = pool_settings(kw, redis_url=redis_url, store=str(store), queue=queue, log_level=log_level)
+    chosen = gpu_discovery.choose(settings.gpus, settings.min_free_memory, settings.busy_gpus)
     if not chosen:
-        log.info("no GPU in use; running %d CPU worker(s)", kw["cpu_workers"])
-    settings = PoolSettings(
-        redis_url=redis_url,
-        queue=kw["queue"],
-        workers_per_gpu=_resolve_workers_per_gpu(
-            kw["workers_per_gpu"], chosen, kw["preload"], kw["precision"]
-        ),
-        cpu_workers=kw["cpu_workers"],
-        max_jobs=kw["max_jobs"],
-        recycle_after=kw["recycle_after"] or None,
-        max_jobs_jitter=kw["max_jobs_jitter"],
-        crash_limit=kw["crash_limit"],
-        crash_window=kw["crash_window"],
-        hung_grace=kw["hung_grace"],
-        standby=kw["standby"],
-        fork_server=kw["fork_server"],
-        no_nvml=kw["no_nvml"],
-        preload=kw["preload"],
-        store=str(kw["store"]),
-        allowed_models=tuple(kw["allowed_models"]),
-        metrics_port=kw["metrics_port"],
-        precision=kw["precision"],
-        name=name or default_pool_name(),
-        log_level=click.get_current_context().obj["log_level"],
-    )
+        log.info("no GPU in use; running %d CPU worker(s)", settings.cpu_workers)
     sys.exit(Pool(settings, chosen).run())
 
 
@@ -567,45 +465,29 @@ def assemble_cmd(run_id: str, store: Path, verify: bool) -> None:
 
 @cli.command("run")
 @submit_options
-@pool_options
+@pool_setting_options(exclude=RUN_DECIDES_FOR_THE_POOL)
 @watch_options
 @redis_option(required=False)
 @reports_errors
 def run_cmd(
-    corpus: Path,
-    redis_url: str | None,
-    gpus: str,
-    workers_per_gpu: str,
-    cpu_workers: int,
-    max_jobs: int,
-    poll: float,
-    max_attempts: int,
-    allow_partial: bool,
-    **kw: Any,
+    corpus: Path, redis_url: str | None, poll: float, max_attempts: int, allow_partial: bool, **kw: Any
 ) -> None:
     """Everything on this machine: embedded Redis (unless --redis-url), pool, submit, supervise, assemble."""
-    pool_args = tuple(
-        arg for name in ("max_jobs_jitter", "crash_limit", "crash_window", "hung_grace", "recycle_after")
-        for arg in (f"--{name.replace('_', '-')}", str(kw.pop(name)))
-    ) + (("--standby",) if kw.pop("standby") else ("--no-standby",))  # fmt: skip
-    pool_args += ("--min-free-memory", kw.pop("min_free_memory"), "--busy-gpus", kw.pop("busy_gpus"))
-    pool_args += ("--no-nvml",) if kw.pop("no_nvml") else ()
-    pool_args += ("--fork-server",) if kw.pop("fork_server") else ("--no-fork-server",)
     metrics_port, wait = kw.pop("metrics_port"), kw.pop("wait")
-    if metrics_port is not None:
-        pool_args += ("--metrics-port", str(metrics_port + 1 if metrics_port else 0))
+    pool = pool_settings(
+        pop_pool_values(kw),
+        metrics_port=None if metrics_port is None else (metrics_port + 1 if metrics_port else 0),
+    )
     req = RunRequest(
         submit=_submit_request(corpus, **kw),
         redis_url=redis_url,
-        gpus=gpus,
-        workers_per_gpu=workers_per_gpu,
-        cpu_workers=cpu_workers,
-        max_jobs=max_jobs,
+        pool=pool,
         watch=_watch_settings(poll, max_attempts, allow_partial, metrics_port, wait),
-        pool_args=pool_args,
     )
-    if gpus not in ("all", "none", "cpu"):
-        gpu_discovery.select(gpus, gpu_discovery.discover())  # refuse a missing GPU before starting anything
+    if pool.gpus not in ("all", "none", "cpu"):
+        gpu_discovery.select(
+            pool.gpus, gpu_discovery.discover()
+        )  # refuse a missing GPU before starting anything
     with ProgressDisplay() as display:
         outcome: RunOutcome = run(req, display)
     layout = RunLayout(req.submit.store, outcome.submitted.run_id)

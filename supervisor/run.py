@@ -9,7 +9,7 @@ import os
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import TracebackType
 
@@ -18,6 +18,7 @@ import redis
 from jobs.storage import is_local
 from jobs.store import RunLayout
 from queue_worker.lifeline import die_with_parent
+from queue_worker.settings import PoolSettings
 from supervisor.assemble import published_result
 from supervisor.display import ProgressDisplay
 from supervisor.embedded_redis import EmbeddedRedis
@@ -35,12 +36,8 @@ POOL_STOP_SECONDS = 120.0  # workers finish the chunk in hand; after assembly th
 class RunRequest:
     submit: SubmitRequest
     redis_url: str | None = None
-    gpus: str = "all"
-    workers_per_gpu: str = "auto"  # a number, or auto (the pool resolves it)
-    cpu_workers: int = 1
-    max_jobs: int | None = None
+    pool: PoolSettings = field(default_factory=PoolSettings)  # run fills in Redis, queue, store, model
     watch: WatchSettings = field(default_factory=WatchSettings)  # wait_for_owner: --wait
-    pool_args: tuple[str, ...] = ()  # extra `chunkq pool` options (crash limits, jitter)
 
 
 @dataclass
@@ -55,32 +52,18 @@ class PoolProcess:
 
     def __init__(self, req: RunRequest, redis_url: str, log_path: Path | None = None) -> None:
         sub = req.submit
-        self.cmd = [
-            sys.executable,
-            "-m",
-            "supervisor.cli",
-            "--log-level",
-            logging.getLevelName(logging.getLogger().getEffectiveLevel()),
-            "pool",
-            "--gpus",
-            req.gpus,
-            "--queue",
-            sub.queue,
-            "--workers-per-gpu",
-            req.workers_per_gpu,
-            "--cpu-workers",
-            str(req.cpu_workers),
-            "--preload",
-            sub.model,
-            "--precision",
-            sub.encode.precision,
-            "--store",
-            str(sub.store),
-        ]
-        if req.max_jobs is not None:
-            self.cmd += ["--max-jobs", str(req.max_jobs)]
-        self.cmd += list(req.pool_args)
-        self.env = dict(os.environ, CHUNKQ_REDIS_URL=redis_url)
+        settings = replace(
+            req.pool,
+            redis_url=redis_url,
+            queue=sub.queue,
+            preload=sub.model,
+            precision=sub.encode.precision,
+            store=str(sub.store),
+            log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()),
+        )
+        self.cmd = [sys.executable, "-m", "supervisor.cli", "--log-level", settings.log_level, "pool"]
+        # Whole, in the environment: the Redis password stays off the command line.
+        self.env = dict(os.environ, CHUNKQ_POOL_SETTINGS_JSON=settings.to_json())
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
 

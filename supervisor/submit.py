@@ -20,7 +20,7 @@ from jobs.errors import ConfigError, CorpusError, RunConflictError
 from jobs.specs import FORMAT_VERSION, EncodeOptions, fingerprint, validate_run_id
 from jobs.storage import local_scratch, remove_tree
 from jobs.store import RunLayout, atomic_write_json, file_sha256, write_chunk_input
-from queue_worker.worker import DEFAULT_QUEUE
+from queue_worker.settings import DEFAULT_QUEUE
 from supervisor.assemble import set_aside
 from supervisor.corpus import CorpusOptions, Record, check_readable, read_corpus
 from supervisor.dupes import IdRegistry

@@ -68,12 +68,14 @@ def test_missing_and_corrupt_chunks_are_all_named(encoded_run: Any) -> None:
     npy.write_bytes(bytes(raw))
     with pytest.raises(AssemblyError) as caught:
         assemble(layout)
+    moved = f"; moved to {layout.damaged_outputs}, the next run encodes it again"
     assert caught.value.problems == [
-        "chunk 1 (rows 10-19): 000001.npy missing",
-        "chunk 3 (rows 30-39): output metadata missing",
-        "chunk 4 (rows 40-46): 000004.npy checksum does not match its metadata",
+        "chunk 1 (rows 10-19): 000001.npy missing" + moved,
+        "chunk 3 (rows 30-39): output metadata missing" + moved,
+        "chunk 4 (rows 40-46): 000004.npy checksum does not match its metadata" + moved,
     ]
     assert not layout.result.exists()
+    assert layout.done_chunks() == {0, 2}  # set aside: none of them counts as done any more
     _reencode(layout, 1, 3, 4)
     assert assemble(layout)["rows"] == 47
 

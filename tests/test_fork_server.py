@@ -27,7 +27,8 @@ from jobs.store import RunLayout, read_json
 from queue_worker import exit_codes
 from queue_worker.fork_server import MODEL_ENV, ForkServer, ForkServerError
 from queue_worker.gpus import GpuInfo
-from queue_worker.pool import Pool, PoolSettings
+from queue_worker.pool import Pool
+from queue_worker.settings import PoolSettings
 from supervisor.corpus import CorpusOptions
 from supervisor.submit import SubmitRequest, SubmitResult, submit
 from tests.helpers import (

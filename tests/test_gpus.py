@@ -100,8 +100,13 @@ def test_doctor_on_a_machine_without_gpus(tmp_path: Path, redis_url: str) -> Non
 
 def test_workers_per_gpu_auto_resolves_to_a_number_and_says_why(caplog: pytest.LogCaptureFixture) -> None:
     from jobs.models import BUNDLED_MODEL, resolve_model
-    from queue_worker.gpus import AUTO_MAX_WORKERS, GpuInfo, auto_workers_per_gpu, model_bytes
-    from supervisor.cli import _resolve_workers_per_gpu
+    from queue_worker.gpus import (
+        AUTO_MAX_WORKERS,
+        GpuInfo,
+        auto_workers_per_gpu,
+        model_bytes,
+        resolve_workers_per_gpu,
+    )
 
     gib = 1 << 30
     h100 = GpuInfo(
@@ -118,8 +123,8 @@ def test_workers_per_gpu_auto_resolves_to_a_number_and_says_why(caplog: pytest.L
     assert workers == 3 and "12.0 GiB free" in why and "holds 3" in why
     assert auto_workers_per_gpu([], 16, minilm)[0] == 1
     expected, _ = auto_workers_per_gpu([h100], os.cpu_count() or 1, minilm)
-    with caplog.at_level(logging.INFO, logger="chunkq"):
-        assert _resolve_workers_per_gpu("auto", [h100], BUNDLED_MODEL, "fp32") == expected
-        assert _resolve_workers_per_gpu("2", [h100], BUNDLED_MODEL, "fp32") == 2
+    with caplog.at_level(logging.INFO, logger="queue_worker.gpus"):
+        assert resolve_workers_per_gpu("auto", [h100], BUNDLED_MODEL, "fp32") == expected
+        assert resolve_workers_per_gpu("2", [h100], BUNDLED_MODEL, "fp32") == 2
     assert f"workers per GPU: auto means {expected} ({os.cpu_count()} CPU cores for 1 GPU(s)" in caplog.text
     assert caplog.text.count("auto means") == 1  # a number given is used as it is

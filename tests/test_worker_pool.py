@@ -257,7 +257,8 @@ def test_an_idle_worker_still_stops_on_a_signal(connection: redis.Redis) -> None
 def test_workers_that_keep_losing_redis_are_restarted_ever_more_slowly(redis_url: str) -> None:
     """A Redis outage must not become a respawn every second (130 workers in five minutes, seen)."""
     from queue_worker import exit_codes
-    from queue_worker.pool import REDIS_BACKOFF_CAP, Pool, PoolSettings, Slot
+    from queue_worker.pool import REDIS_BACKOFF_CAP, Pool, Slot
+    from queue_worker.settings import PoolSettings
 
     pool = Pool(PoolSettings(redis_url=redis_url, restart_delay=1.0), [])
     slot = Slot(key="cpu-w0", gpu=None)

@@ -1,0 +1,208 @@
+"""Every pool and worker setting, written once: its default, flag, environment variable, help, and
+whether each worker gets it on its command line.
+
+``PoolSettings`` is the schema. From its fields' metadata come the ``chunkq pool`` options (and the
+pool options of ``chunkq run``: ``supervisor/options.py``), the worker's command line (``worker_argv``)
+and parser (``add_worker_arguments``), and the settings ``chunkq run`` hands its pool whole, as JSON
+(``to_json``/``from_json``). compose.yaml sets the same ``CHUNKQ_*`` variables; a test checks that
+each one it sets is here. A new pool option is one field below, plus its test and its line in the
+README.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Any
+
+from jobs.specs import PRECISIONS
+
+DEFAULT_QUEUE = "chunkq"
+# A recycle costs a young process's slower first chunk and the hand-over: about 0.5-0.7 s on an H100
+# (issue 15), so 600 s of work keeps it near 0.1 %. A broken CUDA context does not wait for it: a
+# fatal error exits at once.
+DEFAULT_RECYCLE_AFTER = 600.0
+HUNG_GRACE_SECONDS = 30.0  # past the job timeout, before a busy worker is taken for hung
+ENV_PREFIX = "CHUNKQ_"
+
+
+@dataclass(frozen=True)
+class Meta:
+    """How a setting reaches the pool: ``kind`` is str, int, float, flag (--x/--no-x), choice or list."""
+
+    help: str
+    kind: str = "str"
+    env: str | None = ""  # "": CHUNKQ_<NAME>; None: no environment variable
+    cli: bool = True  # a ``chunkq pool`` option (False: set by code, or by a shared option)
+    worker: bool = False  # each worker gets it as its flag (lists: the flag once per item)
+    flag: str = ""  # "": --<name>
+    choices: tuple[str, ...] = ()
+    low: float | None = None
+    high: float | None = None
+
+    def env_name(self, name: str) -> str | None:
+        return None if self.env is None else (self.env or ENV_PREFIX + name.upper())
+
+
+def setting(default: Any, help: str, **meta: Any) -> Any:
+    """A field of the schema; ``default`` may be a zero-argument callable (a fresh value each time)."""
+    info = {"chunkq": Meta(help, **meta)}
+    if callable(default):
+        return field(default_factory=default, metadata=info)
+    return field(default=default, metadata=info)
+
+
+def default_pool_name() -> str:
+    return f"pool-{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass(frozen=True)
+class PoolSettings:
+    """Everything a pool and its workers need; read once from flags and ``CHUNKQ_*`` variables."""
+
+    redis_url: str = setting("", "redis:// or rediss:// URL (password or ACL user included).", cli=False)
+    queue: str = setting(DEFAULT_QUEUE, "The queue workers take chunks from.", cli=False, worker=True)
+    gpus: str = setting("all", "all, none or 0,2.")
+    min_free_memory: str = setting("0", "Skip GPUs with less free memory than this (e.g. 8GiB).")
+    busy_gpus: str = setting(
+        "use",
+        "What to do with GPUs other processes are using (they are reported either way).",
+        kind="choice",
+        choices=("use", "skip"),
+    )
+    workers_per_gpu: str = setting(
+        "auto",
+        "Workers sharing each GPU, or 'auto': as many as the CPU cores per GPU feed and GPU memory "
+        "holds, at most 4 (logged with the reason).",
+    )
+    cpu_workers: int = setting(1, "Workers when no GPU is used.", kind="int", low=1)
+    max_jobs: int | None = setting(
+        None,
+        "Chunks a worker runs before it exits and a fresh process replaces it (default: no count; "
+        "--recycle-after decides).",
+        kind="int",
+        low=1,
+        worker=True,
+    )
+    recycle_after: float = setting(
+        DEFAULT_RECYCLE_AFTER,
+        "Seconds of work after which a worker exits at the end of its chunk and a fresh process "
+        "replaces it (0: never by time). A broken CUDA context does not wait: it exits at once.",
+        kind="float",
+        low=0,
+        worker=True,
+    )
+    max_jobs_jitter: float = setting(
+        0.1,
+        "Each worker's max-jobs and recycle-after vary by up to this fraction, so reloads are staggered.",
+        kind="float",
+        low=0,
+        high=0.9,
+        env=None,
+    )
+    preload: str | None = setting(
+        None, "Model each worker loads before its first job.", env=None, worker=True
+    )
+    store: str | None = setting(None, "The one store workers serve.", cli=False, worker=True)
+    allowed_models: tuple[str, ...] = setting(
+        (),
+        "A model jobs may ask for, beside the bundled one and --preload (repeatable or comma-separated; "
+        "'*': any, unsafe).",
+        kind="list",
+        worker=True,
+        flag="--allow-model",
+    )
+    precision: str = setting(
+        "fp32", "fp32, or fp16/bf16 on GPUs.", kind="choice", choices=PRECISIONS, worker=True
+    )
+    name: str = setting(default_pool_name, "Pool name (prefix of its worker names).", env=None)
+    log_level: str = setting("INFO", "Log level of the pool and its workers.", cli=False, worker=True)
+    restart_delay: float = setting(
+        1.0, "Seconds before restarting a worker that failed.", cli=False, env=None
+    )
+    kill_grace: float = setting(10.0, "Seconds after a second signal before SIGKILL.", cli=False, env=None)
+    crash_limit: int = setting(
+        5, "Worker deaths on one GPU within --crash-window that take it out of the pool.", kind="int", low=1
+    )
+    crash_window: float = setting(300.0, "Seconds.", kind="float", low=0)
+    hung_grace: float = setting(
+        HUNG_GRACE_SECONDS,
+        "Seconds past a job's timeout before its worker is killed as hung.",
+        kind="float",
+        low=0,
+    )
+    standby: bool = setting(
+        True, "Start each replacement worker while its predecessor runs its last chunk.", kind="flag"
+    )
+    fork_server: bool = setting(
+        True,
+        "Fork each worker from a process that has imported torch (saves ~5 s of CPU per worker); off: a "
+        "fresh interpreter each time.",
+        kind="flag",
+    )
+    no_nvml: bool = setting(False, "Set PYTORCH_NO_NVML=1 in GPU workers.", kind="flag", env=None)
+    metrics_port: int | None = setting(
+        None,
+        "Serve the pool's Prometheus metrics on 127.0.0.1:PORT (0: any free port).",
+        kind="int",
+        low=0,
+        high=65535,
+        env="CHUNKQ_POOL_METRICS_PORT",
+    )
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> PoolSettings:
+        data = json.loads(text)
+        data["allowed_models"] = tuple(data.get("allowed_models", ()))
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
+
+
+def schema() -> list[tuple[str, Meta, Any]]:
+    """(name, metadata, default) of every setting, in declaration order."""
+    out = []
+    for f in fields(PoolSettings):
+        default = f.default if f.default is not MISSING else None  # a factory: computed when used
+        out.append((f.name, f.metadata["chunkq"], default))
+    return out
+
+
+def flag(name: str, meta: Meta | None = None) -> str:
+    """The option's flag, on the CLI and the worker's command line alike."""
+    return (meta.flag if meta is not None and meta.flag else None) or "--" + name.replace("_", "-")
+
+
+def worker_argv(settings: PoolSettings, **overrides: Any) -> list[str]:
+    """The worker's command-line arguments for ``settings`` (``overrides``: per-worker values)."""
+    argv: list[str] = []
+    for name, meta, _default in schema():
+        if not meta.worker:
+            continue
+        value = overrides.get(name, getattr(settings, name))
+        if meta.kind == "list":
+            for item in value:
+                argv += [flag(name, meta), str(item)]
+        elif value is not None and value != "":
+            argv += [flag(name, meta), str(value)]
+    return argv
+
+
+def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
+    """The parser side of ``worker_argv``: every setting a worker takes. Run by hand, a worker counts
+    no chunks and no time unless told (the pool always tells it)."""
+    types: dict[str, Any] = {"int": int, "float": float}
+    for name, meta, default in schema():
+        if not meta.worker:
+            continue
+        if meta.kind == "list":
+            parser.add_argument(flag(name, meta), dest=name, action="append", default=[], help=meta.help)
+        else:
+            start = None if name in ("max_jobs", "recycle_after", "store") else default
+            parser.add_argument(
+                flag(name, meta), type=types.get(meta.kind, str), default=start, help=meta.help
+            )
