@@ -475,7 +475,7 @@ def run_cmd(
     """Everything on this machine: embedded Redis (unless --redis-url), pool, submit, supervise, assemble."""
     metrics_port, wait = kw.pop("metrics_port"), kw.pop("wait")
     pool = pool_settings(
-        pop_pool_values(kw),
+        pop_pool_values(kw, exclude=RUN_DECIDES_FOR_THE_POOL),
         metrics_port=None if metrics_port is None else (metrics_port + 1 if metrics_port else 0),
     )
     req = RunRequest(

@@ -70,7 +70,9 @@ def pool_settings(values: dict[str, Any], **fixed: Any) -> PoolSettings:
     return replace(PoolSettings(), **{**given, **fixed})
 
 
-def pop_pool_values(values: dict[str, Any]) -> dict[str, Any]:
-    """Take the pool settings out of a command's click values (the rest are the command's own)."""
-    names = {name for name, _meta, _default in schema()}
+def pop_pool_values(values: dict[str, Any], exclude: Iterable[str] = ()) -> dict[str, Any]:
+    """Take the pool options (as ``pool_setting_options(exclude)`` made them) out of a command's click
+    values; the rest are the command's own."""
+    skip = set(exclude)
+    names = {name for name, meta, _default in schema() if meta.cli and name not in skip}
     return {k: values.pop(k) for k in list(values) if k in names}

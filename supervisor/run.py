@@ -63,7 +63,7 @@ class PoolProcess:
         )
         self.cmd = [sys.executable, "-m", "supervisor.cli", "--log-level", settings.log_level, "pool"]
         # Whole, in the environment: the Redis password stays off the command line.
-        self.env = dict(os.environ, CHUNKQ_POOL_SETTINGS_JSON=settings.to_json())
+        self.env = dict(os.environ, CHUNKQ_POOL_SETTINGS_JSON=settings.to_json(), CHUNKQ_REDIS_URL=redis_url)
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
 

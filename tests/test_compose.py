@@ -58,3 +58,18 @@ def test_every_compose_variable_is_documented_in_the_readme() -> None:
     names = set(re.findall(r"\$\{([A-Z_]+)", (ROOT / "compose.yaml").read_text()))
     readme = (ROOT / "README.md").read_text()
     assert names and all(name in readme for name in names), names - {n for n in names if n in readme}
+
+
+def test_the_pool_settings_compose_sets_are_the_schemas_and_the_readme_names_them_all() -> None:
+    """compose.yaml reaches the pool through CHUNKQ_* variables: each must be one the CLI reads."""
+    import re
+
+    from queue_worker.settings import schema
+
+    schema_envs = {meta.env_name(name) for name, meta, _ in schema() if meta.cli and meta.env_name(name)}
+    shared = {"CHUNKQ_REDIS_URL", "CHUNKQ_STORE", "CHUNKQ_QUEUE", "CHUNKQ_MAX_ATTEMPTS"}
+    pool = (ROOT / "compose.yaml").read_text().split("\n  pool:\n", 1)[1].split("\n  dashboard:\n", 1)[0]
+    set_there = set(re.findall(r"^\s+(CHUNKQ_[A-Z_]+):", pool, flags=re.MULTILINE))
+    assert set_there and set_there <= schema_envs | shared, set_there - schema_envs - shared
+    readme = (ROOT / "README.md").read_text()
+    assert {name for name in schema_envs if f"`{name}`" not in readme} == set()
