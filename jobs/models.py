@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from jobs.errors import ConfigError
+from jobs.specs import DEFAULT_PRECISION
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
@@ -78,7 +79,7 @@ def get_model(ref: str, device: str, precision: str) -> LoadedModel:
     cached = _cache.get(key)
     if cached is not None:
         return cached
-    if precision != "fp32" and not device.startswith("cuda"):
+    if precision != DEFAULT_PRECISION and not device.startswith("cuda"):
         raise ConfigError(f"precision {precision} needs a GPU; this worker runs on {device}")
     started = time.perf_counter()
     template = _templates.pop(ref, None)
@@ -87,7 +88,7 @@ def get_model(ref: str, device: str, precision: str) -> LoadedModel:
         model = template.to(device)
     else:
         model = _load(ref, device)
-    if precision != "fp32":
+    if precision != DEFAULT_PRECISION:
         model = model.to(_torch_dtype(precision))
     model.eval()
     loaded = LoadedModel(

@@ -6,6 +6,10 @@ import os
 import socket
 from dataclasses import dataclass
 
+# How the pool tells a worker its device: set in its environment before torch is imported.
+DEVICE_ENV = "CHUNKQ_DEVICE"  # "cpu" or "cuda"
+GPU_ENV = "CHUNKQ_GPU"  # the physical GPU index, for the record
+
 
 @dataclass(frozen=True)
 class WorkerContext:

@@ -11,7 +11,8 @@ from typing import Any
 from jobs.errors import ConfigError
 
 FORMAT_VERSION = 1
-PRECISIONS = ("fp32", "fp16", "bf16")
+DEFAULT_PRECISION = "fp32"
+PRECISIONS = (DEFAULT_PRECISION, "fp16", "bf16")
 # RQ job ids allow letters, digits, '_' and '-'; '__' is kept free to separate run and chunk.
 _RUN_ID_RE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]|_(?!_)){0,79}")  # fullmatch: `$` would let "ab\n" in
 
@@ -38,7 +39,7 @@ class EncodeOptions:
     batch_size: int = 32
     normalize_embeddings: bool = False
     max_seq_length: int | None = None
-    precision: str = "fp32"
+    precision: str = DEFAULT_PRECISION
     batch_tokens: int | str | None = None  # token-budget batches: padded tokens per batch, or "auto"
 
     def __post_init__(self) -> None:

@@ -34,6 +34,7 @@ from typing import Any, NoReturn
 import psutil
 import setproctitle
 
+from jobs.runtime import DEVICE_ENV
 from queue_worker.exit_codes import EXIT_FORKED_NO_CUDA
 from queue_worker.lifeline import PARENT_PID_ENV, die_with_parent
 from queue_worker.standby import NOTIFY_FD_ENV
@@ -112,7 +113,7 @@ def _apply_allocator_settings(env: dict[str, str]) -> None:
     """Hand PYTORCH_CUDA_ALLOC_CONF to the allocator directly: whether torch read the variable
     lazily or while the fork server imported it, the worker's own setting is the one in force."""
     conf = env.get("PYTORCH_CUDA_ALLOC_CONF")
-    if not conf or env.get("CHUNKQ_DEVICE") != "cuda":
+    if not conf or env.get(DEVICE_ENV) != "cuda":
         return
     import torch
 
@@ -169,7 +170,7 @@ def _cuda_initialised() -> bool:
 
 def forked_cuda_problem(env: dict[str, str]) -> str:
     """Why this forked GPU worker cannot create its CUDA context, or "" (always "" on the CPU)."""
-    if env.get("CHUNKQ_DEVICE") != "cuda":
+    if env.get(DEVICE_ENV) != "cuda":
         return ""
     import torch
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jobs.errors import ConfigError
+from jobs.runtime import DEVICE_ENV, GPU_ENV
 
 log = logging.getLogger(__name__)
 
@@ -150,12 +151,12 @@ def worker_environment(
     env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     if gpu is None:
         env["CUDA_VISIBLE_DEVICES"] = ""
-        env["CHUNKQ_DEVICE"] = "cpu"
-        env.pop("CHUNKQ_GPU", None)
+        env[DEVICE_ENV] = "cpu"
+        env.pop(GPU_ENV, None)
     else:
         env["CUDA_VISIBLE_DEVICES"] = gpu.uuid or str(gpu.index)
-        env["CHUNKQ_DEVICE"] = "cuda"
-        env["CHUNKQ_GPU"] = str(gpu.index)
+        env[DEVICE_ENV] = "cuda"
+        env[GPU_ENV] = str(gpu.index)
         env.setdefault("PYTORCH_CUDA_ALLOC_CONF", DEFAULT_ALLOC_CONF)
         if no_nvml:  # sidesteps the NVML INTERNAL ASSERT in the caching allocator on some drivers
             env["PYTORCH_NO_NVML"] = "1"

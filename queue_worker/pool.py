@@ -32,7 +32,7 @@ from queue_worker.fork_server import ForkedWorker, ForkServer, ForkServerError
 from queue_worker.gpus import GpuInfo, cpu_threads_per_worker, resolve_workers_per_gpu, worker_environment
 from queue_worker.lifeline import PARENT_PID_ENV, die_with_parent
 from queue_worker.metrics import PoolMetrics, serve
-from queue_worker.settings import PoolSettings, worker_argv
+from queue_worker.settings import PoolSettings, env_of, worker_argv
 from queue_worker.standby import NOTIFY_FD_ENV, WAIT_FOR_PID_ENV, parse_announcements
 
 log = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ class Pool:
         name = f"{self.settings.name}-{slot.key}-g{slot.generation}"
         read_fd, write_fd = os.pipe()
         os.set_blocking(read_fd, False)
-        base = dict(os.environ, CHUNKQ_REDIS_URL=self.settings.redis_url)
+        base = dict(os.environ, **{env_of("redis_url"): self.settings.redis_url})
         base[PARENT_PID_ENV] = str(os.getpid())
         base[NOTIFY_FD_ENV] = str(write_fd)
         if wait_for is not None:

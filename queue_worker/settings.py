@@ -18,15 +18,17 @@ import socket
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
-from jobs.specs import PRECISIONS
+from jobs.specs import DEFAULT_PRECISION, PRECISIONS
 
 DEFAULT_QUEUE = "chunkq"
+DEFAULT_STORE = "chunkq-store"
 # A recycle costs a young process's slower first chunk and the hand-over: about 0.5-0.7 s on an H100
 # (issue 15), so 600 s of work keeps it near 0.1 %. A broken CUDA context does not wait for it: a
 # fatal error exits at once.
 DEFAULT_RECYCLE_AFTER = 600.0
 HUNG_GRACE_SECONDS = 30.0  # past the job timeout, before a busy worker is taken for hung
 ENV_PREFIX = "CHUNKQ_"
+SETTINGS_JSON_ENV = "CHUNKQ_POOL_SETTINGS_JSON"  # chunkq run hands its pool every setting at once
 
 
 @dataclass(frozen=True)
@@ -116,7 +118,7 @@ class PoolSettings:
         flag="--allow-model",
     )
     precision: str = setting(
-        "fp32", "fp32, or fp16/bf16 on GPUs.", kind="choice", choices=PRECISIONS, worker=True
+        DEFAULT_PRECISION, "fp32, or fp16/bf16 on GPUs.", kind="choice", choices=PRECISIONS, worker=True
     )
     name: str = setting(default_pool_name, "Pool name (prefix of its worker names).", env=None)
     log_level: str = setting("INFO", "Log level of the pool and its workers.", cli=False, worker=True)
@@ -161,6 +163,15 @@ class PoolSettings:
         data = json.loads(text)
         data["allowed_models"] = tuple(data.get("allowed_models", ()))
         return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
+
+
+def env_of(name: str) -> str:
+    """The environment variable of setting ``name`` (the CLI reads it; the pool sets some for workers)."""
+    meta: Meta = next(f.metadata["chunkq"] for f in fields(PoolSettings) if f.name == name)
+    env = meta.env_name(name)
+    if env is None:
+        raise KeyError(f"setting {name} has no environment variable")
+    return env
 
 
 def schema() -> list[tuple[str, Meta, Any]]:

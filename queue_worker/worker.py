@@ -44,7 +44,7 @@ from queue_worker.exit_codes import (
     EXIT_STOPPED,
 )
 from queue_worker.lifeline import PARENT_PID_ENV
-from queue_worker.settings import add_worker_arguments
+from queue_worker.settings import DEFAULT_STORE, add_worker_arguments, env_of
 from queue_worker.standby import announce_last_job, announce_model_loaded, wait_for_predecessor
 
 log = logging.getLogger(__name__)
@@ -214,16 +214,16 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     add_worker_arguments(parser)  # queue, max jobs, recycle-after, preload, precision, store, models...
     args = parser.parse_args(argv)
     # Started by hand rather than by a pool: the store and models from the environment, like the CLI.
-    args.store = args.store or os.environ.get("CHUNKQ_STORE", "chunkq-store")
-    args.allowed_models += [m for m in os.environ.get("CHUNKQ_ALLOWED_MODELS", "").split(",") if m]
+    args.store = args.store or os.environ.get(env_of("store"), DEFAULT_STORE)
+    args.allowed_models += [m for m in os.environ.get(env_of("allowed_models"), "").split(",") if m]
     args.recycle_after = args.recycle_after or None  # 0: never by time
     return args
 
 
 def _context(name: str, args: argparse.Namespace) -> runtime.WorkerContext:
     """Who this worker is; a GPU worker never falls back to the CPU: it fails loudly instead."""
-    device = os.environ.get("CHUNKQ_DEVICE", "cpu")
-    gpu = os.environ.get("CHUNKQ_GPU")
+    device = os.environ.get(runtime.DEVICE_ENV, "cpu")
+    gpu = os.environ.get(runtime.GPU_ENV)
     kind = "cpu"
     if device != "cpu":
         import torch
@@ -290,9 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     if parent and os.getppid() != int(parent):
         log.error("parent %s (the pool or its fork server) is gone before this worker started", parent)
         return EXIT_ORPHANED
-    url = os.environ.get("CHUNKQ_REDIS_URL")
+    url = os.environ.get(env_of("redis_url"))
     if not url:
-        log.error("CHUNKQ_REDIS_URL is not set")
+        log.error("%s is not set", env_of("redis_url"))
         return EXIT_CONFIG
     try:
         ctx = _context(name, args)

@@ -23,12 +23,12 @@ from jobs import errors
 from jobs.errors import AssemblyError, BadInputError, ChunkqError, ConfigError, RunConflictError
 from jobs.models import default_model
 from jobs.nopickle import forbid_pickle
-from jobs.specs import PRECISIONS, EncodeOptions
+from jobs.specs import DEFAULT_PRECISION, PRECISIONS, EncodeOptions
 from jobs.storage import is_local, open_store
 from jobs.store import RunLayout, read_json
 from queue_worker import gpus as gpu_discovery
 from queue_worker.pool import Pool
-from queue_worker.settings import DEFAULT_QUEUE, PoolSettings
+from queue_worker.settings import DEFAULT_QUEUE, DEFAULT_STORE, SETTINGS_JSON_ENV, PoolSettings, env_of
 from supervisor.assemble import assemble, result_damage
 from supervisor.attempts import describe_attempts, failed_attempts, to_json
 from supervisor.corpus import FORMATS, CorpusOptions, detect_format
@@ -145,8 +145,8 @@ def _interrupt_on_sigterm() -> None:
 def store_option(func: F) -> F:
     return click.option(
         "--store",
-        default="chunkq-store",
-        envvar="CHUNKQ_STORE",
+        default=DEFAULT_STORE,
+        envvar=env_of("store"),
         show_default=True,
         callback=_open_store,
         help="Store shared by all hosts: a local or network path, or s3://bucket/prefix, gs://bucket/prefix.",
@@ -163,14 +163,14 @@ def _open_store(ctx: click.Context, param: click.Parameter, value: str) -> Path:
 def redis_option(required: bool) -> Callable[[F], F]:
     return click.option(
         "--redis-url",
-        envvar="CHUNKQ_REDIS_URL",
+        envvar=env_of("redis_url"),
         required=required,
         help="redis:// or rediss:// URL (password or ACL user included).",
     )
 
 
 def queue_option(func: F) -> F:
-    return click.option("--queue", default=DEFAULT_QUEUE, envvar="CHUNKQ_QUEUE", show_default=True)(func)
+    return click.option("--queue", default=DEFAULT_QUEUE, envvar=env_of("queue"), show_default=True)(func)
 
 
 def submit_options(func: F) -> F:
@@ -194,7 +194,9 @@ def submit_options(func: F) -> F:
         ),
         click.option("--normalize/--no-normalize", default=False, show_default=True),
         click.option("--max-seq-length", type=int, default=None),
-        click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True),
+        click.option(
+            "--precision", type=click.Choice(PRECISIONS), default=DEFAULT_PRECISION, show_default=True
+        ),
         click.option(
             "--job-timeout", type=int, default=None, help="Seconds per chunk (default scales with size)."
         ),
@@ -330,7 +332,7 @@ def submit_cmd(corpus: Path, redis_url: str, **kw: Any) -> None:
 
 @cli.command("pool")
 @pool_setting_options()
-@click.option("--settings-json", envvar="CHUNKQ_POOL_SETTINGS_JSON", hidden=True,
+@click.option("--settings-json", envvar=SETTINGS_JSON_ENV, hidden=True,
               help="Every setting at once, as chunkq run hands them to its pool.")  # fmt: skip
 @store_option
 @queue_option

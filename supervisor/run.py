@@ -18,7 +18,7 @@ import redis
 from jobs.storage import is_local
 from jobs.store import RunLayout
 from queue_worker.lifeline import die_with_parent
-from queue_worker.settings import PoolSettings
+from queue_worker.settings import SETTINGS_JSON_ENV, PoolSettings, env_of
 from supervisor.assemble import published_result
 from supervisor.display import ProgressDisplay
 from supervisor.embedded_redis import EmbeddedRedis
@@ -63,7 +63,7 @@ class PoolProcess:
         )
         self.cmd = [sys.executable, "-m", "supervisor.cli", "--log-level", settings.log_level, "pool"]
         # Whole, in the environment: the Redis password stays off the command line.
-        self.env = dict(os.environ, CHUNKQ_POOL_SETTINGS_JSON=settings.to_json(), CHUNKQ_REDIS_URL=redis_url)
+        self.env = dict(os.environ, **{SETTINGS_JSON_ENV: settings.to_json(), env_of("redis_url"): redis_url})
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
 
