@@ -140,3 +140,36 @@ def signal_handlers_restored() -> Iterator[None]:
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
+
+
+def only_run(store: Path) -> Any:
+    """The RunLayout of the one run in ``store``."""
+    from jobs.store import RunLayout
+
+    (run_dir,) = (store / "runs").iterdir()
+    return RunLayout(store, run_dir.name)
+
+
+def result_matches(layout: Any, texts: list[str], reference_model: Any) -> bool:
+    """The published result equals a plain in-process encode of ``texts`` (CPU: within 1e-5)."""
+    return max_abs_diff(np.load(layout.result / "embeddings.npy"), reference_model.encode(texts)) <= 1e-5
+
+
+def start_run_with_a_slow_chunk(
+    tmp_path: Path, seed: int, seconds: float, chunk: int = 0, store: Path | None = None, rows: int = 60
+) -> tuple[subprocess.Popen[bytes], Path, tuple[str, ...], list[str]]:
+    """``chunkq run`` in the background over ``rows`` texts in chunks of 20, whose chunk ``chunk`` takes
+    ``seconds`` longer on its first attempt; returns once that chunk has started:
+    (process, its log, the run's arguments, the texts)."""
+    ids, texts = make_texts(rows, seed=seed)
+    corpus = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")
+    args = ("run", str(corpus), "--chunk-size", "20", "--store", str(store or tmp_path / "store"))
+    faults = json.dumps([{"kind": "slow", "chunks": [chunk], "attempts": [1], "seconds": seconds}])
+    log = tmp_path / "run.log"
+    proc = start_cli(log, *args, CHUNKQ_FAULTS=faults)
+    try:
+        wait_for(lambda: f"__c{chunk:06d}" in log.read_text(errors="replace"), 180, f"chunk {chunk} started")
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, log, args, texts

@@ -19,26 +19,24 @@ import pytest
 import redis
 
 from jobs.store import RunLayout
-from tests.helpers import make_texts, max_abs_diff, run_cli, start_cli, wait_for, write_corpus
+from tests.helpers import (
+    make_texts,
+    max_abs_diff,
+    only_run,
+    result_matches,
+    run_cli,
+    start_cli,
+    start_run_with_a_slow_chunk,
+    write_corpus,
+)
 
 pytestmark = pytest.mark.slow
 
 
-def _only_run(store: Path) -> RunLayout:
-    (run_dir,) = (store / "runs").iterdir()
-    return RunLayout(store, run_dir.name)
-
-
 def test_sigterm_drains_the_chunk_in_hand_and_the_run_resumes(tmp_path: Path, reference_model: Any) -> None:
-    ids, texts = make_texts(60, seed=91)
-    corpus, store = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl"), tmp_path / "store"
-    faults = json.dumps([{"kind": "slow", "chunks": [1], "attempts": [1], "seconds": 5}])
-    log = tmp_path / "run.log"
-    proc = start_cli(
-        log, "run", str(corpus), "--chunk-size", "20", "--store", str(store), CHUNKQ_FAULTS=faults
-    )
+    proc, log, args, texts = start_run_with_a_slow_chunk(tmp_path, seed=91, seconds=5, chunk=1)
+    store = tmp_path / "store"
     try:
-        wait_for(lambda: "__c000001" in log.read_text(errors="replace"), 180, "chunk 1 (slow) started")
         family = psutil.Process(proc.pid).children(recursive=True)
         assert any("valkey-server" in " ".join(p.cmdline()) for p in family)
         proc.send_signal(signal.SIGTERM)  # what timeout, systemd, docker and kill send
@@ -48,16 +46,16 @@ def test_sigterm_drains_the_chunk_in_hand_and_the_run_resumes(tmp_path: Path, re
             proc.kill()
     text = log.read_text(errors="replace")
     assert "chunkq: interrupted; the store keeps every finished chunk" in text and "Traceback" not in text
-    layout = _only_run(store)
+    layout = only_run(store)
     assert layout.output_meta(1).exists()  # drained: the chunk in hand was finished, not lost
     _gone, alive = psutil.wait_procs(family, timeout=30)
     assert not alive, alive  # pool, workers and the embedded server all stopped
     stamp = layout.output_meta(1).stat().st_mtime_ns
 
-    again = run_cli("run", str(corpus), "--chunk-size", "20", "--store", str(store), timeout=120)
+    again = run_cli(*args, timeout=120)
     assert again.returncode == 0, again.stderr[-3000:]
     assert layout.output_meta(1).stat().st_mtime_ns == stamp  # not encoded twice
-    assert max_abs_diff(np.load(layout.result / "embeddings.npy"), reference_model.encode(texts)) <= 1e-5
+    assert result_matches(layout, texts, reference_model)
 
 
 @pytest.fixture
@@ -89,14 +87,14 @@ def test_a_full_disk_during_assembly_is_one_clear_line_and_the_run_resumes(
     lines = [line for line in full.stderr.splitlines() if line.startswith("chunkq: error")]
     assert len(lines) == 1 and "No space left on device" in lines[0] and "run the same command" in lines[0]
     assert "Traceback" not in full.stderr
-    layout = _only_run(store)
+    layout = only_run(store)
     assert not layout.result.exists()  # nothing half published
     assert not [p for p in layout.root.iterdir() if p.name.startswith(".result")]
 
     subprocess.run(["mount", "-o", "remount,size=8m", str(small_disk)], check=True)
     again = run_cli(*args, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert max_abs_diff(np.load(layout.result / "embeddings.npy"), reference_model.encode(texts)) <= 1e-5
+    assert result_matches(layout, texts, reference_model)
 
 
 def test_an_unexpected_error_is_one_line_with_its_own_exit_code(tmp_path: Path) -> None:
@@ -126,15 +124,9 @@ def _server(proc: subprocess.Popen[bytes]) -> psutil.Process:
 def test_the_embedded_server_killed_mid_run_is_restarted_and_the_run_goes_on(
     tmp_path: Path, reference_model: Any
 ) -> None:
-    ids, texts = make_texts(60, seed=93)
-    corpus, store = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl"), tmp_path / "store"
-    faults = json.dumps([{"kind": "slow", "chunks": [1], "attempts": [1], "seconds": 3}])
-    log = tmp_path / "run.log"
-    proc = start_cli(
-        log, "run", str(corpus), "--chunk-size", "20", "--store", str(store), CHUNKQ_FAULTS=faults
-    )
+    proc, log, _args, texts = start_run_with_a_slow_chunk(tmp_path, seed=93, seconds=3, chunk=1)
+    store = tmp_path / "store"
     try:
-        wait_for(lambda: "__c000001" in log.read_text(errors="replace"), 180, "chunk 1 (slow) started")
         first = _server(proc)
         first.kill()
         assert proc.wait(timeout=180) == 0, log.read_text(errors="replace")[-3000:]
@@ -145,8 +137,8 @@ def test_the_embedded_server_killed_mid_run_is_restarted_and_the_run_goes_on(
     back = [float(s) for s in re.findall(r"embedded Redis is back after ([0-9.]+) s", text)]
     assert len(back) == 1 and back[0] < 5, back
     assert text.count("started worker") < 10  # no respawn storm while it was away
-    layout = _only_run(store)
-    assert max_abs_diff(np.load(layout.result / "embeddings.npy"), reference_model.encode(texts)) <= 1e-5
+    layout = only_run(store)
+    assert result_matches(layout, texts, reference_model)
 
 
 def test_an_embedded_server_that_cannot_write_stops_the_run_with_the_reason(
@@ -155,15 +147,10 @@ def test_an_embedded_server_that_cannot_write_stops_the_run_with_the_reason(
     """The store's disk fills up mid-run: the server exits on its write error, cannot stay up, and
     the run says so within 30 s (it used to wait 300 s); once there is room, the run resumes."""
     subprocess.run(["mount", "-o", "remount,size=16m", str(small_disk)], check=True)
-    ids, texts = make_texts(60, seed=94)
-    corpus, store = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl"), small_disk / "store"
-    faults = json.dumps([{"kind": "slow", "chunks": [1], "attempts": [1], "seconds": 20}])
-    log = tmp_path / "run.log"
-    args = ("run", str(corpus), "--chunk-size", "20", "--store", str(store))
-    proc = start_cli(log, *args, CHUNKQ_FAULTS=faults)
+    store = small_disk / "store"
+    proc, log, args, texts = start_run_with_a_slow_chunk(tmp_path, seed=94, seconds=20, chunk=1, store=store)
     filler = small_disk / "filler"
     try:
-        wait_for(lambda: "__c000001" in log.read_text(errors="replace"), 180, "chunk 1 (slow) started")
         with open(filler, "wb") as fh:
             try:
                 while True:
@@ -180,6 +167,7 @@ def test_an_embedded_server_that_cannot_write_stops_the_run_with_the_reason(
     text = log.read_text(errors="replace")
     assert code == 7, text[-3000:]
     assert stopped_after < 30, stopped_after
+    print(f"run stopped {stopped_after:.1f} s after the store's disk filled")  # a figure for the notes (-s)
     (line,) = [line for line in text.splitlines() if line.startswith("chunkq: error")]
     assert "the embedded Redis is gone for good" in line and "server.log" in line
     assert text.rstrip().splitlines()[-1] == line  # the last word (workers' logs show their jobs' tracebacks)
@@ -188,22 +176,17 @@ def test_an_embedded_server_that_cannot_write_stops_the_run_with_the_reason(
     filler.unlink()
     again = run_cli(*args, timeout=180)
     assert again.returncode == 0, again.stderr[-3000:]
-    layout = _only_run(store)
-    assert max_abs_diff(np.load(layout.result / "embeddings.npy"), reference_model.encode(texts)) <= 1e-5
+    layout = only_run(store)
+    assert result_matches(layout, texts, reference_model)
 
 
 def test_a_second_run_of_the_same_run_is_refused_or_waits_and_nothing_is_encoded_twice(
     tmp_path: Path, reference_model: Any
 ) -> None:
-    ids, texts = make_texts(60, seed=95)
-    corpus, store = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl"), tmp_path / "store"
-    faults = json.dumps([{"kind": "slow", "chunks": [1], "attempts": [1], "seconds": 4}])
-    args = ("run", str(corpus), "--chunk-size", "20", "--store", str(store))
-    first_log, waiter_log = tmp_path / "first.log", tmp_path / "waiter.log"
-    first = start_cli(first_log, *args, CHUNKQ_FAULTS=faults)
+    first, first_log, args, texts = start_run_with_a_slow_chunk(tmp_path, seed=95, seconds=4, chunk=1)
+    store, waiter_log = tmp_path / "store", tmp_path / "waiter.log"
     waiter = None
     try:
-        wait_for(lambda: "__c000001" in first_log.read_text(errors="replace"), 180, "chunk 1 (slow) started")
         second = run_cli(*args, timeout=60)
         assert second.returncode == 10, second.stderr[-2000:]
         assert f"is in use by pid {first.pid} on " in second.stderr and "--wait" in second.stderr
@@ -217,20 +200,15 @@ def test_a_second_run_of_the_same_run_is_refused_or_waits_and_nothing_is_encoded
     assert "already complete" in waiter_log.read_text(errors="replace")
     encodes = re.findall(r"chunk \S+__c(\d+): \d+ rows in", first_log.read_text() + waiter_log.read_text())
     assert sorted(encodes) == ["000000", "000001", "000002"]  # each chunk encoded once
-    layout = _only_run(store)
-    assert max_abs_diff(np.load(layout.result / "embeddings.npy"), reference_model.encode(texts)) <= 1e-5
+    layout = only_run(store)
+    assert result_matches(layout, texts, reference_model)
     assert not layout.owner.exists()  # released
 
 
 def test_the_locks_of_a_killed_run_are_taken_over(tmp_path: Path, reference_model: Any) -> None:
-    ids, texts = make_texts(40, seed=96)
-    corpus, store = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl"), tmp_path / "store"
-    faults = json.dumps([{"kind": "slow", "chunks": [0], "attempts": [1], "seconds": 30}])
-    args = ("run", str(corpus), "--chunk-size", "20", "--store", str(store))
-    log = tmp_path / "killed.log"
-    killed = start_cli(log, *args, CHUNKQ_FAULTS=faults)
+    killed, _log, args, texts = start_run_with_a_slow_chunk(tmp_path, seed=96, seconds=30, chunk=0, rows=40)
+    store = tmp_path / "store"
     try:
-        wait_for(lambda: "__c000000" in log.read_text(errors="replace"), 180, "chunk 0 started")
         family = psutil.Process(killed.pid).children(recursive=True)
         killed.kill()  # SIGKILL: no handler runs, both lock files stay behind
         killed.wait(timeout=30)
@@ -238,13 +216,13 @@ def test_the_locks_of_a_killed_run_are_taken_over(tmp_path: Path, reference_mode
     finally:
         if killed.poll() is None:
             killed.kill()
-    assert (store / "redis" / "owner.json").exists() and _only_run(store).owner.exists()
+    assert (store / "redis" / "owner.json").exists() and only_run(store).owner.exists()
     again = run_cli(*args, timeout=240)
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stderr.count(f"taking over the lock of pid {killed.pid}") == 2  # embedded Redis and run
     assert f"pid {killed.pid} has exited" in again.stderr
-    layout = _only_run(store)
-    assert max_abs_diff(np.load(layout.result / "embeddings.npy"), reference_model.encode(texts)) <= 1e-5
+    layout = only_run(store)
+    assert result_matches(layout, texts, reference_model)
 
 
 def test_everything_a_run_writes_is_owner_only(tmp_path: Path) -> None:
@@ -272,7 +250,7 @@ def test_a_run_of_two_thousand_chunks(tmp_path: Path, reference_model: Any) -> N
     done = run_cli("run", str(corpus), "--chunk-size", "10", "--max-jobs", "1000", "--store", str(store),
                    timeout=560)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    layout = _only_run(store)
+    layout = only_run(store)
     assert len(layout.done_chunks()) == 2_000
     sample = slice(0, rows, 97)
     got = np.load(layout.result / "embeddings.npy", mmap_mode="r")[sample]

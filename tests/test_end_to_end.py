@@ -15,15 +15,10 @@ import numpy as np
 import pytest
 
 from jobs.store import RunLayout, read_json
-from tests.helpers import cli_env, make_texts, max_abs_diff, run_cli, write_corpus
+from tests.helpers import cli_env, make_texts, max_abs_diff, only_run, run_cli, write_corpus
 
 # Real pools, workers and CLI runs as subprocesses: the slow tier.
 pytestmark = pytest.mark.slow
-
-
-def _only_run(store: Path) -> RunLayout:
-    (run_dir,) = (store / "runs").iterdir()
-    return RunLayout(store, run_dir.name)
 
 
 def _check_result(
@@ -42,7 +37,7 @@ def test_run_matches_plain_encode_and_reruns_from_the_store(tmp_path: Path, refe
     store = tmp_path / "store"
     first = run_cli("run", str(corpus), "--chunk-size", "25", "--max-jobs", "2", "--store", str(store))
     assert first.returncode == 0, first.stderr[-3000:]
-    layout = _only_run(store)
+    layout = only_run(store)
     result = _check_result(layout, ids, texts, reference_model)
     metas = [read_json(layout.output_meta(i)) for i in range(12)]
     pids = {m["pid"] for m in metas}
@@ -70,7 +65,7 @@ def test_every_input_format(tmp_path: Path, fmt: str, reference_model: Any) -> N
     done = run_cli("run", str(corpus), "--chunk-size", "20", "--max-jobs", "2", "--store", str(store))
     assert done.returncode == 0, done.stderr[-3000:]
     want_ids = [str(i) for i in range(1, 46)] if fmt == "txt" else ids  # plain text: ids are line numbers
-    _check_result(_only_run(store), want_ids, texts, reference_model)
+    _check_result(only_run(store), want_ids, texts, reference_model)
 
 
 def test_submit_pool_supervise_status_on_a_shared_redis(
@@ -135,7 +130,7 @@ def test_failures_outlive_the_runs_redis_and_the_report_lists_them_by_class(
                          {"kind": "sigkill", "chunks": [3], "attempts": [1]}])  # fmt: skip
     done = run_cli("run", str(corpus), "--chunk-size", "20", "--store", str(store), CHUNKQ_FAULTS=faults)
     assert done.returncode == 0, done.stderr[-3000:]
-    layout = _only_run(store)
+    layout = only_run(store)
     _check_result(layout, ids, texts, reference_model)
 
     out = tmp_path / "report"
@@ -167,7 +162,7 @@ def test_workers_recycle_on_work_time_and_each_successor_is_warm_before_its_firs
     args = ["--chunk-size", "10", "--max-jobs", "1000", "--recycle-after", "2", "--max-jobs-jitter", "0"]
     done = run_cli("run", str(corpus), *args, "--store", str(store), CHUNKQ_FAULTS=faults)
     assert done.returncode == 0, done.stderr[-3000:]
-    layout = _only_run(store)
+    layout = only_run(store)
     _check_result(layout, ids, texts, reference_model)
     per_process: dict[int, list[int]] = {}
     for index in range(6):

@@ -9,12 +9,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
-from jobs.store import RunLayout, read_json
+from jobs.store import read_json
 from supervisor.assemble import _publish
-from tests.helpers import make_texts, max_abs_diff, run_cli, write_corpus
+from tests.helpers import make_texts, only_run, result_matches, run_cli, write_corpus
 
 # Real pools, workers and CLI runs as subprocesses: the slow tier.
 pytestmark = pytest.mark.slow
@@ -30,22 +29,13 @@ def _run(corpus: Path, store: Path) -> Any:
     return run_cli("run", str(corpus), "--chunk-size", "20", "--store", str(store))
 
 
-def _only_run(store: Path) -> RunLayout:
-    (run_dir,) = (store / "runs").iterdir()
-    return RunLayout(store, run_dir.name)
-
-
-def _matches(layout: RunLayout, texts: list[str], reference_model: Any) -> bool:
-    return max_abs_diff(np.load(layout.result / "embeddings.npy"), reference_model.encode(texts)) <= 1e-5
-
-
 def test_a_damaged_published_result_is_refused_and_assembled_again(
     tmp_path: Path, reference_model: Any
 ) -> None:
     ids, texts = make_texts(60, seed=81)
     corpus, store = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl"), tmp_path / "store"
     assert _run(corpus, store).returncode == 0
-    layout = _only_run(store)
+    layout = only_run(store)
     _flip(layout.result / "embeddings.npy")
 
     verify = run_cli("assemble", layout.run_id, "--verify", "--store", str(store))
@@ -55,7 +45,7 @@ def test_a_damaged_published_result_is_refused_and_assembled_again(
     again = _run(corpus, store)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "already complete" not in again.stdout and "the published result is damaged" in again.stderr
-    assert _matches(layout, texts, reference_model)
+    assert result_matches(layout, texts, reference_model)
     assert run_cli("assemble", layout.run_id, "--verify", "--store", str(store)).returncode == 0
 
 
@@ -63,7 +53,7 @@ def test_a_damaged_chunk_output_is_set_aside_and_encoded_again(tmp_path: Path, r
     ids, texts = make_texts(60, seed=82)
     corpus, store = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl"), tmp_path / "store"
     assert _run(corpus, store).returncode == 0
-    layout = _only_run(store)
+    layout = only_run(store)
     first_meta = read_json(layout.output_meta(1))
     (layout.result / "manifest.json").unlink()  # unpublished: assembly has to read the outputs
     _flip(layout.output_npy(1))
@@ -77,14 +67,14 @@ def test_a_damaged_chunk_output_is_set_aside_and_encoded_again(tmp_path: Path, r
     again = _run(corpus, store)
     assert again.returncode == 0, again.stderr[-3000:]
     assert read_json(layout.output_meta(1))["finished_at"] > first_meta["finished_at"]
-    assert _matches(layout, texts, reference_model)
+    assert result_matches(layout, texts, reference_model)
 
     # A chunk whose .npy vanished after it was committed is encoded again by the very next run.
     (layout.result / "manifest.json").unlink()
     layout.output_npy(2).unlink()
     third = _run(corpus, store)
     assert third.returncode == 0, third.stderr[-3000:]
-    assert _matches(layout, texts, reference_model)
+    assert result_matches(layout, texts, reference_model)
 
 
 def test_a_result_is_replaced_in_one_step(tmp_path: Path) -> None:
