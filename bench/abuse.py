@@ -59,8 +59,10 @@ def large_run(work: Path, chunks: int, chunk_size: int) -> None:
             break
         time.sleep(0.1)
     wall = time.perf_counter() - started
-    print(f"{chunks} chunks of {chunk_size} rows: exit {proc.returncode}, wall {wall:.1f} s, "
-          f"supervisor (chunkq run) peak RSS {peak / 2**20:.0f} MiB")  # fmt: skip
+    print(
+        f"{chunks} chunks of {chunk_size} rows: exit {proc.returncode}, wall {wall:.1f} s, "
+        f"supervisor (chunkq run) peak RSS {peak / 2**20:.0f} MiB"
+    )
 
 
 def server_death(work: Path) -> None:

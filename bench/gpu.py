@@ -142,16 +142,21 @@ class Utilisation:
 
 def plain(work: Path, corpus: Path, model: str, device: str, precision: str) -> dict[str, Any]:
     started = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", PLAIN, str(corpus), model, str(work / "plain.npy"), device,
-                          precision], check=True, capture_output=True, text=True,
-                         env=dict(os.environ, HF_HUB_OFFLINE="1"))  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", PLAIN, str(corpus), model, str(work / "plain.npy"), device, precision],
+        check=True,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, HF_HUB_OFFLINE="1"),
+    )
     figures: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     figures["wall"] = time.perf_counter() - started
     return figures
 
 
-def chunkq(work: Path, corpus: Path, model: str, precision: str, extra: list[str], chunk_size: int,
-           device: str) -> dict[str, Any]:  # fmt: skip
+def chunkq(
+    work: Path, corpus: Path, model: str, precision: str, extra: list[str], chunk_size: int, device: str
+) -> dict[str, Any]:
     store = work / f"store-{time.monotonic_ns()}"
     cmd = [sys.executable, "-m", "supervisor.cli", "--log-level", "WARNING", "run", str(corpus)]
     cmd += ["--store", str(store), "--model", model, "--precision", precision]
@@ -165,13 +170,19 @@ def chunkq(work: Path, corpus: Path, model: str, precision: str, extra: list[str
     first = min(datetime.fromisoformat(m["started_at"]) for m in metas)
     last = max(datetime.fromisoformat(m["finished_at"]) for m in metas)
     young = [m["seconds"] for m in metas if m.get("attempt", 1) == 1]
-    return {"wall": wall, "span": (last - first).total_seconds(), "start": first.timestamp(),
-            "end": last.timestamp(), "processes": len({m["pid"] for m in metas}),
-            "chunk_seconds_median": statistics.median(young) if young else None}  # fmt: skip
+    return {
+        "wall": wall,
+        "span": (last - first).total_seconds(),
+        "start": first.timestamp(),
+        "end": last.timestamp(),
+        "processes": len({m["pid"] for m in metas}),
+        "chunk_seconds_median": statistics.median(young) if young else None,
+    }
 
 
-def bench_model(work: Path, label: str, model: str, precision: str, rows: int, args: argparse.Namespace,
-                gpu: Utilisation) -> dict[str, Any]:  # fmt: skip
+def bench_model(
+    work: Path, label: str, model: str, precision: str, rows: int, args: argparse.Namespace, gpu: Utilisation
+) -> dict[str, Any]:
     corpus = docstring_corpus(work / f"corpus-{rows}.jsonl", rows)
     base = plain(work, corpus, model, args.device, precision)
     util = gpu.mean(base["start"], base["end"])
@@ -179,14 +190,21 @@ def bench_model(work: Path, label: str, model: str, precision: str, rows: int, a
         "plain": {**base, "rows_per_s": rows / base["encode_seconds"], "gpu_util": util}
     }
     print(f"\n{label} ({precision}), {rows} rows on {args.device}")
-    print(f"  plain encode, batch 32: {rows / base['encode_seconds']:.0f} rows/s"
-          f"{f', GPU {util:.0f} %' if util is not None else ''}")  # fmt: skip
+    print(
+        f"  plain encode, batch 32: {rows / base['encode_seconds']:.0f} rows/s"
+        f"{f', GPU {util:.0f} %' if util is not None else ''}"
+    )
     for name in args.configs:
         run = chunkq(work, corpus, model, precision, CONFIGS[name], args.chunk_size, args.device)
         util = gpu.mean(run["start"], run["end"])
         steady, e2e = base["encode_seconds"] / run["span"], base["wall"] / run["wall"]
-        results[name] = {**run, "rows_per_s": rows / run["span"], "steady_ratio": steady, "e2e_ratio": e2e,
-                         "gpu_util": util}  # fmt: skip
+        results[name] = {
+            **run,
+            "rows_per_s": rows / run["span"],
+            "steady_ratio": steady,
+            "e2e_ratio": e2e,
+            "gpu_util": util,
+        }
         gpu_text = f", GPU {util:.0f} %" if util is not None else ""
         print(
             f"  chunkq {name:9s}: {rows / run['span']:.0f} rows/s, {steady:.2f}x plain "

@@ -43,8 +43,13 @@ print("PEAK_KB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.st
 
 
 def _peak_mb(args: list[str], env: dict[str, str]) -> float:
-    done = subprocess.run([sys.executable, "-c", MEASURE, *args], capture_output=True, text=True,
-                          env=dict(os.environ, **env), check=True)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", MEASURE, *args],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, **env),
+        check=True,
+    )
     line = [x for x in done.stderr.splitlines() if x.startswith("PEAK_KB")][-1]
     return int(line.split()[1]) / 1024
 
@@ -75,13 +80,29 @@ def main() -> None:
                 for i in range(size):
                     fh.write(json.dumps({"id": f"doc-{i}", "text": f"text number {i} " * 8}) + "\n")
             run_id = f"mem-{size}"
-            submit_mb = _peak_mb(["--log-level", "WARNING", "submit", str(corpus), "--run-id", run_id,
-                                  "--chunk-size", str(args.chunk_size), "--queue", run_id], env)  # fmt: skip
+            submit_mb = _peak_mb(
+                [
+                    "--log-level",
+                    "WARNING",
+                    "submit",
+                    str(corpus),
+                    "--run-id",
+                    run_id,
+                    "--chunk-size",
+                    str(args.chunk_size),
+                    "--queue",
+                    run_id,
+                ],
+                env,
+            )
             _fake_outputs(RunLayout(work / "store", run_id), args.dim)
             assemble_mb = _peak_mb(["--log-level", "WARNING", "assemble", run_id], env)
             results.append((size, submit_mb, assemble_mb))
-            print(f"{size} rows: submit peak RSS {submit_mb:.1f} MB, assemble peak RSS {assemble_mb:.1f} MB "
-                  f"(matrix {size * args.dim * 4 / 2**20:.0f} MB)", flush=True)  # fmt: skip
+            print(
+                f"{size} rows: submit peak RSS {submit_mb:.1f} MB, assemble peak RSS {assemble_mb:.1f} MB "
+                f"(matrix {size * args.dim * 4 / 2**20:.0f} MB)",
+                flush=True,
+            )
     base = results[0]
     for size, submit_mb, assemble_mb in results[1:]:
         ratios = f"submit x{submit_mb / base[1]:.2f}, assemble x{assemble_mb / base[2]:.2f}"

@@ -107,11 +107,19 @@ def main() -> None:
             server.url,
             "noop-bare",
         ]
-        chunkq_rate = _noop_rate(connection, server.url, "noop-chunkq", args.jobs, chunkq_worker,
-                                 {"CHUNKQ_ALLOWED_JOBS": "os.getpid", "CHUNKQ_DEVICE": "cpu"})  # fmt: skip
+        chunkq_rate = _noop_rate(
+            connection,
+            server.url,
+            "noop-chunkq",
+            args.jobs,
+            chunkq_worker,
+            {"CHUNKQ_ALLOWED_JOBS": "os.getpid", "CHUNKQ_DEVICE": "cpu"},
+        )
         bare_rate = _noop_rate(connection, server.url, "noop-bare", args.jobs, bare_worker, {})
-        print(f"no-op jobs ({args.jobs}): chunkq worker {chunkq_rate:.0f} jobs/s, bare RQ SimpleWorker "
-              f"{bare_rate:.0f} jobs/s, ratio {chunkq_rate / bare_rate:.2f}")  # fmt: skip
+        print(
+            f"no-op jobs ({args.jobs}): chunkq worker {chunkq_rate:.0f} jobs/s, bare RQ SimpleWorker "
+            f"{bare_rate:.0f} jobs/s, ratio {chunkq_rate / bare_rate:.2f}"
+        )
 
         small = max(1, args.chunks // 10)
         memory_before = int(connection.info("memory")["used_memory"])
@@ -119,18 +127,24 @@ def main() -> None:
         seconds = _submit(work, server.url, args.chunks, "large")
         memory_after = int(connection.info("memory")["used_memory"])
         per_chunk = (memory_after - memory_before) / (small + args.chunks)
-        print(f"submit: {small} chunks in {small_seconds:.1f} s ({small / small_seconds:.0f} chunks/s), "
-              f"{args.chunks} chunks in {seconds:.1f} s ({args.chunks / seconds:.0f} chunks/s); "
-              f"Redis memory {per_chunk:.0f} bytes per queued chunk")  # fmt: skip
+        print(
+            f"submit: {small} chunks in {small_seconds:.1f} s ({small / small_seconds:.0f} chunks/s), "
+            f"{args.chunks} chunks in {seconds:.1f} s ({args.chunks / seconds:.0f} chunks/s); "
+            f"Redis memory {per_chunk:.0f} bytes per queued chunk"
+        )
 
         small_full, small_look, _ = _look_seconds(connection, work / "store", "small")
         large_full, large_look, interval = _look_seconds(connection, work / "store", "large")
-        print(f"supervisor look with every chunk queued, nothing changed: {small} chunks "
-              f"{small_look * 1000:.1f} ms, {args.chunks} chunks {large_look * 1000:.1f} ms "
-              f"(ratio {large_look / small_look:.1f} for {args.chunks / small:.0f}x the chunks)")  # fmt: skip
-        print(f"full reconcile: {small} chunks {small_full * 1000:.0f} ms, {args.chunks} chunks "
-              f"{large_full * 1000:.0f} ms, repeated every {interval:.0f} s at that size "
-              f"({large_full / (interval + large_full):.1%} of the supervisor's time)")  # fmt: skip
+        print(
+            f"supervisor look with every chunk queued, nothing changed: {small} chunks "
+            f"{small_look * 1000:.1f} ms, {args.chunks} chunks {large_look * 1000:.1f} ms "
+            f"(ratio {large_look / small_look:.1f} for {args.chunks / small:.0f}x the chunks)"
+        )
+        print(
+            f"full reconcile: {small} chunks {small_full * 1000:.0f} ms, {args.chunks} chunks "
+            f"{large_full * 1000:.0f} ms, repeated every {interval:.0f} s at that size "
+            f"({large_full / (interval + large_full):.1%} of the supervisor's time)"
+        )
 
 
 if __name__ == "__main__":

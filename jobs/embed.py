@@ -81,8 +81,9 @@ def _learned(layout: RunLayout, device_kind: str) -> dict[str, Any]:
 
 
 def _remember(layout: RunLayout, device_kind: str, updates: dict[str, Any]) -> None:
-    atomic_write_json(layout.learned_batch(device_kind), {**_learned(layout, device_kind), **updates,
-                                                          "device": device_kind})  # fmt: skip
+    atomic_write_json(
+        layout.learned_batch(device_kind), {**_learned(layout, device_kind), **updates, "device": device_kind}
+    )
 
 
 def _start_limit(options: EncodeOptions, learned: dict[str, Any]) -> int:
@@ -154,12 +155,21 @@ def encode_with_backoff(
         log.warning("chunk %s: out of memory; retrying with %s %d", chunk.job_id, what, batch)
 
 
-def _learn(layout: RunLayout, kind: str, options: EncodeOptions, learned: dict[str, Any], encoded: Encoded,
-           chars_per_second: float) -> None:  # fmt: skip
+def _learn(
+    layout: RunLayout,
+    kind: str,
+    options: EncodeOptions,
+    learned: dict[str, Any],
+    encoded: Encoded,
+    chars_per_second: float,
+) -> None:
     """Keep what fitted for the run's later chunks on this kind of device (and tune ``auto``)."""
     if options.batch_tokens == token_batches.AUTO:
-        _remember(layout, kind, token_batches.next_auto_budget(learned, encoded.limit, chars_per_second,
-                                                               bool(encoded.backoffs)))  # fmt: skip
+        _remember(
+            layout,
+            kind,
+            token_batches.next_auto_budget(learned, encoded.limit, chars_per_second, bool(encoded.backoffs)),
+        )
     elif encoded.backoffs:
         key = "batch_tokens" if options.batch_tokens is not None else "batch_size"
         known = learned.get(key)
@@ -207,8 +217,9 @@ def _embed(chunk: ChunkSpec) -> dict[str, Any]:
         log.info("chunk %s already has a valid output; not encoding it again", chunk.job_id)
         return {**existing, "skipped": True}
 
-    attempt = _job_meta({jobmeta.WORKER: ctx.name, jobmeta.HOST: ctx.host, jobmeta.DEVICE: ctx.device,
-                         jobmeta.GPU: ctx.gpu})  # fmt: skip
+    attempt = _job_meta(
+        {jobmeta.WORKER: ctx.name, jobmeta.HOST: ctx.host, jobmeta.DEVICE: ctx.device, jobmeta.GPU: ctx.gpu}
+    )
     _, texts = read_chunk_input(layout, chunk.index)
     if len(texts) != chunk.rows:
         raise BadInputError(
@@ -252,6 +263,12 @@ def _embed(chunk: ChunkSpec) -> dict[str, Any]:
         "finished_at": datetime.now(UTC).isoformat(),
     }
     published = write_output(layout, chunk.index, encoded.embeddings, meta)
-    log.info("chunk %s: %d rows in %.2f s (%s %d)", chunk.job_id, len(texts), seconds,
-             "token budget" if by_tokens else "batch size", encoded.limit)  # fmt: skip
+    log.info(
+        "chunk %s: %d rows in %.2f s (%s %d)",
+        chunk.job_id,
+        len(texts),
+        seconds,
+        "token budget" if by_tokens else "batch size",
+        encoded.limit,
+    )
     return {**published, "skipped": False}

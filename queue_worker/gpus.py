@@ -116,8 +116,13 @@ def usable(gpus: list[GpuInfo], min_free_memory: int, skip_busy: bool) -> list[G
     kept = []
     for gpu in gpus:
         if gpu.memory_free < min_free_memory:
-            log.warning("GPU %d (%s): %.1f GiB free, below --min-free-memory %.1f GiB; skipped", gpu.index,
-                        gpu.name, gpu.memory_free / 2**30, min_free_memory / 2**30)  # fmt: skip
+            log.warning(
+                "GPU %d (%s): %.1f GiB free, below --min-free-memory %.1f GiB; skipped",
+                gpu.index,
+                gpu.name,
+                gpu.memory_free / 2**30,
+                min_free_memory / 2**30,
+            )
             continue
         if gpu.processes:
             names = ", ".join(f"{p.name} (pid {p.pid})" for p in gpu.processes)
@@ -132,8 +137,21 @@ def usable(gpus: list[GpuInfo], min_free_memory: int, skip_busy: bool) -> list[G
 
 def parse_size(text: str) -> int:
     """'8GiB', '512M', '0' -> bytes."""
-    units = {"": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20,
-             "g": 2**30, "gb": 2**30, "gib": 2**30, "t": 2**40, "tb": 2**40, "tib": 2**40}  # fmt: skip
+    units = {
+        "": 1,
+        "k": 2**10,
+        "kb": 2**10,
+        "kib": 2**10,
+        "m": 2**20,
+        "mb": 2**20,
+        "mib": 2**20,
+        "g": 2**30,
+        "gb": 2**30,
+        "gib": 2**30,
+        "t": 2**40,
+        "tb": 2**40,
+        "tib": 2**40,
+    }
     raw = text.strip().lower()
     number = raw.rstrip("kmgtib")
     try:

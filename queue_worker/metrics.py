@@ -62,17 +62,22 @@ class PoolMetrics:
         self.registry = CollectorRegistry()
         self.pool = pool
         self.exits = Counter(
-            "chunkq_worker_exits", "Worker processes that ended, by reason", ["pool", "device", "reason"],
+            "chunkq_worker_exits",
+            "Worker processes that ended, by reason",
+            ["pool", "device", "reason"],
             registry=self.registry,
-        )  # fmt: skip
+        )
         self.started = Counter(
             "chunkq_workers_started", "Worker processes started", ["pool", "device"], registry=self.registry
         )
         self.running = Gauge("chunkq_workers", "Live worker processes", ["pool"], registry=self.registry)
         self.model_load = Histogram(
-            "chunkq_model_load_seconds", "Seconds a worker took to load its model", ["pool", "device"],
-            buckets=(0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300), registry=self.registry,
-        )  # fmt: skip
+            "chunkq_model_load_seconds",
+            "Seconds a worker took to load its model",
+            ["pool", "device"],
+            buckets=(0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300),
+            registry=self.registry,
+        )
         if gpu_indices:
             self.registry.register(_GpuMemory(gpu_indices))
 

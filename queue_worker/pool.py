@@ -232,8 +232,10 @@ class Pool:
         if len(crashes) >= self.settings.crash_limit:
             log.error(
                 "%s: %d worker deaths within %.0f s; taking it out of this pool (the other devices go on)",
-                self._where(slot), len(crashes), self.settings.crash_window,
-            )  # fmt: skip
+                self._where(slot),
+                len(crashes),
+                self.settings.crash_window,
+            )
             for other in self.slots:
                 if other.device == slot.device:
                     other.retired = True

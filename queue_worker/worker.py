@@ -154,8 +154,12 @@ class ChunkWorker(SimpleWorker):
         if by_time or (self.recycle_after is not None and self.worked >= self.recycle_after):
             # Announced or not, the time is up: RQ's own max-jobs check covers only the count.
             self.recycled = self._stop_requested = True
-            self.log.info("Worker %s: recycling after %.1f s of work in %d chunk(s)", self.name,
-                          self.worked, self.jobs_run)  # fmt: skip
+            self.log.info(
+                "Worker %s: recycling after %.1f s of work in %d chunk(s)",
+                self.name,
+                self.worked,
+                self.jobs_run,
+            )
         announce_settled(self.connection, queue.name, job.id)  # the supervisor looks now, not in a second
         self.set_state(WorkerStatus.IDLE)
         broken = runtime.context_broken()

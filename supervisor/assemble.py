@@ -66,8 +66,11 @@ def published_result(layout: RunLayout, manifest: RunManifest) -> dict[str, Any]
         return None
     damage = result_damage(layout, result)
     if damage:
-        log.warning("run %s: the published result is damaged (%s); assembling it again from the chunk "
-                    "outputs", manifest.run_id, "; ".join(damage))  # fmt: skip
+        log.warning(
+            "run %s: the published result is damaged (%s); assembling it again from the chunk outputs",
+            manifest.run_id,
+            "; ".join(damage),
+        )
         return None
     return result
 
@@ -111,8 +114,12 @@ def set_aside(layout: RunLayout, index: int) -> str:
                 _move_remote(path, target)
             moved = str(layout.damaged_outputs)
     if moved:
-        log.warning("run %s: chunk %d's output is damaged; moved to %s, to be encoded again",
-                    layout.run_id, index, moved)  # fmt: skip
+        log.warning(
+            "run %s: chunk %d's output is damaged; moved to %s, to be encoded again",
+            layout.run_id,
+            index,
+            moved,
+        )
     return moved
 
 
@@ -240,7 +247,12 @@ def assemble(layout: RunLayout, missing: list[Failure] | None = None) -> dict[st
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if skip:
-        log.warning("run %s: published a PARTIAL result: %d of %d rows; %d chunk(s) missing", manifest.run_id,
-                    total, manifest.rows, len(skip))  # fmt: skip
+        log.warning(
+            "run %s: published a PARTIAL result: %d of %d rows; %d chunk(s) missing",
+            manifest.run_id,
+            total,
+            manifest.rows,
+            len(skip),
+        )
     log.info("run %s: published %d x %d embeddings in %s", manifest.run_id, total, dim, layout.result)
     return result

@@ -231,18 +231,34 @@ RUN_DECIDES_FOR_THE_POOL = (
 def watch_options(func: F) -> F:
     options = [
         click.option("--poll", type=float, default=1.0, show_default=True, help="Seconds between looks."),
-        click.option("--max-attempts", type=click.IntRange(1), default=3, envvar="CHUNKQ_MAX_ATTEMPTS",
-                     show_default=True, help="Attempts per chunk before it is quarantined."),
-        click.option("--allow-partial", is_flag=True,
-                     help="With quarantined chunks, publish the rest and list the missing rows (exit 9)."),
-        click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
-                     envvar="CHUNKQ_METRICS_PORT",
-                     help="Serve the supervisor's Prometheus metrics on 127.0.0.1:PORT "
-                          "(chunkq run: the pool's on PORT+1)."),
-        click.option("--wait", is_flag=True,
-                     help="If another process owns the run (or the store's embedded Redis), wait for it "
-                          "instead of refusing."),
-    ]  # fmt: skip
+        click.option(
+            "--max-attempts",
+            type=click.IntRange(1),
+            default=3,
+            envvar="CHUNKQ_MAX_ATTEMPTS",
+            show_default=True,
+            help="Attempts per chunk before it is quarantined.",
+        ),
+        click.option(
+            "--allow-partial",
+            is_flag=True,
+            help="With quarantined chunks, publish the rest and list the missing rows (exit 9).",
+        ),
+        click.option(
+            "--metrics-port",
+            type=click.IntRange(0, 65535),
+            default=None,
+            envvar="CHUNKQ_METRICS_PORT",
+            help="Serve the supervisor's Prometheus metrics on 127.0.0.1:PORT "
+            "(chunkq run: the pool's on PORT+1).",
+        ),
+        click.option(
+            "--wait",
+            is_flag=True,
+            help="If another process owns the run (or the store's embedded Redis), wait for it "
+            "instead of refusing.",
+        ),
+    ]
     for option in reversed(options):
         func = option(func)
     return func
@@ -287,8 +303,11 @@ def _finish(outcome: Outcome) -> int:
         click.echo(failure_report(outcome.quarantined), err=True)
         if outcome.partial and outcome.result is not None:
             result = outcome.result
-            click.echo(f"PARTIAL result: {result['rows']} of {result['corpus_rows']} rows; the missing row "
-                       "ranges are listed under 'missing' in result/manifest.json", err=True)  # fmt: skip
+            click.echo(
+                f"PARTIAL result: {result['rows']} of {result['corpus_rows']} rows; the missing row "
+                "ranges are listed under 'missing' in result/manifest.json",
+                err=True,
+            )
             return EXIT_PARTIAL
         return EXIT_CHUNKS_FAILED
     if outcome.result is None:
@@ -332,8 +351,12 @@ def submit_cmd(corpus: Path, redis_url: str, **kw: Any) -> None:
 
 @cli.command("pool")
 @pool_setting_options()
-@click.option("--settings-json", envvar=SETTINGS_JSON_ENV, hidden=True,
-              help="Every setting at once, as chunkq run hands them to its pool.")  # fmt: skip
+@click.option(
+    "--settings-json",
+    envvar=SETTINGS_JSON_ENV,
+    hidden=True,
+    help="Every setting at once, as chunkq run hands them to its pool.",
+)
 @store_option
 @queue_option
 @redis_option(required=True)
@@ -372,9 +395,13 @@ def dashboard_cmd(redis_url: str, bind: str, port: int, username: str | None, pa
 
 @cli.command("report")
 @click.argument("run_id")
-@click.option("--out", type=click.Path(path_type=Path), default=None,
-              help="Directory for report.png, report.md, report.json (default: the run's report/ in a "
-                   "filesystem store, ./chunkq-report-RUN otherwise).")  # fmt: skip
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Directory for report.png, report.md, report.json (default: the run's report/ in a "
+    "filesystem store, ./chunkq-report-RUN otherwise).",
+)
 @store_option
 @redis_option(required=False)
 @reports_errors

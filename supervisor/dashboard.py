@@ -40,9 +40,19 @@ DEFAULT_PORT = 9181
 # Endpoints that only read; every other endpoint changes state and must be a same-origin POST.
 _READ_ONLY_ENDPOINTS = frozenset(
     f"rq_dashboard.{name}"
-    for name in ("static", "favicon", "queues_overview", "workers_overview", "jobs_overview", "job_view",
-                 "list_queues", "list_jobs", "job_info", "list_workers")
-) | {"static"}  # fmt: skip
+    for name in (
+        "static",
+        "favicon",
+        "queues_overview",
+        "workers_overview",
+        "jobs_overview",
+        "job_view",
+        "list_queues",
+        "list_jobs",
+        "job_info",
+        "list_workers",
+    )
+) | {"static"}
 _LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
 # Endpoints whose templates insert every field as raw HTML.
 _RAW_HTML_ENDPOINTS = ("rq_dashboard.job_info", "rq_dashboard.list_workers", "rq_dashboard.list_queues")
@@ -197,8 +207,11 @@ def create_app(
     def unreadable(exc: Exception) -> Any:
         # A job that is not JSON (pickled, or planted): say so instead of a bare 500.
         log.warning("dashboard: unreadable data at %s: %s: %s", request.path, type(exc).__name__, exc)
-        return Response("unreadable job data: not JSON (written with pickle, or by someone who should not "
-                        "write to Redis); chunkq will not read it another way", 422)  # fmt: skip
+        return Response(
+            "unreadable job data: not JSON (written with pickle, or by someone who should not "
+            "write to Redis); chunkq will not read it another way",
+            422,
+        )
 
     app.before_request(guard)
     app.after_request(escape_raw_html_fields)

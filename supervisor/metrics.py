@@ -16,14 +16,23 @@ class RunMetrics:
         self.chunks = Gauge(
             "chunkq_chunks", "Chunks of the run by state", ["run", "state"], registry=self.registry
         )
-        self.rows_done = Gauge("chunkq_rows_done", "Rows whose embeddings are in the store", ["run"],
-                               registry=self.registry)  # fmt: skip
+        self.rows_done = Gauge(
+            "chunkq_rows_done", "Rows whose embeddings are in the store", ["run"], registry=self.registry
+        )
         self.rows_total = Gauge("chunkq_rows", "Rows in the run", ["run"], registry=self.registry)
         self.rate = Gauge("chunkq_rows_per_second", "Recent throughput", ["run"], registry=self.registry)
-        self.retries = Counter("chunkq_chunk_retries", "Failed chunk attempts queued again, by error class",
-                               ["run", "error_class"], registry=self.registry)  # fmt: skip
-        self.quarantines = Counter("chunkq_chunks_quarantined", "Chunks quarantined, by error class",
-                                   ["run", "error_class"], registry=self.registry)  # fmt: skip
+        self.retries = Counter(
+            "chunkq_chunk_retries",
+            "Failed chunk attempts queued again, by error class",
+            ["run", "error_class"],
+            registry=self.registry,
+        )
+        self.quarantines = Counter(
+            "chunkq_chunks_quarantined",
+            "Chunks quarantined, by error class",
+            ["run", "error_class"],
+            registry=self.registry,
+        )
 
     def observe(self, snap: Snapshot) -> None:
         counts = {

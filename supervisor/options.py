@@ -45,9 +45,14 @@ def _option(name: str, meta: Meta, default: Any) -> Callable[[F], F]:
     else:
         kind = str
     return click.option(
-        option, name, type=kind, default=default, show_default=default is not None,
-        callback=_CALLBACKS.get(name), **kwargs,
-    )  # fmt: skip
+        option,
+        name,
+        type=kind,
+        default=default,
+        show_default=default is not None,
+        callback=_CALLBACKS.get(name),
+        **kwargs,
+    )
 
 
 def pool_setting_options(exclude: Iterable[str] = ()) -> Callable[[F], F]:

@@ -64,8 +64,13 @@ def settle_failure(
     if jobmeta.RETRY_AT not in meta:
         meta[jobmeta.RETRY_AT] = now + policy.delay(attempt, rng, error_class)
         job.save_meta()  # type: ignore[no-untyped-call]
-        log.warning("chunk job %s failed (%s, attempt %d); retrying in %.1f s",
-                    job.id, error_class, attempt, meta[jobmeta.RETRY_AT] - now)  # fmt: skip
+        log.warning(
+            "chunk job %s failed (%s, attempt %d); retrying in %.1f s",
+            job.id,
+            error_class,
+            attempt,
+            meta[jobmeta.RETRY_AT] - now,
+        )
     if float(meta[jobmeta.RETRY_AT]) > now:
         return "waiting"
     meta[jobmeta.ATTEMPT] = attempt + 1

@@ -114,13 +114,19 @@ class Supervisor:
         run_id = self.manifest.run_id
         if snap.lost:
             counts = enqueue_chunks(self.connection, self.layout, self.manifest, snap.lost)
-            log.warning("run %s: %d chunk(s) had no job and no output; queued again", run_id,
-                        counts.enqueued + counts.requeued)  # fmt: skip
+            log.warning(
+                "run %s: %d chunk(s) had no job and no output; queued again",
+                run_id,
+                counts.enqueued + counts.requeued,
+            )
         if snap.stranded:
             self._requeue_stranded(snap.stranded)
         for index in snap.stale:
-            mark_abandoned(self.connection, chunk_job_id(run_id, index),
-                           f"no heartbeat for over {STALE_HEARTBEAT_SECONDS:.0f} s")  # fmt: skip
+            mark_abandoned(
+                self.connection,
+                chunk_job_id(run_id, index),
+                f"no heartbeat for over {STALE_HEARTBEAT_SECONDS:.0f} s",
+            )
         for index, job in self.tracker.failed_jobs.items():
             self._settle(index, job)
 
@@ -129,8 +135,11 @@ class Supervisor:
         give_back(
             self.connection, queue, [chunk_job_id(self.manifest.run_id, i) for i in stranded], at_front=False
         )
-        log.warning("run %s: chunk(s) %s were taken by a worker that died before starting them; queued again",
-                    self.manifest.run_id, stranded)  # fmt: skip
+        log.warning(
+            "run %s: chunk(s) %s were taken by a worker that died before starting them; queued again",
+            self.manifest.run_id,
+            stranded,
+        )
 
     def _settle(self, index: int, job: Job) -> None:
         already = jobmeta.quarantined(job.meta)
@@ -195,9 +204,15 @@ def supervise(
         return _supervise(connection, layout, display, settings, keep_going, redis_gone, owner)
 
 
-def _supervise(connection: redis.Redis, layout: RunLayout, display: ProgressDisplay, settings: WatchSettings,
-               keep_going: Callable[[], bool], redis_gone: Callable[[], str | None],
-               owner: StoreLock) -> Outcome:  # fmt: skip
+def _supervise(
+    connection: redis.Redis,
+    layout: RunLayout,
+    display: ProgressDisplay,
+    settings: WatchSettings,
+    keep_going: Callable[[], bool],
+    redis_gone: Callable[[], str | None],
+    owner: StoreLock,
+) -> Outcome:
     manifest = load_manifest(layout)
     lock = RunLock(connection, manifest.run_id)
     metrics = None

@@ -63,8 +63,12 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A 1.4 MiB tmpfs: room for a run's inputs and outputs, not for its assembled result."""
     mount = tmp_path / "disk"
     mount.mkdir()
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1400k,mode=0700", "tmpfs", str(mount)],
-                          capture_output=True, text=True, check=False)  # fmt: skip
+    made = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1400k,mode=0700", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if made.returncode != 0:
         if os.environ.get("CI"):
             pytest.fail(f"cannot mount a tmpfs under CI: {made.stderr}")
@@ -247,8 +251,9 @@ def test_a_run_of_two_thousand_chunks(tmp_path: Path, reference_model: Any) -> N
     ids = [f"w{i}" for i in range(rows)]
     texts = [f"{words[i % len(words)]} {i}" for i in range(rows)]
     corpus, store = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl"), tmp_path / "store"
-    done = run_cli("run", str(corpus), "--chunk-size", "10", "--max-jobs", "1000", "--store", str(store),
-                   timeout=560)  # fmt: skip
+    done = run_cli(
+        "run", str(corpus), "--chunk-size", "10", "--max-jobs", "1000", "--store", str(store), timeout=560
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     layout = only_run(store)
     assert len(layout.done_chunks()) == 2_000

@@ -57,11 +57,13 @@ def test_chaos_run_loses_and_duplicates_nothing(tmp_path: Path, reference_model:
     connection = redis.Redis.from_url(server.url, socket_timeout=2)
     store = tmp_path / "store"
     env = {"CHUNKQ_REDIS_URL": server.url, "CHUNKQ_STORE": str(store), "CHUNKQ_QUEUE": "chaos"}
-    faults = json.dumps([
-        {"kind": "oom", "chunks": OOM_CHUNKS, "above_batch": 2},
-        {"kind": "cuda_fatal", "chunks": CUDA_CHUNKS, "attempts": [1]},
-        {"kind": "slow", "chunks": SLOW_CHUNKS, "attempts": [1], "seconds": 3},
-    ])  # fmt: skip
+    faults = json.dumps(
+        [
+            {"kind": "oom", "chunks": OOM_CHUNKS, "above_batch": 2},
+            {"kind": "cuda_fatal", "chunks": CUDA_CHUNKS, "attempts": [1]},
+            {"kind": "slow", "chunks": SLOW_CHUNKS, "attempts": [1], "seconds": 3},
+        ]
+    )
     submitted = run_cli(
         "submit", str(corpus), "--chunk-size", "5", "--run-id", "chaos", "--batch-size", "8", **env
     )
@@ -96,8 +98,11 @@ def test_chaos_run_loses_and_duplicates_nothing(tmp_path: Path, reference_model:
                 server.proc.kill()
                 server.proc.wait(timeout=30)
                 # Keep it down until the supervisor has noticed, so the outage is a real one.
-                wait_for(lambda: "Redis unreachable" in (tmp_path / "supervisor-2.log").read_text(), 60,
-                         "the supervisor to notice Redis is gone")  # fmt: skip
+                wait_for(
+                    lambda: "Redis unreachable" in (tmp_path / "supervisor-2.log").read_text(),
+                    60,
+                    "the supervisor to notice Redis is gone",
+                )
                 server = EmbeddedRedis(tmp_path / "redis", password=server.password, port=server.port).start()
                 connection = redis.Redis.from_url(server.url, socket_timeout=2)
                 redis_restarted = True

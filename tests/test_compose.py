@@ -27,8 +27,14 @@ pytestmark = pytest.mark.skipif(
 def _config(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     assert TOOL is not None, "docker-compose is required in CI"
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("CHUNKQ_", "REDIS_"))}
-    return subprocess.run([TOOL, "-f", str(ROOT / "compose.yaml"), "config", *args], env={**clean, **env},
-                          capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    return subprocess.run(
+        [TOOL, "-f", str(ROOT / "compose.yaml"), "config", *args],
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
 
 
 def test_compose_file_is_valid_and_complete() -> None:

@@ -128,9 +128,14 @@ def _plant_pickles(connection: redis.Redis, marker: Path) -> None:
     stamp = str(time.time())
     connection.hset(
         "rq:execution:evil-job:exec1",
-        mapping={"id": "exec1", "job_id": "evil-job", "created_at": stamp, "last_heartbeat": stamp,
-                 "worker_name": "evil-worker"},
-    )  # fmt: skip
+        mapping={
+            "id": "exec1",
+            "job_id": "evil-job",
+            "created_at": stamp,
+            "last_heartbeat": stamp,
+            "worker_name": "evil-worker",
+        },
+    )
 
 
 def test_the_planted_worker_reaches_rqs_pickle_loader(tmp_path: Path, connection: redis.Redis) -> None:
@@ -170,8 +175,9 @@ def test_no_endpoint_unpickles_what_is_in_redis(
         workers_status, workers_body = _get(f"{base}/0/data/workers.json")
     assert not marker.exists(), "the dashboard unpickled a payload from Redis"
     # Where a planted pickle is what the endpoint reads, it says so (422); nothing fails with a 500.
-    unreadable = {"/0/data/job/evil-job.json"} | {f"/0/data/jobs/evil/{r}/10/asc/1.json" for r in
-                                                   ("queued", "failed", "finished")}  # fmt: skip
+    unreadable = {"/0/data/job/evil-job.json"} | {
+        f"/0/data/jobs/evil/{r}/10/asc/1.json" for r in ("queued", "failed", "finished")
+    }
     expected = {url: 422 if url.removeprefix(base) in unreadable else 200 for url in urls}
     assert statuses == expected
     assert workers_status == 200, workers_body
@@ -315,8 +321,11 @@ def test_failed_chunk_page_in_a_real_browser(
         )
         shot = subprocess.run(
             [*flags, "--window-size=1280,1800", f"--screenshot={screenshot}", page],
-            capture_output=True, text=True, timeout=120, check=False,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
     assert dom.returncode == 0, dom.stderr[-2000:]
     text = dom.stdout
     for needle in (

@@ -126,8 +126,12 @@ def test_failures_outlive_the_runs_redis_and_the_report_lists_them_by_class(
     ids, texts = make_texts(80, seed=4)
     corpus = write_corpus(tmp_path / "corpus.jsonl", ids, texts, "jsonl")
     store = tmp_path / "store"
-    faults = json.dumps([{"kind": "device_assert", "chunks": [1], "attempts": [1]},
-                         {"kind": "sigkill", "chunks": [3], "attempts": [1]}])  # fmt: skip
+    faults = json.dumps(
+        [
+            {"kind": "device_assert", "chunks": [1], "attempts": [1]},
+            {"kind": "sigkill", "chunks": [3], "attempts": [1]},
+        ]
+    )
     done = run_cli("run", str(corpus), "--chunk-size", "20", "--store", str(store), CHUNKQ_FAULTS=faults)
     assert done.returncode == 0, done.stderr[-3000:]
     layout = only_run(store)

@@ -199,8 +199,15 @@ def test_token_budget_batches_give_the_embeddings_of_fixed_batches(
     outputs = []
     for index in range(3):
         spec, texts = _chunk(store, index=index)
-        tokens = ChunkSpec(spec.run_id, spec.index, spec.first_row, spec.rows, spec.model, spec.store,
-                           EncodeOptions(batch_tokens=budget))  # fmt: skip
+        tokens = ChunkSpec(
+            spec.run_id,
+            spec.index,
+            spec.first_row,
+            spec.rows,
+            spec.model,
+            spec.store,
+            EncodeOptions(batch_tokens=budget),
+        )
         meta = embed_chunk(tokens.to_dict())
         got = np.load(layout.output_npy(index))
         assert max_abs_diff(got, reference_model.encode(texts, batch_size=32)) <= 1e-5

@@ -44,14 +44,19 @@ def test_metrics_during_a_run_and_the_report_after_it(
     submitted = run_cli("submit", str(corpus), "--chunk-size", "10", "--run-id", "obs", **env)
     assert submitted.returncode == 0, submitted.stderr
     # Chunk 1 breaks CUDA on its first attempt; chunk 5 is slow, so the run is still going when scraped.
-    faults = json.dumps([{"kind": "cuda_fatal", "chunks": [1], "attempts": [1]},
-                         {"kind": "slow", "chunks": [5], "seconds": 20}])  # fmt: skip
+    faults = json.dumps(
+        [
+            {"kind": "cuda_fatal", "chunks": [1], "attempts": [1]},
+            {"kind": "slow", "chunks": [5], "seconds": 20},
+        ]
+    )
     pool_port, sup_port = free_port(), free_port()
     pool_args = ["--gpus", "none", "--max-jobs", "3", "--name", "obspool", "--metrics-port", str(pool_port)]
     pool_args += ["--preload", "bundled:all-MiniLM-L6-v2"]
     pool = start_cli(tmp_path / "pool.log", "pool", *pool_args, CHUNKQ_FAULTS=faults, **env)
-    supervisor = start_cli(tmp_path / "sup.log", "supervise", "obs", "--poll", "0.2", "--metrics-port",
-                           str(sup_port), **env)  # fmt: skip
+    supervisor = start_cli(
+        tmp_path / "sup.log", "supervise", "obs", "--poll", "0.2", "--metrics-port", str(sup_port), **env
+    )
     try:
         run = '{run="obs"}'
         wait_for(lambda: _scrape(sup_port).get(f"chunkq_rows_done{run}", 0) >= 40, 180, "40 rows done")

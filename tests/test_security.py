@@ -221,8 +221,12 @@ def test_rq_cli_reads_and_requeues_chunkq_queues(tmp_path: Path, store: Path, re
 
     info = subprocess.run(
         [rq_bin, "info", "-u", redis_url, "-S", "json", "rqcli"],
-        capture_output=True, text=True, timeout=60, check=False, env=cli_env(),
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=cli_env(),
+    )
     assert info.returncode == 0, info.stderr
     assert "rqcli        |██ 2, 0 executing, 0 finished, 0 failed" in info.stdout
 
@@ -233,8 +237,12 @@ def test_rq_cli_reads_and_requeues_chunkq_queues(tmp_path: Path, store: Path, re
     FailedJobRegistry("rqcli", connection=client, serializer=JSONSerializer).add(job, exc_string="boom")
     requeue = subprocess.run(
         [rq_bin, "requeue", "-u", redis_url, "-S", "json", "--queue", "rqcli", "--all"],
-        capture_output=True, text=True, timeout=60, check=False, env=cli_env(),
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=cli_env(),
+    )
     assert requeue.returncode == 0, requeue.stderr
     assert "Requeueing 1 jobs" in requeue.stdout
     assert "rqcli__c000000" in [j.decode() for j in client.lrange("rq:queue:rqcli", 0, -1)]
@@ -254,8 +262,9 @@ def test_redis_urls_with_an_acl_user_pass_through(
     tmp_path: Path, store: Path, connection: redis.Redis, redis_url: str
 ) -> None:
     port = connection.connection_pool.connection_kwargs["port"]
-    connection.acl_setuser("chunkq-acl", enabled=True, passwords=["+acl-secret"], keys=["*"], channels=["*"],
-                           commands=["+@all"])  # fmt: skip
+    connection.acl_setuser(
+        "chunkq-acl", enabled=True, passwords=["+acl-secret"], keys=["*"], channels=["*"], commands=["+@all"]
+    )
     try:
         acl_url = f"redis://chunkq-acl:acl-secret@127.0.0.1:{port}/0"
         _submit_through(tmp_path, store, acl_url, "acl", connection)
@@ -306,10 +315,28 @@ def test_rediss_urls_reach_redis_over_tls(tmp_path: Path, store: Path, connectio
         pytest.skip("openssl is needed to make a test certificate")
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-         "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-        check=True, capture_output=True, timeout=60,
-    )  # fmt: skip
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     kwargs = connection.connection_pool.connection_kwargs
     with tls_terminator(kwargs["port"], cert, key) as port:
         url = f"rediss://:{kwargs['password']}@127.0.0.1:{port}/0?ssl_ca_certs={cert}"

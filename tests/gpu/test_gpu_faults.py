@@ -67,11 +67,13 @@ def test_a_device_side_assert_an_oom_and_a_killed_worker_in_one_run(tmp_path: Pa
     ids, texts = make_texts(200, seed=11)
     corpus = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")
     store = tmp_path / "store"
-    faults = json.dumps([
-        {"kind": "device_assert", "chunks": [1], "attempts": [1]},
-        {"kind": "oom", "chunks": [2], "above_batch": 8},
-        {"kind": "sigkill", "chunks": [3], "attempts": [1]},
-    ])  # fmt: skip
+    faults = json.dumps(
+        [
+            {"kind": "device_assert", "chunks": [1], "attempts": [1]},
+            {"kind": "oom", "chunks": [2], "above_batch": 8},
+            {"kind": "sigkill", "chunks": [3], "attempts": [1]},
+        ]
+    )
     args = ["--model", gpu_model, "--chunk-size", "40", "--gpus", "0", "--store", str(store)]
     done = run_cli("run", str(corpus), *args, timeout=600, CHUNKQ_FAULTS=faults)
     assert done.returncode == 0, done.stderr[-4000:]
