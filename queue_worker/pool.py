@@ -32,6 +32,7 @@ from queue_worker.fork_server import ForkedWorker, ForkServer, ForkServerError
 from queue_worker.gpus import GpuInfo, cpu_threads_per_worker, resolve_workers_per_gpu, worker_environment
 from queue_worker.lifeline import PARENT_PID_ENV, die_with_parent
 from queue_worker.metrics import PoolMetrics, serve
+from queue_worker.restart import RestartPolicy
 from queue_worker.settings import PoolSettings, env_of, worker_argv
 from queue_worker.standby import NOTIFY_FD_ENV, WAIT_FOR_PID_ENV, parse_announcements
 
@@ -41,7 +42,6 @@ WorkerProcess = subprocess.Popen[bytes] | ForkedWorker
 
 POLL_SECONDS = 0.2
 WATCHDOG_SECONDS = 2.0
-REDIS_BACKOFF_CAP = 60.0  # seconds between workers of a slot while Redis stays away
 
 
 def jittered_max_jobs(max_jobs: int | None, fraction: float, rng: random.Random) -> int | None:
@@ -77,6 +77,7 @@ class Pool:
 
     def __init__(self, settings: PoolSettings, gpus: list[GpuInfo], rng: random.Random | None = None) -> None:
         self.settings = settings
+        self.policy = RestartPolicy(settings.restart_delay)
         if gpus:
             per_gpu = resolve_workers_per_gpu(
                 settings.workers_per_gpu, gpus, settings.preload, settings.precision
@@ -254,34 +255,24 @@ class Pool:
                 code = exit_codes.EXIT_STOPPED  # told to stop before its handlers were even installed
             if code == exit_codes.EXIT_FORKED_NO_CUDA:
                 self._stop_forking("a forked worker could not create its CUDA context; its log says why")
-            meaning = exit_codes.of(code)
-            if not meaning.clean:
+            verdict = self.policy.judge(code, slot.redis_losses)
+            slot.redis_losses = verdict.redis_losses
+            if verdict.abandon_job:
                 self._to_abandon.append((dead, reason))
-            if meaning.gpus_fault:
+            if verdict.counts_as_crash:
                 self._count_crash(slot, now)
-            level = logging.INFO if meaning.clean else logging.WARNING
             if not slot.retired and self._promote(slot):
-                log.log(level, "worker %s %s", dead, reason)
+                log.log(verdict.level, "worker %s %s", dead, reason)
             elif stopping:
                 log.info("worker %s on %s %s", slot.worker_name, self._where(slot), reason)
-            elif not meaning.restart:
+            elif not verdict.may_restart:
                 slot.retired = True
                 log.error("worker %s %s; not restarting slot %s", slot.worker_name, reason, slot.key)
             elif slot.retired:
                 log.error("worker %s %s; its device is out of service", slot.worker_name, reason)
             else:
-                delay = 0.0 if meaning.clean else self.settings.restart_delay
-                slot.not_before = now + self._redis_backoff(slot, code, delay)
-                log.log(level, "worker %s %s; starting a fresh one", slot.worker_name, reason)
-
-    def _redis_backoff(self, slot: Slot, code: int, delay: float) -> float:
-        """While Redis stays away, each worker that exits for it waits twice as long as the last,
-        up to REDIS_BACKOFF_CAP: not a respawn every second for as long as the outage lasts."""
-        if code != exit_codes.EXIT_REDIS:  # it ended for another reason: Redis was there
-            slot.redis_losses = 0
-            return delay
-        slot.redis_losses += 1
-        return float(min(REDIS_BACKOFF_CAP, max(delay, 1.0) * 2**slot.redis_losses))
+                slot.not_before = now + verdict.delay
+                log.log(verdict.level, "worker %s %s; starting a fresh one", slot.worker_name, reason)
 
     def _watchdog(self, now: float) -> None:
         """Kill a worker whose job runs past its timeout: SIGALRM cannot stop a hung CUDA call."""

@@ -254,15 +254,23 @@ def test_an_idle_worker_still_stops_on_a_signal(connection: redis.Redis) -> None
     assert time.monotonic() - signalled[0] < STOP_POLL_SECONDS + 5
 
 
-def test_workers_that_keep_losing_redis_are_restarted_ever_more_slowly(redis_url: str) -> None:
+def test_workers_that_keep_losing_redis_are_restarted_ever_more_slowly() -> None:
     """A Redis outage must not become a respawn every second (130 workers in five minutes, seen)."""
     from queue_worker import exit_codes
-    from queue_worker.pool import REDIS_BACKOFF_CAP, Pool, Slot
-    from queue_worker.settings import PoolSettings
+    from queue_worker.restart import REDIS_BACKOFF_CAP, RestartPolicy
 
-    pool = Pool(PoolSettings(redis_url=redis_url, restart_delay=1.0), [])
-    slot = Slot(key="cpu-w0", gpu=None)
-    delays = [pool._redis_backoff(slot, exit_codes.EXIT_REDIS, 1.0) for _ in range(8)]
+    policy = RestartPolicy(restart_delay=1.0)
+    losses, delays = 0, []
+    for _ in range(8):
+        verdict = policy.judge(exit_codes.EXIT_REDIS, losses)
+        losses = verdict.redis_losses
+        delays.append(verdict.delay)
+        assert not verdict.counts_as_crash and verdict.may_restart and verdict.abandon_job
     assert delays == [2.0, 4.0, 8.0, 16.0, 32.0, REDIS_BACKOFF_CAP, REDIS_BACKOFF_CAP, REDIS_BACKOFF_CAP]
-    assert pool._redis_backoff(slot, exit_codes.EXIT_MAX_JOBS, 0.0) == 0.0  # it worked: Redis is back
-    assert pool._redis_backoff(slot, exit_codes.EXIT_REDIS, 1.0) == 2.0
+    recycled = policy.judge(exit_codes.EXIT_MAX_JOBS, losses)  # it worked: Redis is back
+    assert (recycled.delay, recycled.redis_losses, recycled.abandon_job) == (0.0, 0, False)
+    assert policy.judge(exit_codes.EXIT_REDIS, recycled.redis_losses).delay == 2.0
+    config = policy.judge(exit_codes.EXIT_CONFIG, 0)
+    assert not config.may_restart and not config.counts_as_crash
+    killed = policy.judge(-9, 0)
+    assert killed.counts_as_crash and killed.abandon_job and killed.delay == 1.0
