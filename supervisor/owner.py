@@ -44,6 +44,7 @@ class StoreLock:
         self.token = secrets.token_hex(8)
         self.held = False
         self._renewed = 0.0
+        self.took_over: str = ""  # whose stale lock acquire() took over, described, or ""
 
     def _mine(self) -> dict[str, Any]:
         return {
@@ -109,6 +110,7 @@ class StoreLock:
             why = self._stale(holder)
             if why:
                 log.warning("%s: taking over the lock of %s (%s)", self.what, _describe(holder), why)
+                self.took_over = f"{_describe(holder)} ({why})"
                 self.path.unlink(missing_ok=True)
                 continue
             if not wait:

@@ -14,7 +14,11 @@ from pathlib import Path
 from types import TracebackType
 
 import redis
+from rq import Queue
+from rq.registry import StartedJobRegistry
+from rq.serializers import JSONSerializer
 
+from jobs.abandon import mark_abandoned
 from jobs.storage import is_local
 from jobs.store import RunLayout
 from queue_worker.lifeline import die_with_parent
@@ -107,6 +111,16 @@ class PoolProcess:
                     self.proc.wait()
 
 
+def _release_orphans(connection: redis.Redis, previous: str) -> None:
+    """The embedded server is private to the run that owns it: a job it shows as started belongs
+    to a worker of the previous owner, which is dead. Fail it as abandoned now, so it is retried at
+    once instead of after its heartbeat goes stale (60 s)."""
+    for queue in Queue.all(connection=connection, serializer=JSONSerializer):
+        registry = StartedJobRegistry(queue.name, connection=connection, serializer=JSONSerializer)
+        for job_id in registry.get_job_ids():
+            mark_abandoned(connection, job_id, f"its worker died with the previous chunkq run, {previous}")
+
+
 def local_state_dir(store: Path) -> Path:
     """Where ``chunkq run`` keeps what must stay on this machine (the embedded Redis's data, logs):
     in the store when it is a filesystem, in the user's cache when it is an object store."""
@@ -134,12 +148,15 @@ def run(req: RunRequest, display: ProgressDisplay) -> RunOutcome:
         else:
             # One embedded server per store: two appending to one append-only file corrupt it.
             data_dir = embedded_redis_dir(store)
-            stack.enter_context(
+            server_lock = stack.enter_context(
                 StoreLock(data_dir / "owner.json", f"the embedded Redis of {data_dir}")
-            ).acquire(req.watch.wait_for_owner)
+            )
+            server_lock.acquire(req.watch.wait_for_owner)
             server = stack.enter_context(EmbeddedRedis(data_dir))
             server.watch()  # restarted if it dies; the run stops with the reason if it cannot be
             url, redis_gone = server.url, lambda: server.failure
+            if server_lock.took_over:
+                _release_orphans(redis.Redis.from_url(url), server_lock.took_over)
         connection = redis.Redis.from_url(url)
         submitted = submit(req.submit, connection)
         layout = RunLayout(store, submitted.run_id)

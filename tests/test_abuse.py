@@ -152,7 +152,7 @@ def test_an_embedded_server_that_cannot_write_stops_the_run_with_the_reason(
     the run says so within 30 s (it used to wait 300 s); once there is room, the run resumes."""
     subprocess.run(["mount", "-o", "remount,size=16m", str(small_disk)], check=True)
     store = small_disk / "store"
-    proc, log, args, texts = start_run_with_a_slow_chunk(tmp_path, seed=94, seconds=20, chunk=1, store=store)
+    proc, log, args, texts = start_run_with_a_slow_chunk(tmp_path, seed=94, seconds=8, chunk=1, store=store)
     filler = small_disk / "filler"
     try:
         with open(filler, "wb") as fh:
@@ -221,10 +221,12 @@ def test_the_locks_of_a_killed_run_are_taken_over(tmp_path: Path, reference_mode
         if killed.poll() is None:
             killed.kill()
     assert (store / "redis" / "owner.json").exists() and only_run(store).owner.exists()
-    again = run_cli(*args, timeout=240)
+    again = run_cli(*args, timeout=50)
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stderr.count(f"taking over the lock of pid {killed.pid}") == 2  # embedded Redis and run
     assert f"pid {killed.pid} has exited" in again.stderr
+    # Its chunk in hand is failed as abandoned at once, not after its heartbeat goes stale (60 s).
+    assert "its worker died with the previous chunkq run" in again.stderr
     layout = only_run(store)
     assert result_matches(layout, texts, reference_model)
 
@@ -246,13 +248,13 @@ def test_everything_a_run_writes_is_owner_only(tmp_path: Path) -> None:
 @pytest.mark.timeout(600)
 def test_a_run_of_two_thousand_chunks(tmp_path: Path, reference_model: Any) -> None:
     """The supervisor of a 5,000-chunk run died after 34 s (an empty heartbeat); 2,000 is the floor."""
-    rows = 20_000
+    rows = 4_000  # chunks of 2 one-word texts: the queue and the supervisor are what is exercised
     words = "alpha beta gamma delta river mountain queue worker chunk embed".split()
     ids = [f"w{i}" for i in range(rows)]
     texts = [f"{words[i % len(words)]} {i}" for i in range(rows)]
     corpus, store = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl"), tmp_path / "store"
     done = run_cli(
-        "run", str(corpus), "--chunk-size", "10", "--max-jobs", "1000", "--store", str(store), timeout=560
+        "run", str(corpus), "--chunk-size", "2", "--max-jobs", "1000", "--store", str(store), timeout=560
     )
     assert done.returncode == 0, done.stderr[-3000:]
     layout = only_run(store)

@@ -30,7 +30,7 @@ def test_on_a_host_without_cuda_it_says_so_unless_asked_for_the_cpu() -> None:
 @pytest.mark.timeout(600)
 def test_its_cpu_path_measures_plain_and_chunkq_on_one_corpus(tmp_path: Path) -> None:
     out = tmp_path / "figures.json"
-    cmd = [sys.executable, str(SCRIPT), "--device", "cpu", "--rows", "120", "--configs", "one,tokens"]
+    cmd = [sys.executable, str(SCRIPT), "--device", "cpu", "--rows", "60", "--configs", "one,tokens"]
     done = subprocess.run(
         [*cmd, "--out", str(out)], capture_output=True, text=True, timeout=560, env=cli_env()
     )
