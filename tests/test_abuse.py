@@ -254,7 +254,7 @@ def test_a_run_of_two_thousand_chunks(tmp_path: Path, reference_model: Any) -> N
     texts = [f"{words[i % len(words)]} {i}" for i in range(rows)]
     corpus, store = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl"), tmp_path / "store"
     done = run_cli(
-        "run", str(corpus), "--chunk-size", "2", "--max-jobs", "1000", "--store", str(store), timeout=560
+        "run", str(corpus), "--chunk-size", "2", "--cpu-workers", "2", "--store", str(store), timeout=560
     )
     assert done.returncode == 0, done.stderr[-3000:]
     layout = only_run(store)
