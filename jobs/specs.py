@@ -13,6 +13,7 @@ from jobs.errors import ConfigError
 FORMAT_VERSION = 1
 DEFAULT_PRECISION = "fp32"
 PRECISIONS = (DEFAULT_PRECISION, "fp16", "bf16")
+BATCH_TOKENS_AUTO = "auto"  # --batch-tokens auto: the budget tunes itself (jobs.token_batches)
 # RQ job ids allow letters, digits, '_' and '-'; '__' is kept free to separate run and chunk.
 _RUN_ID_RE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]|_(?!_)){0,79}")  # fullmatch: `$` would let "ab\n" in
 
@@ -45,7 +46,7 @@ class EncodeOptions:
     def __post_init__(self) -> None:
         if (
             self.batch_tokens is not None
-            and self.batch_tokens != "auto"
+            and self.batch_tokens != BATCH_TOKENS_AUTO
             and (
                 not isinstance(self.batch_tokens, int)
                 or isinstance(self.batch_tokens, bool)

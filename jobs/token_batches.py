@@ -16,7 +16,9 @@ from typing import Any
 
 import numpy as np
 
-AUTO = "auto"
+from jobs.specs import BATCH_TOKENS_AUTO
+
+AUTO = BATCH_TOKENS_AUTO
 AUTO_START_TOKENS = 8192
 AUTO_GAIN = 1.05  # a budget is doubled again only while the last doubling paid at least 5 %
 

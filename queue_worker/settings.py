@@ -19,6 +19,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 from jobs.specs import DEFAULT_PRECISION, PRECISIONS
+from queue_worker.gpus import AUTO
 
 DEFAULT_QUEUE = "chunkq"
 DEFAULT_STORE = "chunkq-store"
@@ -76,7 +77,7 @@ class PoolSettings:
         choices=("use", "skip"),
     )
     workers_per_gpu: str = setting(
-        "auto",
+        AUTO,
         "Workers sharing each GPU, or 'auto': as many as the CPU cores per GPU feed and GPU memory "
         "holds, at most 4 (logged with the reason).",
     )

@@ -23,7 +23,7 @@ from jobs import errors
 from jobs.errors import AssemblyError, BadInputError, ChunkqError, ConfigError, RunConflictError
 from jobs.models import default_model
 from jobs.nopickle import forbid_pickle
-from jobs.specs import DEFAULT_PRECISION, PRECISIONS, EncodeOptions
+from jobs.specs import BATCH_TOKENS_AUTO, DEFAULT_PRECISION, PRECISIONS, EncodeOptions
 from jobs.storage import is_local, open_store
 from jobs.store import RunLayout, read_json
 from queue_worker import gpus as gpu_discovery
@@ -209,7 +209,7 @@ def submit_options(func: F) -> F:
 
 
 def _batch_tokens_value(ctx: click.Context, param: click.Parameter, value: str | None) -> int | str | None:
-    if value is None or value == "auto":
+    if value is None or value == BATCH_TOKENS_AUTO:
         return value
     if value.isdigit() and int(value) >= 1:
         return int(value)

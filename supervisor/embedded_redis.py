@@ -129,13 +129,13 @@ class EmbeddedRedis:
                 )
                 return self
             self._stop_process()
-        raise ConfigError(f"embedded Redis failed to start: {self.last_log_line()}; see {self.log_path}")
+        raise ConfigError(f"embedded Redis failed to start: {self.exit_reason()}; see {self.log_path}")
 
     @property
     def log_path(self) -> Path:
         return self.data_dir / "server.log"
 
-    def last_log_line(self) -> str:
+    def exit_reason(self) -> str:
         """Why the server stopped, as far as can be told: its last error line (valkey marks warnings
         and errors with '#'; the start-up advice it repeats at each start begins with WARNING), and
         whether its disk is full, since a full disk can keep the reason out of the log too."""
@@ -169,7 +169,7 @@ class EmbeddedRedis:
                 if self._stopping.is_set() or self.proc is None or self.proc.poll() is None:
                     continue
                 died_at = time.monotonic()
-                why = f"exit code {self.proc.returncode}: {self.last_log_line()}"
+                why = f"exit code {self.proc.returncode}: {self.exit_reason()}"
                 deaths.append(died_at)
                 while deaths and died_at - deaths[0] > RESTART_WINDOW:
                     deaths.popleft()

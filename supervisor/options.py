@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 
 import click
 
+from queue_worker.gpus import AUTO
 from queue_worker.settings import Meta, PoolSettings, flag, schema
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -20,7 +21,7 @@ def _split_list(ctx: click.Context, param: click.Parameter, values: tuple[str, .
 
 
 def _workers_value(ctx: click.Context, param: click.Parameter, value: str) -> str:
-    if value == "auto" or (value.isdigit() and int(value) >= 1):
+    if value == AUTO or (value.isdigit() and int(value) >= 1):
         return value
     raise click.BadParameter(f"{value!r}: give a number of workers (1 or more) or 'auto'")
 
@@ -70,7 +71,7 @@ def pool_setting_options(exclude: Iterable[str] = ()) -> Callable[[F], F]:
 
 def pool_settings(values: dict[str, Any], **fixed: Any) -> PoolSettings:
     """PoolSettings from click's values (pool settings are picked out by name) and ``fixed`` ones."""
-    names = {name for name, _meta, _default in schema()}
+    names = _names(lambda meta: True)
     given = {k: v for k, v in values.items() if k in names and v is not None}
     return replace(PoolSettings(), **{**given, **fixed})
 
@@ -79,5 +80,9 @@ def pop_pool_values(values: dict[str, Any], exclude: Iterable[str] = ()) -> dict
     """Take the pool options (as ``pool_setting_options(exclude)`` made them) out of a command's click
     values; the rest are the command's own."""
     skip = set(exclude)
-    names = {name for name, meta, _default in schema() if meta.cli and name not in skip}
+    names = _names(lambda meta: meta.cli) - skip
     return {k: values.pop(k) for k in list(values) if k in names}
+
+
+def _names(keep: Callable[[Meta], bool]) -> set[str]:
+    return {name for name, meta, _default in schema() if keep(meta)}
