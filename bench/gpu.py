@@ -50,7 +50,7 @@ PLAIN = """
 import json, sys, time
 import numpy as np, torch
 from sentence_transformers import SentenceTransformer
-from jobs.models import resolve_model
+from chunkq.jobs.models import resolve_model
 model = SentenceTransformer(resolve_model(sys.argv[2]), device=sys.argv[4])
 if sys.argv[5] != "fp32":
     model = model.to({"fp16": torch.float16, "bf16": torch.bfloat16}[sys.argv[5]])
@@ -94,7 +94,7 @@ def large_model(work: Path) -> str:
     from sentence_transformers import SentenceTransformer, models
     from transformers import AutoTokenizer, BertConfig, BertModel
 
-    from jobs.models import BUNDLED_MODEL, resolve_model
+    from chunkq.jobs.models import BUNDLED_MODEL, resolve_model
 
     target = work / "bert-large-random"
     config = BertConfig(
@@ -158,7 +158,7 @@ def chunkq(
     work: Path, corpus: Path, model: str, precision: str, extra: list[str], chunk_size: int, device: str
 ) -> dict[str, Any]:
     store = work / f"store-{time.monotonic_ns()}"
-    cmd = [sys.executable, "-m", "supervisor.cli", "--log-level", "WARNING", "run", str(corpus)]
+    cmd = [sys.executable, "-m", "chunkq.supervisor.cli", "--log-level", "WARNING", "run", str(corpus)]
     cmd += ["--store", str(store), "--model", model, "--precision", precision]
     cmd += ["--chunk-size", str(chunk_size), *extra]
     cmd += ["--gpus", "0" if device == "cuda" else "none"]

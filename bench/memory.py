@@ -26,15 +26,15 @@ from pathlib import Path
 
 import numpy as np
 
-from jobs.store import RunLayout, write_output
-from supervisor.embedded_redis import EmbeddedRedis
-from supervisor.manifest import load_manifest
+from chunkq.jobs.store import RunLayout, write_output
+from chunkq.supervisor.embedded_redis import EmbeddedRedis
+from chunkq.supervisor.manifest import load_manifest
 
 MEASURE = """
 import resource, runpy, sys
 sys.argv = ["chunkq", *sys.argv[1:]]
 try:
-    runpy.run_module("supervisor.cli", run_name="__main__")
+    runpy.run_module("chunkq.supervisor.cli", run_name="__main__")
 except SystemExit as exc:
     if exc.code:
         raise

@@ -37,7 +37,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from supervisor.submit import DEFAULT_CHUNK_SIZE
+from chunkq.supervisor.submit import DEFAULT_CHUNK_SIZE
 
 NEVER = 1_000_000  # --max-jobs for the run without recycling, which isolates the per-chunk cost
 WORDS = "alpha beta gamma delta river mountain queue worker chunk embed vector model sentence graph".split()
@@ -47,7 +47,7 @@ import json, sys, time
 t0 = time.perf_counter()
 import numpy as np
 from sentence_transformers import SentenceTransformer
-from jobs.models import resolve_model
+from chunkq.jobs.models import resolve_model
 model = SentenceTransformer(resolve_model(sys.argv[2]), device=sys.argv[4])
 if sys.argv[5] != "fp32":
     import torch
@@ -93,7 +93,7 @@ def _chunkq(
     fork_server: bool = True,
 ) -> tuple[float, float]:
     store = work / f"store-{standby}-{time.monotonic_ns()}"
-    cmd = [sys.executable, "-m", "supervisor.cli", "--log-level", "WARNING", "run", str(corpus)]
+    cmd = [sys.executable, "-m", "chunkq.supervisor.cli", "--log-level", "WARNING", "run", str(corpus)]
     cmd += ["--store", str(store), "--chunk-size", str(args.chunk_size)]
     cmd += ["--model", args.model, "--precision", args.precision]
     if max_jobs is not None:  # None: chunkq's defaults, untouched

@@ -35,11 +35,11 @@ from rq import Queue
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from jobs.allowlist import AllowListedJob
-from jobs.store import RunLayout
-from supervisor.embedded_redis import EmbeddedRedis
-from supervisor.manifest import load_manifest
-from supervisor.progress import Tracker
+from chunkq.jobs.allowlist import AllowListedJob
+from chunkq.jobs.store import RunLayout
+from chunkq.supervisor.embedded_redis import EmbeddedRedis
+from chunkq.supervisor.manifest import load_manifest
+from chunkq.supervisor.progress import Tracker
 
 
 def _noop_rate(
@@ -61,7 +61,7 @@ def _submit(work: Path, url: str, chunks: int, run_id: str) -> float:
     with open(corpus, "w", encoding="utf-8") as fh:
         for i in range(chunks):
             fh.write(json.dumps({"id": i, "text": f"text number {i}"}) + "\n")
-    cmd = [sys.executable, "-m", "supervisor.cli", "--log-level", "WARNING", "submit", str(corpus)]
+    cmd = [sys.executable, "-m", "chunkq.supervisor.cli", "--log-level", "WARNING", "submit", str(corpus)]
     cmd += ["--store", str(work / "store"), "--chunk-size", "1", "--run-id", run_id, "--queue", run_id]
     started = time.perf_counter()
     subprocess.run(cmd, check=True, capture_output=True, env=dict(os.environ, CHUNKQ_REDIS_URL=url))
@@ -95,7 +95,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(Path(tmp) / "redis") as server:
         work = Path(tmp)
         connection = redis.Redis.from_url(server.url)
-        chunkq_worker = [sys.executable, "-m", "queue_worker.worker", "--queue", "noop-chunkq", "--burst"]
+        chunkq_worker = [
+            sys.executable,
+            "-m",
+            "chunkq.queue_worker.worker",
+            "--queue",
+            "noop-chunkq",
+            "--burst",
+        ]
         chunkq_worker += ["--store", str(work / "store"), "--log-level", "WARNING"]
         bare_worker = [str(Path(sys.executable).parent / "rq"), "worker", "-w", "rq.worker.SimpleWorker"]
         bare_worker += [

@@ -40,9 +40,9 @@ import redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from jobs.models import BUNDLED_MODEL
-from jobs.specs import chunk_job_id
-from supervisor.embedded_redis import EmbeddedRedis
+from chunkq.jobs.models import BUNDLED_MODEL
+from chunkq.jobs.specs import chunk_job_id
+from chunkq.supervisor.embedded_redis import EmbeddedRedis
 
 # One chunk: after a crash the fresh worker has nothing else to take first, so the figures measure
 # recovery, not the queue order of the retried chunk.
@@ -52,7 +52,10 @@ ROWS, CHUNK = 200, 200
 def _cli(log: Path, env: dict[str, str], *args: str) -> subprocess.Popen[bytes]:
     with open(log, "ab") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "supervisor.cli", *args], env=env, stdout=out, stderr=subprocess.STDOUT
+            [sys.executable, "-m", "chunkq.supervisor.cli", *args],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
         )
 
 
@@ -70,7 +73,7 @@ def _submit(work: Path, env: dict[str, str], run_id: str) -> None:
     corpus.write_text(
         "".join(json.dumps({"id": i, "text": f"text {run_id} {i} " * 40}) + "\n" for i in range(ROWS))
     )
-    cmd = [sys.executable, "-m", "supervisor.cli", "submit", str(corpus), "--chunk-size", str(CHUNK)]
+    cmd = [sys.executable, "-m", "chunkq.supervisor.cli", "submit", str(corpus), "--chunk-size", str(CHUNK)]
     out = subprocess.run([*cmd, "--run-id", run_id], env=env, capture_output=True, text=True, check=True)
     assert "enqueued" in out.stdout
 
@@ -92,7 +95,7 @@ def _one(work: Path, url: str, repeat: int) -> tuple[float, float, float]:
         (worker,) = [  # forked by the fork server: a grandchild of the pool
             p
             for p in psutil.Process(pool.pid).children(recursive=True)
-            if "queue_worker.worker" in " ".join(p.cmdline())
+            if "chunkq.queue_worker.worker" in " ".join(p.cmdline())
         ]
         killed = time.monotonic()
         worker.send_signal(signal.SIGKILL)

@@ -34,7 +34,7 @@ def _run(work: Path, corpus: Path, chunk_size: int, max_jobs: int, standby: bool
     cmd = [
         sys.executable,
         "-m",
-        "supervisor.cli",
+        "chunkq.supervisor.cli",
         "--log-level",
         "WARNING",
         "run",

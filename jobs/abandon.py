@@ -18,9 +18,9 @@ from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 from rq.worker import SimpleWorker
 
-from jobs import jobmeta
-from jobs.errors import ABANDONED
-from jobs.events import announce_settled
+from chunkq.jobs import jobmeta
+from chunkq.jobs.errors import ABANDONED
+from chunkq.jobs.events import announce_settled
 
 log = logging.getLogger(__name__)
 

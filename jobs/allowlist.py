@@ -14,9 +14,9 @@ from typing import Any
 from rq.job import Job
 from rq.utils import import_attribute
 
-from jobs.errors import JobNotAllowedError
+from chunkq.jobs.errors import JobNotAllowedError
 
-EMBED_CHUNK = "jobs.embed.embed_chunk"
+EMBED_CHUNK = "chunkq.jobs.embed.embed_chunk"
 DEFAULT_ALLOWED = frozenset({EMBED_CHUNK})
 ALLOW_ENV = "CHUNKQ_ALLOWED_JOBS"  # comma-separated extra dotted paths for users' own job functions
 

@@ -17,11 +17,18 @@ from typing import Any
 import numpy as np
 from rq import get_current_job
 
-from jobs import cuda, errors, faults, jobmeta, models, runtime, token_batches
-from jobs.errors import BadInputError, ChunkOutOfMemoryError, CudaFatalError
-from jobs.policy import check_spec
-from jobs.specs import ChunkSpec, EncodeOptions
-from jobs.store import RunLayout, atomic_write_json, read_chunk_input, read_json, verify_output, write_output
+from chunkq.jobs import cuda, errors, faults, jobmeta, models, runtime, token_batches
+from chunkq.jobs.errors import BadInputError, ChunkOutOfMemoryError, CudaFatalError
+from chunkq.jobs.policy import check_spec
+from chunkq.jobs.specs import ChunkSpec, EncodeOptions
+from chunkq.jobs.store import (
+    RunLayout,
+    atomic_write_json,
+    read_chunk_input,
+    read_json,
+    verify_output,
+    write_output,
+)
 
 log = logging.getLogger(__name__)
 

@@ -39,6 +39,10 @@ class AssemblyError(StoreError):
         super().__init__(f"run {run_id}: cannot assemble, {len(problems)} problem(s):\n{lines}")
 
 
+class ChunksFailedError(ChunkqError):
+    """Chunks were quarantined after their attempts (or the run stopped before it settled)."""
+
+
 class JobNotAllowedError(ChunkqError):
     """A job named a function, callback or webhook outside the allow-list."""
 

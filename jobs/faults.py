@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from jobs.errors import ConfigError
+from chunkq.jobs.errors import ConfigError
 
 ENV = "CHUNKQ_FAULTS"
 KINDS = ("oom", "device_assert", "cuda_fatal", "broken_context", "hang", "sigkill", "slow")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jobs.errors import OTHER
+from chunkq.jobs.errors import OTHER
 
 RUN_ID = "run_id"
 CHUNK = "chunk"

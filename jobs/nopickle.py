@@ -12,7 +12,7 @@ from typing import Any
 
 from rq.serializers import DefaultSerializer
 
-from jobs.errors import ChunkqError
+from chunkq.jobs.errors import ChunkqError
 
 
 class PickleRefusedError(ChunkqError):

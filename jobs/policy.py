@@ -9,10 +9,10 @@ paths stay under ``<store>/runs/<run>/``.
 
 from __future__ import annotations
 
-from jobs.errors import ConfigError
-from jobs.runtime import WorkerContext
-from jobs.specs import ChunkSpec
-from jobs.storage import open_store
+from chunkq.jobs.errors import ConfigError
+from chunkq.jobs.runtime import WorkerContext
+from chunkq.jobs.specs import ChunkSpec
+from chunkq.jobs.storage import open_store
 
 ANY_MODEL = "*"
 

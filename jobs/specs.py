@@ -8,7 +8,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from jobs.errors import ConfigError
+from chunkq.jobs.errors import ConfigError
 
 FORMAT_VERSION = 1
 DEFAULT_PRECISION = "fp32"

@@ -29,7 +29,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, cast
 
-from jobs.errors import ConfigError
+from chunkq.jobs.errors import ConfigError
 
 _LOCAL_PROTOCOLS = ("", "file", "local")
 

@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from jobs.errors import BadInputError, StoreError
-from jobs.specs import validate_run_id
-from jobs.storage import atomic_path, is_local, list_with_mtime, open_store
+from chunkq.jobs.errors import BadInputError, StoreError
+from chunkq.jobs.specs import validate_run_id
+from chunkq.jobs.storage import atomic_path, is_local, list_with_mtime, open_store
 
 CHUNK_NAME_WIDTH = 6
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from jobs.specs import BATCH_TOKENS_AUTO
+from chunkq.jobs.specs import BATCH_TOKENS_AUTO
 
 AUTO = BATCH_TOKENS_AUTO
 AUTO_START_TOKENS = 8192

@@ -34,17 +34,17 @@ from typing import Any, NoReturn
 import psutil
 import setproctitle
 
-from jobs.runtime import DEVICE_ENV
-from queue_worker.exit_codes import EXIT_FORKED_NO_CUDA
-from queue_worker.lifeline import PARENT_PID_ENV, die_with_parent
-from queue_worker.standby import NOTIFY_FD_ENV
+from chunkq.jobs.runtime import DEVICE_ENV
+from chunkq.queue_worker.exit_codes import EXIT_FORKED_NO_CUDA
+from chunkq.queue_worker.lifeline import PARENT_PID_ENV, die_with_parent
+from chunkq.queue_worker.standby import NOTIFY_FD_ENV
 
 SOCKET_FD_ENV = "CHUNKQ_FORK_SERVER_FD"
-PRELOAD = ("torch", "sentence_transformers", "queue_worker.worker")
+PRELOAD = ("torch", "sentence_transformers", "chunkq.queue_worker.worker")
 PRELOAD_ENV = "CHUNKQ_FORK_SERVER_PRELOAD"  # more modules to import once, e.g. your own job functions
 MODEL_ENV = "CHUNKQ_FORK_SERVER_MODEL"  # the pool's --preload model, loaded once on the CPU
 TEMPLATE_MEMORY_SHARE = 0.25  # of host memory; a larger model is loaded by each worker instead
-WORKER_MODULE = "queue_worker.worker"
+WORKER_MODULE = "chunkq.queue_worker.worker"
 # torch.cuda.is_available() and device_count() then ask NVML, not the driver (whose cuInit a forked
 # child would inherit), should an import call them in the fork server.
 NVML_BASED_CUDA_CHECK = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
@@ -93,8 +93,8 @@ def _run_worker(request: dict[str, Any], fds: list[int], server_pid: int) -> int
     args = [str(a) for a in request["args"]]
     import torch
 
-    from jobs import faults
-    from queue_worker.worker import main
+    from chunkq.jobs import faults
+    from chunkq.queue_worker.worker import main
 
     setproctitle.setproctitle(" ".join([sys.executable, "-m", WORKER_MODULE, *args]))
     faults.reload()  # parsed at import, in the fork server's environment
@@ -185,7 +185,7 @@ def _load_model_template(ref: str) -> dict[str, Any]:
     """Load the workers' model once: a forked worker then only moves it to its device (about 0.3 s
     of CPU less per worker on a small model, and no read of the weights per worker on a large one).
     A model that fails here is left to each worker, which reports why in its chunk's failure."""
-    from jobs import models
+    from chunkq.jobs import models
 
     try:
         limit = int(psutil.virtual_memory().total * TEMPLATE_MEMORY_SHARE)
@@ -285,7 +285,7 @@ class ForkServer:
     def _start(self) -> socket.socket:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "queue_worker.fork_server"],
+            [sys.executable, "-m", "chunkq.queue_worker.fork_server"],
             env=dict(self.env, **{SOCKET_FD_ENV: str(theirs.fileno())}, **NVML_BASED_CUDA_CHECK),
             pass_fds=(theirs.fileno(),),
             start_new_session=True,
@@ -359,7 +359,7 @@ class ForkServer:
             message = self._next(0.0)
 
     def spawn(self, args: list[str], env: dict[str, str], notify_fd: int) -> ForkedWorker:
-        """Fork a worker running ``python -m queue_worker.worker ARGS`` in ``env``."""
+        """Fork a worker running ``python -m chunkq.queue_worker.worker ARGS`` in ``env``."""
         sock = self.sock or self._start()
         try:
             _send(sock, {"args": args, "env": env}, [notify_fd])

@@ -7,8 +7,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from jobs.errors import ConfigError
-from jobs.runtime import DEVICE_ENV, GPU_ENV
+from chunkq.jobs.errors import ConfigError
+from chunkq.jobs.runtime import DEVICE_ENV, GPU_ENV
 
 log = logging.getLogger(__name__)
 
@@ -238,7 +238,7 @@ def resolve_workers_per_gpu(value: str, gpus: list[GpuInfo], preload: str | None
     """``--workers-per-gpu``: a number as given, or ``auto`` worked out for these GPUs and this model."""
     if value != AUTO:
         return int(value)
-    from jobs.models import default_model, resolve_model
+    from chunkq.jobs.models import default_model, resolve_model
 
     try:
         path: str | None = resolve_model(preload or default_model())

@@ -14,9 +14,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from jobs.errors import ConfigError
-from queue_worker import exit_codes
-from queue_worker.gpus import discover
+from chunkq.jobs.errors import ConfigError
+from chunkq.queue_worker import exit_codes
+from chunkq.queue_worker.gpus import discover
 
 log = logging.getLogger(__name__)
 

@@ -25,16 +25,21 @@ import redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from jobs.abandon import forget_worker, mark_abandoned, running_job_ids
-from queue_worker import exit_codes
-from queue_worker.fork_server import MODEL_ENV as FORK_SERVER_MODEL_ENV
-from queue_worker.fork_server import ForkedWorker, ForkServer, ForkServerError
-from queue_worker.gpus import GpuInfo, cpu_threads_per_worker, resolve_workers_per_gpu, worker_environment
-from queue_worker.lifeline import PARENT_PID_ENV, die_with_parent
-from queue_worker.metrics import PoolMetrics, serve
-from queue_worker.restart import RestartPolicy
-from queue_worker.settings import PoolSettings, env_of, worker_argv
-from queue_worker.standby import NOTIFY_FD_ENV, WAIT_FOR_PID_ENV, parse_announcements
+from chunkq.jobs.abandon import forget_worker, mark_abandoned, running_job_ids
+from chunkq.queue_worker import exit_codes
+from chunkq.queue_worker.fork_server import MODEL_ENV as FORK_SERVER_MODEL_ENV
+from chunkq.queue_worker.fork_server import ForkedWorker, ForkServer, ForkServerError
+from chunkq.queue_worker.gpus import (
+    GpuInfo,
+    cpu_threads_per_worker,
+    resolve_workers_per_gpu,
+    worker_environment,
+)
+from chunkq.queue_worker.lifeline import PARENT_PID_ENV, die_with_parent
+from chunkq.queue_worker.metrics import PoolMetrics, serve
+from chunkq.queue_worker.restart import RestartPolicy
+from chunkq.queue_worker.settings import PoolSettings, env_of, worker_argv
+from chunkq.queue_worker.standby import NOTIFY_FD_ENV, WAIT_FOR_PID_ENV, parse_announcements
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +115,7 @@ class Pool:
             "recycle_after": round(self.settings.recycle_after * (1 + self.rng.uniform(-spread, spread)), 1),
         }
         argv = worker_argv(self.settings, **jittered)
-        return [sys.executable, "-m", "queue_worker.worker", "--name", name, *argv]
+        return [sys.executable, "-m", "chunkq.queue_worker.worker", "--name", name, *argv]
 
     def _spawn(self, slot: Slot, wait_for: int | None = None) -> tuple[WorkerProcess, str, int]:
         slot.generation += 1

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from queue_worker import exit_codes
+from chunkq.queue_worker import exit_codes
 
 REDIS_BACKOFF_CAP = 60.0  # seconds between workers of a slot while Redis stays away
 

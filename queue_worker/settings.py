@@ -18,8 +18,8 @@ import socket
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
-from jobs.specs import DEFAULT_PRECISION, PRECISIONS
-from queue_worker.gpus import AUTO
+from chunkq.jobs.specs import DEFAULT_PRECISION, PRECISIONS
+from chunkq.queue_worker.gpus import AUTO
 
 DEFAULT_QUEUE = "chunkq"
 DEFAULT_STORE = "chunkq-store"

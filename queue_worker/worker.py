@@ -1,6 +1,6 @@
 """The worker process: an RQ SimpleWorker that keeps the model loaded, runs at most N chunks, exits.
 
-Run as ``python -m queue_worker.worker`` by the pool, with the Redis URL in ``CHUNKQ_REDIS_URL``
+Run as ``python -m chunkq.queue_worker.worker`` by the pool, with the Redis URL in ``CHUNKQ_REDIS_URL``
 (never on the command line, where ``ps`` would show its password) and the device pinned through
 ``CUDA_VISIBLE_DEVICES`` before torch is imported.
 """
@@ -26,15 +26,15 @@ from rq.exceptions import StopRequested
 from rq.serializers import JSONSerializer
 from rq.worker import SimpleWorker, WorkerStatus
 
-from jobs import faults, models, runtime
-from jobs.allowlist import AllowListedJob
-from jobs.embed import warm_up
-from jobs.errors import ConfigError
-from jobs.events import announce_settled
-from jobs.nopickle import forbid_pickle
-from jobs.queueing import give_back
-from jobs.storage import open_store
-from queue_worker.exit_codes import (
+from chunkq.jobs import faults, models, runtime
+from chunkq.jobs.allowlist import AllowListedJob
+from chunkq.jobs.embed import warm_up
+from chunkq.jobs.errors import ConfigError
+from chunkq.jobs.events import announce_settled
+from chunkq.jobs.nopickle import forbid_pickle
+from chunkq.jobs.queueing import give_back
+from chunkq.jobs.storage import open_store
+from chunkq.queue_worker.exit_codes import (
     EXIT_CONFIG,
     EXIT_CUDA_FATAL,
     EXIT_ERROR,
@@ -43,9 +43,9 @@ from queue_worker.exit_codes import (
     EXIT_REDIS,
     EXIT_STOPPED,
 )
-from queue_worker.lifeline import PARENT_PID_ENV
-from queue_worker.settings import DEFAULT_STORE, add_worker_arguments, env_of
-from queue_worker.standby import announce_last_job, announce_model_loaded, wait_for_predecessor
+from chunkq.queue_worker.lifeline import PARENT_PID_ENV
+from chunkq.queue_worker.settings import DEFAULT_STORE, add_worker_arguments, env_of
+from chunkq.queue_worker.standby import announce_last_job, announce_model_loaded, wait_for_predecessor
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,9 @@ class ChunkWorker(SimpleWorker):
 
     def procline(self, message: str) -> None:
         # RQ's title drops the command line; ps and the pool's tools look for the module and name.
-        setproctitle.setproctitle(f"{sys.executable} -m queue_worker.worker --name {self.name}: {message}")
+        setproctitle.setproctitle(
+            f"{sys.executable} -m chunkq.queue_worker.worker --name {self.name}: {message}"
+        )
 
     def __init__(
         self,
@@ -212,7 +214,7 @@ class ChunkWorker(SimpleWorker):
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m queue_worker.worker")
+    parser = argparse.ArgumentParser(prog="python -m chunkq.queue_worker.worker")
     parser.add_argument("--name", default=None)
     parser.add_argument("--burst", action="store_true", help="exit once the queue is empty")
     add_worker_arguments(parser)  # queue, max jobs, recycle-after, preload, precision, store, models...

@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from jobs.errors import AssemblyError, BadInputError
-from jobs.storage import exchange_dirs, is_local, publish_file, remove_tree
-from jobs.store import (
+from chunkq.jobs.errors import AssemblyError, BadInputError
+from chunkq.jobs.storage import exchange_dirs, is_local, publish_file, remove_tree
+from chunkq.jobs.store import (
     RunLayout,
     atomic_write_json,
     file_sha256,
@@ -30,8 +30,8 @@ from jobs.store import (
     read_json,
     verify_output,
 )
-from supervisor.manifest import RunManifest, load_manifest
-from supervisor.progress import Failure
+from chunkq.supervisor.manifest import RunManifest, load_manifest
+from chunkq.supervisor.progress import Failure
 
 log = logging.getLogger(__name__)
 

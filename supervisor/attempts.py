@@ -14,9 +14,9 @@ from typing import Any
 
 from rq.job import Job
 
-from jobs import errors, jobmeta
-from jobs.storage import list_with_mtime
-from jobs.store import RunLayout, atomic_write_json, read_json
+from chunkq.jobs import errors, jobmeta
+from chunkq.jobs.storage import list_with_mtime
+from chunkq.jobs.store import RunLayout, atomic_write_json, read_json
 
 log = logging.getLogger(__name__)
 

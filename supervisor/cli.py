@@ -1,190 +1,114 @@
-"""The ``chunkq`` command line. Every option also reads a ``CHUNKQ_*`` environment variable."""
+"""The ``chunkq`` command line. Options that read an environment variable show it in ``--help``."""
 
 from __future__ import annotations
 
-import errno
-import functools
 import json
 import logging
 import os
-import signal
 import sys
-import tempfile
-import traceback
 from collections.abc import Callable
 from pathlib import Path
-from types import FrameType
-from typing import Any, NoReturn, TypeVar
+from typing import Any
 
 import click
-import redis
 
-from jobs import errors
-from jobs.errors import AssemblyError, BadInputError, ChunkqError, ConfigError, RunConflictError
-from jobs.models import default_model
-from jobs.nopickle import forbid_pickle
-from jobs.specs import BATCH_TOKENS_AUTO, DEFAULT_PRECISION, PRECISIONS, EncodeOptions
-from jobs.storage import is_local, open_store
-from jobs.store import RunLayout, read_json
-from queue_worker import gpus as gpu_discovery
-from queue_worker.pool import Pool
-from queue_worker.settings import DEFAULT_QUEUE, DEFAULT_STORE, SETTINGS_JSON_ENV, PoolSettings, env_of
-from supervisor.assemble import assemble, result_damage
-from supervisor.attempts import describe_attempts, failed_attempts, to_json
-from supervisor.corpus import FORMATS, CorpusOptions, detect_format
-from supervisor.dashboard import DEFAULT_PORT as DEFAULT_DASHBOARD_PORT
-from supervisor.dashboard import serve as serve_dashboard
-from supervisor.display import ProgressDisplay, describe
-from supervisor.doctor import examine, render
-from supervisor.lock import RunLockedError
-from supervisor.manifest import load_manifest
-from supervisor.options import pool_setting_options, pool_settings, pop_pool_values
-from supervisor.progress import Tracker
-from supervisor.report import write_report
-from supervisor.retry import RetryPolicy
-from supervisor.run import RunOutcome, RunRequest, run
-from supervisor.submit import DEFAULT_CHUNK_SIZE, SubmitRequest, submit
-from supervisor.watch import Outcome, RedisGoneError, WatchSettings, failure_report, supervise
+from chunkq.jobs.errors import AssemblyError
+from chunkq.jobs.models import BUNDLED_MODEL, assume_offline
+from chunkq.jobs.nopickle import forbid_pickle
+from chunkq.jobs.specs import BATCH_TOKENS_AUTO, DEFAULT_PRECISION, PRECISIONS, EncodeOptions
+from chunkq.jobs.storage import is_local
+from chunkq.jobs.store import RunLayout, read_json
+from chunkq.queue_worker import gpus as gpu_discovery
+from chunkq.queue_worker.pool import Pool
+from chunkq.queue_worker.settings import SETTINGS_JSON_ENV, PoolSettings
+from chunkq.supervisor.assemble import assemble, result_damage
+from chunkq.supervisor.attempts import describe_attempts, failed_attempts, to_json
+from chunkq.supervisor.cli_common import (
+    EXIT_CHUNKS_FAILED,
+    EXIT_OK,
+    EXIT_PARTIAL,
+    EXIT_POOL_DIED,
+    configure_logging,
+    interrupt_on_sigterm,
+    log_level_option,
+    need_redis,
+    queue_option,
+    redis_option,
+    reports_errors,
+    store_option,
+)
+from chunkq.supervisor.cli_runs import clean_cmd, export_cmd, runs_cmd
+from chunkq.supervisor.corpus import FORMATS, CorpusOptions
+from chunkq.supervisor.dashboard import DEFAULT_PORT as DEFAULT_DASHBOARD_PORT
+from chunkq.supervisor.dashboard import serve as serve_dashboard
+from chunkq.supervisor.display import ProgressDisplay, describe
+from chunkq.supervisor.doctor import examine, render
+from chunkq.supervisor.manifest import load_manifest
+from chunkq.supervisor.options import F, pool_setting_options, pool_settings, pop_pool_values
+from chunkq.supervisor.progress import Tracker, store_snapshot
+from chunkq.supervisor.report import write_report
+from chunkq.supervisor.request import (
+    RUN_DECIDES_FOR_THE_POOL,
+    build_run_request,
+    reach_redis,
+    submit_request,
+    watch_settings,
+)
+from chunkq.supervisor.retry import RetryPolicy
+from chunkq.supervisor.run import RunOutcome, run
+from chunkq.supervisor.submit import DEFAULT_CHUNK_SIZE, submit
+from chunkq.supervisor.watch import WARN_IDLE_SECONDS, Outcome, WatchSettings, failure_report, supervise
 
 log = logging.getLogger("chunkq")
 
-EXIT_OK = 0
-EXIT_CHUNKS_FAILED = 1  # chunks were quarantined; the report names each with its rows and last error
-EXIT_USAGE = 2  # click's own code for a bad command line
-EXIT_BAD_INPUT = 3  # the corpus is malformed
-EXIT_CONFLICT = 4  # the run id is taken by another corpus or other options
-EXIT_ASSEMBLY = 5  # chunk outputs missing or corrupt
-EXIT_CONFIG = 6  # settings that cannot work
-EXIT_REDIS = 7  # Redis unreachable
-EXIT_POOL_DIED = 8  # chunkq run: the worker pool ended before the run did
-EXIT_PARTIAL = 9  # --allow-partial: a result without the quarantined chunks was published
-EXIT_LOCKED = 10  # another supervisor is watching the run
-EXIT_STORAGE = 11  # a disk or store is full, read-only or not ours to write
-EXIT_INTERNAL = 70  # a bug in chunkq (sysexits' EX_SOFTWARE); the traceback is written to a file
-EXIT_INTERRUPTED = 130  # Ctrl+C; the run resumes from the store
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _exit_code(exc: Exception) -> int:
-    for kind, code in (
-        (RunLockedError, EXIT_LOCKED),
-        (RedisGoneError, EXIT_REDIS),
-        (AssemblyError, EXIT_ASSEMBLY),
-        (BadInputError, EXIT_BAD_INPUT),
-        (RunConflictError, EXIT_CONFLICT),
-        (redis.RedisError, EXIT_REDIS),
-    ):
-        if isinstance(exc, kind):
-            return code
-    return EXIT_CONFIG
-
-
-RESUME_HINT = "the store keeps every finished chunk: run the same command to resume"
-STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
-
-
-def reports_errors(func: F) -> F:
-    """Turn every error into one clear line and a named exit code, never a traceback on the terminal."""
-
-    @functools.wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return func(*args, **kwargs)
-        except (ChunkqError, redis.RedisError) as exc:
-            click.echo(f"chunkq: error: {exc}", err=True)
-            sys.exit(_exit_code(exc))
-        except KeyboardInterrupt:
-            click.echo(f"chunkq: interrupted; {RESUME_HINT}", err=True)
-            sys.exit(EXIT_INTERRUPTED)
-        except click.ClickException:
-            raise
-        except OSError as exc:
-            if exc.errno not in STORAGE_ERRNOS:
-                _internal_error(exc)
-            where = f" writing {exc.filename}" if exc.filename else ""
-            click.echo(
-                f"chunkq: error: {exc.strerror}{where}; make room (or fix the permissions) and run the "
-                f"same command again (nothing partial was published; {RESUME_HINT})",
-                err=True,
-            )
-            sys.exit(EXIT_STORAGE)
-        except Exception as exc:
-            _internal_error(exc)
-
-    return wrapper  # type: ignore[return-value]
-
-
-def _internal_error(exc: BaseException) -> NoReturn:
-    """A bug: one line on the terminal, the traceback in a file the line names."""
-    crash = Path(tempfile.gettempdir()) / f"chunkq-crash-{os.getpid()}.txt"
-    try:
-        crash.write_text("".join(traceback.format_exception(exc)), encoding="utf-8")
-        where = f"the traceback is in {crash}"
-    except OSError:
-        where = "run again with --log-level DEBUG for the traceback"
-    log.debug("internal error", exc_info=exc)
-    click.echo(
-        f"chunkq: internal error: {type(exc).__name__}: {errors.first_line(str(exc))} (a bug in chunkq; "
-        f"{where}); {RESUME_HINT}",
-        err=True,
-    )
-    sys.exit(EXIT_INTERNAL)
-
-
-def _interrupt_on_sigterm() -> None:
-    """SIGTERM (timeout, systemd, docker, kill) does what Ctrl+C does: the first drains, the second
-    stops now. Raising KeyboardInterrupt from the handler is what Python's own SIGINT handler does."""
-
-    def interrupt(signum: int, frame: FrameType | None) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, interrupt)
-
-
-def store_option(func: F) -> F:
-    return click.option(
-        "--store",
-        default=DEFAULT_STORE,
-        envvar=env_of("store"),
-        show_default=True,
-        callback=_open_store,
-        help="Store shared by all hosts: a local or network path, or s3://bucket/prefix, gs://bucket/prefix.",
-    )(func)
-
-
-def _open_store(ctx: click.Context, param: click.Parameter, value: str) -> Path:
-    try:
-        return open_store(value)
-    except ConfigError as exc:
-        raise click.BadParameter(str(exc)) from exc
-
-
-def redis_option(required: bool) -> Callable[[F], F]:
-    return click.option(
-        "--redis-url",
-        envvar=env_of("redis_url"),
-        required=required,
-        help="redis:// or rediss:// URL (password or ACL user included).",
-    )
-
-
-def queue_option(func: F) -> F:
-    return click.option("--queue", default=DEFAULT_QUEUE, envvar=env_of("queue"), show_default=True)(func)
+MODEL_HELP = (
+    f"Model: a local folder, a name in the Hugging Face cache, or the bundled model ({BUNDLED_MODEL}, "
+    "also called all-MiniLM-L6-v2 and sentence-transformers/all-MiniLM-L6-v2; the default). Nothing "
+    "is downloaded unless HF_HUB_OFFLINE=0."
+)
 
 
 def submit_options(func: F) -> F:
     options = [
-        click.argument("corpus", type=click.Path(path_type=Path)),
+        click.argument("corpus", nargs=-1, required=True, type=click.Path(path_type=Path)),
+        click.option("--model", envvar="CHUNKQ_MODEL", show_envvar=True, help=MODEL_HELP),
         click.option(
-            "--model", envvar="CHUNKQ_MODEL", help="Model name or path (default: the bundled model)."
+            "--run-id",
+            help="Name of the run in the store. Default: the corpus file's name and a fingerprint of the "
+            "corpus and options (notes-3fa2c1d0e9b4), so the same command resumes the same run.",
         ),
-        click.option("--run-id", help="Default: derived from the corpus checksum and options."),
-        click.option("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE, show_default=True),
-        click.option("--format", "fmt", type=click.Choice(FORMATS), help="Default: from the file suffix."),
-        click.option("--text-field", default="text", show_default=True),
-        click.option("--id-field", default="id", show_default=True),
-        click.option("--batch-size", type=int, default=32, show_default=True),
+        click.option(
+            "--chunk-size",
+            type=click.IntRange(1),
+            default=DEFAULT_CHUNK_SIZE,
+            show_default=True,
+            help="Rows per chunk: one job, one output file, the unit that is retried.",
+        ),
+        click.option(
+            "--format",
+            "fmt",
+            type=click.Choice(FORMATS),
+            help="Corpus format. Default: from each file's suffix (.jsonl/.ndjson, .csv, .parquet, .txt).",
+        ),
+        click.option(
+            "--text-field",
+            default=CorpusOptions.text_field,
+            show_default=True,
+            help="Field (JSON Lines) or column (CSV, Parquet) holding the text.",
+        ),
+        click.option(
+            "--id-field",
+            default=CorpusOptions.id_field,
+            show_default=True,
+            help="Field or column holding each row's id; without one, ids are line or row numbers.",
+        ),
+        click.option(
+            "--batch-size",
+            type=click.IntRange(1),
+            default=EncodeOptions.batch_size,
+            show_default=True,
+            help="Texts per encode batch (halved for the chunk after an out-of-memory error).",
+        ),
         click.option(
             "--batch-tokens",
             default=None,
@@ -192,13 +116,30 @@ def submit_options(func: F) -> F:
             help="Batches by a budget of padded tokens over length-sorted texts instead of "
             "--batch-size texts: a number, or 'auto' (grows while it pays, learns from OOM).",
         ),
-        click.option("--normalize/--no-normalize", default=False, show_default=True),
-        click.option("--max-seq-length", type=int, default=None),
         click.option(
-            "--precision", type=click.Choice(PRECISIONS), default=DEFAULT_PRECISION, show_default=True
+            "--normalize/--no-normalize",
+            default=EncodeOptions.normalize_embeddings,
+            show_default=True,
+            help="Scale every embedding to unit length.",
         ),
         click.option(
-            "--job-timeout", type=int, default=None, help="Seconds per chunk (default scales with size)."
+            "--max-seq-length",
+            type=click.IntRange(1),
+            default=None,
+            help="Tokens per text before truncation. Default: the model's own.",
+        ),
+        click.option(
+            "--precision",
+            type=click.Choice(PRECISIONS),
+            default=DEFAULT_PRECISION,
+            show_default=True,
+            help="Weights and activations on the GPU; fp16 and bf16 need a GPU.",
+        ),
+        click.option(
+            "--job-timeout",
+            type=click.IntRange(1),
+            default=None,
+            help="Seconds a chunk may take before its worker is stopped. Default: grows with --chunk-size.",
         ),
         queue_option,
         store_option,
@@ -216,26 +157,21 @@ def _batch_tokens_value(ctx: click.Context, param: click.Parameter, value: str |
     raise click.BadParameter(f"{value!r}: give a number of tokens (1 or more) or 'auto'")
 
 
-# What chunkq run decides for its pool itself, from its own options and its embedded Redis.
-RUN_DECIDES_FOR_THE_POOL = (
-    "queue",
-    "store",
-    "preload",
-    "precision",
-    "name",
-    "metrics_port",
-    "allowed_models",
-)
-
-
 def watch_options(func: F) -> F:
     options = [
-        click.option("--poll", type=float, default=1.0, show_default=True, help="Seconds between looks."),
+        click.option(
+            "--poll",
+            type=click.FloatRange(0.01),
+            default=WatchSettings.poll_seconds,
+            show_default=True,
+            help="Seconds between looks at the run (a finished chunk wakes the supervisor sooner).",
+        ),
         click.option(
             "--max-attempts",
             type=click.IntRange(1),
-            default=3,
+            default=RetryPolicy.max_attempts,
             envvar="CHUNKQ_MAX_ATTEMPTS",
+            show_envvar=True,
             show_default=True,
             help="Attempts per chunk before it is quarantined.",
         ),
@@ -249,6 +185,7 @@ def watch_options(func: F) -> F:
             type=click.IntRange(0, 65535),
             default=None,
             envvar="CHUNKQ_METRICS_PORT",
+            show_envvar=True,
             help="Serve the supervisor's Prometheus metrics on 127.0.0.1:PORT "
             "(chunkq run: the pool's on PORT+1).",
         ),
@@ -258,43 +195,17 @@ def watch_options(func: F) -> F:
             help="If another process owns the run (or the store's embedded Redis), wait for it "
             "instead of refusing.",
         ),
+        click.option(
+            "--warn-idle",
+            type=click.FloatRange(0.1),
+            default=WARN_IDLE_SECONDS,
+            show_default=True,
+            help="Say so when chunks wait and no worker has taken one for this many seconds.",
+        ),
     ]
     for option in reversed(options):
         func = option(func)
     return func
-
-
-def _watch_settings(
-    poll: float, max_attempts: int, allow_partial: bool, metrics_port: int | None = None, wait: bool = False
-) -> WatchSettings:
-    return WatchSettings(
-        poll_seconds=poll,
-        policy=RetryPolicy(max_attempts=max_attempts),
-        allow_partial=allow_partial,
-        metrics_port=metrics_port,
-        wait_for_owner=wait,
-    )
-
-
-def _submit_request(corpus: Path, **kw: Any) -> SubmitRequest:
-    fmt = detect_format(corpus, kw["fmt"])
-    return SubmitRequest(
-        corpus=corpus,
-        store=kw["store"],
-        model=kw["model"] or default_model(),
-        corpus_options=CorpusOptions(format=fmt, text_field=kw["text_field"], id_field=kw["id_field"]),
-        chunk_size=kw["chunk_size"],
-        encode=EncodeOptions(
-            batch_size=kw["batch_size"],
-            normalize_embeddings=kw["normalize"],
-            max_seq_length=kw["max_seq_length"],
-            precision=kw["precision"],
-            batch_tokens=kw["batch_tokens"],
-        ),
-        run_id=kw["run_id"],
-        queue=kw["queue"],
-        job_timeout=kw["job_timeout"],
-    )
 
 
 def _finish(outcome: Outcome) -> int:
@@ -323,33 +234,62 @@ def _finish(outcome: Outcome) -> int:
     return EXIT_OK
 
 
+def _log_level() -> str:
+    return logging.getLevelName(logging.getLogger().getEffectiveLevel())
+
+
 @click.group()
-@click.option("--log-level", default="INFO", envvar="CHUNKQ_LOG_LEVEL", show_default=True)
+@log_level_option
 @click.version_option(package_name="chunkq")
-@click.pass_context
-def cli(ctx: click.Context, log_level: str) -> None:
-    """chunkq: embed large corpora with sentence-transformers; nothing is lost when a process dies."""
-    ctx.obj = {"log_level": log_level.upper()}  # the pool hands it to its workers
-    logging.basicConfig(
-        level=log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+def cli() -> None:
+    """chunkq: embed large corpora with sentence-transformers; nothing is lost when a process dies.
+
+    Start with `chunkq run CORPUS`; `chunkq runs` lists what the store holds.
+    """
+    if not logging.getLogger().handlers:
+        configure_logging(PoolSettings.log_level)
 
 
-@cli.command("submit")
+def command(name: str) -> Callable[[F], click.Command]:
+    """A subcommand that takes --log-level after its name too, and reports errors in one line."""
+
+    def decorate(func: F) -> click.Command:
+        return cli.command(name)(log_level_option(reports_errors(func)))
+
+    return decorate
+
+
+@command("submit")
 @submit_options
-@redis_option(required=True)
-@reports_errors
-def submit_cmd(corpus: Path, redis_url: str, **kw: Any) -> None:
-    """Split CORPUS into chunks in the store and enqueue one job per chunk (idempotent)."""
-    result = submit(_submit_request(corpus, **kw), redis.Redis.from_url(redis_url))
+@redis_option("needed")
+@click.option("--json", "as_json", is_flag=True, help="Print the run's figures as JSON, not its id alone.")
+def submit_cmd(corpus: tuple[Path, ...], redis_url: str | None, as_json: bool, **kw: Any) -> None:
+    """Split CORPUS (files or glob patterns) into chunks in the store and enqueue one job per chunk.
+
+    Idempotent: the same command again enqueues only what is neither done nor in flight. Prints the
+    run id (for `chunkq supervise RUN`).
+    """
+    connection = reach_redis(need_redis(redis_url))  # before anything is written
+    request = submit_request(corpus, kw.pop("store"), **kw)
+    result = submit(request, connection)
+    if not as_json:
+        click.echo(result.run_id)
+        return
     c = result.counts
-    click.echo(
-        f"{result.run_id}\t{result.rows} rows, {result.chunks} chunks: {result.done} done, "
-        f"{c.in_flight} in flight, {c.enqueued} enqueued, {c.requeued} requeued"
-    )
+    figures = {
+        "run_id": result.run_id,
+        "rows": result.rows,
+        "chunks": result.chunks,
+        "done": result.done,
+        "in_flight": c.in_flight,
+        "enqueued": c.enqueued,
+        "requeued": c.requeued,
+        "created": result.created,
+    }
+    click.echo(json.dumps(figures, indent=2))
 
 
-@cli.command("pool")
+@command("pool")
 @pool_setting_options()
 @click.option(
     "--settings-json",
@@ -359,41 +299,61 @@ def submit_cmd(corpus: Path, redis_url: str, **kw: Any) -> None:
 )
 @store_option
 @queue_option
-@redis_option(required=True)
-@reports_errors
-def pool_cmd(redis_url: str, store: Path, queue: str, settings_json: str | None, **kw: Any) -> None:
+@redis_option("needed")
+def pool_cmd(redis_url: str | None, store: Path, queue: str, settings_json: str | None, **kw: Any) -> None:
     """Run fresh worker processes on this host's GPUs (or CPU) until signalled."""
     if settings_json:
         settings = PoolSettings.from_json(settings_json)
     else:
-        log_level = click.get_current_context().obj["log_level"]
-        settings = pool_settings(kw, redis_url=redis_url, store=str(store), queue=queue, log_level=log_level)
+        url = need_redis(redis_url)
+        settings = pool_settings(kw, redis_url=url, store=str(store), queue=queue, log_level=_log_level())
     chosen = gpu_discovery.choose(settings.gpus, settings.min_free_memory, settings.busy_gpus)
     if not chosen:
         log.info("no GPU in use; running %d CPU worker(s)", settings.cpu_workers)
     sys.exit(Pool(settings, chosen).run())
 
 
-@cli.command("dashboard")
-@click.option("--bind", default="127.0.0.1", envvar="CHUNKQ_DASHBOARD_BIND", show_default=True)
+@command("dashboard")
 @click.option(
-    "--port", type=int, default=DEFAULT_DASHBOARD_PORT, envvar="CHUNKQ_DASHBOARD_PORT", show_default=True
+    "--bind",
+    default="127.0.0.1",
+    envvar="CHUNKQ_DASHBOARD_BIND",
+    show_envvar=True,
+    show_default=True,
+    help="Address to serve on; anything but loopback needs --username and --password.",
 )
-@click.option("--username", default=None, envvar="CHUNKQ_DASHBOARD_USERNAME")
+@click.option(
+    "--port",
+    type=click.IntRange(1, 65535),
+    default=DEFAULT_DASHBOARD_PORT,
+    envvar="CHUNKQ_DASHBOARD_PORT",
+    show_envvar=True,
+    show_default=True,
+    help="Port to serve on.",
+)
+@click.option(
+    "--username",
+    default=None,
+    envvar="CHUNKQ_DASHBOARD_USERNAME",
+    show_envvar=True,
+    help="Basic-auth user name.",
+)
 @click.option(
     "--password",
     default=None,
     envvar="CHUNKQ_DASHBOARD_PASSWORD",
-    help="Prefer CHUNKQ_DASHBOARD_PASSWORD: a command line is visible to every user of the host.",
+    show_envvar=True,
+    help="Basic-auth password. Prefer the variable: a command line is visible to every user of the host.",
 )
-@redis_option(required=True)
-@reports_errors
-def dashboard_cmd(redis_url: str, bind: str, port: int, username: str | None, password: str | None) -> None:
+@redis_option("needed")
+def dashboard_cmd(
+    redis_url: str | None, bind: str, port: int, username: str | None, password: str | None
+) -> None:
     """rq-dashboard for chunkq's queues: JSON only, loopback unless credentials are set."""
-    serve_dashboard(redis_url, bind, port, username, password)
+    serve_dashboard(need_redis(redis_url), bind, port, username, password)
 
 
-@cli.command("report")
+@command("report")
 @click.argument("run_id")
 @click.option(
     "--out",
@@ -403,11 +363,10 @@ def dashboard_cmd(redis_url: str, bind: str, port: int, username: str | None, pa
     "filesystem store, ./chunkq-report-RUN otherwise).",
 )
 @store_option
-@redis_option(required=False)
-@reports_errors
+@redis_option("unused")
 def report_cmd(run_id: str, out: Path | None, store: Path, redis_url: str | None) -> None:
     """A timeline PNG and a summary of RUN: chunks per process, model loads, failures, throughput, lengths."""
-    del redis_url  # accepted like everywhere; the report reads the store alone, Redis gone or not
+    del redis_url  # the report reads the store alone, Redis gone or not
     layout = RunLayout(store, run_id)
     if out is None:
         out = layout.root / "report" if is_local(store) else Path(f"chunkq-report-{run_id}")
@@ -418,30 +377,33 @@ def report_cmd(run_id: str, out: Path | None, store: Path, redis_url: str | None
     )
 
 
-@cli.command("supervise")
+@command("supervise")
 @click.argument("run_id")
 @watch_options
 @store_option
-@redis_option(required=True)
-@reports_errors
-def supervise_cmd(run_id: str, store: Path, redis_url: str, **watch: Any) -> None:
+@redis_option("needed")
+def supervise_cmd(run_id: str, store: Path, redis_url: str | None, **watch: Any) -> None:
     """Watch RUN_ID: retry or quarantine failed chunks, then assemble the result when all are done."""
+    connection = reach_redis(need_redis(redis_url))
     with ProgressDisplay() as display:
         layout = RunLayout(store, run_id)
-        outcome = supervise(redis.Redis.from_url(redis_url), layout, display, _watch_settings(**watch))
+        outcome = supervise(connection, layout, display, watch_settings(**watch))
     sys.exit(_finish(outcome))
 
 
-@cli.command("status")
+@command("status")
 @click.argument("run_id")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 @store_option
-@redis_option(required=True)
-@reports_errors
-def status_cmd(run_id: str, store: Path, redis_url: str, as_json: bool) -> None:
-    """Print where RUN_ID stands, once."""
+@redis_option("live")
+def status_cmd(run_id: str, store: Path, redis_url: str | None, as_json: bool) -> None:
+    """Print where RUN_ID stands, once: from the store, and from Redis when one is given."""
     layout = RunLayout(store, run_id)
-    snap = Tracker(redis.Redis.from_url(redis_url), layout, load_manifest(layout)).poll_once()
+    manifest = load_manifest(layout)
+    if redis_url:
+        snap = Tracker(reach_redis(redis_url), layout, manifest).poll()
+    else:
+        snap = store_snapshot(layout, manifest)
     attempts = failed_attempts(layout)
     if as_json:
         click.echo(json.dumps({**snap.to_json(), "failed_attempts": to_json(attempts)}, indent=2))
@@ -449,16 +411,15 @@ def status_cmd(run_id: str, store: Path, redis_url: str, as_json: bool) -> None:
     click.echo(describe(snap))
     click.echo(describe_attempts(attempts))
     if snap.failures:
-        click.echo(failure_report(snap.failures))
+        click.echo(failure_report(snap.quarantined or snap.failures))
     if snap.result_published:
         click.echo(f"result published in {layout.result}")
 
 
-@cli.command("doctor")
+@command("doctor")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 @store_option
-@redis_option(required=False)
-@reports_errors
+@redis_option("live")
 def doctor_cmd(store: Path, redis_url: str | None, as_json: bool) -> None:
     """List GPUs, what torch sees, Redis and the store; exit 1 with advice when something is wrong."""
     report = examine(store, redis_url)
@@ -466,15 +427,16 @@ def doctor_cmd(store: Path, redis_url: str | None, as_json: bool) -> None:
     sys.exit(EXIT_OK if not report.problems else EXIT_CHUNKS_FAILED)
 
 
-@cli.command("assemble")
+@command("assemble")
 @click.argument("run_id")
 @click.option(
     "--verify", is_flag=True, help="Only check the published result against its manifest's checksums."
 )
 @store_option
-@reports_errors
-def assemble_cmd(run_id: str, store: Path, verify: bool) -> None:
+@redis_option("unused")
+def assemble_cmd(run_id: str, store: Path, verify: bool, redis_url: str | None) -> None:
     """Verify every chunk output of RUN_ID and publish result/ (whole, or not at all)."""
+    del redis_url
     layout = RunLayout(store, run_id)
     if verify:
         manifest_path = layout.result / "manifest.json"
@@ -492,31 +454,21 @@ def assemble_cmd(run_id: str, store: Path, verify: bool) -> None:
     click.echo(f"{layout.result}: {result['rows']} x {result['dim']}")
 
 
-@cli.command("run")
+@command("run")
 @submit_options
 @pool_setting_options(exclude=RUN_DECIDES_FOR_THE_POOL)
 @watch_options
-@redis_option(required=False)
-@reports_errors
-def run_cmd(
-    corpus: Path, redis_url: str | None, poll: float, max_attempts: int, allow_partial: bool, **kw: Any
-) -> None:
-    """Everything on this machine: embedded Redis (unless --redis-url), pool, submit, supervise, assemble."""
-    metrics_port, wait = kw.pop("metrics_port"), kw.pop("wait")
-    pool = pool_settings(
-        pop_pool_values(kw, exclude=RUN_DECIDES_FOR_THE_POOL),
-        metrics_port=None if metrics_port is None else (metrics_port + 1 if metrics_port else 0),
-    )
-    req = RunRequest(
-        submit=_submit_request(corpus, **kw),
-        redis_url=redis_url,
-        pool=pool,
-        watch=_watch_settings(poll, max_attempts, allow_partial, metrics_port, wait),
-    )
-    if pool.gpus not in ("all", "none", "cpu"):
-        gpu_discovery.select(
-            pool.gpus, gpu_discovery.discover()
-        )  # refuse a missing GPU before starting anything
+@redis_option("embedded")
+def run_cmd(corpus: tuple[Path, ...], redis_url: str | None, **kw: Any) -> None:
+    """Everything on this machine: embedded Redis (unless --redis-url), pool, submit, supervise, assemble.
+
+    CORPUS: one or more files, or glob patterns ('data/*.parquet'), read in order as one corpus.
+    Everything is checked before anything starts; the same command again resumes the run.
+    """
+    pool_values = pop_pool_values(kw, exclude=RUN_DECIDES_FOR_THE_POOL)
+    if pool_values.get("gpus") not in (None, "all", "none", "cpu"):
+        gpu_discovery.select(pool_values["gpus"], gpu_discovery.discover())  # refuse a missing GPU up front
+    req = build_run_request(corpus, store=kw.pop("store"), redis_url=redis_url, **kw, **pool_values)
     with ProgressDisplay() as display:
         outcome: RunOutcome = run(req, display)
     layout = RunLayout(req.submit.store, outcome.submitted.run_id)
@@ -534,6 +486,9 @@ def run_cmd(
     sys.exit(code)
 
 
+for _command in (runs_cmd, clean_cmd, export_cmd):
+    cli.add_command(log_level_option(_command))
+
 STORE_UMASK = 0o077  # every file and folder chunkq and its servers and workers create: owner-only
 
 
@@ -542,7 +497,8 @@ def main() -> None:
     # the user's data: one mode for all of them, whoever creates them (children inherit the mask).
     os.umask(STORE_UMASK)
     forbid_pickle()
-    _interrupt_on_sigterm()  # the pool installs its own handlers, which drain the same way
+    assume_offline()  # models load from folders and the cache; HF_HUB_OFFLINE=0 allows downloads
+    interrupt_on_sigterm()  # the pool installs its own handlers, which drain the same way
     cli(prog_name="chunkq")
 
 

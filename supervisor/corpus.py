@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from jobs.errors import CorpusError
+from chunkq.jobs.errors import CorpusError
 
 FORMATS = ("jsonl", "csv", "parquet", "txt")
 _SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".parquet": "parquet", ".txt": "txt"}
@@ -65,10 +65,11 @@ def check_readable(path: Path) -> None:
 
 
 class _IdPolicy:
-    """Ids from the id field if the first record has one (then every record needs it), else row numbers."""
+    """Ids from the id field if the first record has one (then every record needs it), else row
+    numbers (after ``prefix``, which tells the files of a run apart)."""
 
-    def __init__(self, path: Path, field: str) -> None:
-        self.path, self.field = path, field
+    def __init__(self, path: Path, field: str, prefix: str = "") -> None:
+        self.path, self.field, self.prefix = path, field, prefix
         self.from_field: bool | None = None
 
     def pick(self, record: dict[str, Any], where: str, number: int) -> str:
@@ -76,7 +77,7 @@ class _IdPolicy:
         if self.from_field is None:
             self.from_field = present
         if not self.from_field:
-            return str(number)
+            return f"{self.prefix}{number}"
         if not present:
             raise CorpusError(f"{where}: missing id field {self.field!r} (earlier records have one)")
         value = record[self.field]
@@ -131,8 +132,8 @@ def _lines(path: Path, limit: int) -> Iterator[tuple[int, str]]:
                 ) from None
 
 
-def _read_jsonl(path: Path, opts: CorpusOptions) -> Iterator[Record]:
-    ids = _IdPolicy(path, opts.id_field)
+def _read_jsonl(path: Path, opts: CorpusOptions, prefix: str) -> Iterator[Record]:
+    ids = _IdPolicy(path, opts.id_field, prefix)
     for lineno, line in _lines(path, opts.max_text_bytes):
         if not line.strip():
             continue
@@ -146,15 +147,15 @@ def _read_jsonl(path: Path, opts: CorpusOptions) -> Iterator[Record]:
         yield Record(ids.pick(record, where, lineno), _text_of(record, opts, where), where)
 
 
-def _read_txt(path: Path, opts: CorpusOptions) -> Iterator[Record]:
+def _read_txt(path: Path, opts: CorpusOptions, prefix: str) -> Iterator[Record]:
     for lineno, line in _lines(path, opts.max_text_bytes):
         text = line.rstrip("\r\n")
         if text.strip():
-            yield Record(str(lineno), text, f"{path}:{lineno}")
+            yield Record(f"{prefix}{lineno}", text, f"{path}:{lineno}")
 
 
-def _read_csv(path: Path, opts: CorpusOptions) -> Iterator[Record]:
-    ids = _IdPolicy(path, opts.id_field)
+def _read_csv(path: Path, opts: CorpusOptions, prefix: str) -> Iterator[Record]:
+    ids = _IdPolicy(path, opts.id_field, prefix)
     try:
         with open(path, encoding="utf-8", newline="") as fh:
             reader = csv.DictReader(fh)
@@ -176,7 +177,7 @@ def _read_csv(path: Path, opts: CorpusOptions) -> Iterator[Record]:
         raise CorpusError(f"{path}: malformed CSV: {exc}") from None
 
 
-def _read_parquet(path: Path, opts: CorpusOptions) -> Iterator[Record]:
+def _read_parquet(path: Path, opts: CorpusOptions, prefix: str) -> Iterator[Record]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -191,7 +192,7 @@ def _read_parquet(path: Path, opts: CorpusOptions) -> Iterator[Record]:
     if not (pa.types.is_string(text_type) or pa.types.is_large_string(text_type)):
         raise CorpusError(f"{path}: column {opts.text_field!r} has type {text_type}, expected string")
     columns = [opts.text_field] + ([opts.id_field] if opts.id_field in schema.names else [])
-    ids = _IdPolicy(path, opts.id_field)
+    ids = _IdPolicy(path, opts.id_field, prefix)
     number = 0
     for batch in pfile.iter_batches(batch_size=4096, columns=columns):
         for record in batch.to_pylist():
@@ -203,7 +204,7 @@ def _read_parquet(path: Path, opts: CorpusOptions) -> Iterator[Record]:
 _READERS = {"jsonl": _read_jsonl, "csv": _read_csv, "parquet": _read_parquet, "txt": _read_txt}
 
 
-def read_corpus(path: Path, opts: CorpusOptions) -> Iterator[Record]:
+def read_corpus(path: Path, opts: CorpusOptions, number_prefix: str = "") -> Iterator[Record]:
     """Yield (id, text) in corpus order; raise CorpusError naming the file and line on bad input."""
     check_readable(path)
-    return _READERS[opts.format](path, opts)
+    return _READERS[opts.format](path, opts, number_prefix)

@@ -31,8 +31,8 @@ from urllib.parse import urlsplit
 
 from rq.serializers import JSONSerializer
 
-from jobs.errors import ConfigError
-from jobs.nopickle import PickleRefusedError, forbid_pickle
+from chunkq.jobs.errors import ConfigError
+from chunkq.jobs.nopickle import PickleRefusedError, forbid_pickle
 
 log = logging.getLogger(__name__)
 
@@ -226,5 +226,16 @@ def serve(redis_url: str, bind: str, port: int, username: str | None, password: 
     import waitress
 
     app = create_app(redis_url, username, password, allowed_hosts(bind, port))
-    log.info("dashboard on http://%s:%d/ (%s)", bind, port, "authenticated" if password else "loopback only")
-    waitress.serve(app, host=bind, port=port, threads=4, ident="chunkq")
+    server = waitress.create_server(app, host=bind, port=port, threads=4, ident="chunkq")
+    # An interrupt is a normal stop wherever it lands: waitress's run() catches one that arrives
+    # while it serves, this catches one between binding and serving.
+    try:
+        log.info(
+            "dashboard on http://%s:%d/ (%s)", bind, port, "authenticated" if password else "loopback only"
+        )
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.close()
+    log.info("dashboard stopped")

@@ -10,7 +10,7 @@ from types import TracebackType
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-from supervisor.progress import Snapshot
+from chunkq.supervisor.progress import Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -26,15 +26,35 @@ def _duration(seconds: float | None) -> str:
 
 
 def describe(snap: Snapshot) -> str:
-    """One line: chunks and rows done, rows/s, ETA, failures."""
+    """One line: chunks and rows done, rows/s, ETA, failures, and every chunk that needs attention."""
     rate = f"{snap.rows_per_second:,.0f} rows/s" if snap.rows_per_second else "- rows/s"
-    return (
-        f"run {snap.run_id}: chunks {snap.chunks_done}/{snap.chunks} done, {snap.chunks_running} running, "
-        f"{snap.chunks_queued} queued, {snap.chunks_retrying} retrying, "
-        f"{snap.chunks_quarantined} quarantined; "
-        f"rows {snap.rows_done:,}/{snap.rows:,}; "
-        f"{rate}; ETA {_duration(snap.eta_seconds)}"
+    if snap.live:
+        states = f"{snap.chunks_running} running, {snap.chunks_queued} queued, "
+    else:
+        waiting = snap.chunks - snap.chunks_done - snap.chunks_quarantined - snap.chunks_retrying
+        states = f"{waiting} not done (from the store alone: give --redis-url for what runs and waits), "
+    trouble = "".join(
+        f", {len(chunks)} {what} ({_chunk_list(chunks)})"
+        for what, chunks in (
+            ("lost (no job and no output: resubmit)", snap.lost),
+            ("stale (their worker stopped beating)", snap.stale),
+            ("stranded (taken by a worker that died)", snap.stranded),
+        )
+        if chunks
     )
+    eta = "" if snap.settled else f"; ETA {_duration(snap.eta_seconds)}"
+    if snap.idle_seconds and snap.idle_seconds >= 1:
+        eta = f"; no worker has taken a job from queue {snap.queue!r} for {snap.idle_seconds:.0f} s"
+    return (
+        f"run {snap.run_id}: chunks {snap.chunks_done}/{snap.chunks} done, {states}"
+        f"{snap.chunks_retrying} retrying, {snap.chunks_quarantined} quarantined{trouble}; "
+        f"rows {snap.rows_done:,}/{snap.rows:,}; {rate}{eta}"
+    )
+
+
+def _chunk_list(chunks: list[int], shown: int = 10) -> str:
+    more = f" and {len(chunks) - shown} more" if len(chunks) > shown else ""
+    return "chunk " + ", ".join(str(i) for i in chunks[:shown]) + more
 
 
 class ProgressDisplay:
@@ -74,7 +94,9 @@ class ProgressDisplay:
                 completed=snap.chunks_done,
                 rows=f"{snap.rows_done:,}/{snap.rows:,}",
                 rate=f"{snap.rows_per_second:,.0f}/s" if snap.rows_per_second else "-/s",
-                eta=_duration(snap.eta_seconds),
+                eta="no worker"
+                if snap.idle_seconds and snap.idle_seconds >= 1
+                else _duration(snap.eta_seconds),
                 failed=snap.chunks_retrying + snap.chunks_quarantined,
             )
             return

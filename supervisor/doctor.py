@@ -14,10 +14,10 @@ from typing import Any
 
 import redis
 
-from jobs.storage import is_local
-from jobs.store import atomic_write_bytes
-from queue_worker import gpus as gpu_discovery
-from supervisor.embedded_redis import server_binary
+from chunkq.jobs.storage import is_local
+from chunkq.jobs.store import atomic_write_bytes
+from chunkq.queue_worker import gpus as gpu_discovery
+from chunkq.supervisor.embedded_redis import server_binary
 
 
 @dataclass

@@ -6,8 +6,8 @@ import sqlite3
 from pathlib import Path
 from types import TracebackType
 
-from jobs.errors import CorpusError
-from supervisor.corpus import Record
+from chunkq.jobs.errors import CorpusError
+from chunkq.supervisor.corpus import Record
 
 
 class IdRegistry:

@@ -20,8 +20,8 @@ from types import TracebackType
 
 import redis
 
-from jobs.errors import ConfigError
-from queue_worker.lifeline import die_with_parent
+from chunkq.jobs.errors import ConfigError
+from chunkq.queue_worker.lifeline import die_with_parent
 
 log = logging.getLogger(__name__)
 

@@ -14,11 +14,11 @@ from rq.queue import EnqueueData
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
-from jobs import jobmeta
-from jobs.allowlist import EMBED_CHUNK, AllowListedJob
-from jobs.specs import chunk_job_id
-from jobs.store import RunLayout
-from supervisor.manifest import RunManifest
+from chunkq.jobs import jobmeta
+from chunkq.jobs.allowlist import EMBED_CHUNK, AllowListedJob
+from chunkq.jobs.specs import chunk_job_id
+from chunkq.jobs.store import RunLayout
+from chunkq.supervisor.manifest import RunManifest
 
 log = logging.getLogger(__name__)
 

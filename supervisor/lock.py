@@ -10,7 +10,7 @@ import logging
 import redis
 from redis.exceptions import LockError
 
-from jobs.errors import ChunkqError
+from chunkq.jobs.errors import ChunkqError
 
 log = logging.getLogger(__name__)
 

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jobs.errors import StoreError
-from jobs.specs import ChunkSpec, EncodeOptions
-from jobs.store import RunLayout, read_json
+from chunkq.jobs.errors import StoreError
+from chunkq.jobs.specs import ChunkSpec, EncodeOptions
+from chunkq.jobs.store import RunLayout, read_json
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from supervisor.progress import Snapshot
+from chunkq.supervisor.progress import Snapshot
 
 STATES = ("done", "queued", "running", "retrying", "quarantined")
 

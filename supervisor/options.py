@@ -10,8 +10,8 @@ from typing import Any, TypeVar
 
 import click
 
-from queue_worker.gpus import AUTO
-from queue_worker.settings import Meta, PoolSettings, flag, schema
+from chunkq.queue_worker.gpus import AUTO
+from chunkq.queue_worker.settings import Meta, PoolSettings, flag, schema
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -25,9 +25,9 @@ from typing import Any
 
 import psutil
 
-from jobs.storage import is_local
-from jobs.store import atomic_write_json, read_json
-from supervisor.lock import RunLockedError
+from chunkq.jobs.storage import is_local
+from chunkq.jobs.store import atomic_write_json, read_json
+from chunkq.supervisor.lock import RunLockedError
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,11 @@ class StoreLock:
             return None
         except (OSError, ValueError):
             return {}  # half written or damaged: judged by its age alone
+
+    def live_holder(self) -> dict[str, Any] | None:
+        """Who holds the lock now (pid, host, since), or None when nobody does or its holder died."""
+        holder = self.holder()
+        return holder if holder is not None and not self._stale(holder) else None
 
     def _stale(self, holder: dict[str, Any]) -> str:
         """Why the holder no longer holds the lock, or "" while it may."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -16,13 +15,14 @@ from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegist
 from rq.serializers import JSONSerializer
 from rq.utils import str_to_date
 
-from jobs import jobmeta
-from jobs.specs import chunk_job_id
-from jobs.store import RunLayout
-from supervisor.enqueue import chunk_queue, job_statuses
-from supervisor.manifest import RunManifest
+from chunkq.jobs import jobmeta
+from chunkq.jobs.specs import chunk_job_id
+from chunkq.jobs.store import RunLayout, read_json
+from chunkq.supervisor.attempts import FailedAttempt, failed_attempts
+from chunkq.supervisor.enqueue import chunk_queue, job_statuses
+from chunkq.supervisor.manifest import RunManifest
+from chunkq.supervisor.throughput import Throughput
 
-RATE_WINDOW_SECONDS = 30.0
 STALE_HEARTBEAT_SECONDS = 60.0  # workers beat every 5 s while a chunk runs
 STRANDED_SECONDS = 10.0  # a live worker starts what it dequeued within milliseconds
 CURSOR_MARGIN_SECONDS = 300.0
@@ -66,6 +66,9 @@ class Snapshot:
     rows_per_second: float | None = None
     eta_seconds: float | None = None
     result_published: bool = False
+    live: bool = True  # False: read from the store alone, so what runs and what waits is unknown
+    queue: str = ""
+    idle_seconds: float | None = None  # chunks wait and no worker has taken one for this long
 
     @property
     def settled(self) -> bool:
@@ -104,16 +107,6 @@ def _failure(job: Job, index: int, manifest: RunManifest) -> Failure:
     )
 
 
-def recent_rate(layout: RunLayout, manifest: RunManifest, window: float = 60.0) -> float | None:
-    """Rows per second over the last ``window`` seconds, from when chunk outputs were committed.
-
-    For a one-shot ``chunkq status``, which has no history of its own to measure a rate from.
-    """
-    since = time.time() - window
-    rows = sum(manifest.chunk_rows(i) for i, mtime in layout.committed_outputs() if mtime >= since)
-    return rows / window if rows else None
-
-
 class Tracker:
     """Polls a run; a look costs what changed since the last one, not the run's size.
 
@@ -136,9 +129,9 @@ class Tracker:
         self.min_reconcile_seconds = min_reconcile_seconds
         self.pending = set(range(manifest.chunks))
         self.rows_done = 0
+        self.throughput = Throughput()
         self.failed_jobs: dict[int, Job] = {}
         self.full_looks = 0
-        self._history: deque[tuple[float, int]] = deque()
         self._prefix = chunk_job_id(manifest.run_id, 0)[: -len("000000")]
         queue = chunk_queue(connection, manifest.queue)
         self._finished_key = FinishedJobRegistry(queue=queue).key
@@ -153,6 +146,10 @@ class Tracker:
         for index in indices:
             self.pending.discard(index)
             self.rows_done += self.manifest.chunk_rows(index)
+            try:  # read once per chunk: the run's rate is measured from its outputs' times
+                self.throughput.add(read_json(self.layout.output_meta(index)))
+            except (OSError, ValueError, KeyError):
+                pass  # a damaged output is the assembler's to name; the rate does without it
 
     def _job_id(self, index: int) -> str:
         return chunk_job_id(self.manifest.run_id, index)
@@ -170,17 +167,11 @@ class Tracker:
                 found.add(index)
         return found
 
-    def poll_once(self) -> Snapshot:
-        """A single look (``chunkq status``): the rate comes from the store's recent commits."""
-        snap = self.poll()
-        snap.rows_per_second = recent_rate(self.layout, self.manifest)
-        if snap.rows_per_second:
-            snap.eta_seconds = (snap.rows - snap.rows_done) / snap.rows_per_second
-        return snap
-
     def poll(self, now: float | None = None) -> Snapshot:
         now = time.monotonic() if now is None else now
-        snap = Snapshot(self.manifest.run_id, self.manifest.chunks, self.manifest.rows)
+        snap = Snapshot(
+            self.manifest.run_id, self.manifest.chunks, self.manifest.rows, queue=self.manifest.queue
+        )
         if now >= self._next_full:
             started = time.monotonic()
             running, failed = self._full_look(snap)
@@ -199,7 +190,7 @@ class Tracker:
         snap.chunks_done = self.manifest.chunks - len(self.pending)
         snap.rows_done = self.rows_done
         snap.result_published = (self.layout.result / "manifest.json").is_file()
-        self._rate(snap, now)
+        set_rate(snap, self.throughput)
         return snap
 
     def _registry_tail(self, key: str) -> list[bytes]:
@@ -294,11 +285,48 @@ class Tracker:
                 stale.append(index)
         return stale
 
-    def _rate(self, snap: Snapshot, now: float) -> None:
-        self._history.append((now, snap.rows_done))
-        while len(self._history) > 2 and now - self._history[0][0] > RATE_WINDOW_SECONDS:
-            self._history.popleft()
-        start_time, start_rows = self._history[0]
-        if now - start_time >= 1.0 and snap.rows_done > start_rows:
-            snap.rows_per_second = (snap.rows_done - start_rows) / (now - start_time)
-            snap.eta_seconds = (snap.rows - snap.rows_done) / snap.rows_per_second
+
+def set_rate(snap: Snapshot, throughput: Throughput) -> None:
+    """The run's rows/s (supervisor.throughput) and, while chunks remain, the time they will take."""
+    snap.rows_per_second = throughput.rows_per_second(running=not snap.settled)
+    if snap.rows_per_second and not snap.settled:
+        snap.eta_seconds = (snap.rows - snap.rows_done) / snap.rows_per_second
+
+
+def store_snapshot(layout: RunLayout, manifest: RunManifest) -> Snapshot:
+    """Where a run stands from the store alone, as ``chunkq status`` shows it without Redis: the
+    chunks done and their rate, the failures recorded and the chunks quarantined."""
+    snap = Snapshot(manifest.run_id, manifest.chunks, manifest.rows, live=False)
+    done = layout.done_chunks()
+    throughput = Throughput()
+    for index in sorted(done):
+        snap.rows_done += manifest.chunk_rows(index)
+        try:
+            throughput.add(read_json(layout.output_meta(index)))
+        except (OSError, ValueError, KeyError):
+            pass
+    snap.chunks_done = len(done)
+    last: dict[int, FailedAttempt] = {}
+    for attempt in failed_attempts(layout):
+        if attempt.chunk not in done:
+            last[attempt.chunk] = attempt
+    snap.failures = [
+        Failure(
+            chunk=a.chunk,
+            first_row=manifest.first_row(a.chunk),
+            rows=manifest.chunk_rows(a.chunk),
+            job_id=chunk_job_id(manifest.run_id, a.chunk),
+            error_class=a.error_class,
+            attempt=a.attempt,
+            error=a.error,
+            traceback="",
+            quarantined=a.quarantined,
+            reason=a.reason,
+        )
+        for a in sorted(last.values(), key=lambda a: a.chunk)
+    ]
+    snap.chunks_quarantined = len(snap.quarantined)
+    snap.chunks_retrying = len(snap.failures) - snap.chunks_quarantined
+    snap.result_published = (layout.result / "manifest.json").is_file()
+    set_rate(snap, throughput)
+    return snap

@@ -17,10 +17,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from jobs.models import resolve_model
-from jobs.store import RunLayout, read_chunk_input, read_json
-from supervisor.attempts import FailedAttempt, by_class, failed_attempts, to_json
-from supervisor.manifest import RunManifest, load_manifest
+from chunkq.jobs.models import resolve_model
+from chunkq.jobs.store import RunLayout, read_chunk_input, read_json
+from chunkq.supervisor.attempts import FailedAttempt, by_class, failed_attempts, to_json
+from chunkq.supervisor.manifest import RunManifest, load_manifest
+from chunkq.supervisor.throughput import of_outputs
 
 log = logging.getLogger(__name__)
 
@@ -98,9 +99,11 @@ def _model_max_seq_length(path: Path) -> int | None:
 
 def summary(facts: RunFacts, lengths: list[int], limit: int | None, unit: str) -> dict[str, Any]:
     m = facts.manifest
-    span = facts.span
-    wall = (span[1] - span[0]).total_seconds() if span else 0.0
-    rows_done = sum(int(o["rows"]) for o in facts.outputs)
+    throughput = of_outputs(facts.outputs)
+    running = len(facts.outputs) + len(facts.quarantined) < m.chunks
+    wall = throughput.seconds(running) or 0.0
+    rate = throughput.rows_per_second(running)
+    rows_done = throughput.rows
     loads = [float(o["model_load_seconds"]) for o in facts.outputs if "model_load_seconds" in o]
     per_process = {key: metas[0].get("model_load_seconds") for key, metas in facts.processes.items()}
     truncated = sum(1 for n in lengths if limit is not None and n > limit)
@@ -113,7 +116,7 @@ def summary(facts: RunFacts, lengths: list[int], limit: int | None, unit: str) -
         "worker_processes": len(facts.processes),
         "devices": sorted({_device(o) for o in facts.outputs}),
         "wall_seconds": round(wall, 2),
-        "rows_per_second": round(rows_done / wall, 1) if wall else None,
+        "rows_per_second": round(rate, 1) if rate else None,
         "failed_attempts": len(facts.failures),
         "failures_by_class": by_class(facts.failures),
         "failures": to_json(facts.failures),

@@ -16,7 +16,7 @@ from rq.job import Job
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
-from jobs import errors, jobmeta
+from chunkq.jobs import errors, jobmeta
 
 log = logging.getLogger(__name__)
 

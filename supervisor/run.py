@@ -18,18 +18,18 @@ from rq import Queue
 from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 
-from jobs.abandon import mark_abandoned
-from jobs.storage import is_local
-from jobs.store import RunLayout
-from queue_worker.lifeline import die_with_parent
-from queue_worker.settings import SETTINGS_JSON_ENV, PoolSettings, env_of
-from supervisor.assemble import published_result
-from supervisor.display import ProgressDisplay
-from supervisor.embedded_redis import EmbeddedRedis
-from supervisor.manifest import load_manifest
-from supervisor.owner import StoreLock
-from supervisor.submit import SubmitRequest, SubmitResult, submit
-from supervisor.watch import Outcome, WatchSettings, redis_never_gone, supervise
+from chunkq.jobs.abandon import mark_abandoned
+from chunkq.jobs.storage import is_local
+from chunkq.jobs.store import RunLayout
+from chunkq.queue_worker.lifeline import die_with_parent
+from chunkq.queue_worker.settings import SETTINGS_JSON_ENV, PoolSettings, env_of
+from chunkq.supervisor.assemble import published_result
+from chunkq.supervisor.display import ProgressDisplay
+from chunkq.supervisor.embedded_redis import EmbeddedRedis
+from chunkq.supervisor.manifest import load_manifest
+from chunkq.supervisor.owner import StoreLock
+from chunkq.supervisor.submit import SubmitRequest, SubmitResult, submit
+from chunkq.supervisor.watch import Outcome, WatchSettings, redis_never_gone, supervise
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class PoolProcess:
             store=str(sub.store),
             log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()),
         )
-        self.cmd = [sys.executable, "-m", "supervisor.cli", "--log-level", settings.log_level, "pool"]
+        self.cmd = [sys.executable, "-m", "chunkq.supervisor.cli", "--log-level", settings.log_level, "pool"]
         # Whole, in the environment: the Redis password stays off the command line.
         self.env = dict(os.environ, **{SETTINGS_JSON_ENV: settings.to_json(), env_of("redis_url"): redis_url})
         self.log_path = log_path

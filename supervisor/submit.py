@@ -8,7 +8,9 @@ refused. Chunk inputs are written before the manifest, so a run with a manifest 
 from __future__ import annotations
 
 import logging
+import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -16,16 +18,16 @@ from typing import Any
 
 import redis
 
-from jobs.errors import ConfigError, CorpusError, RunConflictError
-from jobs.specs import FORMAT_VERSION, EncodeOptions, fingerprint, validate_run_id
-from jobs.storage import local_scratch, remove_tree
-from jobs.store import RunLayout, atomic_write_json, file_sha256, write_chunk_input
-from queue_worker.settings import DEFAULT_QUEUE
-from supervisor.assemble import set_aside
-from supervisor.corpus import CorpusOptions, Record, check_readable, read_corpus
-from supervisor.dupes import IdRegistry
-from supervisor.enqueue import EnqueueCounts, enqueue_chunks
-from supervisor.manifest import RunManifest, load_manifest
+from chunkq.jobs.errors import ConfigError, CorpusError, RunConflictError
+from chunkq.jobs.specs import FORMAT_VERSION, EncodeOptions, fingerprint, validate_run_id
+from chunkq.jobs.storage import local_scratch, remove_tree
+from chunkq.jobs.store import RunLayout, atomic_write_json, file_sha256, write_chunk_input
+from chunkq.queue_worker.settings import DEFAULT_QUEUE
+from chunkq.supervisor.assemble import published_result, set_aside
+from chunkq.supervisor.corpus import CorpusOptions, Record, check_readable, read_corpus
+from chunkq.supervisor.dupes import IdRegistry
+from chunkq.supervisor.enqueue import EnqueueCounts, enqueue_chunks
+from chunkq.supervisor.manifest import RunManifest, load_manifest
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +38,7 @@ DEFAULT_CHUNK_SIZE = 1000
 class SubmitRequest:
     """What the user asked for; the identity fields decide the run id."""
 
-    corpus: Path
+    corpus: Path | tuple[Path, ...]  # one file, or several read in this order as one corpus
     store: Path
     model: str
     corpus_options: CorpusOptions
@@ -49,6 +51,10 @@ class SubmitRequest:
     def timeout(self) -> int:
         return self.job_timeout or max(600, 2 * self.chunk_size)
 
+    @property
+    def corpora(self) -> tuple[Path, ...]:
+        return self.corpus if isinstance(self.corpus, tuple) else (self.corpus,)
+
 
 @dataclass(frozen=True)
 class SubmitResult:
@@ -60,14 +66,16 @@ class SubmitResult:
     created: bool
 
 
-def corpus_checksum(path: Path) -> tuple[str, int]:
-    return file_sha256(path), path.stat().st_size
+def describe_inputs(paths: tuple[Path, ...]) -> list[dict[str, Any]]:
+    """Each corpus file with its checksum and size, for the manifest and the run's identity."""
+    return [{"path": str(p.resolve()), "sha256": file_sha256(p), "size": p.stat().st_size} for p in paths]
 
 
-def _identity(req: SubmitRequest, checksum: str) -> dict[str, Any]:
-    """What makes two submissions the same run."""
+def _identity(req: SubmitRequest, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+    """What makes two submissions the same run: the files' contents and order, not their names."""
+    checksums = [i["sha256"] for i in inputs]
     return {
-        "corpus_sha256": checksum,
+        "corpus_sha256": checksums[0] if len(checksums) == 1 else checksums,
         "format": req.corpus_options.format,
         "text_field": req.corpus_options.text_field,
         "id_field": req.corpus_options.id_field,
@@ -78,8 +86,26 @@ def _identity(req: SubmitRequest, checksum: str) -> dict[str, Any]:
 
 
 def default_run_id(corpus: Path, run_fingerprint: str) -> str:
+    """The corpus file's name and a short fingerprint: ``notes-3fa2c1d0e9b4``; runs of different
+    files are told apart at a glance, runs of one file with other options by the fingerprint."""
     stem = re.sub(r"[^A-Za-z0-9-]+", "-", corpus.stem).strip("-")[:40] or "run"
     return f"{stem}-{run_fingerprint[:12]}"
+
+
+def _labels(paths: tuple[Path, ...]) -> list[str]:
+    """Names that tell several corpus files apart: their paths below the deepest common folder."""
+    if len(paths) == 1:
+        return [""]
+    resolved = [p.resolve() for p in paths]
+    common = Path(os.path.commonpath([p.parent for p in resolved]))
+    return [str(p.relative_to(common)) for p in resolved]
+
+
+def read_inputs(req: SubmitRequest) -> Iterator[Record]:
+    """The records of every corpus file in order. Row-number ids of several files are prefixed
+    with the file's name (``a.jsonl:3``) so that they stay unique across files."""
+    for path, label in zip(req.corpora, _labels(req.corpora), strict=True):
+        yield from read_corpus(path, req.corpus_options, number_prefix=f"{label}:" if label else "")
 
 
 def _conflict(manifest: RunManifest, identity: dict[str, Any]) -> RunConflictError:
@@ -105,7 +131,7 @@ def _write_inputs(req: SubmitRequest, layout: RunLayout) -> int:
             seen.add(buffer)
             write_chunk_input(layout, index, [(r.id, r.text) for r in buffer])
 
-        for record in read_corpus(req.corpus, req.corpus_options):
+        for record in read_inputs(req):
             buffer.append(record)
             if len(buffer) == req.chunk_size:
                 flush()
@@ -114,11 +140,14 @@ def _write_inputs(req: SubmitRequest, layout: RunLayout) -> int:
             flush()
             rows += len(buffer)
     if rows == 0:
-        raise CorpusError(f"{req.corpus}: the corpus holds no texts")
+        names = ", ".join(str(p) for p in req.corpora)
+        raise CorpusError(f"{names}: the corpus holds no texts")
     return rows
 
 
-def _create_run(req: SubmitRequest, layout: RunLayout, identity: dict[str, Any], size: int) -> RunManifest:
+def _create_run(
+    req: SubmitRequest, layout: RunLayout, identity: dict[str, Any], inputs: list[dict[str, Any]]
+) -> RunManifest:
     try:
         rows = _write_inputs(req, layout)
     except BaseException:
@@ -132,13 +161,12 @@ def _create_run(req: SubmitRequest, layout: RunLayout, identity: dict[str, Any],
         "fingerprint": fingerprint(identity),
         "identity": identity,
         "corpus": {
-            "path": str(req.corpus.resolve()),
-            "sha256": identity["corpus_sha256"],
-            "size": size,
+            **inputs[0],
             "format": req.corpus_options.format,
             "text_field": req.corpus_options.text_field,
             "id_field": req.corpus_options.id_field,
         },
+        "inputs": inputs,  # every corpus file, in the order its rows were read
         "model": req.model,
         "options": req.encode.to_dict(),
         "chunk_size": req.chunk_size,
@@ -155,15 +183,16 @@ def submit(req: SubmitRequest, connection: redis.Redis) -> SubmitResult:
     """Create (or find) the run for ``req`` and enqueue every chunk not yet done or in flight."""
     if req.chunk_size < 1:
         raise ConfigError(f"--chunk-size must be at least 1, got {req.chunk_size}")
-    check_readable(req.corpus)
-    checksum, size = corpus_checksum(req.corpus)
-    identity = _identity(req, checksum)
+    for path in req.corpora:
+        check_readable(path)
+    inputs = describe_inputs(req.corpora)
+    identity = _identity(req, inputs)
     run_fingerprint = fingerprint(identity)
-    run_id = validate_run_id(req.run_id) if req.run_id else default_run_id(req.corpus, run_fingerprint)
+    run_id = validate_run_id(req.run_id) if req.run_id else default_run_id(req.corpora[0], run_fingerprint)
     layout = RunLayout(req.store, run_id)
     created = not layout.manifest.is_file()
     if created:
-        manifest = _create_run(req, layout, identity, size)
+        manifest = _create_run(req, layout, identity, inputs)
         log.info(
             "run %s: %d rows in %d chunks written to %s", run_id, manifest.rows, manifest.chunks, layout.root
         )
@@ -171,6 +200,13 @@ def submit(req: SubmitRequest, connection: redis.Redis) -> SubmitResult:
         manifest = load_manifest(layout)
         if manifest.fingerprint != run_fingerprint:
             raise _conflict(manifest, identity)
+        if published_result(layout, manifest) is not None:
+            # Whole and intact: nothing to encode, even where `chunkq clean --outputs-only` freed the
+            # chunk outputs it was assembled from.
+            log.info("run %s: result already published in %s", run_id, layout.result)
+            return SubmitResult(
+                run_id, manifest.rows, manifest.chunks, manifest.chunks, EnqueueCounts(), False
+            )
     done = layout.done_chunks()
     for index in sorted(i for i in done if not layout.output_npy(i).exists()):
         set_aside(layout, index)  # committed, then its .npy was lost: encode it again

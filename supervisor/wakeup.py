@@ -14,7 +14,7 @@ from typing import Any
 
 import redis
 
-from jobs.events import settled_channel
+from chunkq.jobs.events import settled_channel
 
 log = logging.getLogger(__name__)
 

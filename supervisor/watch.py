@@ -17,30 +17,32 @@ from typing import Any, TypeVar
 
 import redis
 from rq.job import Job
+from rq.worker import Worker
 
-from jobs import jobmeta
-from jobs.abandon import mark_abandoned
-from jobs.errors import ChunkqError
-from jobs.queueing import give_back
-from jobs.specs import chunk_job_id
-from jobs.store import RunLayout
-from queue_worker.metrics import serve as serve_metrics
-from supervisor.assemble import assemble
-from supervisor.attempts import AttemptRecorder, FailedAttempt
-from supervisor.display import ProgressDisplay
-from supervisor.enqueue import chunk_queue, enqueue_chunks
-from supervisor.lock import RunLock
-from supervisor.manifest import RunManifest, load_manifest
-from supervisor.metrics import RunMetrics
-from supervisor.owner import StoreLock
-from supervisor.progress import STALE_HEARTBEAT_SECONDS, Failure, Snapshot, Tracker
-from supervisor.retry import RetryPolicy, settle_failure
-from supervisor.wakeup import Wakeup
+from chunkq.jobs import jobmeta
+from chunkq.jobs.abandon import mark_abandoned
+from chunkq.jobs.errors import ChunkqError
+from chunkq.jobs.queueing import give_back
+from chunkq.jobs.specs import chunk_job_id
+from chunkq.jobs.store import RunLayout
+from chunkq.queue_worker.metrics import serve as serve_metrics
+from chunkq.supervisor.assemble import assemble
+from chunkq.supervisor.attempts import AttemptRecorder, FailedAttempt
+from chunkq.supervisor.display import ProgressDisplay
+from chunkq.supervisor.enqueue import chunk_queue, enqueue_chunks
+from chunkq.supervisor.lock import RunLock
+from chunkq.supervisor.manifest import RunManifest, load_manifest
+from chunkq.supervisor.metrics import RunMetrics
+from chunkq.supervisor.owner import StoreLock
+from chunkq.supervisor.progress import STALE_HEARTBEAT_SECONDS, Failure, Snapshot, Tracker
+from chunkq.supervisor.retry import RetryPolicy, settle_failure
+from chunkq.supervisor.wakeup import Wakeup
 
 log = logging.getLogger(__name__)
 
 POLL_SECONDS = 1.0
 REDIS_PATIENCE_SECONDS = 300.0  # how long Redis may stay away before the supervisor gives up
+WARN_IDLE_SECONDS = 30.0  # a worker that lives takes a queued chunk within its model load
 
 
 class RedisGoneError(ChunkqError):
@@ -55,6 +57,7 @@ class WatchSettings:
     redis_patience: float = REDIS_PATIENCE_SECONDS
     metrics_port: int | None = None  # Prometheus metrics on 127.0.0.1:<port> (0: any free port)
     wait_for_owner: bool = False  # another process owns the run: wait for it instead of refusing
+    warn_idle: float = WARN_IDLE_SECONDS  # say so when chunks wait and no worker took one for this long
 
 
 @dataclass
@@ -96,9 +99,35 @@ class Supervisor:
     tracker: Tracker = field(init=False)
     recorder: AttemptRecorder = field(init=False)
 
+    idle_since: float | None = None
+    idle_warned: float = 0.0
+
     def __post_init__(self) -> None:
         self.tracker = Tracker(self.connection, self.layout, self.manifest)
         self.recorder = AttemptRecorder(self.layout)
+
+    def _watch_idle(self, snap: Snapshot) -> None:
+        """Chunks wait and none runs: after ``warn_idle`` seconds say so, with the queue to serve."""
+        now = time.monotonic()
+        if not snap.chunks_queued or snap.chunks_running:
+            self.idle_since = None
+            return
+        self.idle_since = self.idle_since or now
+        snap.idle_seconds = now - self.idle_since
+        if snap.idle_seconds < self.settings.warn_idle or now - self.idle_warned < self.settings.warn_idle:
+            return
+        self.idle_warned = now
+        queue = self.manifest.queue
+        workers = Worker.count(connection=self.connection, queue=chunk_queue(self.connection, queue))
+        log.warning(
+            "run %s: no worker has taken a job from queue %r for %.0f s (%d worker(s) listen on it); "
+            "start one: chunkq pool --queue %s (with this Redis)",
+            self.manifest.run_id,
+            queue,
+            snap.idle_seconds,
+            workers,
+            queue,
+        )
 
     def look(self) -> Snapshot:
         self.owner.renew()
@@ -106,6 +135,7 @@ class Supervisor:
         snap = self.tracker.poll()
         self._act(snap)
         snap = self.tracker.poll() if snap.failures or snap.stale or snap.lost or snap.stranded else snap
+        self._watch_idle(snap)
         if self.metrics is not None:
             self.metrics.observe(snap)
         return snap

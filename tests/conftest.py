@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import redis
 
-from jobs.models import BUNDLED_MODEL, resolve_model
-from supervisor.embedded_redis import EmbeddedRedis
+from chunkq.jobs.models import BUNDLED_MODEL, resolve_model
+from chunkq.supervisor.embedded_redis import EmbeddedRedis
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -23,6 +23,10 @@ WORDS = (
 ).split()
 
 
+CLI = [sys.executable, "-m", "chunkq.supervisor.cli"]
+WORKER = [sys.executable, "-m", "chunkq.queue_worker.worker"]
+
+
 def make_texts(n: int, seed: int = 0) -> tuple[list[str], list[str]]:
     """``n`` (ids, texts) of varied lengths, deterministic per seed."""
     rng = random.Random(seed)
@@ -64,7 +68,7 @@ def run_cli(
     *args: str, cwd: Path | None = None, timeout: float = 240, **env: str
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "supervisor.cli", *args],
+        [*CLI, *args],
         cwd=cwd,
         env=cli_env(**env),
         capture_output=True,
@@ -92,7 +96,7 @@ def start_cli(log: Path, *args: str, **env: str) -> subprocess.Popen[bytes]:
     """A long-running ``chunkq`` command in the background, its output in ``log``."""
     with open(log, "ab") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "supervisor.cli", *args],
+            [*CLI, *args],
             env=cli_env(**env),
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -124,7 +128,7 @@ def worker_processes(pool: subprocess.Popen[bytes]) -> list[Any]:
     found = []
     for child in psutil.Process(pool.pid).children(recursive=True):
         try:
-            if "queue_worker.worker" in " ".join(child.cmdline()):
+            if "chunkq.queue_worker.worker" in " ".join(child.cmdline()):
                 found.append(child)
         except psutil.Error:  # exited between the listing and the look (a zombie not yet reaped)
             continue
@@ -144,7 +148,7 @@ def signal_handlers_restored() -> Iterator[None]:
 
 def only_run(store: Path) -> Any:
     """The RunLayout of the one run in ``store``."""
-    from jobs.store import RunLayout
+    from chunkq.jobs.store import RunLayout
 
     (run_dir,) = (store / "runs").iterdir()
     return RunLayout(store, run_dir.name)

@@ -18,7 +18,7 @@ import psutil
 import pytest
 import redis
 
-from jobs.store import RunLayout
+from chunkq.jobs.store import RunLayout
 from tests.helpers import (
     make_texts,
     max_abs_diff,

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 import redis
 
-from jobs.embed import embed_chunk
-from jobs.errors import AssemblyError
-from jobs.models import BUNDLED_MODEL
-from jobs.store import RunLayout
-from supervisor.assemble import assemble
-from supervisor.corpus import CorpusOptions
-from supervisor.manifest import load_manifest
-from supervisor.submit import SubmitRequest, submit
+from chunkq.jobs.embed import embed_chunk
+from chunkq.jobs.errors import AssemblyError
+from chunkq.jobs.models import BUNDLED_MODEL
+from chunkq.jobs.store import RunLayout
+from chunkq.supervisor.assemble import assemble
+from chunkq.supervisor.corpus import CorpusOptions
+from chunkq.supervisor.manifest import load_manifest
+from chunkq.supervisor.submit import SubmitRequest, submit
 from tests.helpers import make_texts, max_abs_diff, run_cli, write_corpus
 
 

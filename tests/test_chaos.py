@@ -15,10 +15,10 @@ import redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from jobs.specs import chunk_job_id
-from jobs.store import RunLayout, read_json
-from supervisor.embedded_redis import EmbeddedRedis
-from supervisor.enqueue import job_statuses
+from chunkq.jobs.specs import chunk_job_id
+from chunkq.jobs.store import RunLayout, read_json
+from chunkq.supervisor.embedded_redis import EmbeddedRedis
+from chunkq.supervisor.enqueue import job_statuses
 from tests.helpers import (
     make_texts,
     max_abs_diff,

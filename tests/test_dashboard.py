@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 import redis
 
-from jobs.nopickle import PickleRefusedError, forbid_pickle
-from jobs.specs import chunk_job_id
-from supervisor.dashboard import check_bind, is_loopback
-from supervisor.embedded_redis import free_port
+from chunkq.jobs.nopickle import PickleRefusedError, forbid_pickle
+from chunkq.jobs.specs import chunk_job_id
+from chunkq.supervisor.dashboard import check_bind, is_loopback
+from chunkq.supervisor.embedded_redis import free_port
 from tests.helpers import cli_env, make_texts, run_cli, start_cli, stop_tree, wait_for, write_corpus
 from tests.test_security import Exploit
 
@@ -217,7 +217,7 @@ def test_only_a_same_origin_post_changes_state_and_only_our_host_is_answered(
     from rq.serializers import JSONSerializer
 
     queue = Queue("xs", connection=connection, serializer=JSONSerializer)
-    job = queue.enqueue("jobs.embed.embed_chunk", {})
+    job = queue.enqueue("chunkq.jobs.embed.embed_chunk", {})
     queue.remove(job.id)
     failed = FailedJobRegistry(queue=queue)
     failed.add(job, exc_string="quarantined on purpose")
@@ -264,7 +264,7 @@ def test_strings_from_redis_reach_the_page_escaped(
             "origin": "<img src=x onerror=alert(1)>",
             "created_at": "2026-11-22T00:00:00.000000Z",
             "description": "<script>alert(1)</script>",
-            "data": json.dumps(["jobs.embed.embed_chunk", None, [], {}]),
+            "data": json.dumps(["chunkq.jobs.embed.embed_chunk", None, [], {}]),
             "meta": json.dumps({"error": "<b>bold</b>"}),
         },
     )
@@ -290,7 +290,16 @@ def _failed_chunk_run(tmp_path: Path, store: Path, redis_url: str) -> tuple[str,
     assert submitted.returncode == 0, submitted.stderr
     faults = json.dumps([{"kind": "cuda_fatal", "chunks": [1]}])
     worker = subprocess.run(
-        [sys.executable, "-m", "queue_worker.worker", "--queue", "dash", "--burst", "--store", str(store)],
+        [
+            sys.executable,
+            "-m",
+            "chunkq.queue_worker.worker",
+            "--queue",
+            "dash",
+            "--burst",
+            "--store",
+            str(store),
+        ],
         env=cli_env(CHUNKQ_REDIS_URL=redis_url, CHUNKQ_DEVICE="cpu", CHUNKQ_FAULTS=faults),
         capture_output=True,
         text=True,

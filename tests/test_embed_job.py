@@ -8,11 +8,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from jobs.embed import embed_chunk
-from jobs.errors import BadInputError, ConfigError
-from jobs.models import BUNDLED_MODEL
-from jobs.specs import ChunkSpec, EncodeOptions
-from jobs.store import RunLayout, verify_output, write_chunk_input
+from chunkq.jobs.embed import embed_chunk
+from chunkq.jobs.errors import BadInputError, ConfigError
+from chunkq.jobs.models import BUNDLED_MODEL
+from chunkq.jobs.specs import ChunkSpec, EncodeOptions
+from chunkq.jobs.store import RunLayout, verify_output, write_chunk_input
 from tests.helpers import make_texts, max_abs_diff
 
 

@@ -7,15 +7,14 @@ import json
 import re
 import signal
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from jobs.store import RunLayout, read_json
-from tests.helpers import cli_env, make_texts, max_abs_diff, only_run, run_cli, write_corpus
+from chunkq.jobs.store import RunLayout, read_json
+from tests.helpers import CLI, cli_env, make_texts, max_abs_diff, only_run, run_cli, write_corpus
 
 # Real pools, workers and CLI runs as subprocesses: the slow tier.
 pytestmark = pytest.mark.slow
@@ -82,7 +81,7 @@ def test_submit_pool_supervise_status_on_a_shared_redis(
     assert (before["chunks_done"], before["chunks_queued"], before["settled"]) == (0, 4, False)
 
     pool = subprocess.Popen(
-        [sys.executable, "-m", "supervisor.cli", "pool", "--gpus", "none", "--max-jobs", "3"],
+        [*CLI, "pool", "--gpus", "none", "--max-jobs", "3"],
         env=cli_env(**env),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

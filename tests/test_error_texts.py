@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from jobs import errors
-from jobs.errors import ConfigError, CorpusError
+from chunkq.jobs import errors
+from chunkq.jobs.errors import ConfigError, CorpusError
 
 # torch >= 2.8 raises CUDA runtime errors as torch.AcceleratorError (a RuntimeError subclass);
 # older builds raise a plain RuntimeError with the same text.

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from jobs import embed, errors, faults, runtime
-from jobs.embed import embed_chunk
-from jobs.errors import ChunkOutOfMemoryError, ConfigError, CudaFatalError
-from jobs.models import BUNDLED_MODEL
-from jobs.specs import ChunkSpec, EncodeOptions
-from jobs.store import RunLayout, read_json, write_chunk_input
-from queue_worker.pool import jittered_max_jobs
-from supervisor.retry import RetryPolicy
+from chunkq.jobs import embed, errors, faults, runtime
+from chunkq.jobs.embed import embed_chunk
+from chunkq.jobs.errors import ChunkOutOfMemoryError, ConfigError, CudaFatalError
+from chunkq.jobs.models import BUNDLED_MODEL
+from chunkq.jobs.specs import ChunkSpec, EncodeOptions
+from chunkq.jobs.store import RunLayout, read_json, write_chunk_input
+from chunkq.queue_worker.pool import jittered_max_jobs
+from chunkq.supervisor.retry import RetryPolicy
 from tests.helpers import make_texts, max_abs_diff
 
 
@@ -181,7 +181,7 @@ def test_recycle_jitter_spreads_max_jobs() -> None:
 
 
 def test_token_budget_batches_are_cut_longest_first_within_the_budget() -> None:
-    from jobs.token_batches import plan
+    from chunkq.jobs.token_batches import plan
 
     assert plan([5, 50, 10, 3], 60) == [[1], [2, 0, 3]]
     lengths = [random.Random(7).randint(1, 300) for _ in range(500)]
@@ -221,7 +221,7 @@ def test_token_budget_batches_give_the_embeddings_of_fixed_batches(
 
 
 def test_auto_token_budget_grows_while_it_pays_and_never_past_what_fitted() -> None:
-    from jobs.token_batches import next_auto_budget
+    from chunkq.jobs.token_batches import next_auto_budget
 
     first = next_auto_budget({}, 8192, 1000.0, backed_off=False)
     assert first["batch_tokens"] == 16384 and not first["settled"]

@@ -9,7 +9,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,18 +19,19 @@ import psutil
 import pytest
 import redis
 
-from jobs import models
-from jobs.errors import ConfigError
-from jobs.models import BUNDLED_MODEL
-from jobs.store import RunLayout, read_json
-from queue_worker import exit_codes
-from queue_worker.fork_server import MODEL_ENV, ForkServer, ForkServerError
-from queue_worker.gpus import GpuInfo
-from queue_worker.pool import Pool
-from queue_worker.settings import PoolSettings
-from supervisor.corpus import CorpusOptions
-from supervisor.submit import SubmitRequest, SubmitResult, submit
+from chunkq.jobs import models
+from chunkq.jobs.errors import ConfigError
+from chunkq.jobs.models import BUNDLED_MODEL
+from chunkq.jobs.store import RunLayout, read_json
+from chunkq.queue_worker import exit_codes
+from chunkq.queue_worker.fork_server import MODEL_ENV, ForkServer, ForkServerError
+from chunkq.queue_worker.gpus import GpuInfo
+from chunkq.queue_worker.pool import Pool
+from chunkq.queue_worker.settings import PoolSettings
+from chunkq.supervisor.corpus import CorpusOptions
+from chunkq.supervisor.submit import SubmitRequest, SubmitResult, submit
 from tests.helpers import (
+    CLI,
     cli_env,
     make_texts,
     max_abs_diff,
@@ -62,7 +62,7 @@ def _pool(
     log = tmp_path / "pool.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "supervisor.cli", "pool", "--gpus", "none", "--queue", "fs", *args],
+            [*CLI, "pool", "--gpus", "none", "--queue", "fs", *args],
             env=cli_env(CHUNKQ_REDIS_URL=redis_url, CHUNKQ_STORE=str(tmp_path / "store"), **env),
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -75,7 +75,9 @@ def _pool(
 
 def _fork_server(pool: subprocess.Popen[bytes]) -> psutil.Process:
     (server,) = [
-        c for c in psutil.Process(pool.pid).children() if "queue_worker.fork_server" in " ".join(c.cmdline())
+        c
+        for c in psutil.Process(pool.pid).children()
+        if "chunkq.queue_worker.fork_server" in " ".join(c.cmdline())
     ]
     return server
 
@@ -140,7 +142,7 @@ def test_workers_take_the_preloaded_model_from_the_fork_server(
 def test_a_model_the_fork_server_cannot_load_is_left_to_the_workers(caplog: pytest.LogCaptureFixture) -> None:
     server = ForkServer(cli_env(**{MODEL_ENV: "/no/such/model/here"}))
     try:
-        with caplog.at_level(logging.INFO, logger="queue_worker.fork_server"):
+        with caplog.at_level(logging.INFO, logger="chunkq.queue_worker.fork_server"):
             server._start()
         assert server.proc is not None and server.proc.poll() is None  # it serves all the same
         assert "fork server could not load /no/such/model/here" in caplog.text
@@ -260,7 +262,7 @@ def test_a_pool_whose_forked_gpu_workers_cannot_create_a_context_falls_back_once
     gpu = GpuInfo(index=0, name="no such GPU here", uuid="", memory_total=1 << 30, memory_free=1 << 30)
     settings = PoolSettings(redis_url=redis_url, queue="fs-gpu", restart_delay=0.0, name="fs-gpu")
     pool = Pool(settings, [gpu])
-    with signal_handlers_restored(), caplog.at_level(logging.INFO, logger="queue_worker.pool"):
+    with signal_handlers_restored(), caplog.at_level(logging.INFO, logger="chunkq.queue_worker.pool"):
         assert pool.run() == exit_codes.EXIT_CONFIG  # no device left once the CPU fallback is refused
     assert [code for _slot, code in pool.exits] == [exit_codes.EXIT_FORKED_NO_CUDA, exit_codes.EXIT_CONFIG]
     assert pool.fork_server is None

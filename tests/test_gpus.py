@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from jobs.errors import ConfigError
-from queue_worker.gpus import GpuInfo, discover, select, worker_environment
+from chunkq.jobs.errors import ConfigError
+from chunkq.queue_worker.gpus import GpuInfo, discover, select, worker_environment
 
 GPUS = [GpuInfo(0, "H100", "GPU-aaa", 80 << 30, 70 << 30), GpuInfo(1, "H100", "GPU-bbb", 80 << 30, 79 << 30)]
 
@@ -51,7 +51,7 @@ def test_standby_waits_for_its_predecessor_to_exit(monkeypatch: pytest.MonkeyPat
     import subprocess
     import sys
 
-    from queue_worker.standby import WAIT_FOR_PID_ENV, wait_for_predecessor
+    from chunkq.queue_worker.standby import WAIT_FOR_PID_ENV, wait_for_predecessor
 
     old = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
     monkeypatch.setenv(WAIT_FOR_PID_ENV, str(old.pid))
@@ -67,7 +67,7 @@ def test_standby_waits_for_its_predecessor_to_exit(monkeypatch: pytest.MonkeyPat
 
 
 def test_busy_and_short_gpus_are_reported_and_skipped_as_configured(caplog: pytest.LogCaptureFixture) -> None:
-    from queue_worker.gpus import GpuProcess, parse_size, usable
+    from chunkq.queue_worker.gpus import GpuProcess, parse_size, usable
 
     busy = GpuInfo(2, "A100", "GPU-ccc", 40 << 30, 30 << 30, (GpuProcess(4242, "python", 10 << 30),))
     gpus = [*GPUS, busy]
@@ -99,8 +99,8 @@ def test_doctor_on_a_machine_without_gpus(tmp_path: Path, redis_url: str) -> Non
 
 
 def test_workers_per_gpu_auto_resolves_to_a_number_and_says_why(caplog: pytest.LogCaptureFixture) -> None:
-    from jobs.models import BUNDLED_MODEL, resolve_model
-    from queue_worker.gpus import (
+    from chunkq.jobs.models import BUNDLED_MODEL, resolve_model
+    from chunkq.queue_worker.gpus import (
         AUTO_MAX_WORKERS,
         GpuInfo,
         auto_workers_per_gpu,
@@ -123,7 +123,7 @@ def test_workers_per_gpu_auto_resolves_to_a_number_and_says_why(caplog: pytest.L
     assert workers == 3 and "12.0 GiB free" in why and "holds 3" in why
     assert auto_workers_per_gpu([], 16, minilm)[0] == 1
     expected, _ = auto_workers_per_gpu([h100], os.cpu_count() or 1, minilm)
-    with caplog.at_level(logging.INFO, logger="queue_worker.gpus"):
+    with caplog.at_level(logging.INFO, logger="chunkq.queue_worker.gpus"):
         assert resolve_workers_per_gpu("auto", [h100], BUNDLED_MODEL, "fp32") == expected
         assert resolve_workers_per_gpu("2", [h100], BUNDLED_MODEL, "fp32") == 2
     assert f"workers per GPU: auto means {expected} ({os.cpu_count()} CPU cores for 1 GPU(s)" in caplog.text

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from jobs.store import read_json
-from supervisor.assemble import _publish
+from chunkq.jobs.store import read_json
+from chunkq.supervisor.assemble import _publish
 from tests.helpers import make_texts, only_run, result_matches, run_cli, write_corpus
 
 # Real pools, workers and CLI runs as subprocesses: the slow tier.

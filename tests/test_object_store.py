@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from jobs.storage import open_store
-from jobs.store import RunLayout, save_npy_atomic, verify_output, write_output
+from chunkq.jobs.storage import open_store
+from chunkq.jobs.store import RunLayout, save_npy_atomic, verify_output, write_output
 from tests.helpers import make_texts, max_abs_diff, run_cli, wait_for, write_corpus
 
 # Real pools, workers and CLI runs as subprocesses: the slow tier.

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from jobs.store import RunLayout, read_json
-from supervisor.embedded_redis import free_port
+from chunkq.jobs.store import RunLayout, read_json
+from chunkq.supervisor.embedded_redis import free_port
 from tests.helpers import make_texts, run_cli, start_cli, stop_tree, wait_for, write_corpus
 
 # Real pools, workers and CLI runs as subprocesses: the slow tier.

@@ -18,14 +18,14 @@ import redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from jobs.models import BUNDLED_MODEL
-from jobs.specs import chunk_job_id
-from jobs.store import RunLayout, read_json
-from queue_worker import exit_codes
-from supervisor.corpus import CorpusOptions
-from supervisor.enqueue import job_statuses
-from supervisor.lock import RunLock, RunLockedError
-from supervisor.submit import SubmitRequest, SubmitResult, submit
+from chunkq.jobs.models import BUNDLED_MODEL
+from chunkq.jobs.specs import chunk_job_id
+from chunkq.jobs.store import RunLayout, read_json
+from chunkq.queue_worker import exit_codes
+from chunkq.supervisor.corpus import CorpusOptions
+from chunkq.supervisor.enqueue import job_statuses
+from chunkq.supervisor.lock import RunLock, RunLockedError
+from chunkq.supervisor.submit import SubmitRequest, SubmitResult, submit
 from tests.helpers import (
     make_texts,
     max_abs_diff,

@@ -30,9 +30,9 @@ from rq.job import Job
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
-from jobs.models import BUNDLED_MODEL
-from jobs.nopickle import PickleRefusedError, forbid_pickle
-from queue_worker import exit_codes
+from chunkq.jobs.models import BUNDLED_MODEL
+from chunkq.jobs.nopickle import PickleRefusedError, forbid_pickle
+from chunkq.queue_worker import exit_codes
 from tests.helpers import cli_env, make_texts, run_cli, write_corpus
 
 QUEUE = "attack"
@@ -128,20 +128,35 @@ def test_raw_jobs_from_an_attacker_run_nothing(
         "a-eval": (_call("builtins.eval", f"__import__('os').system('{touch}')"), {}),
         "a-exec": (_call("builtins.exec", f"import os; os.system('{touch}')"), {}),
         "a-subprocess": (_call("subprocess.run", ["touch", str(marker)]), {}),
-        "a-failure-callback": (_call("jobs.embed.embed_chunk", {}), {"failure_callback_name": "os.system"}),
-        "a-success-callback": (_call("jobs.embed.embed_chunk", {}), {"success_callback_name": "os.system"}),
-        "a-webhook": (_call("jobs.embed.embed_chunk", {}), {"webhooks": hook}),
+        "a-failure-callback": (
+            _call("chunkq.jobs.embed.embed_chunk", {}),
+            {"failure_callback_name": "os.system"},
+        ),
+        "a-success-callback": (
+            _call("chunkq.jobs.embed.embed_chunk", {}),
+            {"success_callback_name": "os.system"},
+        ),
+        "a-webhook": (_call("chunkq.jobs.embed.embed_chunk", {}), {"webhooks": hook}),
         "a-pickled-data": (zlib.compress(pickle.dumps(Exploit(marker))), {}),
-        "a-other-store": (_call("jobs.embed.embed_chunk", _spec(tmp_path / "elsewhere")), {}),
-        "a-path-escape": (_call("jobs.embed.embed_chunk", _spec(store, run_id="../../etc")), {}),
-        "a-evil-model": (_call("jobs.embed.embed_chunk", _spec(store, model=str(evil_model))), {}),
+        "a-other-store": (_call("chunkq.jobs.embed.embed_chunk", _spec(tmp_path / "elsewhere")), {}),
+        "a-path-escape": (_call("chunkq.jobs.embed.embed_chunk", _spec(store, run_id="../../etc")), {}),
+        "a-evil-model": (_call("chunkq.jobs.embed.embed_chunk", _spec(store, model=str(evil_model))), {}),
     }
     for job_id, (data, fields) in planted.items():
         _plant(connection, job_id, data, **fields)
     _plant(connection, "a-pickled-meta", _call("os.getpid"), meta=pickle.dumps(Exploit(marker)))
 
     result = subprocess.run(
-        [sys.executable, "-m", "queue_worker.worker", "--queue", QUEUE, "--burst", "--store", str(store)],
+        [
+            sys.executable,
+            "-m",
+            "chunkq.queue_worker.worker",
+            "--queue",
+            QUEUE,
+            "--burst",
+            "--store",
+            str(store),
+        ],
         env=cli_env(CHUNKQ_REDIS_URL=redis_url, CHUNKQ_DEVICE="cpu"),
         capture_output=True,
         text=True,
@@ -198,7 +213,16 @@ def test_user_job_functions_can_be_allow_listed(
 ) -> None:
     _plant(connection, "u-getpid", _call("os.getpid"))
     result = subprocess.run(
-        [sys.executable, "-m", "queue_worker.worker", "--queue", QUEUE, "--burst", "--store", str(store)],
+        [
+            sys.executable,
+            "-m",
+            "chunkq.queue_worker.worker",
+            "--queue",
+            QUEUE,
+            "--burst",
+            "--store",
+            str(store),
+        ],
         env=cli_env(CHUNKQ_REDIS_URL=redis_url, CHUNKQ_DEVICE="cpu", CHUNKQ_ALLOWED_JOBS="os.getpid"),
         capture_output=True,
         text=True,
@@ -349,7 +373,7 @@ def test_rediss_urls_reach_redis_over_tls(tmp_path: Path, store: Path, connectio
 def test_embedded_redis_is_loopback_only_and_needs_its_password(tmp_path: Path) -> None:
     import psutil
 
-    from supervisor.embedded_redis import EmbeddedRedis
+    from chunkq.supervisor.embedded_redis import EmbeddedRedis
 
     with EmbeddedRedis(tmp_path / "redis") as server:
         client = redis.Redis.from_url(server.url)

@@ -11,14 +11,14 @@ import pytest
 import redis
 from rq.job import Job
 
-from jobs.allowlist import EMBED_CHUNK
-from jobs.errors import CorpusError, RunConflictError
-from jobs.models import BUNDLED_MODEL
-from jobs.specs import EncodeOptions, chunk_job_id
-from jobs.store import RunLayout, read_chunk_input, read_json
-from supervisor.corpus import CorpusOptions
-from supervisor.enqueue import chunk_queue
-from supervisor.submit import SubmitRequest, submit
+from chunkq.jobs.allowlist import EMBED_CHUNK
+from chunkq.jobs.errors import CorpusError, RunConflictError
+from chunkq.jobs.models import BUNDLED_MODEL
+from chunkq.jobs.specs import EncodeOptions, chunk_job_id
+from chunkq.jobs.store import RunLayout, read_chunk_input, read_json
+from chunkq.supervisor.corpus import CorpusOptions
+from chunkq.supervisor.enqueue import chunk_queue
+from chunkq.supervisor.submit import SubmitRequest, submit
 from tests.helpers import make_texts, write_corpus
 
 

@@ -13,14 +13,14 @@ from pathlib import Path
 import redis
 from rq.job import Job
 
-from jobs.models import BUNDLED_MODEL
-from jobs.specs import chunk_job_id
-from jobs.store import RunLayout
-from queue_worker import exit_codes
-from supervisor.corpus import CorpusOptions
-from supervisor.manifest import load_manifest
-from supervisor.progress import Tracker
-from supervisor.submit import SubmitRequest, SubmitResult, submit
+from chunkq.jobs.models import BUNDLED_MODEL
+from chunkq.jobs.specs import chunk_job_id
+from chunkq.jobs.store import RunLayout
+from chunkq.queue_worker import exit_codes
+from chunkq.supervisor.corpus import CorpusOptions
+from chunkq.supervisor.manifest import load_manifest
+from chunkq.supervisor.progress import Tracker
+from chunkq.supervisor.submit import SubmitRequest, SubmitResult, submit
 from tests.helpers import cli_env, make_texts, write_corpus
 
 
@@ -65,7 +65,16 @@ def test_incremental_looks_follow_a_run_and_the_reconcile_finds_what_they_cannot
     tracker = Tracker(connection, layout, load_manifest(layout), min_reconcile_seconds=3600)
     assert tracker.poll().chunks_queued == 6
     worker = subprocess.run(
-        [sys.executable, "-m", "queue_worker.worker", "--queue", "follow", "--burst", "--store", str(store)],
+        [
+            sys.executable,
+            "-m",
+            "chunkq.queue_worker.worker",
+            "--queue",
+            "follow",
+            "--burst",
+            "--store",
+            str(store),
+        ],
         env=cli_env(
             CHUNKQ_REDIS_URL=redis_url,
             CHUNKQ_DEVICE="cpu",

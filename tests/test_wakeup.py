@@ -7,19 +7,18 @@ only finish within the test's bound if the worker's announcements wake it.
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import redis
 
-from jobs.events import announce_settled
-from jobs.models import BUNDLED_MODEL
-from jobs.store import RunLayout
-from supervisor.corpus import CorpusOptions
-from supervisor.submit import SubmitRequest, submit
-from supervisor.wakeup import Wakeup
-from tests.helpers import cli_env, make_texts, start_cli, stop_tree, write_corpus
+from chunkq.jobs.events import announce_settled
+from chunkq.jobs.models import BUNDLED_MODEL
+from chunkq.jobs.store import RunLayout
+from chunkq.supervisor.corpus import CorpusOptions
+from chunkq.supervisor.submit import SubmitRequest, submit
+from chunkq.supervisor.wakeup import Wakeup
+from tests.helpers import WORKER, cli_env, make_texts, start_cli, stop_tree, write_corpus
 
 
 def test_a_wait_ends_when_a_chunk_of_its_queue_settles_and_only_then(connection: redis.Redis) -> None:
@@ -52,7 +51,7 @@ def test_the_supervisor_finishes_as_the_last_chunk_does_not_a_poll_interval_late
     )
     env = {"CHUNKQ_REDIS_URL": redis_url, "CHUNKQ_QUEUE": "wake", "CHUNKQ_STORE": str(store)}
     supervisor = start_cli(tmp_path / "sup.log", "supervise", run.run_id, "--poll", "60", **env)
-    worker_cmd = [sys.executable, "-m", "queue_worker.worker", "--queue", "wake", "--burst"]
+    worker_cmd = [*WORKER, "--queue", "wake", "--burst"]
     worker_cmd += ["--store", str(store)]
     try:
         worker = subprocess.run(

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -21,14 +20,16 @@ from rq import Queue
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
-from jobs.models import BUNDLED_MODEL
-from jobs.specs import chunk_job_id
-from jobs.store import RunLayout, read_json
-from queue_worker import exit_codes
-from supervisor.corpus import CorpusOptions
-from supervisor.enqueue import job_statuses
-from supervisor.submit import SubmitRequest, SubmitResult, submit
+from chunkq.jobs.models import BUNDLED_MODEL
+from chunkq.jobs.specs import chunk_job_id
+from chunkq.jobs.store import RunLayout, read_json
+from chunkq.queue_worker import exit_codes
+from chunkq.supervisor.corpus import CorpusOptions
+from chunkq.supervisor.enqueue import job_statuses
+from chunkq.supervisor.submit import SubmitRequest, SubmitResult, submit
 from tests.helpers import (
+    CLI,
+    WORKER,
     cli_env,
     make_texts,
     signal_handlers_restored,
@@ -59,7 +60,7 @@ def running_pool(
     log = tmp_path / "pool.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "supervisor.cli", "pool", "--gpus", "none", "--queue", "t", *args],
+            [*CLI, "pool", "--gpus", "none", "--queue", "t", *args],
             env=cli_env(CHUNKQ_REDIS_URL=redis_url, CHUNKQ_STORE=str(tmp_path / "store")),
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -149,7 +150,7 @@ def test_worker_refuses_functions_outside_the_allow_list(
     queue = Queue("t", connection=connection, serializer=JSONSerializer)
     job = queue.enqueue("os.system", f"touch {marker}")
     result = subprocess.run(
-        [sys.executable, "-m", "queue_worker.worker", "--queue", "t", "--burst"],
+        [*WORKER, "--queue", "t", "--burst"],
         env=cli_env(CHUNKQ_REDIS_URL=redis_url, CHUNKQ_DEVICE="cpu"),
         capture_output=True,
         text=True,
@@ -165,7 +166,7 @@ def test_worker_refuses_functions_outside_the_allow_list(
 
 def test_gpu_worker_never_falls_back_to_cpu(redis_url: str) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "queue_worker.worker", "--queue", "t", "--burst"],
+        [*WORKER, "--queue", "t", "--burst"],
         env=cli_env(
             CHUNKQ_REDIS_URL=redis_url, CHUNKQ_DEVICE="cuda", CHUNKQ_GPU="0", CUDA_VISIBLE_DEVICES=""
         ),
@@ -186,7 +187,7 @@ def test_exit_codes_describe_why(code: int, reason: str) -> None:
 
 
 def test_worker_teardown_does_not_wait_on_its_listener_thread(connection: redis.Redis) -> None:
-    from queue_worker.worker import ChunkWorker
+    from chunkq.queue_worker.worker import ChunkWorker
 
     queue = Queue("teardown", connection=connection)
     for attempt in range(10):  # the race bites some of the time
@@ -200,10 +201,10 @@ def test_worker_teardown_does_not_wait_on_its_listener_thread(connection: redis.
 
 def test_a_stop_signalled_during_start_up_is_not_lost(connection: redis.Redis) -> None:
     """A signal caught by the start-up handler after main()'s last look still stops the worker."""
-    from queue_worker.worker import ChunkWorker
+    from chunkq.queue_worker.worker import ChunkWorker
 
     queue = Queue("early-stop", connection=connection, serializer=JSONSerializer)
-    job = queue.enqueue("jobs.embed.embed_chunk", {})
+    job = queue.enqueue("chunkq.jobs.embed.embed_chunk", {})
     worker = ChunkWorker([queue], connection=connection, name="early", stopped_before_start=lambda: True)
     with signal_handlers_restored():
         worker.work(burst=True)  # burst: without the fix it takes the job, then ends on the empty queue
@@ -214,7 +215,7 @@ def test_a_stop_signalled_during_start_up_is_not_lost(connection: redis.Redis) -
 def test_a_stop_signalled_as_a_job_is_taken_gives_it_back_unstarted(connection: redis.Redis) -> None:
     """A signal after Redis moved a job to the worker and before it started: the job goes back to
     the front of its queue, not into RQ's intermediate list where nothing runs it for minutes."""
-    from queue_worker.worker import ChunkWorker
+    from chunkq.queue_worker.worker import ChunkWorker
 
     class SignalledAsItTakes(ChunkWorker):
         def dequeue_job_and_maintain_ttl(self, timeout: int | None, max_idle_time: int | None = None) -> Any:
@@ -223,7 +224,7 @@ def test_a_stop_signalled_as_a_job_is_taken_gives_it_back_unstarted(connection: 
             return result
 
     queue = Queue("taken", connection=connection, serializer=JSONSerializer)
-    first, second = (queue.enqueue("jobs.embed.embed_chunk", {}) for _ in range(2))
+    first, second = (queue.enqueue("chunkq.jobs.embed.embed_chunk", {}) for _ in range(2))
     worker = SignalledAsItTakes([queue], connection=connection, name="taken")
     with signal_handlers_restored():
         worker.work(burst=True)
@@ -234,7 +235,7 @@ def test_a_stop_signalled_as_a_job_is_taken_gives_it_back_unstarted(connection: 
 
 
 def test_an_idle_worker_still_stops_on_a_signal(connection: redis.Redis) -> None:
-    from queue_worker.worker import STOP_POLL_SECONDS, ChunkWorker
+    from chunkq.queue_worker.worker import STOP_POLL_SECONDS, ChunkWorker
 
     queue = Queue("idle-stop", connection=connection, serializer=JSONSerializer)
     worker = ChunkWorker([queue], connection=connection, name="idle-stop")
@@ -256,8 +257,8 @@ def test_an_idle_worker_still_stops_on_a_signal(connection: redis.Redis) -> None
 
 def test_workers_that_keep_losing_redis_are_restarted_ever_more_slowly() -> None:
     """A Redis outage must not become a respawn every second (130 workers in five minutes, seen)."""
-    from queue_worker import exit_codes
-    from queue_worker.restart import REDIS_BACKOFF_CAP, RestartPolicy
+    from chunkq.queue_worker import exit_codes
+    from chunkq.queue_worker.restart import REDIS_BACKOFF_CAP, RestartPolicy
 
     policy = RestartPolicy(restart_delay=1.0)
     losses, delays = 0, []

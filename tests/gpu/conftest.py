@@ -26,7 +26,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def gpu_model() -> str:
     """A model reference chunkq and a plain SentenceTransformer can both load on this host."""
-    from jobs.models import BUNDLED_MODEL, bundled_model_available
+    from chunkq.jobs.models import BUNDLED_MODEL, bundled_model_available
 
     path = os.environ.get(MODEL_ENV)
     if path:

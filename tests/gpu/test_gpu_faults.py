@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from jobs.models import resolve_model
-from jobs.store import RunLayout, read_json
+from chunkq.jobs.models import resolve_model
+from chunkq.jobs.store import RunLayout, read_json
 from tests.helpers import make_texts, run_cli, write_corpus
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]

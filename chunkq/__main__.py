@@ -1,0 +1,3 @@
+from chunkq.supervisor.cli import main
+
+main()

@@ -1,0 +1,135 @@
+"""The Python API: ``chunkq.run(corpus, ...)`` and ``chunkq.embed(texts_or_path, ...)``.
+
+The same machinery as ``chunkq run`` on this machine (embedded Redis unless ``redis_url``, a pool of
+fresh worker processes, supervision, verified assembly), so a worker that dies loses nothing here
+either. Options are ``chunkq run``'s, by their Python names: ``chunk_size``, ``batch_size``,
+``precision``, ``gpus``, ``cpu_workers``, ``workers_per_gpu``, ``max_attempts``...
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from chunkq.jobs.errors import ConfigError
+from chunkq.jobs.storage import open_store
+from chunkq.jobs.store import RunLayout
+from chunkq.queue_worker.settings import DEFAULT_STORE
+from chunkq.supervisor.display import ProgressDisplay
+from chunkq.supervisor.request import build_run_request, finished_result
+
+if TYPE_CHECKING:
+    import numpy as np
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """A published run: where its files are and what it took."""
+
+    run_id: str
+    store: Path
+    rows: int
+    dim: int
+    seconds: float
+    workers: int
+
+    @property
+    def result_dir(self) -> Path:
+        return RunLayout(self.store, self.run_id).result
+
+    @property
+    def embeddings_path(self) -> Path:
+        return self.result_dir / "embeddings.npy"
+
+    @property
+    def ids_path(self) -> Path:
+        return self.result_dir / "ids.jsonl"
+
+    @property
+    def rows_per_second(self) -> float:
+        return self.rows / self.seconds if self.seconds else 0.0
+
+    def embeddings(self, mmap: bool = True) -> np.ndarray:
+        """The result, row i for corpus row i (memory-mapped unless ``mmap=False``)."""
+        import numpy as np
+
+        array: np.ndarray = np.load(self.embeddings_path, mmap_mode="r" if mmap else None, allow_pickle=False)
+        return array
+
+    def ids(self) -> list[str]:
+        with open(self.ids_path, encoding="utf-8") as fh:
+            return [json.loads(line) for line in fh]
+
+
+def run(
+    corpus: str | Path | Sequence[str | Path],
+    model: str | None = None,
+    *,
+    store: str | Path = DEFAULT_STORE,
+    redis_url: str | None = None,
+    progress: bool = False,
+    **options: Any,
+) -> RunResult:
+    """Embed ``corpus`` (a file, several, or a glob) into ``store``; resumes what the store holds.
+
+    Raises a ChunkqError subclass (with the same message ``chunkq run`` prints) when the corpus is
+    bad, settings cannot work or chunks were quarantined.
+    """
+    started = time.monotonic()
+    corpora = [corpus] if isinstance(corpus, str | Path) else list(corpus)
+    request = build_run_request(
+        [str(c) for c in corpora], model=model, store=open_store(str(store)), redis_url=redis_url, **options
+    )
+    from chunkq.supervisor.run import run as run_locally
+
+    with ProgressDisplay(live=progress) as display:
+        outcome = run_locally(request, display)
+    result = finished_result(outcome, request)
+    return RunResult(
+        run_id=result["run_id"],
+        store=request.submit.store,
+        rows=int(result["rows"]),
+        dim=int(result["dim"]),
+        seconds=time.monotonic() - started,
+        workers=len(result.get("workers", ())),
+    )
+
+
+def embed(
+    texts_or_path: Iterable[str] | str | Path,
+    model: str | None = None,
+    *,
+    store: str | Path | None = None,
+    **options: Any,
+) -> np.ndarray:
+    """Embeddings of ``texts_or_path`` as a float32 array, row i for text (or corpus row) i.
+
+    A list of texts, or a corpus path (file or glob) as ``chunkq run`` takes. Without ``store`` the
+    work happens in a temporary store that is removed afterwards; give one to resume after a crash.
+    """
+    import numpy as np
+
+    with tempfile.TemporaryDirectory(prefix="chunkq-") as scratch:
+        if isinstance(texts_or_path, str | Path):
+            corpus: str | Path = texts_or_path
+        else:
+            corpus = Path(scratch) / "texts.jsonl"
+            _write_texts(corpus, texts_or_path)
+        result = run(corpus, model, store=store or Path(scratch) / "store", **options)
+        return np.array(result.embeddings(mmap=False))
+
+
+def _write_texts(path: Path, texts: Iterable[str]) -> None:
+    with open(path, "w", encoding="utf-8") as fh:
+        for number, text in enumerate(texts, 1):
+            if not isinstance(text, str):
+                raise ConfigError(f"text {number} is {type(text).__name__}, not a string")
+            fh.write(json.dumps({"text": text}) + "\n")
+
+
+__all__ = ["RunResult", "embed", "run"]

@@ -1,0 +1,220 @@
+"""What every ``chunkq`` subcommand shares: exit codes, one-line errors, and the options that each
+takes (``--store``, ``--redis-url``, ``--log-level``), each reading its ``CHUNKQ_*`` variable."""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+import signal
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+from typing import Any, NoReturn, TypeVar
+
+import click
+import redis
+
+from chunkq.jobs import errors
+from chunkq.jobs.errors import (
+    AssemblyError,
+    BadInputError,
+    ChunkqError,
+    ChunksFailedError,
+    ConfigError,
+    RunConflictError,
+)
+from chunkq.jobs.storage import open_store
+from chunkq.queue_worker.settings import DEFAULT_QUEUE, DEFAULT_STORE, env_of
+from chunkq.supervisor.lock import RunLockedError
+from chunkq.supervisor.request import reach_redis
+from chunkq.supervisor.watch import RedisGoneError
+
+log = logging.getLogger("chunkq")
+
+EXIT_OK = 0
+EXIT_CHUNKS_FAILED = 1  # chunks were quarantined; the report names each with its rows and last error
+EXIT_USAGE = 2  # click's own code for a bad command line
+EXIT_BAD_INPUT = 3  # the corpus is malformed
+EXIT_CONFLICT = 4  # the run id is taken by another corpus or other options
+EXIT_ASSEMBLY = 5  # chunk outputs missing or corrupt
+EXIT_CONFIG = 6  # settings that cannot work
+EXIT_REDIS = 7  # Redis unreachable
+EXIT_POOL_DIED = 8  # chunkq run: the worker pool ended before the run did
+EXIT_PARTIAL = 9  # --allow-partial: a result without the quarantined chunks was published
+EXIT_LOCKED = 10  # another supervisor is watching the run
+EXIT_STORAGE = 11  # a disk or store is full, read-only or not ours to write
+EXIT_INTERNAL = 70  # a bug in chunkq (sysexits' EX_SOFTWARE); the traceback is written to a file
+EXIT_INTERRUPTED = 130  # Ctrl+C; the run resumes from the store
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _exit_code(exc: Exception) -> int:
+    for kind, code in (
+        (RunLockedError, EXIT_LOCKED),
+        (ChunksFailedError, EXIT_CHUNKS_FAILED),
+        (RedisGoneError, EXIT_REDIS),
+        (AssemblyError, EXIT_ASSEMBLY),
+        (BadInputError, EXIT_BAD_INPUT),
+        (RunConflictError, EXIT_CONFLICT),
+        (redis.RedisError, EXIT_REDIS),
+    ):
+        if isinstance(exc, kind):
+            return code
+    return EXIT_CONFIG
+
+
+RESUME_HINT = "the store keeps every finished chunk: run the same command to resume"
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
+
+
+def reports_errors(func: F) -> F:
+    """Turn every error into one clear line and a named exit code, never a traceback on the terminal."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except (ChunkqError, redis.RedisError) as exc:
+            click.echo(f"chunkq: error: {exc}", err=True)
+            sys.exit(_exit_code(exc))
+        except KeyboardInterrupt:
+            click.echo(f"chunkq: interrupted; {RESUME_HINT}", err=True)
+            sys.exit(EXIT_INTERRUPTED)
+        except click.ClickException:
+            raise
+        except OSError as exc:
+            if exc.errno not in STORAGE_ERRNOS:
+                _internal_error(exc)
+            where = f" writing {exc.filename}" if exc.filename else ""
+            click.echo(
+                f"chunkq: error: {exc.strerror}{where}; make room (or fix the permissions) and run the "
+                f"same command again (nothing partial was published; {RESUME_HINT})",
+                err=True,
+            )
+            sys.exit(EXIT_STORAGE)
+        except Exception as exc:
+            _internal_error(exc)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _internal_error(exc: BaseException) -> NoReturn:
+    """A bug: one line on the terminal, the traceback in a file the line names."""
+    crash = Path(tempfile.gettempdir()) / f"chunkq-crash-{os.getpid()}.txt"
+    try:
+        crash.write_text("".join(traceback.format_exception(exc)), encoding="utf-8")
+        where = f"the traceback is in {crash}"
+    except OSError:
+        where = "run again with --log-level DEBUG for the traceback"
+    log.debug("internal error", exc_info=exc)
+    click.echo(
+        f"chunkq: internal error: {type(exc).__name__}: {errors.first_line(str(exc))} (a bug in chunkq; "
+        f"{where}); {RESUME_HINT}",
+        err=True,
+    )
+    sys.exit(EXIT_INTERNAL)
+
+
+def interrupt_on_sigterm() -> None:
+    """SIGTERM (timeout, systemd, docker, kill) does what Ctrl+C does: the first drains, the second
+    stops now. Raising KeyboardInterrupt from the handler is what Python's own SIGINT handler does."""
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
+def store_option(func: F) -> F:
+    return click.option(
+        "--store",
+        default=DEFAULT_STORE,
+        envvar=env_of("store"),
+        show_default=True,
+        show_envvar=True,
+        callback=_open_store,
+        help="Store shared by all hosts: a local or network path, or s3://bucket/prefix, gs://bucket/prefix.",
+    )(func)
+
+
+def _open_store(ctx: click.Context, param: click.Parameter, value: str) -> Path:
+    try:
+        return open_store(value)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc)) from exc
+
+
+REDIS_HELP = {
+    "needed": "redis:// or rediss:// URL (password or ACL user included).",
+    "embedded": "redis:// or rediss:// URL of a shared Redis; without one, an embedded server is "
+    "started in the store for this run.",
+    "live": "redis:// or rediss:// URL; optional: adds what only Redis knows (jobs queued and "
+    "running) to what the store records.",
+    "unused": "Accepted like on every command; this one reads the store alone.",
+}
+
+
+def redis_option(kind: str) -> Callable[[F], F]:
+    """``--redis-url`` as every subcommand takes it; ``kind`` says what the command does with it."""
+    return click.option("--redis-url", envvar=env_of("redis_url"), show_envvar=True, help=REDIS_HELP[kind])
+
+
+def need_redis(url: str | None) -> str:
+    """The URL of a command that cannot work without Redis, or a usage error saying how to give one."""
+    if not url:
+        raise click.UsageError(f"this command needs Redis: pass --redis-url or set {env_of('redis_url')}")
+    return url
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LOG_LEVEL_ENV = env_of("log_level")
+
+
+def _set_log_level(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value:
+        configure_logging(value)
+    return value
+
+
+def configure_logging(level: str) -> None:
+    """The root logger's level and format; the pool hands the level to its workers."""
+    logging.basicConfig(
+        level=level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    logging.getLogger().setLevel(level.upper())
+
+
+def log_level_option(func: F) -> F:
+    """``--log-level``, taken before or after the subcommand's name alike."""
+    return click.option(
+        "--log-level",
+        type=click.Choice(LOG_LEVELS, case_sensitive=False),
+        envvar=LOG_LEVEL_ENV,
+        show_envvar=True,
+        expose_value=False,
+        is_eager=True,
+        callback=_set_log_level,
+        help="How much chunkq logs (default INFO).",
+    )(func)
+
+
+def queue_option(func: F) -> F:
+    return click.option(
+        "--queue",
+        default=DEFAULT_QUEUE,
+        envvar=env_of("queue"),
+        show_default=True,
+        show_envvar=True,
+        help="The RQ queue the run's jobs go to; pools take jobs from it.",
+    )(func)
+
+
+def reach_redis_if(url: str | None) -> redis.Redis | None:
+    """A checked connection when a command was given Redis (optional for it), else None."""
+    return reach_redis(url) if url else None

@@ -1,0 +1,98 @@
+"""``chunkq runs``, ``chunkq clean`` and ``chunkq export``: what the store holds, read from the store."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from chunkq.jobs.store import RunLayout
+from chunkq.supervisor.cli_common import reach_redis_if, redis_option, reports_errors, store_option
+from chunkq.supervisor.export import EXPORT_FORMATS, export
+from chunkq.supervisor.runs import RunInfo, clean, list_runs
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _age(seconds: float) -> str:
+    for size, unit in ((86400, "d"), (3600, "h"), (60, "min")):
+        if seconds >= size:
+            return f"{seconds / size:.0f} {unit}"
+    return f"{seconds:.0f} s"
+
+
+def _table(runs: list[RunInfo]) -> str:
+    rows = [("RUN", "STATE", "ROWS", "MODEL", "AGE", "SIZE")]
+    rows += [
+        (r.run_id, r.state, f"{r.rows_done:,}/{r.rows:,}", r.model, _age(r.age_seconds), _size(r.bytes))
+        for r in runs
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows
+    )
+
+
+@click.command("runs")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@store_option
+@redis_option("unused")
+@reports_errors
+def runs_cmd(store: Path, as_json: bool, redis_url: str | None) -> None:
+    """List the runs of the store, newest first: state, rows done, model, age and size."""
+    del redis_url
+    runs = list_runs(store)
+    if as_json:
+        click.echo(json.dumps([r.to_json() for r in runs], indent=2))
+    elif runs:
+        click.echo(_table(runs))
+    else:
+        click.echo(f"no runs in {store}")
+
+
+@click.command("clean")
+@click.argument("run_id")
+@click.option(
+    "--outputs-only",
+    is_flag=True,
+    help="Free only the per-chunk embeddings of a run whose whole result is published; without it, "
+    "delete the run.",
+)
+@store_option
+@redis_option("live")
+@reports_errors
+def clean_cmd(run_id: str, outputs_only: bool, store: Path, redis_url: str | None) -> None:
+    """Delete RUN_ID from the store, or free its chunk outputs; a run in flight is refused."""
+    layout = RunLayout(store, run_id)
+    freed = clean(layout, outputs_only, reach_redis_if(redis_url))
+    what = "chunk outputs of run" if outputs_only else "run"
+    click.echo(f"freed {_size(freed)}: {what} {run_id}")
+
+
+@click.command("export")
+@click.argument("run_id")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(EXPORT_FORMATS),
+    default=EXPORT_FORMATS[0],
+    show_default=True,
+    help="parquet: columns id (string) and embedding (fixed-size list of float32); npy: the array, "
+    "and its ids beside it in NAME.ids.jsonl; jsonl: {id, embedding} per line.",
+)
+@click.option("--out", type=click.Path(path_type=Path, dir_okay=False), required=True, help="File to write.")
+@store_option
+@redis_option("unused")
+@reports_errors
+def export_cmd(run_id: str, fmt: str, out: Path, store: Path, redis_url: str | None) -> None:
+    """Write RUN_ID's published result, in corpus order with its ids, to one file (streaming)."""
+    del redis_url
+    written = export(RunLayout(store, run_id), fmt, out)
+    click.echo(", ".join(str(p) for p in written))

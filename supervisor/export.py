@@ -1,0 +1,141 @@
+"""``chunkq export``: a published result as one Parquet, .npy or JSON Lines file, with its ids.
+
+Streaming: rows are read and written a batch at a time, so memory stays flat in the row count.
+The values are the result's float32 values, unchanged. The result's checksum is verified while it is
+read; the file appears at ``--out`` only once it is whole and the checksum matched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from chunkq.jobs.errors import AssemblyError, StoreError
+from chunkq.jobs.store import RunLayout, read_json
+
+EXPORT_FORMATS = ("parquet", "npy", "jsonl")
+BATCH_ROWS = 8192
+
+
+def ids_path_beside(out: Path) -> Path:
+    """Where ``--format npy`` writes the ids: beside the array, one JSON string per line."""
+    return out.with_name(out.stem + ".ids.jsonl")
+
+
+class _ResultReader:
+    """The published embeddings.npy and ids.jsonl, read a batch at a time, checksums verified."""
+
+    def __init__(self, layout: RunLayout) -> None:
+        manifest_path = layout.result / "manifest.json"
+        if not manifest_path.is_file():
+            raise StoreError(f"run {layout.run_id} has no published result; run it to the end first")
+        self.layout, self.manifest = layout, read_json(manifest_path)
+        self.rows, self.dim = int(self.manifest["rows"]), int(self.manifest["dim"])
+
+    def batches(self) -> Iterator[tuple[list[str], np.ndarray]]:
+        result = self.layout.result
+        emb_hash, ids_hash = hashlib.sha256(), hashlib.sha256()
+        with (result / "embeddings.npy").open("rb") as emb, (result / "ids.jsonl").open("rb") as ids:
+            header = _read_header(emb, emb_hash)
+            if header != (self.rows, self.dim):
+                raise self._damaged(
+                    f"embeddings.npy holds {header}, the manifest says {(self.rows, self.dim)}"
+                )
+            done = 0
+            while done < self.rows:
+                n = min(BATCH_ROWS, self.rows - done)
+                raw = emb.read(n * self.dim * 4)
+                lines = [ids.readline() for _ in range(n)]
+                if len(raw) != n * self.dim * 4 or not all(line.endswith(b"\n") for line in lines):
+                    raise self._damaged(f"the result ends before row {done + n}")
+                emb_hash.update(raw)
+                for line in lines:
+                    ids_hash.update(line)
+                yield (
+                    [json.loads(line) for line in lines],
+                    np.frombuffer(raw, dtype="<f4").reshape(n, self.dim),
+                )
+                done += n
+            rest = emb.read(1) + ids.read(1)
+        if rest:
+            raise self._damaged("the result holds more rows than its manifest says")
+        if emb_hash.hexdigest() != self.manifest.get(
+            "embeddings_sha256"
+        ) or ids_hash.hexdigest() != self.manifest.get("ids_sha256"):
+            raise self._damaged("its checksums do not match its manifest")
+
+    def _damaged(self, why: str) -> AssemblyError:
+        return AssemblyError(
+            self.layout.run_id, [f"the published result is damaged: {why}", "run `chunkq assemble RUN` again"]
+        )
+
+
+def _read_header(fh: IO[bytes], digest: Any) -> tuple[int, ...]:
+    start = fh.tell()
+    version = np.lib.format.read_magic(fh)
+    read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    shape, fortran, dtype = read(fh)
+    if fortran or dtype != np.dtype("<f4"):
+        raise StoreError(f"embeddings.npy is {dtype} {'Fortran' if fortran else 'C'}-ordered, expected <f4 C")
+    end = fh.tell()
+    fh.seek(start)
+    digest.update(fh.read(end - start))
+    return tuple(shape)
+
+
+@contextmanager
+def _written_whole(out: Path) -> Iterator[Path]:
+    """A temporary file beside ``out``, renamed over it only when the block ends without an error."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        yield tmp
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def export(layout: RunLayout, fmt: str, out: Path) -> list[Path]:
+    """Write the run's result to ``out`` in ``fmt``; the files written."""
+    reader = _ResultReader(layout)
+    if fmt == "parquet":
+        _parquet(reader, out)
+        return [out]
+    if fmt == "jsonl":
+        with _written_whole(out) as tmp, open(tmp, "w", encoding="utf-8") as fh:
+            for ids, block in reader.batches():
+                for rid, row in zip(ids, block.tolist(), strict=True):
+                    fh.write(json.dumps({"id": rid, "embedding": row}, ensure_ascii=False) + "\n")
+        return [out]
+    ids_out = ids_path_beside(out)
+    with _written_whole(out) as tmp, _written_whole(ids_out) as ids_tmp:
+        with open(tmp, "wb") as emb, open(ids_tmp, "w", encoding="utf-8") as ids_fh:
+            np.lib.format.write_array_header_1_0(
+                emb, {"descr": "<f4", "fortran_order": False, "shape": (reader.rows, reader.dim)}
+            )
+            for ids, block in reader.batches():
+                emb.write(block.tobytes())
+                ids_fh.writelines(json.dumps(rid, ensure_ascii=False) + "\n" for rid in ids)
+    return [out, ids_out]
+
+
+def _parquet(reader: _ResultReader, out: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = pa.schema([("id", pa.string()), ("embedding", pa.list_(pa.float32(), reader.dim))])
+    with _written_whole(out) as tmp:
+        with pq.ParquetWriter(tmp, schema) as writer:
+            for ids, block in reader.batches():
+                values = pa.array(block.reshape(-1), type=pa.float32())
+                column = pa.FixedSizeListArray.from_arrays(values, reader.dim)
+                writer.write_table(
+                    pa.table({"id": pa.array(ids, pa.string()), "embedding": column}, schema=schema)
+                )

@@ -1,0 +1,190 @@
+"""What a ``chunkq run`` or ``submit`` asks for, built and checked before anything is started.
+
+One builder for the command line and the Python API. Every check that can fail without touching
+the store or Redis runs here — the corpus files exist, are readable, have a known format and a
+valid first row; the model loads on this host without a network — so a failed check leaves no
+files, no keys and no processes behind.
+"""
+
+from __future__ import annotations
+
+import glob
+from collections.abc import Sequence
+from dataclasses import fields, replace
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from chunkq.jobs.errors import ChunksFailedError, ConfigError, CorpusError
+from chunkq.jobs.models import check_model, default_model
+from chunkq.jobs.specs import EncodeOptions
+from chunkq.jobs.store import RunLayout, read_json
+from chunkq.queue_worker.settings import DEFAULT_QUEUE, PoolSettings
+from chunkq.supervisor.corpus import CorpusOptions, check_readable, detect_format, read_corpus
+from chunkq.supervisor.retry import RetryPolicy
+from chunkq.supervisor.run import RunOutcome, RunRequest
+from chunkq.supervisor.submit import DEFAULT_CHUNK_SIZE, SubmitRequest
+from chunkq.supervisor.watch import WARN_IDLE_SECONDS, WatchSettings, failure_report
+
+_GLOB_CHARS = frozenset("*?[")
+_ENCODE_NAMES = {"normalize": "normalize_embeddings"}  # the CLI's short name for a field
+POOL_NAMES = frozenset(f.name for f in fields(PoolSettings))
+WATCH_NAMES = frozenset({"poll", "max_attempts", "allow_partial", "metrics_port", "wait", "warn_idle"})
+
+
+def expand_corpora(patterns: Sequence[str | Path]) -> tuple[Path, ...]:
+    """The files named, with glob patterns expanded (sorted); a pattern that matches nothing, or a
+    file named twice, is an error."""
+    if not patterns:
+        raise CorpusError("no corpus given")
+    found: list[Path] = []
+    for pattern in patterns:
+        text = str(pattern)
+        if _GLOB_CHARS & set(text) and not Path(text).exists():
+            matches = sorted(Path(m) for m in glob.glob(text, recursive=True) if Path(m).is_file())
+            if not matches:
+                raise CorpusError(f"{text}: no file matches this pattern")
+            found.extend(matches)
+        else:
+            found.append(Path(text))
+    resolved = [p.resolve() for p in found]
+    twice = sorted({str(p) for p in found if resolved.count(p.resolve()) > 1})
+    if twice:
+        raise CorpusError(f"{', '.join(twice)}: named more than once")
+    return tuple(found)
+
+
+def check_corpora(paths: Sequence[Path], options: CorpusOptions) -> None:
+    """Each file exists, is readable, and its first record has the fields the run needs."""
+    for path in paths:
+        check_readable(path)
+        next(iter(read_corpus(path, options)), None)
+
+
+def corpus_format(paths: Sequence[Path], given: str | None) -> str:
+    formats = {detect_format(path, given) for path in paths}
+    if len(formats) > 1:
+        raise CorpusError(
+            f"the corpus files have different formats ({', '.join(sorted(formats))}); "
+            "one run reads one format: convert them, or run each format on its own"
+        )
+    return formats.pop()
+
+
+def submit_request(
+    corpora: Sequence[str | Path],
+    store: Path,
+    model: str | None = None,
+    *,
+    fmt: str | None = None,
+    text_field: str = CorpusOptions.text_field,
+    id_field: str = CorpusOptions.id_field,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    run_id: str | None = None,
+    queue: str = DEFAULT_QUEUE,
+    job_timeout: int | None = None,
+    **encode: Any,
+) -> SubmitRequest:
+    """A checked SubmitRequest; ``encode`` takes EncodeOptions' fields (``normalize`` too)."""
+    paths = expand_corpora(corpora)
+    options = CorpusOptions(format=corpus_format(paths, fmt), text_field=text_field, id_field=id_field)
+    check_corpora(paths, options)
+    if chunk_size < 1:
+        raise ConfigError(f"chunk size must be at least 1, got {chunk_size}")
+    encode_options = EncodeOptions(**{_ENCODE_NAMES.get(k, k): v for k, v in encode.items() if v is not None})
+    return SubmitRequest(
+        corpus=paths[0] if len(paths) == 1 else paths,
+        store=store,
+        model=check_model(model) if model else default_model(),
+        corpus_options=options,
+        chunk_size=chunk_size,
+        encode=encode_options,
+        run_id=run_id,
+        queue=queue,
+        job_timeout=job_timeout,
+    )
+
+
+def watch_settings(
+    poll: float = WatchSettings.poll_seconds,
+    max_attempts: int = RetryPolicy.max_attempts,
+    allow_partial: bool = False,
+    metrics_port: int | None = None,
+    wait: bool = False,
+    warn_idle: float = WARN_IDLE_SECONDS,
+) -> WatchSettings:
+    return WatchSettings(
+        poll_seconds=poll,
+        policy=RetryPolicy(max_attempts=max_attempts),
+        allow_partial=allow_partial,
+        metrics_port=metrics_port,
+        wait_for_owner=wait,
+        warn_idle=warn_idle,
+    )
+
+
+# What chunkq run decides for its pool itself, from its own options and its embedded Redis.
+RUN_DECIDES_FOR_THE_POOL = (
+    "queue",
+    "store",
+    "preload",
+    "precision",
+    "name",
+    "metrics_port",
+    "allowed_models",
+)
+_SUBMIT_NAMES = frozenset(
+    {"model", "format", "fmt", "text_field", "id_field", "chunk_size", "run_id", "queue", "job_timeout"}
+    | {f.name for f in fields(EncodeOptions)}
+    | set(_ENCODE_NAMES)
+)
+_POOL_NAMES = POOL_NAMES - {*RUN_DECIDES_FOR_THE_POOL, "redis_url", "log_level"}
+
+
+def build_run_request(
+    corpora: Sequence[str | Path], *, store: Path, redis_url: str | None = None, **options: Any
+) -> RunRequest:
+    """A checked RunRequest from ``chunkq run``'s options by their Python names."""
+
+    def take(names: frozenset[str]) -> dict[str, Any]:
+        return {k: options.pop(k) for k in list(options) if k in names}
+
+    watch, submit, pool = take(WATCH_NAMES), take(_SUBMIT_NAMES), take(_POOL_NAMES)
+    if options:
+        raise ConfigError(f"unknown option(s): {', '.join(sorted(options))}")
+    if "format" in submit:
+        submit["fmt"] = submit.pop("format")
+    request = submit_request(corpora, store, **submit)
+    if redis_url:
+        reach_redis(redis_url)
+    metrics_port = watch.get("metrics_port")
+    pool["metrics_port"] = None if metrics_port is None else (metrics_port + 1 if metrics_port else 0)
+    return RunRequest(
+        submit=request,
+        redis_url=redis_url,
+        pool=replace(PoolSettings(), **{k: v for k, v in pool.items() if v is not None}),
+        watch=watch_settings(**watch),
+    )
+
+
+def reach_redis(url: str) -> redis.Redis:
+    """A connection that has answered a PING: a run or submit that cannot reach Redis stops before
+    it writes anything."""
+    connection = redis.Redis.from_url(url, socket_connect_timeout=5)
+    connection.ping()
+    return connection
+
+
+def finished_result(outcome: RunOutcome, request: RunRequest) -> dict[str, Any]:
+    """The published result manifest of a run that ``supervisor.run.run`` returned, or the error."""
+    if outcome.outcome is None:
+        layout = RunLayout(request.submit.store, outcome.submitted.run_id)
+        return dict(read_json(layout.result / "manifest.json"))
+    watched = outcome.outcome
+    if watched.quarantined and not watched.partial:
+        raise ChunksFailedError(failure_report(watched.quarantined))
+    if watched.result is None:
+        why = "the worker pool exited" if outcome.pool_died else "it stopped"
+        raise ChunksFailedError(f"run {outcome.submitted.run_id}: {why} before the run finished")
+    return watched.result

@@ -1,0 +1,162 @@
+"""The runs of a store, read from the store alone: ``chunkq runs`` and ``chunkq clean``.
+
+A run's state comes from its files: a published result (whole or partial), a live owner (a
+supervisor or ``chunkq run`` renews ``owner.json``), quarantined chunks recorded in ``failures/``,
+or chunks still to do. Redis, when given, adds what only it knows: jobs queued or running.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from chunkq.jobs.errors import ConfigError, StoreError
+from chunkq.jobs.specs import chunk_job_id
+from chunkq.jobs.storage import is_local, list_with_mtime, remove_tree
+from chunkq.jobs.store import RunLayout, read_json
+from chunkq.supervisor.attempts import failed_attempts
+from chunkq.supervisor.enqueue import job_statuses
+from chunkq.supervisor.manifest import RunManifest, load_manifest
+from chunkq.supervisor.owner import StoreLock
+
+PUBLISHED, PARTIAL, IN_FLIGHT, FAILED, INCOMPLETE = (
+    "published",
+    "partial",
+    "in flight",
+    "failed",
+    "incomplete",
+)
+LIVE_JOB_STATUSES = frozenset({"queued", "started", "deferred", "scheduled"})
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    run_id: str
+    state: str
+    rows: int
+    rows_done: int
+    chunks: int
+    model: str
+    created_at: str
+    bytes: int  # what the run's folder takes in the store
+
+    @property
+    def age_seconds(self) -> float:
+        return (datetime.now(UTC) - datetime.fromisoformat(self.created_at)).total_seconds()
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "age_seconds": round(self.age_seconds)}
+
+
+def run_ids(store: Path) -> list[str]:
+    runs = store / "runs"
+    if not runs.is_dir():
+        return []
+    return sorted(p.name for p in runs.iterdir() if (p / "manifest.json").is_file())
+
+
+def folder_bytes(path: Path) -> int:
+    if not is_local(path):
+        fs = path.fs  # type: ignore[attr-defined]
+        return int(fs.du(path.path, total=True))  # type: ignore[attr-defined]
+    total = 0
+    for folder, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(folder, name)).st_size
+            except FileNotFoundError:
+                continue
+    return total
+
+
+def owner_of(layout: RunLayout) -> dict[str, Any] | None:
+    """The live process that supervises the run (pid, host, since), or None."""
+    return StoreLock(layout.owner, f"run {layout.run_id}").live_holder()
+
+
+def state_of(layout: RunLayout, manifest: RunManifest) -> tuple[str, int]:
+    """(state, rows done) from the store."""
+    result_path = layout.result / "manifest.json"
+    if result_path.is_file():
+        result = read_json(result_path)
+        if result.get("fingerprint") == manifest.fingerprint:
+            return (PUBLISHED if result.get("complete", True) else PARTIAL), int(result["rows"])
+    done = layout.done_chunks()
+    rows_done = sum(manifest.chunk_rows(i) for i in done)
+    if owner_of(layout) is not None:
+        return IN_FLIGHT, rows_done
+    quarantined = {a.chunk for a in failed_attempts(layout) if a.quarantined} - done
+    return (FAILED if quarantined else INCOMPLETE), rows_done
+
+
+def describe_run(store: Path, run_id: str) -> RunInfo:
+    layout = RunLayout(store, run_id)
+    manifest = load_manifest(layout)
+    state, rows_done = state_of(layout, manifest)
+    return RunInfo(
+        run_id=run_id,
+        state=state,
+        rows=manifest.rows,
+        rows_done=rows_done,
+        chunks=manifest.chunks,
+        model=str(manifest.data.get("model", "?")),
+        created_at=str(manifest.data.get("created_at")),
+        bytes=folder_bytes(layout.root),
+    )
+
+
+def list_runs(store: Path) -> list[RunInfo]:
+    """Every run of the store, newest first."""
+    return sorted((describe_run(store, r) for r in run_ids(store)), key=lambda i: i.created_at, reverse=True)
+
+
+def live_jobs(connection: redis.Redis, manifest: RunManifest) -> list[int]:
+    """Chunks of the run that Redis holds as queued or running."""
+    ids = [chunk_job_id(manifest.run_id, i) for i in range(manifest.chunks)]
+    statuses = job_statuses(connection, ids)
+    return [i for i, status in enumerate(statuses) if status in LIVE_JOB_STATUSES]
+
+
+def clean(layout: RunLayout, outputs_only: bool, connection: redis.Redis | None = None) -> int:
+    """Free a run's per-chunk outputs (``outputs_only``: only once its whole result is published)
+    or delete the run; the bytes freed. A run in flight is refused: its owner lock is taken for
+    the duration, and with Redis, no job of the run may be queued or running."""
+    manifest = load_manifest(layout)
+    with StoreLock(layout.owner, f"run {layout.run_id}") as lock:
+        lock.acquire()  # RunLockedError, naming the supervisor, while one watches the run
+        if connection is not None:
+            busy = live_jobs(connection, manifest)
+            if busy:
+                raise ConfigError(
+                    f"run {layout.run_id} is in flight: {len(busy)} chunk(s) are queued or running in "
+                    "Redis; wait for it to finish (or stop its workers) and clean it then"
+                )
+        if not outputs_only:
+            freed = folder_bytes(layout.root)
+            remove_tree(layout.root)  # the lock file goes with it: nobody can take the run meanwhile
+            return freed
+        state, _ = state_of(layout, manifest)
+        if state != PUBLISHED:
+            raise StoreError(
+                f"run {layout.run_id} is {state}: its chunk outputs are all there is until a whole "
+                "result is published; finish it first (or delete the whole run without --outputs-only)"
+            )
+        return _free_outputs(layout)
+
+
+def _free_outputs(layout: RunLayout) -> int:
+    """Delete the chunk embeddings (.npy); their metadata stays, so ``report`` and ``status`` still
+    tell the run's story, and a rerun sees the published result and does nothing."""
+    freed = 0
+    for name, _ in list(list_with_mtime(layout.outputs)):
+        if name.endswith(".npy"):
+            path = layout.outputs / name
+            freed += path.stat().st_size
+            path.unlink()
+    remove_tree(layout.damaged_outputs)
+    return freed
