@@ -9,6 +9,7 @@ COPY pyproject.toml README.md ./
 COPY jobs ./jobs
 COPY queue_worker ./queue_worker
 COPY supervisor ./supervisor
+COPY chunkq ./chunkq
 RUN pip install --no-cache-dir '.[bundled-model]'
 RUN useradd --create-home chunkq && mkdir -p /store && chown chunkq /store
 USER chunkq

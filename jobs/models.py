@@ -62,11 +62,14 @@ def canonical_model(ref: str) -> str:
 
 
 def _in_hub_cache(repo_id: str) -> bool:
-    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub import constants, try_to_load_from_cache
 
+    # huggingface_hub reads HF_HUB_CACHE when it is imported; a later setting (tests, the API) wins.
+    cache = os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE
     try:
         return any(
-            isinstance(try_to_load_from_cache(repo_id, name), str) for name in ("modules.json", "config.json")
+            isinstance(try_to_load_from_cache(repo_id, name, cache_dir=cache), str)
+            for name in ("modules.json", "config.json")
         )
     except ValueError:  # not a valid repo id: a path that does not exist, a typo with spaces...
         return False

@@ -34,6 +34,9 @@ from chunkq.jobs.errors import ConfigError
 _LOCAL_PROTOCOLS = ("", "file", "local")
 
 
+OWNER_ONLY = 0o077  # the umask of everything chunkq and its servers and workers create
+
+
 def open_store(store: str | os.PathLike[str] | Path) -> Path:
     """The store root: a ``Path`` for a local path or ``file://`` URL, a ``UPath`` for an object store."""
     text = str(store)  # an object-store UPath is not os.PathLike, but str() is its URL

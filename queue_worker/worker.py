@@ -240,7 +240,8 @@ def _context(name: str, args: argparse.Namespace) -> runtime.WorkerContext:
                 f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}); refusing to run on the CPU"
             )
         device, kind = "cuda:0", torch.cuda.get_device_name(0)  # the one GPU left visible
-    allowed = {models.BUNDLED_MODEL, *args.allowed_models, *([args.preload] if args.preload else [])}
+    named = [*args.allowed_models, *([args.preload] if args.preload else [])]
+    allowed = {models.BUNDLED_MODEL, *(models.canonical_model(m) for m in named)}
     return runtime.WorkerContext(
         name=name,
         host=socket.gethostname(),

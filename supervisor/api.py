@@ -9,6 +9,7 @@ either. Options are ``chunkq run``'s, by their Python names: ``chunk_size``, ``b
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 import time
 from collections.abc import Iterable, Sequence
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from chunkq.jobs.errors import ConfigError
-from chunkq.jobs.storage import open_store
+from chunkq.jobs.storage import OWNER_ONLY, open_store
 from chunkq.jobs.store import RunLayout
 from chunkq.queue_worker.settings import DEFAULT_STORE
 from chunkq.supervisor.display import ProgressDisplay
@@ -87,8 +88,13 @@ def run(
     )
     from chunkq.supervisor.run import run as run_locally
 
-    with ProgressDisplay(live=progress) as display:
-        outcome = run_locally(request, display)
+    # The store holds the user's texts: owner-only, as under the CLI, whatever this process's mask.
+    mask = os.umask(OWNER_ONLY)
+    try:
+        with ProgressDisplay(live=progress) as display:
+            outcome = run_locally(request, display)
+    finally:
+        os.umask(mask)
     result = finished_result(outcome, request)
     return RunResult(
         run_id=result["run_id"],

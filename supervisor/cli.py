@@ -7,16 +7,17 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import click
 
 from chunkq.jobs.errors import AssemblyError
-from chunkq.jobs.models import BUNDLED_MODEL, assume_offline
+from chunkq.jobs.models import BUNDLED_MODEL, assume_offline, check_model
 from chunkq.jobs.nopickle import forbid_pickle
 from chunkq.jobs.specs import BATCH_TOKENS_AUTO, DEFAULT_PRECISION, PRECISIONS, EncodeOptions
-from chunkq.jobs.storage import is_local
+from chunkq.jobs.storage import OWNER_ONLY, is_local
 from chunkq.jobs.store import RunLayout, read_json
 from chunkq.queue_worker import gpus as gpu_discovery
 from chunkq.queue_worker.pool import Pool
@@ -307,6 +308,8 @@ def pool_cmd(redis_url: str | None, store: Path, queue: str, settings_json: str 
     else:
         url = need_redis(redis_url)
         settings = pool_settings(kw, redis_url=url, store=str(store), queue=queue, log_level=_log_level())
+        if settings.preload:  # a name people type, or one that cannot load here: before any worker
+            settings = replace(settings, preload=check_model(settings.preload))
     chosen = gpu_discovery.choose(settings.gpus, settings.min_free_memory, settings.busy_gpus)
     if not chosen:
         log.info("no GPU in use; running %d CPU worker(s)", settings.cpu_workers)
@@ -489,13 +492,11 @@ def run_cmd(corpus: tuple[Path, ...], redis_url: str | None, **kw: Any) -> None:
 for _command in (runs_cmd, clean_cmd, export_cmd):
     cli.add_command(log_level_option(_command))
 
-STORE_UMASK = 0o077  # every file and folder chunkq and its servers and workers create: owner-only
-
 
 def main() -> None:
     # Stored texts, embeddings and the append-only file (which holds tracebacks that quote them) are
     # the user's data: one mode for all of them, whoever creates them (children inherit the mask).
-    os.umask(STORE_UMASK)
+    os.umask(OWNER_ONLY)
     forbid_pickle()
     assume_offline()  # models load from folders and the cache; HF_HUB_OFFLINE=0 allows downloads
     interrupt_on_sigterm()  # the pool installs its own handlers, which drain the same way

@@ -74,9 +74,17 @@ def test_submit_pool_supervise_status_on_a_shared_redis(
     corpus = write_corpus(tmp_path / "corpus.jsonl", ids, texts, "jsonl")
     store = str(tmp_path / "store")
     env = {"CHUNKQ_REDIS_URL": redis_url, "CHUNKQ_STORE": store, "CHUNKQ_QUEUE": "e2e"}
-    submitted = run_cli("submit", str(corpus), "--chunk-size", "10", "--run-id", "shared-run", **env)
+    submitted = run_cli(
+        "submit", str(corpus), "--chunk-size", "10", "--run-id", "shared-run", "--json", **env
+    )
     assert submitted.returncode == 0, submitted.stderr
-    assert submitted.stdout.startswith("shared-run\t40 rows, 4 chunks: 0 done, 0 in flight, 4 enqueued")
+    figures = json.loads(submitted.stdout)
+    assert (figures["run_id"], figures["rows"], figures["chunks"], figures["enqueued"]) == (
+        "shared-run",
+        40,
+        4,
+        4,
+    )
     before = json.loads(run_cli("status", "shared-run", "--json", **env).stdout)
     assert (before["chunks_done"], before["chunks_queued"], before["settled"]) == (0, 4, False)
 
@@ -96,9 +104,12 @@ def test_submit_pool_supervise_status_on_a_shared_redis(
     _check_result(RunLayout(store, "shared-run"), ids, texts, reference_model)
     after = json.loads(run_cli("status", "shared-run", "--json", **env).stdout)
     assert (after["chunks_done"], after["rows_done"], after["result_published"]) == (4, 40, True)
-    assert after["rows_per_second"] > 0 and after["eta_seconds"] == 0  # chunks were committed within a minute
-    resubmitted = run_cli("submit", str(corpus), "--chunk-size", "10", "--run-id", "shared-run", **env)
-    assert "4 done, 0 in flight, 0 enqueued" in resubmitted.stdout
+    assert after["rows_per_second"] > 0 and after["eta_seconds"] is None  # settled: nothing left
+    resubmitted = run_cli(
+        "submit", str(corpus), "--chunk-size", "10", "--run-id", "shared-run", "--json", **env
+    )
+    again = json.loads(resubmitted.stdout)
+    assert (again["done"], again["in_flight"], again["enqueued"]) == (4, 0, 0)
 
 
 def test_cli_errors_are_clear_with_named_exit_codes(tmp_path: Path, redis_url: str) -> None:

@@ -1,0 +1,152 @@
+"""What a user sees before anything runs: every option documented with its variable, the README's
+one list of variables, model names resolved offline, and one installed import name."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import click
+import pytest
+
+from chunkq.jobs import models
+from chunkq.jobs.errors import ConfigError
+from chunkq.supervisor.cli import cli
+from tests.helpers import run_cli
+
+ROOT = Path(__file__).resolve().parents[1]
+PIP_WHEEL = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
+
+
+def _commands() -> list[tuple[str, click.Command]]:
+    assert isinstance(cli, click.Group)
+    return sorted(cli.commands.items())
+
+
+def test_every_option_has_help_shows_its_variable_and_every_command_takes_redis_and_log_level() -> None:
+    missing_help, hidden_env = [], []
+    for name, command in _commands():
+        options = {p.name: p for p in command.params if isinstance(p, click.Option)}
+        assert {"redis_url", "log_level"} <= set(options), name
+        for option in options.values():
+            if option.hidden:
+                continue
+            if not option.help:
+                missing_help.append(f"{name} {option.opts[0]}")
+            if option.envvar and not option.show_envvar:
+                hidden_env.append(f"{name} {option.opts[0]}")
+        assert command.help, name
+    assert missing_help == [] and hidden_env == []
+    assert not any(p.required for _, c in _commands() for p in c.params if p.name == "redis_url")
+
+
+def _variables_in_code() -> set[str]:
+    found: set[str] = set()
+    for folder in ("jobs", "queue_worker", "supervisor"):
+        for path in (ROOT / folder).rglob("*.py"):
+            found |= set(re.findall(r"\"(CHUNKQ_[A-Z_]+)\"", path.read_text()))
+    for _, command in _commands():
+        for param in command.params:
+            envvar = getattr(param, "envvar", None)
+            found |= {envvar} if isinstance(envvar, str) else set(envvar or ())
+    from chunkq.queue_worker.settings import schema
+
+    found |= {meta.env_name(name) for name, meta, _ in schema() if meta.env_name(name)}  # type: ignore[misc]
+    return found
+
+
+def test_the_readme_lists_every_environment_variable_once() -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("### Settings", 1)[1].split("\n##", 1)[0]  # up to the next heading
+    listed = re.findall(r"`(CHUNKQ_[A-Z_]+)`", section)
+    duplicates = sorted({v for v in listed if listed.count(v) > 1})
+    assert duplicates == []
+    assert sorted(_variables_in_code() - set(listed)) == []
+    assert sorted(set(listed) - _variables_in_code()) == []
+
+
+def test_log_level_works_after_the_subcommand_and_help_shows_the_variables(tmp_path: Path) -> None:
+    quiet = run_cli("runs", "--store", str(tmp_path), "--log-level", "WARNING")
+    assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
+    wrong = run_cli("runs", "--store", str(tmp_path), "--log-level", "LOUD")
+    assert wrong.returncode == 2 and "Invalid value for '--log-level'" in wrong.stderr
+    # (that the level reaches what a command logs: test_user_path's submit with --log-level WARNING)
+    help_text = " ".join(run_cli("status", "--help").stdout.split())
+    assert "env var: CHUNKQ_REDIS_URL" in help_text and "env var: CHUNKQ_STORE" in help_text
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2", "all-minilm-l6-v2", models.BUNDLED_MODEL],
+)
+def test_the_bundled_models_names_resolve_to_the_installed_copy(name: str) -> None:
+    assert models.check_model(name) == models.BUNDLED_MODEL
+
+
+def _cache_a_model(cache: Path, repo_id: str) -> None:
+    """A model as huggingface_hub lays out its cache (refs/main names the snapshot)."""
+    folder = cache / f"models--{repo_id.replace('/', '--')}"
+    (folder / "refs").mkdir(parents=True)
+    (folder / "refs" / "main").write_text("abc123")
+    snapshot = folder / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+
+
+def test_a_model_in_the_hub_cache_is_used_and_one_missing_is_refused_with_advice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = tmp_path / "hub"
+    _cache_a_model(cache, "sentence-transformers/all-mpnet-base-v2")
+    _cache_a_model(cache, "BAAI/bge-small-en-v1.5")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert models.check_model("BAAI/bge-small-en-v1.5") == "BAAI/bge-small-en-v1.5"
+    assert models.check_model("all-mpnet-base-v2") == "sentence-transformers/all-mpnet-base-v2"
+    assert models.check_model(str(tmp_path)) == str(tmp_path)  # a local folder
+    with pytest.raises(ConfigError, match="neither a local folder nor in the Hugging Face cache") as err:
+        models.check_model("BAAI/bge-large-en-v1.5")
+    assert "hf download BAAI/bge-large-en-v1.5" in str(err.value)
+    with pytest.raises(ConfigError, match="no such folder"):
+        models.check_model(str(tmp_path / "nosuch" / "model"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # downloads allowed: the workers fetch it
+    assert models.check_model("BAAI/bge-large-en-v1.5") == "BAAI/bge-large-en-v1.5"
+
+
+def test_the_wheel_installs_one_top_level_name(tmp_path: Path) -> None:
+    """chunkq's folders install as chunkq.jobs, chunkq.queue_worker and chunkq.supervisor, never as
+    top-level `supervisor` (PyPI's supervisord) or `jobs`."""
+    source = tmp_path / "src"  # a copy: building in the tree would leave build/ behind
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    for name in ("chunkq", "jobs", "queue_worker", "supervisor"):
+        shutil.copytree(
+            ROOT / name, source / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__")
+        )
+    wheels = tmp_path / "wheels"
+    built = subprocess.run(
+        [*PIP_WHEEL, "-w", str(wheels), str(source)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert built.returncode == 0, built.stderr[-2000:]
+    (wheel,) = wheels.glob("chunkq-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/", 1)[0] for n in names if not n.split("/", 1)[0].endswith(".dist-info")}
+    assert tops == {"chunkq"}
+    for module in (
+        "chunkq/__init__.py",
+        "chunkq/jobs/embed.py",
+        "chunkq/queue_worker/worker.py",
+        "chunkq/supervisor/cli.py",
+    ):
+        assert module in names
+    top_level = next(n for n in names if n.endswith("top_level.txt"))
+    assert zipfile.ZipFile(wheel).read(top_level).decode().split() == ["chunkq"]

@@ -1,0 +1,292 @@
+"""The user's path (issue 16), end to end through the CLI with the real Redis and the real model:
+model names, checks before acting, the store as the record, run ids and cleanup, export, several
+inputs, and the Python API."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import pyarrow.parquet as pq
+import pytest
+import redis
+
+from chunkq.jobs.store import RunLayout, read_json
+from chunkq.supervisor.embedded_redis import free_port
+from tests.helpers import (
+    cli_env,
+    make_texts,
+    max_abs_diff,
+    run_cli,
+    start_cli,
+    stop_tree,
+    wait_for,
+    write_corpus,
+)
+
+pytestmark = pytest.mark.slow
+
+
+def _no_chunkq_processes_under(root: Path) -> bool:
+    """No valkey-server, pool or worker of a store under ``root`` is alive."""
+    for proc in psutil.process_iter(["cmdline"]):
+        line = " ".join(proc.info["cmdline"] or [])
+        if str(root) in line and ("valkey" in line or "chunkq" in line):
+            return False
+    return True
+
+
+def _plain(reference_model: Any, texts: list[str]) -> np.ndarray:
+    return np.asarray(reference_model.encode(texts, batch_size=32, convert_to_numpy=True))
+
+
+def test_two_files_one_run_listed_exported_cleaned_and_resumed_from_the_store(
+    tmp_path: Path, reference_model: Any
+) -> None:
+    """The model name everyone types, two corpus files by glob, the default run id, status and runs
+    without Redis, the three export formats, --outputs-only and the rerun that encodes nothing."""
+    data = tmp_path / "data"
+    data.mkdir()
+    _, texts_a = make_texts(40, seed=1)
+    _, texts_b = make_texts(25, seed=2)
+    (data / "notes-a.txt").write_text("".join(t + "\n" for t in texts_a), encoding="utf-8")
+    (data / "notes-b.txt").write_text("".join(t + "\n" for t in texts_b), encoding="utf-8")
+    store = tmp_path / "store"
+    args = ("run", str(data / "notes-*.txt"), "--store", str(store), "--chunk-size", "20")
+    done = run_cli(*args, "--model", "all-MiniLM-L6-v2", "--max-jobs", "10")
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    (run_id,) = [p.name for p in (store / "runs").iterdir()]
+    assert run_id.startswith("notes-a-"), run_id  # the first file's name, then the fingerprint
+    layout = RunLayout(store, run_id)
+    manifest = read_json(layout.manifest)
+    assert manifest["model"] == "bundled:all-MiniLM-L6-v2"  # resolved to the bundled copy, offline
+    assert [Path(i["path"]).name for i in manifest["inputs"]] == ["notes-a.txt", "notes-b.txt"]
+    assert all(len(i["sha256"]) == 64 for i in manifest["inputs"])
+    ids = [json.loads(line) for line in (layout.result / "ids.jsonl").read_text().splitlines()]
+    assert ids == [f"notes-a.txt:{i}" for i in range(1, 41)] + [f"notes-b.txt:{i}" for i in range(1, 26)]
+    embeddings = np.load(layout.result / "embeddings.npy")
+    assert max_abs_diff(embeddings, _plain(reference_model, texts_a + texts_b)) < 1e-5
+
+    # The store is the record: the run's Redis is gone, status and runs read the store alone, and
+    # status, report and runs agree on the run's rate.
+    status = run_cli("status", run_id, "--store", str(store), "--json")
+    assert status.returncode == 0, status.stderr
+    snap = json.loads(status.stdout)
+    assert snap["chunks_done"] == 4 and snap["live"] is False and snap["settled"] and snap["result_published"]
+    report = run_cli("report", run_id, "--store", str(store), "--log-level", "WARNING")
+    assert report.returncode == 0, report.stderr
+    summary = json.loads((layout.root / "report" / "report.json").read_text())
+    assert summary["rows_per_second"] == pytest.approx(snap["rows_per_second"], rel=1e-3)
+    listing = run_cli("runs", "--store", str(store), "--json")
+    (info,) = json.loads(listing.stdout)
+    assert (info["run_id"], info["state"], info["rows_done"], info["model"]) == (
+        run_id,
+        "published",
+        65,
+        "bundled:all-MiniLM-L6-v2",
+    )
+    table = run_cli("runs", "--store", str(store)).stdout
+    assert run_id in table and "published" in table and "65/65" in table
+
+    # Export: each format holds the published float32 values exactly, with the ids, in order.
+    parquet, npy, jsonl = tmp_path / "out.parquet", tmp_path / "out.npy", tmp_path / "out.jsonl"
+    for fmt, out in (("parquet", parquet), ("npy", npy), ("jsonl", jsonl)):
+        exported = run_cli("export", run_id, "--store", str(store), "--format", fmt, "--out", str(out))
+        assert exported.returncode == 0, exported.stderr
+    table_pq = pq.read_table(parquet)
+    assert str(table_pq.schema.field("embedding").type) == "fixed_size_list<element: float>[384]"
+    assert table_pq.column("id").to_pylist() == ids
+    from_parquet = np.stack(table_pq.column("embedding").to_numpy(zero_copy_only=False)).astype("<f4")
+    assert from_parquet.tobytes() == embeddings.tobytes()
+    assert np.load(npy).tobytes() == embeddings.tobytes()
+    assert [json.loads(line) for line in (tmp_path / "out.ids.jsonl").read_text().splitlines()] == ids
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert [r["id"] for r in rows] == ids
+    assert np.asarray([r["embedding"] for r in rows], dtype="<f4").tobytes() == embeddings.tobytes()
+
+    # Free the chunk outputs; the rerun sees the published result and encodes nothing.
+    before = info["bytes"]
+    cleaned = run_cli("clean", run_id, "--store", str(store), "--outputs-only")
+    assert cleaned.returncode == 0, cleaned.stderr
+    assert not list(layout.outputs.glob("*.npy"))
+    after = json.loads(run_cli("runs", "--store", str(store), "--json").stdout)[0]
+    assert after["bytes"] < before and after["state"] == "published"
+    again = run_cli(*args, "--model", "sentence-transformers/all-MiniLM-L6-v2")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "already complete" in again.stdout
+    assert (layout.result / "embeddings.npy").read_bytes() == embeddings.tobytes() or np.array_equal(
+        np.load(layout.result / "embeddings.npy"), embeddings
+    )
+    assert not list(layout.outputs.glob("*.npy"))  # nothing was encoded again
+
+    # Delete the whole run.
+    deleted = run_cli("clean", run_id, "--store", str(store))
+    assert deleted.returncode == 0 and not layout.root.exists(), deleted.stderr
+    assert "no runs" in run_cli("runs", "--store", str(store)).stdout
+
+
+def test_a_model_that_is_neither_a_folder_nor_cached_fails_before_anything_starts(tmp_path: Path) -> None:
+    corpus = write_corpus(tmp_path / "c.jsonl", *make_texts(5), "jsonl")
+    cache = tmp_path / "hf-cache"
+    result = run_cli(
+        "run",
+        str(corpus),
+        "--model",
+        "BAAI/bge-large-en-v1.5",
+        cwd=tmp_path,
+        HF_HUB_CACHE=str(cache),
+        timeout=60,
+    )
+    assert result.returncode == 6, result.stderr
+    assert "neither a local folder nor in the Hugging Face cache" in result.stderr
+    assert "hf download BAAI/bge-large-en-v1.5" in result.stderr and "--model /path" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl"]  # no store, no Redis folder
+    assert _no_chunkq_processes_under(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("corpus_text", "name", "exit_code", "says"),
+    [
+        (None, "nosuch.jsonl", 3, "nosuch.jsonl: no such file"),
+        ('{"body": "no text field"}\n', "wrong.jsonl", 3, "wrong.jsonl:1: missing text field 'text'"),
+        ("id,body\n1,x\n", "wrong.csv", 3, "header has no column 'text'"),
+        ("x\n", "notes.docx", 3, "cannot tell the format"),
+    ],
+)
+def test_run_checks_the_corpus_before_it_starts_or_writes_anything(
+    tmp_path: Path, corpus_text: str | None, name: str, exit_code: int, says: str
+) -> None:
+    if corpus_text is not None:
+        (tmp_path / name).write_text(corpus_text)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    result = run_cli("run", name, cwd=tmp_path, timeout=60)
+    assert result.returncode == exit_code, result.stderr
+    assert says in result.stderr and "Traceback" not in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no chunkq-store, no redis/
+    assert _no_chunkq_processes_under(tmp_path)
+
+
+def test_submit_reaches_redis_and_checks_the_corpus_before_it_writes(
+    tmp_path: Path, connection: redis.Redis, redis_url: str
+) -> None:
+    corpus = write_corpus(tmp_path / "c.jsonl", *make_texts(30), "jsonl")
+    store = tmp_path / "store"
+    unreachable = f"redis://127.0.0.1:{free_port()}/0"
+    result = run_cli("submit", str(corpus), "--store", str(store), "--redis-url", unreachable, timeout=60)
+    assert result.returncode == 7, result.stderr
+    assert not store.exists()
+
+    keys = connection.dbsize()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": 7}\n')
+    refused = run_cli("submit", str(bad), "--store", str(store), CHUNKQ_REDIS_URL=redis_url)
+    assert refused.returncode == 3 and "bad.jsonl:2: text field 'text' is int" in refused.stderr
+    assert not store.exists() and connection.dbsize() == keys
+
+    # The run id alone on stdout (for scripts), --json for the figures, --log-level after the name.
+    submitted = run_cli(
+        "submit", str(corpus), "--store", str(store), "--chunk-size", "10", "--log-level", "WARNING",
+        CHUNKQ_REDIS_URL=redis_url, CHUNKQ_QUEUE="userpath",
+    )  # fmt: skip
+    assert submitted.returncode == 0, submitted.stderr
+    run_id = submitted.stdout.strip()
+    assert run_id.startswith("c-") and "\t" not in run_id and (store / "runs" / run_id).is_dir()
+    assert "INFO" not in submitted.stderr
+    figures = run_cli(
+        "submit", str(corpus), "--store", str(store), "--chunk-size", "10", "--json",
+        CHUNKQ_REDIS_URL=redis_url, CHUNKQ_QUEUE="userpath",
+    )  # fmt: skip
+    assert json.loads(figures.stdout)["run_id"] == run_id and json.loads(figures.stdout)["in_flight"] == 3
+
+    # A Redis that holds none of the run's jobs: the human status names the lost chunks, as the JSON does.
+    other = redis.Redis.from_url(redis_url, db=5)
+    other.flushdb()
+    status = run_cli(
+        "status", run_id, "--store", str(store), "--redis-url", redis_url.rsplit("/", 1)[0] + "/5"
+    )
+    assert status.returncode == 0, status.stderr
+    assert "3 lost" in status.stdout and "chunk 0, 1, 2" in status.stdout
+
+
+def test_supervise_says_when_no_worker_takes_a_job_and_which_queue(
+    tmp_path: Path, connection: redis.Redis, redis_url: str
+) -> None:
+    corpus = write_corpus(tmp_path / "c.jsonl", *make_texts(10), "jsonl")
+    store = tmp_path / "store"
+    env = {"CHUNKQ_REDIS_URL": redis_url, "CHUNKQ_QUEUE": "nobody-listens"}
+    run_id = run_cli("submit", str(corpus), "--store", str(store), **env).stdout.strip()
+    log = tmp_path / "supervise.log"
+    proc = start_cli(
+        log, "supervise", run_id, "--store", str(store), "--poll", "0.1", "--warn-idle", "0.5", **env
+    )
+    try:
+        wait_for(lambda: b"no worker has taken a job" in log.read_bytes(), 60, "the idle warning")
+        # While it supervises, the run is in flight: clean refuses it and names the owner.
+        refused = run_cli("clean", run_id, "--store", str(store))
+        assert refused.returncode == 10 and "in use by pid" in refused.stderr, refused.stderr
+        assert (store / "runs" / run_id / "manifest.json").is_file()
+        listed = json.loads(run_cli("runs", "--store", str(store), "--json").stdout)
+        assert listed[0]["state"] == "in flight"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+    finally:
+        stop_tree(proc) if proc.poll() is None else None
+    text = log.read_text()
+    assert "from queue 'nobody-listens'" in text and "0 worker(s) listen on it" in text
+    # With Redis, clean also refuses a run whose jobs are still queued there.
+    queued = run_cli("clean", run_id, "--store", str(store), CHUNKQ_REDIS_URL=redis_url)
+    assert queued.returncode == 6 and "1 chunk(s) are queued or running" in queued.stderr
+
+
+def test_duplicate_ids_across_files_name_both_places(tmp_path: Path) -> None:
+    a = write_corpus(tmp_path / "a.jsonl", ["x1", "x2"], ["one", "two"], "jsonl")
+    b = write_corpus(tmp_path / "b.jsonl", ["x3", "x1"], ["three", "four"], "jsonl")
+    result = run_cli("run", str(a), str(b), "--store", str(tmp_path / "store"), timeout=120)
+    assert result.returncode == 3, result.stderr
+    assert "x1" in result.stderr and "a.jsonl:1" in result.stderr and "b.jsonl:2" in result.stderr
+
+
+def test_the_python_api_embeds_texts_and_runs_a_corpus(tmp_path: Path, reference_model: Any) -> None:
+    script = tmp_path / "use_api.py"
+    script.write_text(
+        "import json, sys\n"
+        "import numpy as np\n"
+        "import chunkq\n"
+        "texts = [line.rstrip('\\n') for line in open(sys.argv[1], encoding='utf-8')]\n"
+        "vectors = chunkq.embed(texts, chunk_size=15, max_jobs=10)\n"
+        "np.save(sys.argv[2], vectors)\n"
+        "result = chunkq.run(sys.argv[1], store=sys.argv[3], chunk_size=15, max_jobs=10)\n"
+        "print(json.dumps({'rows': result.rows, 'dim': result.dim, 'run_id': result.run_id,\n"
+        "                  'same': bool(np.array_equal(result.embeddings(), vectors)),\n"
+        "                  'ids': result.ids()[:2]}))\n"
+        "try:\n"
+        "    chunkq.run(sys.argv[1], store=sys.argv[3], no_such_option=1)\n"
+        "except chunkq.ConfigError as exc:\n"
+        "    print(exc)\n"
+    )
+    _, texts = make_texts(33, seed=4)
+    corpus = tmp_path / "texts.txt"
+    corpus.write_text("".join(t + "\n" for t in texts), encoding="utf-8")
+    out = tmp_path / "vectors.npy"
+    done = subprocess.run(
+        [sys.executable, str(script), str(corpus), str(out), str(tmp_path / "store")],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures, complaint = done.stdout.strip().splitlines()[-2:]
+    numbers = json.loads(figures)
+    assert (numbers["rows"], numbers["dim"], numbers["same"], numbers["ids"]) == (33, 384, True, ["1", "2"])
+    assert numbers["run_id"].startswith("texts-")
+    assert "unknown option(s): no_such_option" in complaint
+    assert max_abs_diff(np.load(out), _plain(reference_model, texts)) < 1e-5
