@@ -65,9 +65,9 @@ def test_chaos_run_loses_and_duplicates_nothing(tmp_path: Path, reference_model:
         ]
     )
     submitted = run_cli(
-        "submit", str(corpus), "--chunk-size", "5", "--run-id", "chaos", "--batch-size", "8", **env
+        "submit", str(corpus), "--chunk-size", "5", "--run-id", "chaos", "--batch-size", "8", "--json", **env
     )
-    assert submitted.returncode == 0 and "60 chunks" in submitted.stdout, submitted.stderr
+    assert submitted.returncode == 0 and json.loads(submitted.stdout)["chunks"] == 60, submitted.stderr
     pool_args = ("pool", "--gpus", "none", "--cpu-workers", "2", "--max-jobs", "8", "--crash-limit", "100")
     pool = start_cli(tmp_path / "pool.log", *pool_args, CHUNKQ_FAULTS=faults, **env)
     supervise_args = ("supervise", "chaos", "--poll", "0.2", "--max-attempts", "6")
