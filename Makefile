@@ -35,8 +35,10 @@ system-tools:
 		&& apt-get update -qq && apt-get install -y -qq $$missing >/dev/null; } \
 		|| echo "unavailable:$$missing; the tests that need them will be skipped (fail under CI=true)"
 
+# Three tests at a time (pytest-xdist): most of them wait on the processes they start, so three
+# keep CI's two cores busy; work-stealing keeps the long ones from ending the run alone.
 test: lint system-tools
-	$(BIN)/pytest
+	$(BIN)/pytest -n 3 --dist worksteal
 
 # The inner loop: everything but the slow tier (real pools and CLI runs) and the GPU tier.
 test-fast: $(STAMP)

@@ -7,6 +7,7 @@ refused. Chunk inputs are written before the manifest, so a run with a manifest 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -20,7 +21,7 @@ import redis
 
 from chunkq.jobs.errors import ConfigError, CorpusError, RunConflictError
 from chunkq.jobs.specs import FORMAT_VERSION, EncodeOptions, fingerprint, validate_run_id
-from chunkq.jobs.storage import local_scratch, remove_tree
+from chunkq.jobs.storage import is_local, local_scratch, remove_tree
 from chunkq.jobs.store import RunLayout, atomic_write_json, file_sha256, write_chunk_input
 from chunkq.queue_worker.settings import DEFAULT_QUEUE
 from chunkq.supervisor.assemble import published_result, set_aside
@@ -179,6 +180,20 @@ def _create_run(
     return RunManifest(data)
 
 
+@contextlib.contextmanager
+def _store_removed_on_failure(store: Path) -> Iterator[None]:
+    """A first submit into a store that did not exist yet: if it fails (bad input on line 9,000),
+    the folders it created go too, so a failed submit leaves the disk as it found it."""
+    fresh = [p for p in (store, store / "runs") if is_local(p) and not p.exists()]
+    try:
+        yield
+    except BaseException:
+        for folder in reversed(fresh):
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only if empty: never anything another process wrote meanwhile
+        raise
+
+
 def submit(req: SubmitRequest, connection: redis.Redis) -> SubmitResult:
     """Create (or find) the run for ``req`` and enqueue every chunk not yet done or in flight."""
     if req.chunk_size < 1:
@@ -192,7 +207,8 @@ def submit(req: SubmitRequest, connection: redis.Redis) -> SubmitResult:
     layout = RunLayout(req.store, run_id)
     created = not layout.manifest.is_file()
     if created:
-        manifest = _create_run(req, layout, identity, inputs)
+        with _store_removed_on_failure(req.store):
+            manifest = _create_run(req, layout, identity, inputs)
         log.info(
             "run %s: %d rows in %d chunks written to %s", run_id, manifest.rows, manifest.chunks, layout.root
         )

@@ -167,22 +167,23 @@ def test_failures_outlive_the_runs_redis_and_the_report_lists_them_by_class(
 def test_workers_recycle_on_work_time_and_each_successor_is_warm_before_its_first_chunk(
     tmp_path: Path, reference_model: Any
 ) -> None:
-    """--recycle-after 2 with every chunk taking over a second and --max-jobs far away: each worker
-    does two chunks (it knows the second is its last, so its successor loads meanwhile)."""
-    ids, texts = make_texts(60, seed=5)
+    """--recycle-after 5 with every chunk taking 3 s and more, and --max-jobs far away: each worker
+    does two chunks (it knows the second is its last, so its successor loads meanwhile). The margins
+    (3 s < 5 s, 6 s > 5 s) hold on a loaded 2-core machine, where encoding a chunk may take 1 s."""
+    ids, texts = make_texts(40, seed=5)
     corpus = write_corpus(tmp_path / "corpus.jsonl", ids, texts, "jsonl")
     store = tmp_path / "store"
-    faults = json.dumps([{"kind": "slow", "seconds": 1.0}])
-    args = ["--chunk-size", "10", "--max-jobs", "1000", "--recycle-after", "2", "--max-jobs-jitter", "0"]
+    faults = json.dumps([{"kind": "slow", "seconds": 3.0}])
+    args = ["--chunk-size", "10", "--max-jobs", "1000", "--recycle-after", "5", "--max-jobs-jitter", "0"]
     done = run_cli("run", str(corpus), *args, "--store", str(store), CHUNKQ_FAULTS=faults)
     assert done.returncode == 0, done.stderr[-3000:]
     layout = only_run(store)
     _check_result(layout, ids, texts, reference_model)
     per_process: dict[int, list[int]] = {}
-    for index in range(6):
+    for index in range(4):
         per_process.setdefault(read_json(layout.output_meta(index))["pid"], []).append(index)
-    assert sorted(len(chunks) for chunks in per_process.values()) == [2, 2, 2], per_process
-    assert done.stderr.count("recycling after") == 3 and "takes over" in done.stderr
+    assert sorted(len(chunks) for chunks in per_process.values()) == [2, 2], per_process
+    assert done.stderr.count("recycling after") == 2 and "takes over" in done.stderr
     # Each successor ran its warm-up encode before its predecessor exited and it took a job.
     for name in set(re.findall(r"\[(\S+-g\d+) gpu=-\] \S+: predecessor \d+ exited", done.stderr)):
         lines = [line for line in done.stderr.splitlines() if f"[{name} gpu=-]" in line]
@@ -193,7 +194,7 @@ def test_workers_recycle_on_work_time_and_each_successor_is_warm_before_its_firs
         float(s)
         for s in re.findall(r"warm-up encode at \[16, 64\] tokens on cpu in ([0-9.]+) s", done.stderr)
     ]
-    assert len(seconds) >= 3 and all(s < 5 for s in seconds)
+    assert len(seconds) >= 2 and all(s < 5 for s in seconds)
 
 
 def test_log_level_reaches_the_workers(tmp_path: Path) -> None:

@@ -83,7 +83,7 @@ def test_two_files_one_run_listed_exported_cleaned_and_resumed_from_the_store(
     report = run_cli("report", run_id, "--store", str(store), "--log-level", "WARNING")
     assert report.returncode == 0, report.stderr
     summary = json.loads((layout.root / "report" / "report.json").read_text())
-    assert summary["rows_per_second"] == pytest.approx(snap["rows_per_second"], rel=1e-3)
+    assert summary["rows_per_second"] == pytest.approx(snap["rows_per_second"], abs=0.051)  # rounded to 0.1
     listing = run_cli("runs", "--store", str(store), "--json")
     (info,) = json.loads(listing.stdout)
     assert (info["run_id"], info["state"], info["rows_done"], info["model"]) == (
@@ -121,9 +121,7 @@ def test_two_files_one_run_listed_exported_cleaned_and_resumed_from_the_store(
     again = run_cli(*args, "--model", "sentence-transformers/all-MiniLM-L6-v2")
     assert again.returncode == 0, again.stderr[-2000:]
     assert "already complete" in again.stdout
-    assert (layout.result / "embeddings.npy").read_bytes() == embeddings.tobytes() or np.array_equal(
-        np.load(layout.result / "embeddings.npy"), embeddings
-    )
+    assert np.array_equal(np.load(layout.result / "embeddings.npy"), embeddings)
     assert not list(layout.outputs.glob("*.npy"))  # nothing was encoded again
 
     # Delete the whole run.
