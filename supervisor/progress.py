@@ -146,10 +146,7 @@ class Tracker:
         for index in indices:
             self.pending.discard(index)
             self.rows_done += self.manifest.chunk_rows(index)
-            try:  # read once per chunk: the run's rate is measured from its outputs' times
-                self.throughput.add(read_json(self.layout.output_meta(index)))
-            except (OSError, ValueError, KeyError):
-                pass  # a damaged output is the assembler's to name; the rate does without it
+            _count_output(self.throughput, self.layout, index)  # once per chunk
 
     def _job_id(self, index: int) -> str:
         return chunk_job_id(self.manifest.run_id, index)
@@ -286,6 +283,14 @@ class Tracker:
         return stale
 
 
+def _count_output(throughput: Throughput, layout: RunLayout, index: int) -> None:
+    """Add a committed chunk's rows and times to the run's rate."""
+    try:
+        throughput.add(read_json(layout.output_meta(index)))
+    except (OSError, ValueError, KeyError):
+        pass  # a damaged output is the assembler's to name; the rate does without it
+
+
 def set_rate(snap: Snapshot, throughput: Throughput) -> None:
     """The run's rows/s (supervisor.throughput) and, while chunks remain, the time they will take."""
     snap.rows_per_second = throughput.rows_per_second(running=not snap.settled)
@@ -301,10 +306,7 @@ def store_snapshot(layout: RunLayout, manifest: RunManifest) -> Snapshot:
     throughput = Throughput()
     for index in sorted(done):
         snap.rows_done += manifest.chunk_rows(index)
-        try:
-            throughput.add(read_json(layout.output_meta(index)))
-        except (OSError, ValueError, KeyError):
-            pass
+        _count_output(throughput, layout, index)
     snap.chunks_done = len(done)
     last: dict[int, FailedAttempt] = {}
     for attempt in failed_attempts(layout):

@@ -162,7 +162,9 @@ def run(req: RunRequest, display: ProgressDisplay) -> RunOutcome:
         layout = RunLayout(store, submitted.run_id)
         owner = stack.enter_context(StoreLock(layout.owner, f"run {layout.run_id}"))
         owner.acquire(req.watch.wait_for_owner)
-        if published_result(layout, load_manifest(layout)) is not None:
+        # Submit has checked the result's checksums; look again only if another run may have
+        # published it while this one waited for the lock.
+        if submitted.published or published_result(layout, load_manifest(layout)) is not None:
             log.info("run %s: result already published in %s", submitted.run_id, layout.result)
             return RunOutcome(submitted, None)
         keep_going = _always

@@ -65,6 +65,7 @@ class SubmitResult:
     done: int
     counts: EnqueueCounts
     created: bool
+    published: bool = False  # a whole, intact result is published: nothing was enqueued
 
 
 def describe_inputs(paths: tuple[Path, ...]) -> list[dict[str, Any]]:
@@ -220,9 +221,8 @@ def submit(req: SubmitRequest, connection: redis.Redis) -> SubmitResult:
             # Whole and intact: nothing to encode, even where `chunkq clean --outputs-only` freed the
             # chunk outputs it was assembled from.
             log.info("run %s: result already published in %s", run_id, layout.result)
-            return SubmitResult(
-                run_id, manifest.rows, manifest.chunks, manifest.chunks, EnqueueCounts(), False
-            )
+            chunks = manifest.chunks
+            return SubmitResult(run_id, manifest.rows, chunks, chunks, EnqueueCounts(), False, published=True)
     done = layout.done_chunks()
     for index in sorted(i for i in done if not layout.output_npy(i).exists()):
         set_aside(layout, index)  # committed, then its .npy was lost: encode it again

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
 
 import redis
@@ -15,12 +16,13 @@ from rq.job import Job
 
 from chunkq.jobs.models import BUNDLED_MODEL
 from chunkq.jobs.specs import chunk_job_id
-from chunkq.jobs.store import RunLayout
+from chunkq.jobs.store import RunLayout, read_json
 from chunkq.queue_worker import exit_codes
 from chunkq.supervisor.corpus import CorpusOptions
 from chunkq.supervisor.manifest import load_manifest
-from chunkq.supervisor.progress import Tracker
+from chunkq.supervisor.progress import Tracker, store_snapshot
 from chunkq.supervisor.submit import SubmitRequest, SubmitResult, submit
+from chunkq.supervisor.throughput import of_outputs
 from tests.helpers import cli_env, make_texts, write_corpus
 
 
@@ -90,6 +92,13 @@ def test_incremental_looks_follow_a_run_and_the_reconcile_finds_what_they_cannot
     assert tracker.full_looks == 1  # what follows was learnt from the registries alone
     assert (look.chunks_done, look.rows_done, look.chunks_queued, look.chunks_running) == (5, 10, 0, 0)
     assert [(f.chunk, f.error_class) for f in look.failures] == [(5, "cuda_fatal")]
+    # One rate for one run: the tracker (supervise, metrics) counts what the store alone gives
+    # status and report, chunk for chunk, and measures it the same way.
+    from_store = of_outputs(read_json(layout.output_meta(i)) for i in sorted(layout.done_chunks()))
+    assert tracker.throughput == from_store and from_store.rows == 10
+    moment = datetime.now(UTC)
+    assert tracker.throughput.rows_per_second(True, moment) == from_store.rows_per_second(True, moment)
+    assert look.rows_per_second and store_snapshot(layout, load_manifest(layout)).rows_per_second
 
     # A job hash that vanishes (a flushed or evicted Redis) leaves no trace in any registry: the
     # incremental look stops counting the chunk as failed, and only the reconcile calls it lost.
