@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 
 from chunkq.jobs.storage import open_store
@@ -129,3 +130,18 @@ def test_run_end_to_end_on_s3(s3_env: dict[str, str], tmp_path: Path, reference_
 
     again = run_cli(*args, cwd=tmp_path, **env)
     assert again.returncode == 0 and "already complete" in again.stdout, again.stderr[-3000:]
+
+    # The store is the record on an object store too: list, look, export and free its outputs.
+    (listed,) = json.loads(run_cli("runs", "--store", store, "--json", **env).stdout)
+    assert (listed["run_id"], listed["state"], listed["rows_done"]) == ("s3run", "published", 120)
+    assert listed["bytes"] > matrix.nbytes
+    status = json.loads(run_cli("status", "s3run", "--store", store, "--json", **env).stdout)
+    assert status["chunks_done"] == 4 and status["rows_per_second"] > 0
+    out = tmp_path / "s3run.parquet"
+    exported = run_cli("export", "s3run", "--store", store, "--out", str(out), **env)
+    assert exported.returncode == 0, exported.stderr
+    assert pq.read_table(out).column("id").to_pylist() == ids
+    freed = run_cli("clean", "s3run", "--store", store, "--outputs-only", **env)
+    assert freed.returncode == 0, freed.stderr
+    assert not [p for p in layout.outputs.iterdir() if p.name.endswith(".npy")]
+    assert run_cli(*args, cwd=tmp_path, **env).returncode == 0  # the published result still stands
