@@ -22,6 +22,8 @@ from chunkq.jobs.storage import OWNER_ONLY, open_store
 from chunkq.jobs.store import RunLayout
 from chunkq.queue_worker.settings import DEFAULT_STORE
 from chunkq.supervisor.display import ProgressDisplay
+from chunkq.supervisor.manifest import load_manifest
+from chunkq.supervisor.progress import store_snapshot
 from chunkq.supervisor.request import build_run_request, finished_result
 
 if TYPE_CHECKING:
@@ -36,8 +38,9 @@ class RunResult:
     store: Path
     rows: int
     dim: int
-    seconds: float
+    seconds: float  # this call, start to end (model loads and start-up included)
     workers: int
+    rows_per_second: float | None  # the run's rate as status and report give it (supervisor.throughput)
 
     @property
     def result_dir(self) -> Path:
@@ -50,10 +53,6 @@ class RunResult:
     @property
     def ids_path(self) -> Path:
         return self.result_dir / "ids.jsonl"
-
-    @property
-    def rows_per_second(self) -> float:
-        return self.rows / self.seconds if self.seconds else 0.0
 
     def embeddings(self, mmap: bool = True) -> np.ndarray:
         """The result, row i for corpus row i (memory-mapped unless ``mmap=False``)."""
@@ -96,6 +95,7 @@ def run(
     finally:
         os.umask(mask)
     result = finished_result(outcome, request)
+    layout = RunLayout(request.submit.store, result["run_id"])
     return RunResult(
         run_id=result["run_id"],
         store=request.submit.store,
@@ -103,6 +103,7 @@ def run(
         dim=int(result["dim"]),
         seconds=time.monotonic() - started,
         workers=len(result.get("workers", ())),
+        rows_per_second=store_snapshot(layout, load_manifest(layout)).rows_per_second,
     )
 
 

@@ -228,9 +228,10 @@ def _finish(outcome: Outcome) -> int:
         )
         return EXIT_CHUNKS_FAILED
     result = outcome.result
+    rate = outcome.snapshot.rows_per_second
     click.echo(
         f"run {result['run_id']}: {result['rows']} x {result['dim']} embeddings, "
-        f"{len(result['workers'])} worker process(es)"
+        f"{len(result['workers'])} worker process(es)" + (f", {rate:,.1f} rows/s" if rate else "")
     )
     return EXIT_OK
 

@@ -5,6 +5,7 @@ inputs, and the Python API."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -84,6 +85,8 @@ def test_two_files_one_run_listed_exported_cleaned_and_resumed_from_the_store(
     assert report.returncode == 0, report.stderr
     summary = json.loads((layout.root / "report" / "report.json").read_text())
     assert summary["rows_per_second"] == pytest.approx(snap["rows_per_second"], abs=0.051)  # rounded to 0.1
+    (said,) = re.findall(r"([0-9,.]+) rows/s", done.stdout)  # what run itself printed at the end
+    assert float(said.replace(",", "")) == pytest.approx(snap["rows_per_second"], abs=0.051)
     listing = run_cli("runs", "--store", str(store), "--json")
     (info,) = json.loads(listing.stdout)
     assert (info["run_id"], info["state"], info["rows_done"], info["model"]) == (
@@ -263,7 +266,7 @@ def test_the_python_api_embeds_texts_and_runs_a_corpus(tmp_path: Path, reference
         "result = chunkq.run(sys.argv[1], store=sys.argv[3], chunk_size=15, max_jobs=10)\n"
         "print(json.dumps({'rows': result.rows, 'dim': result.dim, 'run_id': result.run_id,\n"
         "                  'same': bool(np.array_equal(result.embeddings(), vectors)),\n"
-        "                  'ids': result.ids()[:2]}))\n"
+        "                  'ids': result.ids()[:2], 'rate': result.rows_per_second}))\n"
         "try:\n"
         "    chunkq.run(sys.argv[1], store=sys.argv[3], no_such_option=1)\n"
         "except chunkq.ConfigError as exc:\n"
@@ -285,6 +288,6 @@ def test_the_python_api_embeds_texts_and_runs_a_corpus(tmp_path: Path, reference
     figures, complaint = done.stdout.strip().splitlines()[-2:]
     numbers = json.loads(figures)
     assert (numbers["rows"], numbers["dim"], numbers["same"], numbers["ids"]) == (33, 384, True, ["1", "2"])
-    assert numbers["run_id"].startswith("texts-")
+    assert numbers["run_id"].startswith("texts-") and numbers["rate"] > 0
     assert "unknown option(s): no_such_option" in complaint
     assert max_abs_diff(np.load(out), _plain(reference_model, texts)) < 1e-5
