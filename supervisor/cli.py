@@ -56,7 +56,7 @@ from chunkq.supervisor.request import (
     watch_settings,
 )
 from chunkq.supervisor.retry import RetryPolicy
-from chunkq.supervisor.run import RunOutcome, run
+from chunkq.supervisor.run import RunOutcome, embedded_url, run
 from chunkq.supervisor.submit import DEFAULT_CHUNK_SIZE, submit
 from chunkq.supervisor.watch import WARN_IDLE_SECONDS, Outcome, WatchSettings, failure_report, supervise
 
@@ -399,11 +399,12 @@ def supervise_cmd(run_id: str, store: Path, redis_url: str | None, **watch: Any)
 @click.argument("run_id")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 @store_option
-@redis_option("live")
+@redis_option("status")
 def status_cmd(run_id: str, store: Path, redis_url: str | None, as_json: bool) -> None:
     """Print where RUN_ID stands, once: from the store, and from Redis when one is given."""
     layout = RunLayout(store, run_id)
     manifest = load_manifest(layout)
+    redis_url = redis_url or embedded_url(store)  # a `chunkq run` serving this store right now
     if redis_url:
         snap = Tracker(reach_redis(redis_url), layout, manifest).poll()
     else:

@@ -156,6 +156,9 @@ REDIS_HELP = {
     "started in the store for this run.",
     "live": "redis:// or rediss:// URL; optional: adds what only Redis knows (jobs queued and "
     "running) to what the store records.",
+    "status": "redis:// or rediss:// URL; optional: adds what only Redis knows (jobs queued and "
+    "running) to what the store records. Default: the embedded Redis of a `chunkq run` serving "
+    "the store on this host, while one does.",
     "unused": "Accepted like on every command; this one reads the store alone.",
 }
 

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import TracebackType
@@ -134,6 +135,29 @@ def embedded_redis_dir(store: Path) -> Path:
     return local_state_dir(store) / "redis"
 
 
+@contextlib.contextmanager
+def _advertised(path: Path, url: str) -> Iterator[None]:
+    """The running server's URL (password included) in an owner-only file, for commands on this
+    host that want live state without being given --redis-url (``chunkq status``); removed when
+    the server stops. The same folder already holds the password in ``auth.conf``."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(url + "\n")
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def embedded_url(store: Path) -> str | None:
+    """The URL of the store's embedded Redis while a ``chunkq run`` on this host serves it, else None."""
+    data_dir = embedded_redis_dir(store)
+    url_file = data_dir / "url"
+    if not url_file.is_file() or StoreLock(data_dir / "owner.json", "").live_holder() is None:
+        return None
+    return url_file.read_text().strip() or None
+
+
 def _always() -> bool:
     return True
 
@@ -153,6 +177,7 @@ def run(req: RunRequest, display: ProgressDisplay) -> RunOutcome:
             )
             server_lock.acquire(req.watch.wait_for_owner)
             server = stack.enter_context(EmbeddedRedis(data_dir))
+            stack.enter_context(_advertised(data_dir / "url", server.url))
             server.watch()  # restarted if it dies; the run stops with the reason if it cannot be
             url, redis_gone = server.url, lambda: server.failure
             if server_lock.took_over:

@@ -24,8 +24,10 @@ from tests.helpers import (
     cli_env,
     make_texts,
     max_abs_diff,
+    only_run,
     run_cli,
     start_cli,
+    start_run_with_a_slow_chunk,
     stop_tree,
     wait_for,
     write_corpus,
@@ -291,3 +293,20 @@ def test_the_python_api_embeds_texts_and_runs_a_corpus(tmp_path: Path, reference
     assert numbers["run_id"].startswith("texts-") and numbers["rate"] > 0
     assert "unknown option(s): no_such_option" in complaint
     assert max_abs_diff(np.load(out), _plain(reference_model, texts)) < 1e-5
+
+
+def test_status_shows_a_running_chunkq_run_live_without_being_given_redis(tmp_path: Path) -> None:
+    proc, log, _, _ = start_run_with_a_slow_chunk(tmp_path, seed=31, seconds=6, chunk=0)
+    store = tmp_path / "store"
+    try:
+        run_id = only_run(store).run_id
+        during = run_cli("status", run_id, "--store", str(store), "--json")
+        assert during.returncode == 0, during.stderr
+        snap = json.loads(during.stdout)
+        assert snap["live"] is True and snap["chunks_running"] >= 1 and not snap["settled"]
+        assert proc.wait(timeout=180) == 0, log.read_text()[-3000:]
+    finally:
+        stop_tree(proc) if proc.poll() is None else None
+    after = json.loads(run_cli("status", run_id, "--store", str(store), "--json").stdout)
+    assert after["live"] is False and after["settled"]  # the run's Redis is gone; the store remains
+    assert not (store / "redis" / "url").exists()
