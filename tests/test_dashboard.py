@@ -9,7 +9,6 @@ import pickle
 import shutil
 import signal
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -25,7 +24,7 @@ from chunkq.jobs.nopickle import PickleRefusedError, forbid_pickle
 from chunkq.jobs.specs import chunk_job_id
 from chunkq.supervisor.dashboard import check_bind, is_loopback
 from chunkq.supervisor.embedded_redis import free_port
-from tests.helpers import cli_env, make_texts, run_cli, start_cli, stop_tree, wait_for, write_corpus
+from tests.helpers import WORKER, cli_env, make_texts, run_cli, start_cli, stop_tree, wait_for, write_corpus
 from tests.test_security import Exploit
 
 REGISTRIES = ("queued", "failed", "finished", "started", "deferred", "scheduled", "canceled")
@@ -290,16 +289,7 @@ def _failed_chunk_run(tmp_path: Path, store: Path, redis_url: str) -> tuple[str,
     assert submitted.returncode == 0, submitted.stderr
     faults = json.dumps([{"kind": "cuda_fatal", "chunks": [1]}])
     worker = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "chunkq.queue_worker.worker",
-            "--queue",
-            "dash",
-            "--burst",
-            "--store",
-            str(store),
-        ],
+        [*WORKER, "--queue", "dash", "--burst", "--store", str(store)],
         env=cli_env(CHUNKQ_REDIS_URL=redis_url, CHUNKQ_DEVICE="cpu", CHUNKQ_FAULTS=faults),
         capture_output=True,
         text=True,

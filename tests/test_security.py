@@ -33,7 +33,7 @@ from rq.serializers import JSONSerializer
 from chunkq.jobs.models import BUNDLED_MODEL
 from chunkq.jobs.nopickle import PickleRefusedError, forbid_pickle
 from chunkq.queue_worker import exit_codes
-from tests.helpers import cli_env, make_texts, run_cli, write_corpus
+from tests.helpers import WORKER, cli_env, make_texts, run_cli, write_corpus
 
 QUEUE = "attack"
 
@@ -147,16 +147,7 @@ def test_raw_jobs_from_an_attacker_run_nothing(
     _plant(connection, "a-pickled-meta", _call("os.getpid"), meta=pickle.dumps(Exploit(marker)))
 
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "chunkq.queue_worker.worker",
-            "--queue",
-            QUEUE,
-            "--burst",
-            "--store",
-            str(store),
-        ],
+        [*WORKER, "--queue", QUEUE, "--burst", "--store", str(store)],
         env=cli_env(CHUNKQ_REDIS_URL=redis_url, CHUNKQ_DEVICE="cpu"),
         capture_output=True,
         text=True,
@@ -213,16 +204,7 @@ def test_user_job_functions_can_be_allow_listed(
 ) -> None:
     _plant(connection, "u-getpid", _call("os.getpid"))
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "chunkq.queue_worker.worker",
-            "--queue",
-            QUEUE,
-            "--burst",
-            "--store",
-            str(store),
-        ],
+        [*WORKER, "--queue", QUEUE, "--burst", "--store", str(store)],
         env=cli_env(CHUNKQ_REDIS_URL=redis_url, CHUNKQ_DEVICE="cpu", CHUNKQ_ALLOWED_JOBS="os.getpid"),
         capture_output=True,
         text=True,

@@ -7,7 +7,6 @@ much a look asked for.
 from __future__ import annotations
 
 import subprocess
-import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from chunkq.supervisor.manifest import load_manifest
 from chunkq.supervisor.progress import Tracker, store_snapshot
 from chunkq.supervisor.submit import SubmitRequest, SubmitResult, submit
 from chunkq.supervisor.throughput import of_outputs
-from tests.helpers import cli_env, make_texts, write_corpus
+from tests.helpers import WORKER, cli_env, make_texts, write_corpus
 
 
 def _submit(
@@ -67,16 +66,7 @@ def test_incremental_looks_follow_a_run_and_the_reconcile_finds_what_they_cannot
     tracker = Tracker(connection, layout, load_manifest(layout), min_reconcile_seconds=3600)
     assert tracker.poll().chunks_queued == 6
     worker = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "chunkq.queue_worker.worker",
-            "--queue",
-            "follow",
-            "--burst",
-            "--store",
-            str(store),
-        ],
+        [*WORKER, "--queue", "follow", "--burst", "--store", str(store)],
         env=cli_env(
             CHUNKQ_REDIS_URL=redis_url,
             CHUNKQ_DEVICE="cpu",
