@@ -33,6 +33,26 @@ from tests.helpers import (
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.timeout(600)
+def test_a_run_of_two_thousand_chunks(tmp_path: Path, reference_model: Any) -> None:
+    """The supervisor of a 5,000-chunk run died after 34 s (an empty heartbeat); 2,000 is the floor."""
+    rows = 4_000  # chunks of 2 one-word texts: the queue and the supervisor are what is exercised
+    words = "alpha beta gamma delta river mountain queue worker chunk embed".split()
+    ids = [f"w{i}" for i in range(rows)]
+    texts = [f"{words[i % len(words)]} {i}" for i in range(rows)]
+    corpus, store = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl"), tmp_path / "store"
+    done = run_cli(
+        "run", str(corpus), "--chunk-size", "2", "--cpu-workers", "2", "--store", str(store), timeout=560
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    layout = only_run(store)
+    assert len(layout.done_chunks()) == 2_000
+    sample = slice(0, rows, 97)
+    got = np.load(layout.result / "embeddings.npy", mmap_mode="r")[sample]
+    assert max_abs_diff(np.asarray(got), reference_model.encode(texts[sample])) <= 1e-5
+    assert [json.loads(line) for line in (layout.result / "ids.jsonl").read_text().splitlines()] == ids
+
+
 def test_sigterm_drains_the_chunk_in_hand_and_the_run_resumes(tmp_path: Path, reference_model: Any) -> None:
     proc, log, args, texts = start_run_with_a_slow_chunk(tmp_path, seed=91, seconds=5, chunk=1)
     store = tmp_path / "store"
@@ -243,23 +263,3 @@ def test_everything_a_run_writes_is_owner_only(tmp_path: Path) -> None:
     assert not loose, loose  # result files, the append-only file and the server log included
     assert any(name.startswith("redis/appendonlydir/") for name in modes)
     assert any(name.endswith("result/embeddings.npy") for name in modes)
-
-
-@pytest.mark.timeout(600)
-def test_a_run_of_two_thousand_chunks(tmp_path: Path, reference_model: Any) -> None:
-    """The supervisor of a 5,000-chunk run died after 34 s (an empty heartbeat); 2,000 is the floor."""
-    rows = 4_000  # chunks of 2 one-word texts: the queue and the supervisor are what is exercised
-    words = "alpha beta gamma delta river mountain queue worker chunk embed".split()
-    ids = [f"w{i}" for i in range(rows)]
-    texts = [f"{words[i % len(words)]} {i}" for i in range(rows)]
-    corpus, store = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl"), tmp_path / "store"
-    done = run_cli(
-        "run", str(corpus), "--chunk-size", "2", "--cpu-workers", "2", "--store", str(store), timeout=560
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    layout = only_run(store)
-    assert len(layout.done_chunks()) == 2_000
-    sample = slice(0, rows, 97)
-    got = np.load(layout.result / "embeddings.npy", mmap_mode="r")[sample]
-    assert max_abs_diff(np.asarray(got), reference_model.encode(texts[sample])) <= 1e-5
-    assert [json.loads(line) for line in (layout.result / "ids.jsonl").read_text().splitlines()] == ids
