@@ -13,7 +13,7 @@ import logging
 import random
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ from chunkq.jobs.models import resolve_model
 from chunkq.jobs.store import RunLayout, read_chunk_input, read_json
 from chunkq.supervisor.attempts import FailedAttempt, by_class, failed_attempts, to_json
 from chunkq.supervisor.manifest import RunManifest, load_manifest
-from chunkq.supervisor.throughput import of_outputs
+from chunkq.supervisor.throughput import of_outputs, parse_time
 
 log = logging.getLogger(__name__)
 
@@ -44,18 +44,6 @@ class RunFacts:
         for meta in self.outputs:
             lanes[(str(meta["host"]), int(meta["pid"]))].append(meta)
         return lanes
-
-    @property
-    def span(self) -> tuple[datetime, datetime] | None:
-        if not self.outputs:
-            return None
-        starts = [_ts(m["started_at"]) for m in self.outputs]
-        ends = [_ts(m["finished_at"]) for m in self.outputs]
-        return min(starts), max(ends)
-
-
-def _ts(text: str) -> datetime:
-    return datetime.fromisoformat(text)
 
 
 def gather(layout: RunLayout) -> RunFacts:
@@ -141,25 +129,24 @@ def _plot(facts: RunFacts, lengths: list[int], limit: int | None, unit: str, pat
     import matplotlib.pyplot as plt
 
     fig, (ax_lanes, ax_rate, ax_len) = plt.subplots(3, 1, figsize=(12, 11), height_ratios=(3, 1.3, 1.3))
-    span = facts.span
-    t0 = span[0] if span else datetime.now().astimezone()
+    t0 = of_outputs(facts.outputs).first_start or datetime.now(UTC)
     lanes = sorted(
-        facts.processes.values(), key=lambda metas: (_device(metas[0]), _ts(metas[0]["started_at"]))
+        facts.processes.values(), key=lambda metas: (_device(metas[0]), parse_time(metas[0]["started_at"]))
     )
     lane_of_worker: dict[str, int] = {}
     for y, metas in enumerate(lanes):
         first = metas[0]
         lane_of_worker[str(first["worker"])] = y
         for meta in metas:
-            start = (_ts(meta["started_at"]) - t0).total_seconds()
-            length = (_ts(meta["finished_at"]) - _ts(meta["started_at"])).total_seconds()
+            start = (parse_time(meta["started_at"]) - t0).total_seconds()
+            length = (parse_time(meta["finished_at"]) - parse_time(meta["started_at"])).total_seconds()
             ax_lanes.barh(y, length, left=start, height=0.6, color="tab:blue", edgecolor="white")
             ax_lanes.text(start + length / 2, y, str(meta["chunk"]), ha="center", va="center", fontsize=6)
         if first.get("model_loaded_at") and first.get("model_load_seconds") is not None:
             load = float(first["model_load_seconds"])
-            end = (_ts(first["model_loaded_at"]) - t0).total_seconds()
+            end = (parse_time(first["model_loaded_at"]) - t0).total_seconds()
             ax_lanes.barh(y, load, left=end - load, height=0.6, color="tab:gray")
-        last_end = max((_ts(m["finished_at"]) - t0).total_seconds() for m in metas)
+        last_end = max((parse_time(m["finished_at"]) - t0).total_seconds() for m in metas)
         ax_lanes.plot([last_end], [y], marker="|", color="black", markersize=12)  # the process recycles/exits
     for attempt in facts.failures:
         # A process that never finished a chunk has no lane of its own: its failures sit below the lanes.
@@ -182,7 +169,9 @@ def _plot(facts: RunFacts, lengths: list[int], limit: int | None, unit: str, pat
         "process end (|)"
     )
 
-    finished = sorted(((_ts(m["finished_at"]) - t0).total_seconds(), int(m["rows"])) for m in facts.outputs)
+    finished = sorted(
+        ((parse_time(m["finished_at"]) - t0).total_seconds(), int(m["rows"])) for m in facts.outputs
+    )
     if finished:
         width = max(1.0, finished[-1][0] / 30)
         buckets: Counter[int] = Counter()

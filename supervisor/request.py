@@ -9,6 +9,7 @@ files, no keys and no processes behind.
 from __future__ import annotations
 
 import glob
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import fields, replace
 from pathlib import Path
@@ -48,8 +49,8 @@ def expand_corpora(patterns: Sequence[str | Path]) -> tuple[Path, ...]:
             found.extend(matches)
         else:
             found.append(Path(text))
-    resolved = [p.resolve() for p in found]
-    twice = sorted({str(p) for p in found if resolved.count(p.resolve()) > 1})
+    counts = Counter(p.resolve() for p in found)
+    twice = sorted({str(p) for p in found if counts[p.resolve()] > 1})
     if twice:
         raise CorpusError(f"{', '.join(twice)}: named more than once")
     return tuple(found)

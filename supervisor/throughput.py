@@ -13,7 +13,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 
-def _time(value: Any) -> datetime:
+def parse_time(value: Any) -> datetime:
+    """A chunk output's ISO time; one written without a zone is UTC (as workers write them)."""
     moment = datetime.fromisoformat(str(value))
     return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
 
@@ -27,7 +28,7 @@ class Throughput:
     def add(self, meta: Mapping[str, Any]) -> None:
         """Count one committed chunk output (its metadata as written by the worker)."""
         self.rows += int(meta["rows"])
-        started, ended = _time(meta["started_at"]), _time(meta["finished_at"])
+        started, ended = parse_time(meta["started_at"]), parse_time(meta["finished_at"])
         self.first_start = started if self.first_start is None else min(self.first_start, started)
         self.last_end = ended if self.last_end is None else max(self.last_end, ended)
 
