@@ -26,9 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
+from chunkq.jobs.manifest import load_manifest
 from chunkq.jobs.store import RunLayout, write_output
 from chunkq.supervisor.embedded_redis import EmbeddedRedis
-from chunkq.supervisor.manifest import load_manifest
 
 MEASURE = """
 import resource, runpy, sys

@@ -36,9 +36,9 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from chunkq.jobs.allowlist import AllowListedJob
+from chunkq.jobs.manifest import load_manifest
 from chunkq.jobs.store import RunLayout
 from chunkq.supervisor.embedded_redis import EmbeddedRedis
-from chunkq.supervisor.manifest import load_manifest
 from chunkq.supervisor.progress import Tracker
 
 

@@ -18,7 +18,8 @@ import numpy as np
 from rq import get_current_job
 
 from chunkq.jobs import cuda, errors, faults, jobmeta, models, runtime, token_batches
-from chunkq.jobs.errors import BadInputError, ChunkOutOfMemoryError, CudaFatalError
+from chunkq.jobs.errors import BadInputError, ChunkOutOfMemoryError, CudaFatalError, TamperedJobError
+from chunkq.jobs.manifest import RunManifest, load_manifest
 from chunkq.jobs.policy import check_spec
 from chunkq.jobs.specs import ChunkSpec, EncodeOptions
 from chunkq.jobs.store import (
@@ -215,11 +216,29 @@ def embed_chunk(spec: dict[str, Any]) -> dict[str, Any]:
         raise
 
 
+def check_against_manifest(layout: RunLayout, chunk: ChunkSpec, job_id: str | None) -> RunManifest:
+    """The run's manifest, if ``chunk`` is what it says that chunk is; else TamperedJobError.
+
+    Anyone who can write to Redis can enqueue ``embed_chunk`` for a real run and chunk with other
+    options or another allowed model; the output would then pass every checksum. The manifest,
+    written by submit to the store before any job existed, is the authority.
+    """
+    manifest = load_manifest(layout)
+    why = manifest.spec_mismatch(chunk)
+    if job_id is not None and job_id != chunk.job_id:
+        why = "; ".join(filter(None, [why, f"job id {job_id!r} is not the chunk's {chunk.job_id!r}"]))
+    if why:
+        raise TamperedJobError(f"chunk {chunk.job_id}: the job does not match the run's manifest ({why})")
+    return manifest
+
+
 def _embed(chunk: ChunkSpec) -> dict[str, Any]:
     ctx = runtime.current()
     check_spec(chunk, ctx)
     layout = RunLayout(chunk.store, chunk.run_id)
-    existing, _ = verify_output(layout, chunk.index, chunk.rows)
+    job = get_current_job()
+    manifest = check_against_manifest(layout, chunk, job.id if job is not None else None)
+    existing, _ = verify_output(layout, chunk.index, chunk.rows, manifest.producer())
     if existing is not None:
         log.info("chunk %s already has a valid output; not encoding it again", chunk.job_id)
         return {**existing, "skipped": True}
@@ -248,7 +267,7 @@ def _embed(chunk: ChunkSpec) -> dict[str, Any]:
         "run_id": chunk.run_id,
         "chunk": chunk.index,
         "first_row": chunk.first_row,
-        "model": chunk.model,
+        **manifest.producer(),
         "worker": ctx.name,
         "pid": ctx.pid,
         "host": ctx.host,

@@ -43,6 +43,10 @@ class ChunksFailedError(ChunkqError):
     """Chunks were quarantined after their attempts (or the run stopped before it settled)."""
 
 
+class TamperedJobError(ConfigError):
+    """A job's spec differs from its run's manifest (written into Redis by someone else); refused."""
+
+
 class JobNotAllowedError(ChunkqError):
     """A job named a function, callback or webhook outside the allow-list."""
 
@@ -64,6 +68,9 @@ OOM = "oom"
 CUDA_FATAL = "cuda_fatal"
 BAD_INPUT = "bad_input"
 CONFIG = "config"
+TAMPERED = (
+    "tampered"  # the job's spec was not the manifest's: the supervisor queues it again from the manifest
+)
 ABANDONED = "abandoned"
 OTHER = "other"
 NEVER_RETRIED = frozenset({BAD_INPUT, CONFIG})
@@ -138,6 +145,8 @@ def classify(exc: BaseException) -> str:
         return OOM
     if isinstance(exc, CudaFatalError):
         return CUDA_FATAL
+    if isinstance(exc, TamperedJobError):
+        return TAMPERED
     if isinstance(exc, BadInputError):
         return BAD_INPUT
     if isinstance(exc, ConfigError):

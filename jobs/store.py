@@ -131,6 +131,14 @@ def save_npy_atomic(path: Path, array: np.ndarray[Any, Any]) -> str:
     return digest
 
 
+def read_npy_header(fh: Any) -> tuple[tuple[int, ...], bool, np.dtype[Any]]:
+    """(shape, Fortran order, dtype) from an open .npy file's header, the array left unread."""
+    version = np.lib.format.read_magic(fh)
+    read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    shape, fortran, dtype = read(fh)
+    return tuple(shape), bool(fortran), dtype
+
+
 def load_npy(path: Path) -> np.ndarray[Any, Any]:
     """A chunk output: memory-mapped from a local file, read whole (it is one chunk) from an object store."""
     array: np.ndarray[Any, Any]
@@ -168,8 +176,21 @@ def read_chunk_input(layout: RunLayout, index: int) -> tuple[list[str], list[str
     return ids, texts
 
 
-def verify_output(layout: RunLayout, index: int, expected_rows: int) -> tuple[dict[str, Any] | None, str]:
-    """Check a chunk output against its metadata: return (meta, "") if whole, else (None, reason)."""
+def producer_mismatch(meta: dict[str, Any], producer: dict[str, Any]) -> str:
+    """How a chunk output's record of what produced it differs from the run's, or "" if it agrees."""
+    diffs = [key for key, value in producer.items() if meta.get(key) != value]
+    if not diffs:
+        return ""
+    if "run_fingerprint" not in meta:
+        return "it records no run fingerprint (written by an older chunkq, or not by chunkq)"
+    return f"it was produced with {' and '.join(diffs)} other than the run manifest's"
+
+
+def verify_output(
+    layout: RunLayout, index: int, expected_rows: int, producer: dict[str, Any] | None = None
+) -> tuple[dict[str, Any] | None, str]:
+    """Check a chunk output against its metadata and, given ``producer`` (``RunManifest.producer()``),
+    against the run: return (meta, "") if whole and the run's, else (None, reason)."""
     meta_path, npy_path = layout.output_meta(index), layout.output_npy(index)
     if not meta_path.is_file():
         return None, "output metadata missing"
@@ -177,6 +198,8 @@ def verify_output(layout: RunLayout, index: int, expected_rows: int) -> tuple[di
         meta = read_json(meta_path)
     except (OSError, ValueError) as exc:
         return None, f"output metadata unreadable: {exc}"
+    if not isinstance(meta, dict):
+        return None, "output metadata is not a JSON object"
     if not npy_path.is_file():
         return None, f"{npy_path.name} missing"
     if file_sha256(npy_path) != meta.get("sha256"):
@@ -191,6 +214,11 @@ def verify_output(layout: RunLayout, index: int, expected_rows: int) -> tuple[di
         return None, f"{npy_path.name} has {array.shape[0]} rows, expected {expected_rows}"
     if meta.get("dim") != array.shape[1]:
         return None, f"{npy_path.name} has dimension {array.shape[1]}, metadata says {meta.get('dim')}"
+    if meta.get("run_id") != layout.run_id or meta.get("chunk") != index:
+        return None, f"{npy_path.name} belongs to run {meta.get('run_id')} chunk {meta.get('chunk')}"
+    why = producer_mismatch(meta, producer) if producer is not None else ""
+    if why:
+        return None, f"{npy_path.name}: {why}"
     return meta, ""
 
 

@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from chunkq.jobs.errors import ConfigError
+from chunkq.jobs.manifest import load_manifest
 from chunkq.jobs.storage import OWNER_ONLY, open_store
 from chunkq.jobs.store import RunLayout
 from chunkq.queue_worker.settings import DEFAULT_STORE
 from chunkq.supervisor.display import ProgressDisplay
-from chunkq.supervisor.manifest import load_manifest
 from chunkq.supervisor.progress import store_snapshot
 from chunkq.supervisor.request import build_run_request, finished_result
 

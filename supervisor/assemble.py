@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections import Counter
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from chunkq.jobs.errors import AssemblyError, BadInputError
+from chunkq.jobs.manifest import RunManifest, load_manifest
 from chunkq.jobs.storage import exchange_dirs, is_local, publish_file, remove_tree
 from chunkq.jobs.store import (
     RunLayout,
@@ -30,13 +32,61 @@ from chunkq.jobs.store import (
     read_json,
     verify_output,
 )
-from chunkq.supervisor.manifest import RunManifest, load_manifest
 from chunkq.supervisor.progress import Failure
 
 log = logging.getLogger(__name__)
 
 
 RESULT_FILES = {"embeddings.npy": "embeddings_sha256", "ids.jsonl": "ids_sha256"}
+
+
+def _npy_shape(path: Path) -> tuple[tuple[int, ...], str]:
+    """The shape and dtype an .npy file's header declares, read without loading the array."""
+    with path.open("rb") as fh:
+        version = np.lib.format.read_magic(fh)
+        read = (
+            np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        )
+        shape, _fortran, dtype = read(fh)
+    return tuple(shape), dtype.str
+
+
+def result_disagreement(layout: RunLayout, result: Any, manifest: RunManifest) -> list[str]:
+    """How the result manifest disagrees with the run's manifest or its own embeddings.npy header
+    (cheap: no hashing). An edited result manifest keeps checksums that still match its files, so
+    only the run manifest can tell that its rows, model or options are not the run's."""
+    if not isinstance(result, dict):
+        return ["result/manifest.json is not a JSON object"]
+    problems = [
+        f"result/manifest.json says {key} {result.get(key)!r}, the run's manifest {value!r}"
+        for key, value in (
+            ("fingerprint", manifest.fingerprint),
+            ("model", manifest.model),
+            ("options", manifest.options),
+            ("corpus_rows", manifest.rows),
+        )
+        if result.get(key) != value
+    ]
+    missing = result.get("missing") or []
+    try:
+        expected_rows = manifest.rows - sum(int(m["rows"]) for m in missing)
+    except (TypeError, KeyError, ValueError):
+        return [*problems, "result/manifest.json lists missing chunks it cannot describe"]
+    if result.get("rows") != expected_rows or bool(result.get("complete")) == bool(missing):
+        problems.append(
+            f"result/manifest.json says {result.get('rows')!r} rows (complete: {result.get('complete')!r}), "
+            f"the run's manifest and its missing chunks make {expected_rows}"
+        )
+    embeddings = layout.result / "embeddings.npy"
+    try:
+        shape, dtype = _npy_shape(embeddings)
+    except (OSError, ValueError) as exc:
+        return [*problems, f"embeddings.npy unreadable: {exc}"]
+    if shape != (expected_rows, result.get("dim")) or dtype != "<f4":
+        problems.append(
+            f"embeddings.npy holds {shape} {dtype}, expected ({expected_rows}, {result.get('dim')!r}) <f4"
+        )
+    return problems
 
 
 def result_damage(layout: RunLayout, result: dict[str, Any]) -> list[str]:
@@ -51,20 +101,39 @@ def result_damage(layout: RunLayout, result: dict[str, Any]) -> list[str]:
     return problems
 
 
+def read_result_manifest(layout: RunLayout) -> Any:
+    """The published result's manifest.json, parsed; None when there is none, {} when unreadable."""
+    path = layout.result / "manifest.json"
+    try:
+        return read_json(path) if path.is_file() else None
+    except (OSError, ValueError):
+        return {}
+
+
+def check_published(layout: RunLayout, manifest: RunManifest, checksums: bool = True) -> list[str]:
+    """Everything wrong with the published result (empty: whole, intact and this run's)."""
+    result = read_result_manifest(layout)
+    if result is None:
+        return [f"no result is published in {layout.result}"]
+    problems = result_disagreement(layout, result, manifest)
+    if problems or not checksums:
+        return problems
+    return result_damage(layout, result)
+
+
 def published_result(layout: RunLayout, manifest: RunManifest) -> dict[str, Any] | None:
     """The published result manifest if a whole, intact one exists for this very run, else None.
 
-    Its files are checked against the manifest's checksums: a damaged result is never vouched for;
-    it is assembled again from the chunk outputs.
+    Its files are checked against the run's manifest and the result manifest's checksums: a damaged
+    result is never vouched for; it is assembled again from the chunk outputs.
     """
-    path = layout.result / "manifest.json"
-    if not path.is_file():
+    result = read_result_manifest(layout)
+    if result is None:
         return None
-    result: dict[str, Any] = read_json(path)
-    whole = result.get("fingerprint") == manifest.fingerprint and result.get("complete", True)
-    if not whole:
-        return None
-    damage = result_damage(layout, result)
+    if isinstance(result, dict) and result.get("fingerprint") == manifest.fingerprint:
+        if not result.get("complete", True):
+            return None  # partial: a rerun tries the missing chunks again
+    damage = check_published(layout, manifest)
     if damage:
         log.warning(
             "run %s: the published result is damaged (%s); assembling it again from the chunk outputs",
@@ -72,32 +141,41 @@ def published_result(layout: RunLayout, manifest: RunManifest) -> dict[str, Any]
             "; ".join(damage),
         )
         return None
-    return result
+    return dict(result)
 
 
 def _verify_all(
     layout: RunLayout, manifest: RunManifest, skip: set[int]
 ) -> tuple[list[dict[str, Any]], list[str]]:
-    metas, problems = [], []
-    dim: int | None = None
+    """Each chunk output whole and the run's, all of one dimension. A bad output is set aside, so
+    the next run encodes it again; its problem is listed either way."""
+    metas: dict[int, dict[str, Any]] = {}
+    problems = []
+    producer = manifest.producer()
     for index in range(manifest.chunks):
         if index in skip:
             continue
-        first, rows = manifest.first_row(index), manifest.chunk_rows(index)
-        meta, why = verify_output(layout, index, rows)
-        where = f"chunk {index} (rows {first}-{first + rows - 1})"
+        meta, why = verify_output(layout, index, manifest.chunk_rows(index), producer)
         if meta is None:
-            aside = set_aside(layout, index)
-            again = f"; moved to {aside}, the next run encodes it again" if aside else ""
-            problems.append(f"{where}: {why}{again}")
-            continue
-        if meta.get("run_id") != manifest.run_id or meta.get("chunk") != index:
-            problems.append(f"{where}: output belongs to run {meta.get('run_id')} chunk {meta.get('chunk')}")
-        dim = dim if dim is not None else int(meta["dim"])
-        if meta["dim"] != dim:
-            problems.append(f"{where}: dimension {meta['dim']}, other chunks have {dim}")
-        metas.append(meta)
-    return metas, problems
+            problems.append(_set_aside_because(layout, manifest, index, why))
+        else:
+            metas[index] = meta
+    # The dimension the model gives is the one most chunks have: a lone output of another dimension
+    # is the odd one out, not the healthy chunks around it.
+    dims = Counter(int(m["dim"]) for m in metas.values())
+    if len(dims) > 1:
+        dim, _ = dims.most_common(1)[0]
+        for index in [i for i, m in metas.items() if int(m["dim"]) != dim]:
+            why = f"dimension {metas.pop(index)['dim']}, while {dims[dim]} other chunk(s) have {dim}"
+            problems.append(_set_aside_because(layout, manifest, index, why))
+    return list(metas.values()), problems
+
+
+def _set_aside_because(layout: RunLayout, manifest: RunManifest, index: int, why: str) -> str:
+    first, rows = manifest.first_row(index), manifest.chunk_rows(index)
+    aside = set_aside(layout, index)
+    again = f"; moved to {aside}, the next run encodes it again" if aside else ""
+    return f"chunk {index} (rows {first}-{first + rows - 1}): {why}{again}"
 
 
 def set_aside(layout: RunLayout, index: int) -> str:

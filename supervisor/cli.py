@@ -14,6 +14,7 @@ from typing import Any
 import click
 
 from chunkq.jobs.errors import AssemblyError
+from chunkq.jobs.manifest import load_manifest
 from chunkq.jobs.models import BUNDLED_MODEL, assume_offline, check_model
 from chunkq.jobs.nopickle import forbid_pickle
 from chunkq.jobs.specs import BATCH_TOKENS_AUTO, DEFAULT_PRECISION, PRECISIONS, EncodeOptions
@@ -22,7 +23,7 @@ from chunkq.jobs.store import RunLayout, read_json
 from chunkq.queue_worker import gpus as gpu_discovery
 from chunkq.queue_worker.pool import Pool
 from chunkq.queue_worker.settings import SETTINGS_JSON_ENV, PoolSettings
-from chunkq.supervisor.assemble import assemble, result_damage
+from chunkq.supervisor.assemble import assemble, check_published
 from chunkq.supervisor.attempts import describe_attempts, failed_attempts, to_json
 from chunkq.supervisor.cli_common import (
     EXIT_CHUNKS_FAILED,
@@ -44,7 +45,6 @@ from chunkq.supervisor.dashboard import DEFAULT_PORT as DEFAULT_DASHBOARD_PORT
 from chunkq.supervisor.dashboard import serve as serve_dashboard
 from chunkq.supervisor.display import ProgressDisplay, describe
 from chunkq.supervisor.doctor import examine, render
-from chunkq.supervisor.manifest import load_manifest
 from chunkq.supervisor.options import F, pool_setting_options, pool_settings, pop_pool_values
 from chunkq.supervisor.progress import Tracker, store_snapshot
 from chunkq.supervisor.report import write_report
@@ -435,7 +435,9 @@ def doctor_cmd(store: Path, redis_url: str | None, as_json: bool) -> None:
 @command("assemble")
 @click.argument("run_id")
 @click.option(
-    "--verify", is_flag=True, help="Only check the published result against its manifest's checksums."
+    "--verify",
+    is_flag=True,
+    help="Only check the published result: its checksums, and that it is the run's (rows, model, options)",
 )
 @store_option
 @redis_option("unused")
@@ -444,15 +446,13 @@ def assemble_cmd(run_id: str, store: Path, verify: bool, redis_url: str | None) 
     del redis_url
     layout = RunLayout(store, run_id)
     if verify:
-        manifest_path = layout.result / "manifest.json"
-        if not manifest_path.is_file():
-            raise AssemblyError(run_id, [f"no result is published in {layout.result}"])
-        result = read_json(manifest_path)
-        damage = result_damage(layout, result)
+        damage = check_published(layout, load_manifest(layout))
         if damage:
             raise AssemblyError(run_id, [*damage, "run `chunkq assemble RUN` to assemble it again"])
+        result = read_json(layout.result / "manifest.json")
         click.echo(
-            f"{layout.result}: {result['rows']} x {result['dim']}, every checksum matches its manifest"
+            f"{layout.result}: {result['rows']} x {result['dim']}, every checksum matches its manifest "
+            "and the result is the run's (fingerprint, model, options, rows)"
         )
         return
     result = assemble(layout)

@@ -16,9 +16,9 @@ from rq.serializers import JSONSerializer
 
 from chunkq.jobs import jobmeta
 from chunkq.jobs.allowlist import EMBED_CHUNK, AllowListedJob
+from chunkq.jobs.manifest import RunManifest
 from chunkq.jobs.specs import chunk_job_id
 from chunkq.jobs.store import RunLayout
-from chunkq.supervisor.manifest import RunManifest
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,7 @@ def enqueue_chunks(
                     job.meta.pop(key, None)
                 job.meta[jobmeta.ATTEMPT] = 1
                 job.save_meta()  # type: ignore[no-untyped-call]
+                restore_from_manifest(job, layout, manifest, index)
                 failed.requeue(job_id)
                 counts.requeued += 1
             else:
@@ -86,6 +87,24 @@ def enqueue_chunks(
                 pipe.execute()
             counts.enqueued += len(fresh)
     return counts
+
+
+def restore_from_manifest(job: Job, layout: RunLayout, manifest: RunManifest, index: int) -> bool:
+    """Make a failed chunk job call what the manifest says before it is queued again; True if it
+    had been changed. A Redis writer may have rewritten the job (the worker refused it as
+    tampered); requeueing it as it stands would only be refused again."""
+    spec = manifest.chunk_spec(layout.store, index).to_dict()
+    if (job.func_name, list(job.args), job.kwargs, job.timeout) == (
+        EMBED_CHUNK,
+        [spec],
+        {},
+        manifest.job_timeout,
+    ):
+        return False
+    job.func_name, job.args, job.kwargs, job.timeout = EMBED_CHUNK, [spec], {}, manifest.job_timeout
+    job.save()
+    log.warning("chunk job %s did not call what the run's manifest says; restored from the manifest", job.id)
+    return True
 
 
 def _job_data(layout: RunLayout, manifest: RunManifest, index: int, job_id: str) -> EnqueueData:

@@ -18,7 +18,9 @@ from typing import IO, Any
 import numpy as np
 
 from chunkq.jobs.errors import AssemblyError, StoreError
-from chunkq.jobs.store import RunLayout, read_json
+from chunkq.jobs.manifest import load_manifest
+from chunkq.jobs.store import RunLayout, read_json, read_npy_header
+from chunkq.supervisor.assemble import check_published
 
 EXPORT_FORMATS = ("parquet", "npy", "jsonl")
 BATCH_ROWS = 8192
@@ -37,6 +39,9 @@ class _ResultReader:
         if not manifest_path.is_file():
             raise StoreError(f"run {layout.run_id} has no published result; run it to the end first")
         self.layout, self.manifest = layout, read_json(manifest_path)
+        disagreement = check_published(layout, load_manifest(layout), checksums=False)
+        if disagreement:
+            raise self._damaged("; ".join(disagreement))
         self.rows, self.dim = int(self.manifest["rows"]), int(self.manifest["dim"])
 
     def batches(self) -> Iterator[tuple[list[str], np.ndarray]]:
@@ -79,9 +84,7 @@ class _ResultReader:
 
 def _read_header(fh: IO[bytes], digest: Any) -> tuple[int, ...]:
     start = fh.tell()
-    version = np.lib.format.read_magic(fh)
-    read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-    shape, fortran, dtype = read(fh)
+    shape, fortran, dtype = read_npy_header(fh)
     if fortran or dtype != np.dtype("<f4"):
         raise StoreError(f"embeddings.npy is {dtype} {'Fortran' if fortran else 'C'}-ordered, expected <f4 C")
     end = fh.tell()

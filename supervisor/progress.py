@@ -16,11 +16,11 @@ from rq.serializers import JSONSerializer
 from rq.utils import str_to_date
 
 from chunkq.jobs import jobmeta
+from chunkq.jobs.manifest import RunManifest
 from chunkq.jobs.specs import chunk_job_id
 from chunkq.jobs.store import RunLayout, read_json
 from chunkq.supervisor.attempts import FailedAttempt, failed_attempts
 from chunkq.supervisor.enqueue import chunk_queue, job_statuses
-from chunkq.supervisor.manifest import RunManifest
 from chunkq.supervisor.throughput import Throughput
 
 STALE_HEARTBEAT_SECONDS = 60.0  # workers beat every 5 s while a chunk runs

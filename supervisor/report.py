@@ -17,10 +17,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from chunkq.jobs.manifest import RunManifest, load_manifest
 from chunkq.jobs.models import resolve_model
 from chunkq.jobs.store import RunLayout, read_chunk_input, read_json
 from chunkq.supervisor.attempts import FailedAttempt, by_class, failed_attempts, to_json
-from chunkq.supervisor.manifest import RunManifest, load_manifest
 from chunkq.supervisor.throughput import of_outputs, parse_time
 
 log = logging.getLogger(__name__)

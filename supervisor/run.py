@@ -20,6 +20,7 @@ from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 
 from chunkq.jobs.abandon import mark_abandoned
+from chunkq.jobs.manifest import load_manifest
 from chunkq.jobs.storage import is_local
 from chunkq.jobs.store import RunLayout
 from chunkq.queue_worker.lifeline import die_with_parent
@@ -27,7 +28,6 @@ from chunkq.queue_worker.settings import SETTINGS_JSON_ENV, PoolSettings, env_of
 from chunkq.supervisor.assemble import published_result
 from chunkq.supervisor.display import ProgressDisplay
 from chunkq.supervisor.embedded_redis import EmbeddedRedis
-from chunkq.supervisor.manifest import load_manifest
 from chunkq.supervisor.owner import StoreLock
 from chunkq.supervisor.submit import SubmitRequest, SubmitResult, submit
 from chunkq.supervisor.watch import Outcome, WatchSettings, redis_never_gone, supervise

@@ -16,12 +16,13 @@ from typing import Any
 import redis
 
 from chunkq.jobs.errors import ConfigError, StoreError
+from chunkq.jobs.manifest import RunManifest, load_manifest
 from chunkq.jobs.specs import chunk_job_id
 from chunkq.jobs.storage import is_local, list_with_mtime, remove_tree
-from chunkq.jobs.store import RunLayout, read_json
+from chunkq.jobs.store import RunLayout
+from chunkq.supervisor.assemble import check_published, read_result_manifest
 from chunkq.supervisor.attempts import failed_attempts
 from chunkq.supervisor.enqueue import job_statuses
-from chunkq.supervisor.manifest import RunManifest, load_manifest
 from chunkq.supervisor.owner import StoreLock
 
 PUBLISHED, PARTIAL, IN_FLIGHT, FAILED, INCOMPLETE = (
@@ -81,11 +82,9 @@ def owner_of(layout: RunLayout) -> dict[str, Any] | None:
 
 def state_of(layout: RunLayout, manifest: RunManifest) -> tuple[str, int]:
     """(state, rows done) from the store."""
-    result_path = layout.result / "manifest.json"
-    if result_path.is_file():
-        result = read_json(result_path)
-        if result.get("fingerprint") == manifest.fingerprint:
-            return (PUBLISHED if result.get("complete", True) else PARTIAL), int(result["rows"])
+    result = read_result_manifest(layout)
+    if result is not None and not check_published(layout, manifest, checksums=False):
+        return (PUBLISHED if result.get("complete", True) else PARTIAL), int(result["rows"])
     done = layout.done_chunks()
     rows_done = sum(manifest.chunk_rows(i) for i in done)
     if owner_of(layout) is not None:

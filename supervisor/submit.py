@@ -20,6 +20,7 @@ from typing import Any
 import redis
 
 from chunkq.jobs.errors import ConfigError, CorpusError, RunConflictError
+from chunkq.jobs.manifest import RunManifest, load_manifest
 from chunkq.jobs.specs import FORMAT_VERSION, EncodeOptions, fingerprint, validate_run_id
 from chunkq.jobs.storage import is_local, local_scratch, remove_tree
 from chunkq.jobs.store import RunLayout, atomic_write_json, file_sha256, write_chunk_input
@@ -28,7 +29,6 @@ from chunkq.supervisor.assemble import published_result, set_aside
 from chunkq.supervisor.corpus import CorpusOptions, Record, check_readable, read_corpus
 from chunkq.supervisor.dupes import IdRegistry
 from chunkq.supervisor.enqueue import EnqueueCounts, enqueue_chunks
-from chunkq.supervisor.manifest import RunManifest, load_manifest
 
 log = logging.getLogger(__name__)
 

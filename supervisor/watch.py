@@ -22,6 +22,7 @@ from rq.worker import Worker
 from chunkq.jobs import jobmeta
 from chunkq.jobs.abandon import mark_abandoned
 from chunkq.jobs.errors import ChunkqError
+from chunkq.jobs.manifest import RunManifest, load_manifest
 from chunkq.jobs.queueing import give_back
 from chunkq.jobs.specs import chunk_job_id
 from chunkq.jobs.store import RunLayout
@@ -29,9 +30,8 @@ from chunkq.queue_worker.metrics import serve as serve_metrics
 from chunkq.supervisor.assemble import assemble
 from chunkq.supervisor.attempts import AttemptRecorder, FailedAttempt
 from chunkq.supervisor.display import ProgressDisplay
-from chunkq.supervisor.enqueue import chunk_queue, enqueue_chunks
+from chunkq.supervisor.enqueue import chunk_queue, enqueue_chunks, restore_from_manifest
 from chunkq.supervisor.lock import RunLock
-from chunkq.supervisor.manifest import RunManifest, load_manifest
 from chunkq.supervisor.metrics import RunMetrics
 from chunkq.supervisor.owner import StoreLock
 from chunkq.supervisor.progress import STALE_HEARTBEAT_SECONDS, Failure, Snapshot, Tracker
@@ -172,6 +172,7 @@ class Supervisor:
         )
 
     def _settle(self, index: int, job: Job) -> None:
+        restore_from_manifest(job, self.layout, self.manifest, index)
         already = jobmeta.quarantined(job.meta)
         attempt = jobmeta.attempt(job.meta)
         outcome = settle_failure(self.connection, job, self.settings.policy, self.rng)

@@ -177,3 +177,39 @@ def start_run_with_a_slow_chunk(
         proc.kill()
         raise
     return proc, log, args, texts
+
+
+def write_test_run(
+    store: Path, run_id: str, index: int, rows: int, seed: int, options: Any = None
+) -> tuple[Any, list[str]]:
+    """Chunk ``index`` of a run of ``rows``-row chunks, its input and a run manifest written as
+    submit writes them (without Redis): (its ChunkSpec as the manifest says, its texts). The job
+    refuses a spec that differs from the manifest, so job tests need one."""
+    from chunkq.jobs.manifest import RunManifest, load_manifest
+    from chunkq.jobs.models import BUNDLED_MODEL
+    from chunkq.jobs.specs import EncodeOptions, fingerprint
+    from chunkq.jobs.store import RunLayout, atomic_write_json, write_chunk_input
+
+    ids, texts = make_texts(rows, seed=seed)
+    layout = RunLayout(store, run_id)
+    write_chunk_input(layout, index, list(zip(ids, texts, strict=True)))
+    chunks = index + 1
+    if layout.manifest.is_file():
+        chunks = max(chunks, load_manifest(layout).chunks)
+    options = (options or EncodeOptions()).to_dict()
+    identity = {"model": BUNDLED_MODEL, "options": options, "chunk_size": rows, "run_id": run_id}
+    data = {
+        "format_version": 1,
+        "run_id": run_id,
+        "fingerprint": fingerprint(identity),
+        "identity": identity,
+        "model": BUNDLED_MODEL,
+        "options": options,
+        "chunk_size": rows,
+        "rows": chunks * rows,
+        "chunks": chunks,
+        "queue": "default",
+        "job_timeout": 600,
+    }
+    atomic_write_json(layout.manifest, data)
+    return RunManifest(data).chunk_spec(store, index), texts

@@ -12,11 +12,11 @@ import redis
 
 from chunkq.jobs.embed import embed_chunk
 from chunkq.jobs.errors import AssemblyError
+from chunkq.jobs.manifest import load_manifest
 from chunkq.jobs.models import BUNDLED_MODEL
-from chunkq.jobs.store import RunLayout
+from chunkq.jobs.store import RunLayout, file_sha256
 from chunkq.supervisor.assemble import assemble
 from chunkq.supervisor.corpus import CorpusOptions
-from chunkq.supervisor.manifest import load_manifest
 from chunkq.supervisor.submit import SubmitRequest, submit
 from tests.helpers import make_texts, max_abs_diff, run_cli, write_corpus
 
@@ -87,3 +87,58 @@ def test_cli_assemble_fails_with_named_chunk_and_exit_code(encoded_run: Any) -> 
     assert result.returncode == 5
     assert "chunk 2 (rows 20-29): 000002.npy checksum does not match" in result.stderr
     assert not layout.result.exists()
+
+
+def test_a_lone_output_of_another_dimension_is_set_aside_not_the_healthy_chunks(encoded_run: Any) -> None:
+    """Issue 21.6: one self-consistent 383-dimension output (.npy and .json agree) among 384s."""
+    layout, _, _ = encoded_run
+    meta = json.loads(layout.output_meta(2).read_text())
+    narrow = np.zeros((10, 383), dtype=np.float32)
+    np.save(layout.output_npy(2), narrow)
+    meta.update(dim=383, sha256=file_sha256(layout.output_npy(2)))
+    layout.output_meta(2).write_text(json.dumps(meta))
+    with pytest.raises(AssemblyError) as caught:
+        assemble(layout)
+    assert caught.value.problems == [
+        "chunk 2 (rows 20-29): dimension 383, while 4 other chunk(s) have 384; "
+        f"moved to {layout.damaged_outputs}, the next run encodes it again"
+    ]
+    assert layout.done_chunks() == {0, 1, 3, 4}
+    _reencode(layout, 2)
+    assert assemble(layout)["dim"] == 384
+
+
+def test_an_output_made_with_other_options_is_never_assembled(encoded_run: Any) -> None:
+    """Issue 21.1: an output whose record of what produced it is not the run's manifest."""
+    layout, _, _ = encoded_run
+    meta = json.loads(layout.output_meta(1).read_text())
+    meta["options"] = {**meta["options"], "max_seq_length": 3}
+    layout.output_meta(1).write_text(json.dumps(meta))
+    with pytest.raises(AssemblyError, match=r"chunk 1 .* produced with options other than the run manifest"):
+        assemble(layout)
+    assert 1 not in layout.done_chunks()
+
+
+def test_verify_checks_the_result_manifest_against_the_runs(encoded_run: Any) -> None:
+    """Issue 21.7: result/manifest.json edited to 46 rows and another model, checksums untouched."""
+    layout, _, _ = encoded_run
+    assemble(layout)
+    store = str(layout.store)
+    assert run_cli("assemble", layout.run_id, "--verify", "--store", store).returncode == 0
+    path = layout.result / "manifest.json"
+    result = json.loads(path.read_text())
+    path.write_text(json.dumps({**result, "rows": 46, "model": "someone/else"}))
+
+    verify = run_cli("assemble", layout.run_id, "--verify", "--store", store)
+    assert verify.returncode == 5, verify.stderr
+    assert "result/manifest.json says model 'someone/else'" in verify.stderr
+    assert "says 46 rows" in verify.stderr and "every checksum matches" not in verify.stdout
+    runs = run_cli("runs", "--store", store, "--json")
+    assert '"published"' not in runs.stdout, runs.stdout
+    refused = run_cli("export", layout.run_id, "--store", store, "--out", str(layout.store / "x.npy"))
+    assert refused.returncode == 5 and "run `chunkq assemble RUN` again" in refused.stderr
+
+    repaired = run_cli("assemble", layout.run_id, "--store", store)  # what export told the user to do
+    assert repaired.returncode == 0, repaired.stderr
+    assert json.loads(path.read_text())["model"] == BUNDLED_MODEL
+    assert run_cli("assemble", layout.run_id, "--verify", "--store", store).returncode == 0

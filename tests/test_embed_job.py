@@ -10,18 +10,13 @@ import pytest
 
 from chunkq.jobs.embed import embed_chunk
 from chunkq.jobs.errors import BadInputError, ConfigError
-from chunkq.jobs.models import BUNDLED_MODEL
 from chunkq.jobs.specs import ChunkSpec, EncodeOptions
 from chunkq.jobs.store import RunLayout, verify_output, write_chunk_input
-from tests.helpers import make_texts, max_abs_diff
+from tests.helpers import make_texts, max_abs_diff, write_test_run
 
 
 def _chunk(store: Path, rows: int = 20, **options: Any) -> tuple[ChunkSpec, list[str]]:
-    ids, texts = make_texts(rows, seed=11)
-    layout = RunLayout(store, "job-test")
-    write_chunk_input(layout, 0, list(zip(ids, texts, strict=True)))
-    spec = ChunkSpec("job-test", 0, 0, rows, BUNDLED_MODEL, str(store), EncodeOptions(**options))
-    return spec, texts
+    return write_test_run(store, "job-test", 0, rows, 11, EncodeOptions(**options))
 
 
 def test_output_equals_plain_encode(store: Path, reference_model: Any) -> None:
@@ -82,9 +77,10 @@ def test_corrupt_output_is_encoded_again(store: Path) -> None:
 
 def test_row_count_mismatch_is_bad_input(store: Path) -> None:
     spec, _ = _chunk(store)
-    wrong = ChunkSpec(spec.run_id, 0, 0, 21, spec.model, spec.store)
-    with pytest.raises(BadInputError, match="input holds 20 rows, the spec says 21"):
-        embed_chunk(wrong.to_dict())
+    ids, texts = make_texts(19, seed=11)
+    write_chunk_input(RunLayout(store, spec.run_id), 0, list(zip(ids, texts, strict=True)))
+    with pytest.raises(BadInputError, match="input holds 19 rows, the spec says 20"):
+        embed_chunk(spec.to_dict())
     assert not RunLayout(store, spec.run_id).output_meta(0).exists()
 
 

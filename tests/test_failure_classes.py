@@ -16,12 +16,11 @@ import torch
 from chunkq.jobs import embed, errors, faults, runtime
 from chunkq.jobs.embed import embed_chunk
 from chunkq.jobs.errors import ChunkOutOfMemoryError, ConfigError, CudaFatalError
-from chunkq.jobs.models import BUNDLED_MODEL
 from chunkq.jobs.specs import ChunkSpec, EncodeOptions
-from chunkq.jobs.store import RunLayout, read_json, write_chunk_input
+from chunkq.jobs.store import RunLayout, read_json
 from chunkq.queue_worker.pool import jittered_max_jobs
 from chunkq.supervisor.retry import RetryPolicy
-from tests.helpers import make_texts, max_abs_diff
+from tests.helpers import max_abs_diff, write_test_run
 
 
 def test_fault_rules_are_validated_and_off_by_default() -> None:
@@ -51,13 +50,12 @@ def inject(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     runtime.mark_context_broken(None)  # type: ignore[arg-type]
 
 
-def _chunk(store: Path, index: int = 0, rows: int = 24, batch: int = 32) -> tuple[ChunkSpec, list[str]]:
-    ids, texts = make_texts(rows, seed=30 + index)
-    layout = RunLayout(store, "faulty")
-    write_chunk_input(layout, index, list(zip(ids, texts, strict=True)))
-    return ChunkSpec(
-        "faulty", index, index * rows, rows, BUNDLED_MODEL, str(store), EncodeOptions(batch_size=batch)
-    ), texts
+def _chunk(
+    store: Path, index: int = 0, rows: int = 24, batch: int = 32, **options: Any
+) -> tuple[ChunkSpec, list[str]]:
+    return write_test_run(
+        store, "faulty", index, rows, 30 + index, EncodeOptions(batch_size=batch, **options)
+    )
 
 
 def test_oom_halves_the_batch_and_later_chunks_start_from_what_fitted(
@@ -199,16 +197,7 @@ def test_token_budget_batches_give_the_embeddings_of_fixed_batches(
     layout = RunLayout(store, "faulty")
     outputs = []
     for index in range(3):
-        spec, texts = _chunk(store, index=index)
-        tokens = ChunkSpec(
-            spec.run_id,
-            spec.index,
-            spec.first_row,
-            spec.rows,
-            spec.model,
-            spec.store,
-            EncodeOptions(batch_tokens=budget),
-        )
+        tokens, texts = _chunk(store, index=index, batch_tokens=budget)
         meta = embed_chunk(tokens.to_dict())
         got = np.load(layout.output_npy(index))
         assert max_abs_diff(got, reference_model.encode(texts, batch_size=32)) <= 1e-5

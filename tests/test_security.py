@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import redis
 from rq.job import Job
@@ -33,7 +34,7 @@ from rq.serializers import JSONSerializer
 from chunkq.jobs.models import BUNDLED_MODEL
 from chunkq.jobs.nopickle import PickleRefusedError, forbid_pickle
 from chunkq.queue_worker import exit_codes
-from tests.helpers import WORKER, cli_env, make_texts, run_cli, write_corpus
+from tests.helpers import WORKER, cli_env, make_texts, max_abs_diff, run_cli, write_corpus
 
 QUEUE = "attack"
 
@@ -369,3 +370,53 @@ def test_embedded_redis_is_loopback_only_and_needs_its_password(tmp_path: Path) 
         assert "127.0.0.1" in cmdline
         assert server.password not in cmdline  # not visible in ps
         assert oct((tmp_path / "redis" / "auth.conf").stat().st_mode & 0o777) == "0o600"
+
+
+def test_a_job_that_differs_from_its_runs_manifest_is_refused_and_restored(
+    store: Path, connection: redis.Redis, redis_url: str, reference_model: Any
+) -> None:
+    """Issue 21.1: an allow-listed embed_chunk for a real run and chunk, planted with other options
+    (the reported attack: max_seq_length 3, normalized), other rows, or under another chunk's id."""
+    from chunkq.jobs.manifest import load_manifest
+    from chunkq.jobs.store import RunLayout
+    from chunkq.supervisor.enqueue import restore_from_manifest
+    from tests.helpers import write_test_run
+
+    spec, texts = write_test_run(store, "victim", 0, 20, 5)
+    write_test_run(store, "victim", 1, 20, 6)
+    honest = spec.to_dict()
+    forged_options = {**honest["options"], "max_seq_length": 3, "normalize_embeddings": True}
+    planted = {
+        "victim__c000000": _spec(store, rows=20, options=forged_options),
+        "victim__c000001": _spec(store, rows=20),  # chunk 0's spec under chunk 1's job id
+    }
+    for job_id, forged in planted.items():
+        _plant(connection, job_id, _call("chunkq.jobs.embed.embed_chunk", forged))
+
+    def burst() -> None:
+        done = subprocess.run(
+            [*WORKER, "--queue", QUEUE, "--burst", "--store", str(store)],
+            env=cli_env(CHUNKQ_REDIS_URL=redis_url, CHUNKQ_DEVICE="cpu"),
+            capture_output=True,
+            text=True,
+            timeout=240,
+            check=False,
+        )
+        assert done.returncode == exit_codes.EXIT_STOPPED, done.stderr[-4000:]
+
+    burst()
+    layout = RunLayout(store, "victim")
+    assert layout.done_chunks() == set(), "a forged job published an output"
+    manifest = load_manifest(layout)
+    for index, job_id in enumerate(planted):
+        job = Job.fetch(job_id, connection=connection, serializer=JSONSerializer)
+        latest = job.latest_result()
+        assert latest is not None and "does not match the run's manifest" in (latest.exc_string or "")
+        assert job.meta["error_class"] == "tampered"
+        # What the supervisor does before it queues a failed chunk again: the manifest's spec.
+        assert restore_from_manifest(job, layout, manifest, index)
+        FailedJobRegistry(QUEUE, connection=connection, serializer=JSONSerializer).requeue(job_id)
+    burst()
+    assert layout.done_chunks() == {0, 1}
+    got = np.load(layout.output_npy(0))
+    assert max_abs_diff(got, reference_model.encode(texts)) <= 1e-5

@@ -13,12 +13,12 @@ from pathlib import Path
 import redis
 from rq.job import Job
 
+from chunkq.jobs.manifest import load_manifest
 from chunkq.jobs.models import BUNDLED_MODEL
 from chunkq.jobs.specs import chunk_job_id
 from chunkq.jobs.store import RunLayout, read_json
 from chunkq.queue_worker import exit_codes
 from chunkq.supervisor.corpus import CorpusOptions
-from chunkq.supervisor.manifest import load_manifest
 from chunkq.supervisor.progress import Tracker, store_snapshot
 from chunkq.supervisor.submit import SubmitRequest, SubmitResult, submit
 from chunkq.supervisor.throughput import of_outputs

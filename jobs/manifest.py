@@ -1,4 +1,9 @@
-"""The run manifest: what a run is (corpus, options, chunking) and the arithmetic of its chunks."""
+"""The run manifest: what a run is (corpus, options, chunking) and the arithmetic of its chunks.
+
+It is the authority of the job contract: submit writes it before any job exists, workers refuse a
+job whose spec differs from it (``spec_mismatch``), and assembly and ``assemble --verify`` check
+every chunk output and the published result against it.
+"""
 
 from __future__ import annotations
 
@@ -61,6 +66,35 @@ class RunManifest:
             store=str(store),
             options=EncodeOptions.from_dict(self.data["options"]),
         )
+
+    @property
+    def model(self) -> str:
+        return str(self.data["model"])
+
+    @property
+    def options(self) -> dict[str, Any]:
+        options: dict[str, Any] = self.data["options"]
+        return options
+
+    def spec_mismatch(self, spec: ChunkSpec) -> str:
+        """How a chunk spec differs from what this manifest says the chunk is, or "" when it agrees.
+
+        Only the store may differ: it is the same root seen from another host.
+        """
+        if not 0 <= spec.index < self.chunks:
+            return f"chunk {spec.index} is not one of the run's {self.chunks} chunks"
+        mine = self.chunk_spec(Path(spec.store), spec.index).to_dict()
+        given = spec.to_dict()
+        diffs = [
+            f"{key}: job {given.get(key)!r}, manifest {value!r}"
+            for key, value in mine.items()
+            if key != "store" and given.get(key) != value
+        ]
+        return "; ".join(diffs)
+
+    def producer(self) -> dict[str, Any]:
+        """What a chunk output records of what produced it; assembly compares it with the manifest."""
+        return {"run_fingerprint": self.fingerprint, "model": self.model, "options": self.options}
 
 
 def load_manifest(layout: RunLayout) -> RunManifest:
