@@ -14,6 +14,7 @@ import os
 import shutil
 import tempfile
 from collections import Counter
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -270,11 +271,15 @@ def _publish(built: Path, result: Path) -> None:
         publish_file(built / name, result / name)
 
 
-def assemble(layout: RunLayout, missing: list[Failure] | None = None) -> dict[str, Any]:
+def assemble(
+    layout: RunLayout, missing: list[Failure] | None = None, fence: Callable[[], None] | None = None
+) -> dict[str, Any]:
     """Verify every chunk and publish ``result/``; raise AssemblyError naming every problem.
 
     ``missing`` (``--allow-partial``) leaves those chunks out; the result manifest then says
     ``complete: false`` and lists their row ranges and errors, so a partial result is never silent.
+    ``fence`` raises if this process no longer owns the run (``StoreLock.check``): it is called
+    just before the result is put in place, so a supervisor that lost its lock never publishes.
     """
     manifest = load_manifest(layout)
     existing = published_result(layout, manifest)
@@ -321,6 +326,8 @@ def assemble(layout: RunLayout, missing: list[Failure] | None = None) -> dict[st
             "encode_seconds": round(sum(float(m["seconds"]) for m in metas), 3),
         }
         atomic_write_json(tmp / "manifest.json", result)
+        if fence is not None:
+            fence()
         _publish(tmp, layout.result)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

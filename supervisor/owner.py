@@ -4,11 +4,15 @@ The supervisor's Redis lock (``lock.py``) lives in the run's Redis: two ``chunkq
 each start their own embedded server and never see each other's (seen: two servers appending to
 one append-only file, 43 encodes for 25 chunks). This lock lives in the store they share.
 
-The file names its holder (pid, host, start time). It is stale, and taken over with a warning, when
-its holder on this host is gone (or its pid now belongs to a younger process), or when it has not
-been renewed for STALE_SECONDS (a holder on another host that died). On a filesystem the file is
-created exclusively; an object store has no exclusive create, so there two owners starting in the
-same second could both win (documented in README).
+The file names its holder (pid, host, start time, a random token). A thread renews it (its mtime)
+every RENEW_SECONDS for as long as it is held, whatever the holder is busy with. It is stale, and
+taken over with a warning, when its holder on this host is gone (or its pid now belongs to a younger
+process); a live holder on this host is never stale, however old the file. A holder on another host
+is taken over only when the file has not been renewed for STALE_SECONDS. A holder that was paused
+(SIGSTOP, a frozen VM) while another host took over finds someone else's token when it wakes: it
+never renews or removes that lock, and ``check`` (the fencing test before anything is published)
+raises LockLostError. On a filesystem the file is created exclusively; an object store has no
+exclusive create, so there two owners starting in the same second could both win (documented in README).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import logging
 import os
 import secrets
 import socket
+import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -31,6 +36,11 @@ from chunkq.supervisor.lock import RunLockedError
 
 log = logging.getLogger(__name__)
 
+
+class LockLostError(RunLockedError):
+    """Another process took the lock over while this one was paused; it must not publish anything."""
+
+
 STALE_SECONDS = 60.0  # a lock not renewed for this long belongs to a holder that died elsewhere
 RENEW_SECONDS = 10.0
 WAIT_POLL_SECONDS = 0.5
@@ -43,7 +53,9 @@ class StoreLock:
         self.path, self.what = path, what
         self.token = secrets.token_hex(8)
         self.held = False
-        self._renewed = 0.0
+        self.lost = ""  # whose lock we found in place of ours, once it happened
+        self._stop = threading.Event()
+        self._renewer: threading.Thread | None = None
         self.took_over: str = ""  # whose stale lock acquire() took over, described, or ""
 
     def _mine(self) -> dict[str, Any]:
@@ -93,6 +105,7 @@ class StoreLock:
                 proc = psutil.Process(int(holder["pid"]))
                 if proc.create_time() > float(holder.get("process_started", 0)) + 1:
                     return f"pid {holder['pid']} now belongs to another process"
+                return ""  # alive on this host: paused or busy, never stale, however old the file
             except psutil.NoSuchProcess:
                 return f"pid {holder['pid']} has exited"
             except (psutil.Error, ValueError, TypeError):
@@ -128,22 +141,46 @@ class StoreLock:
                 announced = True
             time.sleep(WAIT_POLL_SECONDS)
         self.held = True
-        self._renewed = time.monotonic()
+        self._stop.clear()
+        self._renewer = threading.Thread(target=self._renew_while_held, name="lock-renewer", daemon=True)
+        self._renewer.start()
 
-    def renew(self) -> None:
-        """Show the lock is alive (its mtime), at most every RENEW_SECONDS."""
-        now = time.monotonic()
-        if self.held and now - self._renewed >= RENEW_SECONDS:
-            self._renewed = now
-            try:
-                if is_local(self.path):
-                    os.utime(self.path)
-                else:
-                    self.path.touch()
-            except OSError as exc:
-                log.warning("%s: cannot renew the lock (%s)", self.what, exc)
+    def _renew_while_held(self) -> None:
+        while not self._stop.wait(RENEW_SECONDS):
+            if not self._renew():
+                return
+
+    def _renew(self) -> bool:
+        """Show the lock is alive (its mtime) if it is still ours; False once it is not."""
+        holder = self.holder()
+        if (holder or {}).get("token") != self.token:
+            self.lost = _describe(holder) if holder else "nobody (the lock file is gone)"
+            log.error("%s: the lock is no longer ours; it is held by %s", self.what, self.lost)
+            return False
+        try:
+            if is_local(self.path):
+                os.utime(self.path)
+            else:
+                self.path.touch()
+        except OSError as exc:
+            log.warning("%s: cannot renew the lock (%s)", self.what, exc)
+        return True
+
+    def check(self) -> None:
+        """The fencing test: raise LockLostError unless the lock file still carries our token.
+        Called before anything is published, and on each of the supervisor's looks."""
+        if not self.held:
+            return
+        if self.lost or not self._renew():
+            raise LockLostError(
+                f"{self.what}: another process took the lock over while this one was paused or cut "
+                f"off ({self.lost}); this one stops without publishing anything"
+            )
 
     def release(self) -> None:
+        self._stop.set()
+        if self._renewer is not None and self._renewer is not threading.current_thread():
+            self._renewer.join(timeout=5)
         if self.held and (self.holder() or {}).get("token") == self.token:
             self.path.unlink(missing_ok=True)
         self.held = False

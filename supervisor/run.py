@@ -29,7 +29,7 @@ from chunkq.supervisor.assemble import published_result
 from chunkq.supervisor.display import ProgressDisplay
 from chunkq.supervisor.embedded_redis import EmbeddedRedis
 from chunkq.supervisor.owner import StoreLock
-from chunkq.supervisor.submit import SubmitRequest, SubmitResult, submit
+from chunkq.supervisor.submit import SubmitRequest, SubmitResult, identify, removed_on_failure, submit
 from chunkq.supervisor.watch import Outcome, WatchSettings, redis_never_gone, supervise
 
 log = logging.getLogger(__name__)
@@ -165,7 +165,13 @@ def _always() -> bool:
 def run(req: RunRequest, display: ProgressDisplay) -> RunOutcome:
     """Submit, work and assemble on this machine; resumable from whatever the store already holds."""
     store = req.submit.store
-    with contextlib.ExitStack() as stack:
+    identified = identify(req.submit)
+    layout = RunLayout(store, identified.run_id)
+    with removed_on_failure(store, store / "runs", layout.root), contextlib.ExitStack() as stack:
+        # The run's lock first: a run refused because another process owns it has started,
+        # written and queued nothing.
+        owner = stack.enter_context(StoreLock(layout.owner, f"run {layout.run_id}"))
+        owner.acquire(req.watch.wait_for_owner)
         redis_gone = redis_never_gone
         if req.redis_url:
             url = req.redis_url
@@ -183,10 +189,7 @@ def run(req: RunRequest, display: ProgressDisplay) -> RunOutcome:
             if server_lock.took_over:
                 _release_orphans(redis.Redis.from_url(url), server_lock.took_over)
         connection = redis.Redis.from_url(url)
-        submitted = submit(req.submit, connection)
-        layout = RunLayout(store, submitted.run_id)
-        owner = stack.enter_context(StoreLock(layout.owner, f"run {layout.run_id}"))
-        owner.acquire(req.watch.wait_for_owner)
+        submitted = submit(req.submit, connection, identified)
         # Submit has checked the result's checksums; look again only if another run may have
         # published it while this one waited for the lock.
         if submitted.published or published_result(layout, load_manifest(layout)) is not None:

@@ -70,7 +70,29 @@ class SubmitResult:
 
 def describe_inputs(paths: tuple[Path, ...]) -> list[dict[str, Any]]:
     """Each corpus file with its checksum and size, for the manifest and the run's identity."""
-    return [{"path": str(p.resolve()), "sha256": file_sha256(p), "size": p.stat().st_size} for p in paths]
+    described = []
+    for path in paths:
+        before = _stamp(path)
+        sha256 = file_sha256(path)
+        _unchanged(path, before)
+        described.append(
+            {"path": str(path.resolve()), "sha256": sha256, "size": before[0], "mtime_ns": before[1]}
+        )
+    return described
+
+
+def _stamp(path: Path) -> tuple[int, int]:
+    st = path.stat()
+    return st.st_size, st.st_mtime_ns
+
+
+def _unchanged(path: Path, before: tuple[int, int]) -> None:
+    """Refuse a corpus file written to while chunkq read it: its checksum would not cover its rows."""
+    if _stamp(path) != before:
+        raise CorpusError(
+            f"{path}: the file changed while chunkq read it (size or modification time); "
+            "submit it again once whatever writes it has finished"
+        )
 
 
 def _identity(req: SubmitRequest, inputs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -152,6 +174,9 @@ def _create_run(
 ) -> RunManifest:
     try:
         rows = _write_inputs(req, layout)
+        # The checksums were taken in an earlier pass: the rows just copied must be of those bytes.
+        for described in inputs:
+            _unchanged(Path(described["path"]), (described["size"], described["mtime_ns"]))
     except BaseException:
         # No manifest was written, so nothing refers to these inputs: leave the store as it was.
         remove_tree(layout.root)
@@ -182,10 +207,10 @@ def _create_run(
 
 
 @contextlib.contextmanager
-def _store_removed_on_failure(store: Path) -> Iterator[None]:
-    """A first submit into a store that did not exist yet: if it fails (bad input on line 9,000),
-    the folders it created go too, so a failed submit leaves the disk as it found it."""
-    fresh = [p for p in (store, store / "runs") if is_local(p) and not p.exists()]
+def removed_on_failure(*folders: Path) -> Iterator[None]:
+    """Folders a first submit (or run) is about to create: if it fails (bad input on line 9,000, a
+    run owned by another process), the ones it created go too, so it leaves the disk as it found it."""
+    fresh = [p for p in folders if is_local(p) and not p.exists()]
     try:
         yield
     except BaseException:
@@ -195,8 +220,18 @@ def _store_removed_on_failure(store: Path) -> Iterator[None]:
         raise
 
 
-def submit(req: SubmitRequest, connection: redis.Redis) -> SubmitResult:
-    """Create (or find) the run for ``req`` and enqueue every chunk not yet done or in flight."""
+@dataclass(frozen=True)
+class Identified:
+    """A request's corpus read once for its checksums: which run it is, and why."""
+
+    run_id: str
+    inputs: list[dict[str, Any]]
+    identity: dict[str, Any]
+    fingerprint: str
+
+
+def identify(req: SubmitRequest) -> Identified:
+    """Check the corpus files and hash them: the run id, before anything is written or locked."""
     if req.chunk_size < 1:
         raise ConfigError(f"--chunk-size must be at least 1, got {req.chunk_size}")
     for path in req.corpora:
@@ -205,10 +240,23 @@ def submit(req: SubmitRequest, connection: redis.Redis) -> SubmitResult:
     identity = _identity(req, inputs)
     run_fingerprint = fingerprint(identity)
     run_id = validate_run_id(req.run_id) if req.run_id else default_run_id(req.corpora[0], run_fingerprint)
+    return Identified(run_id, inputs, identity, run_fingerprint)
+
+
+def submit(req: SubmitRequest, connection: redis.Redis, identified: Identified | None = None) -> SubmitResult:
+    """Create (or find) the run for ``req`` and enqueue every chunk not yet done or in flight.
+    ``identified``: ``identify(req)``, when the caller needed the run id first (to lock the run)."""
+    identified = identified or identify(req)
+    run_id, inputs, identity, run_fingerprint = (
+        identified.run_id,
+        identified.inputs,
+        identified.identity,
+        identified.fingerprint,
+    )
     layout = RunLayout(req.store, run_id)
     created = not layout.manifest.is_file()
     if created:
-        with _store_removed_on_failure(req.store):
+        with removed_on_failure(req.store, req.store / "runs"):
             manifest = _create_run(req, layout, identity, inputs)
         log.info(
             "run %s: %d rows in %d chunks written to %s", run_id, manifest.rows, manifest.chunks, layout.root

@@ -130,7 +130,7 @@ class Supervisor:
         )
 
     def look(self) -> Snapshot:
-        self.owner.renew()
+        self.owner.check()  # stop at once if another process took the run over while we were paused
         self.lock.renew()
         snap = self.tracker.poll()
         self._act(snap)
@@ -265,4 +265,5 @@ def _supervise(
         lock.release()
     if not snap.settled or (snap.quarantined and not settings.allow_partial):
         return Outcome(snap, None)
-    return Outcome(snap, assemble(layout, missing=snap.quarantined if settings.allow_partial else None))
+    missing = snap.quarantined if settings.allow_partial else None
+    return Outcome(snap, assemble(layout, missing=missing, fence=owner.check))

@@ -211,8 +211,12 @@ def test_a_second_run_of_the_same_run_is_refused_or_waits_and_nothing_is_encoded
     store, waiter_log = tmp_path / "store", tmp_path / "waiter.log"
     waiter = None
     try:
+        server_owner = (store / "redis" / "owner.json").read_bytes()
         second = run_cli(*args, timeout=60)
         assert second.returncode == 10, second.stderr[-2000:]
+        # Refused before it started, wrote or queued anything: the live run's files are untouched.
+        assert (store / "redis" / "owner.json").read_bytes() == server_owner
+        assert (store / "redis" / "url").is_file() and "server" not in second.stderr
         assert f"is in use by pid {first.pid} on " in second.stderr and "--wait" in second.stderr
         waiter = start_cli(waiter_log, *args, "--wait")
         assert first.wait(timeout=180) == 0

@@ -142,3 +142,18 @@ def test_verify_checks_the_result_manifest_against_the_runs(encoded_run: Any) ->
     assert repaired.returncode == 0, repaired.stderr
     assert json.loads(path.read_text())["model"] == BUNDLED_MODEL
     assert run_cli("assemble", layout.run_id, "--verify", "--store", store).returncode == 0
+
+
+def test_a_supervisor_that_lost_its_lock_publishes_nothing(encoded_run: Any) -> None:
+    """Issue 21.3: the fencing check runs after the result is built, just before it is put in place."""
+    from chunkq.supervisor.owner import LockLostError
+
+    layout, _, _ = encoded_run
+
+    def lost() -> None:
+        raise LockLostError("run r: another process took the lock over")
+
+    with pytest.raises(LockLostError):
+        assemble(layout, fence=lost)
+    assert not layout.result.exists() and not list(layout.root.glob(".result.tmp-*"))
+    assert assemble(layout, fence=lambda: None)["rows"] == 47

@@ -6,6 +6,7 @@ import json
 import zlib
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -127,3 +128,30 @@ def test_duplicate_ids_are_named_with_both_places(
         submit(_request(corpus, store, run_id="dup"), connection)
     assert not RunLayout(store, "dup").root.exists()
     assert chunk_queue(connection, "t").count == 0
+
+
+def test_a_corpus_appended_while_submit_reads_it_is_refused(
+    tmp_path: Path, store: Path, connection: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 21.4: the checksum is taken in one pass and the rows copied in another; a writer that
+    appends between the two must not leave a manifest whose checksum does not cover its rows."""
+    from chunkq.supervisor import submit as submit_module
+
+    ids, texts = make_texts(30)
+    corpus = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")
+    reading = submit_module.read_inputs
+
+    def appended_while_read(req: SubmitRequest) -> Any:
+        for n, record in enumerate(reading(req)):
+            if n == 5:
+                with open(corpus, "a", encoding="utf-8") as fh:
+                    fh.write(json.dumps({"id": "late", "text": "appended meanwhile"}) + "\n")
+            yield record
+
+    monkeypatch.setattr(submit_module, "read_inputs", appended_while_read)
+    with pytest.raises(CorpusError, match=r"c\.jsonl: the file changed while chunkq read it"):
+        submit(_request(corpus, store), connection)
+    assert not store.exists()  # a failed first submit leaves nothing
+    monkeypatch.setattr(submit_module, "read_inputs", reading)
+    again = submit(_request(corpus, store), connection)  # the file as it now is
+    assert again.rows == 31
