@@ -57,6 +57,13 @@ def check_readable(path: Path) -> None:
         raise CorpusError(f"{path}: no such file")
     if path.is_dir():
         raise CorpusError(f"{path}: is a directory, not a corpus file")
+    if not path.is_file():
+        # A pipe (`<(cat c.jsonl)`), FIFO or device would hang, or lose what one pass read: chunkq
+        # reads a corpus twice (its checksum, then its rows).
+        raise CorpusError(
+            f"{path}: not a regular file (a pipe, FIFO or device); chunkq reads a corpus twice "
+            "(checksum, then rows): save it to a file first"
+        )
     try:
         with open(path, "rb") as fh:
             fh.read(1)
@@ -73,7 +80,9 @@ class _IdPolicy:
         self.from_field: bool | None = None
 
     def pick(self, record: dict[str, Any], where: str, number: int) -> str:
-        present = self.field in record and record[self.field] is not None
+        # The field's presence decides, not its value: a first record with a null id must not turn
+        # every later id into a line number.
+        present = self.field in record
         if self.from_field is None:
             self.from_field = present
         if not self.from_field:
@@ -81,6 +90,8 @@ class _IdPolicy:
         if not present:
             raise CorpusError(f"{where}: missing id field {self.field!r} (earlier records have one)")
         value = record[self.field]
+        if value is None:
+            raise CorpusError(f"{where}: id {self.field!r} is null")
         if isinstance(value, bool) or not isinstance(value, str | int):
             raise CorpusError(
                 f"{where}: id {self.field!r} is {type(value).__name__}, expected a string or integer"
@@ -117,11 +128,16 @@ def _text_of(record: dict[str, Any], opts: CorpusOptions, where: str) -> str:
     return _unicode(text, f"text field {field!r}", where)
 
 
+_BOM = "\ufeff".encode()
+
+
 def _lines(path: Path, limit: int) -> Iterator[tuple[int, str]]:
     with open(path, "rb") as fh:
         lineno = 0
         while raw := fh.readline(limit + 2):  # never read more of a line than the limit allows
             lineno += 1
+            if lineno == 1 and raw.startswith(_BOM):  # written by Excel and Windows tools
+                raw = raw[len(_BOM) :]
             if len(raw.rstrip(b"\r\n")) > limit:
                 raise CorpusError(f"{path}:{lineno}: line is over the limit of {limit} bytes")
             try:
@@ -156,8 +172,11 @@ def _read_txt(path: Path, opts: CorpusOptions, prefix: str) -> Iterator[Record]:
 
 def _read_csv(path: Path, opts: CorpusOptions, prefix: str) -> Iterator[Record]:
     ids = _IdPolicy(path, opts.id_field, prefix)
+    # The csv module refuses fields over 131,072 characters by default; the limit is chunkq's own.
+    csv.field_size_limit(max(csv.field_size_limit(), opts.max_text_bytes + 1))
     try:
-        with open(path, encoding="utf-8", newline="") as fh:
+        # utf-8-sig: a byte-order mark (Excel's "CSV UTF-8") is not part of the first column's name.
+        with open(path, encoding="utf-8-sig", newline="") as fh:
             reader = csv.DictReader(fh)
             header = reader.fieldnames or []
             if opts.text_field not in header:
@@ -189,6 +208,8 @@ def _read_parquet(path: Path, opts: CorpusOptions, prefix: str) -> Iterator[Reco
     if opts.text_field not in schema.names:
         raise CorpusError(f"{path}: no column {opts.text_field!r} (columns: {', '.join(schema.names)})")
     text_type = schema.field(opts.text_field).type
+    if pa.types.is_dictionary(text_type):  # how pyarrow and pandas write repetitive string columns
+        text_type = text_type.value_type
     if not (pa.types.is_string(text_type) or pa.types.is_large_string(text_type)):
         raise CorpusError(f"{path}: column {opts.text_field!r} has type {text_type}, expected string")
     columns = [opts.text_field] + ([opts.id_field] if opts.id_field in schema.names else [])

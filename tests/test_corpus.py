@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -138,3 +139,65 @@ def test_line_over_the_size_limit_is_refused_without_reading_it_whole(tmp_path: 
     pq.write_table(pa.table({"text": ["ok", "y" * 5000]}), parquet)
     with pytest.raises(CorpusError, match=r"row 2: text is over the limit of 1000 bytes"):
         _read(parquet, max_text_bytes=1000)
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_column_or_line(tmp_path: Path) -> None:
+    """Issue 21.5: Excel's "CSV UTF-8" starts with U+FEFF; the id column must still be found."""
+    bom = "\ufeff"
+    csv_ids = tmp_path / "ids.csv"
+    csv_ids.write_text(bom + 'id,text\nx7,"first"\ny8,second\n', encoding="utf-8")
+    assert _read(csv_ids) == [("x7", "first"), ("y8", "second")]
+    text_first = tmp_path / "text-first.csv"
+    text_first.write_text(bom + "text,id\nfirst,x7\n", encoding="utf-8")
+    assert _read(text_first) == [("x7", "first")]
+    jsonl = tmp_path / "c.jsonl"
+    jsonl.write_text(bom + '{"id": "a", "text": "first"}\n', encoding="utf-8")
+    assert _read(jsonl) == [("a", "first")]
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_a_null_id_in_the_first_record_is_an_error_not_line_numbers(tmp_path: Path, fmt: str) -> None:
+    """Issue 21.8: a null first id used to switch the whole corpus to line-number ids."""
+    path = tmp_path / f"c.{fmt}"
+    if fmt == "jsonl":
+        path.write_text('{"id": null, "text": "a"}\n{"id": "k", "text": "b"}\n', encoding="utf-8")
+        where = f"{path}:1"
+    else:
+        pq.write_table(pa.table({"id": [None, "k"], "text": ["a", "b"]}), path)
+        where = f"{path}: row 1"
+    with pytest.raises(CorpusError, match=f"^{re.escape(where)}: id 'id' is null$"):
+        _read(path)
+
+
+def test_a_pipe_is_refused_in_one_line_before_it_is_read(tmp_path: Path) -> None:
+    """Issue 21.12: a FIFO hung silently; `<(cat c.jsonl)` lost its first byte to the check."""
+    fifo = tmp_path / "corpus.jsonl"
+    os.mkfifo(fifo)
+    with pytest.raises(CorpusError, match=r"not a regular file .*save it to a file first"):
+        check_readable(fifo)  # returns at once: it never opens the FIFO, so no writer is needed
+    read_end, write_end = os.pipe()
+    try:
+        with pytest.raises(CorpusError, match="not a regular file"):
+            check_readable(Path(f"/dev/fd/{read_end}"))
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+
+
+def test_a_csv_field_up_to_the_documented_limit_is_read(tmp_path: Path) -> None:
+    """Issue 21.16: the csv module's own 131,072-character limit used to refuse a 200 KB text."""
+    path = tmp_path / "c.csv"
+    long_text = "word " * 40_000  # 200,000 characters
+    write_corpus(path, ["a"], [long_text], "csv")
+    assert _read(path) == [("a", long_text)]
+    with pytest.raises(CorpusError, match=r"c\.csv:2: text is over the limit"):
+        _read(path, max_text_bytes=100_000)
+
+
+def test_a_dictionary_encoded_parquet_text_column_is_read(tmp_path: Path) -> None:
+    """Issue 21.16: the encoding pyarrow and pandas choose for repetitive strings."""
+    path = tmp_path / "c.parquet"
+    texts = pa.array(["alpha", "beta", "alpha"]).dictionary_encode()
+    pq.write_table(pa.table({"id": ["1", "2", "3"], "text": texts}), path)
+    assert pa.types.is_dictionary(pq.ParquetFile(path).schema_arrow.field("text").type)
+    assert _read(path) == [("1", "alpha"), ("2", "beta"), ("3", "alpha")]
