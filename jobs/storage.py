@@ -34,7 +34,52 @@ from chunkq.jobs.errors import ConfigError
 _LOCAL_PROTOCOLS = ("", "file", "local")
 
 
-OWNER_ONLY = 0o077  # the umask of everything chunkq and its servers and workers create
+OWNER_ONLY = 0o077  # the umask of chunkq's own processes (CLI, servers, pool, workers)
+PRIVATE_DIR, PRIVATE_FILE = 0o700, 0o600  # modes set explicitly where chunkq runs in a caller's process
+
+
+def private_dirs(path: Path) -> None:
+    """``mkdir -p`` with every folder it creates owner-only, whatever the process's umask: the API
+    runs in the caller's process, whose umask is not chunkq's to change (threads share it)."""
+    missing = []
+    for folder in (path, *path.parents):
+        if folder.is_dir():
+            break
+        missing.append(folder)
+    for folder in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(folder, PRIVATE_DIR)
+
+
+def private_open(path: Path, mode: str = "wb", **kw: Any) -> Any:
+    """``open(path, mode)`` for writing a new file, created owner-only whatever the umask."""
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if "a" in mode else os.O_TRUNC)
+    return os.fdopen(os.open(path, flags, PRIVATE_FILE), mode, **kw)
+
+
+class StoreLinkError(ConfigError):
+    """A path chunkq would write, replace or delete is reached through a symbolic link."""
+
+
+def no_links_below(root: Path, path: Path) -> Path:
+    """``path`` if no folder or file from below ``root`` down to it is a symbolic link; else
+    StoreLinkError. The store is a closed world: a link in it could send a delete, a replace or a
+    write anywhere the user can reach (seen: ``clean --outputs-only`` deleting a linked folder's files)."""
+    if not is_local(path):
+        return path  # object stores have no links
+    try:
+        parts = path.relative_to(root).parts
+    except ValueError:
+        raise StoreLinkError(f"{path} is outside the store {root}") from None
+    current = root
+    for part in parts:
+        current = current / part
+        if current.is_symlink():
+            raise StoreLinkError(
+                f"{current} is a symbolic link; chunkq never writes, replaces or deletes anything "
+                "through a link in its store (replace the link with the folder or file itself)"
+            )
+    return path
 
 
 def open_store(store: str | os.PathLike[str] | Path) -> Path:
@@ -71,7 +116,7 @@ def is_local(path: Path) -> bool:
 def atomic_path(path: Path) -> Iterator[Path]:
     """Yield a local temporary file; on success publish it at ``path`` whole (rename, or one upload)."""
     if is_local(path):
-        path.parent.mkdir(parents=True, exist_ok=True)
+        private_dirs(path.parent)
         directory: str | None = str(path.parent)
     else:
         directory = None
@@ -98,7 +143,7 @@ def _upload(local: Path, remote: Path) -> None:
 def publish_file(local: Path, path: Path) -> None:
     """Move a finished local file to ``path``: a rename on the same filesystem, else one upload."""
     if is_local(path):
-        path.parent.mkdir(parents=True, exist_ok=True)
+        private_dirs(path.parent)
         os.replace(local, path)
     else:
         _upload(local, path)
@@ -141,7 +186,7 @@ def local_scratch(path: Path) -> Iterator[Path]:
     """A local directory for files that must be local (SQLite) while working on ``path``: ``path``
     itself on a filesystem store, a temporary directory removed afterwards on an object store."""
     if is_local(path):
-        path.mkdir(parents=True, exist_ok=True)
+        private_dirs(path)
         yield path
         return
     scratch = Path(tempfile.mkdtemp(prefix="chunkq-"))

@@ -26,7 +26,7 @@ import numpy as np
 
 from chunkq.jobs.errors import BadInputError, StoreError
 from chunkq.jobs.specs import validate_run_id
-from chunkq.jobs.storage import atomic_path, is_local, list_with_mtime, open_store
+from chunkq.jobs.storage import atomic_path, is_local, list_with_mtime, no_links_below, open_store
 
 CHUNK_NAME_WIDTH = 6
 
@@ -36,58 +36,66 @@ def chunk_name(index: int) -> str:
 
 
 class RunLayout:
-    """Paths of one run under a store root; the run id is validated so no path escapes the store."""
+    """Paths of one run under a store root. The run id is validated and every path is checked to be
+    reached through no symbolic link below the store root, so none leads out of the store."""
 
     def __init__(self, store: str | os.PathLike[str], run_id: str) -> None:
         self.store = open_store(store)
         self.run_id = validate_run_id(run_id)
-        self.root = self.store / "runs" / self.run_id
+        self._root = self.store / "runs" / self.run_id
+
+    def _in_store(self, path: Path) -> Path:
+        return no_links_below(self.store, path)
+
+    @property
+    def root(self) -> Path:
+        return self._in_store(self._root)
 
     @property
     def manifest(self) -> Path:
-        return self.root / "manifest.json"
+        return self._in_store(self._root / "manifest.json")
 
     @property
     def inputs(self) -> Path:
-        return self.root / "inputs"
+        return self._in_store(self._root / "inputs")
 
     @property
     def outputs(self) -> Path:
-        return self.root / "outputs"
+        return self._in_store(self._root / "outputs")
 
     @property
     def damaged_outputs(self) -> Path:
         """Chunk outputs that failed verification, kept for a look; never read again."""
-        return self.outputs / "damaged"
+        return self._in_store(self._root / "outputs" / "damaged")
 
     @property
     def result(self) -> Path:
-        return self.root / "result"
+        return self._in_store(self._root / "result")
 
     def input_path(self, index: int) -> Path:
-        return self.inputs / f"{chunk_name(index)}.jsonl"
+        return self._in_store(self._root / "inputs" / f"{chunk_name(index)}.jsonl")
 
     def output_npy(self, index: int) -> Path:
-        return self.outputs / f"{chunk_name(index)}.npy"
+        return self._in_store(self._root / "outputs" / f"{chunk_name(index)}.npy")
 
     def output_meta(self, index: int) -> Path:
-        return self.outputs / f"{chunk_name(index)}.json"
+        return self._in_store(self._root / "outputs" / f"{chunk_name(index)}.json")
 
     @property
     def owner(self) -> Path:
-        return self.root / "owner.json"
+        return self._in_store(self._root / "owner.json")
 
     @property
     def failures(self) -> Path:
-        return self.root / "failures"
+        return self._in_store(self._root / "failures")
 
     def failure_path(self, index: int, attempt: int) -> Path:
-        return self.failures / f"{chunk_name(index)}-a{attempt}.json"
+        return self._in_store(self._root / "failures" / f"{chunk_name(index)}-a{attempt}.json")
 
     def learned_batch(self, device_kind: str) -> Path:
         """Where the batch size that fitted on this kind of device is kept for the run's later chunks."""
         safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in device_kind)[:80] or "device"
-        return self.root / "learned" / f"{safe}.json"
+        return self._in_store(self._root / "learned" / f"{safe}.json")
 
     def committed_outputs(self) -> Iterator[tuple[int, float]]:
         """(index, commit time) of each chunk whose output metadata (the commit marker) exists."""

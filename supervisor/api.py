@@ -8,8 +8,8 @@ either. Options are ``chunkq run``'s, by their Python names: ``chunk_size``, ``b
 
 from __future__ import annotations
 
+import glob
 import json
-import os
 import tempfile
 import time
 from collections.abc import Iterable, Sequence
@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 from chunkq.jobs.errors import ConfigError
 from chunkq.jobs.manifest import load_manifest
-from chunkq.jobs.storage import OWNER_ONLY, open_store
+from chunkq.jobs.models import check_model, default_model, resolve_model
+from chunkq.jobs.storage import open_store, private_open
 from chunkq.jobs.store import RunLayout
 from chunkq.queue_worker.settings import DEFAULT_STORE
 from chunkq.supervisor.display import ProgressDisplay
@@ -87,13 +88,10 @@ def run(
     )
     from chunkq.supervisor.run import run as run_locally
 
-    # The store holds the user's texts: owner-only, as under the CLI, whatever this process's mask.
-    mask = os.umask(OWNER_ONLY)
-    try:
-        with ProgressDisplay(live=progress) as display:
-            outcome = run_locally(request, display)
-    finally:
-        os.umask(mask)
+    # The store holds the user's texts: everything chunkq creates is owner-only, as under the CLI,
+    # by the modes it sets; this process's umask is the caller's, shared by its threads.
+    with ProgressDisplay(live=progress) as display:
+        outcome = run_locally(request, display)
     result = finished_result(outcome, request)
     layout = RunLayout(request.submit.store, result["run_id"])
     return RunResult(
@@ -121,22 +119,44 @@ def embed(
     """
     import numpy as np
 
+    if isinstance(texts_or_path, str) and not _names_files(texts_or_path):
+        raise ConfigError(
+            f"chunkq.embed takes a list of texts or a corpus path; {texts_or_path[:60]!r} is neither a "
+            "file nor a pattern that matches one (for one text, pass [text])"
+        )
     with tempfile.TemporaryDirectory(prefix="chunkq-") as scratch:
         if isinstance(texts_or_path, str | Path):
             corpus: str | Path = texts_or_path
         else:
             corpus = Path(scratch) / "texts.jsonl"
-            _write_texts(corpus, texts_or_path)
+            if not _write_texts(corpus, texts_or_path):
+                return np.empty((0, _dimension(model)), dtype=np.float32)
         result = run(corpus, model, store=store or Path(scratch) / "store", **options)
         return np.array(result.embeddings(mmap=False))
 
 
-def _write_texts(path: Path, texts: Iterable[str]) -> None:
-    with open(path, "w", encoding="utf-8") as fh:
+def _names_files(text: str) -> bool:
+    return Path(text).exists() or bool(glob.glob(text, recursive=True))
+
+
+def _dimension(model: str | None) -> int:
+    """The model's embedding dimension, for the (0, dim) answer to no texts."""
+    from sentence_transformers import SentenceTransformer
+
+    name = check_model(model) if model else default_model()
+    loaded = SentenceTransformer(resolve_model(name), device="cpu")
+    return int(loaded.get_sentence_embedding_dimension() or 0)
+
+
+def _write_texts(path: Path, texts: Iterable[str]) -> int:
+    """Write ``texts`` as a JSON Lines corpus; how many there were."""
+    number = 0
+    with private_open(path, "w", encoding="utf-8") as fh:
         for number, text in enumerate(texts, 1):
             if not isinstance(text, str):
                 raise ConfigError(f"text {number} is {type(text).__name__}, not a string")
             fh.write(json.dumps({"text": text}) + "\n")
+    return number
 
 
 __all__ = ["RunResult", "embed", "run"]

@@ -23,7 +23,7 @@ import numpy as np
 
 from chunkq.jobs.errors import AssemblyError, BadInputError
 from chunkq.jobs.manifest import RunManifest, load_manifest
-from chunkq.jobs.storage import exchange_dirs, is_local, publish_file, remove_tree
+from chunkq.jobs.storage import exchange_dirs, is_local, private_dirs, private_open, publish_file, remove_tree
 from chunkq.jobs.store import (
     RunLayout,
     atomic_write_json,
@@ -222,8 +222,8 @@ def _write_result(
     }
     written = 0
     with (
-        open(tmp / "embeddings.npy", "wb") as matrix,
-        open(tmp / "ids.jsonl", "w", encoding="utf-8") as ids_out,
+        private_open(tmp / "embeddings.npy", "wb") as matrix,
+        private_open(tmp / "ids.jsonl", "w", encoding="utf-8") as ids_out,
     ):
         np.lib.format.write_array_header_1_0(matrix, header)
         for index in range(manifest.chunks):
@@ -296,7 +296,7 @@ def assemble(
     if is_local(layout.root):
         tmp = layout.root / f".result.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        private_dirs(tmp)
     else:
         tmp = Path(tempfile.mkdtemp(prefix=f"chunkq-result-{manifest.run_id}-"))
     try:

@@ -9,7 +9,7 @@ import click
 
 from chunkq.jobs.store import RunLayout
 from chunkq.supervisor.cli_common import reach_redis_if, redis_option, reports_errors, store_option
-from chunkq.supervisor.export import EXPORT_FORMATS, export
+from chunkq.supervisor.export import EXPORT_FORMATS, STDOUT, export
 from chunkq.supervisor.runs import RunInfo, clean, list_runs
 
 
@@ -87,12 +87,20 @@ def clean_cmd(run_id: str, outputs_only: bool, store: Path, redis_url: str | Non
     help="parquet: columns id (string) and embedding (fixed-size list of float32); npy: the array, "
     "and its ids beside it in NAME.ids.jsonl; jsonl: {id, embedding} per line.",
 )
-@click.option("--out", type=click.Path(path_type=Path, dir_okay=False), required=True, help="File to write.")
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path, dir_okay=False, allow_dash=True),
+    required=True,
+    help="File to write, in an existing folder; '-', a pipe or a device is written through.",
+)
+@click.option("--force", is_flag=True, help="Replace --out if it is an existing file.")
 @store_option
 @redis_option("unused")
 @reports_errors
-def export_cmd(run_id: str, fmt: str, out: Path, store: Path, redis_url: str | None) -> None:
+def export_cmd(run_id: str, fmt: str, out: Path, force: bool, store: Path, redis_url: str | None) -> None:
     """Write RUN_ID's published result, in corpus order with its ids, to one file (streaming)."""
     del redis_url
-    written = export(RunLayout(store, run_id), fmt, out)
-    click.echo(", ".join(str(p) for p in written))
+    # Where the data itself goes to stdout, a pipe or a device, the note of what was written must not join it.
+    stream = out == STDOUT or (out.exists() and not out.is_file())
+    written = export(RunLayout(store, run_id), fmt, out, force)
+    click.echo(", ".join(str(p) for p in written), err=stream)

@@ -7,6 +7,7 @@ from pathlib import Path
 from types import TracebackType
 
 from chunkq.jobs.errors import CorpusError
+from chunkq.jobs.storage import private_dirs, private_open
 from chunkq.supervisor.corpus import Record
 
 
@@ -15,8 +16,9 @@ class IdRegistry:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
+        private_dirs(path.parent)
         path.unlink(missing_ok=True)
+        private_open(path).close()  # sqlite would create it with the process's umask
         self.db = sqlite3.connect(path, isolation_level=None)
         self.db.execute("PRAGMA journal_mode=OFF")
         self.db.execute("PRAGMA synchronous=OFF")

@@ -21,6 +21,7 @@ from types import TracebackType
 import redis
 
 from chunkq.jobs.errors import ConfigError
+from chunkq.jobs.storage import OWNER_ONLY, private_dirs
 from chunkq.queue_worker.lifeline import die_with_parent
 
 log = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ class EmbeddedRedis:
         ]
 
     def start(self, attempts: int = 3, timeout: float = START_TIMEOUT) -> EmbeddedRedis:
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        private_dirs(self.data_dir)
         for _attempt in range(attempts):  # the free port can be taken between probe and bind
             self.port = self.fixed_port or free_port()
             conf = self.data_dir / "auth.conf"
@@ -119,6 +120,7 @@ class EmbeddedRedis:
                 # that are finishing their chunks; we stop it last.
                 start_new_session=True,
                 preexec_fn=die_with_parent,
+                umask=OWNER_ONLY,  # its append-only files and log, whatever the caller's umask
             )
             if self._wait_ready(timeout):
                 log.info(

@@ -10,14 +10,18 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import stat
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
 
-from chunkq.jobs.errors import AssemblyError, StoreError
+from chunkq.jobs.errors import AssemblyError, ConfigError, StoreError
 from chunkq.jobs.manifest import load_manifest
 from chunkq.jobs.store import RunLayout, read_json, read_npy_header
 from chunkq.supervisor.assemble import check_published
@@ -93,10 +97,48 @@ def _read_header(fh: IO[bytes], digest: Any) -> tuple[int, ...]:
     return tuple(shape)
 
 
+STDOUT = Path("-")
+
+
+@dataclass(frozen=True)
+class _Target:
+    """Where an export goes: a path replaced whole by rename, or a stream written through."""
+
+    path: Path
+    through: bool  # a pipe, FIFO, character device or stdout: written in place, never replaced
+
+
+def _target(out: Path, force: bool, fmt: str) -> _Target:
+    """Check ``--out``: a new file in an existing folder; an existing file only with ``force`` (a
+    link to one replaces the file it names, not the link); a pipe, FIFO or device (``/dev/stdout``,
+    ``-``) is written through, never replaced by a regular file."""
+    if out == STDOUT:
+        out = Path("/dev/stdout")
+    if os.path.exists(out):
+        if not stat.S_ISREG(os.stat(out).st_mode):
+            if fmt == "npy":
+                raise ConfigError(
+                    f"{out}: --format npy writes two files (the array and its ids); give a file path"
+                )
+            return _Target(out, through=True)
+        if not force:
+            raise ConfigError(f"{out} exists; pass --force to replace it")
+        return _Target(Path(os.path.realpath(out)), through=False)
+    if out.is_symlink():
+        raise ConfigError(f"{out} is a link to nothing ({os.readlink(out)}); give a file path")
+    if not out.parent.is_dir():
+        raise ConfigError(f"{out.parent}: no such folder; create it first")
+    return _Target(out, through=False)
+
+
 @contextmanager
-def _written_whole(out: Path) -> Iterator[Path]:
-    """A temporary file beside ``out``, renamed over it only when the block ends without an error."""
-    out.parent.mkdir(parents=True, exist_ok=True)
+def _written_whole(target: _Target) -> Iterator[Path]:
+    """A temporary file beside the target, renamed over it only when the block ends without an
+    error; or, for a stream, the target itself."""
+    if target.through:
+        yield target.path
+        return
+    out = target.path
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
         yield tmp
@@ -105,20 +147,21 @@ def _written_whole(out: Path) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
 
 
-def export(layout: RunLayout, fmt: str, out: Path) -> list[Path]:
+def export(layout: RunLayout, fmt: str, out: Path, force: bool = False) -> list[Path]:
     """Write the run's result to ``out`` in ``fmt``; the files written."""
+    target = _target(out, force, fmt)
     reader = _ResultReader(layout)
     if fmt == "parquet":
-        _parquet(reader, out)
-        return [out]
+        _parquet(reader, target)
+        return [target.path]
     if fmt == "jsonl":
-        with _written_whole(out) as tmp, open(tmp, "w", encoding="utf-8") as fh:
+        with _written_whole(target) as tmp, open(tmp, "w", encoding="utf-8") as fh:
             for ids, block in reader.batches():
                 for rid, row in zip(ids, block.tolist(), strict=True):
                     fh.write(json.dumps({"id": rid, "embedding": row}, ensure_ascii=False) + "\n")
-        return [out]
-    ids_out = ids_path_beside(out)
-    with _written_whole(out) as tmp, _written_whole(ids_out) as ids_tmp:
+        return [target.path]
+    ids_target = _target(ids_path_beside(target.path), force, fmt)
+    with _written_whole(target) as tmp, _written_whole(ids_target) as ids_tmp:
         with open(tmp, "wb") as emb, open(ids_tmp, "w", encoding="utf-8") as ids_fh:
             np.lib.format.write_array_header_1_0(
                 emb, {"descr": "<f4", "fortran_order": False, "shape": (reader.rows, reader.dim)}
@@ -126,10 +169,18 @@ def export(layout: RunLayout, fmt: str, out: Path) -> list[Path]:
             for ids, block in reader.batches():
                 emb.write(block.tobytes())
                 ids_fh.writelines(json.dumps(rid, ensure_ascii=False) + "\n" for rid in ids)
-    return [out, ids_out]
+    return [target.path, ids_target.path]
 
 
-def _parquet(reader: _ResultReader, out: Path) -> None:
+def _parquet(reader: _ResultReader, out: _Target) -> None:
+    if out.through:
+        # Arrow's Parquet writer seeks, which a pipe cannot: build the file privately, then stream it.
+        with tempfile.TemporaryDirectory(prefix="chunkq-export-") as scratch:
+            built = _Target(Path(scratch) / "out.parquet", through=False)
+            _parquet(reader, built)
+            with open(built.path, "rb") as src, open(out.path, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+        return
     import pyarrow as pa
     import pyarrow.parquet as pq
 

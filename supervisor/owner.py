@@ -30,7 +30,7 @@ from typing import Any
 
 import psutil
 
-from chunkq.jobs.storage import is_local
+from chunkq.jobs.storage import is_local, private_dirs
 from chunkq.jobs.store import atomic_write_json, read_json
 from chunkq.supervisor.lock import RunLockedError
 
@@ -71,7 +71,7 @@ class StoreLock:
         """Create the file if nobody holds it; True when it is ours."""
         data = (json.dumps(self._mine(), indent=2) + "\n").encode()
         if is_local(self.path):
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            private_dirs(self.path.parent)
             try:
                 fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             except FileExistsError:

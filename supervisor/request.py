@@ -63,6 +63,14 @@ def check_corpora(paths: Sequence[Path], options: CorpusOptions) -> None:
         next(iter(read_corpus(path, options)), None)
 
 
+def positive_int(name: str, value: Any) -> int:
+    """``value`` if it is a positive integer; else a ConfigError naming the option (from the API,
+    ``chunk_size="5"`` would otherwise fail as a bare TypeError deep inside)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
 def corpus_format(paths: Sequence[Path], given: str | None) -> str:
     formats = {detect_format(path, given) for path in paths}
     if len(formats) > 1:
@@ -91,8 +99,9 @@ def submit_request(
     paths = expand_corpora(corpora)
     options = CorpusOptions(format=corpus_format(paths, fmt), text_field=text_field, id_field=id_field)
     check_corpora(paths, options)
-    if chunk_size < 1:
-        raise ConfigError(f"chunk size must be at least 1, got {chunk_size}")
+    positive_int("chunk_size", chunk_size)
+    if job_timeout is not None:
+        positive_int("job_timeout", job_timeout)
     encode_options = EncodeOptions(**{_ENCODE_NAMES.get(k, k): v for k, v in encode.items() if v is not None})
     return SubmitRequest(
         corpus=paths[0] if len(paths) == 1 else paths,

@@ -21,7 +21,7 @@ from rq.serializers import JSONSerializer
 
 from chunkq.jobs.abandon import mark_abandoned
 from chunkq.jobs.manifest import load_manifest
-from chunkq.jobs.storage import is_local
+from chunkq.jobs.storage import OWNER_ONLY, is_local, no_links_below, private_dirs, private_open
 from chunkq.jobs.store import RunLayout
 from chunkq.queue_worker.lifeline import die_with_parent
 from chunkq.queue_worker.settings import SETTINGS_JSON_ENV, PoolSettings, env_of
@@ -78,8 +78,8 @@ class PoolProcess:
     def __enter__(self) -> PoolProcess:
         log_file = None
         if self.log_path is not None:
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            log_file = open(self.log_path, "ab")
+            private_dirs(self.log_path.parent)
+            log_file = private_open(self.log_path, "ab")
         # Its own session: a terminal's Ctrl+C reaches only us, and we decide what the pool hears.
         self.proc = subprocess.Popen(
             self.cmd,
@@ -88,6 +88,7 @@ class PoolProcess:
             stderr=log_file,
             start_new_session=True,
             preexec_fn=die_with_parent,
+            umask=OWNER_ONLY,  # what the pool and its workers write, whatever the caller's umask
         )
         if log_file is not None:
             log_file.close()
@@ -132,7 +133,8 @@ def local_state_dir(store: Path) -> Path:
 
 
 def embedded_redis_dir(store: Path) -> Path:
-    return local_state_dir(store) / "redis"
+    state = local_state_dir(store)
+    return no_links_below(state, state / "redis")
 
 
 @contextlib.contextmanager

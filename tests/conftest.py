@@ -10,8 +10,14 @@ from typing import Any
 import pytest
 import redis
 
+from chunkq.jobs.embed import embed_chunk
+from chunkq.jobs.manifest import load_manifest
 from chunkq.jobs.models import BUNDLED_MODEL, resolve_model
+from chunkq.jobs.store import RunLayout
+from chunkq.supervisor.corpus import CorpusOptions
 from chunkq.supervisor.embedded_redis import EmbeddedRedis
+from chunkq.supervisor.submit import SubmitRequest, submit
+from tests.helpers import make_texts, write_corpus
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -85,3 +91,20 @@ def reference_model() -> Any:
 @pytest.fixture
 def store(tmp_path: Path) -> Path:
     return tmp_path / "store"
+
+
+@pytest.fixture
+def encoded_run(
+    tmp_path: Path, store: Path, connection: redis.Redis
+) -> tuple[RunLayout, list[str], list[str]]:
+    """A submitted run whose chunks were all encoded in-process by the real job function."""
+    ids, texts = make_texts(47, seed=4)
+    corpus = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")
+    result = submit(
+        SubmitRequest(corpus, store, BUNDLED_MODEL, CorpusOptions("jsonl"), chunk_size=10), connection
+    )
+    layout = RunLayout(store, result.run_id)
+    manifest = load_manifest(layout)
+    for index in range(manifest.chunks):
+        embed_chunk(manifest.chunk_spec(store, index).to_dict())
+    return layout, ids, texts

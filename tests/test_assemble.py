@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-import redis
 
 from chunkq.jobs.embed import embed_chunk
 from chunkq.jobs.errors import AssemblyError
@@ -16,26 +14,7 @@ from chunkq.jobs.manifest import load_manifest
 from chunkq.jobs.models import BUNDLED_MODEL
 from chunkq.jobs.store import RunLayout, file_sha256
 from chunkq.supervisor.assemble import assemble
-from chunkq.supervisor.corpus import CorpusOptions
-from chunkq.supervisor.submit import SubmitRequest, submit
-from tests.helpers import make_texts, max_abs_diff, run_cli, write_corpus
-
-
-@pytest.fixture
-def encoded_run(
-    tmp_path: Path, store: Path, connection: redis.Redis
-) -> tuple[RunLayout, list[str], list[str]]:
-    """A submitted run whose chunks were all encoded in-process by the real job function."""
-    ids, texts = make_texts(47, seed=4)
-    corpus = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")
-    result = submit(
-        SubmitRequest(corpus, store, BUNDLED_MODEL, CorpusOptions("jsonl"), chunk_size=10), connection
-    )
-    layout = RunLayout(store, result.run_id)
-    manifest = load_manifest(layout)
-    for index in range(manifest.chunks):
-        embed_chunk(manifest.chunk_spec(store, index).to_dict())
-    return layout, ids, texts
+from tests.helpers import max_abs_diff, run_cli
 
 
 def _reencode(layout: RunLayout, *indices: int) -> None:

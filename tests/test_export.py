@@ -27,9 +27,13 @@ def _published(store: Path, rows: int = ROWS) -> tuple[RunLayout, np.ndarray, li
     ids = [f"row-{i}" for i in range(rows)]
     np.save(layout.result / "embeddings.npy", embeddings)
     (layout.result / "ids.jsonl").write_text("".join(json.dumps(i) + "\n" for i in ids))
+    run = {"run_id": "big", "fingerprint": "f" * 64, "model": "m", "options": {}, "rows": rows}
+    atomic_write_json(layout.manifest, {**run, "chunk_size": rows, "chunks": 1})
     manifest = {
-        "run_id": "big",
-        "rows": rows,
+        **run,
+        "corpus_rows": rows,
+        "complete": True,
+        "missing": [],
         "dim": DIM,
         "embeddings_sha256": file_sha256(layout.result / "embeddings.npy"),
         "ids_sha256": file_sha256(layout.result / "ids.jsonl"),
@@ -75,3 +79,51 @@ def test_a_damaged_result_is_refused_and_nothing_is_written(tmp_path: Path) -> N
         with pytest.raises(AssemblyError, match="checksums do not match"):
             export(layout, fmt, out)
         assert sorted(p.name for p in tmp_path.iterdir()) == ["store"], fmt  # no file, whole or partial
+
+
+def test_out_is_never_replaced_unasked_and_streams_are_written_through(tmp_path: Path) -> None:
+    """Issue 21.10: a device, a link to /proc/self/fd/1 and /dev/stdout each became a 2.5 MB regular
+    file; an existing file was overwritten silently; a missing folder was created."""
+    import os
+    import subprocess
+
+    from chunkq.jobs.errors import ConfigError
+    from tests.helpers import CLI, cli_env
+
+    layout, embeddings, ids = _published(tmp_path / "store", rows=50)
+    existing = tmp_path / "kept.jsonl"
+    existing.write_text("mine\n")
+    with pytest.raises(ConfigError, match="exists; pass --force to replace it"):
+        export(layout, "jsonl", existing)
+    assert existing.read_text() == "mine\n"
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(existing)
+    export(layout, "jsonl", link, force=True)  # replaces the file the link names; the link stays
+    assert link.is_symlink() and len(existing.read_text().splitlines()) == 50
+    with pytest.raises(ConfigError, match="no such folder"):
+        export(layout, "jsonl", tmp_path / "missing" / "out.jsonl")
+    assert not (tmp_path / "missing").exists()
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    reader = subprocess.Popen(["cat", str(fifo)], stdout=subprocess.PIPE)
+    export(layout, "parquet", fifo)
+    parquet_bytes, _ = reader.communicate(timeout=60)
+    assert fifo.exists() and not fifo.is_file()  # still the FIFO, not replaced by a regular file
+    (tmp_path / "from-fifo.parquet").write_bytes(parquet_bytes)
+    assert pq.read_table(tmp_path / "from-fifo.parquet").column("id").to_pylist() == ids
+    with pytest.raises(ConfigError, match="npy writes two files"):
+        export(layout, "npy", fifo)
+
+    for out in ("-", "/dev/stdout"):
+        piped = subprocess.run(
+            [*CLI, "export", "big", "--store", str(layout.store), "--format", "jsonl", "--out", out],
+            env=cli_env(),
+            capture_output=True,
+            timeout=120,
+            check=False,
+        )
+        assert piped.returncode == 0, piped.stderr
+        rows = [json.loads(line) for line in piped.stdout.splitlines()]
+        assert [r["id"] for r in rows] == ids and np.allclose([r["embedding"] for r in rows], embeddings)
+    assert not Path("/dev/stdout").is_file() or Path("/dev/stdout").is_symlink()

@@ -259,9 +259,13 @@ def test_duplicate_ids_across_files_name_both_places(tmp_path: Path) -> None:
 def test_the_python_api_embeds_texts_and_runs_a_corpus(tmp_path: Path, reference_model: Any) -> None:
     script = tmp_path / "use_api.py"
     script.write_text(
-        "import json, sys\n"
+        "import json, os, sys\n"
         "import numpy as np\n"
         "import chunkq\n"
+        # Issue 21.11: the caller's umask is the caller's; chunkq sets modes on what it creates.
+        "os.umask(0o022)\n"
+        "calls, real_umask = [], os.umask\n"
+        "os.umask = lambda mask: calls.append(oct(mask)) or real_umask(mask)\n"
         "texts = [line.rstrip('\\n') for line in open(sys.argv[1], encoding='utf-8')]\n"
         "vectors = chunkq.embed(texts, chunk_size=15, max_jobs=10)\n"
         "np.save(sys.argv[2], vectors)\n"
@@ -269,6 +273,15 @@ def test_the_python_api_embeds_texts_and_runs_a_corpus(tmp_path: Path, reference
         "print(json.dumps({'rows': result.rows, 'dim': result.dim, 'run_id': result.run_id,\n"
         "                  'same': bool(np.array_equal(result.embeddings(), vectors)),\n"
         "                  'ids': result.ids()[:2], 'rate': result.rows_per_second}))\n"
+        "empty = chunkq.embed([])\n"
+        "complaints = []\n"
+        "for call in (lambda: chunkq.embed('a string'), lambda: chunkq.embed(['a'], chunk_size='5')):\n"
+        "    try:\n"
+        "        call()\n"
+        "    except chunkq.ConfigError as exc:\n"
+        "        complaints.append(str(exc))\n"
+        "print(json.dumps({'empty': [empty.shape, str(empty.dtype)], 'complaints': complaints,\n"
+        "                  'umask_calls': calls, 'umask': oct(real_umask(0o022))}))\n"
         "try:\n"
         "    chunkq.run(sys.argv[1], store=sys.argv[3], no_such_option=1)\n"
         "except chunkq.ConfigError as exc:\n"
@@ -287,8 +300,19 @@ def test_the_python_api_embeds_texts_and_runs_a_corpus(tmp_path: Path, reference
         check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    figures, complaint = done.stdout.strip().splitlines()[-2:]
+    figures, api_edges, complaint = done.stdout.strip().splitlines()[-3:]
     numbers = json.loads(figures)
+    edges = json.loads(api_edges)
+    assert edges["empty"] == [[0, 384], "float32"]  # issue 21.15: embed([]) is an empty matrix
+    assert "takes a list of texts or a corpus path; 'a string' is neither" in edges["complaints"][0]
+    assert edges["complaints"][1] == "chunk_size must be a positive integer, got '5'"
+    assert edges["umask_calls"] == [] and edges["umask"] == "0o22", edges
+    loose = {
+        str(p): oct(p.stat().st_mode & 0o777)
+        for p in [tmp_path / "store", *(tmp_path / "store").rglob("*")]
+        if p.stat().st_mode & 0o077
+    }
+    assert not loose, loose  # owner-only by the modes chunkq sets, under the caller's umask 022
     assert (numbers["rows"], numbers["dim"], numbers["same"], numbers["ids"]) == (33, 384, True, ["1", "2"])
     assert numbers["run_id"].startswith("texts-") and numbers["rate"] > 0
     assert "unknown option(s): no_such_option" in complaint
