@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import re
 
 
@@ -51,6 +52,10 @@ class JobNotAllowedError(ChunkqError):
     """A job named a function, callback or webhook outside the allow-list."""
 
 
+class StoreWriteError(ChunkqError):
+    """The store cannot be written (full, read-only, not ours): no chunk can finish until it is fixed."""
+
+
 class ChunkOutOfMemoryError(ChunkqError):
     """Out of memory even at the smallest batch size; another worker or GPU may still manage."""
 
@@ -72,6 +77,8 @@ TAMPERED = (
     "tampered"  # the job's spec was not the manifest's: the supervisor queues it again from the manifest
 )
 ABANDONED = "abandoned"
+STORAGE = "storage"  # the store refused a write: the run stops with the path instead of retrying every chunk
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
 OTHER = "other"
 NEVER_RETRIED = frozenset({BAD_INPUT, CONFIG})
 NOT_THE_CHUNKS_FAULT = frozenset({ABANDONED, CUDA_FATAL})  # retried at once, on a fresh process
@@ -153,4 +160,6 @@ def classify(exc: BaseException) -> str:
         return CONFIG
     if isinstance(exc, ChunkAbandonedError):
         return ABANDONED
+    if isinstance(exc, StoreWriteError) or (isinstance(exc, OSError) and exc.errno in STORAGE_ERRNOS):
+        return STORAGE
     return _torch_error(exc) or OTHER

@@ -37,7 +37,21 @@ def failed(meta: dict[str, Any], error_class: str, error: str) -> None:
 
 
 def attempt(meta: dict[str, Any]) -> int:
-    return int(meta.get(ATTEMPT, 1))
+    """The attempt number, 1-based. A value that is not a positive integer (the meta was written by
+    someone else) counts as the first attempt: a damaged job is retried, never a supervisor crash."""
+    value = meta.get(ATTEMPT, 1)
+    if isinstance(value, str) and value.isdigit():
+        value = int(value)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else 1
+
+
+def retry_at(meta: dict[str, Any]) -> float | None:
+    """When the next attempt may start (epoch seconds), or None if unset or unreadable."""
+    value = meta.get(RETRY_AT)
+    try:
+        return float(value) if value is not None else None
+    except (TypeError, ValueError):
+        return None
 
 
 def error_class(meta: dict[str, Any]) -> str:

@@ -120,7 +120,11 @@ def atomic_path(path: Path) -> Iterator[Path]:
         directory: str | None = str(path.parent)
     else:
         directory = None
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    try:
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    except OSError as exc:
+        exc.filename = str(path)
+        raise
     os.close(fd)
     tmp = Path(tmp_name)
     try:
@@ -131,6 +135,10 @@ def atomic_path(path: Path) -> Iterator[Path]:
             os.replace(tmp, path)
         else:
             _upload(tmp, path)
+    except OSError as exc:
+        if exc.filename is None or str(exc.filename).startswith(str(tmp)):
+            exc.filename = str(path)  # a full disk while writing names the file chunkq was writing
+        raise
     finally:
         tmp.unlink(missing_ok=True)
 

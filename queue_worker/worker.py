@@ -15,6 +15,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
@@ -280,17 +281,37 @@ class _EarlyStop:
         self.requested = True
 
 
+_TRACEBACK = "\nTraceback (most recent call last):"
+
+
+class OneLineErrors(logging.Formatter):
+    """A job's traceback as its last line. RQ logs a failed job's whole traceback in the message;
+    it is kept in the job's record (``chunkq status``, the dashboard), so the log that reaches a
+    user's terminal says what failed in one line. ``--log-level DEBUG`` keeps tracebacks whole."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        head, found, rest = text.partition(_TRACEBACK)
+        if not found:
+            return text
+        last = rest.strip().splitlines()[-1] if rest.strip() else ""
+        return f"{head} {last} (the traceback is in the job's record)"
+
+    def formatException(self, ei: Any) -> str:
+        return "".join(traceback.format_exception_only(ei[1])).strip()
+
+
 def main(argv: list[str] | None = None) -> int:
     early_stop = _EarlyStop()
     forbid_pickle()
     args = _parse(argv)
     name = args.name or f"cq-{socket.gethostname()}-{os.getpid()}"
     where = f"{name} gpu={os.environ.get('CHUNKQ_GPU', '-')}"
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format=f"%(asctime)s %(levelname)s [{where}] %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    handler = logging.StreamHandler(sys.stderr)
+    line_format = f"%(asctime)s %(levelname)s [{where}] %(name)s: %(message)s"
+    debug = args.log_level.upper() == "DEBUG"
+    handler.setFormatter(logging.Formatter(line_format) if debug else OneLineErrors(line_format))
+    logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
     if faults.active():
         log.warning("FAULT INJECTION IS ON (%s); this worker will fail on purpose", faults.ENV)
     parent = os.environ.get(PARENT_PID_ENV)

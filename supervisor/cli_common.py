@@ -3,7 +3,6 @@ takes (``--store``, ``--redis-url``, ``--log-level``), each reading its ``CHUNKQ
 
 from __future__ import annotations
 
-import errno
 import functools
 import logging
 import os
@@ -27,6 +26,7 @@ from chunkq.jobs.errors import (
     ChunksFailedError,
     ConfigError,
     RunConflictError,
+    StoreWriteError,
 )
 from chunkq.jobs.storage import open_store
 from chunkq.queue_worker.settings import DEFAULT_QUEUE, DEFAULT_STORE, env_of
@@ -50,6 +50,7 @@ EXIT_LOCKED = 10  # another supervisor is watching the run
 EXIT_STORAGE = 11  # a disk or store is full, read-only or not ours to write
 EXIT_INTERNAL = 70  # a bug in chunkq (sysexits' EX_SOFTWARE); the traceback is written to a file
 EXIT_INTERRUPTED = 130  # Ctrl+C; the run resumes from the store
+EXIT_BROKEN_PIPE = 141  # whoever read the output stopped reading (`| head`): 128 + SIGPIPE, as a shell says
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -62,6 +63,7 @@ def _exit_code(exc: Exception) -> int:
         (AssemblyError, EXIT_ASSEMBLY),
         (BadInputError, EXIT_BAD_INPUT),
         (RunConflictError, EXIT_CONFLICT),
+        (StoreWriteError, EXIT_STORAGE),
         (redis.RedisError, EXIT_REDIS),
     ):
         if isinstance(exc, kind):
@@ -70,7 +72,6 @@ def _exit_code(exc: Exception) -> int:
 
 
 RESUME_HINT = "the store keeps every finished chunk: run the same command to resume"
-STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
 
 
 def reports_errors(func: F) -> F:
@@ -88,8 +89,13 @@ def reports_errors(func: F) -> F:
             sys.exit(EXIT_INTERRUPTED)
         except click.ClickException:
             raise
+        except BrokenPipeError:
+            # Nobody reads any more: say nothing (there is no one to say it to), and keep Python's
+            # flush at exit from failing on the same closed pipe.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(EXIT_BROKEN_PIPE)
         except OSError as exc:
-            if exc.errno not in STORAGE_ERRNOS:
+            if exc.errno not in errors.STORAGE_ERRNOS:
                 _internal_error(exc)
             where = f" writing {exc.filename}" if exc.filename else ""
             click.echo(

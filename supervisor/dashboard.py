@@ -29,8 +29,10 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
+from rq.exceptions import InvalidJobOperation, InvalidJobOperationError, NoSuchJobError
 from rq.serializers import JSONSerializer
 
+from chunkq.jobs import errors
 from chunkq.jobs.errors import ConfigError
 from chunkq.jobs.nopickle import PickleRefusedError, forbid_pickle
 
@@ -213,10 +215,18 @@ def create_app(
             422,
         )
 
+    def refused(exc: Exception) -> Any:
+        # Requeueing a job that is not failed (or is gone) is the user's mistake, not a 500.
+        status = 404 if isinstance(exc, NoSuchJobError) else 409
+        return Response(f"{errors.first_line(str(exc)) or type(exc).__name__}", status)
+
     app.before_request(guard)
     app.after_request(escape_raw_html_fields)
     app.register_error_handler(PickleRefusedError, unreadable)
     app.register_error_handler(ValueError, unreadable)  # JSON and UTF-8 decoding errors
+    app.register_error_handler(InvalidJobOperationError, refused)
+    app.register_error_handler(InvalidJobOperation, refused)
+    app.register_error_handler(NoSuchJobError, refused)
     return app
 
 

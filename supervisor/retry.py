@@ -61,17 +61,18 @@ def settle_failure(
             "chunk job %s quarantined: %s; last error: %s", job.id, reason, meta.get(jobmeta.ERROR, "?")
         )
         return "quarantined"
-    if jobmeta.RETRY_AT not in meta:
-        meta[jobmeta.RETRY_AT] = now + policy.delay(attempt, rng, error_class)
+    due = jobmeta.retry_at(meta)
+    if due is None:
+        due = meta[jobmeta.RETRY_AT] = now + policy.delay(attempt, rng, error_class)
         job.save_meta()  # type: ignore[no-untyped-call]
         log.warning(
             "chunk job %s failed (%s, attempt %d); retrying in %.1f s",
             job.id,
             error_class,
             attempt,
-            meta[jobmeta.RETRY_AT] - now,
+            due - now,
         )
-    if float(meta[jobmeta.RETRY_AT]) > now:
+    if due > now:
         return "waiting"
     meta[jobmeta.ATTEMPT] = attempt + 1
     meta.pop(jobmeta.RETRY_AT, None)

@@ -19,9 +19,9 @@ import redis
 from rq.job import Job
 from rq.worker import Worker
 
-from chunkq.jobs import jobmeta
+from chunkq.jobs import errors, jobmeta
 from chunkq.jobs.abandon import mark_abandoned
-from chunkq.jobs.errors import ChunkqError
+from chunkq.jobs.errors import ChunkqError, StoreWriteError
 from chunkq.jobs.manifest import RunManifest, load_manifest
 from chunkq.jobs.queueing import give_back
 from chunkq.jobs.specs import chunk_job_id
@@ -172,6 +172,14 @@ class Supervisor:
         )
 
     def _settle(self, index: int, job: Job) -> None:
+        if jobmeta.error_class(job.meta) == errors.STORAGE:
+            # Every other chunk would fail the same way: stop with the path, count no attempt, and
+            # leave the job failed, so the same command requeues it once the store is fixed.
+            raise StoreWriteError(
+                f"run {self.manifest.run_id}: chunk {index} could not be written to the store: "
+                f"{errors.first_line(str(job.meta.get(jobmeta.ERROR, '')))}; fix the store (free space, "
+                "permissions, a read-only mount) and run the same command again"
+            )
         restore_from_manifest(job, self.layout, self.manifest, index)
         already = jobmeta.quarantined(job.meta)
         attempt = jobmeta.attempt(job.meta)

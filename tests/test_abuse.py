@@ -121,6 +121,46 @@ def test_a_full_disk_during_assembly_is_one_clear_line_and_the_run_resumes(
     assert result_matches(layout, texts, reference_model)
 
 
+def _mount_read_only(folder: Path) -> None:
+    """Make ``folder`` a read-only bind mount of itself: writes fail with the kernel's own EROFS,
+    "[Errno 30] Read-only file system", even for root (who ignores permission bits)."""
+    for cmd in (
+        ["mount", "--bind", str(folder), str(folder)],
+        ["mount", "-o", "remount,bind,ro", str(folder)],
+    ):
+        made = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if made.returncode != 0:
+            if os.environ.get("CI"):
+                pytest.fail(f"cannot bind-mount under CI: {made.stderr}")
+            pytest.skip(f"cannot bind-mount here ({made.stderr.strip()}); CI runs this as root")
+
+
+def test_a_read_only_outputs_folder_stops_the_run_in_one_line_naming_it(
+    tmp_path: Path, reference_model: Any
+) -> None:
+    """Issue 21.13: each remaining chunk was encoded three times, failed as `other`, quarantined,
+    exit 1; a store that refuses writes is the operator's to fix, and no attempt is counted."""
+    proc, log, args, texts = start_run_with_a_slow_chunk(tmp_path, seed=98, seconds=4, chunk=1)
+    layout = only_run(tmp_path / "store")
+    try:
+        _mount_read_only(layout.outputs)
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        subprocess.run(["umount", "-l", str(layout.outputs)], check=False)
+    text = log.read_text(errors="replace")
+    assert code == 11, text[-3000:]
+    (line,) = [line for line in text.splitlines() if line.startswith("chunkq: error")]
+    assert "Read-only file system" in line and str(layout.outputs) in line and "run the same command" in line
+    assert "Traceback" not in text
+    assert not list(layout.failures.glob("*-a2.json"))  # no chunk was tried a second time
+
+    again = run_cli(*args, timeout=180)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert result_matches(layout, texts, reference_model)
+
+
 def test_an_unexpected_error_is_one_line_with_its_own_exit_code(tmp_path: Path) -> None:
     """Not 1, which means "chunks quarantined": a script must be able to tell a bug from a bad chunk."""
     store = tmp_path / "store"

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import click
 import pytest
@@ -150,3 +151,20 @@ def test_the_wheel_installs_one_top_level_name(tmp_path: Path) -> None:
         assert module in names
     top_level = next(n for n in names if n.endswith("top_level.txt"))
     assert zipfile.ZipFile(wheel).read(top_level).decode().split() == ["chunkq"]
+
+
+def test_a_reader_that_stops_reading_is_not_an_internal_error(encoded_run: Any) -> None:
+    """Issue 21.14: `chunkq status RUN | head -1` was exit 70 "internal error: BrokenPipeError"."""
+    from tests.helpers import CLI, cli_env
+
+    layout, _, _ = encoded_run
+    proc = subprocess.Popen(
+        [*CLI, "status", layout.run_id, "--store", str(layout.store)],
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # what `head -1` does once it has its line
+    assert proc.wait(timeout=120) == 141
+    assert proc.stderr.read() == b""

@@ -237,6 +237,10 @@ def test_only_a_same_origin_post_changes_state_and_only_our_host_is_answered(
         assert _get(f"{base}/0/data/queues.json", Host=f"localhost:{port}")[0] == 200
         status, _ = _get(f"{base}/requeue/xs", method="POST", Origin=base)
         assert status == 200 and failed.get_job_ids() == []
+        # Issue 21.14: requeueing a job that is not failed (now queued), or is gone: no 500.
+        status, body = _get(f"{base}/job/{job.id}/requeue", method="POST", Origin=base)
+        assert status == 409 and b"Traceback" not in body, (status, body)
+        assert _get(f"{base}/job/no-such-job/requeue", method="POST", Origin=base)[0] == 404
 
 
 def test_sigterm_stops_the_dashboard_as_ctrl_c_does(tmp_path: Path, redis_url: str) -> None:

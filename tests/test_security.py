@@ -157,6 +157,8 @@ def test_raw_jobs_from_an_attacker_run_nothing(
     )
     assert result.returncode == exit_codes.EXIT_STOPPED, result.stderr[-4000:]
     assert not marker.exists(), "an attacker's job ran code on the worker"
+    # Issue 21.13: each refusal is one log line; the tracebacks stay in the jobs' records.
+    assert "Traceback" not in result.stderr and "is not on chunkq's allow-list" in result.stderr
     assert listener[1:] == [], "a webhook was sent"
     assert not (tmp_path / "elsewhere").exists() and not evil_model.exists()
 

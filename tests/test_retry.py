@@ -1,0 +1,57 @@
+"""The retry policy against a real Redis: a failed chunk job's meta decides back-off, requeue or
+quarantine, and meta written by someone else never crashes the supervisor (issue 21.14)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import redis
+from rq.job import Job
+from rq.registry import FailedJobRegistry
+from rq.serializers import JSONSerializer
+
+from chunkq.jobs import jobmeta
+from chunkq.jobs.models import BUNDLED_MODEL
+from chunkq.jobs.specs import chunk_job_id
+from chunkq.supervisor.corpus import CorpusOptions
+from chunkq.supervisor.enqueue import chunk_queue
+from chunkq.supervisor.retry import RetryPolicy, settle_failure
+from chunkq.supervisor.submit import SubmitRequest, submit
+from tests.helpers import make_texts, write_corpus
+
+
+def _failed_job(tmp_path: Path, store: Path, connection: redis.Redis, meta: dict[str, object]) -> Job:
+    ids, texts = make_texts(5)
+    corpus = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")
+    request = SubmitRequest(corpus, store, BUNDLED_MODEL, CorpusOptions("jsonl"), chunk_size=5, queue="r")
+    run_id = submit(request, connection).run_id
+    queue = chunk_queue(connection, "r")
+    job = Job.fetch(chunk_job_id(run_id, 0), connection=connection, serializer=JSONSerializer)
+    queue.remove(job.id)
+    job.meta.update(meta)
+    job.save_meta()  # type: ignore[no-untyped-call]
+    FailedJobRegistry(queue=queue).add(job, exc_string="RuntimeError: boom")
+    return job
+
+
+def test_unreadable_attempt_and_retry_at_count_as_a_first_attempt_not_a_crash(
+    tmp_path: Path, store: Path, connection: redis.Redis
+) -> None:
+    job = _failed_job(
+        tmp_path,
+        store,
+        connection,
+        {jobmeta.ATTEMPT: "x", jobmeta.RETRY_AT: "soon", jobmeta.ERROR_CLASS: "other"},
+    )
+    policy, rng, now = RetryPolicy(max_attempts=3), random.Random(0), 1_000_000.0
+    assert settle_failure(connection, job, policy, rng, now=now) == "waiting"
+    assert isinstance(job.meta[jobmeta.RETRY_AT], float) and job.meta[jobmeta.RETRY_AT] > now
+    assert settle_failure(connection, job, policy, rng, now=now + 3600) == "requeued"
+    assert Job.fetch(job.id, connection=connection, serializer=JSONSerializer).meta[jobmeta.ATTEMPT] == 2
+    assert job.id in chunk_queue(connection, "r").job_ids
+
+
+def test_a_numeric_string_attempt_is_read_as_its_number() -> None:
+    assert jobmeta.attempt({jobmeta.ATTEMPT: "3"}) == 3
+    assert [jobmeta.attempt({jobmeta.ATTEMPT: v}) for v in (0, -2, True, 2.5, None, [1])] == [1] * 6
