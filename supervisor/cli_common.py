@@ -97,6 +97,7 @@ def reports_errors(func: F) -> F:
         except OSError as exc:
             if exc.errno not in errors.STORAGE_ERRNOS:
                 _internal_error(exc)
+            log.debug("storage error", exc_info=exc)
             where = f" writing {exc.filename}" if exc.filename else ""
             click.echo(
                 f"chunkq: error: {exc.strerror}{where}; make room (or fix the permissions) and run the "

@@ -148,13 +148,16 @@ class EmbeddedRedis:
             marked = []
         errors = [line for line in marked if not line.startswith("WARNING")]
         reason = errors[-1] if errors else "nothing in its log"
+        full = self.disk_full()
+        return f"{reason}; {full}" if full else reason
+
+    def disk_full(self) -> str:
+        """Says that the disk of the server's data folder is full, or ""."""
         try:
             free = shutil.disk_usage(self.data_dir).free
         except OSError:
-            return reason
-        if free < LOW_DISK_BYTES:
-            reason += f"; the disk of {self.data_dir} is full ({free} bytes free)"
-        return reason
+            return ""
+        return f"the disk of {self.data_dir} is full ({free} bytes free)" if free < LOW_DISK_BYTES else ""
 
     def watch(self) -> None:
         """Restart the server from its append-only file whenever it dies (same port and password,

@@ -76,8 +76,13 @@ class StoreLock:
                 fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             except FileExistsError:
                 return False
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(data)
+            try:
+                with os.fdopen(fd, "wb") as fh:
+                    fh.write(data)
+            except OSError as exc:
+                self.path.unlink(missing_ok=True)  # a half-written lock would read as a stranger's
+                exc.filename = exc.filename or str(self.path)  # a full disk names the file
+                raise
             return True
         if self.path.exists():
             return False

@@ -20,6 +20,7 @@ from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 
 from chunkq.jobs.abandon import mark_abandoned
+from chunkq.jobs.errors import StoreWriteError
 from chunkq.jobs.manifest import load_manifest
 from chunkq.jobs.storage import OWNER_ONLY, is_local, no_links_below, private_dirs, private_open
 from chunkq.jobs.store import RunLayout
@@ -30,7 +31,7 @@ from chunkq.supervisor.display import ProgressDisplay
 from chunkq.supervisor.embedded_redis import EmbeddedRedis
 from chunkq.supervisor.owner import StoreLock
 from chunkq.supervisor.submit import SubmitRequest, SubmitResult, identify, removed_on_failure, submit
-from chunkq.supervisor.watch import Outcome, WatchSettings, redis_never_gone, supervise
+from chunkq.supervisor.watch import Outcome, RedisGoneError, WatchSettings, redis_never_gone, supervise
 
 log = logging.getLogger(__name__)
 
@@ -142,9 +143,13 @@ def _advertised(path: Path, url: str) -> Iterator[None]:
     """The running server's URL (password included) in an owner-only file, for commands on this
     host that want live state without being given --redis-url (``chunkq status``); removed when
     the server stops. The same folder already holds the password in ``auth.conf``."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(url + "\n")
+    try:
+        with private_open(path, "w") as fh:
+            fh.write(url + "\n")
+    except OSError as exc:
+        path.unlink(missing_ok=True)
+        exc.filename = exc.filename or str(path)  # a full disk names the file
+        raise
     try:
         yield
     finally:
@@ -158,6 +163,21 @@ def embedded_url(store: Path) -> str | None:
     if not url_file.is_file() or StoreLock(data_dir / "owner.json", "").live_holder() is None:
         return None
     return url_file.read_text().strip() or None
+
+
+@contextlib.contextmanager
+def _full_disk_is_a_storage_error(server: EmbeddedRedis) -> Iterator[None]:
+    """The embedded server on a full disk closes connections or dies ("Connection closed by
+    server."): what the user must fix is the disk, so say that, with exit 11, not "Redis unreachable"."""
+    try:
+        yield
+    except (redis.RedisError, RedisGoneError) as exc:
+        full = server.disk_full()
+        if not full:
+            raise
+        raise StoreWriteError(
+            f"the embedded Redis cannot write its data: {full}; make room and run the same command again"
+        ) from exc
 
 
 def _always() -> bool:
@@ -184,7 +204,9 @@ def run(req: RunRequest, display: ProgressDisplay) -> RunOutcome:
                 StoreLock(data_dir / "owner.json", f"the embedded Redis of {data_dir}")
             )
             server_lock.acquire(req.watch.wait_for_owner)
-            server = stack.enter_context(EmbeddedRedis(data_dir))
+            server = EmbeddedRedis(data_dir)
+            stack.enter_context(_full_disk_is_a_storage_error(server))
+            stack.enter_context(server)
             stack.enter_context(_advertised(data_dir / "url", server.url))
             server.watch()  # restarted if it dies; the run stops with the reason if it cannot be
             url, redis_gone = server.url, lambda: server.failure

@@ -229,13 +229,19 @@ def test_an_embedded_server_that_cannot_write_stops_the_run_with_the_reason(
         if proc.poll() is None:
             proc.kill()
     text = log.read_text(errors="replace")
-    assert code == 7, text[-3000:]
+    assert code == 11, text[-3000:]  # a full disk: the operator's to fix, not "Redis unreachable"
     assert stopped_after < 30, stopped_after
     print(f"run stopped {stopped_after:.1f} s after the store's disk filled")  # a figure for the notes (-s)
     (line,) = [line for line in text.splitlines() if line.startswith("chunkq: error")]
-    assert "the embedded Redis is gone for good" in line and "server.log" in line
-    assert text.rstrip().splitlines()[-1] == line  # the last word (workers' logs show their jobs' tracebacks)
-    assert "supervisor/cli.py" not in text
+    assert f"the disk of {store / 'redis'} is full" in line and "make room" in line, line
+    assert text.rstrip().splitlines()[-1] == line  # the last word
+    assert "supervisor/cli.py" not in text and "Traceback" not in text
+
+    # Issue 21.13: a rerun while the disk is still full said "Connection closed by server." (exit 7).
+    still_full = run_cli(*args, timeout=120)
+    assert still_full.returncode == 11, still_full.stderr[-3000:]
+    (line,) = [line for line in still_full.stderr.splitlines() if line.startswith("chunkq: error")]
+    assert "No space left on device" in line and str(store) in line, line
 
     filler.unlink()
     again = run_cli(*args, timeout=180)
