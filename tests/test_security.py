@@ -115,6 +115,18 @@ def _spec(store: Path, **changes: Any) -> dict[str, Any]:
     return spec
 
 
+def _burst_worker(store: Path, redis_url: str) -> subprocess.CompletedProcess[str]:
+    """A real worker on the attack queue until it is empty."""
+    return subprocess.run(
+        [*WORKER, "--queue", QUEUE, "--burst", "--store", str(store)],
+        env=cli_env(CHUNKQ_REDIS_URL=redis_url, CHUNKQ_DEVICE="cpu"),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+
+
 def test_raw_jobs_from_an_attacker_run_nothing(
     tmp_path: Path, store: Path, connection: redis.Redis, redis_url: str, listener: list[str]
 ) -> None:
@@ -147,14 +159,7 @@ def test_raw_jobs_from_an_attacker_run_nothing(
         _plant(connection, job_id, data, **fields)
     _plant(connection, "a-pickled-meta", _call("os.getpid"), meta=pickle.dumps(Exploit(marker)))
 
-    result = subprocess.run(
-        [*WORKER, "--queue", QUEUE, "--burst", "--store", str(store)],
-        env=cli_env(CHUNKQ_REDIS_URL=redis_url, CHUNKQ_DEVICE="cpu"),
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
+    result = _burst_worker(store, redis_url)
     assert result.returncode == exit_codes.EXIT_STOPPED, result.stderr[-4000:]
     assert not marker.exists(), "an attacker's job ran code on the worker"
     # Issue 21.13: each refusal is one log line; the tracebacks stay in the jobs' records.
@@ -396,14 +401,7 @@ def test_a_job_that_differs_from_its_runs_manifest_is_refused_and_restored(
         _plant(connection, job_id, _call("chunkq.jobs.embed.embed_chunk", forged))
 
     def burst() -> None:
-        done = subprocess.run(
-            [*WORKER, "--queue", QUEUE, "--burst", "--store", str(store)],
-            env=cli_env(CHUNKQ_REDIS_URL=redis_url, CHUNKQ_DEVICE="cpu"),
-            capture_output=True,
-            text=True,
-            timeout=240,
-            check=False,
-        )
+        done = _burst_worker(store, redis_url)
         assert done.returncode == exit_codes.EXIT_STOPPED, done.stderr[-4000:]
 
     burst()
