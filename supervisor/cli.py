@@ -45,6 +45,7 @@ from chunkq.supervisor.dashboard import DEFAULT_PORT as DEFAULT_DASHBOARD_PORT
 from chunkq.supervisor.dashboard import serve as serve_dashboard
 from chunkq.supervisor.display import ProgressDisplay, describe
 from chunkq.supervisor.doctor import examine, render
+from chunkq.supervisor.enqueue import DEFAULT_WINDOW, WINDOW_PER_WORKER
 from chunkq.supervisor.options import F, pool_setting_options, pool_settings, pop_pool_values
 from chunkq.supervisor.progress import Tracker, store_snapshot
 from chunkq.supervisor.report import write_report
@@ -158,8 +159,18 @@ def _batch_tokens_value(ctx: click.Context, param: click.Parameter, value: str |
     raise click.BadParameter(f"{value!r}: give a number of tokens (1 or more) or 'auto'")
 
 
+QUEUE_WINDOW_OPTION = click.option(
+    "--queue-window",
+    type=click.IntRange(1),
+    default=None,
+    help=f"Jobs of the run in Redis at once; the other chunks wait in the store and are queued in order "
+    f"as chunks finish. Default: {DEFAULT_WINDOW}, or {WINDOW_PER_WORKER} per worker listening if more.",
+)
+
+
 def watch_options(func: F) -> F:
     options = [
+        QUEUE_WINDOW_OPTION,
         click.option(
             "--poll",
             type=click.FloatRange(0.01),
@@ -263,6 +274,7 @@ def command(name: str) -> Callable[[F], click.Command]:
 
 @command("submit")
 @submit_options
+@QUEUE_WINDOW_OPTION
 @redis_option("needed")
 @click.option("--json", "as_json", is_flag=True, help="Print the run's figures as JSON, not its id alone.")
 def submit_cmd(corpus: tuple[Path, ...], redis_url: str | None, as_json: bool, **kw: Any) -> None:
@@ -286,6 +298,7 @@ def submit_cmd(corpus: tuple[Path, ...], redis_url: str | None, as_json: bool, *
         "in_flight": c.in_flight,
         "enqueued": c.enqueued,
         "requeued": c.requeued,
+        "waiting": c.waiting,
         "created": result.created,
     }
     click.echo(json.dumps(figures, indent=2))

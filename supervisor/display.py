@@ -30,13 +30,15 @@ def describe(snap: Snapshot) -> str:
     rate = f"{snap.rows_per_second:,.0f} rows/s" if snap.rows_per_second else "- rows/s"
     if snap.live:
         states = f"{snap.chunks_running} running, {snap.chunks_queued} queued, "
+        if snap.chunks_waiting:
+            states += f"{snap.chunks_waiting} waiting in the store, "
     else:
         waiting = snap.chunks - snap.chunks_done - snap.chunks_quarantined - snap.chunks_retrying
         states = f"{waiting} not done (from the store alone: give --redis-url for what runs and waits), "
     trouble = "".join(
         f", {len(chunks)} {what} ({_chunk_list(chunks)})"
         for what, chunks in (
-            ("lost (no job and no output: resubmit)", snap.lost),
+            ("lost from Redis (queued again)", snap.lost),
             ("stale (their worker stopped beating)", snap.stale),
             ("stranded (taken by a worker that died)", snap.stranded),
         )

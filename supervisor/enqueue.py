@@ -1,9 +1,15 @@
-"""Enqueue chunk jobs idempotently: a chunk that is done or in flight is never queued twice."""
+"""Enqueue chunk jobs idempotently: a chunk that is done or in flight is never queued twice.
+
+Redis holds a window of a run's jobs, not all of them: every chunk's input is in the store, and
+the supervisor queues the next chunks, in order, as the window frees (``window_size``). A finished
+job is forgotten once its output is counted: the store is its record. So a run's memory in Redis
+grows with its window and workers, not with its chunk count.
+"""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import islice
 
@@ -11,8 +17,10 @@ import redis
 from rq import Queue
 from rq.job import Job
 from rq.queue import EnqueueData
-from rq.registry import FailedJobRegistry
+from rq.registry import FailedJobRegistry, FinishedJobRegistry
+from rq.results import Result
 from rq.serializers import JSONSerializer
+from rq.worker import Worker
 
 from chunkq.jobs import jobmeta
 from chunkq.jobs.allowlist import EMBED_CHUNK, AllowListedJob
@@ -23,7 +31,11 @@ from chunkq.jobs.store import RunLayout
 log = logging.getLogger(__name__)
 
 BATCH = 1000
-RESULT_TTL = 7 * 24 * 3600  # results are tiny JSON; keep them as long as a run may take
+# A finished job is deleted by the supervisor once it has counted the chunk's output; this is the
+# fallback when no supervisor runs (submit and pools alone), short because the store is the record.
+RESULT_TTL = 3600
+DEFAULT_WINDOW = 1000  # jobs of a run in Redis at once: ~1.5 MB, and work for 250 workers
+WINDOW_PER_WORKER = 4  # with more workers than DEFAULT_WINDOW / 4 listening, the window grows with them
 FAILURE_TTL = 30 * 24 * 3600
 IN_FLIGHT = {"queued", "started", "deferred", "scheduled"}
 
@@ -33,16 +45,24 @@ class EnqueueCounts:
     enqueued: int = 0
     requeued: int = 0
     in_flight: int = 0
+    waiting: int = 0  # chunks left in the store for the supervisor to queue as the window frees
+
+    @property
+    def in_redis(self) -> int:
+        return self.enqueued + self.requeued + self.in_flight
+
+
+def window_size(connection: redis.Redis, queue_name: str, fixed: int | None = None) -> int:
+    """How many of a run's jobs Redis may hold: ``fixed`` (``--queue-window``), or enough to keep
+    every worker listening on the queue busy, and at least DEFAULT_WINDOW."""
+    if fixed is not None:
+        return fixed
+    listening = Worker.count(connection=connection, queue=chunk_queue(connection, queue_name))
+    return max(DEFAULT_WINDOW, WINDOW_PER_WORKER * listening)
 
 
 def chunk_queue(connection: redis.Redis, name: str) -> Queue:
     return Queue(name, connection=connection, serializer=JSONSerializer, job_class=AllowListedJob)
-
-
-def _batches(items: Iterable[int], size: int) -> Iterator[list[int]]:
-    it = iter(items)
-    while batch := list(islice(it, size)):
-        yield batch
 
 
 def job_statuses(connection: redis.Redis, job_ids: list[str]) -> list[str | None]:
@@ -55,13 +75,23 @@ def job_statuses(connection: redis.Redis, job_ids: list[str]) -> list[str | None
 
 
 def enqueue_chunks(
-    connection: redis.Redis, layout: RunLayout, manifest: RunManifest, indices: Iterable[int]
+    connection: redis.Redis,
+    layout: RunLayout,
+    manifest: RunManifest,
+    indices: Iterable[int],
+    limit: int | None = None,
 ) -> EnqueueCounts:
-    """Queue each chunk in ``indices`` unless its job is already queued or running."""
+    """Queue each chunk in ``indices`` (in order) unless its job is already queued or running;
+    with ``limit``, stop once that many of them are in Redis and count the rest as waiting."""
     queue = chunk_queue(connection, manifest.queue)
     failed = FailedJobRegistry(queue=queue)
     counts = EnqueueCounts()
-    for batch in _batches(indices, BATCH):
+    it = iter(indices)
+    while True:
+        room = BATCH if limit is None else min(BATCH, limit - counts.in_redis)
+        batch = list(islice(it, room)) if room > 0 else []
+        if not batch:
+            break
         ids = [chunk_job_id(manifest.run_id, i) for i in batch]
         fresh = []
         for index, job_id, status in zip(batch, ids, job_statuses(connection, ids), strict=True):
@@ -75,7 +105,7 @@ def enqueue_chunks(
                 job.meta[jobmeta.ATTEMPT] = 1
                 job.save_meta()  # type: ignore[no-untyped-call]
                 restore_from_manifest(job, layout, manifest, index)
-                failed.requeue(job_id)
+                failed.requeue(job_id, at_front=True)
                 counts.requeued += 1
             else:
                 if status is not None:  # finished, stopped or canceled, yet its output is not in the store
@@ -86,7 +116,21 @@ def enqueue_chunks(
                 queue.enqueue_many(fresh, pipeline=pipe)
                 pipe.execute()
             counts.enqueued += len(fresh)
+    counts.waiting = sum(1 for _ in it)
     return counts
+
+
+def forget_finished(connection: redis.Redis, queue_name: str, job_ids: list[str]) -> None:
+    """Delete finished jobs whose outputs the supervisor has counted: the job hash, its results
+    stream and its entry in the finished registry (what RQ's own ``Job.delete`` removes for them)."""
+    if not job_ids:
+        return
+    finished_key = FinishedJobRegistry(queue_name, connection=connection, serializer=JSONSerializer).key
+    with connection.pipeline(transaction=False) as pipe:
+        for job_id in job_ids:
+            pipe.delete(Job.key_for(job_id), Result.get_key(job_id))  # type: ignore[no-untyped-call]
+        pipe.zrem(finished_key, *job_ids)
+        pipe.execute()
 
 
 def restore_from_manifest(job: Job, layout: RunLayout, manifest: RunManifest, index: int) -> bool:

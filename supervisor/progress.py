@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -59,7 +60,8 @@ class Snapshot:
     chunks_running: int = 0
     chunks_retrying: int = 0
     chunks_quarantined: int = 0
-    lost: list[int] = field(default_factory=list)
+    chunks_waiting: int = 0  # in the store, not yet in Redis: queued in order as the window frees
+    lost: list[int] = field(default_factory=list)  # had a job in Redis, now neither a job nor an output
     stale: list[int] = field(default_factory=list)
     stranded: list[int] = field(default_factory=list)  # dequeued by a worker that died before starting it
     failures: list[Failure] = field(default_factory=list)
@@ -131,6 +133,9 @@ class Tracker:
         self.rows_done = 0
         self.throughput = Throughput()
         self.failed_jobs: dict[int, Job] = {}
+        self.in_redis: set[int] = set()  # pending chunks with a job in Redis, as far as the looks know
+        self.waiting: deque[int] = deque()  # pending chunks with no job, ascending: the window's next ones
+        self.finished_jobs: list[str] = []  # jobs whose outputs this look counted: Redis may forget them
         self.full_looks = 0
         self._prefix = chunk_job_id(manifest.run_id, 0)[: -len("000000")]
         queue = chunk_queue(connection, manifest.queue)
@@ -145,6 +150,7 @@ class Tracker:
     def _mark_done(self, indices: set[int]) -> None:
         for index in indices:
             self.pending.discard(index)
+            self.in_redis.discard(index)
             self.rows_done += self.manifest.chunk_rows(index)
             _count_output(self.throughput, self.layout, index)  # once per chunk
 
@@ -156,13 +162,26 @@ class Tracker:
         tail = job_id[len(self._prefix) :]
         return int(tail) if job_id.startswith(self._prefix) and tail.isdigit() else None
 
-    def _pending_indices(self, job_ids: Iterable[bytes | str]) -> set[int]:
+    def _run_indices(self, job_ids: Iterable[bytes | str]) -> set[int]:
         found = set()
         for raw in job_ids:
             index = self._index(raw.decode() if isinstance(raw, bytes) else raw)
-            if index is not None and index in self.pending:
+            if index is not None:
                 found.add(index)
         return found
+
+    def _pending_indices(self, job_ids: Iterable[bytes | str]) -> set[int]:
+        return self._run_indices(job_ids) & self.pending
+
+    def _forget(self, finished: set[int]) -> None:
+        """Finished jobs whose outputs are counted: the supervisor deletes them from Redis."""
+        self.finished_jobs += [self._job_id(i) for i in sorted(finished - self.pending)]
+
+    def take_waiting(self, room: int) -> list[int]:
+        """The next ``room`` waiting chunks, in chunk order, as the supervisor queues them."""
+        taken = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
+        self.in_redis.update(taken)
+        return taken
 
     def poll(self, now: float | None = None) -> Snapshot:
         now = time.monotonic() if now is None else now
@@ -185,6 +204,7 @@ class Tracker:
         snap.chunks_quarantined = len(snap.quarantined)
         snap.chunks_retrying = len(snap.failures) - snap.chunks_quarantined
         snap.chunks_done = self.manifest.chunks - len(self.pending)
+        snap.chunks_waiting = len(self.waiting)
         snap.rows_done = self.rows_done
         snap.result_published = (self.layout.result / "manifest.json").is_file()
         set_rate(snap, self.throughput)
@@ -207,32 +227,41 @@ class Tracker:
             self._cursors[key] = last[0][1] if last else 0.0
 
     def _full_look(self, snap: Snapshot) -> tuple[set[int], set[int]]:
+        finished = self._run_indices(self._registry_tail(self._finished_key))  # to forget, once counted
         self._set_cursors()  # before the scan: whatever lands during it is read by the next look
         self._mark_done(self.layout.done_chunks() & self.pending)
         order = sorted(self.pending)
-        failed, running, finished_late = set(), set(), set()
+        failed, running, finished_late, in_redis, waiting = set(), set(), set(), set(), []
         for index, status in zip(
             order, job_statuses(self.connection, [self._job_id(i) for i in order]), strict=True
         ):
             if status in ("queued", "deferred", "scheduled"):
                 snap.chunks_queued += 1
+                in_redis.add(index)
             elif status == "started":
                 running.add(index)
+                in_redis.add(index)
             elif status == "failed":
                 failed.add(index)
+                in_redis.add(index)
             elif status == "finished" and self.layout.output_meta(index).is_file():
                 finished_late.add(index)  # finished between the store listing and the status read
             else:
-                snap.lost.append(index)  # no live job and no output: it must be queued again
+                waiting.append(index)  # no live job and no output: the window queues it in order
+                if index in self.in_redis:
+                    snap.lost.append(index)  # it had a job: a flushed or evicted Redis
+        self.in_redis, self.waiting = in_redis, deque(waiting)
         self._mark_done(finished_late)
+        self._forget(finished)
         self._failed = failed
         if snap.chunks_queued:
             snap.stranded = self._stranded()
         return running, failed
 
     def _incremental_look(self, snap: Snapshot) -> tuple[set[int], set[int]]:
-        finished = self._pending_indices(self._registry_tail(self._finished_key))
-        self._mark_done({i for i in finished if self.layout.output_meta(i).is_file()})
+        finished = self._run_indices(self._registry_tail(self._finished_key))
+        self._mark_done({i for i in finished & self.pending if self.layout.output_meta(i).is_file()})
+        self._forget(finished)
         self._failed = (
             self._failed | self._pending_indices(self._registry_tail(self._failed_key))
         ) & self.pending
@@ -240,7 +269,8 @@ class Tracker:
         statuses = job_statuses(self.connection, [self._job_id(i) for i in known])
         self._failed = {i for i, status in zip(known, statuses, strict=True) if status == "failed"}
         running = self._pending_indices(self._started.get_job_ids(cleanup=False))
-        snap.chunks_queued = len(self.pending) - len(running | self._failed)
+        self.in_redis |= running | self._failed
+        snap.chunks_queued = len(self.in_redis - running - self._failed)
         if snap.chunks_queued:
             snap.stranded = self._stranded()
         return running, set(self._failed)

@@ -31,7 +31,9 @@ from chunkq.supervisor.watch import WARN_IDLE_SECONDS, WatchSettings, failure_re
 _GLOB_CHARS = frozenset("*?[")
 _ENCODE_NAMES = {"normalize": "normalize_embeddings"}  # the CLI's short name for a field
 POOL_NAMES = frozenset(f.name for f in fields(PoolSettings))
-WATCH_NAMES = frozenset({"poll", "max_attempts", "allow_partial", "metrics_port", "wait", "warn_idle"})
+WATCH_NAMES = frozenset(
+    {"poll", "max_attempts", "allow_partial", "metrics_port", "wait", "warn_idle", "queue_window"}
+)
 
 
 def expand_corpora(patterns: Sequence[str | Path]) -> tuple[Path, ...]:
@@ -93,6 +95,7 @@ def submit_request(
     run_id: str | None = None,
     queue: str = DEFAULT_QUEUE,
     job_timeout: int | None = None,
+    queue_window: int | None = None,
     **encode: Any,
 ) -> SubmitRequest:
     """A checked SubmitRequest; ``encode`` takes EncodeOptions' fields (``normalize`` too)."""
@@ -113,6 +116,7 @@ def submit_request(
         run_id=run_id,
         queue=queue,
         job_timeout=job_timeout,
+        queue_window=queue_window,
     )
 
 
@@ -123,6 +127,7 @@ def watch_settings(
     metrics_port: int | None = None,
     wait: bool = False,
     warn_idle: float = WARN_IDLE_SECONDS,
+    queue_window: int | None = None,
 ) -> WatchSettings:
     return WatchSettings(
         poll_seconds=poll,
@@ -131,6 +136,7 @@ def watch_settings(
         metrics_port=metrics_port,
         wait_for_owner=wait,
         warn_idle=warn_idle,
+        window=None if queue_window is None else positive_int("queue_window", queue_window),
     )
 
 
@@ -165,7 +171,8 @@ def build_run_request(
         raise ConfigError(f"unknown option(s): {', '.join(sorted(options))}")
     if "format" in submit:
         submit["fmt"] = submit.pop("format")
-    request = submit_request(corpora, store, **submit)
+    settings = watch_settings(**watch)
+    request = replace(submit_request(corpora, store, **submit), queue_window=settings.window)
     if redis_url:
         reach_redis(redis_url)
     metrics_port = watch.get("metrics_port")
@@ -174,7 +181,7 @@ def build_run_request(
         submit=request,
         redis_url=redis_url,
         pool=replace(PoolSettings(), **{k: v for k, v in pool.items() if v is not None}),
-        watch=watch_settings(**watch),
+        watch=settings,
     )
 
 

@@ -77,6 +77,8 @@ def settle_failure(
     meta[jobmeta.ATTEMPT] = attempt + 1
     meta.pop(jobmeta.RETRY_AT, None)
     job.save_meta()  # type: ignore[no-untyped-call]
-    FailedJobRegistry(job.origin, connection=connection, serializer=JSONSerializer).requeue(job.id)
+    # At the front: with a bounded window, the back of the queue may be a window away.
+    registry = FailedJobRegistry(job.origin, connection=connection, serializer=JSONSerializer)
+    registry.requeue(job.id, at_front=True)
     log.info("chunk job %s: attempt %d queued", job.id, attempt + 1)
     return "requeued"

@@ -28,7 +28,7 @@ from chunkq.queue_worker.settings import DEFAULT_QUEUE
 from chunkq.supervisor.assemble import published_result, set_aside
 from chunkq.supervisor.corpus import CorpusOptions, Record, check_readable, read_corpus
 from chunkq.supervisor.dupes import IdRegistry
-from chunkq.supervisor.enqueue import EnqueueCounts, enqueue_chunks
+from chunkq.supervisor.enqueue import EnqueueCounts, enqueue_chunks, window_size
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,7 @@ class SubmitRequest:
     run_id: str | None = None
     queue: str = DEFAULT_QUEUE
     job_timeout: int | None = None  # seconds per chunk; default scales with the chunk size
+    queue_window: int | None = None  # jobs in Redis at once (enqueue.window_size); the rest wait in the store
 
     def timeout(self) -> int:
         return self.job_timeout or max(600, 2 * self.chunk_size)
@@ -276,14 +277,27 @@ def submit(req: SubmitRequest, connection: redis.Redis, identified: Identified |
         set_aside(layout, index)  # committed, then its .npy was lost: encode it again
         done.discard(index)
     counts = enqueue_chunks(
-        connection, layout, manifest, (i for i in range(manifest.chunks) if i not in done)
+        connection,
+        layout,
+        manifest,
+        (i for i in range(manifest.chunks) if i not in done),
+        limit=window_size(connection, req.queue, req.queue_window),
     )
     log.info(
-        "run %s: %d chunk(s) done, %d in flight, %d enqueued, %d requeued",
+        "run %s: %d chunk(s) done, %d in flight, %d enqueued, %d requeued, %d waiting in the store",
         run_id,
         len(done),
         counts.in_flight,
         counts.enqueued,
         counts.requeued,
+        counts.waiting,
     )
+    if counts.waiting:
+        log.info(
+            "run %s: the supervisor (chunkq run, or chunkq supervise %s) queues the %d waiting chunk(s) "
+            "in order as the queue's window frees",
+            run_id,
+            run_id,
+            counts.waiting,
+        )
     return SubmitResult(run_id, manifest.rows, manifest.chunks, len(done), counts, created)

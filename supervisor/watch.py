@@ -30,7 +30,13 @@ from chunkq.queue_worker.metrics import serve as serve_metrics
 from chunkq.supervisor.assemble import assemble
 from chunkq.supervisor.attempts import AttemptRecorder, FailedAttempt
 from chunkq.supervisor.display import ProgressDisplay
-from chunkq.supervisor.enqueue import chunk_queue, enqueue_chunks, restore_from_manifest
+from chunkq.supervisor.enqueue import (
+    chunk_queue,
+    enqueue_chunks,
+    forget_finished,
+    restore_from_manifest,
+    window_size,
+)
 from chunkq.supervisor.lock import RunLock
 from chunkq.supervisor.metrics import RunMetrics
 from chunkq.supervisor.owner import StoreLock
@@ -58,6 +64,7 @@ class WatchSettings:
     metrics_port: int | None = None  # Prometheus metrics on 127.0.0.1:<port> (0: any free port)
     wait_for_owner: bool = False  # another process owns the run: wait for it instead of refusing
     warn_idle: float = WARN_IDLE_SECONDS  # say so when chunks wait and no worker took one for this long
+    window: int | None = None  # jobs of the run in Redis at once; None: enqueue.window_size decides
 
 
 @dataclass
@@ -132,23 +139,46 @@ class Supervisor:
     def look(self) -> Snapshot:
         self.owner.check()  # stop at once if another process took the run over while we were paused
         self.lock.renew()
-        snap = self.tracker.poll()
+        snap = self._poll()
+        topped_up = self._top_up(snap)
         self._act(snap)
-        snap = self.tracker.poll() if snap.failures or snap.stale or snap.lost or snap.stranded else snap
+        acted = snap.failures or snap.stale or snap.stranded or topped_up
+        snap = self._poll() if acted else snap
         self._watch_idle(snap)
         if self.metrics is not None:
             self.metrics.observe(snap)
         return snap
 
+    def _poll(self) -> Snapshot:
+        """A look at the run; the finished jobs it counted are deleted from Redis (the store keeps them)."""
+        snap = self.tracker.poll()
+        forget_finished(self.connection, self.manifest.queue, self.tracker.finished_jobs)
+        self.tracker.finished_jobs = []
+        return snap
+
+    def _top_up(self, snap: Snapshot) -> int:
+        """Queue the next waiting chunks, in chunk order, while the window has room; how many."""
+        if snap.lost:
+            log.warning(
+                "run %s: %d chunk(s) had a job in Redis and now have neither a job nor an output "
+                "(a flushed or evicted Redis); they are queued again",
+                self.manifest.run_id,
+                len(snap.lost),
+            )
+        if not snap.chunks_waiting:
+            return 0
+        window = window_size(self.connection, self.manifest.queue, self.settings.window)
+        room = window - (snap.chunks_queued + snap.chunks_running + snap.chunks_retrying)
+        taken = self.tracker.take_waiting(room)
+        if taken:
+            enqueue_chunks(self.connection, self.layout, self.manifest, taken)
+            log.debug(
+                "run %s: queued chunks %d-%d (window %d)", self.manifest.run_id, taken[0], taken[-1], window
+            )
+        return len(taken)
+
     def _act(self, snap: Snapshot) -> None:
         run_id = self.manifest.run_id
-        if snap.lost:
-            counts = enqueue_chunks(self.connection, self.layout, self.manifest, snap.lost)
-            log.warning(
-                "run %s: %d chunk(s) had no job and no output; queued again",
-                run_id,
-                counts.enqueued + counts.requeued,
-            )
         if snap.stranded:
             self._requeue_stranded(snap.stranded)
         for index in snap.stale:
@@ -163,7 +193,7 @@ class Supervisor:
     def _requeue_stranded(self, stranded: list[int]) -> None:
         queue = chunk_queue(self.connection, self.manifest.queue)
         give_back(
-            self.connection, queue, [chunk_job_id(self.manifest.run_id, i) for i in stranded], at_front=False
+            self.connection, queue, [chunk_job_id(self.manifest.run_id, i) for i in stranded], at_front=True
         )
         log.warning(
             "run %s: chunk(s) %s were taken by a worker that died before starting them; queued again",

@@ -55,3 +55,15 @@ def test_unreadable_attempt_and_retry_at_count_as_a_first_attempt_not_a_crash(
 def test_a_numeric_string_attempt_is_read_as_its_number() -> None:
     assert jobmeta.attempt({jobmeta.ATTEMPT: "3"}) == 3
     assert [jobmeta.attempt({jobmeta.ATTEMPT: v}) for v in (0, -2, True, 2.5, None, [1])] == [1] * 6
+
+
+def test_a_retried_chunk_goes_to_the_front_of_the_queue(
+    tmp_path: Path, store: Path, connection: redis.Redis
+) -> None:
+    """With a bounded window the back of the queue is a window away: a chunk that failed (or whose
+    worker was killed) is the next one taken, not the last."""
+    job = _failed_job(tmp_path, store, connection, {jobmeta.ERROR_CLASS: "abandoned"})
+    queue = chunk_queue(connection, "r")
+    queue.enqueue("chunkq.jobs.embed.embed_chunk", {}, job_id="someone-else")
+    assert settle_failure(connection, job, RetryPolicy(), random.Random(0), now=0.0) == "requeued"
+    assert queue.job_ids[0] == job.id

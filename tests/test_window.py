@@ -1,0 +1,77 @@
+"""A run's footprint in Redis is its window, not its chunk count (issue 22.1): submit queues at most
+the window, the supervisor tops it up in chunk order as chunks finish, requeues go to the front,
+and finished jobs are forgotten once their outputs are counted."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from rq.registry import FailedJobRegistry, StartedJobRegistry
+
+from chunkq.jobs.models import BUNDLED_MODEL
+from chunkq.supervisor.corpus import CorpusOptions
+from chunkq.supervisor.enqueue import chunk_queue
+from chunkq.supervisor.submit import SubmitRequest, submit
+from tests.helpers import make_texts, only_run, result_matches, run_cli, write_corpus
+
+
+def test_submit_queues_at_most_the_window_and_says_how_many_wait(
+    tmp_path: Path, store: Path, connection: redis.Redis
+) -> None:
+    ids, texts = make_texts(30)
+    corpus = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")
+    request = SubmitRequest(
+        corpus, store, BUNDLED_MODEL, CorpusOptions("jsonl"), chunk_size=1, queue="win", queue_window=5
+    )
+    first = submit(request, connection)
+    assert (first.counts.enqueued, first.counts.waiting) == (5, 25)
+    queue = chunk_queue(connection, "win")
+    assert queue.count == 5 and [j[-2:] for j in queue.job_ids] == ["00", "01", "02", "03", "04"]
+    again = submit(request, connection)  # idempotent: the window is full of this run's jobs already
+    assert (again.counts.in_flight, again.counts.enqueued, again.counts.waiting) == (5, 0, 25)
+    assert queue.count == 5
+
+
+@pytest.mark.slow
+def test_a_run_never_holds_more_than_its_window_in_redis_and_forgets_finished_jobs(
+    tmp_path: Path, connection: redis.Redis, redis_url: str, reference_model: Any
+) -> None:
+    ids, texts = make_texts(36, seed=71)
+    corpus = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")
+    store, window, queue_name = tmp_path / "store", 4, "window"
+    queue = chunk_queue(connection, queue_name)
+    started, failed = StartedJobRegistry(queue=queue), FailedJobRegistry(queue=queue)
+    peak, done = [0], threading.Event()
+
+    def sample() -> None:  # what Redis holds of the run's live jobs, as often as it can be read
+        while not done.is_set():
+            with connection.pipeline(transaction=False) as pipe:
+                pipe.llen(queue.key)
+                pipe.zcard(started.key)
+                pipe.zcard(failed.key)
+                held = sum(pipe.execute())
+            peak[0] = max(peak[0], held)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        # A worker killed with its chunk in hand: the chunk comes back at the front of the queue.
+        faults = '[{"kind": "sigkill", "chunks": [9], "attempts": [1]}]'
+        args = ("run", str(corpus), "--chunk-size", "2", "--store", str(store), "--redis-url", redis_url)
+        done_run = run_cli(
+            *args, "--queue", queue_name, "--queue-window", str(window), timeout=300, CHUNKQ_FAULTS=faults
+        )
+    finally:
+        done.set()
+        sampler.join(timeout=10)
+    assert done_run.returncode == 0, done_run.stderr[-3000:]
+    assert 0 < peak[0] <= window, peak[0]
+    layout = only_run(store)
+    assert result_matches(layout, texts, reference_model)
+    assert (layout.failures / "000009-a1.json").is_file()  # it was killed once, and done on its second try
+    # Finished jobs are forgotten: the store is their record.
+    assert list(connection.scan_iter(f"rq:job:{layout.run_id}__*")) == []
