@@ -86,6 +86,15 @@ class RunLayout:
         return self._in_store(self._root / "owner.json")
 
     @property
+    def ledger(self) -> Path:
+        """Batches of one short record per finished chunk (supervisor.ledger)."""
+        return self._in_store(self._root / "ledger")
+
+    @property
+    def summary(self) -> Path:
+        return self._in_store(self._root / "summary.json")
+
+    @property
     def failures(self) -> Path:
         return self._in_store(self._root / "failures")
 

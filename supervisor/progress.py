@@ -22,6 +22,7 @@ from chunkq.jobs.specs import chunk_job_id
 from chunkq.jobs.store import RunLayout, read_json
 from chunkq.supervisor.attempts import FailedAttempt, failed_attempts
 from chunkq.supervisor.enqueue import chunk_queue, job_statuses
+from chunkq.supervisor.ledger import Ledger, count_record, records
 from chunkq.supervisor.throughput import Throughput
 
 STALE_HEARTBEAT_SECONDS = 60.0  # workers beat every 5 s while a chunk runs
@@ -131,7 +132,7 @@ class Tracker:
         self.min_reconcile_seconds = min_reconcile_seconds
         self.pending = set(range(manifest.chunks))
         self.rows_done = 0
-        self.throughput = Throughput()
+        self.ledger = Ledger.open(layout)  # what earlier looks recorded: their outputs are not read again
         self.failed_jobs: dict[int, Job] = {}
         self.in_redis: set[int] = set()  # pending chunks with a job in Redis, as far as the looks know
         self.waiting: deque[int] = deque()  # pending chunks with no job, ascending: the window's next ones
@@ -147,12 +148,20 @@ class Tracker:
         self._failed: set[int] = set()
         self._next_full = 0.0
 
+    @property
+    def throughput(self) -> Throughput:
+        return self.ledger.throughput
+
     def _mark_done(self, indices: set[int]) -> None:
         for index in indices:
             self.pending.discard(index)
             self.in_redis.discard(index)
             self.rows_done += self.manifest.chunk_rows(index)
-            _count_output(self.throughput, self.layout, index)  # once per chunk
+            if index not in self.ledger.recorded:
+                try:
+                    self.ledger.add(read_json(self.layout.output_meta(index)))
+                except (OSError, ValueError):
+                    pass  # a damaged output is the assembler's to name; the rate does without it
 
     def _job_id(self, index: int) -> str:
         return chunk_job_id(self.manifest.run_id, index)
@@ -313,14 +322,6 @@ class Tracker:
         return stale
 
 
-def _count_output(throughput: Throughput, layout: RunLayout, index: int) -> None:
-    """Add a committed chunk's rows and times to the run's rate."""
-    try:
-        throughput.add(read_json(layout.output_meta(index)))
-    except (OSError, ValueError, KeyError):
-        pass  # a damaged output is the assembler's to name; the rate does without it
-
-
 def set_rate(snap: Snapshot, throughput: Throughput) -> None:
     """The run's rows/s (supervisor.throughput) and, while chunks remain, the time they will take."""
     snap.rows_per_second = throughput.rows_per_second(running=not snap.settled)
@@ -333,10 +334,12 @@ def store_snapshot(layout: RunLayout, manifest: RunManifest) -> Snapshot:
     chunks done and their rate, the failures recorded and the chunks quarantined."""
     snap = Snapshot(manifest.run_id, manifest.chunks, manifest.rows, live=False)
     done = layout.done_chunks()
+    found, _ = records(layout, done)  # the ledger: a file per LEDGER_BATCH chunks, not one per chunk
     throughput = Throughput()
     for index in sorted(done):
         snap.rows_done += manifest.chunk_rows(index)
-        _count_output(throughput, layout, index)
+        if index in found:
+            count_record(throughput, found[index])
     snap.chunks_done = len(done)
     last: dict[int, FailedAttempt] = {}
     for attempt in failed_attempts(layout):

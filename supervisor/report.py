@@ -21,11 +21,14 @@ from chunkq.jobs.manifest import RunManifest, load_manifest
 from chunkq.jobs.models import resolve_model
 from chunkq.jobs.store import RunLayout, read_chunk_input, read_json
 from chunkq.supervisor.attempts import FailedAttempt, by_class, failed_attempts, to_json
+from chunkq.supervisor.ledger import records
 from chunkq.supervisor.throughput import of_outputs, parse_time
 
 log = logging.getLogger(__name__)
 
 LENGTH_SAMPLE = 20_000  # texts whose token length is measured for the histogram
+LENGTH_SAMPLE_CHUNKS = 200  # chunk inputs read for that sample: a run's size must not decide the cost
+LABELLED_CHUNKS = 300  # above this many chunks, bars carry no chunk numbers (they would not be legible)
 
 
 @dataclass
@@ -47,17 +50,19 @@ class RunFacts:
 
 
 def gather(layout: RunLayout) -> RunFacts:
-    """What the store says of a run: its chunk outputs and every failed attempt (no Redis needed)."""
+    """What the store says of a run: a record of each finished chunk (from the ledger, a file per
+    LEDGER_BATCH chunks) and every failed attempt (no Redis needed)."""
     manifest = load_manifest(layout)
-    outputs = [read_json(layout.output_meta(i)) for i in sorted(layout.done_chunks())]
-    return RunFacts(manifest, outputs, failed_attempts(layout))
+    found, _ = records(layout, layout.done_chunks())
+    return RunFacts(manifest, [found[i] for i in sorted(found)], failed_attempts(layout))
 
 
 def _token_lengths(layout: RunLayout, manifest: RunManifest) -> tuple[list[int], int | None, str]:
     """Token lengths of a sample of texts, the truncation point, and the unit ("tokens" or "words")."""
     rng = random.Random(0)  # noqa: S311 - a reproducible sample, not security
-    per_chunk = max(1, LENGTH_SAMPLE // max(1, manifest.chunks))
-    chunks = sorted(rng.sample(range(manifest.chunks), min(manifest.chunks, LENGTH_SAMPLE)))
+    sampled = min(manifest.chunks, LENGTH_SAMPLE_CHUNKS)
+    per_chunk = max(1, LENGTH_SAMPLE // max(1, sampled))
+    chunks = sorted(rng.sample(range(manifest.chunks), sampled))
     texts: list[str] = []
     for index in chunks:
         _, chunk_texts = read_chunk_input(layout, index)
@@ -134,14 +139,19 @@ def _plot(facts: RunFacts, lengths: list[int], limit: int | None, unit: str, pat
         facts.processes.values(), key=lambda metas: (_device(metas[0]), parse_time(metas[0]["started_at"]))
     )
     lane_of_worker: dict[str, int] = {}
+    labelled = len(facts.outputs) <= LABELLED_CHUNKS
     for y, metas in enumerate(lanes):
         first = metas[0]
         lane_of_worker[str(first["worker"])] = y
+        spans = []
         for meta in metas:
             start = (parse_time(meta["started_at"]) - t0).total_seconds()
             length = (parse_time(meta["finished_at"]) - parse_time(meta["started_at"])).total_seconds()
-            ax_lanes.barh(y, length, left=start, height=0.6, color="tab:blue", edgecolor="white")
-            ax_lanes.text(start + length / 2, y, str(meta["chunk"]), ha="center", va="center", fontsize=6)
+            spans.append((start, length))
+            if labelled:
+                ax_lanes.text(start + length / 2, y, str(meta["chunk"]), ha="center", va="center", fontsize=6)
+        # One artist a lane, not one a chunk: a 100,000-chunk run draws as fast as a small one.
+        ax_lanes.broken_barh(spans, (y - 0.3, 0.6), facecolors="tab:blue", edgecolors="white", linewidth=0.3)
         if first.get("model_loaded_at") and first.get("model_load_seconds") is not None:
             load = float(first["model_load_seconds"])
             end = (parse_time(first["model_loaded_at"]) - t0).total_seconds()

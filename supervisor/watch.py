@@ -154,6 +154,7 @@ class Supervisor:
         snap = self.tracker.poll()
         forget_finished(self.connection, self.manifest.queue, self.tracker.finished_jobs)
         self.tracker.finished_jobs = []
+        self.tracker.ledger.flush(force=snap.settled)  # the owner records finished chunks in batches
         return snap
 
     def _top_up(self, snap: Snapshot) -> int:

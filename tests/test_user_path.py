@@ -208,14 +208,14 @@ def test_submit_reaches_redis_and_checks_the_corpus_before_it_writes(
     )  # fmt: skip
     assert json.loads(figures.stdout)["run_id"] == run_id and json.loads(figures.stdout)["in_flight"] == 3
 
-    # A Redis that holds none of the run's jobs: the human status names the lost chunks, as the JSON does.
+    # A Redis that holds none of the run's jobs: they wait in the store, for a supervisor to queue.
     other = redis.Redis.from_url(redis_url, db=5)
     other.flushdb()
     status = run_cli(
         "status", run_id, "--store", str(store), "--redis-url", redis_url.rsplit("/", 1)[0] + "/5"
     )
     assert status.returncode == 0, status.stderr
-    assert "3 lost" in status.stdout and "chunk 0, 1, 2" in status.stdout
+    assert "0 queued, 3 waiting in the store" in status.stdout
 
 
 def test_supervise_says_when_no_worker_takes_a_job_and_which_queue(

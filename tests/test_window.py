@@ -15,6 +15,7 @@ from rq.registry import FailedJobRegistry, StartedJobRegistry
 from chunkq.jobs.models import BUNDLED_MODEL
 from chunkq.supervisor.corpus import CorpusOptions
 from chunkq.supervisor.enqueue import chunk_queue
+from chunkq.supervisor.ledger import read_ledger
 from chunkq.supervisor.submit import SubmitRequest, submit
 from tests.helpers import make_texts, only_run, result_matches, run_cli, write_corpus
 
@@ -73,5 +74,6 @@ def test_a_run_never_holds_more_than_its_window_in_redis_and_forgets_finished_jo
     layout = only_run(store)
     assert result_matches(layout, texts, reference_model)
     assert (layout.failures / "000009-a1.json").is_file()  # it was killed once, and done on its second try
-    # Finished jobs are forgotten: the store is their record.
+    # Finished jobs are forgotten: the store is their record, and its ledger has every chunk once.
     assert list(connection.scan_iter(f"rq:job:{layout.run_id}__*")) == []
+    assert sorted(r["chunk"] for r in read_ledger(layout)) == list(range(18))

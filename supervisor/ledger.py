@@ -1,0 +1,173 @@
+"""The run's ledger: one short record per finished chunk, in batches, so reading a run's history
+costs a file per LEDGER_BATCH chunks instead of one per chunk (one GET each on an object store).
+
+    <store>/runs/<run>/ledger/000000.jsonl   a batch of records, written whole, never changed
+    <store>/runs/<run>/summary.json          counts and the rate's inputs as of the last batch
+
+Only the run's owner (the supervisor, or a reader that took the run's lock because nobody owns
+it) writes batches. The chunk outputs stay the truth: a reader that finds committed outputs the
+ledger lacks reads those outputs' metadata one by one, and says so; the owner records them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from chunkq.jobs.storage import list_with_mtime
+from chunkq.jobs.store import RunLayout, atomic_write_bytes, atomic_write_json, read_json
+from chunkq.supervisor.throughput import Throughput
+
+log = logging.getLogger(__name__)
+
+LEDGER_BATCH = 1000  # records a batch file holds at most
+FLUSH_SECONDS = 30.0  # a smaller batch is written after this long, so a reader is never far behind
+# What a record keeps of a chunk output's metadata: what status, report and the rate read.
+RECORD_KEYS = (
+    "chunk",
+    "rows",
+    "started_at",
+    "finished_at",
+    "seconds",
+    "worker",
+    "host",
+    "pid",
+    "device",
+    "gpu",
+    "attempt",
+    "model_loaded_at",
+    "model_load_seconds",
+)
+
+
+def record_of(meta: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: meta.get(key) for key in RECORD_KEYS}
+
+
+def _batches(layout: RunLayout) -> list[str]:
+    return sorted(name for name, _ in list_with_mtime(layout.ledger) if name.endswith(".jsonl"))
+
+
+def read_ledger(layout: RunLayout) -> Iterator[dict[str, Any]]:
+    """Every record, batch by batch (a damaged line is skipped: the outputs are the truth)."""
+    for name in _batches(layout):
+        for line in (layout.ledger / name).read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and isinstance(record.get("chunk"), int):
+                yield record
+
+
+@dataclass
+class Ledger:
+    """The owner's writer: ``add`` records, ``flush`` writes a batch and the summary."""
+
+    layout: RunLayout
+    recorded: set[int] = field(default_factory=set)
+    pending: list[dict[str, Any]] = field(default_factory=list)
+    throughput: Throughput = field(default_factory=Throughput)
+    _next: int = 0
+    _flushed_at: float = field(default_factory=time.monotonic)
+
+    @classmethod
+    def open(cls, layout: RunLayout) -> Ledger:
+        """The ledger as the store holds it, ready to record what it lacks."""
+        ledger = cls(layout, _next=len(_batches(layout)))
+        for record in read_ledger(layout):
+            if record["chunk"] not in ledger.recorded:
+                ledger.recorded.add(record["chunk"])
+                count_record(ledger.throughput, record)
+        return ledger
+
+    def add(self, meta: Mapping[str, Any]) -> None:
+        record = record_of(meta)
+        if record["chunk"] in self.recorded or not isinstance(record["chunk"], int):
+            return
+        self.recorded.add(record["chunk"])
+        self.pending.append(record)
+        count_record(self.throughput, record)
+
+    def flush(self, force: bool = False) -> None:
+        """Write the pending records as one batch once there are LEDGER_BATCH of them, FLUSH_SECONDS
+        have passed, or ``force`` (the run settled); then the summary."""
+        due = len(self.pending) >= LEDGER_BATCH or time.monotonic() - self._flushed_at >= FLUSH_SECONDS
+        if not self.pending or not (due or force):
+            return
+        while self.pending:
+            batch, self.pending = self.pending[:LEDGER_BATCH], self.pending[LEDGER_BATCH:]
+            lines = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in batch)
+            atomic_write_bytes(self.layout.ledger / f"{self._next:06d}.jsonl", lines.encode())
+            self._next += 1
+        self._flushed_at = time.monotonic()
+        t = self.throughput
+        atomic_write_json(
+            self.layout.summary,
+            {
+                "chunks_recorded": len(self.recorded),
+                "rows_recorded": t.rows,
+                "first_start": t.first_start.isoformat() if t.first_start else None,
+                "last_end": t.last_end.isoformat() if t.last_end else None,
+                "ledger_batches": self._next,
+                "updated_at": datetime.now(UTC).isoformat(),
+            },
+        )
+
+
+def count_record(throughput: Throughput, record: Mapping[str, Any]) -> None:
+    """Add a finished chunk's rows and times to a rate."""
+    try:
+        throughput.add(record)
+    except (KeyError, TypeError, ValueError):
+        pass  # a record without times (a damaged output) counts no rate
+
+
+def records(layout: RunLayout, done: Iterable[int]) -> tuple[dict[int, dict[str, Any]], int]:
+    """A record for every chunk in ``done``: from the ledger, and for what it lacks, from the
+    chunk outputs themselves; (records, how many outputs had to be read one by one). When nobody
+    owns the run, what was read is added to the ledger, so the next reader need not read it again."""
+    found: dict[int, dict[str, Any]] = {}
+    wanted = set(done)
+    for record in read_ledger(layout):
+        if record["chunk"] in wanted:
+            found[record["chunk"]] = record
+    missing = sorted(wanted - found.keys())
+    if not missing:
+        return found, 0
+    read: list[dict[str, Any]] = []
+    for index in missing:
+        try:
+            read.append(read_json(layout.output_meta(index)))
+        except (OSError, ValueError):
+            continue  # a damaged output is the assembler's to name
+    for meta in read:
+        found[int(meta["chunk"])] = record_of(meta)
+    _rebuild(layout, read)
+    return found, len(missing)
+
+
+def _rebuild(layout: RunLayout, metas: list[dict[str, Any]]) -> None:
+    """Record outputs the ledger lacks, if this process can own the run for a moment."""
+    from chunkq.supervisor.lock import RunLockedError
+    from chunkq.supervisor.owner import StoreLock
+
+    try:
+        with StoreLock(layout.owner, f"run {layout.run_id}") as lock:
+            lock.acquire()
+            ledger = Ledger.open(layout)
+            for meta in metas:
+                ledger.add(meta)
+            ledger.flush(force=True)
+        log.info(
+            "run %s: the ledger lacked %d finished chunk(s); rebuilt it from their outputs",
+            layout.run_id,
+            len(metas),
+        )
+    except (RunLockedError, OSError) as exc:  # its owner records them; a read-only store cannot
+        log.debug("run %s: ledger not rebuilt (%s)", layout.run_id, exc)
