@@ -136,7 +136,7 @@ def embed(
 
 
 def _names_files(text: str) -> bool:
-    return Path(text).exists() or bool(glob.glob(text, recursive=True))
+    return "://" in text or Path(text).exists() or bool(glob.glob(text, recursive=True))
 
 
 def _dimension(model: str | None) -> int:

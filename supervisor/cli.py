@@ -72,7 +72,8 @@ MODEL_HELP = (
 
 def submit_options(func: F) -> F:
     options = [
-        click.argument("corpus", nargs=-1, required=True, type=click.Path(path_type=Path)),
+        # Text, not click.Path: a corpus may be an fsspec URL (s3://bucket/corpus/*.parquet).
+        click.argument("corpus", nargs=-1, required=True),
         click.option("--model", envvar="CHUNKQ_MODEL", show_envvar=True, help=MODEL_HELP),
         click.option(
             "--run-id",
@@ -277,7 +278,7 @@ def command(name: str) -> Callable[[F], click.Command]:
 @QUEUE_WINDOW_OPTION
 @redis_option("needed")
 @click.option("--json", "as_json", is_flag=True, help="Print the run's figures as JSON, not its id alone.")
-def submit_cmd(corpus: tuple[Path, ...], redis_url: str | None, as_json: bool, **kw: Any) -> None:
+def submit_cmd(corpus: tuple[str, ...], redis_url: str | None, as_json: bool, **kw: Any) -> None:
     """Split CORPUS (files or glob patterns) into chunks in the store and enqueue one job per chunk.
 
     Idempotent: the same command again enqueues only what is neither done nor in flight. Prints the
@@ -477,7 +478,7 @@ def assemble_cmd(run_id: str, store: Path, verify: bool, redis_url: str | None) 
 @pool_setting_options(exclude=RUN_DECIDES_FOR_THE_POOL)
 @watch_options
 @redis_option("embedded")
-def run_cmd(corpus: tuple[Path, ...], redis_url: str | None, **kw: Any) -> None:
+def run_cmd(corpus: tuple[str, ...], redis_url: str | None, **kw: Any) -> None:
     """Everything on this machine: embedded Redis (unless --redis-url), pool, submit, supervise, assemble.
 
     CORPUS: one or more files, or glob patterns ('data/*.parquet'), read in order as one corpus.

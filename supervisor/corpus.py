@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from chunkq.jobs.errors import CorpusError
+from chunkq.jobs.storage import is_local
 
 FORMATS = ("jsonl", "csv", "parquet", "txt")
 _SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".parquet": "parquet", ".txt": "txt"}
@@ -65,7 +66,7 @@ def check_readable(path: Path) -> None:
             "(checksum, then rows): save it to a file first"
         )
     try:
-        with open(path, "rb") as fh:
+        with path.open("rb") as fh:
             fh.read(1)
     except OSError as exc:
         raise CorpusError(f"{path}: cannot read: {exc.strerror or exc}") from exc
@@ -132,7 +133,7 @@ _BOM = "\ufeff".encode()
 
 
 def _lines(path: Path, limit: int) -> Iterator[tuple[int, str]]:
-    with open(path, "rb") as fh:
+    with path.open("rb") as fh:
         lineno = 0
         while raw := fh.readline(limit + 2):  # never read more of a line than the limit allows
             lineno += 1
@@ -176,7 +177,7 @@ def _read_csv(path: Path, opts: CorpusOptions, prefix: str) -> Iterator[Record]:
     csv.field_size_limit(max(csv.field_size_limit(), opts.max_text_bytes + 1))
     try:
         # utf-8-sig: a byte-order mark (Excel's "CSV UTF-8") is not part of the first column's name.
-        with open(path, encoding="utf-8-sig", newline="") as fh:
+        with path.open("r", encoding="utf-8-sig", newline="") as fh:
             reader = csv.DictReader(fh)
             header = reader.fieldnames or []
             if opts.text_field not in header:
@@ -201,7 +202,8 @@ def _read_parquet(path: Path, opts: CorpusOptions, prefix: str) -> Iterator[Reco
     import pyarrow.parquet as pq
 
     try:
-        pfile = pq.ParquetFile(path)
+        # A local file by name; an object (s3://, gs://) through fsspec, read in ranges as Arrow asks.
+        pfile = pq.ParquetFile(str(path) if is_local(path) else path.open("rb"))
     except (pa.ArrowException, OSError) as exc:
         raise CorpusError(f"{path}: not a readable Parquet file: {exc}") from None
     schema = pfile.schema_arrow

@@ -69,17 +69,32 @@ def _token_lengths(layout: RunLayout, manifest: RunManifest) -> tuple[list[int],
         texts += chunk_texts[:per_chunk]
     limit: int | None = manifest.data.get("options", {}).get("max_seq_length")
     try:
-        from transformers import AutoTokenizer
-
         path = resolve_model(str(manifest.data["model"]))
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=True)["input_ids"]]
+        lengths = _count_tokens(Path(path), texts)
         if limit is None:
             limit = _model_max_seq_length(Path(path))
         return lengths, limit, "tokens"
     except Exception as exc:  # no tokenizer here (a hub model on an offline host): count words instead
         log.warning("no tokenizer for %s (%s); the histogram counts words", manifest.data["model"], exc)
         return [len(t.split()) for t in texts], None, "words"
+
+
+def _count_tokens(path: Path, texts: list[str]) -> list[int]:
+    """Token lengths, special tokens included. The model's ``tokenizer.json`` through the
+    ``tokenizers`` library where it has one: no torch or transformers import (a report's memory),
+    and no "sequence length is longer than the maximum" warning, since nothing is truncated here."""
+    fast = path / "tokenizer.json"
+    if fast.is_file():
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(fast))
+        tokenizer.no_truncation()
+        tokenizer.no_padding()
+        return [len(encoding.ids) for encoding in tokenizer.encode_batch(texts, add_special_tokens=True)]
+    from transformers import AutoTokenizer
+
+    slow = AutoTokenizer.from_pretrained(path)
+    return [len(ids) for ids in slow(texts, add_special_tokens=True)["input_ids"]]
 
 
 def _model_max_seq_length(path: Path) -> int | None:

@@ -20,6 +20,7 @@ import redis
 from chunkq.jobs.errors import ChunksFailedError, ConfigError, CorpusError
 from chunkq.jobs.models import check_model, default_model
 from chunkq.jobs.specs import EncodeOptions
+from chunkq.jobs.storage import is_local, open_store
 from chunkq.jobs.store import RunLayout, read_json
 from chunkq.queue_worker.settings import DEFAULT_QUEUE, PoolSettings
 from chunkq.supervisor.corpus import CorpusOptions, check_readable, detect_format, read_corpus
@@ -36,23 +37,40 @@ WATCH_NAMES = frozenset(
 )
 
 
+def _matches(text: str) -> list[Path]:
+    """The files a glob pattern names: on this machine, or in an object store (``s3://b/c/*.parquet``)."""
+    where = open_store(text) if "://" in text else Path(text)
+    if is_local(where):
+        return sorted(Path(m) for m in glob.glob(text, recursive=True) if Path(m).is_file())
+    remote: Any = where
+    protocol = text.partition("://")[0]
+    names = sorted(m for m in remote.fs.glob(remote.path) if remote.fs.isfile(m))
+    return [open_store(f"{protocol}://{name}") for name in names]
+
+
+def _identity_key(path: Path) -> str:
+    return str(path.resolve()) if is_local(path) else str(path)
+
+
 def expand_corpora(patterns: Sequence[str | Path]) -> tuple[Path, ...]:
     """The files named, with glob patterns expanded (sorted); a pattern that matches nothing, or a
-    file named twice, is an error."""
+    file named twice, is an error. A pattern may be an fsspec URL (``s3://``, ``gs://``): the
+    corpus is then read where it is, streaming."""
     if not patterns:
         raise CorpusError("no corpus given")
     found: list[Path] = []
     for pattern in patterns:
         text = str(pattern)
-        if _GLOB_CHARS & set(text) and not Path(text).exists():
-            matches = sorted(Path(m) for m in glob.glob(text, recursive=True) if Path(m).is_file())
+        path = open_store(text) if "://" in text else Path(text)
+        if _GLOB_CHARS & set(text) and not path.exists():
+            matches = _matches(text)
             if not matches:
                 raise CorpusError(f"{text}: no file matches this pattern")
             found.extend(matches)
         else:
-            found.append(Path(text))
-    counts = Counter(p.resolve() for p in found)
-    twice = sorted({str(p) for p in found if counts[p.resolve()] > 1})
+            found.append(path)
+    counts = Counter(_identity_key(p) for p in found)
+    twice = sorted({str(p) for p in found if counts[_identity_key(p)] > 1})
     if twice:
         raise CorpusError(f"{', '.join(twice)}: named more than once")
     return tuple(found)

@@ -76,18 +76,24 @@ def describe_inputs(paths: tuple[Path, ...]) -> list[dict[str, Any]]:
         before = _stamp(path)
         sha256 = file_sha256(path)
         _unchanged(path, before)
-        described.append(
-            {"path": str(path.resolve()), "sha256": sha256, "size": before[0], "mtime_ns": before[1]}
-        )
+        where = str(path.resolve()) if is_local(path) else str(path)
+        described.append({"path": where, "sha256": sha256, "size": before[0], "version": before[1]})
     return described
 
 
-def _stamp(path: Path) -> tuple[int, int]:
-    st = path.stat()
-    return st.st_size, st.st_mtime_ns
+def _stamp(path: Path) -> tuple[int, str]:
+    """(size, version): the modification time in ns here; an object's ETag (or time) as its store gives it."""
+    if is_local(path):
+        st = path.stat()
+        return st.st_size, str(st.st_mtime_ns)
+    remote: Any = path
+    remote.fs.invalidate_cache(remote.path)
+    info = remote.fs.info(remote.path)
+    version = info.get("ETag") or info.get("etag") or info.get("LastModified") or info.get("mtime") or ""
+    return int(info.get("size") or 0), str(version)
 
 
-def _unchanged(path: Path, before: tuple[int, int]) -> None:
+def _unchanged(path: Path, before: tuple[int, str]) -> None:
     """Refuse a corpus file written to while chunkq read it: its checksum would not cover its rows."""
     if _stamp(path) != before:
         raise CorpusError(
@@ -121,9 +127,9 @@ def _labels(paths: tuple[Path, ...]) -> list[str]:
     """Names that tell several corpus files apart: their paths below the deepest common folder."""
     if len(paths) == 1:
         return [""]
-    resolved = [p.resolve() for p in paths]
-    common = Path(os.path.commonpath([p.parent for p in resolved]))
-    return [str(p.relative_to(common)) for p in resolved]
+    names = [str(p.resolve()) if is_local(p) else str(p).partition("://")[2] for p in paths]
+    common = os.path.commonpath([os.path.dirname(n) for n in names])
+    return [os.path.relpath(n, common) for n in names]
 
 
 def read_inputs(req: SubmitRequest) -> Iterator[Record]:
@@ -176,8 +182,8 @@ def _create_run(
     try:
         rows = _write_inputs(req, layout)
         # The checksums were taken in an earlier pass: the rows just copied must be of those bytes.
-        for described in inputs:
-            _unchanged(Path(described["path"]), (described["size"], described["mtime_ns"]))
+        for path, described in zip(req.corpora, inputs, strict=True):
+            _unchanged(path, (described["size"], described["version"]))
     except BaseException:
         # No manifest was written, so nothing refers to these inputs: leave the store as it was.
         remove_tree(layout.root)

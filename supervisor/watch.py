@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 
 POLL_SECONDS = 1.0
 REDIS_PATIENCE_SECONDS = 300.0  # how long Redis may stay away before the supervisor gives up
+TOP_UP_FRACTION = 10  # the supervisor tops the window up once this fraction of it is free
 WARN_IDLE_SECONDS = 30.0  # a worker that lives takes a queued chunk within its model load
 
 
@@ -140,10 +141,9 @@ class Supervisor:
         self.owner.check()  # stop at once if another process took the run over while we were paused
         self.lock.renew()
         snap = self._poll()
-        topped_up = self._top_up(snap)
+        self._top_up(snap)
         self._act(snap)
-        acted = snap.failures or snap.stale or snap.stranded or topped_up
-        snap = self._poll() if acted else snap
+        snap = self._poll() if snap.failures or snap.stale or snap.stranded else snap
         self._watch_idle(snap)
         if self.metrics is not None:
             self.metrics.observe(snap)
@@ -170,9 +170,13 @@ class Supervisor:
             return 0
         window = window_size(self.connection, self.manifest.queue, self.settings.window)
         room = window - (snap.chunks_queued + snap.chunks_running + snap.chunks_retrying)
+        if room < max(1, window // TOP_UP_FRACTION) and snap.chunks_queued:
+            return 0  # a tenth of the window at a time: one enqueue per many chunks, not one per chunk
         taken = self.tracker.take_waiting(room)
         if taken:
             enqueue_chunks(self.connection, self.layout, self.manifest, taken)
+            snap.chunks_queued += len(taken)
+            snap.chunks_waiting -= len(taken)
             log.debug(
                 "run %s: queued chunks %d-%d (window %d)", self.manifest.run_id, taken[0], taken[-1], window
             )

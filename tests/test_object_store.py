@@ -145,3 +145,45 @@ def test_run_end_to_end_on_s3(s3_env: dict[str, str], tmp_path: Path, reference_
     assert freed.returncode == 0, freed.stderr
     assert not [p for p in layout.outputs.iterdir() if p.name.endswith(".npy")]
     assert run_cli(*args, cwd=tmp_path, **env).returncode == 0  # the published result still stands
+
+
+def test_a_corpus_in_the_object_store_runs_as_the_same_corpus_on_disk(
+    s3_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Issue 22.4: `chunkq run s3://bucket/corpus/*.parquet` reads the corpus where it is, streaming,
+    with the same checks and fingerprint as the same files on disk, and the same result."""
+    import s3fs
+
+    ids, texts = make_texts(40, seed=8)
+    local = tmp_path / "corpus"
+    local.mkdir()
+    write_corpus(local / "a.parquet", ids[:25], texts[:25], "parquet")
+    write_corpus(local / "b.parquet", ids[25:], texts[25:], "parquet")
+    prefix = f"{BUCKET}/corpus-{time.time_ns()}"
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    for name in ("a.parquet", "b.parquet"):
+        fs.put_file(str(local / name), f"{prefix}/{name}")
+    env = {**s3_env, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    results = {}
+    for where, pattern in (("disk", str(local / "*.parquet")), ("s3", f"s3://{prefix}/*.parquet")):
+        store = tmp_path / f"store-{where}"
+        done = run_cli("run", pattern, "--chunk-size", "10", "--store", str(store), **env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        (run_dir,) = (store / "runs").iterdir()
+        manifest = json.loads((run_dir / "manifest.json").read_text())
+        results[where] = (
+            run_dir.name,
+            manifest["fingerprint"],
+            (run_dir / "result" / "embeddings.npy").read_bytes(),
+        )
+        if where == "s3":
+            assert [i["path"] for i in manifest["inputs"]] == [
+                f"s3://{prefix}/a.parquet",
+                f"s3://{prefix}/b.parquet",
+            ]
+            ids_out = [json.loads(x) for x in (run_dir / "result" / "ids.jsonl").read_text().splitlines()]
+            assert ids_out == ids
+    assert results["s3"] == results["disk"]  # same run id, fingerprint and bytes
+
+    missing = run_cli("run", f"s3://{prefix}/*.jsonl", "--store", str(tmp_path / "s"), **env)
+    assert missing.returncode == 3 and "no file matches this pattern" in missing.stderr
