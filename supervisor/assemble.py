@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -145,12 +145,29 @@ def published_result(layout: RunLayout, manifest: RunManifest) -> dict[str, Any]
     return dict(result)
 
 
-def _verify_all(
-    layout: RunLayout, manifest: RunManifest, skip: set[int]
-) -> tuple[list[dict[str, Any]], list[str]]:
+class Verified(NamedTuple):
+    """What the result needs of one verified chunk output."""
+
+    dim: int
+    worker: str
+    device: str
+    seconds: float
+
+    @classmethod
+    def of(cls, meta: dict[str, Any]) -> Verified:
+        try:
+            seconds = float(meta.get("seconds") or 0.0)
+        except (TypeError, ValueError):
+            seconds = 0.0
+        return cls(int(meta["dim"]), str(meta.get("worker")), str(meta.get("device")), seconds)
+
+
+def _verify_all(layout: RunLayout, manifest: RunManifest, skip: set[int]) -> tuple[list[Verified], list[str]]:
     """Each chunk output whole and the run's, all of one dimension. A bad output is set aside, so
     the next run encodes it again; its problem is listed either way."""
-    metas: dict[int, dict[str, Any]] = {}
+    # Only what the result needs of each output (its dimension, who and how long): a run of 10^5
+    # chunks must not hold 10^5 metadata dicts.
+    metas: dict[int, Verified] = {}
     problems = []
     producer = manifest.producer()
     for index in range(manifest.chunks):
@@ -160,14 +177,14 @@ def _verify_all(
         if meta is None:
             problems.append(_set_aside_because(layout, manifest, index, why))
         else:
-            metas[index] = meta
+            metas[index] = Verified.of(meta)
     # The dimension the model gives is the one most chunks have: a lone output of another dimension
     # is the odd one out, not the healthy chunks around it.
-    dims = Counter(int(m["dim"]) for m in metas.values())
+    dims = Counter(m.dim for m in metas.values())
     if len(dims) > 1:
         dim, _ = dims.most_common(1)[0]
-        for index in [i for i, m in metas.items() if int(m["dim"]) != dim]:
-            why = f"dimension {metas.pop(index)['dim']}, while {dims[dim]} other chunk(s) have {dim}"
+        for index in [i for i, m in metas.items() if m.dim != dim]:
+            why = f"dimension {metas.pop(index).dim}, while {dims[dim]} other chunk(s) have {dim}"
             problems.append(_set_aside_because(layout, manifest, index, why))
     return list(metas.values()), problems
 
@@ -291,7 +308,7 @@ def assemble(
         raise AssemblyError(manifest.run_id, problems)
     if not metas:
         raise AssemblyError(manifest.run_id, ["no chunk of the run has an output"])
-    dim = int(metas[0]["dim"])
+    dim = metas[0].dim
     total = manifest.rows - sum(f.rows for f in skip.values())
     if is_local(layout.root):
         tmp = layout.root / f".result.tmp-{os.getpid()}"
@@ -321,9 +338,9 @@ def assemble(
             "dim": dim,
             "dtype": "float32",
             "assembled_at": datetime.now(UTC).isoformat(),
-            "workers": sorted({m["worker"] for m in metas}),
-            "devices": sorted({m["device"] for m in metas}),
-            "encode_seconds": round(sum(float(m["seconds"]) for m in metas), 3),
+            "workers": sorted({m.worker for m in metas}),
+            "devices": sorted({m.device for m in metas}),
+            "encode_seconds": round(sum(m.seconds for m in metas), 3),
         }
         atomic_write_json(tmp / "manifest.json", result)
         if fence is not None:
