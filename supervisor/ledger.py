@@ -21,7 +21,7 @@ from typing import Any
 
 from chunkq.jobs.storage import list_with_mtime
 from chunkq.jobs.store import RunLayout, atomic_write_bytes, atomic_write_json, read_json
-from chunkq.supervisor.throughput import Throughput
+from chunkq.supervisor.throughput import Throughput, parse_time
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +118,22 @@ class Ledger:
                 "updated_at": datetime.now(UTC).isoformat(),
             },
         )
+
+
+def summarised(layout: RunLayout, done: int) -> Throughput | None:
+    """The rate's inputs from ``summary.json`` when it covers exactly ``done`` chunks, else None:
+    one small file instead of the whole ledger."""
+    try:
+        summary = read_json(layout.summary)
+        if summary.get("chunks_recorded") != done or not summary.get("first_start"):
+            return None
+        return Throughput(
+            rows=int(summary["rows_recorded"]),
+            first_start=parse_time(summary["first_start"]),
+            last_end=parse_time(summary["last_end"]),
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def count_record(throughput: Throughput, record: Mapping[str, Any]) -> None:

@@ -23,7 +23,8 @@ def _opened(layout: Any, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     real = ledger_module.read_json
 
     def counting(path: Path) -> Any:
-        opened.append(path.name)
+        if path.stem.isdigit():  # a chunk output's metadata, not summary.json
+            opened.append(path.name)
         return real(path)
 
     monkeypatch.setattr(ledger_module, "read_json", counting)
@@ -60,6 +61,10 @@ def test_the_ledger_is_built_once_from_the_outputs_and_then_read_instead_of_them
     opened.clear()
     store_snapshot(layout, manifest)
     assert opened == []
+
+    # A summary that covers fewer chunks than are done (stale) is not trusted: the ledger answers.
+    layout.summary.write_text(json.dumps({**summary, "chunks_recorded": 1, "rows_recorded": 1}))
+    assert store_snapshot(layout, manifest).rows_per_second == want.rows_per_second(False)
 
 
 def test_an_owner_writes_batches_and_never_records_a_chunk_twice(
