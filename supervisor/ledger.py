@@ -4,15 +4,18 @@ costs a file per LEDGER_BATCH chunks instead of one per chunk (one GET each on a
     <store>/runs/<run>/ledger/000000.jsonl   a batch of records, written whole, never changed
     <store>/runs/<run>/summary.json          counts and the rate's inputs as of the last batch
 
-Only the run's owner (the supervisor, or a reader that took the run's lock because nobody owns
-it) writes batches. The chunk outputs stay the truth: a reader that finds committed outputs the
-ledger lacks reads those outputs' metadata one by one, and says so; the owner records them.
+The supervisor writes numbered batches. The chunk outputs stay the truth: a reader that finds
+committed outputs the ledger lacks reads those outputs' metadata one by one, says so, and, when no
+process owns the run, adds them as a batch of its own (``rebuilt-<pid>-<time>.jsonl``). It takes no
+lock for that (a reader must never make a starting run refuse): every file lands whole, and a chunk
+recorded twice counts once.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -79,7 +82,8 @@ class Ledger:
     @classmethod
     def open(cls, layout: RunLayout) -> Ledger:
         """The ledger as the store holds it, ready to record what it lacks."""
-        ledger = cls(layout, _next=len(_batches(layout)))
+        numbered = [int(name[:-6]) for name in _batches(layout) if name[:-6].isdigit()]
+        ledger = cls(layout, _next=max(numbered, default=-1) + 1)
         for record in read_ledger(layout):
             if record["chunk"] not in ledger.recorded:
                 ledger.recorded.add(record["chunk"])
@@ -94,17 +98,20 @@ class Ledger:
         self.pending.append(record)
         count_record(self.throughput, record)
 
-    def flush(self, force: bool = False) -> None:
+    def flush(self, force: bool = False, name: str | None = None) -> None:
         """Write the pending records as one batch once there are LEDGER_BATCH of them, FLUSH_SECONDS
-        have passed, or ``force`` (the run settled); then the summary."""
+        have passed, or ``force`` (the run settled); then the summary. ``name``: one file of that
+        name for all of them (a reader's rebuild), instead of the owner's numbered batches."""
         due = len(self.pending) >= LEDGER_BATCH or time.monotonic() - self._flushed_at >= FLUSH_SECONDS
         if not self.pending or not (due or force):
             return
         while self.pending:
-            batch, self.pending = self.pending[:LEDGER_BATCH], self.pending[LEDGER_BATCH:]
+            size = len(self.pending) if name else LEDGER_BATCH
+            batch, self.pending = self.pending[:size], self.pending[size:]
             lines = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in batch)
-            atomic_write_bytes(self.layout.ledger / f"{self._next:06d}.jsonl", lines.encode())
-            self._next += 1
+            atomic_write_bytes(self.layout.ledger / (name or f"{self._next:06d}.jsonl"), lines.encode())
+            if not name:
+                self._next += 1
         self._flushed_at = time.monotonic()
         t = self.throughput
         atomic_write_json(
@@ -169,21 +176,22 @@ def records(layout: RunLayout, done: Iterable[int]) -> tuple[dict[int, dict[str,
 
 
 def _rebuild(layout: RunLayout, metas: list[dict[str, Any]]) -> None:
-    """Record outputs the ledger lacks, if this process can own the run for a moment."""
-    from chunkq.supervisor.lock import RunLockedError
+    """Record outputs the ledger lacks, when no process owns the run (an owner records them itself)."""
     from chunkq.supervisor.owner import StoreLock
 
+    if not metas or StoreLock(layout.owner, "").live_holder() is not None:
+        return
+    ledger = Ledger.open(layout)
+    for meta in metas:
+        ledger.add(meta)
+    name = f"rebuilt-{os.getpid()}-{time.time_ns()}.jsonl"
     try:
-        with StoreLock(layout.owner, f"run {layout.run_id}") as lock:
-            lock.acquire()
-            ledger = Ledger.open(layout)
-            for meta in metas:
-                ledger.add(meta)
-            ledger.flush(force=True)
-        log.info(
-            "run %s: the ledger lacked %d finished chunk(s); rebuilt it from their outputs",
-            layout.run_id,
-            len(metas),
-        )
-    except (RunLockedError, OSError) as exc:  # its owner records them; a read-only store cannot
+        ledger.flush(force=True, name=name)
+    except OSError as exc:  # a read-only store: the next reader reads the outputs again
         log.debug("run %s: ledger not rebuilt (%s)", layout.run_id, exc)
+        return
+    log.info(
+        "run %s: the ledger lacked %d finished chunk(s); rebuilt it from their outputs",
+        layout.run_id,
+        len(metas),
+    )

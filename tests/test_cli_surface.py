@@ -167,4 +167,5 @@ def test_a_reader_that_stops_reading_is_not_an_internal_error(encoded_run: Any) 
     assert proc.stdout is not None and proc.stderr is not None
     proc.stdout.close()  # what `head -1` does once it has its line
     assert proc.wait(timeout=120) == 141
-    assert proc.stderr.read() == b""
+    said = proc.stderr.read()
+    assert b"error" not in said and b"Traceback" not in said, said

@@ -110,9 +110,11 @@ def test_broken_cuda_context_recycles_the_worker(
     pool_log = (tmp_path / "pool.log").read_text()
     assert "FAULT INJECTION IS ON" in pool_log
     assert "CUDA context broken" in pool_log and "hit a fatal CUDA error" in pool_log
-    meta = _meta(connection, chunk_job_id(run.run_id, 1))
-    assert meta["error_class"] == "cuda_fatal" and meta["attempt"] == 2
-    pids = {read_json(RunLayout(store, run.run_id).output_meta(i))["pid"] for i in range(3)}
+    # The finished job is gone from Redis (the supervisor forgets it once counted): the store says it.
+    layout = RunLayout(store, run.run_id)
+    assert read_json(layout.failure_path(1, 1))["error_class"] == "cuda_fatal"
+    assert read_json(layout.output_meta(1))["attempt"] == 2
+    pids = {read_json(layout.output_meta(i))["pid"] for i in range(3)}
     assert len(pids) == 2  # chunk 0 on the first worker, which died on chunk 1; a fresh one did the rest
 
 
