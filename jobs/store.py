@@ -44,67 +44,68 @@ class RunLayout:
         self.run_id = validate_run_id(run_id)
         self._root = self.store / "runs" / self.run_id
 
-    def _in_store(self, path: Path) -> Path:
-        return no_links_below(self.store, path)
+    def _path(self, *parts: str) -> Path:
+        """``<root>/<parts>``, refused if a link below the store root leads there."""
+        return no_links_below(self.store, self._root.joinpath(*parts))
 
     @property
     def root(self) -> Path:
-        return self._in_store(self._root)
+        return self._path()
 
     @property
     def manifest(self) -> Path:
-        return self._in_store(self._root / "manifest.json")
+        return self._path("manifest.json")
 
     @property
     def inputs(self) -> Path:
-        return self._in_store(self._root / "inputs")
+        return self._path("inputs")
 
     @property
     def outputs(self) -> Path:
-        return self._in_store(self._root / "outputs")
+        return self._path("outputs")
 
     @property
     def damaged_outputs(self) -> Path:
         """Chunk outputs that failed verification, kept for a look; never read again."""
-        return self._in_store(self._root / "outputs" / "damaged")
+        return self._path("outputs", "damaged")
 
     @property
     def result(self) -> Path:
-        return self._in_store(self._root / "result")
+        return self._path("result")
 
     def input_path(self, index: int) -> Path:
-        return self._in_store(self._root / "inputs" / f"{chunk_name(index)}.jsonl")
+        return self._path("inputs", f"{chunk_name(index)}.jsonl")
 
     def output_npy(self, index: int) -> Path:
-        return self._in_store(self._root / "outputs" / f"{chunk_name(index)}.npy")
+        return self._path("outputs", f"{chunk_name(index)}.npy")
 
     def output_meta(self, index: int) -> Path:
-        return self._in_store(self._root / "outputs" / f"{chunk_name(index)}.json")
+        return self._path("outputs", f"{chunk_name(index)}.json")
 
     @property
     def owner(self) -> Path:
-        return self._in_store(self._root / "owner.json")
+        return self._path("owner.json")
 
     @property
     def ledger(self) -> Path:
         """Batches of one short record per finished chunk (supervisor.ledger)."""
-        return self._in_store(self._root / "ledger")
+        return self._path("ledger")
 
     @property
     def summary(self) -> Path:
-        return self._in_store(self._root / "summary.json")
+        return self._path("summary.json")
 
     @property
     def failures(self) -> Path:
-        return self._in_store(self._root / "failures")
+        return self._path("failures")
 
     def failure_path(self, index: int, attempt: int) -> Path:
-        return self._in_store(self._root / "failures" / f"{chunk_name(index)}-a{attempt}.json")
+        return self._path("failures", f"{chunk_name(index)}-a{attempt}.json")
 
     def learned_batch(self, device_kind: str) -> Path:
         """Where the batch size that fitted on this kind of device is kept for the run's later chunks."""
         safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in device_kind)[:80] or "device"
-        return self._in_store(self._root / "learned" / f"{safe}.json")
+        return self._path("learned", f"{safe}.json")
 
     def committed_outputs(self) -> Iterator[tuple[int, float]]:
         """(index, commit time) of each chunk whose output metadata (the commit marker) exists."""

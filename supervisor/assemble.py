@@ -113,7 +113,13 @@ def read_result_manifest(layout: RunLayout) -> Any:
 
 def check_published(layout: RunLayout, manifest: RunManifest, checksums: bool = True) -> list[str]:
     """Everything wrong with the published result (empty: whole, intact and this run's)."""
-    result = read_result_manifest(layout)
+    return result_problems(layout, read_result_manifest(layout), manifest, checksums)
+
+
+def result_problems(
+    layout: RunLayout, result: Any, manifest: RunManifest, checksums: bool = True
+) -> list[str]:
+    """``check_published`` for a result manifest already read (``read_result_manifest``)."""
     if result is None:
         return [f"no result is published in {layout.result}"]
     problems = result_disagreement(layout, result, manifest)
@@ -134,7 +140,7 @@ def published_result(layout: RunLayout, manifest: RunManifest) -> dict[str, Any]
     if isinstance(result, dict) and result.get("fingerprint") == manifest.fingerprint:
         if not result.get("complete", True):
             return None  # partial: a rerun tries the missing chunks again
-    damage = check_published(layout, manifest)
+    damage = result_problems(layout, result, manifest)
     if damage:
         log.warning(
             "run %s: the published result is damaged (%s); assembling it again from the chunk outputs",

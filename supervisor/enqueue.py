@@ -12,6 +12,7 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import islice
+from typing import Any
 
 import redis
 from rq import Queue
@@ -137,15 +138,15 @@ def restore_from_manifest(job: Job, layout: RunLayout, manifest: RunManifest, in
     """Make a failed chunk job call what the manifest says before it is queued again; True if it
     had been changed. A Redis writer may have rewritten the job (the worker refused it as
     tampered); requeueing it as it stands would only be refused again."""
-    spec = manifest.chunk_spec(layout.store, index).to_dict()
-    if (job.func_name, list(job.args), job.kwargs, job.timeout) == (
+    wanted: tuple[str, list[dict[str, Any]], dict[str, Any], int] = (
         EMBED_CHUNK,
-        [spec],
+        [manifest.chunk_spec(layout.store, index).to_dict()],
         {},
         manifest.job_timeout,
-    ):
+    )
+    if (job.func_name, list(job.args), job.kwargs, job.timeout) == wanted:
         return False
-    job.func_name, job.args, job.kwargs, job.timeout = EMBED_CHUNK, [spec], {}, manifest.job_timeout
+    job.func_name, job.args, job.kwargs, job.timeout = wanted
     job.save()
     log.warning("chunk job %s did not call what the run's manifest says; restored from the manifest", job.id)
     return True

@@ -24,7 +24,7 @@ import numpy as np
 from chunkq.jobs.errors import AssemblyError, ConfigError, StoreError
 from chunkq.jobs.manifest import load_manifest
 from chunkq.jobs.store import RunLayout, read_json, read_npy_header
-from chunkq.supervisor.assemble import check_published
+from chunkq.supervisor.assemble import result_problems
 
 EXPORT_FORMATS = ("parquet", "npy", "jsonl")
 BATCH_ROWS = 8192
@@ -43,7 +43,7 @@ class _ResultReader:
         if not manifest_path.is_file():
             raise StoreError(f"run {layout.run_id} has no published result; run it to the end first")
         self.layout, self.manifest = layout, read_json(manifest_path)
-        disagreement = check_published(layout, load_manifest(layout), checksums=False)
+        disagreement = result_problems(layout, self.manifest, load_manifest(layout), checksums=False)
         if disagreement:
             raise self._damaged("; ".join(disagreement))
         self.rows, self.dim = int(self.manifest["rows"]), int(self.manifest["dim"])

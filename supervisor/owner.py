@@ -155,12 +155,20 @@ class StoreLock:
             if not self._renew():
                 return
 
+    def _still_ours(self) -> bool:
+        """Whether the lock file still carries our token; once it does not, ``lost`` says whose it is."""
+        if self.lost:
+            return False
+        holder = self.holder()
+        if (holder or {}).get("token") == self.token:
+            return True
+        self.lost = _describe(holder) if holder else "nobody (the lock file is gone)"
+        log.error("%s: the lock is no longer ours; it is held by %s", self.what, self.lost)
+        return False
+
     def _renew(self) -> bool:
         """Show the lock is alive (its mtime) if it is still ours; False once it is not."""
-        holder = self.holder()
-        if (holder or {}).get("token") != self.token:
-            self.lost = _describe(holder) if holder else "nobody (the lock file is gone)"
-            log.error("%s: the lock is no longer ours; it is held by %s", self.what, self.lost)
+        if not self._still_ours():
             return False
         try:
             if is_local(self.path):
@@ -173,10 +181,9 @@ class StoreLock:
 
     def check(self) -> None:
         """The fencing test: raise LockLostError unless the lock file still carries our token.
-        Called before anything is published, and on each of the supervisor's looks."""
-        if not self.held:
-            return
-        if self.lost or not self._renew():
+        Called before anything is published, and on each of the supervisor's looks; renewing is
+        the thread's, so a look only reads."""
+        if self.held and not self._still_ours():
             raise LockLostError(
                 f"{self.what}: another process took the lock over while this one was paused or cut "
                 f"off ({self.lost}); this one stops without publishing anything"

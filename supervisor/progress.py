@@ -186,6 +186,11 @@ class Tracker:
         """Finished jobs whose outputs are counted: the supervisor deletes them from Redis."""
         self.finished_jobs += [self._job_id(i) for i in sorted(finished - self.pending)]
 
+    def take_finished(self) -> list[str]:
+        """The finished jobs counted since the last call, for the supervisor to delete from Redis."""
+        taken, self.finished_jobs = self.finished_jobs, []
+        return taken
+
     def take_waiting(self, room: int) -> list[int]:
         """The next ``room`` waiting chunks, in chunk order, as the supervisor queues them."""
         taken = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]

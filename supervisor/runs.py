@@ -20,7 +20,7 @@ from chunkq.jobs.manifest import RunManifest, load_manifest
 from chunkq.jobs.specs import chunk_job_id
 from chunkq.jobs.storage import is_local, list_with_mtime, remove_tree
 from chunkq.jobs.store import RunLayout
-from chunkq.supervisor.assemble import check_published, read_result_manifest
+from chunkq.supervisor.assemble import read_result_manifest, result_problems
 from chunkq.supervisor.attempts import failed_attempts
 from chunkq.supervisor.enqueue import job_statuses
 from chunkq.supervisor.owner import StoreLock
@@ -83,7 +83,7 @@ def owner_of(layout: RunLayout) -> dict[str, Any] | None:
 def state_of(layout: RunLayout, manifest: RunManifest) -> tuple[str, int]:
     """(state, rows done) from the store."""
     result = read_result_manifest(layout)
-    if result is not None and not check_published(layout, manifest, checksums=False):
+    if result is not None and not result_problems(layout, result, manifest, checksums=False):
         return (PUBLISHED if result.get("complete", True) else PARTIAL), int(result["rows"])
     done = layout.done_chunks()
     rows_done = sum(manifest.chunk_rows(i) for i in done)

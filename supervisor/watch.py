@@ -152,13 +152,12 @@ class Supervisor:
     def _poll(self) -> Snapshot:
         """A look at the run; the finished jobs it counted are deleted from Redis (the store keeps them)."""
         snap = self.tracker.poll()
-        forget_finished(self.connection, self.manifest.queue, self.tracker.finished_jobs)
-        self.tracker.finished_jobs = []
+        forget_finished(self.connection, self.manifest.queue, self.tracker.take_finished())
         self.tracker.ledger.flush(force=snap.settled)  # the owner records finished chunks in batches
         return snap
 
-    def _top_up(self, snap: Snapshot) -> int:
-        """Queue the next waiting chunks, in chunk order, while the window has room; how many."""
+    def _top_up(self, snap: Snapshot) -> None:
+        """Queue the next waiting chunks, in chunk order, while the window has room."""
         if snap.lost:
             log.warning(
                 "run %s: %d chunk(s) had a job in Redis and now have neither a job nor an output "
@@ -167,11 +166,11 @@ class Supervisor:
                 len(snap.lost),
             )
         if not snap.chunks_waiting:
-            return 0
+            return
         window = window_size(self.connection, self.manifest.queue, self.settings.window)
         room = window - (snap.chunks_queued + snap.chunks_running + snap.chunks_retrying)
         if room < max(1, window // TOP_UP_FRACTION) and snap.chunks_queued:
-            return 0  # a tenth of the window at a time: one enqueue per many chunks, not one per chunk
+            return  # a tenth of the window at a time: one enqueue per many chunks, not one per chunk
         taken = self.tracker.take_waiting(room)
         if taken:
             enqueue_chunks(self.connection, self.layout, self.manifest, taken)
@@ -180,7 +179,6 @@ class Supervisor:
             log.debug(
                 "run %s: queued chunks %d-%d (window %d)", self.manifest.run_id, taken[0], taken[-1], window
             )
-        return len(taken)
 
     def _act(self, snap: Snapshot) -> None:
         run_id = self.manifest.run_id
