@@ -17,7 +17,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -151,28 +151,37 @@ def count_record(throughput: Throughput, record: Mapping[str, Any]) -> None:
         pass  # a record without times (a damaged output) counts no rate
 
 
-def records(layout: RunLayout, done: Iterable[int]) -> tuple[dict[int, dict[str, Any]], int]:
-    """A record for every chunk in ``done``: from the ledger, and for what it lacks, from the
-    chunk outputs themselves; (records, how many outputs had to be read one by one). When nobody
-    owns the run, what was read is added to the ledger, so the next reader need not read it again."""
-    found: dict[int, dict[str, Any]] = {}
-    wanted = set(done)
+def stream_records(layout: RunLayout, done: Collection[int]) -> Iterator[dict[str, Any]]:
+    """A record for every chunk in ``done``, each once: from the ledger, and for what it lacks,
+    from the chunk outputs themselves. Memory holds the chunks seen, never their records, so a
+    reader of 10^6 chunks streams. When nobody owns the run, what had to be read from the outputs
+    is added to the ledger, so the next reader need not read it again."""
+    seen = bytearray(max(done, default=-1) + 1)  # a byte a chunk: 1 MB at 10^6, not ~60 MB of ints
     for record in read_ledger(layout):
-        if record["chunk"] in wanted:
-            found[record["chunk"]] = record
-    missing = sorted(wanted - found.keys())
-    if not missing:
-        return found, 0
+        chunk = record["chunk"]
+        if 0 <= chunk < len(seen) and not seen[chunk] and chunk in done:
+            seen[chunk] = 1
+            yield record
     read: list[dict[str, Any]] = []
-    for index in missing:
+    for index in sorted(i for i in done if not seen[i]):
         try:
-            read.append(read_json(layout.output_meta(index)))
+            meta = read_json(layout.output_meta(index))
         except (OSError, ValueError):
             continue  # a damaged output is the assembler's to name
-    for meta in read:
-        found[int(meta["chunk"])] = record_of(meta)
+        read.append(meta)
+        yield record_of(meta)
     _rebuild(layout, read)
-    return found, len(missing)
+
+
+def throughput_of(layout: RunLayout, done: Collection[int]) -> Throughput:
+    """The rate's inputs of the chunks in ``done``: ``summary.json`` when it covers them all (one
+    small file), else the ledger (a file per LEDGER_BATCH chunks)."""
+    throughput = summarised(layout, len(done))
+    if throughput is None:
+        throughput = Throughput()
+        for record in stream_records(layout, done):
+            count_record(throughput, record)
+    return throughput
 
 
 def _rebuild(layout: RunLayout, metas: list[dict[str, Any]]) -> None:

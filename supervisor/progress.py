@@ -22,7 +22,7 @@ from chunkq.jobs.specs import chunk_job_id
 from chunkq.jobs.store import RunLayout, read_json
 from chunkq.supervisor.attempts import FailedAttempt, failed_attempts
 from chunkq.supervisor.enqueue import chunk_queue, job_statuses
-from chunkq.supervisor.ledger import Ledger, count_record, records, summarised
+from chunkq.supervisor.ledger import Ledger, throughput_of
 from chunkq.supervisor.throughput import Throughput
 
 STALE_HEARTBEAT_SECONDS = 60.0  # workers beat every 5 s while a chunk runs
@@ -340,12 +340,7 @@ def store_snapshot(layout: RunLayout, manifest: RunManifest) -> Snapshot:
     snap = Snapshot(manifest.run_id, manifest.chunks, manifest.rows, live=False)
     done = layout.done_chunks()
     snap.rows_done = sum(manifest.chunk_rows(index) for index in done)
-    throughput = summarised(layout, len(done))  # one file, when it covers every finished chunk
-    if throughput is None:
-        found, _ = records(layout, done)  # else the ledger: a file per LEDGER_BATCH chunks
-        throughput = Throughput()
-        for record in found.values():
-            count_record(throughput, record)
+    throughput = throughput_of(layout, done)
     snap.chunks_done = len(done)
     last: dict[int, FailedAttempt] = {}
     for attempt in failed_attempts(layout):

@@ -11,50 +11,118 @@ from __future__ import annotations
 
 import logging
 import random
-from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from chunkq.jobs.manifest import RunManifest, load_manifest
 from chunkq.jobs.models import resolve_model
 from chunkq.jobs.store import RunLayout, read_chunk_input, read_json
 from chunkq.supervisor.attempts import FailedAttempt, by_class, failed_attempts, to_json
-from chunkq.supervisor.ledger import records
-from chunkq.supervisor.throughput import of_outputs, parse_time
+from chunkq.supervisor.ledger import stream_records, throughput_of
+from chunkq.supervisor.throughput import Throughput, parse_time
 
 log = logging.getLogger(__name__)
 
 LENGTH_SAMPLE = 20_000  # texts whose token length is measured for the histogram
 LENGTH_SAMPLE_CHUNKS = 200  # chunk inputs read for that sample: a run's size must not decide the cost
-LABELLED_CHUNKS = 300  # above this many chunks, bars carry no chunk numbers (they would not be legible)
+LABELLED_CHUNKS = 300  # up to this many chunks, each is drawn and numbered; above, lanes are binned
+TIMELINE_BINS = 1500  # columns of a binned lane: about a pixel each in the figure, at any chunk count
+RATE_BINS = 30  # the throughput panel's bars: wide enough to show a rate, not each chunk's arrival
+
+
+@dataclass
+class Lane:
+    """One worker process's row of the timeline, in seconds since the run's first chunk started."""
+
+    device: str
+    pid: int
+    worker: str
+    first_start: float
+    last_end: float = 0.0
+    load: tuple[float, float] | None = None  # (seconds at which its model was loaded, load seconds)
+    busy: np.ndarray[Any, Any] = field(default_factory=lambda: np.zeros(TIMELINE_BINS, dtype=bool))
+    chunks: list[tuple[float, float, int]] = field(default_factory=list)  # only while labelled
+
+    def spans(self, bin_seconds: float) -> list[tuple[float, float]]:
+        """(start, length) bars: each chunk when labelled, else the runs of busy bins."""
+        if self.chunks:
+            return [(start, end - start) for start, end, _ in self.chunks]
+        edges = np.flatnonzero(np.diff(np.concatenate(([0], self.busy.astype(np.int8), [0]))))
+        return [
+            (lo * bin_seconds, (hi - lo) * bin_seconds)
+            for lo, hi in zip(edges[::2], edges[1::2], strict=True)
+        ]
 
 
 @dataclass
 class RunFacts:
+    """What the report shows, gathered in one stream over the ledger: memory holds the plot's
+    points (bins), one entry per worker process and the failed attempts, never a record per chunk."""
+
     manifest: RunManifest
-    outputs: list[dict[str, Any]]
+    throughput: Throughput
+    chunks_done: int = 0
+    lanes: dict[tuple[str, int], Lane] = field(default_factory=dict)
+    rate: np.ndarray[Any, Any] = field(default_factory=lambda: np.zeros(RATE_BINS))
+    devices: set[str] = field(default_factory=set)
     failures: list[FailedAttempt] = field(default_factory=list)
+
+    @property
+    def t0(self) -> datetime:
+        return self.throughput.first_start or datetime.now(UTC)
+
+    @property
+    def span(self) -> float:
+        return max(self.throughput.seconds(running=False) or 0.0, 1e-3)
 
     @property
     def quarantined(self) -> list[int]:
         return sorted({a.chunk for a in self.failures if a.quarantined})
 
-    @property
-    def processes(self) -> dict[tuple[str, int], list[dict[str, Any]]]:
-        lanes: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
-        for meta in self.outputs:
-            lanes[(str(meta["host"]), int(meta["pid"]))].append(meta)
-        return lanes
+    def add(self, record: dict[str, Any], labelled: bool) -> None:
+        t0, span = self.t0, self.span
+        start = (parse_time(record["started_at"]) - t0).total_seconds()
+        end = (parse_time(record["finished_at"]) - t0).total_seconds()
+        key = (str(record["host"]), int(record["pid"]))
+        lane = self.lanes.get(key)
+        if lane is None:
+            lane = self.lanes[key] = Lane(_device(record), int(record["pid"]), str(record["worker"]), start)
+        lane.first_start = min(lane.first_start, start)
+        if (
+            lane.load is None
+            and record.get("model_loaded_at")
+            and record.get("model_load_seconds") is not None
+        ):
+            loaded = (parse_time(record["model_loaded_at"]) - t0).total_seconds()  # once a process
+            lane.load = (loaded, float(record["model_load_seconds"]))
+        lane.last_end = max(lane.last_end, end)
+        if labelled:
+            lane.chunks.append((start, end, int(record["chunk"])))
+        lo, hi = (min(int(t / span * TIMELINE_BINS), TIMELINE_BINS - 1) for t in (max(start, 0.0), end))
+        lane.busy[lo : hi + 1] = True
+        self.rate[min(int(end / span * RATE_BINS), RATE_BINS - 1)] += int(record["rows"])
+        self.devices.add(lane.device)
+        self.chunks_done += 1
 
 
 def gather(layout: RunLayout) -> RunFacts:
-    """What the store says of a run: a record of each finished chunk (from the ledger, a file per
-    LEDGER_BATCH chunks) and every failed attempt (no Redis needed)."""
+    """What the store says of a run, read as a stream: the ledger (a file per LEDGER_BATCH chunks)
+    twice, once for the run's span (or ``summary.json`` alone) and once to bin the timeline, and
+    every failed attempt (no Redis needed)."""
     manifest = load_manifest(layout)
-    found, _ = records(layout, layout.done_chunks())
-    return RunFacts(manifest, [found[i] for i in sorted(found)], failed_attempts(layout))
+    done = layout.done_chunks()
+    facts = RunFacts(manifest, throughput_of(layout, done), failures=failed_attempts(layout))
+    labelled = len(done) <= LABELLED_CHUNKS
+    for record in stream_records(layout, done):
+        try:
+            facts.add(record, labelled)
+        except (KeyError, TypeError, ValueError):
+            continue  # a record without times (a damaged output) has no place on the timeline
+    return facts
 
 
 def _token_lengths(layout: RunLayout, manifest: RunManifest) -> tuple[list[int], int | None, str]:
@@ -107,22 +175,19 @@ def _model_max_seq_length(path: Path) -> int | None:
 
 def summary(facts: RunFacts, lengths: list[int], limit: int | None, unit: str) -> dict[str, Any]:
     m = facts.manifest
-    throughput = of_outputs(facts.outputs)
-    running = len(facts.outputs) + len(facts.quarantined) < m.chunks
-    wall = throughput.seconds(running) or 0.0
-    rate = throughput.rows_per_second(running)
-    rows_done = throughput.rows
-    loads = [float(o["model_load_seconds"]) for o in facts.outputs if "model_load_seconds" in o]
-    per_process = {key: metas[0].get("model_load_seconds") for key, metas in facts.processes.items()}
+    running = facts.chunks_done + len(facts.quarantined) < m.chunks
+    wall = facts.throughput.seconds(running) or 0.0
+    rate = facts.throughput.rows_per_second(running)
+    loads = [lane.load[1] for lane in facts.lanes.values() if lane.load is not None]
     truncated = sum(1 for n in lengths if limit is not None and n > limit)
     return {
         "run_id": m.run_id,
         "rows": m.rows,
         "chunks": m.chunks,
-        "rows_done": rows_done,
-        "chunks_done": len(facts.outputs),
-        "worker_processes": len(facts.processes),
-        "devices": sorted({_device(o) for o in facts.outputs}),
+        "rows_done": facts.throughput.rows,
+        "chunks_done": facts.chunks_done,
+        "worker_processes": len(facts.lanes),
+        "devices": sorted(facts.devices),
         "wall_seconds": round(wall, 2),
         "rows_per_second": round(rate, 1) if rate else None,
         "failed_attempts": len(facts.failures),
@@ -130,7 +195,7 @@ def summary(facts: RunFacts, lengths: list[int], limit: int | None, unit: str) -
         "failures": to_json(facts.failures),
         "quarantined_chunks": facts.quarantined,
         "model_load_seconds_mean": round(sum(loads) / len(loads), 2) if loads else None,
-        "model_loads": sum(1 for v in per_process.values() if v is not None),
+        "model_loads": len(loads),
         "length_unit": unit,
         "length_sample": len(lengths),
         "truncation_point": limit,
@@ -149,30 +214,22 @@ def _plot(facts: RunFacts, lengths: list[int], limit: int | None, unit: str, pat
     import matplotlib.pyplot as plt
 
     fig, (ax_lanes, ax_rate, ax_len) = plt.subplots(3, 1, figsize=(12, 11), height_ratios=(3, 1.3, 1.3))
-    t0 = of_outputs(facts.outputs).first_start or datetime.now(UTC)
-    lanes = sorted(
-        facts.processes.values(), key=lambda metas: (_device(metas[0]), parse_time(metas[0]["started_at"]))
-    )
+    t0, span = facts.t0, facts.span
+    lanes = sorted(facts.lanes.values(), key=lambda lane: (lane.device, lane.first_start))
     lane_of_worker: dict[str, int] = {}
-    labelled = len(facts.outputs) <= LABELLED_CHUNKS
-    for y, metas in enumerate(lanes):
-        first = metas[0]
-        lane_of_worker[str(first["worker"])] = y
-        spans = []
-        for meta in metas:
-            start = (parse_time(meta["started_at"]) - t0).total_seconds()
-            length = (parse_time(meta["finished_at"]) - parse_time(meta["started_at"])).total_seconds()
-            spans.append((start, length))
-            if labelled:
-                ax_lanes.text(start + length / 2, y, str(meta["chunk"]), ha="center", va="center", fontsize=6)
-        # One artist a lane, not one a chunk: a 100,000-chunk run draws as fast as a small one.
-        ax_lanes.broken_barh(spans, (y - 0.3, 0.6), facecolors="tab:blue", edgecolors="white", linewidth=0.3)
-        if first.get("model_loaded_at") and first.get("model_load_seconds") is not None:
-            load = float(first["model_load_seconds"])
-            end = (parse_time(first["model_loaded_at"]) - t0).total_seconds()
-            ax_lanes.barh(y, load, left=end - load, height=0.6, color="tab:gray")
-        last_end = max((parse_time(m["finished_at"]) - t0).total_seconds() for m in metas)
-        ax_lanes.plot([last_end], [y], marker="|", color="black", markersize=12)  # the process recycles/exits
+    bin_seconds = span / TIMELINE_BINS
+    for y, lane in enumerate(lanes):
+        lane_of_worker[lane.worker] = y
+        for start, end, chunk in lane.chunks:
+            ax_lanes.text((start + end) / 2, y, str(chunk), ha="center", va="center", fontsize=8)
+        # One artist a lane, of at most TIMELINE_BINS bars: a 10^6-chunk run draws like a small one.
+        ax_lanes.broken_barh(
+            lane.spans(bin_seconds), (y - 0.3, 0.6), facecolors="tab:blue", edgecolors="white", linewidth=0.3
+        )
+        if lane.load is not None:
+            loaded, seconds = lane.load
+            ax_lanes.barh(y, seconds, left=loaded - seconds, height=0.6, color="tab:gray")
+        ax_lanes.plot([lane.last_end], [y], marker="|", color="black", markersize=12)  # the process ends
     for attempt in facts.failures:
         # A process that never finished a chunk has no lane of its own: its failures sit below the lanes.
         row = lane_of_worker.get(attempt.worker, -1)
@@ -181,30 +238,22 @@ def _plot(facts: RunFacts, lengths: list[int], limit: int | None, unit: str, pat
         ax_lanes.annotate(
             attempt.error_class,
             (x, row),
-            fontsize=7,
+            fontsize=9,
             color="tab:red",
             xytext=(3, 5),
             textcoords="offset points",
         )
-    labels = [f"{_device(metas[0])} pid {metas[0]['pid']}" for metas in lanes]
-    ax_lanes.set_yticks(range(len(lanes)), labels, fontsize=7)
+    labels = [f"{lane.device} pid {lane.pid}" for lane in lanes]
+    ax_lanes.set_yticks(range(len(lanes)), labels, fontsize=9 if len(lanes) <= 40 else 6)
     ax_lanes.set_xlabel("seconds since the first chunk started")
     ax_lanes.set_title(
         f"run {facts.manifest.run_id}: chunks (blue), model loads (grey), failed attempts (red x), "
         "process end (|)"
     )
 
-    finished = sorted(
-        ((parse_time(m["finished_at"]) - t0).total_seconds(), int(m["rows"])) for m in facts.outputs
-    )
-    if finished:
-        width = max(1.0, finished[-1][0] / 30)
-        buckets: Counter[int] = Counter()
-        for t, rows in finished:
-            buckets[int(t // width)] += rows
-        xs = sorted(buckets)
-        ax_rate.bar([x * width for x in xs], [buckets[x] / width for x in xs], width=width, align="edge")
-    ax_rate.set_ylabel("rows / s")
+    width = span / RATE_BINS
+    ax_rate.bar(np.arange(RATE_BINS) * width, facts.rate / width, width=width, align="edge")
+    ax_rate.set_ylabel(f"rows / s ({width:.3g} s bins)")
     ax_rate.set_xlabel("seconds since the first chunk started")
 
     ax_len.hist(lengths, bins=50, color="tab:green")

@@ -15,6 +15,7 @@ from chunkq.supervisor import ledger as ledger_module
 from chunkq.supervisor.ledger import Ledger, read_ledger
 from chunkq.supervisor.progress import store_snapshot
 from chunkq.supervisor.throughput import of_outputs
+from tests.helpers import write_test_run
 
 
 def _opened(layout: Any, monkeypatch: pytest.MonkeyPatch) -> list[str]:
@@ -82,3 +83,86 @@ def test_an_owner_writes_batches_and_never_records_a_chunk_twice(
     assert reopened.recorded == set(range(5)) and reopened.throughput == of_outputs(metas)
     reopened.add(metas[0])
     assert reopened.pending == []
+
+
+def _synthetic_run(store: Path, run_id: str, chunks: int, processes: int) -> Any:
+    """A run of ``chunks`` one-row chunks, all finished, as the store records them: output commit
+    markers (their names are what ``done_chunks`` lists) and a ledger written by the owner's writer.
+    Four hours of made-up work across ``processes`` worker processes."""
+    from datetime import UTC, datetime, timedelta
+
+    from chunkq.jobs.store import RunLayout
+
+    write_test_run(store, run_id, chunks - 1, 1, seed=0)
+    layout = RunLayout(store, run_id)
+    layout.outputs.mkdir(parents=True, exist_ok=True)
+    ledger = Ledger.open(layout)
+    t0 = datetime(2026, 11, 1, tzinfo=UTC)
+    step = timedelta(hours=4) / chunks * processes
+    for index in range(chunks):
+        (layout.outputs / f"{index:06d}.json").write_bytes(b"{}")
+        pid, nth = 1000 + index % processes, index // processes
+        started = t0 + nth * step
+        ledger.add(
+            {
+                "chunk": index,
+                "rows": 1,
+                "started_at": started.isoformat(),
+                "finished_at": (started + step * 0.9).isoformat(),
+                "worker": f"w{pid}",
+                "host": "h",
+                "pid": pid,
+                "device": "cpu",
+                "model_loaded_at": t0.isoformat(),
+                "model_load_seconds": 2.0,
+            }
+        )
+    ledger.flush(force=True)
+    return layout
+
+
+def test_a_report_streams_the_ledger_and_holds_bins_not_records(store: Path) -> None:
+    """``report``'s memory holds the plot's points (issue 22.2): gathering a 20,000-chunk run peaks
+    at about what a 2,000-chunk run does, and the timeline has at most TIMELINE_BINS bars a lane."""
+    import tracemalloc
+
+    from chunkq.supervisor import report
+
+    peaks = {}
+    for chunks in (2_000, 20_000):
+        layout = _synthetic_run(store, f"big{chunks}", chunks, processes=4)
+        tracemalloc.start()
+        facts = report.gather(layout)
+        peaks[chunks] = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert facts.chunks_done == chunks and facts.rate.sum() == chunks == facts.throughput.rows
+        assert sorted(lane.pid for lane in facts.lanes.values()) == [1000, 1001, 1002, 1003]
+        bin_seconds = facts.span / report.TIMELINE_BINS
+        for lane in facts.lanes.values():
+            spans = lane.spans(bin_seconds)
+            assert not lane.chunks and len(spans) <= report.TIMELINE_BINS
+            # Each process was busy nine tenths of the time: binned, its lane is one bar end to end.
+            assert spans == [(0.0, pytest.approx(facts.span))]
+            assert lane.load == (0.0, 2.0)
+    # What still grows is the set of finished chunks listed from the outputs (~160 B a chunk); a
+    # record held per chunk, as before, cost ~1.5 KB a chunk.
+    per_chunk = (peaks[20_000] - peaks[2_000]) / 18_000
+    assert per_chunk < 250, peaks
+
+
+def test_the_report_of_a_run_numbers_each_chunk_when_few_and_bins_them_when_many(
+    encoded_run: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from chunkq.supervisor import report
+
+    layout, _, _ = encoded_run
+    numbered = report.gather(layout)
+    assert sorted(c for lane in numbered.lanes.values() for _, _, c in lane.chunks) == list(range(5))
+    monkeypatch.setattr(report, "LABELLED_CHUNKS", 0)
+    binned = report.gather(layout)
+    assert all(
+        not lane.chunks and lane.spans(binned.span / report.TIMELINE_BINS) for lane in binned.lanes.values()
+    )
+    numbers = report.write_report(layout, tmp_path / "r")
+    assert (tmp_path / "r" / "report.png").stat().st_size > 20_000
+    assert (numbers["chunks_done"], numbers["rows_done"], numbers["worker_processes"]) == (5, 47, 1)
