@@ -240,3 +240,17 @@ def list_with_mtime(directory: Path) -> Iterator[tuple[str, float]]:
     for info in infos:
         if info.get("type") == "file":
             yield info["name"].rstrip("/").rsplit("/", 1)[-1], _mtime(info)
+
+
+def list_dirs(directory: Path) -> list[str]:
+    """Names of the folders directly in ``directory`` (none if it does not exist)."""
+    if is_local(directory):
+        if not directory.is_dir():
+            return []
+        return [entry.name for entry in os.scandir(directory) if entry.is_dir(follow_symlinks=False)]
+    fs, where = _fs(directory)
+    try:
+        infos = fs.ls(where, detail=True, refresh=True)
+    except FileNotFoundError:
+        return []
+    return [info["name"].rstrip("/").rsplit("/", 1)[-1] for info in infos if info.get("type") == "directory"]

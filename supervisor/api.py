@@ -20,12 +20,13 @@ from typing import TYPE_CHECKING, Any
 from chunkq.jobs.errors import ConfigError
 from chunkq.jobs.manifest import load_manifest
 from chunkq.jobs.models import check_model, default_model, resolve_model
-from chunkq.jobs.storage import open_store, private_open
-from chunkq.jobs.store import RunLayout
+from chunkq.jobs.storage import is_local, open_store, private_open
+from chunkq.jobs.store import RunLayout, load_npy, read_json
 from chunkq.queue_worker.settings import DEFAULT_STORE
 from chunkq.supervisor.display import ProgressDisplay
 from chunkq.supervisor.progress import store_snapshot
 from chunkq.supervisor.request import build_run_request, finished_result
+from chunkq.supervisor.result import ResultPart, ShardedEmbeddings, result_parts
 
 if TYPE_CHECKING:
     import numpy as np
@@ -49,22 +50,38 @@ class RunResult:
 
     @property
     def embeddings_path(self) -> Path:
+        """The single-file result's matrix (a sharded result lists its files in its manifest)."""
         return self.result_dir / "embeddings.npy"
 
     @property
     def ids_path(self) -> Path:
         return self.result_dir / "ids.jsonl"
 
-    def embeddings(self, mmap: bool = True) -> np.ndarray:
-        """The result, row i for corpus row i (memory-mapped unless ``mmap=False``)."""
+    def _parts(self) -> tuple[dict[str, Any], list[ResultPart]]:
+        layout = RunLayout(self.store, self.run_id)
+        manifest = read_json(layout.result / "manifest.json")
+        return manifest, result_parts(layout, manifest)
+
+    def embeddings(self, mmap: bool = True) -> np.ndarray | ShardedEmbeddings:
+        """The result, row i for corpus row i: a memory-mapped array (read whole with ``mmap=False``),
+        or for a sharded result a lazy view that reads a shard when a row of it is asked for
+        (``np.asarray(view)`` reads them all)."""
         import numpy as np
 
-        array: np.ndarray = np.load(self.embeddings_path, mmap_mode="r" if mmap else None, allow_pickle=False)
+        manifest, parts = self._parts()
+        if manifest.get("shards") is not None:
+            return ShardedEmbeddings(parts, int(manifest["dim"]))
+        if mmap or not is_local(parts[0].embeddings):
+            return load_npy(parts[0].embeddings)  # memory-mapped here, read whole from an object store
+        array: np.ndarray = np.load(parts[0].embeddings, allow_pickle=False)
         return array
 
     def ids(self) -> list[str]:
-        with open(self.ids_path, encoding="utf-8") as fh:
-            return [json.loads(line) for line in fh]
+        ids: list[str] = []
+        for part in self._parts()[1]:
+            with part.ids.open(encoding="utf-8") as fh:
+                ids += (json.loads(line) for line in fh)
+        return ids
 
 
 def run(

@@ -23,7 +23,7 @@ from chunkq.jobs.store import RunLayout, read_json
 from chunkq.queue_worker import gpus as gpu_discovery
 from chunkq.queue_worker.pool import Pool
 from chunkq.queue_worker.settings import SETTINGS_JSON_ENV, PoolSettings
-from chunkq.supervisor.assemble import assemble, check_published
+from chunkq.supervisor.assemble import assemble
 from chunkq.supervisor.attempts import describe_attempts, failed_attempts, to_json
 from chunkq.supervisor.cli_common import (
     EXIT_CHUNKS_FAILED,
@@ -56,6 +56,7 @@ from chunkq.supervisor.request import (
     submit_request,
     watch_settings,
 )
+from chunkq.supervisor.result import DEFAULT_SHARD_BYTES, check_published, shard_bytes
 from chunkq.supervisor.retry import RetryPolicy
 from chunkq.supervisor.run import RunOutcome, embedded_url, run
 from chunkq.supervisor.submit import DEFAULT_CHUNK_SIZE, submit
@@ -169,9 +170,19 @@ QUEUE_WINDOW_OPTION = click.option(
 )
 
 
+SHARD_SIZE_OPTION = click.option(
+    "--shard-size",
+    default=f"{DEFAULT_SHARD_BYTES // 2**30}GiB",
+    show_default=True,
+    help="A result with more embedding bytes than this is published as ordered shards of this size "
+    "(e.g. 512MiB, 2GB), each written straight to the store; up to it, one embeddings.npy.",
+)
+
+
 def watch_options(func: F) -> F:
     options = [
         QUEUE_WINDOW_OPTION,
+        SHARD_SIZE_OPTION,
         click.option(
             "--poll",
             type=click.FloatRange(0.01),
@@ -453,9 +464,10 @@ def doctor_cmd(store: Path, redis_url: str | None, as_json: bool) -> None:
     is_flag=True,
     help="Only check the published result: its checksums, and that it is the run's (rows, model, options)",
 )
+@SHARD_SIZE_OPTION
 @store_option
 @redis_option("unused")
-def assemble_cmd(run_id: str, store: Path, verify: bool, redis_url: str | None) -> None:
+def assemble_cmd(run_id: str, store: Path, verify: bool, shard_size: str, redis_url: str | None) -> None:
     """Verify every chunk output of RUN_ID and publish result/ (whole, or not at all)."""
     del redis_url
     layout = RunLayout(store, run_id)
@@ -469,8 +481,9 @@ def assemble_cmd(run_id: str, store: Path, verify: bool, redis_url: str | None) 
             "and the result is the run's (fingerprint, model, options, rows)"
         )
         return
-    result = assemble(layout)
-    click.echo(f"{layout.result}: {result['rows']} x {result['dim']}")
+    result = assemble(layout, shard_bytes=shard_bytes(shard_size))
+    shards = f" in {len(result['shards'])} shards" if result.get("shards") else ""
+    click.echo(f"{layout.result}: {result['rows']} x {result['dim']}{shards}")
 
 
 @command("run")

@@ -1,4 +1,5 @@
-"""``chunkq export``: a published result as one Parquet, .npy or JSON Lines file, with its ids.
+"""``chunkq export``: a published result (one file or shards) as one Parquet, .npy or JSON Lines file,
+with its ids.
 
 Streaming: rows are read and written a batch at a time, so memory stays flat in the row count.
 The values are the result's float32 values, unchanged. The result's checksum is verified while it is
@@ -24,7 +25,7 @@ import numpy as np
 from chunkq.jobs.errors import AssemblyError, ConfigError, StoreError
 from chunkq.jobs.manifest import load_manifest
 from chunkq.jobs.store import RunLayout, read_json, read_npy_header
-from chunkq.supervisor.assemble import result_problems
+from chunkq.supervisor.result import ResultPart, result_parts, result_problems
 
 EXPORT_FORMATS = ("parquet", "npy", "jsonl")
 BATCH_ROWS = 8192
@@ -36,7 +37,8 @@ def ids_path_beside(out: Path) -> Path:
 
 
 class _ResultReader:
-    """The published embeddings.npy and ids.jsonl, read a batch at a time, checksums verified."""
+    """The published result's files (one, or its shards in order), read a batch at a time, each
+    file's checksum verified as it is read."""
 
     def __init__(self, layout: RunLayout) -> None:
         manifest_path = layout.result / "manifest.json"
@@ -47,23 +49,43 @@ class _ResultReader:
         if disagreement:
             raise self._damaged("; ".join(disagreement))
         self.rows, self.dim = int(self.manifest["rows"]), int(self.manifest["dim"])
+        self.parts = result_parts(layout, self.manifest)
 
     def batches(self) -> Iterator[tuple[list[str], np.ndarray]]:
-        result = self.layout.result
+        """BATCH_ROWS rows at a time (the last batch fewer) whatever the shard ends: an export's
+        bytes (Parquet's row groups) do not depend on the result's form."""
+        held_ids: list[str] = []
+        held: list[np.ndarray] = []
+        for part in self.parts:
+            for ids, block in self._part_batches(part):
+                if not held_ids and len(ids) == BATCH_ROWS:
+                    yield ids, block  # the common case, a whole batch of one file: no copy
+                    continue
+                held_ids += ids
+                held.append(block)
+                if len(held_ids) >= BATCH_ROWS:
+                    rows = np.concatenate(held)
+                    while len(held_ids) >= BATCH_ROWS:
+                        yield held_ids[:BATCH_ROWS], rows[:BATCH_ROWS]
+                        held_ids, rows = held_ids[BATCH_ROWS:], rows[BATCH_ROWS:]
+                    held = [rows]
+        if held_ids:
+            yield held_ids, np.concatenate(held)
+
+    def _part_batches(self, part: ResultPart) -> Iterator[tuple[list[str], np.ndarray]]:
         emb_hash, ids_hash = hashlib.sha256(), hashlib.sha256()
-        with (result / "embeddings.npy").open("rb") as emb, (result / "ids.jsonl").open("rb") as ids:
-            header = _read_header(emb, emb_hash)
-            if header != (self.rows, self.dim):
-                raise self._damaged(
-                    f"embeddings.npy holds {header}, the manifest says {(self.rows, self.dim)}"
-                )
+        name = part.embeddings.name
+        with part.embeddings.open("rb") as emb, part.ids.open("rb") as ids:
+            header = _read_header(emb, emb_hash, name)
+            if header != (part.rows, self.dim):
+                raise self._damaged(f"{name} holds {header}, the manifest says {(part.rows, self.dim)}")
             done = 0
-            while done < self.rows:
-                n = min(BATCH_ROWS, self.rows - done)
+            while done < part.rows:
+                n = min(BATCH_ROWS, part.rows - done)
                 raw = emb.read(n * self.dim * 4)
                 lines = [ids.readline() for _ in range(n)]
                 if len(raw) != n * self.dim * 4 or not all(line.endswith(b"\n") for line in lines):
-                    raise self._damaged(f"the result ends before row {done + n}")
+                    raise self._damaged(f"{name} ends before its row {done + n}")
                 emb_hash.update(raw)
                 for line in lines:
                     ids_hash.update(line)
@@ -74,11 +96,9 @@ class _ResultReader:
                 done += n
             rest = emb.read(1) + ids.read(1)
         if rest:
-            raise self._damaged("the result holds more rows than its manifest says")
-        if emb_hash.hexdigest() != self.manifest.get(
-            "embeddings_sha256"
-        ) or ids_hash.hexdigest() != self.manifest.get("ids_sha256"):
-            raise self._damaged("its checksums do not match its manifest")
+            raise self._damaged(f"{name} holds more rows than the manifest says")
+        if emb_hash.hexdigest() != part.embeddings_sha256 or ids_hash.hexdigest() != part.ids_sha256:
+            raise self._damaged(f"{name} or its ids do not match the checksums in its manifest")
 
     def _damaged(self, why: str) -> AssemblyError:
         return AssemblyError(
@@ -86,11 +106,11 @@ class _ResultReader:
         )
 
 
-def _read_header(fh: IO[bytes], digest: Any) -> tuple[int, ...]:
+def _read_header(fh: IO[bytes], digest: Any, name: str) -> tuple[int, ...]:
     start = fh.tell()
     shape, fortran, dtype = read_npy_header(fh)
     if fortran or dtype != np.dtype("<f4"):
-        raise StoreError(f"embeddings.npy is {dtype} {'Fortran' if fortran else 'C'}-ordered, expected <f4 C")
+        raise StoreError(f"{name} is {dtype} {'Fortran' if fortran else 'C'}-ordered, expected <f4 C")
     end = fh.tell()
     fh.seek(start)
     digest.update(fh.read(end - start))

@@ -24,6 +24,7 @@ from chunkq.jobs.storage import is_local, open_store
 from chunkq.jobs.store import RunLayout, read_json
 from chunkq.queue_worker.settings import DEFAULT_QUEUE, PoolSettings
 from chunkq.supervisor.corpus import CorpusOptions, check_readable, detect_format, read_corpus
+from chunkq.supervisor.result import DEFAULT_SHARD_BYTES, shard_bytes
 from chunkq.supervisor.retry import RetryPolicy
 from chunkq.supervisor.run import RunOutcome, RunRequest
 from chunkq.supervisor.submit import DEFAULT_CHUNK_SIZE, SubmitRequest
@@ -33,7 +34,16 @@ _GLOB_CHARS = frozenset("*?[")
 _ENCODE_NAMES = {"normalize": "normalize_embeddings"}  # the CLI's short name for a field
 POOL_NAMES = frozenset(f.name for f in fields(PoolSettings))
 WATCH_NAMES = frozenset(
-    {"poll", "max_attempts", "allow_partial", "metrics_port", "wait", "warn_idle", "queue_window"}
+    {
+        "poll",
+        "max_attempts",
+        "allow_partial",
+        "metrics_port",
+        "wait",
+        "warn_idle",
+        "queue_window",
+        "shard_size",
+    }
 )
 
 
@@ -146,6 +156,7 @@ def watch_settings(
     wait: bool = False,
     warn_idle: float = WARN_IDLE_SECONDS,
     queue_window: int | None = None,
+    shard_size: int | str = DEFAULT_SHARD_BYTES,
 ) -> WatchSettings:
     return WatchSettings(
         poll_seconds=poll,
@@ -155,6 +166,7 @@ def watch_settings(
         wait_for_owner=wait,
         warn_idle=warn_idle,
         window=None if queue_window is None else positive_int("queue_window", queue_window),
+        shard_bytes=shard_bytes(shard_size),
     )
 
 

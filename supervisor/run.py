@@ -26,10 +26,10 @@ from chunkq.jobs.storage import OWNER_ONLY, is_local, no_links_below, private_di
 from chunkq.jobs.store import RunLayout
 from chunkq.queue_worker.lifeline import die_with_parent
 from chunkq.queue_worker.settings import SETTINGS_JSON_ENV, PoolSettings, env_of
-from chunkq.supervisor.assemble import published_result
 from chunkq.supervisor.display import ProgressDisplay
 from chunkq.supervisor.embedded_redis import EmbeddedRedis
 from chunkq.supervisor.owner import StoreLock
+from chunkq.supervisor.result import published_result
 from chunkq.supervisor.submit import SubmitRequest, SubmitResult, identify, removed_on_failure, submit
 from chunkq.supervisor.watch import Outcome, RedisGoneError, WatchSettings, redis_never_gone, supervise
 

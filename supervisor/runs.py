@@ -20,10 +20,10 @@ from chunkq.jobs.manifest import RunManifest, load_manifest
 from chunkq.jobs.specs import chunk_job_id
 from chunkq.jobs.storage import is_local, list_with_mtime, remove_tree
 from chunkq.jobs.store import RunLayout
-from chunkq.supervisor.assemble import read_result_manifest, result_problems
 from chunkq.supervisor.attempts import failed_attempts
 from chunkq.supervisor.enqueue import job_statuses
 from chunkq.supervisor.owner import StoreLock
+from chunkq.supervisor.result import read_result_manifest, result_problems
 
 PUBLISHED, PARTIAL, IN_FLIGHT, FAILED, INCOMPLETE = (
     "published",

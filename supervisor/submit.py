@@ -25,10 +25,11 @@ from chunkq.jobs.specs import FORMAT_VERSION, EncodeOptions, fingerprint, valida
 from chunkq.jobs.storage import is_local, local_scratch, remove_tree
 from chunkq.jobs.store import RunLayout, atomic_write_json, file_sha256, write_chunk_input
 from chunkq.queue_worker.settings import DEFAULT_QUEUE
-from chunkq.supervisor.assemble import published_result, set_aside
+from chunkq.supervisor.assemble import set_aside
 from chunkq.supervisor.corpus import CorpusOptions, Record, check_readable, read_corpus
 from chunkq.supervisor.dupes import IdRegistry
 from chunkq.supervisor.enqueue import EnqueueCounts, enqueue_chunks, window_size
+from chunkq.supervisor.result import published_result
 
 log = logging.getLogger(__name__)
 

@@ -41,6 +41,7 @@ from chunkq.supervisor.lock import RunLock
 from chunkq.supervisor.metrics import RunMetrics
 from chunkq.supervisor.owner import StoreLock
 from chunkq.supervisor.progress import STALE_HEARTBEAT_SECONDS, Failure, Snapshot, Tracker
+from chunkq.supervisor.result import DEFAULT_SHARD_BYTES
 from chunkq.supervisor.retry import RetryPolicy, settle_failure
 from chunkq.supervisor.wakeup import Wakeup
 
@@ -66,6 +67,7 @@ class WatchSettings:
     wait_for_owner: bool = False  # another process owns the run: wait for it instead of refusing
     warn_idle: float = WARN_IDLE_SECONDS  # say so when chunks wait and no worker took one for this long
     window: int | None = None  # jobs of the run in Redis at once; None: enqueue.window_size decides
+    shard_bytes: int = DEFAULT_SHARD_BYTES  # a larger result is published as shards of this size
 
 
 @dataclass
@@ -307,4 +309,6 @@ def _supervise(
     if not snap.settled or (snap.quarantined and not settings.allow_partial):
         return Outcome(snap, None)
     missing = snap.quarantined if settings.allow_partial else None
-    return Outcome(snap, assemble(layout, missing=missing, fence=owner.check))
+    return Outcome(
+        snap, assemble(layout, missing=missing, fence=owner.check, shard_bytes=settings.shard_bytes)
+    )

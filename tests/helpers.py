@@ -179,25 +179,17 @@ def start_run_with_a_slow_chunk(
     return proc, log, args, texts
 
 
-def write_test_run(
-    store: Path, run_id: str, index: int, rows: int, seed: int, options: Any = None
-) -> tuple[Any, list[str]]:
-    """Chunk ``index`` of a run of ``rows``-row chunks, its input and a run manifest written as
-    submit writes them (without Redis): (its ChunkSpec as the manifest says, its texts). The job
-    refuses a spec that differs from the manifest, so job tests need one."""
-    from chunkq.jobs.manifest import RunManifest, load_manifest
+def _write_manifest(
+    store: Path, run_id: str, chunks: int, chunk_size: int, rows: int, options: Any = None
+) -> Any:
+    """A run manifest as submit writes it (without Redis); the RunManifest."""
+    from chunkq.jobs.manifest import RunManifest
     from chunkq.jobs.models import BUNDLED_MODEL
     from chunkq.jobs.specs import EncodeOptions, fingerprint
-    from chunkq.jobs.store import RunLayout, atomic_write_json, write_chunk_input
+    from chunkq.jobs.store import RunLayout, atomic_write_json
 
-    ids, texts = make_texts(rows, seed=seed)
-    layout = RunLayout(store, run_id)
-    write_chunk_input(layout, index, list(zip(ids, texts, strict=True)))
-    chunks = index + 1
-    if layout.manifest.is_file():
-        chunks = max(chunks, load_manifest(layout).chunks)
     options = (options or EncodeOptions()).to_dict()
-    identity = {"model": BUNDLED_MODEL, "options": options, "chunk_size": rows, "run_id": run_id}
+    identity = {"model": BUNDLED_MODEL, "options": options, "chunk_size": chunk_size, "run_id": run_id}
     data = {
         "format_version": 1,
         "run_id": run_id,
@@ -205,11 +197,53 @@ def write_test_run(
         "identity": identity,
         "model": BUNDLED_MODEL,
         "options": options,
-        "chunk_size": rows,
-        "rows": chunks * rows,
+        "chunk_size": chunk_size,
+        "rows": rows,
         "chunks": chunks,
         "queue": "default",
         "job_timeout": 600,
     }
-    atomic_write_json(layout.manifest, data)
-    return RunManifest(data).chunk_spec(store, index), texts
+    atomic_write_json(RunLayout(store, run_id).manifest, data)
+    return RunManifest(data)
+
+
+def write_test_run(
+    store: Path, run_id: str, index: int, rows: int, seed: int, options: Any = None
+) -> tuple[Any, list[str]]:
+    """Chunk ``index`` of a run of ``rows``-row chunks, its input and a run manifest written as
+    submit writes them (without Redis): (its ChunkSpec as the manifest says, its texts). The job
+    refuses a spec that differs from the manifest, so job tests need one."""
+    from chunkq.jobs.manifest import load_manifest
+    from chunkq.jobs.store import RunLayout, write_chunk_input
+
+    ids, texts = make_texts(rows, seed=seed)
+    layout = RunLayout(store, run_id)
+    write_chunk_input(layout, index, list(zip(ids, texts, strict=True)))
+    chunks = index + 1
+    if layout.manifest.is_file():
+        chunks = max(chunks, load_manifest(layout).chunks)
+    manifest = _write_manifest(store, run_id, chunks, rows, chunks * rows, options)
+    return manifest.chunk_spec(store, index), texts
+
+
+def write_encoded_run(store: Path, run_id: str, rows: int, chunk_size: int, dim: int, seed: int = 0) -> Any:
+    """A finished run as workers leave it, without a model: the manifest, each chunk's input (ids
+    ``r0``, ``r1``...) and a committed output of random float32 rows that assembly accepts. Its
+    RunLayout. For assembly and result tests of any size and dimension."""
+    from datetime import UTC, datetime
+
+    from chunkq.jobs.store import RunLayout, write_chunk_input, write_output
+
+    chunks = -(-rows // chunk_size)
+    manifest = _write_manifest(store, run_id, chunks, chunk_size, rows)
+    layout = RunLayout(store, run_id)
+    rng = np.random.default_rng(seed)
+    for index in range(chunks):
+        first, n = manifest.first_row(index), manifest.chunk_rows(index)
+        write_chunk_input(layout, index, [(f"r{i}", f"text {i}") for i in range(first, first + n)])
+        now = datetime.now(UTC).isoformat()
+        meta = {"run_id": run_id, "chunk": index, "first_row": first, **manifest.producer()}
+        meta |= {"worker": "w", "pid": 1, "host": "h", "device": "cpu", "seconds": 0.1}
+        meta |= {"started_at": now, "finished_at": now}
+        write_output(layout, index, rng.standard_normal((n, dim), dtype=np.float32), meta)
+    return layout

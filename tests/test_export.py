@@ -76,7 +76,7 @@ def test_a_damaged_result_is_refused_and_nothing_is_written(tmp_path: Path) -> N
     path.write_bytes(bytes(data))
     for fmt in ("parquet", "npy", "jsonl"):
         out = tmp_path / f"out.{fmt}"
-        with pytest.raises(AssemblyError, match="checksums do not match"):
+        with pytest.raises(AssemblyError, match="do not match the checksums"):
             export(layout, fmt, out)
         assert sorted(p.name for p in tmp_path.iterdir()) == ["store"], fmt  # no file, whole or partial
 

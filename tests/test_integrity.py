@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from chunkq.jobs.store import read_json
-from chunkq.supervisor.assemble import _publish
+from chunkq.supervisor.result import publish
 from tests.helpers import make_texts, only_run, result_matches, run_cli, write_corpus
 
 # Real pools, workers and CLI runs as subprocesses: the slow tier.
@@ -97,7 +97,7 @@ def test_a_result_is_replaced_in_one_step(tmp_path: Path) -> None:
             built = tmp_path / f"built-{n}"
             built.mkdir()
             (built / "manifest.json").write_text(str(n))
-            _publish(built, result)
+            publish(built, result, uploaded=None)
     finally:
         done.set()
         reader.join(timeout=10)

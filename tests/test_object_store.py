@@ -187,3 +187,56 @@ def test_a_corpus_in_the_object_store_runs_as_the_same_corpus_on_disk(
 
     missing = run_cli("run", f"s3://{prefix}/*.jsonl", "--store", str(tmp_path / "s"), **env)
     assert missing.returncode == 3 and "no file matches this pattern" in missing.stderr
+
+
+def test_a_sharded_result_goes_to_the_object_store_a_shard_at_a_time(
+    s3_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 22.3: each shard is uploaded as soon as it is whole, so local scratch never holds more
+    than one; the manifest, uploaded last, names the shard folder; a later assembly removes what its
+    manifest no longer names."""
+    import tempfile
+
+    from chunkq.jobs.manifest import load_manifest
+    from chunkq.jobs.store import load_npy
+    from chunkq.supervisor import result as result_module
+    from chunkq.supervisor.api import RunResult
+    from chunkq.supervisor.assemble import assemble
+    from tests.helpers import write_encoded_run
+
+    dim, shard_rows = 16, 300
+    store = open_store(f"s3://{BUCKET}/shards-{time.time_ns()}")
+    layout = write_encoded_run(store, "big", rows=2000, chunk_size=128, dim=dim)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    held: list[int] = []
+    upload = result_module.publish_file
+
+    def measured(local: Path, remote: Any) -> None:
+        held.append(sum(p.stat().st_size for p in scratch.rglob("*") if p.is_file()))
+        upload(local, remote)
+
+    monkeypatch.setattr(result_module, "publish_file", measured)
+    made = assemble(layout, shard_bytes=shard_rows * dim * 4)
+
+    assert [s["rows"] for s in made["shards"]] == [300] * 6 + [200]
+    one_shard = shard_rows * dim * 4 + 128 + shard_rows * len('"r1999"\n')  # array, header, ids
+    assert len(held) == 2 * 7 + 1 and max(held) <= one_shard, (max(held), one_shard)
+    manifest = load_manifest(layout)
+    assert result_module.check_published(layout, manifest) == []
+    whole = np.concatenate([load_npy(layout.output_npy(i)) for i in range(manifest.chunks)])
+    view = RunResult(layout.run_id, store, 2000, dim, 0.0, 1, None).embeddings()
+    assert np.array_equal(np.asarray(view), whole) and np.array_equal(
+        view[[1999, 5, 600]], whole[[1999, 5, 600]]
+    )
+
+    # Assembled again (a damaged manifest), then as one file: nothing the new manifest does not name stays.
+    (layout.result / "manifest.json").write_text("{")
+    again = assemble(layout, shard_bytes=shard_rows * dim * 4)
+    folders = {p.name for p in layout.result.iterdir() if p.is_dir()}
+    assert folders == {again["shard_dir"]} != {made["shard_dir"]}
+    (layout.result / "manifest.json").write_text("{")
+    single = assemble(layout)
+    assert "shards" not in single and result_module.check_published(layout, manifest) == []
+    assert {p.name for p in layout.result.iterdir()} == {"embeddings.npy", "ids.jsonl", "manifest.json"}

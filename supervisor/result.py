@@ -1,0 +1,473 @@
+"""The published result's two forms, and how each is written, read and checked.
+
+    result/manifest.json                 the commit marker: rows, dim, checksums, the form
+    result/embeddings.npy, ids.jsonl     one file each, when the embeddings fit in one shard
+    result/shards-<tag>/000000.npy       ordered shards of at most ``shard_bytes`` of embeddings,
+    result/shards-<tag>/000000.ids.jsonl each with its ids; the manifest lists them in order with
+                                         their rows and checksums ("shards", "shard_dir")
+
+A result larger than one shard is sharded so that no process needs local scratch beyond one shard:
+on an object store each shard is uploaded (one multipart upload) as soon as it is whole, while
+assembly goes on. The shard folder's name is new at every assembly and only the manifest, written
+last, names it: readers never see a half-made set, an older result stays readable until the new
+manifest replaces its own, and shards that no manifest names (an assembly that died, or lost its
+lock) are removed by the next one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from chunkq.jobs.errors import ConfigError
+from chunkq.jobs.manifest import RunManifest
+from chunkq.jobs.storage import (
+    exchange_dirs,
+    is_local,
+    list_dirs,
+    private_dirs,
+    private_open,
+    publish_file,
+    remove_tree,
+)
+from chunkq.jobs.store import RunLayout, file_sha256, load_npy, read_json, read_npy_header
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SHARD_BYTES = 1 << 30  # 1 GiB of embeddings a shard; a result up to this size is one .npy
+DTYPE = np.dtype("<f4")
+SINGLE = ("embeddings.npy", "ids.jsonl")
+_SHARD_DIR = re.compile(r"shards-[0-9A-Za-z]{1,64}")
+
+
+_UNITS = {
+    "": 1,
+    "k": 10**3,
+    "m": 10**6,
+    "g": 10**9,
+    "t": 10**12,
+    "ki": 2**10,
+    "mi": 2**20,
+    "gi": 2**30,
+    "ti": 2**40,
+}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*", re.IGNORECASE)
+
+
+def shard_bytes(value: int | str) -> int:
+    """A shard size in bytes from ``1073741824``, ``1GiB``, ``512MB``, ``64k``...; ConfigError
+    for anything else or under a kilobyte (a shard per few rows is a mistake, not a choice)."""
+    match = _SIZE.fullmatch(str(value))
+    if match is None:
+        raise ConfigError(f"shard size {value!r}: give bytes, or a number with kB, MB, GB, KiB, MiB or GiB")
+    size = int(float(match.group(1)) * _UNITS[(match.group(2) or "").lower()])
+    if size < 1024:
+        raise ConfigError(f"shard size {value!r}: at least 1 KiB")
+    return size
+
+
+def shard_names(index: int) -> tuple[str, str]:
+    """The embeddings and ids file names of shard ``index``."""
+    return f"{index:06d}.npy", f"{index:06d}.ids.jsonl"
+
+
+@dataclass(frozen=True)
+class ResultPart:
+    """One embeddings file and its ids, a run of rows in the result's order."""
+
+    embeddings: Path
+    ids: Path
+    rows: int
+    embeddings_sha256: str
+    ids_sha256: str
+
+
+def result_parts(layout: RunLayout, result: dict[str, Any]) -> list[ResultPart]:
+    """The files a result manifest names, in row order; ValueError when it names them wrongly (a
+    manifest edited to point outside its result folder is refused, never followed)."""
+    folder = layout.result
+    shards = result.get("shards")
+    if shards is None:
+        embeddings, ids = SINGLE
+        return [
+            ResultPart(
+                folder / embeddings,
+                folder / ids,
+                int(result["rows"]),
+                str(result.get("embeddings_sha256")),
+                str(result.get("ids_sha256")),
+            )
+        ]
+    shard_dir = result.get("shard_dir")
+    if not isinstance(shard_dir, str) or not _SHARD_DIR.fullmatch(shard_dir):
+        raise ValueError(f"shard_dir {shard_dir!r} is not a shard folder's name")
+    if not isinstance(shards, list) or not shards:
+        raise ValueError("its shard list is empty or not a list")
+    parts = []
+    for index, shard in enumerate(shards):
+        rows = shard.get("rows") if isinstance(shard, dict) else None
+        if not isinstance(rows, int) or rows < 1:
+            raise ValueError(f"shard {index} has no row count")
+        embeddings, ids = shard_names(index)
+        parts.append(
+            ResultPart(
+                folder / shard_dir / embeddings,
+                folder / shard_dir / ids,
+                rows,
+                str(shard.get("embeddings_sha256")),
+                str(shard.get("ids_sha256")),
+            )
+        )
+    return parts
+
+
+def read_result_manifest(layout: RunLayout) -> Any:
+    """The published result's manifest.json, parsed; None when there is none, {} when unreadable."""
+    path = layout.result / "manifest.json"
+    try:
+        return read_json(path) if path.is_file() else None
+    except (OSError, ValueError):
+        return {}
+
+
+def _declared_shape(part: ResultPart) -> tuple[tuple[int, ...], str]:
+    with part.embeddings.open("rb") as fh:
+        shape, fortran, dtype = read_npy_header(fh)
+    return shape, dtype.str + (" Fortran-ordered" if fortran else "")
+
+
+def result_disagreement(layout: RunLayout, result: Any, manifest: RunManifest) -> list[str]:
+    """How the result manifest disagrees with the run's manifest or its own files' headers (cheap:
+    no hashing). An edited result manifest keeps checksums that still match its files, so only the
+    run manifest can tell that its rows, model or options are not the run's."""
+    if not isinstance(result, dict):
+        return ["result/manifest.json is not a JSON object"]
+    problems = [
+        f"result/manifest.json says {key} {result.get(key)!r}, the run's manifest {value!r}"
+        for key, value in (
+            ("fingerprint", manifest.fingerprint),
+            ("model", manifest.model),
+            ("options", manifest.options),
+            ("corpus_rows", manifest.rows),
+        )
+        if result.get(key) != value
+    ]
+    missing = result.get("missing") or []
+    try:
+        expected_rows = manifest.rows - sum(int(m["rows"]) for m in missing)
+    except (TypeError, KeyError, ValueError):
+        return [*problems, "result/manifest.json lists missing chunks it cannot describe"]
+    if result.get("rows") != expected_rows or bool(result.get("complete")) == bool(missing):
+        problems.append(
+            f"result/manifest.json says {result.get('rows')!r} rows (complete: {result.get('complete')!r}), "
+            f"the run's manifest and its missing chunks make {expected_rows}"
+        )
+    try:
+        parts = result_parts(layout, result)
+    except (KeyError, TypeError, ValueError) as exc:
+        return [*problems, f"result/manifest.json lists its files wrongly: {exc}"]
+    if sum(part.rows for part in parts) != expected_rows:
+        problems.append(f"its shards hold {sum(p.rows for p in parts)} rows, expected {expected_rows}")
+    for part in parts:
+        name = _name(layout, part.embeddings)
+        try:
+            shape, dtype = _declared_shape(part)
+        except (OSError, ValueError) as exc:
+            problems.append(f"{name} unreadable: {exc}")
+            continue
+        if shape != (part.rows, result.get("dim")) or dtype != DTYPE.str:
+            problems.append(
+                f"{name} holds {shape} {dtype}, expected ({part.rows}, {result.get('dim')!r}) <f4"
+            )
+    return problems
+
+
+def _name(layout: RunLayout, path: Path) -> str:
+    """A result file's name as the manifest's reader knows it: relative to result/."""
+    return str(path.relative_to(layout.result)) if is_local(path) else path.name
+
+
+def result_damage(layout: RunLayout, result: dict[str, Any]) -> list[str]:
+    """What in the published result does not match its manifest's checksums (empty: intact)."""
+    problems = []
+    for part in result_parts(layout, result):
+        for path, digest in ((part.embeddings, part.embeddings_sha256), (part.ids, part.ids_sha256)):
+            if not path.is_file():
+                problems.append(f"{_name(layout, path)} is missing")
+            elif file_sha256(path) != digest:
+                problems.append(f"{_name(layout, path)} does not match the checksum in result/manifest.json")
+    return problems
+
+
+def check_published(layout: RunLayout, manifest: RunManifest, checksums: bool = True) -> list[str]:
+    """Everything wrong with the published result (empty: whole, intact and this run's)."""
+    return result_problems(layout, read_result_manifest(layout), manifest, checksums)
+
+
+def result_problems(
+    layout: RunLayout, result: Any, manifest: RunManifest, checksums: bool = True
+) -> list[str]:
+    """``check_published`` for a result manifest already read (``read_result_manifest``)."""
+    if result is None:
+        return [f"no result is published in {layout.result}"]
+    problems = result_disagreement(layout, result, manifest)
+    if problems or not checksums:
+        return problems
+    return result_damage(layout, result)
+
+
+def published_result(layout: RunLayout, manifest: RunManifest) -> dict[str, Any] | None:
+    """The published result manifest if a whole, intact one exists for this very run, else None.
+
+    Its files are checked against the run's manifest and the result manifest's checksums: a damaged
+    result is never vouched for; it is assembled again from the chunk outputs.
+    """
+    result = read_result_manifest(layout)
+    if result is None:
+        return None
+    if isinstance(result, dict) and result.get("fingerprint") == manifest.fingerprint:
+        if not result.get("complete", True):
+            return None  # partial: a rerun tries the missing chunks again
+    damage = result_problems(layout, result, manifest)
+    if damage:
+        log.warning(
+            "run %s: the published result is damaged (%s); assembling it again from the chunk outputs",
+            manifest.run_id,
+            "; ".join(damage),
+        )
+        return None
+    return dict(result)
+
+
+class _PartWriter:
+    """One embeddings file and its ids being written: the header first (the rows are known), rows
+    appended with plain writes (dirty pages of a memory map would count as resident memory), both
+    hashed as they are written, so nothing is read back."""
+
+    def __init__(self, embeddings: Path, ids: Path, rows: int, dim: int) -> None:
+        private_dirs(embeddings.parent)
+        self.paths, self.rows, self.written = (embeddings, ids), rows, 0
+        self._emb, self._ids = private_open(embeddings, "wb"), private_open(ids, "wb")
+        self._emb_hash, self._ids_hash = hashlib.sha256(), hashlib.sha256()
+        header = io.BytesIO()
+        np.lib.format.write_array_header_1_0(
+            header,
+            {"descr": np.lib.format.dtype_to_descr(DTYPE), "fortran_order": False, "shape": (rows, dim)},
+        )
+        self._write(self._emb, self._emb_hash, header.getvalue())
+
+    @staticmethod
+    def _write(fh: IO[bytes], digest: Any, data: bytes | memoryview) -> None:
+        fh.write(data)
+        digest.update(data)
+
+    def write(self, ids: list[str], block: np.ndarray[Any, Any]) -> None:
+        self._write(self._emb, self._emb_hash, np.ascontiguousarray(block, dtype=DTYPE).data)
+        lines = "".join(json.dumps(rid, ensure_ascii=False) + "\n" for rid in ids).encode()
+        self._write(self._ids, self._ids_hash, lines)
+        self.written += len(ids)
+
+    def close(self) -> dict[str, Any]:
+        for fh in (self._emb, self._ids):
+            fh.flush()
+            os.fsync(fh.fileno())
+            fh.close()
+        if self.written != self.rows:
+            raise ValueError(f"{self.paths[0].name}: wrote {self.written} rows, expected {self.rows}")
+        return {
+            "rows": self.rows,
+            "embeddings_sha256": self._emb_hash.hexdigest(),
+            "ids_sha256": self._ids_hash.hexdigest(),
+        }
+
+    def abort(self) -> None:
+        for fh in (self._emb, self._ids):
+            fh.close()
+
+
+class ResultWriter:
+    """Rows in the result's order, written as one file or as shards of ``shard_bytes``.
+
+    ``built`` is the local folder the result is made in. With ``upload_to`` (an object store's
+    result folder) each finished shard is uploaded there at once and its local files removed, so
+    local scratch never exceeds one shard.
+    """
+
+    def __init__(
+        self, built: Path, rows: int, dim: int, shard_bytes: int, upload_to: Path | None = None
+    ) -> None:
+        self.built, self.rows, self.dim, self.upload_to = built, rows, dim, upload_to
+        self.shard_rows = max(1, shard_bytes // (dim * DTYPE.itemsize))
+        self.sharded = rows > self.shard_rows
+        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S%f")
+        self.shard_dir = f"shards-{stamp}{os.getpid()}" if self.sharded else None
+        self.done: list[dict[str, Any]] = []
+        self.total = 0
+        self._part: _PartWriter | None = None
+
+    def _open_part(self) -> _PartWriter:
+        if self.shard_dir is None:
+            embeddings, ids = (self.built / name for name in SINGLE)
+            return _PartWriter(embeddings, ids, self.rows, self.dim)
+        rows = min(self.shard_rows, self.rows - self.total)
+        embeddings, ids = (self.built / self.shard_dir / name for name in shard_names(len(self.done)))
+        return _PartWriter(embeddings, ids, rows, self.dim)
+
+    def write(self, ids: list[str], block: np.ndarray[Any, Any]) -> None:
+        """Append rows; a block that crosses a shard's end is split there."""
+        if self.total + len(ids) > self.rows:
+            raise ValueError(f"{self.total + len(ids)} rows for a result of {self.rows}")
+        start = 0
+        while start < len(ids):
+            if self._part is None:
+                self._part = self._open_part()
+            take = min(len(ids) - start, self._part.rows - self._part.written)
+            self._part.write(ids[start : start + take], block[start : start + take])
+            start += take
+            self.total += take
+            if self._part.written == self._part.rows:
+                self._finish_part()
+
+    def _finish_part(self) -> None:
+        part, self._part = self._part, None
+        if part is None:
+            return
+        self.done.append(part.close())
+        if self.upload_to is not None and self.shard_dir is not None:
+            for local in part.paths:
+                publish_file(local, self.upload_to / self.shard_dir / local.name)
+
+    def finish(self) -> dict[str, Any]:
+        """What the result manifest says of the files: their checksums, or the shard list."""
+        if self.total != self.rows or self._part is not None:
+            raise ValueError(f"assembled {self.total} rows, the manifest expects {self.rows}")
+        if self.shard_dir is None:
+            (single,) = self.done
+            return {"embeddings_sha256": single["embeddings_sha256"], "ids_sha256": single["ids_sha256"]}
+        return {"shard_dir": self.shard_dir, "shard_rows": self.shard_rows, "shards": self.done}
+
+    def abort(self) -> None:
+        if self._part is not None:
+            self._part.abort()
+            self._part = None
+        if self.upload_to is not None and self.shard_dir is not None:
+            remove_tree(self.upload_to / self.shard_dir)
+
+
+def publish(built: Path, result: Path, uploaded: str | None) -> None:
+    """Put a whole result in place; readers trust it only once its manifest.json exists.
+
+    A filesystem store renames the folder ``built`` into place. On an object store the files in
+    ``built`` are uploaded (``uploaded``: a shard folder already there) and manifest.json last;
+    then whatever the new manifest does not name is removed.
+    """
+    if is_local(result):
+        if not result.exists():
+            os.rename(built, result)
+        elif exchange_dirs(built, result):  # in one step: readers see the old result or the new one
+            shutil.rmtree(built)
+        else:  # no exchange here: the shortest window, the old result renamed aside first
+            old = result.with_name(f".result.old-{os.getpid()}")
+            os.rename(result, old)
+            os.rename(built, result)
+            shutil.rmtree(old)
+        return
+    if uploaded is None:
+        (result / "manifest.json").unlink(missing_ok=True)  # uncommit a stale result before its files change
+    for name in SINGLE:
+        if (built / name).exists():
+            publish_file(built / name, result / name)
+    publish_file(built / "manifest.json", result / "manifest.json")
+    _remove_unnamed(result, uploaded)
+
+
+def _remove_unnamed(result: Path, keep: str | None) -> None:
+    """Files of older results in ``result`` that its manifest no longer names."""
+    for folder in list_dirs(result):
+        if folder.startswith("shards-") and folder != keep:
+            remove_tree(result / folder)
+    if keep is not None:
+        for name in SINGLE:
+            (result / name).unlink(missing_ok=True)
+
+
+def local_build_dir(layout: RunLayout) -> Path:
+    """Where a result is made: beside ``result/`` on a filesystem store (renamed into place), a
+    private temporary folder otherwise."""
+    if is_local(layout.root):
+        built = layout.root / f".result.tmp-{os.getpid()}"
+        shutil.rmtree(built, ignore_errors=True)
+        private_dirs(built)
+        return built
+    return Path(tempfile.mkdtemp(prefix=f"chunkq-result-{layout.run_id}-"))
+
+
+class ShardedEmbeddings:
+    """A lazy, read-only view of a sharded result as one (rows, dim) float32 matrix: ``len``,
+    ``shape``, indexing by row, slice or index array, iteration by row and ``np.asarray`` (which
+    reads it all). A shard is memory-mapped (local) or read (object store) when a row of it is
+    wanted, one shard at a time."""
+
+    def __init__(self, parts: list[ResultPart], dim: int) -> None:
+        self._parts = parts
+        self._starts = np.cumsum([0] + [p.rows for p in parts])
+        self.shape = (int(self._starts[-1]), dim)
+        self.dtype = DTYPE
+        self.ndim = 2
+        self._cached: tuple[int, np.ndarray[Any, Any]] | None = None
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def shard(self, index: int) -> np.ndarray[Any, Any]:
+        if self._cached is None or self._cached[0] != index:
+            self._cached = (index, load_npy(self._parts[index].embeddings))
+        return self._cached[1]
+
+    def _rows(self, rows: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        out = np.empty((len(rows), self.shape[1]), dtype=DTYPE)
+        which = np.searchsorted(self._starts, rows, side="right") - 1
+        for index in np.unique(which):
+            mask = which == index
+            out[mask] = self.shard(int(index))[rows[mask] - self._starts[index]]
+        return out
+
+    def __getitem__(self, key: Any) -> Any:
+        """``view[rows]`` or ``view[rows, columns]``; rows: an int, a slice, an index or bool array."""
+        row_key, columns = key if isinstance(key, tuple) and len(key) == 2 else (key, slice(None))
+        n = self.shape[0]
+        if isinstance(row_key, int | np.integer):
+            if not -n <= row_key < n:
+                raise IndexError(f"row {row_key} out of range for {n} rows")
+            return self._rows(np.array([int(row_key) % n]))[0][columns]
+        if isinstance(row_key, slice):
+            rows = np.arange(*row_key.indices(n))  # only the rows picked, never an index of all rows
+        else:
+            picked = np.asarray(row_key)
+            rows = np.flatnonzero(picked) if picked.dtype == bool else picked.astype(np.int64).ravel()
+            if rows.size and (rows.min() < -n or rows.max() >= n):
+                raise IndexError(f"row index out of range for {n} rows")
+            rows = rows % n
+        return self._rows(rows)[:, columns]
+
+    def __iter__(self) -> Iterator[np.ndarray[Any, Any]]:
+        for index in range(len(self._parts)):
+            yield from self.shard(index)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray[Any, Any]:
+        whole = np.concatenate([self.shard(i) for i in range(len(self._parts))]) if self._parts else None
+        array = whole if whole is not None else np.empty(self.shape, dtype=DTYPE)
+        return array if dtype is None else array.astype(dtype)

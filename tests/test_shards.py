@@ -1,0 +1,124 @@
+"""Results that scale (issue 22.3): above a size a result is published as ordered shards, which
+verify, export byte for byte as the single-file result of the same run does, and read back through
+``RunResult.embeddings()`` as a lazy view."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from chunkq.jobs.errors import AssemblyError, ConfigError
+from chunkq.jobs.manifest import load_manifest
+from chunkq.jobs.store import RunLayout, read_json
+from chunkq.supervisor.api import RunResult
+from chunkq.supervisor.assemble import assemble
+from chunkq.supervisor.export import EXPORT_FORMATS, export
+from chunkq.supervisor.result import ShardedEmbeddings, check_published, published_result, shard_bytes
+from tests.helpers import run_cli, write_encoded_run
+
+DIM = 8
+ROW_BYTES = DIM * 4
+
+
+def _exports(layout: RunLayout, folder: Path) -> dict[str, bytes]:
+    folder.mkdir()
+    files = {}
+    for fmt in EXPORT_FORMATS:
+        for path in export(layout, fmt, folder / f"out.{fmt}"):
+            files[path.name] = path.read_bytes()
+    return files
+
+
+def _api(layout: RunLayout, result: dict[str, Any]) -> RunResult:
+    return RunResult(layout.run_id, layout.store, result["rows"], result["dim"], 0.0, 1, None)
+
+
+def test_a_sharded_result_verifies_and_exports_as_the_single_file_result_does(tmp_path: Path) -> None:
+    """1,000 rows in chunks of 64; shards of 300 rows, so shard ends fall inside chunks."""
+    layout = write_encoded_run(tmp_path / "store", "sh", rows=1000, chunk_size=64, dim=DIM)
+    single = assemble(layout)
+    assert "shards" not in single and (layout.result / "embeddings.npy").is_file()
+    whole = np.load(layout.result / "embeddings.npy")
+    single_files = _exports(layout, tmp_path / "single")
+
+    shutil.rmtree(layout.result)
+    sharded = assemble(layout, shard_bytes=300 * ROW_BYTES)
+    assert [s["rows"] for s in sharded["shards"]] == [300, 300, 300, 100]
+    assert not (layout.result / "embeddings.npy").exists()
+    shard_dir = layout.result / sharded["shard_dir"]
+    assert sorted(p.name for p in shard_dir.iterdir()) == [
+        f"{i:06d}.{ext}" for i in range(4) for ext in ("ids.jsonl", "npy")
+    ]
+    assert check_published(layout, load_manifest(layout)) == []
+    assert np.array_equal(np.concatenate([np.load(shard_dir / f"{i:06d}.npy") for i in range(4)]), whole)
+    assert _exports(layout, tmp_path / "sharded") == single_files  # parquet, npy + ids, jsonl
+
+    result = _api(layout, sharded)
+    view = result.embeddings()
+    assert isinstance(view, ShardedEmbeddings) and view.shape == (1000, DIM) and len(view) == 1000
+    assert np.array_equal(np.asarray(view), whole)
+    assert np.array_equal(view[299], whole[299]) and np.array_equal(view[-1], whole[-1])
+    assert np.array_equal(view[250:650:7], whole[250:650:7])
+    picks = [999, 0, 300, 301, 299, 600]
+    assert np.array_equal(view[picks], whole[picks]) and np.array_equal(view[picks, 2:5], whole[picks, 2:5])
+    assert np.array_equal(np.stack(list(view)), whole)
+    with pytest.raises(IndexError):
+        view[1000]
+    assert result.ids() == [f"r{i}" for i in range(1000)]
+
+
+def test_a_damaged_or_misdirected_shard_is_named_and_the_result_assembled_again(tmp_path: Path) -> None:
+    layout = write_encoded_run(tmp_path / "store", "dmg", rows=500, chunk_size=50, dim=DIM)
+    first = assemble(layout, shard_bytes=200 * ROW_BYTES)
+    manifest = load_manifest(layout)
+    shard = layout.result / first["shard_dir"] / "000001.npy"
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    problems = check_published(layout, manifest)
+    assert problems == [
+        f"{first['shard_dir']}/000001.npy does not match the checksum in result/manifest.json"
+    ]
+    with pytest.raises(AssemblyError, match=r"000001\.npy or its ids do not match the checksums"):
+        export(layout, "npy", tmp_path / "out.npy")
+    assert not (tmp_path / "out.npy").exists()
+
+    assert published_result(layout, manifest) is None  # damaged: assembled again, into a new folder
+    again = assemble(layout, shard_bytes=200 * ROW_BYTES)
+    assert again["shard_dir"] != first["shard_dir"] and check_published(layout, manifest) == []
+    assert [p.name for p in layout.result.iterdir() if p.is_dir()] == [again["shard_dir"]]
+
+    # A manifest edited to name files outside its result folder is refused, never followed.
+    edited = {**read_json(layout.result / "manifest.json"), "shard_dir": "../../inputs"}
+    (layout.result / "manifest.json").write_text(json.dumps(edited))
+    (problem,) = check_published(layout, manifest)
+    assert "lists its files wrongly" in problem and "'../../inputs'" in problem
+
+
+def test_shard_sizes_are_read_with_units_and_nonsense_is_refused() -> None:
+    assert shard_bytes("1GiB") == 2**30 and shard_bytes("512MB") == 512 * 10**6 and shard_bytes(4096) == 4096
+    for bad in ("x", "10", "1 PB", "-1GiB"):
+        with pytest.raises(ConfigError, match="shard size"):
+            shard_bytes(bad)
+
+
+def test_assemble_shard_size_verify_and_export_through_the_cli(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    layout = write_encoded_run(store, "cli", rows=90, chunk_size=20, dim=DIM)
+    made = run_cli("assemble", "cli", "--store", str(store), "--shard-size", f"{40 * ROW_BYTES}")
+    assert made.returncode == 0, made.stderr
+    assert made.stdout.strip().endswith("90 x 8 in 3 shards")
+    verify = run_cli("assemble", "cli", "--verify", "--store", str(store))
+    assert verify.returncode == 0 and "every checksum matches" in verify.stdout, verify.stderr
+    out = tmp_path / "e.npy"
+    exported = run_cli("export", "cli", "--format", "npy", "--out", str(out), "--store", str(store))
+    assert exported.returncode == 0, exported.stderr
+    assert np.load(out).shape == (90, DIM) and out.with_name("e.ids.jsonl").read_text().count("\n") == 90
+    refused = run_cli("assemble", "cli", "--store", str(store), "--shard-size", "lots")
+    assert refused.returncode == 6 and "shard size 'lots'" in refused.stderr
+    del layout
