@@ -6,7 +6,8 @@
     <store>/runs/<run>/outputs/<chunk>.json    output metadata; its presence commits the .npy
     <store>/runs/<run>/failures/<chunk>-a<N>.json  each failed attempt, recorded by the supervisor
     <store>/runs/<run>/owner.json              the process that supervises the run (supervisor.owner)
-    <store>/runs/<run>/result/                 embeddings.npy, ids.jsonl, manifest.json (published by rename)
+    <store>/runs/<run>/result/                 embeddings.npy, ids.jsonl, manifest.json (published by rename),
+                                               or shards-<tag>/ (supervisor.result)
 
 Every file is published whole (see jobs.storage): a reader sees either the whole file or none of it,
 and a chunk output counts only once its metadata, written after the .npy, exists.
