@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from rq import get_current_job
 
-from chunkq.jobs import cuda, errors, faults, jobmeta, models, runtime, token_batches
+from chunkq.jobs import cuda, errors, faults, jobmeta, models, quantize, runtime, token_batches
 from chunkq.jobs.errors import BadInputError, ChunkOutOfMemoryError, CudaFatalError, TamperedJobError
 from chunkq.jobs.manifest import RunManifest, load_manifest
 from chunkq.jobs.policy import check_spec
@@ -39,18 +39,21 @@ MIN_BATCH = 1
 def encode_texts(
     loaded: models.LoadedModel, texts: list[str], options: EncodeOptions
 ) -> np.ndarray[Any, Any]:
-    """The maths alone: texts in, float32 rows out, in input order."""
+    """The maths alone: texts in, float32 rows out, in input order (prompt, truncation and
+    normalisation applied as sentence-transformers applies them; not yet converted for storage)."""
     model = loaded.model
     # The cached model is shared by every run this process serves, so set the length on each call.
     model.max_seq_length = options.max_seq_length or loaded.default_max_seq_length
+    kwargs: dict[str, Any] = {
+        "normalize_embeddings": options.normalize_embeddings,
+        "prompt": options.prompt,
+        "prompt_name": options.prompt_name,
+        "truncate_dim": options.truncate_dim,
+    }
     if isinstance(options.batch_tokens, int):
-        return token_batches.encode(model, texts, options.batch_tokens, options.normalize_embeddings)
+        return token_batches.encode(model, texts, options.batch_tokens, kwargs)
     embeddings = model.encode(
-        texts,
-        batch_size=options.batch_size,
-        normalize_embeddings=options.normalize_embeddings,
-        convert_to_numpy=True,
-        show_progress_bar=False,
+        texts, batch_size=options.batch_size, convert_to_numpy=True, show_progress_bar=False, **kwargs
     )
     return np.asarray(embeddings, dtype=np.float32)
 
@@ -251,7 +254,7 @@ def _embed(chunk: ChunkSpec) -> dict[str, Any]:
         raise BadInputError(
             f"chunk {chunk.job_id}: input holds {len(texts)} rows, the spec says {chunk.rows}"
         )
-    loaded = models.get_model(chunk.model, ctx.device, chunk.options.precision)
+    loaded = models.get_model(chunk.model, ctx.device, chunk.options.precision, chunk.options)
     learned = _learned(layout, ctx.device_kind)
     start = _start_limit(chunk.options, learned)
     started_at = datetime.now(UTC)
@@ -275,6 +278,7 @@ def _embed(chunk: ChunkSpec) -> dict[str, Any]:
         "device_kind": ctx.device_kind,
         "gpu": ctx.gpu,
         "precision": chunk.options.precision,
+        "embedding_dim": int(encoded.embeddings.shape[1]),  # before packing bits
         "batch_size": chunk.options.batch_size if by_tokens else encoded.limit,
         "batch_size_requested": chunk.options.batch_size,
         "batch_tokens": encoded.limit if by_tokens else None,
@@ -288,7 +292,8 @@ def _embed(chunk: ChunkSpec) -> dict[str, Any]:
         "started_at": started_at.isoformat(),
         "finished_at": datetime.now(UTC).isoformat(),
     }
-    published = write_output(layout, chunk.index, encoded.embeddings, meta)
+    stored = quantize.convert(encoded.embeddings, manifest.output_dtype, manifest.ranges)
+    published = write_output(layout, chunk.index, stored, meta, manifest.output_dtype)
     log.info(
         "chunk %s: %d rows in %.2f s (%s %d)",
         chunk.job_id,

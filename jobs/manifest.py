@@ -50,6 +50,16 @@ class RunManifest:
     def job_timeout(self) -> int:
         return int(self.data["job_timeout"])
 
+    @property
+    def output_dtype(self) -> str:
+        return str(self.options.get("output_dtype", "float32"))
+
+    @property
+    def ranges(self) -> list[list[float]] | None:
+        """int8/uint8's per-dimension [minimums, maximums], computed once for the run at submit."""
+        calibration = self.data.get("calibration")
+        return calibration.get("ranges") if isinstance(calibration, dict) else None
+
     def first_row(self, index: int) -> int:
         return index * self.chunk_size
 

@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from chunkq.jobs.errors import ConfigError
-from chunkq.jobs.specs import DEFAULT_PRECISION
+from chunkq.jobs.specs import DEFAULT_PRECISION, EncodeOptions
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
@@ -125,7 +125,7 @@ class LoadedModel:
     loaded_at: str  # ISO time the load finished, for the run report's timeline
 
 
-_cache: dict[tuple[str, str, str], LoadedModel] = {}
+_cache: dict[tuple[Any, ...], LoadedModel] = {}
 # Models loaded on the CPU in fp32 by a process that forks workers (queue_worker.fork_server): a forked
 # worker takes its copy instead of reading and building the model again.
 _templates: dict[str, SentenceTransformer] = {}
@@ -137,21 +137,24 @@ def _torch_dtype(precision: str) -> Any:
     return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[precision]
 
 
-def get_model(ref: str, device: str, precision: str) -> LoadedModel:
-    """Load ``ref`` on ``device`` in ``precision`` once per process; later calls reuse it."""
-    key = (ref, device, precision)
+def get_model(ref: str, device: str, precision: str, options: EncodeOptions | None = None) -> LoadedModel:
+    """Load ``ref`` on ``device`` in ``precision`` once per process; later calls reuse it.
+    ``options`` say how it loads: remote code, revision, model kwargs (the defaults if None)."""
+    options = options or EncodeOptions()
+    key = (ref, device, precision, options.load_key())
     cached = _cache.get(key)
     if cached is not None:
         return cached
     if precision != DEFAULT_PRECISION and not device.startswith("cuda"):
         raise ConfigError(f"precision {precision} needs a GPU; this worker runs on {device}")
     started = time.perf_counter()
-    template = _templates.pop(ref, None)
+    # The fork server's copy was loaded the default way: only a default load may take it.
+    template = _templates.pop(ref, None) if options.load_key() == EncodeOptions().load_key() else None
     if template is not None:
         # SentenceTransformer(path, device=...) builds the model on the CPU and then moves it too.
         model = template.to(device)
     else:
-        model = _load(ref, device)
+        model = _load(ref, device, options)
     if precision != DEFAULT_PRECISION:
         model = model.to(_torch_dtype(precision))
     model.eval()
@@ -164,14 +167,27 @@ def get_model(ref: str, device: str, precision: str) -> LoadedModel:
     return loaded
 
 
-def _load(ref: str, device: str) -> SentenceTransformer:
+def _load(ref: str, device: str, options: EncodeOptions | None = None) -> SentenceTransformer:
+    options = options or EncodeOptions()
     path = resolve_model(ref)
     if os.path.isdir(path):
         # A local model must never reach for the hub (no network on many GPU hosts).
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault(OFFLINE_ENV, "1")
     from sentence_transformers import SentenceTransformer
 
-    return SentenceTransformer(path, device=device)
+    kwargs: dict[str, Any] = dict(options.model_kwargs or {})
+    for name in ("dtype", "torch_dtype"):
+        if kwargs.get(name) not in (None, "auto"):
+            import torch
+
+            kwargs[name] = getattr(torch, kwargs[name])
+    return SentenceTransformer(
+        path,
+        device=device,
+        trust_remote_code=options.trust_remote_code,
+        revision=options.revision,
+        model_kwargs=kwargs or None,
+    )
 
 
 def load_template(ref: str, max_bytes: int) -> float:

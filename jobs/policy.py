@@ -1,4 +1,5 @@
-"""What a chunk spec may name on this worker: its store and its model.
+"""What a chunk spec may name on this worker: its store, its model, and whether that model's own
+code may run.
 
 The function allow-list (``jobs.allowlist``) stops a job from calling anything but ``embed_chunk``;
 this stops a legitimate function from being pointed elsewhere: at another store (reading or
@@ -27,4 +28,11 @@ def check_spec(chunk: ChunkSpec, ctx: WorkerContext) -> None:
         raise ConfigError(
             f"chunk {chunk.job_id} asks for model {chunk.model!r}, which this worker may not load "
             f"(allowed: {', '.join(sorted(ctx.models))}); start the pool with --allow-model {chunk.model}"
+        )
+    if chunk.options.trust_remote_code and ctx.models is not None and not ctx.remote_code:
+        raise ConfigError(
+            f"chunk {chunk.job_id} asks to run model {chunk.model!r} with its own code "
+            "(trust_remote_code), which this worker does not allow: a job's options come through Redis, "
+            "so only the pool's operator can allow that (chunkq pool --trust-remote-code, or "
+            "CHUNKQ_TRUST_REMOTE_CODE=1)"
         )

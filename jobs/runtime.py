@@ -25,6 +25,7 @@ class WorkerContext:
     # worker serves and the models it may load. None only for plain in-process calls (tests, notebooks).
     store: str | None = None
     models: frozenset[str] | None = None
+    remote_code: bool = False  # whether a model's own code may run here (pool --trust-remote-code)
 
 
 _context: WorkerContext | None = None

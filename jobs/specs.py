@@ -33,15 +33,75 @@ def chunk_job_id(run_id: str, index: int) -> str:
     return f"{validate_run_id(run_id)}__c{index:06d}"
 
 
+# What a chunk output may be stored as: the name a user gives (sentence-transformers' precisions,
+# and float16) -> the numpy dtype of the stored array. binary/ubinary pack 8 dimensions a byte.
+OUTPUT_DTYPES = {
+    "float32": "<f4",
+    "float16": "<f2",
+    "int8": "|i1",
+    "uint8": "|u1",
+    "binary": "|i1",
+    "ubinary": "|u1",
+}
+PACKED_DTYPES = frozenset({"binary", "ubinary"})
+CALIBRATED_DTYPES = frozenset({"int8", "uint8"})  # need per-dimension ranges, one set for the run
+# --model-kwargs: keys passed to transformers' from_pretrained that tune how a model runs and cannot
+# make it load or execute anything else, each with the values it may take.
+MODEL_KWARGS = {
+    "attn_implementation": ("eager", "sdpa", "flash_attention_2"),
+    "dtype": ("auto", "float32", "float16", "bfloat16"),
+    "torch_dtype": ("auto", "float32", "float16", "bfloat16"),
+}
+_NEW_FIELD_DEFAULTS = {  # left out of to_dict when unset, so older runs keep their fingerprint
+    "batch_tokens": None,
+    "prompt": None,
+    "prompt_name": None,
+    "truncate_dim": None,
+    "output_dtype": "float32",
+    "trust_remote_code": False,
+    "revision": None,
+    "model_kwargs": None,
+}
+
+
+def _positive(name: str, value: Any) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+def check_model_kwargs(kwargs: Any) -> dict[str, str] | None:
+    """``kwargs`` if every key is one chunkq passes and every value one it may take; else ConfigError."""
+    if kwargs is None or kwargs == {}:
+        return None
+    if not isinstance(kwargs, dict):
+        raise ConfigError(f"model kwargs must be a JSON object, got {kwargs!r}")
+    for key, value in kwargs.items():
+        if key not in MODEL_KWARGS:
+            raise ConfigError(
+                f"model kwarg {key!r} is not passed (allowed: {', '.join(sorted(MODEL_KWARGS))}): "
+                "a job's options come through Redis, so only keys that cannot load other code are taken"
+            )
+        if value not in MODEL_KWARGS[key]:
+            raise ConfigError(f"model kwarg {key}={value!r}: one of {', '.join(MODEL_KWARGS[key])}")
+    return dict(sorted(kwargs.items()))
+
+
 @dataclass(frozen=True)
 class EncodeOptions:
-    """How a chunk is encoded; part of a run's identity."""
+    """How a chunk is encoded, and how its model is loaded; part of a run's identity."""
 
     batch_size: int = 32
     normalize_embeddings: bool = False
     max_seq_length: int | None = None
     precision: str = DEFAULT_PRECISION
     batch_tokens: int | str | None = None  # token-budget batches: padded tokens per batch, or "auto"
+    prompt: str | None = None  # prepended to every text (e.g. E5's "passage: ")
+    prompt_name: str | None = None  # one of the model's named prompts (None: its default, if any)
+    truncate_dim: int | None = None  # Matryoshka: keep the first N dimensions
+    output_dtype: str = "float32"  # OUTPUT_DTYPES
+    trust_remote_code: bool = False  # the model's own Python code may run (a pool must allow it too)
+    revision: str | None = None  # the hub revision (branch, tag or commit) to load
+    model_kwargs: dict[str, str] | None = None  # MODEL_KWARGS only
 
     def __post_init__(self) -> None:
         if (
@@ -56,17 +116,38 @@ class EncodeOptions:
             raise ConfigError(f"batch tokens must be a positive integer or 'auto', got {self.batch_tokens!r}")
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise ConfigError(f"batch size must be a positive integer, got {self.batch_size!r}")
-        if self.max_seq_length is not None and (
-            not isinstance(self.max_seq_length, int) or self.max_seq_length < 1
-        ):
-            raise ConfigError(f"max_seq_length must be a positive integer, got {self.max_seq_length!r}")
+        _positive("max_seq_length", self.max_seq_length)
+        _positive("truncate_dim", self.truncate_dim)
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.output_dtype not in OUTPUT_DTYPES:
+            raise ConfigError(
+                f"output dtype must be one of {', '.join(OUTPUT_DTYPES)}, got {self.output_dtype!r}"
+            )
+        if self.prompt is not None and self.prompt_name is not None:
+            raise ConfigError("give --prompt or --prompt-name, not both")
+        for name in ("prompt", "prompt_name", "revision"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ConfigError(f"{name} must be a string, got {value!r}")
+        if not isinstance(self.trust_remote_code, bool):
+            raise ConfigError(f"trust_remote_code must be true or false, got {self.trust_remote_code!r}")
+        object.__setattr__(self, "model_kwargs", check_model_kwargs(self.model_kwargs))
+
+    @property
+    def calibrated(self) -> bool:
+        return self.output_dtype in CALIBRATED_DTYPES
+
+    def load_key(self) -> tuple[Any, ...]:
+        """What decides how the model is loaded (beside its name, device and precision)."""
+        kwargs = tuple(sorted((self.model_kwargs or {}).items()))
+        return (self.trust_remote_code, self.revision, kwargs)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
-        if data["batch_tokens"] is None:  # absent, so runs made before it existed keep their fingerprint
-            del data["batch_tokens"]
+        for name, default in _NEW_FIELD_DEFAULTS.items():
+            if data[name] == default:
+                del data[name]
         return data
 
     @classmethod

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from chunkq.jobs.errors import BadInputError, StoreError
-from chunkq.jobs.specs import validate_run_id
+from chunkq.jobs.specs import OUTPUT_DTYPES, validate_run_id
 from chunkq.jobs.storage import atomic_path, is_local, list_with_mtime, no_links_below, open_store
 
 CHUNK_NAME_WIDTH = 6
@@ -227,8 +227,13 @@ def verify_output(
         array = load_npy(npy_path)
     except (OSError, ValueError) as exc:
         return None, f"{npy_path.name} unreadable: {exc}"
-    if array.ndim != 2 or array.dtype != np.float32:
-        return None, f"{npy_path.name} has shape {array.shape} and dtype {array.dtype}, expected 2-D float32"
+    output_dtype = str(((producer or {}).get("options") or {}).get("output_dtype", "float32"))
+    expected = np.dtype(OUTPUT_DTYPES.get(output_dtype, "<f4"))
+    if array.ndim != 2 or array.dtype != expected:
+        return None, (
+            f"{npy_path.name} has shape {array.shape} and dtype {array.dtype}, expected 2-D {expected} "
+            f"({output_dtype})"
+        )
     if array.shape[0] != expected_rows or meta.get("rows") != expected_rows:
         return None, f"{npy_path.name} has {array.shape[0]} rows, expected {expected_rows}"
     if meta.get("dim") != array.shape[1]:
@@ -242,16 +247,21 @@ def verify_output(
 
 
 def write_output(
-    layout: RunLayout, index: int, embeddings: np.ndarray[Any, Any], meta: dict[str, Any]
+    layout: RunLayout,
+    index: int,
+    embeddings: np.ndarray[Any, Any],
+    meta: dict[str, Any],
+    output_dtype: str = "float32",
 ) -> dict[str, Any]:
-    """Publish a chunk output: the .npy first, then its metadata, which commits it."""
-    array = np.ascontiguousarray(embeddings, dtype=np.float32)
+    """Publish a chunk output: the .npy first, then its metadata, which commits it. ``embeddings``
+    are already in ``output_dtype``'s stored form (jobs.quantize); ``dim`` is the stored columns."""
+    array = np.ascontiguousarray(embeddings, dtype=np.dtype(OUTPUT_DTYPES[output_dtype]))
     digest = save_npy_atomic(layout.output_npy(index), array)
     full = {
         **meta,
         "rows": int(array.shape[0]),
         "dim": int(array.shape[1]),
-        "dtype": "float32",
+        "dtype": output_dtype,
         "sha256": digest,
     }
     atomic_write_json(layout.output_meta(index), full)

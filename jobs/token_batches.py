@@ -46,17 +46,18 @@ def plan(lengths: list[int], budget: int) -> list[list[int]]:
     return batches
 
 
-def encode(model: Any, texts: list[str], budget: int, normalize: bool) -> np.ndarray[Any, Any]:
-    """Encode ``texts`` in token-budget batches; rows come back in input order."""
+def encode(model: Any, texts: list[str], budget: int, encode_kwargs: dict[str, Any]) -> np.ndarray[Any, Any]:
+    """Encode ``texts`` in token-budget batches; rows come back in input order. ``encode_kwargs``:
+    what else ``model.encode`` is given (normalisation, prompt, truncation)."""
     lengths = token_lengths(model, texts, int(model.max_seq_length))
     out: np.ndarray[Any, Any] | None = None
     for batch in plan(lengths, budget):
         rows = model.encode(
             [texts[i] for i in batch],
             batch_size=len(batch),
-            normalize_embeddings=normalize,
             convert_to_numpy=True,
             show_progress_bar=False,
+            **encode_kwargs,
         )
         rows = np.asarray(rows, dtype=np.float32)
         if out is None:

@@ -121,6 +121,13 @@ class PoolSettings:
     precision: str = setting(
         DEFAULT_PRECISION, "fp32, or fp16/bf16 on GPUs.", kind="choice", choices=PRECISIONS, worker=True
     )
+    trust_remote_code: bool = setting(
+        False,
+        "Let jobs run models that bring their own Python code (trust_remote_code: nomic, jina, "
+        "gte-Qwen...). Off, such a job is refused: a job's options come through Redis.",
+        kind="flag",
+        worker=True,
+    )
     name: str = setting(default_pool_name, "Pool name (prefix of its worker names).", env=None)
     log_level: str = setting("INFO", "Log level of the pool and its workers.", cli=False, worker=True)
     restart_delay: float = setting(
@@ -166,6 +173,11 @@ class PoolSettings:
         return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
 
 
+def truthy(value: str | None) -> bool:
+    """A flag's environment variable as click reads it: 1, true, yes, on (any case)."""
+    return (value or "").strip().lower() in {"1", "true", "yes", "on", "t", "y"}
+
+
 def env_of(name: str) -> str:
     """The environment variable of setting ``name`` (the CLI reads it; the pool sets some for workers)."""
     meta: Meta = next(f.metadata["chunkq"] for f in fields(PoolSettings) if f.name == name)
@@ -199,6 +211,8 @@ def worker_argv(settings: PoolSettings, **overrides: Any) -> list[str]:
         if meta.kind == "list":
             for item in value:
                 argv += [flag(name, meta), str(item)]
+        elif meta.kind == "flag":
+            argv += [flag(name, meta)] if value else []
         elif value is not None and value != "":
             argv += [flag(name, meta), str(value)]
     return argv
@@ -213,6 +227,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
             continue
         if meta.kind == "list":
             parser.add_argument(flag(name, meta), dest=name, action="append", default=[], help=meta.help)
+        elif meta.kind == "flag":
+            parser.add_argument(flag(name, meta), dest=name, action="store_true", help=meta.help)
         else:
             start = None if name in ("max_jobs", "recycle_after", "store") else default
             parser.add_argument(

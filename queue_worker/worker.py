@@ -45,7 +45,7 @@ from chunkq.queue_worker.exit_codes import (
     EXIT_STOPPED,
 )
 from chunkq.queue_worker.lifeline import PARENT_PID_ENV
-from chunkq.queue_worker.settings import DEFAULT_STORE, add_worker_arguments, env_of
+from chunkq.queue_worker.settings import DEFAULT_STORE, add_worker_arguments, env_of, truthy
 from chunkq.queue_worker.standby import announce_last_job, announce_model_loaded, wait_for_predecessor
 
 log = logging.getLogger(__name__)
@@ -223,6 +223,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     # Started by hand rather than by a pool: the store and models from the environment, like the CLI.
     args.store = args.store or os.environ.get(env_of("store"), DEFAULT_STORE)
     args.allowed_models += [m for m in os.environ.get(env_of("allowed_models"), "").split(",") if m]
+    args.trust_remote_code = args.trust_remote_code or truthy(os.environ.get(env_of("trust_remote_code")))
     args.recycle_after = args.recycle_after or None  # 0: never by time
     return args
 
@@ -252,6 +253,7 @@ def _context(name: str, args: argparse.Namespace) -> runtime.WorkerContext:
         device_kind=kind,
         store=str(open_store(args.store)),
         models=frozenset(allowed),
+        remote_code=bool(args.trust_remote_code),
     )
 
 

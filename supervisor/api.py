@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from chunkq.jobs.errors import ConfigError
 from chunkq.jobs.manifest import load_manifest
 from chunkq.jobs.models import check_model, default_model, resolve_model
+from chunkq.jobs.quantize import storage_dtype
 from chunkq.jobs.storage import is_local, open_store, private_open
 from chunkq.jobs.store import RunLayout, load_npy, read_json
 from chunkq.queue_worker.settings import DEFAULT_STORE
@@ -70,7 +71,8 @@ class RunResult:
 
         manifest, parts = self._parts()
         if manifest.get("shards") is not None:
-            return ShardedEmbeddings(parts, int(manifest["dim"]))
+            dtype = storage_dtype(str(manifest.get("dtype", "float32")))
+            return ShardedEmbeddings(parts, int(manifest["dim"]), dtype)
         if mmap or not is_local(parts[0].embeddings):
             return load_npy(parts[0].embeddings)  # memory-mapped here, read whole from an object store
         array: np.ndarray = np.load(parts[0].embeddings, allow_pickle=False)

@@ -19,6 +19,8 @@ from typing import Any, NamedTuple
 
 from chunkq.jobs.errors import AssemblyError, BadInputError
 from chunkq.jobs.manifest import RunManifest, load_manifest
+from chunkq.jobs.quantize import storage_dtype
+from chunkq.jobs.specs import PACKED_DTYPES
 from chunkq.jobs.storage import is_local, publish_file
 from chunkq.jobs.store import RunLayout, atomic_write_json, load_npy, read_chunk_input, verify_output
 from chunkq.supervisor.progress import Failure
@@ -36,10 +38,11 @@ log = logging.getLogger(__name__)
 class Verified(NamedTuple):
     """What the result needs of one verified chunk output."""
 
-    dim: int
+    dim: int  # the stored columns
     worker: str
     device: str
     seconds: float
+    embedding_dim: int  # the dimensions encoded (packed bits store 8 a column)
 
     @classmethod
     def of(cls, meta: dict[str, Any]) -> Verified:
@@ -47,7 +50,9 @@ class Verified(NamedTuple):
             seconds = float(meta.get("seconds") or 0.0)
         except (TypeError, ValueError):
             seconds = 0.0
-        return cls(int(meta["dim"]), str(meta.get("worker")), str(meta.get("device")), seconds)
+        dim = int(meta["dim"])
+        embedding_dim = int(meta.get("embedding_dim") or dim)
+        return cls(dim, str(meta.get("worker")), str(meta.get("device")), seconds, embedding_dim)
 
 
 def _verify_all(layout: RunLayout, manifest: RunManifest, skip: set[int]) -> tuple[list[Verified], list[str]]:
@@ -159,7 +164,8 @@ def assemble(
     total = manifest.rows - sum(f.rows for f in skip.values())
     built = local_build_dir(layout)
     remote = not is_local(layout.root)
-    writer = ResultWriter(built, total, dim, shard_bytes, upload_to=layout.result if remote else None)
+    dtype = storage_dtype(manifest.output_dtype)
+    writer = ResultWriter(built, total, dim, dtype, shard_bytes, upload_to=layout.result if remote else None)
     try:
         _write_result(layout, manifest, writer, set(skip))
         files = writer.finish()
@@ -180,8 +186,10 @@ def assemble(
             "corpus_rows": manifest.rows,
             "rows": total,
             "missing": missing_rows,
-            "dim": dim,
-            "dtype": "float32",
+            "dim": dim,  # the stored array's columns
+            "dtype": manifest.output_dtype,
+            "embedding_dim": metas[0].embedding_dim,
+            "packed_bits": manifest.output_dtype in PACKED_DTYPES,  # binary/ubinary: 8 dimensions a byte
             "assembled_at": datetime.now(UTC).isoformat(),
             "workers": sorted({m.worker for m in metas}),
             "devices": sorted({m.device for m in metas}),

@@ -13,11 +13,20 @@ from typing import Any
 
 import click
 
-from chunkq.jobs.errors import AssemblyError
+from chunkq.jobs import model_info
+from chunkq.jobs.errors import AssemblyError, ConfigError
 from chunkq.jobs.manifest import load_manifest
-from chunkq.jobs.models import BUNDLED_MODEL, assume_offline, check_model
+from chunkq.jobs.models import BUNDLED_MODEL, assume_offline, check_model, default_model
 from chunkq.jobs.nopickle import forbid_pickle
-from chunkq.jobs.specs import BATCH_TOKENS_AUTO, DEFAULT_PRECISION, PRECISIONS, EncodeOptions
+from chunkq.jobs.specs import (
+    BATCH_TOKENS_AUTO,
+    DEFAULT_PRECISION,
+    MODEL_KWARGS,
+    OUTPUT_DTYPES,
+    PRECISIONS,
+    EncodeOptions,
+    check_model_kwargs,
+)
 from chunkq.jobs.storage import OWNER_ONLY, is_local
 from chunkq.jobs.store import RunLayout, read_json
 from chunkq.queue_worker import gpus as gpu_discovery
@@ -140,6 +149,46 @@ def submit_options(func: F) -> F:
             help="Weights and activations on the GPU; fp16 and bf16 need a GPU.",
         ),
         click.option(
+            "--prompt", default=None, help='Text put before every text, e.g. "passage: " for E5 models.'
+        ),
+        click.option(
+            "--prompt-name",
+            default=None,
+            help="One of the model's named prompts (chunkq model M lists them). Default: the model's own "
+            "default prompt, if it has one.",
+        ),
+        click.option(
+            "--truncate-dim",
+            type=click.IntRange(1),
+            default=None,
+            help="Keep the first N dimensions (Matryoshka models); at most the model's dimension.",
+        ),
+        click.option(
+            "--output-dtype",
+            type=click.Choice(tuple(OUTPUT_DTYPES)),
+            default="float32",
+            show_default=True,
+            help="How the result is stored: float16 halves it; int8/uint8 use one set of per-dimension "
+            "ranges for the whole run, computed from a sample before the chunks run; binary/ubinary pack "
+            "8 dimensions a byte.",
+        ),
+        click.option(
+            "--trust-remote-code",
+            is_flag=True,
+            default=None,
+            help="Run a model that brings its own Python code (nomic-embed, jina, gte-Qwen...). Pools "
+            "must allow it too (chunkq run's own pool does).",
+        ),
+        click.option("--revision", default=None, help="The model's hub revision: a branch, tag or commit."),
+        click.option(
+            "--model-kwargs",
+            default=None,
+            callback=_model_kwargs_value,
+            help="JSON object passed to the model's from_pretrained; only "
+            + ", ".join(sorted(MODEL_KWARGS))
+            + ' (e.g. \'{"attn_implementation": "sdpa"}\').',
+        ),
+        click.option(
             "--job-timeout",
             type=click.IntRange(1),
             default=None,
@@ -151,6 +200,17 @@ def submit_options(func: F) -> F:
     for option in reversed(options):
         func = option(func)
     return func
+
+
+def _model_kwargs_value(ctx: click.Context, param: click.Parameter, value: str | None) -> Any:
+    if value is None:
+        return None
+    try:
+        return check_model_kwargs(json.loads(value))
+    except ValueError as exc:
+        raise click.BadParameter(f"not JSON: {exc}") from exc
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc)) from exc
 
 
 def _batch_tokens_value(ctx: click.Context, param: click.Parameter, value: str | None) -> int | str | None:
@@ -444,6 +504,34 @@ def status_cmd(run_id: str, store: Path, redis_url: str | None, as_json: bool) -
         click.echo(failure_report(snap.quarantined or snap.failures))
     if snap.result_published:
         click.echo(f"result published in {layout.result}")
+
+
+@command("model")
+@click.argument("model", required=False)
+@click.option("--revision", default=None, help="The hub revision to describe (default: the cache's main).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+def model_cmd(model: str | None, revision: str | None, as_json: bool) -> None:
+    """What chunkq will run for MODEL (default: the bundled one), read from its files: dimension,
+    maximum sequence length, named prompts and the default one, remote code, the cached revision."""
+    ref = check_model(model) if model else default_model()
+    info = model_info.describe(ref, revision)
+    if as_json:
+        click.echo(json.dumps(info.to_json(), indent=2))
+        return
+    prompts = (
+        "\n".join(f"    {name!r}: {text!r}" for name, text in sorted(info.prompts.items())) or "    none"
+    )
+    default = info.default_prompt_name or "none (no prompt unless --prompt or --prompt-name)"
+    click.echo(
+        f"model               {info.ref}\n"
+        f"files               {info.folder or 'not on this host'}\n"
+        f"revision            {info.revision or '-'}\n"
+        f"dimension           {info.dim or 'unknown'} (--truncate-dim may keep fewer)\n"
+        f"max sequence length {info.max_seq_length or 'the tokenizer maximum'} tokens (--max-seq-length)\n"
+        f"remote code         {'needed: --trust-remote-code' if info.remote_code else 'no'}\n"
+        f"default prompt      {default}\n"
+        f"named prompts (--prompt-name)\n{prompts}"
+    )
 
 
 @command("doctor")

@@ -2,7 +2,8 @@
 with its ids.
 
 Streaming: rows are read and written a batch at a time, so memory stays flat in the row count.
-The values are the result's float32 values, unchanged. The result's checksum is verified while it is
+The values are the result's values, unchanged, in its dtype (float32, float16, int8, uint8; binary
+and ubinary as their packed bytes, 8 dimensions each). The result's checksum is verified while it is
 read; the file appears at ``--out`` only once it is whole and the checksum matched.
 """
 
@@ -24,6 +25,7 @@ import numpy as np
 
 from chunkq.jobs.errors import AssemblyError, ConfigError, StoreError
 from chunkq.jobs.manifest import load_manifest
+from chunkq.jobs.quantize import storage_dtype
 from chunkq.jobs.store import RunLayout, read_json, read_npy_header
 from chunkq.supervisor.result import ResultPart, result_parts, result_problems
 
@@ -49,6 +51,7 @@ class _ResultReader:
         if disagreement:
             raise self._damaged("; ".join(disagreement))
         self.rows, self.dim = int(self.manifest["rows"]), int(self.manifest["dim"])
+        self.dtype = storage_dtype(load_manifest(layout).output_dtype)
         self.parts = result_parts(layout, self.manifest)
 
     def batches(self) -> Iterator[tuple[list[str], np.ndarray]]:
@@ -76,22 +79,24 @@ class _ResultReader:
         emb_hash, ids_hash = hashlib.sha256(), hashlib.sha256()
         name = part.embeddings.name
         with part.embeddings.open("rb") as emb, part.ids.open("rb") as ids:
-            header = _read_header(emb, emb_hash, name)
+            header = _read_header(emb, emb_hash, name, self.dtype)
             if header != (part.rows, self.dim):
                 raise self._damaged(f"{name} holds {header}, the manifest says {(part.rows, self.dim)}")
             done = 0
             while done < part.rows:
                 n = min(BATCH_ROWS, part.rows - done)
-                raw = emb.read(n * self.dim * 4)
+                raw = emb.read(n * self.dim * self.dtype.itemsize)
                 lines = [ids.readline() for _ in range(n)]
-                if len(raw) != n * self.dim * 4 or not all(line.endswith(b"\n") for line in lines):
+                if len(raw) != n * self.dim * self.dtype.itemsize or not all(
+                    line.endswith(b"\n") for line in lines
+                ):
                     raise self._damaged(f"{name} ends before its row {done + n}")
                 emb_hash.update(raw)
                 for line in lines:
                     ids_hash.update(line)
                 yield (
                     [json.loads(line) for line in lines],
-                    np.frombuffer(raw, dtype="<f4").reshape(n, self.dim),
+                    np.frombuffer(raw, dtype=self.dtype).reshape(n, self.dim),
                 )
                 done += n
             rest = emb.read(1) + ids.read(1)
@@ -106,11 +111,12 @@ class _ResultReader:
         )
 
 
-def _read_header(fh: IO[bytes], digest: Any, name: str) -> tuple[int, ...]:
+def _read_header(fh: IO[bytes], digest: Any, name: str, expected: np.dtype) -> tuple[int, ...]:
     start = fh.tell()
     shape, fortran, dtype = read_npy_header(fh)
-    if fortran or dtype != np.dtype("<f4"):
-        raise StoreError(f"{name} is {dtype} {'Fortran' if fortran else 'C'}-ordered, expected <f4 C")
+    if fortran or dtype != expected:
+        order = "Fortran" if fortran else "C"
+        raise StoreError(f"{name} is {dtype} {order}-ordered, expected {expected.str} C")
     end = fh.tell()
     fh.seek(start)
     digest.update(fh.read(end - start))
@@ -184,7 +190,7 @@ def export(layout: RunLayout, fmt: str, out: Path, force: bool = False) -> list[
     with _written_whole(target) as tmp, _written_whole(ids_target) as ids_tmp:
         with open(tmp, "wb") as emb, open(ids_tmp, "w", encoding="utf-8") as ids_fh:
             np.lib.format.write_array_header_1_0(
-                emb, {"descr": "<f4", "fortran_order": False, "shape": (reader.rows, reader.dim)}
+                emb, {"descr": reader.dtype.str, "fortran_order": False, "shape": (reader.rows, reader.dim)}
             )
             for ids, block in reader.batches():
                 emb.write(block.tobytes())
@@ -204,11 +210,12 @@ def _parquet(reader: _ResultReader, out: _Target) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    schema = pa.schema([("id", pa.string()), ("embedding", pa.list_(pa.float32(), reader.dim))])
+    value_type = pa.from_numpy_dtype(reader.dtype)
+    schema = pa.schema([("id", pa.string()), ("embedding", pa.list_(value_type, reader.dim))])
     with _written_whole(out) as tmp:
         with pq.ParquetWriter(tmp, schema) as writer:
             for ids, block in reader.batches():
-                values = pa.array(block.reshape(-1), type=pa.float32())
+                values = pa.array(block.reshape(-1), type=value_type)
                 column = pa.FixedSizeListArray.from_arrays(values, reader.dim)
                 writer.write_table(
                     pa.table({"id": pa.array(ids, pa.string()), "embedding": column}, schema=schema)

@@ -18,6 +18,7 @@ from typing import Any
 import redis
 
 from chunkq.jobs.errors import ChunksFailedError, ConfigError, CorpusError
+from chunkq.jobs.model_info import check_options, describe
 from chunkq.jobs.models import check_model, default_model
 from chunkq.jobs.specs import EncodeOptions
 from chunkq.jobs.storage import is_local, open_store
@@ -134,10 +135,12 @@ def submit_request(
     if job_timeout is not None:
         positive_int("job_timeout", job_timeout)
     encode_options = EncodeOptions(**{_ENCODE_NAMES.get(k, k): v for k, v in encode.items() if v is not None})
+    model = check_model(model) if model else default_model()
+    check_options(describe(model, encode_options.revision), encode_options)
     return SubmitRequest(
         corpus=paths[0] if len(paths) == 1 else paths,
         store=store,
-        model=check_model(model) if model else default_model(),
+        model=model,
         corpus_options=options,
         chunk_size=chunk_size,
         encode=encode_options,
@@ -179,6 +182,7 @@ RUN_DECIDES_FOR_THE_POOL = (
     "name",
     "metrics_port",
     "allowed_models",
+    "trust_remote_code",  # from the run's own --trust-remote-code
 )
 _SUBMIT_NAMES = frozenset(
     {"model", "format", "fmt", "text_field", "id_field", "chunk_size", "run_id", "queue", "job_timeout"}

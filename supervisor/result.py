@@ -34,6 +34,7 @@ import numpy as np
 
 from chunkq.jobs.errors import ConfigError
 from chunkq.jobs.manifest import RunManifest
+from chunkq.jobs.quantize import storage_dtype
 from chunkq.jobs.storage import (
     exchange_dirs,
     is_local,
@@ -48,7 +49,6 @@ from chunkq.jobs.store import RunLayout, file_sha256, load_npy, read_json, read_
 log = logging.getLogger(__name__)
 
 DEFAULT_SHARD_BYTES = 1 << 30  # 1 GiB of embeddings a shard; a result up to this size is one .npy
-DTYPE = np.dtype("<f4")
 SINGLE = ("embeddings.npy", "ids.jsonl")
 _SHARD_DIR = re.compile(r"shards-[0-9A-Za-z]{1,64}")
 
@@ -162,6 +162,7 @@ def result_disagreement(layout: RunLayout, result: Any, manifest: RunManifest) -
             ("model", manifest.model),
             ("options", manifest.options),
             ("corpus_rows", manifest.rows),
+            ("dtype", manifest.output_dtype),
         )
         if result.get(key) != value
     ]
@@ -175,6 +176,8 @@ def result_disagreement(layout: RunLayout, result: Any, manifest: RunManifest) -
             f"result/manifest.json says {result.get('rows')!r} rows (complete: {result.get('complete')!r}), "
             f"the run's manifest and its missing chunks make {expected_rows}"
         )
+    # The dtype the run's manifest asks for: the result manifest's own word could be edited.
+    expected_dtype = storage_dtype(manifest.output_dtype).str
     try:
         parts = result_parts(layout, result)
     except (KeyError, TypeError, ValueError) as exc:
@@ -188,10 +191,9 @@ def result_disagreement(layout: RunLayout, result: Any, manifest: RunManifest) -
         except (OSError, ValueError) as exc:
             problems.append(f"{name} unreadable: {exc}")
             continue
-        if shape != (part.rows, result.get("dim")) or dtype != DTYPE.str:
-            problems.append(
-                f"{name} holds {shape} {dtype}, expected ({part.rows}, {result.get('dim')!r}) <f4"
-            )
+        if shape != (part.rows, result.get("dim")) or dtype != expected_dtype:
+            expected = f"({part.rows}, {result.get('dim')!r}) {expected_dtype}"
+            problems.append(f"{name} holds {shape} {dtype}, expected {expected}")
     return problems
 
 
@@ -257,15 +259,16 @@ class _PartWriter:
     appended with plain writes (dirty pages of a memory map would count as resident memory), both
     hashed as they are written, so nothing is read back."""
 
-    def __init__(self, embeddings: Path, ids: Path, rows: int, dim: int) -> None:
+    def __init__(self, embeddings: Path, ids: Path, rows: int, dim: int, dtype: np.dtype[Any]) -> None:
         private_dirs(embeddings.parent)
         self.paths, self.rows, self.written = (embeddings, ids), rows, 0
         self._emb, self._ids = private_open(embeddings, "wb"), private_open(ids, "wb")
+        self.dtype = dtype
         self._emb_hash, self._ids_hash = hashlib.sha256(), hashlib.sha256()
         header = io.BytesIO()
         np.lib.format.write_array_header_1_0(
             header,
-            {"descr": np.lib.format.dtype_to_descr(DTYPE), "fortran_order": False, "shape": (rows, dim)},
+            {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": (rows, dim)},
         )
         self._write(self._emb, self._emb_hash, header.getvalue())
 
@@ -275,7 +278,7 @@ class _PartWriter:
         digest.update(data)
 
     def write(self, ids: list[str], block: np.ndarray[Any, Any]) -> None:
-        self._write(self._emb, self._emb_hash, np.ascontiguousarray(block, dtype=DTYPE).data)
+        self._write(self._emb, self._emb_hash, np.ascontiguousarray(block, dtype=self.dtype).data)
         lines = "".join(json.dumps(rid, ensure_ascii=False) + "\n" for rid in ids).encode()
         self._write(self._ids, self._ids_hash, lines)
         self.written += len(ids)
@@ -307,10 +310,16 @@ class ResultWriter:
     """
 
     def __init__(
-        self, built: Path, rows: int, dim: int, shard_bytes: int, upload_to: Path | None = None
+        self,
+        built: Path,
+        rows: int,
+        dim: int,
+        dtype: np.dtype[Any],
+        shard_bytes: int,
+        upload_to: Path | None = None,
     ) -> None:
-        self.built, self.rows, self.dim, self.upload_to = built, rows, dim, upload_to
-        self.shard_rows = max(1, shard_bytes // (dim * DTYPE.itemsize))
+        self.built, self.rows, self.dim, self.dtype, self.upload_to = built, rows, dim, dtype, upload_to
+        self.shard_rows = max(1, shard_bytes // (dim * dtype.itemsize))
         self.sharded = rows > self.shard_rows
         stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S%f")
         self.shard_dir = f"shards-{stamp}{os.getpid()}" if self.sharded else None
@@ -321,10 +330,10 @@ class ResultWriter:
     def _open_part(self) -> _PartWriter:
         if self.shard_dir is None:
             embeddings, ids = (self.built / name for name in SINGLE)
-            return _PartWriter(embeddings, ids, self.rows, self.dim)
+            return _PartWriter(embeddings, ids, self.rows, self.dim, self.dtype)
         rows = min(self.shard_rows, self.rows - self.total)
         embeddings, ids = (self.built / self.shard_dir / name for name in shard_names(len(self.done)))
-        return _PartWriter(embeddings, ids, rows, self.dim)
+        return _PartWriter(embeddings, ids, rows, self.dim, self.dtype)
 
     def write(self, ids: list[str], block: np.ndarray[Any, Any]) -> None:
         """Append rows; a block that crosses a shard's end is split there."""
@@ -416,16 +425,16 @@ def local_build_dir(layout: RunLayout) -> Path:
 
 
 class ShardedEmbeddings:
-    """A lazy, read-only view of a sharded result as one (rows, dim) float32 matrix: ``len``,
+    """A lazy, read-only view of a sharded result as one (rows, dim) matrix: ``len``,
     ``shape``, indexing by row, slice or index array, iteration by row and ``np.asarray`` (which
     reads it all). A shard is memory-mapped (local) or read (object store) when a row of it is
     wanted, one shard at a time."""
 
-    def __init__(self, parts: list[ResultPart], dim: int) -> None:
+    def __init__(self, parts: list[ResultPart], dim: int, dtype: np.dtype[Any]) -> None:
         self._parts = parts
         self._starts = np.cumsum([0] + [p.rows for p in parts])
         self.shape = (int(self._starts[-1]), dim)
-        self.dtype = DTYPE
+        self.dtype = dtype
         self.ndim = 2
         self._cached: tuple[int, np.ndarray[Any, Any]] | None = None
 
@@ -438,7 +447,7 @@ class ShardedEmbeddings:
         return self._cached[1]
 
     def _rows(self, rows: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-        out = np.empty((len(rows), self.shape[1]), dtype=DTYPE)
+        out = np.empty((len(rows), self.shape[1]), dtype=self.dtype)
         which = np.searchsorted(self._starts, rows, side="right") - 1
         for index in np.unique(which):
             mask = which == index
@@ -469,5 +478,5 @@ class ShardedEmbeddings:
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray[Any, Any]:
         whole = np.concatenate([self.shard(i) for i in range(len(self._parts))]) if self._parts else None
-        array = whole if whole is not None else np.empty(self.shape, dtype=DTYPE)
+        array = whole if whole is not None else np.empty(self.shape, dtype=self.dtype)
         return array if dtype is None else array.astype(dtype)

@@ -64,6 +64,7 @@ class PoolProcess:
             queue=sub.queue,
             preload=sub.model,
             precision=sub.encode.precision,
+            trust_remote_code=sub.encode.trust_remote_code,  # this run's pool, for this run's model
             store=str(sub.store),
             log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()),
         )

@@ -19,11 +19,12 @@ from typing import Any
 
 import redis
 
+from chunkq.jobs.calibrate import CALIBRATION_ROWS, ranges_for
 from chunkq.jobs.errors import ConfigError, CorpusError, RunConflictError
 from chunkq.jobs.manifest import RunManifest, load_manifest
 from chunkq.jobs.specs import FORMAT_VERSION, EncodeOptions, fingerprint, validate_run_id
 from chunkq.jobs.storage import is_local, local_scratch, remove_tree
-from chunkq.jobs.store import RunLayout, atomic_write_json, file_sha256, write_chunk_input
+from chunkq.jobs.store import RunLayout, atomic_write_json, file_sha256, read_chunk_input, write_chunk_input
 from chunkq.queue_worker.settings import DEFAULT_QUEUE
 from chunkq.supervisor.assemble import set_aside
 from chunkq.supervisor.corpus import CorpusOptions, Record, check_readable, read_corpus
@@ -185,6 +186,7 @@ def _create_run(
         # The checksums were taken in an earlier pass: the rows just copied must be of those bytes.
         for path, described in zip(req.corpora, inputs, strict=True):
             _unchanged(path, (described["size"], described["version"]))
+        calibration = _calibration(req, layout, rows) if req.encode.calibrated else None
     except BaseException:
         # No manifest was written, so nothing refers to these inputs: leave the store as it was.
         remove_tree(layout.root)
@@ -210,8 +212,23 @@ def _create_run(
         "queue": req.queue,
         "job_timeout": req.timeout(),
     }
+    if calibration is not None:
+        data["calibration"] = calibration
     atomic_write_json(layout.manifest, data)
     return RunManifest(data)
+
+
+def _calibration(req: SubmitRequest, layout: RunLayout, rows: int) -> dict[str, Any]:
+    """The run's one set of int8/uint8 ranges (jobs.calibrate), from up to CALIBRATION_ROWS texts
+    taken evenly across its chunks, before any chunk runs."""
+    chunks = -(-rows // req.chunk_size)
+    picked = sorted({round(i * (chunks - 1) / max(1, CALIBRATION_ROWS - 1)) for i in range(CALIBRATION_ROWS)})
+    per_chunk = -(-CALIBRATION_ROWS // len(picked))
+    texts: list[str] = []
+    for index in picked:
+        texts += read_chunk_input(layout, index)[1][:per_chunk]
+    log.info("run %s: computing %s ranges from %d texts", layout.run_id, req.encode.output_dtype, len(texts))
+    return ranges_for(req.model, req.encode, texts[:CALIBRATION_ROWS])
 
 
 @contextlib.contextmanager

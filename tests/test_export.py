@@ -35,6 +35,7 @@ def _published(store: Path, rows: int = ROWS) -> tuple[RunLayout, np.ndarray, li
         "complete": True,
         "missing": [],
         "dim": DIM,
+        "dtype": "float32",
         "embeddings_sha256": file_sha256(layout.result / "embeddings.npy"),
         "ids_sha256": file_sha256(layout.result / "ids.jsonl"),
     }

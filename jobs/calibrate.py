@@ -1,0 +1,57 @@
+"""int8/uint8 ranges for a whole run, from a sample of its texts, in a process of its own.
+
+Quantized to int8, a value's code depends on the per-dimension minimum and maximum it is measured
+against; ranges taken per chunk would give the same value different codes in different chunks. So
+submit computes one set before any chunk runs and keeps it in the run's manifest, where every worker
+and every rerun reads it. The encode runs here, in a child process (``python -m
+chunkq.jobs.calibrate``, JSON in and out), so a supervisor never imports torch or holds a model.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from typing import Any
+
+from chunkq.jobs.errors import ConfigError
+from chunkq.jobs.specs import EncodeOptions
+
+CALIBRATION_ROWS = 1000  # texts encoded for the ranges (sentence-transformers suggests 100s or more)
+CALIBRATION_TIMEOUT = 1800.0
+
+
+def ranges_for(model: str, options: EncodeOptions, texts: list[str]) -> dict[str, Any]:
+    """{"rows": n, "ranges": [[minimums], [maximums]]} of ``texts`` encoded as the run encodes them."""
+    request = json.dumps({"model": model, "options": options.to_dict(), "texts": texts})
+    done = subprocess.run(
+        [sys.executable, "-m", "chunkq.jobs.calibrate"],
+        input=request.encode(),
+        capture_output=True,
+        timeout=CALIBRATION_TIMEOUT,
+        check=False,
+    )
+    if done.returncode != 0:
+        last = (done.stderr.decode(errors="replace").strip().splitlines() or ["no message"])[-1]
+        raise ConfigError(f"calibrating {options.output_dtype} ranges with model {model} failed: {last}")
+    return dict(json.loads(done.stdout))
+
+
+def _main() -> None:
+    from chunkq.jobs import models, quantize
+    from chunkq.jobs.embed import encode_texts
+
+    request = json.loads(sys.stdin.buffer.read())
+    options = replace(EncodeOptions.from_dict(request["options"]), batch_tokens=None)
+    models.assume_offline()
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    loaded = models.get_model(request["model"], device, "fp32", options)
+    embeddings = encode_texts(loaded, list(request["texts"]), options)
+    print(json.dumps({"rows": len(embeddings), "ranges": quantize.ranges_of(embeddings), "device": device}))
+
+
+if __name__ == "__main__":
+    _main()

@@ -1,0 +1,116 @@
+"""What a model is, read from its files without loading it: dimension, maximum sequence length,
+named prompts, whether it brings its own code, the revision in the cache. ``chunkq model`` shows it,
+and submit checks a run's options against it before anything starts (an unknown prompt name, a
+truncation above the model's dimension, remote code not allowed)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from chunkq.jobs.errors import ConfigError
+from chunkq.jobs.models import resolve_model
+from chunkq.jobs.specs import EncodeOptions
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    ref: str
+    folder: str | None  # where its files were read; None when they are not on this host
+    dim: int | None  # the sentence embedding's dimension (None: not found in its files)
+    max_seq_length: int | None
+    prompts: dict[str, str] = field(default_factory=dict)
+    default_prompt_name: str | None = None
+    remote_code: bool = False  # it needs trust_remote_code (its config maps classes to its own code)
+    revision: str | None = None  # the commit of the cached snapshot (hub models)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _folder(ref: str, revision: str | None) -> tuple[Path | None, str | None]:
+    """The model's files on this host and, for the hub cache, the snapshot's commit."""
+    path = resolve_model(ref)
+    if os.path.isdir(os.path.expanduser(path)):
+        return Path(os.path.expanduser(path)), None
+    try:
+        from huggingface_hub import snapshot_download
+
+        snapshot = Path(snapshot_download(path, revision=revision, local_files_only=True))
+    except Exception:
+        return None, None
+    return snapshot, snapshot.name
+
+
+def _dimension(folder: Path) -> int | None:
+    """The output dimension the module list gives: the last Dense layer's, else the pooling's."""
+    dim = None
+    for module in _json(folder / "modules.json") or []:
+        kind = str(module.get("type", "")) if isinstance(module, dict) else ""
+        config = _json(folder / str(module.get("path", "")) / "config.json") or {}
+        if kind.endswith("Pooling") and "word_embedding_dimension" in config:
+            modes = [k for k, v in config.items() if k.startswith("pooling_mode_") and v is True]
+            dim = int(config["word_embedding_dimension"]) * max(1, len(modes))
+        elif kind.endswith("Dense") and "out_features" in config:
+            dim = int(config["out_features"])
+    return dim
+
+
+def _remote_code(folder: Path) -> bool:
+    config = _json(folder / "config.json") or {}
+    custom_modules = any(
+        isinstance(m, dict) and not str(m.get("type", "")).startswith("sentence_transformers.")
+        for m in _json(folder / "modules.json") or []
+    )
+    return bool(config.get("auto_map")) or custom_modules
+
+
+def describe(ref: str, revision: str | None = None) -> ModelInfo:
+    """What chunkq can tell of ``ref`` from its files on this host (no torch, no download)."""
+    folder, found_revision = _folder(ref, revision)
+    if folder is None:
+        return ModelInfo(ref, None, None, None)
+    st_config = _json(folder / "config_sentence_transformers.json") or {}
+    bert_config = _json(folder / "sentence_bert_config.json") or {}
+    prompts = st_config.get("prompts")
+    prompts = prompts if isinstance(prompts, dict) else {}
+    length = bert_config.get("max_seq_length")
+    return ModelInfo(
+        ref=ref,
+        folder=str(folder),
+        dim=_dimension(folder),
+        max_seq_length=int(length) if isinstance(length, int) else None,
+        prompts={str(k): str(v) for k, v in prompts.items()},
+        default_prompt_name=st_config.get("default_prompt_name") or None,
+        remote_code=_remote_code(folder),
+        revision=found_revision,
+    )
+
+
+def check_options(info: ModelInfo, options: EncodeOptions) -> None:
+    """ConfigError when ``options`` cannot work with the model: said before anything starts."""
+    if options.prompt_name is not None and options.prompt_name not in info.prompts:
+        known = ", ".join(f"{k!r}" for k in sorted(info.prompts)) or "none"
+        raise ConfigError(
+            f"model {info.ref} has no prompt named {options.prompt_name!r} (its prompts: {known}); "
+            "give one of them, or the text itself with --prompt"
+        )
+    if options.truncate_dim is not None and info.dim is not None and options.truncate_dim > info.dim:
+        raise ConfigError(
+            f"--truncate-dim {options.truncate_dim} is above model {info.ref}'s dimension {info.dim}"
+        )
+    if info.remote_code and not options.trust_remote_code:
+        raise ConfigError(
+            f"model {info.ref} brings its own Python code (its config.json maps classes to it); "
+            "run it only if you trust it, with --trust-remote-code (pools must allow it too)"
+        )

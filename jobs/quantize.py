@@ -1,0 +1,49 @@
+"""How a chunk's embeddings are stored: float32 as encoded, float16, int8/uint8 on the run's one set
+of ranges, or packed bits (binary/ubinary, 8 dimensions a byte), as sentence-transformers'
+``quantize_embeddings`` makes them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from chunkq.jobs.errors import ConfigError
+from chunkq.jobs.specs import CALIBRATED_DTYPES, OUTPUT_DTYPES, PACKED_DTYPES
+
+
+def storage_dtype(output_dtype: str) -> np.dtype[Any]:
+    """The numpy dtype a result of ``output_dtype`` is stored in."""
+    return np.dtype(OUTPUT_DTYPES[output_dtype])
+
+
+def stored_columns(dim: int, output_dtype: str) -> int:
+    """Columns of the stored array for ``dim`` dimensions: a byte per 8 for packed bits."""
+    return (dim + 7) // 8 if output_dtype in PACKED_DTYPES else dim
+
+
+def ranges_of(embeddings: np.ndarray[Any, Any]) -> list[list[float]]:
+    """Per-dimension [minimums, maximums] of float embeddings: int8/uint8's calibration."""
+    return [embeddings.min(axis=0).tolist(), embeddings.max(axis=0).tolist()]
+
+
+def convert(
+    embeddings: np.ndarray[Any, Any], output_dtype: str, ranges: list[list[float]] | None = None
+) -> np.ndarray[Any, Any]:
+    """Float32 embeddings as stored in ``output_dtype``. int8/uint8 need the run's ``ranges``:
+    ranges computed per chunk would give the same value a different code in each chunk."""
+    if output_dtype == "float32":
+        return np.ascontiguousarray(embeddings, dtype=np.float32)
+    if output_dtype == "float16":
+        return embeddings.astype(np.float16)
+    if output_dtype in CALIBRATED_DTYPES and ranges is None:
+        raise ConfigError(f"output dtype {output_dtype} needs the run's ranges, and its manifest has none")
+    from sentence_transformers import quantize_embeddings
+
+    bounds = None if ranges is None else np.asarray(ranges, dtype=np.float32)
+    if bounds is not None and bounds.shape != (2, embeddings.shape[1]):
+        raise ConfigError(
+            f"the run's ranges have shape {bounds.shape}, the embeddings {embeddings.shape[1]} dims"
+        )
+    converted = quantize_embeddings(embeddings, precision=output_dtype, ranges=bounds)  # type: ignore[arg-type]
+    return np.ascontiguousarray(converted, dtype=storage_dtype(output_dtype))
