@@ -19,8 +19,10 @@ from typing import TYPE_CHECKING, Any
 
 from chunkq.jobs.errors import ConfigError
 from chunkq.jobs.manifest import load_manifest
+from chunkq.jobs.model_info import describe
 from chunkq.jobs.models import check_model, default_model, resolve_model
-from chunkq.jobs.quantize import storage_dtype
+from chunkq.jobs.quantize import storage_dtype, stored_columns
+from chunkq.jobs.specs import EncodeOptions
 from chunkq.jobs.storage import is_local, open_store, private_open
 from chunkq.jobs.store import RunLayout, load_npy, read_json
 from chunkq.queue_worker.settings import DEFAULT_STORE
@@ -131,7 +133,8 @@ def embed(
     store: str | Path | None = None,
     **options: Any,
 ) -> np.ndarray:
-    """Embeddings of ``texts_or_path`` as a float32 array, row i for text (or corpus row) i.
+    """Embeddings of ``texts_or_path`` as an array (float32, or ``output_dtype``), row i for text
+    (or corpus row) i.
 
     A list of texts, or a corpus path (file or glob) as ``chunkq run`` takes. Without ``store`` the
     work happens in a temporary store that is removed afterwards; give one to resume after a crash.
@@ -149,7 +152,7 @@ def embed(
         else:
             corpus = Path(scratch) / "texts.jsonl"
             if not _write_texts(corpus, texts_or_path):
-                return np.empty((0, _dimension(model)), dtype=np.float32)
+                return _empty(model, options)
         result = run(corpus, model, store=store or Path(scratch) / "store", **options)
         return np.array(result.embeddings(mmap=False))
 
@@ -158,13 +161,21 @@ def _names_files(text: str) -> bool:
     return "://" in text or Path(text).exists() or bool(glob.glob(text, recursive=True))
 
 
-def _dimension(model: str | None) -> int:
-    """The model's embedding dimension, for the (0, dim) answer to no texts."""
-    from sentence_transformers import SentenceTransformer
+def _empty(model: str | None, options: dict[str, Any]) -> np.ndarray:
+    """The (0, columns) answer to no texts, in the dtype and width a run with ``options`` gives."""
+    import numpy as np
 
     name = check_model(model) if model else default_model()
-    loaded = SentenceTransformer(resolve_model(name), device="cpu")
-    return int(loaded.get_sentence_embedding_dimension() or 0)
+    encode = EncodeOptions(**{k: v for k, v in options.items() if k in EncodeOptions.__dataclass_fields__})
+    dim = encode.truncate_dim or describe(name, encode.revision).dim
+    if dim is None:  # its files do not say: ask the model itself
+        from sentence_transformers import SentenceTransformer
+
+        dim = int(
+            SentenceTransformer(resolve_model(name), device="cpu").get_sentence_embedding_dimension() or 0
+        )
+    columns = stored_columns(dim, encode.output_dtype)
+    return np.empty((0, columns), dtype=storage_dtype(encode.output_dtype))
 
 
 def _write_texts(path: Path, texts: Iterable[str]) -> int:
