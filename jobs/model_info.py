@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from chunkq.jobs.errors import ConfigError
-from chunkq.jobs.models import resolve_model
+from chunkq.jobs.models import hub_reachable, resolve_model
 from chunkq.jobs.specs import EncodeOptions
 
 
@@ -99,6 +99,14 @@ def describe(ref: str, revision: str | None = None) -> ModelInfo:
 
 def check_options(info: ModelInfo, options: EncodeOptions) -> None:
     """ConfigError when ``options`` cannot work with the model: said before anything starts."""
+    if options.revision is not None:
+        if info.folder is not None and info.revision is None:
+            raise ConfigError(f"--revision applies to hub models; {info.ref} is a local folder")
+        if info.folder is None and not hub_reachable():
+            raise ConfigError(
+                f"revision {options.revision!r} of model {info.ref} is not in the Hugging Face cache: "
+                f"`hf download {info.ref} --revision {options.revision}` where there is a network"
+            )
     if options.prompt_name is not None and options.prompt_name not in info.prompts:
         known = ", ".join(f"{k!r}" for k in sorted(info.prompts)) or "none"
         raise ConfigError(

@@ -66,6 +66,7 @@ class PoolProcess:
             # A preload is the default load of the model: with another revision, remote code or model
             # kwargs it would be a second, unused copy (or fail), so workers load it at their first chunk.
             preload=sub.model if sub.encode.load_key() == EncodeOptions().load_key() else None,
+            allowed_models=(sub.model,),  # this run's model, whether preloaded or not
             precision=sub.encode.precision,
             trust_remote_code=sub.encode.trust_remote_code,  # this run's pool, for this run's model
             store=str(sub.store),

@@ -258,3 +258,28 @@ def test_chunkq_run_with_a_named_prompt_truncation_and_int8(tmp_path: Path, refe
     assert got.dtype == np.int8 and got.shape == (45, 64)
     assert np.abs(got.astype(int) - want.astype(int)).max() <= 1
     assert run_cli("assemble", layout.run_id, "--verify", "--store", str(store)).returncode == 0
+
+
+@pytest.mark.slow  # a real chunkq run loading a model from a Hugging Face cache by its revision
+def test_a_run_pins_a_cached_revision_and_an_absent_one_is_refused(
+    tmp_path: Path, reference_model: Any
+) -> None:
+    commit = "89abcdef0123456789abcdef0123456789abcdef"
+    repo = tmp_path / "hub" / "models--chunkq-test--mini"
+    shutil.copytree(resolve_model(BUNDLED_MODEL), repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    ids, texts = make_texts(12, seed=5)
+    corpus = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")
+    store, env = tmp_path / "store", {"HF_HUB_CACHE": str(tmp_path / "hub")}
+    model = ["--model", "chunkq-test/mini", "--store", str(store)]
+    absent = run_cli("run", str(corpus), *model, "--revision", "f" * 40, **env)
+    assert absent.returncode == 6 and "is not in the Hugging Face cache" in absent.stderr
+    assert not store.exists()
+    done = run_cli("run", str(corpus), *model, "--revision", commit, **env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (layout,) = [RunLayout(store, p.name) for p in (store / "runs").iterdir()]
+    assert load_manifest(layout).options["revision"] == commit
+    assert max_abs_diff(_result(layout), reference_model.encode(texts)) <= 1e-5
+    local = run_cli("run", str(corpus), "--store", str(store), "--revision", commit)
+    assert local.returncode == 6 and "applies to hub models" in local.stderr
