@@ -510,9 +510,11 @@ def status_cmd(run_id: str, store: Path, redis_url: str | None, as_json: bool) -
 @click.argument("model", required=False)
 @click.option("--revision", default=None, help="The hub revision to describe (default: the cache's main).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
-def model_cmd(model: str | None, revision: str | None, as_json: bool) -> None:
+@redis_option("unused")
+def model_cmd(model: str | None, revision: str | None, as_json: bool, redis_url: str | None) -> None:
     """What chunkq will run for MODEL (default: the bundled one), read from its files: dimension,
     maximum sequence length, named prompts and the default one, remote code, the cached revision."""
+    del redis_url
     ref = check_model(model) if model else default_model()
     info = model_info.describe(ref, revision)
     if as_json:
