@@ -31,7 +31,14 @@ from chunkq.supervisor.display import ProgressDisplay
 from chunkq.supervisor.embedded_redis import EmbeddedRedis
 from chunkq.supervisor.owner import StoreLock
 from chunkq.supervisor.result import published_result
-from chunkq.supervisor.submit import SubmitRequest, SubmitResult, identify, removed_on_failure, submit
+from chunkq.supervisor.submit import (
+    SubmitRequest,
+    SubmitResult,
+    identify,
+    prepare,
+    removed_on_failure,
+    submit,
+)
 from chunkq.supervisor.watch import Outcome, RedisGoneError, WatchSettings, redis_never_gone, supervise
 
 log = logging.getLogger(__name__)
@@ -199,6 +206,12 @@ def run(req: RunRequest, display: ProgressDisplay) -> RunOutcome:
         # written and queued nothing.
         owner = stack.enter_context(StoreLock(layout.owner, f"run {layout.run_id}"))
         owner.acquire(req.watch.wait_for_owner)
+        # The corpus is read whole into chunk inputs before any server or process starts: a bad
+        # line far into it, or an empty corpus, stops the run with nothing started or left behind.
+        prepared = prepare(req.submit, identified)
+        if prepared.published:
+            log.info("run %s: result already published in %s", layout.run_id, layout.result)
+            return RunOutcome(SubmitResult.already_published(prepared.manifest), None)
         redis_gone = redis_never_gone
         if req.redis_url:
             url = req.redis_url
@@ -218,7 +231,7 @@ def run(req: RunRequest, display: ProgressDisplay) -> RunOutcome:
             if server_lock.took_over:
                 _release_orphans(redis.Redis.from_url(url), server_lock.took_over)
         connection = redis.Redis.from_url(url)
-        submitted = submit(req.submit, connection, identified)
+        submitted = submit(req.submit, connection, identified, prepared)
         # Submit has checked the result's checksums; look again only if another run may have
         # published it while this one waited for the lock.
         if submitted.published or published_result(layout, load_manifest(layout)) is not None:

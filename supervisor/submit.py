@@ -70,6 +70,11 @@ class SubmitResult:
     created: bool
     published: bool = False  # a whole, intact result is published: nothing was enqueued
 
+    @classmethod
+    def already_published(cls, manifest: RunManifest) -> SubmitResult:
+        chunks = manifest.chunks
+        return cls(manifest.run_id, manifest.rows, chunks, chunks, EnqueueCounts(), False, published=True)
+
 
 def describe_inputs(paths: tuple[Path, ...]) -> list[dict[str, Any]]:
     """Each corpus file with its checksum and size, for the manifest and the run's identity."""
@@ -268,34 +273,57 @@ def identify(req: SubmitRequest) -> Identified:
     return Identified(run_id, inputs, identity, run_fingerprint)
 
 
-def submit(req: SubmitRequest, connection: redis.Redis, identified: Identified | None = None) -> SubmitResult:
-    """Create (or find) the run for ``req`` and enqueue every chunk not yet done or in flight.
-    ``identified``: ``identify(req)``, when the caller needed the run id first (to lock the run)."""
+@dataclass(frozen=True)
+class Prepared:
+    """A run in the store, made from its corpus or found there, before anything is queued."""
+
+    manifest: RunManifest
+    created: bool
+    published: bool  # a whole, intact result exists: nothing to encode
+
+
+def prepare(req: SubmitRequest, identified: Identified | None = None) -> Prepared:
+    """Create the run for ``req`` in the store (the whole corpus read and split into chunk inputs),
+    or find it there; no Redis. ``chunkq run`` does this before it starts any server or process, so
+    a bad line on row 9,000 leaves nothing behind. ``identified``: ``identify(req)``, when the caller
+    needed the run id first (to lock the run)."""
     identified = identified or identify(req)
-    run_id, inputs, identity, run_fingerprint = (
-        identified.run_id,
-        identified.inputs,
-        identified.identity,
-        identified.fingerprint,
-    )
-    layout = RunLayout(req.store, run_id)
-    created = not layout.manifest.is_file()
-    if created:
+    layout = RunLayout(req.store, identified.run_id)
+    if not layout.manifest.is_file():
         with removed_on_failure(req.store, req.store / "runs"):
-            manifest = _create_run(req, layout, identity, inputs)
+            manifest = _create_run(req, layout, identified.identity, identified.inputs)
         log.info(
-            "run %s: %d rows in %d chunks written to %s", run_id, manifest.rows, manifest.chunks, layout.root
+            "run %s: %d rows in %d chunks written to %s",
+            layout.run_id,
+            manifest.rows,
+            manifest.chunks,
+            layout.root,
         )
-    else:
-        manifest = load_manifest(layout)
-        if manifest.fingerprint != run_fingerprint:
-            raise _conflict(manifest, identity)
-        if published_result(layout, manifest) is not None:
-            # Whole and intact: nothing to encode, even where `chunkq clean --outputs-only` freed the
-            # chunk outputs it was assembled from.
-            log.info("run %s: result already published in %s", run_id, layout.result)
-            chunks = manifest.chunks
-            return SubmitResult(run_id, manifest.rows, chunks, chunks, EnqueueCounts(), False, published=True)
+        return Prepared(manifest, created=True, published=False)
+    manifest = load_manifest(layout)
+    if manifest.fingerprint != identified.fingerprint:
+        raise _conflict(manifest, identified.identity)
+    # Whole and intact: nothing to encode, even where `chunkq clean --outputs-only` freed the chunk
+    # outputs it was assembled from.
+    return Prepared(manifest, created=False, published=published_result(layout, manifest) is not None)
+
+
+def submit(
+    req: SubmitRequest,
+    connection: redis.Redis,
+    identified: Identified | None = None,
+    prepared: Prepared | None = None,
+) -> SubmitResult:
+    """Create (or find) the run for ``req`` and enqueue every chunk not yet done or in flight
+    (``prepared``: ``prepare(req, identified)``, when the caller made the run first)."""
+    identified = identified or identify(req)
+    run_id = identified.run_id
+    layout = RunLayout(req.store, run_id)
+    prepared = prepared or prepare(req, identified)
+    manifest, created = prepared.manifest, prepared.created
+    if prepared.published:
+        log.info("run %s: result already published in %s", run_id, layout.result)
+        return SubmitResult.already_published(manifest)
     done = layout.done_chunks()
     for index in sorted(i for i in done if not layout.output_npy(i).exists()):
         set_aside(layout, index)  # committed, then its .npy was lost: encode it again

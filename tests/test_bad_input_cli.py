@@ -104,3 +104,15 @@ def test_a_run_id_with_a_trailing_newline_is_refused_before_anything_is_written(
     assert "invalid run id 'ab\\n'" in result.stderr and "Traceback" not in result.stderr
     assert not (store / "runs").exists() or not any((store / "runs").iterdir())
     assert connection.dbsize() == 0
+
+
+@pytest.mark.parametrize("case", ["empty-file", "invalid-json", "duplicate-ids"])
+def test_a_run_whose_corpus_fails_later_than_its_first_row_starts_nothing(tmp_path: Path, case: str) -> None:
+    """``chunkq run`` with the embedded Redis: the corpus is read whole before any server or pool
+    starts, so a bad row after the first (or no row) leaves no store, no Redis files, no process."""
+    name, content, message = CASES[case]
+    corpus = _write(tmp_path / name, content)
+    store = tmp_path / "store"
+    result = run_cli("run", str(corpus), "--store", str(store))
+    assert result.returncode == 3 and message in result.stderr, result.stderr
+    assert "embedded Redis" not in result.stderr and not store.exists()
