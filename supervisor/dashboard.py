@@ -21,6 +21,7 @@ without a serializer). Here:
 from __future__ import annotations
 
 import base64
+import errno
 import hmac
 import html
 import ipaddress
@@ -230,13 +231,35 @@ def create_app(
     return app
 
 
+def _held_by(port: int) -> str:
+    """ ", held by <process> (pid N)" for the process listening on ``port``, where this user may see it."""
+    import psutil
+
+    try:
+        for conn in psutil.net_connections(kind="tcp"):
+            if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port and conn.pid:
+                process = psutil.Process(conn.pid)
+                return f", held by {' '.join(process.cmdline()[:3]) or process.name()} (pid {conn.pid})"
+    except (psutil.Error, OSError):
+        pass
+    return ""
+
+
 def serve(redis_url: str, bind: str, port: int, username: str | None, password: str | None) -> None:
     """Serve the dashboard with waitress (a production WSGI server) until interrupted."""
     check_bind(bind, username, password)
     import waitress
 
     app = create_app(redis_url, username, password, allowed_hosts(bind, port))
-    server = waitress.create_server(app, host=bind, port=port, threads=4, ident="chunkq")
+    try:
+        server = waitress.create_server(app, host=bind, port=port, threads=4, ident="chunkq")
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        raise ConfigError(
+            f"port {port} on {bind} is in use{_held_by(port)}; choose another with --port "
+            "(CHUNKQ_DASHBOARD_PORT)"
+        ) from None
     # An interrupt is a normal stop wherever it lands: waitress's run() catches one that arrives
     # while it serves, this catches one between binding and serving.
     try:

@@ -346,3 +346,17 @@ def test_failed_chunk_page_in_a_real_browser(
     ):
         assert needle in text, needle
     assert shot.returncode == 0 and screenshot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", shot.stderr[-2000:]
+
+
+def test_a_port_in_use_is_a_users_error_naming_the_port_and_its_holder(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        result = run_cli("dashboard", "--redis-url", "redis://127.0.0.1:1", "--port", str(port))
+    assert result.returncode == 6, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert f"port {port} on 127.0.0.1 is in use, held by " in line and f"(pid {os.getpid()})" in line
+    assert "internal error" not in line and "finished chunk" not in line
