@@ -30,6 +30,10 @@ class StoreError(ChunkqError):
     """The store holds something missing or inconsistent for a run."""
 
 
+class RunNotFoundError(StoreError):
+    """The store holds no run of that id."""
+
+
 class AssemblyError(StoreError):
     """Assembly found missing or corrupt chunk outputs; ``problems`` lists every one."""
 

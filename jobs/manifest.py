@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from chunkq.jobs.errors import StoreError
+from chunkq.jobs.errors import RunNotFoundError
 from chunkq.jobs.specs import ChunkSpec, EncodeOptions
 from chunkq.jobs.store import RunLayout, read_json
 
@@ -109,5 +109,8 @@ class RunManifest:
 
 def load_manifest(layout: RunLayout) -> RunManifest:
     if not layout.manifest.is_file():
-        raise StoreError(f"run {layout.run_id} not found in store {layout.store} (no {layout.manifest.name})")
+        raise RunNotFoundError(
+            f"run {layout.run_id} not found in store {layout.store} (no {layout.manifest.name}); "
+            "`chunkq runs` lists the store's runs"
+        )
     return RunManifest(read_json(layout.manifest))

@@ -26,6 +26,7 @@ from chunkq.jobs.errors import (
     ChunksFailedError,
     ConfigError,
     RunConflictError,
+    RunNotFoundError,
     StoreWriteError,
 )
 from chunkq.jobs.storage import open_store
@@ -48,6 +49,7 @@ EXIT_POOL_DIED = 8  # chunkq run: the worker pool ended before the run did
 EXIT_PARTIAL = 9  # --allow-partial: a result without the quarantined chunks was published
 EXIT_LOCKED = 10  # another supervisor is watching the run
 EXIT_STORAGE = 11  # a disk or store is full, read-only or not ours to write
+EXIT_NOT_FOUND = 13  # no run of that id in the store (12 is `chunkq pool`'s configuration code)
 EXIT_INTERNAL = 70  # a bug in chunkq (sysexits' EX_SOFTWARE); the traceback is written to a file
 EXIT_INTERRUPTED = 130  # Ctrl+C; the run resumes from the store
 EXIT_BROKEN_PIPE = 141  # whoever read the output stopped reading (`| head`): 128 + SIGPIPE, as a shell says
@@ -64,6 +66,7 @@ def _exit_code(exc: Exception) -> int:
         (BadInputError, EXIT_BAD_INPUT),
         (RunConflictError, EXIT_CONFLICT),
         (StoreWriteError, EXIT_STORAGE),
+        (RunNotFoundError, EXIT_NOT_FOUND),
         (redis.RedisError, EXIT_REDIS),
     ):
         if isinstance(exc, kind):

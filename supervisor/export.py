@@ -43,15 +43,16 @@ class _ResultReader:
     file's checksum verified as it is read."""
 
     def __init__(self, layout: RunLayout) -> None:
+        run = load_manifest(layout)  # no such run: RunNotFoundError, before "no result"
         manifest_path = layout.result / "manifest.json"
         if not manifest_path.is_file():
             raise StoreError(f"run {layout.run_id} has no published result; run it to the end first")
         self.layout, self.manifest = layout, read_json(manifest_path)
-        disagreement = result_problems(layout, self.manifest, load_manifest(layout), checksums=False)
+        disagreement = result_problems(layout, self.manifest, run, checksums=False)
         if disagreement:
             raise self._damaged("; ".join(disagreement))
         self.rows, self.dim = int(self.manifest["rows"]), int(self.manifest["dim"])
-        self.dtype = storage_dtype(load_manifest(layout).output_dtype)
+        self.dtype = storage_dtype(run.output_dtype)
         self.parts = result_parts(layout, self.manifest)
 
     def batches(self) -> Iterator[tuple[list[str], np.ndarray]]:

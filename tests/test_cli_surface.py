@@ -169,3 +169,11 @@ def test_a_reader_that_stops_reading_is_not_an_internal_error(encoded_run: Any) 
     assert proc.wait(timeout=120) == 141
     said = proc.stderr.read()
     assert b"error" not in said and b"Traceback" not in said, said
+
+
+@pytest.mark.parametrize("command", ["status", "report", "clean", "assemble", "export"])
+def test_a_run_that_is_not_in_the_store_is_not_found(command: str, tmp_path: Path) -> None:
+    extra = ["--out", str(tmp_path / "x")] if command in ("export", "report") else []
+    result = run_cli(command, "nosuch", "--store", str(tmp_path / "store"), *extra)
+    assert result.returncode == 13, result.stderr
+    assert "run nosuch not found in store" in result.stderr and "`chunkq runs` lists" in result.stderr
