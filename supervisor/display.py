@@ -45,8 +45,12 @@ def describe(snap: Snapshot) -> str:
         if chunks
     )
     eta = "" if snap.settled else f"; ETA {_duration(snap.eta_seconds)}"
-    if snap.idle_seconds and snap.idle_seconds >= 1:
+    if snap.starting:
+        eta = "; starting: workers are loading the model"
+    if snap.idle_seconds:
         eta = f"; no worker has taken a job from queue {snap.queue!r} for {snap.idle_seconds:.0f} s"
+    if not snap.settled and not snap.owned:
+        eta = "; not running: no process supervises it (`chunkq run` with the same corpus resumes it)"
     return (
         f"run {snap.run_id}: chunks {snap.chunks_done}/{snap.chunks} done, {states}"
         f"{snap.chunks_retrying} retrying, {snap.chunks_quarantined} quarantined{trouble}; "
@@ -97,8 +101,8 @@ class ProgressDisplay:
                 rows=f"{snap.rows_done:,}/{snap.rows:,}",
                 rate=f"{snap.rows_per_second:,.0f}/s" if snap.rows_per_second else "-/s",
                 eta="no worker"
-                if snap.idle_seconds and snap.idle_seconds >= 1
-                else _duration(snap.eta_seconds),
+                if snap.idle_seconds
+                else ("starting" if snap.starting else _duration(snap.eta_seconds)),
                 failed=snap.chunks_retrying + snap.chunks_quarantined,
             )
             return

@@ -23,6 +23,7 @@ from chunkq.jobs.store import RunLayout, read_json
 from chunkq.supervisor.attempts import FailedAttempt, failed_attempts
 from chunkq.supervisor.enqueue import chunk_queue, job_statuses
 from chunkq.supervisor.ledger import Ledger, throughput_of
+from chunkq.supervisor.owner import StoreLock
 from chunkq.supervisor.throughput import Throughput
 
 STALE_HEARTBEAT_SECONDS = 60.0  # workers beat every 5 s while a chunk runs
@@ -71,7 +72,9 @@ class Snapshot:
     result_published: bool = False
     live: bool = True  # False: read from the store alone, so what runs and what waits is unknown
     queue: str = ""
-    idle_seconds: float | None = None  # chunks wait and no worker has taken one for this long
+    idle_seconds: float | None = None  # chunks wait and no worker has taken one for this long (warn_idle+)
+    starting: bool = False  # chunks wait, none has started yet, and it is not yet worth a warning
+    owned: bool = True  # a process supervises the run (False: stopped; nothing happens until resumed)
 
     @property
     def settled(self) -> bool:
@@ -328,9 +331,11 @@ class Tracker:
 
 
 def set_rate(snap: Snapshot, throughput: Throughput) -> None:
-    """The run's rows/s (supervisor.throughput) and, while chunks remain, the time they will take."""
-    snap.rows_per_second = throughput.rows_per_second(running=not snap.settled)
-    if snap.rows_per_second and not snap.settled:
+    """The run's rows/s (supervisor.throughput) and, while chunks remain and it runs, the time they
+    will take. A stopped run's rate is the rate while it ran, not one that falls while nothing runs."""
+    going = not snap.settled and snap.owned
+    snap.rows_per_second = throughput.rows_per_second(running=going)
+    if snap.rows_per_second and going:
         snap.eta_seconds = (snap.rows - snap.rows_done) / snap.rows_per_second
 
 
@@ -338,6 +343,7 @@ def store_snapshot(layout: RunLayout, manifest: RunManifest) -> Snapshot:
     """Where a run stands from the store alone, as ``chunkq status`` shows it without Redis: the
     chunks done and their rate, the failures recorded and the chunks quarantined."""
     snap = Snapshot(manifest.run_id, manifest.chunks, manifest.rows, live=False)
+    snap.owned = StoreLock(layout.owner, "").live_holder() is not None
     done = layout.done_chunks()
     snap.rows_done = sum(manifest.chunk_rows(index) for index in done)
     throughput = throughput_of(layout, done)

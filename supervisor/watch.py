@@ -123,8 +123,13 @@ class Supervisor:
             self.idle_since = None
             return
         self.idle_since = self.idle_since or now
-        snap.idle_seconds = now - self.idle_since
-        if snap.idle_seconds < self.settings.warn_idle or now - self.idle_warned < self.settings.warn_idle:
+        idle = now - self.idle_since
+        if idle < self.settings.warn_idle:
+            # Normal while workers start and load the model: no alarm before warn_idle.
+            snap.starting = snap.chunks_done == 0
+            return
+        snap.idle_seconds = idle
+        if now - self.idle_warned < self.settings.warn_idle:
             return
         self.idle_warned = now
         queue = self.manifest.queue

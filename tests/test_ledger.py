@@ -166,3 +166,44 @@ def test_the_report_of_a_run_numbers_each_chunk_when_few_and_bins_them_when_many
     numbers = report.write_report(layout, tmp_path / "r")
     assert (tmp_path / "r" / "report.png").stat().st_size > 20_000
     assert (numbers["chunks_done"], numbers["rows_done"], numbers["worker_processes"]) == (5, 47, 1)
+
+
+def test_a_stopped_run_says_so_with_the_rate_it_ran_at_and_no_eta(encoded_run: Any) -> None:
+    """Issue 24.7: ``chunkq status`` of an interrupted run (no process owns it) must not show an
+    ETA, nor a rate that keeps falling while nothing runs."""
+    from chunkq.supervisor.assemble import set_aside
+    from chunkq.supervisor.display import describe
+
+    layout, _, _ = encoded_run
+    manifest = load_manifest(layout)
+    set_aside(layout, 4)
+    kept = [read_json(layout.output_meta(i)) for i in range(4)]
+    snap = store_snapshot(layout, manifest)
+    assert not snap.settled and not snap.owned and snap.eta_seconds is None
+    assert snap.rows_per_second == of_outputs(kept).rows_per_second(running=False)
+    line = describe(snap)
+    assert "not running: no process supervises it" in line and "ETA" not in line
+
+
+def test_start_up_is_not_an_alarm_until_warn_idle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 24.7: workers loading the model for the first seconds are "starting", not "no worker has
+    taken a job"; past warn_idle it is said (and logged once per warn_idle)."""
+    import time
+    from types import SimpleNamespace
+
+    from chunkq.supervisor.display import describe
+    from chunkq.supervisor.progress import Snapshot
+    from chunkq.supervisor.watch import Supervisor, WatchSettings
+
+    watcher: Any = SimpleNamespace(
+        settings=WatchSettings(warn_idle=30.0), idle_since=None, idle_warned=time.monotonic()
+    )
+    snap = Snapshot("r", 4, 40, chunks_queued=4, queue="chunkq")
+    Supervisor._watch_idle(watcher, snap)
+    assert snap.starting and snap.idle_seconds is None
+    assert "starting: workers are loading the model" in describe(snap) and "no worker" not in describe(snap)
+    watcher.idle_since = time.monotonic() - 31
+    later = Snapshot("r", 4, 40, chunks_queued=4, queue="chunkq")
+    Supervisor._watch_idle(watcher, later)
+    assert not later.starting and later.idle_seconds is not None and later.idle_seconds >= 31
+    assert "no worker has taken a job from queue 'chunkq' for 31 s" in describe(later)
