@@ -29,9 +29,18 @@ def _age(seconds: float) -> str:
 
 
 def _table(runs: list[RunInfo]) -> str:
-    rows = [("RUN", "STATE", "ROWS", "MODEL", "AGE", "SIZE")]
+    rows = [("RUN", "STATE", "ROWS", "CORPUS", "MODEL", "OPTIONS", "AGE", "SIZE")]
     rows += [
-        (r.run_id, r.state, f"{r.rows_done:,}/{r.rows:,}", r.model, _age(r.age_seconds), _size(r.bytes))
+        (
+            r.run_id,
+            r.state,
+            f"{r.rows_done:,}/{r.rows:,}",
+            r.corpus,
+            r.model,
+            r.options or "-",
+            _age(r.age_seconds),
+            _size(r.bytes),
+        )
         for r in runs
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
@@ -46,7 +55,8 @@ def _table(runs: list[RunInfo]) -> str:
 @redis_option("unused")
 @reports_errors
 def runs_cmd(store: Path, as_json: bool, redis_url: str | None) -> None:
-    """List the runs of the store, newest first: state, rows done, model, age and size."""
+    """List the runs of the store, newest first: state, rows done, corpus, model, the options that
+    differ from the defaults, age and size."""
     del redis_url
     runs = list_runs(store)
     if as_json:

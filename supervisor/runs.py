@@ -7,6 +7,7 @@ or chunks still to do. Redis, when given, adds what only it knows: jobs queued o
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
@@ -17,13 +18,14 @@ import redis
 
 from chunkq.jobs.errors import ConfigError, StoreError
 from chunkq.jobs.manifest import RunManifest, load_manifest
-from chunkq.jobs.specs import chunk_job_id
+from chunkq.jobs.specs import EncodeOptions, chunk_job_id
 from chunkq.jobs.storage import is_local, list_with_mtime, remove_tree
 from chunkq.jobs.store import RunLayout
 from chunkq.supervisor.attempts import failed_attempts
 from chunkq.supervisor.enqueue import job_statuses
 from chunkq.supervisor.owner import StoreLock
 from chunkq.supervisor.result import read_result_manifest, result_problems
+from chunkq.supervisor.submit import DEFAULT_CHUNK_SIZE
 
 PUBLISHED, PARTIAL, IN_FLIGHT, FAILED, INCOMPLETE = (
     "published",
@@ -45,6 +47,8 @@ class RunInfo:
     model: str
     created_at: str
     bytes: int  # what the run's folder takes in the store
+    corpus: str = ""  # the first corpus file (its name), "+N" for more, and its format
+    options: str = ""  # the encode options that differ from the defaults, "key=value" each
 
     @property
     def age_seconds(self) -> float:
@@ -106,7 +110,26 @@ def describe_run(store: Path, run_id: str) -> RunInfo:
         model=str(manifest.data.get("model", "?")),
         created_at=str(manifest.data.get("created_at")),
         bytes=folder_bytes(layout.root),
+        corpus=_corpus(manifest),
+        options=_options(manifest),
     )
+
+
+def _corpus(manifest: RunManifest) -> str:
+    inputs = manifest.data.get("inputs") or [manifest.data.get("corpus") or {}]
+    name = str(inputs[0].get("path", "?")).rstrip("/").rsplit("/", 1)[-1]
+    more = f" +{len(inputs) - 1}" if len(inputs) > 1 else ""
+    fmt = (manifest.data.get("corpus") or {}).get("format")
+    return f"{name}{more}" + (f" ({fmt})" if fmt else "")
+
+
+def _options(manifest: RunManifest) -> str:
+    """What sets this run apart from a run of the same corpus and model with the defaults."""
+    defaults = EncodeOptions().to_dict()
+    differ = {k: v for k, v in manifest.options.items() if defaults.get(k, None) != v}
+    if manifest.chunk_size != DEFAULT_CHUNK_SIZE:
+        differ["chunk_size"] = manifest.chunk_size
+    return " ".join(f"{k}={json.dumps(v, separators=(',', ':'))}" for k, v in sorted(differ.items()))
 
 
 def list_runs(store: Path) -> list[RunInfo]:

@@ -177,3 +177,33 @@ def test_a_run_that_is_not_in_the_store_is_not_found(command: str, tmp_path: Pat
     result = run_cli(command, "nosuch", "--store", str(tmp_path / "store"), *extra)
     assert result.returncode == 13, result.stderr
     assert "run nosuch not found in store" in result.stderr and "`chunkq runs` lists" in result.stderr
+
+
+def test_runs_tells_runs_of_one_corpus_apart_by_file_format_and_options(
+    tmp_path: Path, connection: Any
+) -> None:
+    """Issue 24.8: the same texts as JSONL, CSV and Parquet, one with other options."""
+    from chunkq.jobs.models import BUNDLED_MODEL
+    from chunkq.jobs.specs import EncodeOptions
+    from chunkq.supervisor.corpus import CorpusOptions
+    from chunkq.supervisor.submit import SubmitRequest, submit
+    from tests.helpers import make_texts, write_corpus
+
+    ids, texts = make_texts(6, seed=1)
+    store = tmp_path / "store"
+    for fmt, encode in (
+        ("jsonl", EncodeOptions()),
+        ("csv", EncodeOptions()),
+        ("parquet", EncodeOptions(truncate_dim=64)),
+    ):
+        corpus = write_corpus(tmp_path / f"notes.{fmt}", ids, texts, fmt)
+        submit(
+            SubmitRequest(corpus, store, BUNDLED_MODEL, CorpusOptions(fmt), chunk_size=3, encode=encode),
+            connection,
+        )
+    table = run_cli("runs", "--store", str(store)).stdout.splitlines()
+    assert table[0].split()[:6] == ["RUN", "STATE", "ROWS", "CORPUS", "MODEL", "OPTIONS"]
+    rows = {line.split()[3] + " " + line.split()[4]: line for line in table[1:]}
+    assert set(rows) == {"notes.jsonl (jsonl)", "notes.csv (csv)", "notes.parquet (parquet)"}
+    assert "chunk_size=3 truncate_dim=64" in rows["notes.parquet (parquet)"]
+    assert "truncate_dim" not in rows["notes.csv (csv)"] and "chunk_size=3" in rows["notes.csv (csv)"]
