@@ -174,7 +174,10 @@ def _load(ref: str, device: str, options: EncodeOptions | None = None) -> Senten
         # A local model must never reach for the hub (no network on many GPU hosts).
         os.environ.setdefault(OFFLINE_ENV, "1")
     from sentence_transformers import SentenceTransformer
+    from transformers.utils import logging as transformers_logging
 
+    # Its "Loading weights" bar would land in every worker's log, once per load.
+    transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     kwargs: dict[str, Any] = dict(options.model_kwargs or {})
     for name in ("dtype", "torch_dtype"):
         if kwargs.get(name) not in (None, "auto"):

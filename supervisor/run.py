@@ -113,6 +113,12 @@ class PoolProcess:
         if self.proc is None:
             return
         if self.proc.poll() is None:
+            if exc_type is KeyboardInterrupt:
+                log.warning(
+                    "stopping: each worker finishes the chunk in hand (at most %d s); press Ctrl+C again "
+                    "to stop now (that chunk goes back to the queue). The store keeps every finished chunk.",
+                    POOL_STOP_SECONDS,
+                )
             self.proc.send_signal(signal.SIGTERM)  # drain: workers finish the chunk in hand
             try:
                 self.proc.wait(timeout=POOL_STOP_SECONDS)

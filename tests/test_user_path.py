@@ -5,10 +5,12 @@ inputs, and the Python API."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -334,3 +336,62 @@ def test_status_shows_a_running_chunkq_run_live_without_being_given_redis(tmp_pa
     after = json.loads(run_cli("status", run_id, "--store", str(store), "--json").stdout)
     assert after["live"] is False and after["settled"]  # the run's Redis is gone; the store remains
     assert not (store / "redis" / "url").exists()
+
+
+def _pty_run(argv: list[str]) -> tuple[int, int]:
+    """``argv`` in a new pseudo-terminal, as a user's shell starts it: (pid, the terminal's fd)."""
+    import pty
+
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: becomes the command
+        os.execv(argv[0], argv)  # noqa: S606 - argv is this test's own command line
+    return pid, fd
+
+
+def _read_until(fd: int, seen: bytearray, wanted: bytes, seconds: float) -> None:
+    import select
+
+    deadline = time.monotonic() + seconds
+    while wanted not in seen:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise AssertionError(
+                f"no {wanted!r} in {seconds} s; the terminal showed: {bytes(seen)[-2000:]!r}"
+            )
+        ready, _, _ = select.select([fd], [], [], min(left, 0.5))
+        if ready:
+            try:
+                seen += os.read(fd, 65536)
+            except OSError:  # the terminal closed: the command ended
+                raise AssertionError(
+                    f"the command ended without {wanted!r}: {bytes(seen)[-2000:]!r}"
+                ) from None
+
+
+def test_ctrl_c_in_a_terminal_says_what_happens_and_a_second_one_stops_without_a_traceback(
+    tmp_path: Path,
+) -> None:
+    """Issue 24.2, in a real pseudo-terminal (the live progress bar, ^C typed as a terminal sends
+    it): the first Ctrl+C says the workers finish their chunk and that a second one stops at once;
+    the second stops with exit 130, one line, no traceback; the run resumes afterwards."""
+    corpus = write_corpus(tmp_path / "c.jsonl", *make_texts(800, seed=3), "jsonl")
+    store = tmp_path / "store"
+    chunkq = str(Path(sys.executable).parent / "chunkq")
+    pid, fd = _pty_run([chunkq, "run", str(corpus), "--store", str(store), "--chunk-size", "400"])
+    seen = bytearray()
+    try:
+        wait_for(lambda: any(store.glob("runs/*/logs/pool.log")), 60, "the pool's log")
+        (log,) = store.glob("runs/*/logs/pool.log")
+        wait_for(lambda: b"(400 rows)" in log.read_bytes(), 90, "a worker to take a chunk")
+        os.write(fd, b"\x03")
+        _read_until(fd, seen, b"press Ctrl+C again to stop now", 30)
+        os.write(fd, b"\x03")
+        _read_until(fd, seen, b"chunkq: interrupted", 60)
+    finally:
+        _, status = os.waitpid(pid, 0)
+        os.close(fd)
+    assert os.waitstatus_to_exitcode(status) == 130
+    text = bytes(seen).decode(errors="replace")
+    assert "Traceback" not in text and "SystemExit" not in text, text
+    resumed = run_cli("run", str(corpus), "--store", str(store), "--chunk-size", "400")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
