@@ -25,17 +25,21 @@ import errno
 import hmac
 import html
 import ipaddress
+import json
 import logging
-from collections.abc import Callable
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
+import redis
+from rq import Queue
 from rq.exceptions import InvalidJobOperation, InvalidJobOperationError, NoSuchJobError
+from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
 from chunkq.jobs import errors
 from chunkq.jobs.errors import ConfigError
 from chunkq.jobs.nopickle import PickleRefusedError, forbid_pickle
+from chunkq.queue_worker.settings import DEFAULT_QUEUE
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +62,7 @@ _READ_ONLY_ENDPOINTS = frozenset(
 ) | {"static"}
 _LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
 # Endpoints whose templates insert every field as raw HTML.
+_READ_ONLY_ENDPOINTS |= {"chunkq_failed", "chunkq_jobs"}  # chunkq's own shortcuts (redirects)
 _RAW_HTML_ENDPOINTS = ("rq_dashboard.job_info", "rq_dashboard.list_workers", "rq_dashboard.list_queues")
 
 
@@ -130,19 +135,42 @@ def _list_workers(instance_number: int) -> dict[str, Any]:
     return {"workers": rows}
 
 
-def _pretty_meta(view: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
-    """The job page prints ``metadata`` as one line of JSON; indent it so each field reads on its own."""
-    import json
+def _meta_lines(metadata: str) -> str:
+    """A job's meta as the job page shows it: one ``"key": value`` line each, HTML-escaped and joined
+    with ``<br>`` (the page inserts it as HTML in a paragraph, where newlines would collapse)."""
+    try:
+        meta = json.loads(metadata)
+    except (TypeError, ValueError):
+        return html.escape(str(metadata))
+    if not isinstance(meta, dict):
+        return html.escape(json.dumps(meta, ensure_ascii=False))
+    return "<br>".join(
+        html.escape(f"{json.dumps(key)}: {json.dumps(value, ensure_ascii=False)}")
+        for key, value in sorted(meta.items())
+    )
 
-    def job_info(*args: Any, **kwargs: Any) -> dict[str, Any]:
-        info = view(*args, **kwargs)
-        try:
-            info["metadata"] = json.dumps(json.loads(info["metadata"]), indent=1, sort_keys=True)
-        except (KeyError, TypeError, ValueError):
-            pass
-        return info
 
-    return job_info
+JOBS_PER_PAGE = 20
+
+
+def jobs_url(queue: str, registry: str = "failed", instance: int = 0) -> str:
+    """rq-dashboard's page of a queue's jobs in one registry (its route needs every part)."""
+    return f"/{instance}/view/jobs/{quote(queue, safe='')}/{quote(registry, safe='')}/{JOBS_PER_PAGE}/asc/1"
+
+
+def _failed_banner(connection: redis.Redis) -> str:
+    """The front page's first line: each queue's failed chunks, a link to them, or that there are none."""
+    counts = [
+        (queue.name, FailedJobRegistry(queue=queue).count)
+        for queue in Queue.all(connection=connection, serializer=JSONSerializer)
+    ]
+    links = [
+        f'<a href="{jobs_url(name)}">{count} failed chunk(s) in queue {html.escape(name)}</a>'
+        for name, count in counts
+        if count
+    ]
+    body = " · ".join(links) + " (each with its traceback and meta)" if links else "No failed chunks."
+    return f'<div class="alert alert-{"danger" if links else "success"}" id="chunkq-failed">{body}</div>'
 
 
 def _authorised(header: str | None, username: str, password: str) -> bool:
@@ -167,6 +195,21 @@ def allowed_hosts(bind: str, port: int) -> frozenset[str] | None:
     return frozenset(f"{name}:{port}" for name in names)
 
 
+def _rewrite(app: Any, response: Any, endpoint: str | None, connection: redis.Redis) -> None:
+    """What chunkq changes in rq-dashboard's answers: strings from Redis escaped where the page
+    inserts them as HTML, a job's meta one line a field, and the failed chunks on the front page."""
+    if endpoint in _RAW_HTML_ENDPOINTS and response.is_json:
+        data = response.get_json()
+        escaped = _escape(data)
+        if endpoint == "rq_dashboard.job_info" and isinstance(data, dict) and "metadata" in data:
+            escaped["metadata"] = _meta_lines(data["metadata"])
+        response.set_data(app.json.dumps(escaped))
+    if endpoint == "rq_dashboard.queues_overview" and response.mimetype == "text/html":
+        page = response.get_data(as_text=True)
+        banner = _failed_banner(connection)
+        response.set_data(page.replace('<div class="container">', f'<div class="container">{banner}', 1))
+
+
 def create_app(
     redis_url: str,
     username: str | None = None,
@@ -175,7 +218,7 @@ def create_app(
 ) -> Any:
     """The rq-dashboard Flask app for ``redis_url``, its holes closed (see the module docstring)."""
     forbid_pickle()
-    from flask import Response, request
+    from flask import Response, current_app, redirect, request
     from rq_dashboard import web
     from rq_dashboard.cli import make_flask_app
 
@@ -184,15 +227,15 @@ def create_app(
     app.config["RQ_DASHBOARD_REDIS_URL"] = redis_url
     web.setup_rq_connection(app)
     app.view_functions["rq_dashboard.list_workers"] = web.jsonify(_list_workers)
-    app.view_functions["rq_dashboard.job_info"] = web.jsonify(_pretty_meta(web.job_info.__wrapped__))
 
     def guard() -> Any:
         if hosts is not None and request.host not in hosts:
             return Response("unknown host: this dashboard answers only to its own address", 403)
         if password and not _authorised(request.headers.get("Authorization"), username or "", password):
             return Response("authentication required", 401, {"WWW-Authenticate": 'Basic realm="chunkq"'})
-        if request.endpoint in _READ_ONLY_ENDPOINTS and request.method in ("GET", "HEAD"):
-            return None
+        reading = request.method in ("GET", "HEAD")
+        if reading and (request.endpoint in _READ_ONLY_ENDPOINTS or request.endpoint is None):
+            return None  # a read-only page, or no route at all: Flask answers 404
         if request.method != "POST":
             return Response("this changes state: only a POST from the dashboard's own page may", 405)
         origin = request.headers.get("Origin") or request.headers.get("Referer") or ""
@@ -200,9 +243,15 @@ def create_app(
             return Response("cross-origin request refused", 403)
         return None
 
+    def shortcut(instance: int = 0, queue: str = DEFAULT_QUEUE, registry: str = "failed") -> Any:
+        # /failed and /0/view/jobs/<queue>/<registry>: rq-dashboard's page wants paging parts too.
+        return redirect(jobs_url(queue, registry, instance))
+
+    app.add_url_rule("/failed", "chunkq_failed", shortcut)
+    app.add_url_rule("/<int:instance>/view/jobs/<queue>/<registry>", "chunkq_jobs", shortcut)
+
     def escape_raw_html_fields(response: Any) -> Any:
-        if request.endpoint in _RAW_HTML_ENDPOINTS and response.is_json:
-            response.set_data(app.json.dumps(_escape(response.get_json())))
+        _rewrite(app, response, request.endpoint, current_app.redis_conn)  # type: ignore[attr-defined]
         response.headers.setdefault("X-Content-Type-Options", "nosniff")
         response.headers.setdefault("X-Frame-Options", "DENY")
         return response

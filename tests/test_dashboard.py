@@ -329,8 +329,20 @@ def test_failed_chunk_page_in_a_real_browser(
             timeout=120,
             check=False,
         )
+        front = subprocess.run(
+            [*flags, "--dump-dom", f"{base}/"], capture_output=True, text=True, timeout=120, check=False
+        )
+        # The shortcuts a user types (README) reach rq-dashboard's page of the queue's failed jobs.
+        for shortcut in ("/0/view/jobs/dash/failed", "/failed"):
+            status, _ = _get(base + shortcut)
+            assert status == 200, shortcut
+        assert _get(base + "/no/such/page")[0] == 404
+    # The front page's first line links to the failed chunks (issue 24.6).
+    assert front.returncode == 0, front.stderr[-2000:]
+    assert 'href="/0/view/jobs/dash/failed/20/asc/1">1 failed chunk(s) in queue dash</a>' in front.stdout
     assert dom.returncode == 0, dom.stderr[-2000:]
     text = dom.stdout
+    assert '"chunk": 1<br>' in text and '"error_class": "cuda_fatal"<br>' in text  # a line a field
     for needle in (
         f'"run_id": "{run_id}"',
         '"chunk": 1',
