@@ -6,10 +6,11 @@ import contextlib
 import hashlib
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import TracebackType
@@ -87,6 +88,14 @@ class PoolProcess:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """Stop the pool and everything it started at once (its own session): for a pool that has
+        taken no chunk, when the run it was started for cannot go ahead."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
 
     def __enter__(self) -> PoolProcess:
         log_file = None
@@ -198,44 +207,87 @@ def _full_disk_is_a_storage_error(server: EmbeddedRedis) -> Iterator[None]:
         ) from exc
 
 
-def _always() -> bool:
-    return True
+class _CreatedHere:
+    """A folder this command may create (the embedded Redis's), removed with what is in it when
+    ``remove_on_failure()`` was called and the block then fails: a command that stops before it
+    queued anything leaves the disk as it found it."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path if path is not None and is_local(path) and not path.exists() else None
+        self.armed = False
+
+    def remove_on_failure(self) -> None:
+        self.armed = True
+
+    def __enter__(self) -> _CreatedHere:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
+        if exc_type is not None and self.armed and self.path is not None:
+            shutil.rmtree(self.path, ignore_errors=True)
+
+
+def _log_path(req: RunRequest, layout: RunLayout, display: ProgressDisplay) -> Path | None:
+    """Under a live progress bar the workers' log lines would tear it: they go to a file."""
+    if not display.live:
+        return None
+    path = local_state_dir(req.submit.store) / "runs" / layout.run_id / "logs" / "pool.log"
+    log.info("worker logs: %s", path)
+    return path
+
+
+def _start_redis(req: RunRequest, stack: contextlib.ExitStack) -> tuple[str, Callable[[], str | None]]:
+    """The run's Redis: the user's, or the store's embedded server started under its lock; (URL, a
+    callable that says why the server is gone for good, or None)."""
+    if req.redis_url:
+        return req.redis_url, redis_never_gone
+    # One embedded server per store: two appending to one append-only file corrupt it.
+    data_dir = embedded_redis_dir(req.submit.store)
+    server_lock = stack.enter_context(StoreLock(data_dir / "owner.json", f"the embedded Redis of {data_dir}"))
+    server_lock.acquire(req.watch.wait_for_owner)
+    server = EmbeddedRedis(data_dir)
+    stack.enter_context(_full_disk_is_a_storage_error(server))
+    stack.enter_context(server)
+    stack.enter_context(_advertised(data_dir / "url", server.url))
+    server.watch()  # restarted if it dies; the run stops with the reason if it cannot be
+    if server_lock.took_over:
+        _release_orphans(redis.Redis.from_url(server.url), server_lock.took_over)
+    return server.url, lambda: server.failure
 
 
 def run(req: RunRequest, display: ProgressDisplay) -> RunOutcome:
-    """Submit, work and assemble on this machine; resumable from whatever the store already holds."""
+    """Submit, work and assemble on this machine; resumable from whatever the store already holds.
+
+    A new run's corpus is split into chunk inputs while the pool starts (its fork server imports
+    torch and loads the model meanwhile): the first chunk waits for the longer of the two, not
+    both. If the corpus turns out bad (a bad row far into it, no row at all), the pool is killed
+    before it took anything and every file and folder this command created is removed.
+    """
     store = req.submit.store
     identified = identify(req.submit)
     layout = RunLayout(store, identified.run_id)
-    with removed_on_failure(store, store / "runs", layout.root), contextlib.ExitStack() as stack:
+    with (
+        removed_on_failure(store, store / "runs", layout.root),
+        _CreatedHere(None if req.redis_url else embedded_redis_dir(store)) as redis_dir,
+        contextlib.ExitStack() as stack,
+    ):
         # The run's lock first: a run refused because another process owns it has started,
         # written and queued nothing.
         owner = stack.enter_context(StoreLock(layout.owner, f"run {layout.run_id}"))
         owner.acquire(req.watch.wait_for_owner)
-        # The corpus is read whole into chunk inputs before any server or process starts: a bad
-        # line far into it, or an empty corpus, stops the run with nothing started or left behind.
-        prepared = prepare(req.submit, identified)
-        if prepared.published:
+        prepared = prepare(req.submit, identified) if layout.manifest.is_file() else None
+        if prepared is not None and prepared.published:
             log.info("run %s: result already published in %s", layout.run_id, layout.result)
             return RunOutcome(SubmitResult.already_published(prepared.manifest), None)
-        redis_gone = redis_never_gone
-        if req.redis_url:
-            url = req.redis_url
-        else:
-            # One embedded server per store: two appending to one append-only file corrupt it.
-            data_dir = embedded_redis_dir(store)
-            server_lock = stack.enter_context(
-                StoreLock(data_dir / "owner.json", f"the embedded Redis of {data_dir}")
-            )
-            server_lock.acquire(req.watch.wait_for_owner)
-            server = EmbeddedRedis(data_dir)
-            stack.enter_context(_full_disk_is_a_storage_error(server))
-            stack.enter_context(server)
-            stack.enter_context(_advertised(data_dir / "url", server.url))
-            server.watch()  # restarted if it dies; the run stops with the reason if it cannot be
-            url, redis_gone = server.url, lambda: server.failure
-            if server_lock.took_over:
-                _release_orphans(redis.Redis.from_url(url), server_lock.took_over)
+        url, redis_gone = _start_redis(req, stack)
+        pool = stack.enter_context(PoolProcess(req, url, _log_path(req, layout, display)))
+        if prepared is None:
+            try:
+                prepared = prepare(req.submit, identified)
+            except BaseException:
+                pool.kill()  # it has taken nothing: nothing was queued
+                redis_dir.remove_on_failure()  # it holds nothing of the run yet
+                raise
         connection = redis.Redis.from_url(url)
         submitted = submit(req.submit, connection, identified, prepared)
         # Submit has checked the result's checksums; look again only if another run may have
@@ -243,17 +295,5 @@ def run(req: RunRequest, display: ProgressDisplay) -> RunOutcome:
         if submitted.published or published_result(layout, load_manifest(layout)) is not None:
             log.info("run %s: result already published in %s", submitted.run_id, layout.result)
             return RunOutcome(submitted, None)
-        keep_going = _always
-        if submitted.done < submitted.chunks:
-            # Under a live progress bar the workers' log lines would tear it: send them to a file.
-            log_path = (
-                local_state_dir(store) / "runs" / layout.run_id / "logs" / "pool.log"
-                if display.live
-                else None
-            )
-            if log_path is not None:
-                log.info("worker logs: %s", log_path)
-            pool = stack.enter_context(PoolProcess(req, url, log_path))
-            keep_going = pool.alive
-        outcome = supervise(connection, layout, display, req.watch, keep_going, redis_gone, owner)
-        return RunOutcome(submitted, outcome, pool_died=not keep_going())
+        outcome = supervise(connection, layout, display, req.watch, pool.alive, redis_gone, owner)
+        return RunOutcome(submitted, outcome, pool_died=not pool.alive())

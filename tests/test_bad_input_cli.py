@@ -3,6 +3,7 @@ nothing written to the store or Redis. (Reader-level cases live in test_corpus.p
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -107,12 +108,21 @@ def test_a_run_id_with_a_trailing_newline_is_refused_before_anything_is_written(
 
 
 @pytest.mark.parametrize("case", ["empty-file", "invalid-json", "duplicate-ids"])
-def test_a_run_whose_corpus_fails_later_than_its_first_row_starts_nothing(tmp_path: Path, case: str) -> None:
-    """``chunkq run`` with the embedded Redis: the corpus is read whole before any server or pool
-    starts, so a bad row after the first (or no row) leaves no store, no Redis files, no process."""
+def test_a_run_whose_corpus_fails_later_than_its_first_row_leaves_nothing(tmp_path: Path, case: str) -> None:
+    """``chunkq run`` with the embedded Redis splits the corpus while its pool starts; a bad row
+    after the first (or no row) stops it with the pool killed, the server stopped and every file and
+    folder it created removed: no store, no Redis files, no process left."""
+    import psutil
+
     name, content, message = CASES[case]
     corpus = _write(tmp_path / name, content)
     store = tmp_path / "store"
     result = run_cli("run", str(corpus), "--store", str(store))
     assert result.returncode == 3 and message in result.stderr, result.stderr
-    assert "embedded Redis" not in result.stderr and not store.exists()
+    assert not store.exists()
+    left = []
+    for proc in psutil.process_iter(["cmdline", "environ"]):
+        with contextlib.suppress(psutil.Error):
+            if str(store) in " ".join(proc.info["cmdline"] or []) + str(proc.info["environ"] or ""):
+                left.append(proc.info["cmdline"])
+    assert left == []

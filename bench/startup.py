@@ -1,0 +1,105 @@
+"""The first seconds (issue 24.4): time to the first chunk and to a 2-text ``chunkq.embed``, against
+loading the model in a plain process in the same run.
+
+    python bench/startup.py [--repeats 3] [--out startup.json]
+
+Each figure is a fresh process, timed from its launch, in rounds that alternate the four
+measurements (the median of ``--repeats`` rounds is reported):
+- plain load: ``SentenceTransformer(<bundled model>)`` in a new Python process (imports included);
+- plain load + encode: the same, then ``encode`` of 2 texts;
+- chunkq run, first chunk: ``chunkq run`` of 200 short texts (chunks of 50) into a new store, from
+  launch to the first chunk's ``started_at`` (its output metadata), and to the end;
+- chunkq.embed, 2 texts: ``import chunkq; chunkq.embed(["first text", "second text"])``.
+Goals: first chunk <= 1.5x the plain load; embed of 2 texts <= 2x the plain load and encode.
+"""
+
+from __future__ import annotations
+
+import sys
+
+# Run as a file, Python puts bench/ first on sys.path, where bench/queue.py would shadow the
+# standard library's queue module that redis imports.
+if not __package__:
+    sys.path.pop(0)
+
+import argparse
+import json
+import statistics
+import subprocess
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from chunkq.jobs.models import BUNDLED_MODEL, resolve_model
+
+CHUNKQ = str(Path(sys.executable).parent / "chunkq")
+PLAIN = (
+    "from sentence_transformers import SentenceTransformer; m = SentenceTransformer({path!r}, device='cpu')"
+)
+ENCODE = "; m.encode(['first text', 'second text'])"
+EMBED = "import chunkq; chunkq.embed(['first text', 'second text'])"
+
+
+def _timed(cmd: list[str]) -> tuple[float, float]:
+    """(launch time as epoch seconds, seconds the command took); raises if it failed."""
+    launched, started = time.time(), time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)[:120]} failed: {done.stderr[-2000:]}")
+    return launched, time.perf_counter() - started
+
+
+def _first_chunk(scratch: Path, round_: int) -> tuple[float, float]:
+    """(seconds from launch to the first chunk's start, seconds to the end) of a fresh chunkq run."""
+    corpus = scratch / "startup.jsonl"
+    if not corpus.exists():
+        corpus.write_text("".join(json.dumps({"text": f"short text number {i}"}) + "\n" for i in range(200)))
+    store = scratch / f"store-{round_}"
+    launched, total = _timed([CHUNKQ, "run", str(corpus), "--store", str(store), "--chunk-size", "50"])
+    starts = [
+        datetime.fromisoformat(json.loads(meta.read_text())["started_at"]).timestamp()
+        for meta in store.glob("runs/*/outputs/*.json")
+    ]
+    return min(starts) - launched, total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    path = resolve_model(BUNDLED_MODEL)
+    figures: dict[str, list[float]] = {k: [] for k in ("load", "load_encode", "first_chunk", "run", "embed")}
+    with tempfile.TemporaryDirectory(prefix="chunkq-startup-") as scratch:
+        for round_ in range(args.repeats):
+            figures["load"].append(_timed([sys.executable, "-c", PLAIN.format(path=path)])[1])
+            first, total = _first_chunk(Path(scratch), round_)
+            figures["first_chunk"].append(first)
+            figures["run"].append(total)
+            figures["load_encode"].append(_timed([sys.executable, "-c", PLAIN.format(path=path) + ENCODE])[1])
+            figures["embed"].append(_timed([sys.executable, "-c", EMBED])[1])
+            print(json.dumps({k: round(v[-1], 2) for k, v in figures.items()}), flush=True)
+    median = {k: statistics.median(v) for k, v in figures.items()}
+    result: dict[str, Any] = {
+        "median_seconds": {k: round(v, 2) for k, v in median.items()},
+        "first_chunk_vs_load": round(median["first_chunk"] / median["load"], 2),
+        "embed_vs_load_encode": round(median["embed"] / median["load_encode"], 2),
+        "rounds": {k: [round(x, 2) for x in v] for k, v in figures.items()},
+    }
+    print(
+        f"\nmedian of {args.repeats} rounds (s): plain load {median['load']:.2f}, plain load + encode "
+        f"{median['load_encode']:.2f}; chunkq run: first chunk {median['first_chunk']:.2f} "
+        f"({result['first_chunk_vs_load']}x the plain load; goal <= 1.5x), whole run {median['run']:.2f}; "
+        f"chunkq.embed of 2 texts {median['embed']:.2f} ({result['embed_vs_load_encode']}x the plain load "
+        "and encode; goal <= 2x)"
+    )
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
