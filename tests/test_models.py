@@ -76,7 +76,10 @@ def test_prompt_truncation_and_normalisation_give_what_a_plain_encode_gives(
     assert load_manifest(layout).options["prompt"] == "query: "
 
 
-@pytest.mark.parametrize("dtype", ["float16", "int8", "uint8", "binary", "ubinary"])
+# uint8 computes its ranges as int8 does (a child process loads the model: ~8 s): the slow tier.
+@pytest.mark.parametrize(
+    "dtype", ["float16", "int8", pytest.param("uint8", marks=pytest.mark.slow), "binary", "ubinary"]
+)
 def test_every_output_dtype_is_stored_verified_and_exported_as_sentence_transformers_makes_it(
     dtype: str, tmp_path: Path, connection: redis.Redis, reference_model: Any
 ) -> None:
