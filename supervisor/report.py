@@ -31,7 +31,9 @@ LENGTH_SAMPLE = 20_000  # texts whose token length is measured for the histogram
 LENGTH_SAMPLE_CHUNKS = 200  # chunk inputs read for that sample: a run's size must not decide the cost
 LABELLED_CHUNKS = 300  # up to this many chunks, each is drawn and numbered; above, lanes are binned
 TIMELINE_BINS = 1500  # columns of a binned lane: about a pixel each in the figure, at any chunk count
-RATE_BINS = 30  # the throughput panel's bars: wide enough to show a rate, not each chunk's arrival
+RATE_BINS = 200  # rows finished per slice of the run's span, before the rate's window smooths them
+RATE_WINDOW_CHUNKS = 2.0  # the rate is taken over at least this many chunk durations (a chunk's rows
+# arrive at once when it finishes: a shorter window shows each arrival as a spike, not a rate)
 
 
 @dataclass
@@ -70,6 +72,7 @@ class RunFacts:
     rate: np.ndarray[Any, Any] = field(default_factory=lambda: np.zeros(RATE_BINS))
     devices: set[str] = field(default_factory=set)
     failures: list[FailedAttempt] = field(default_factory=list)
+    chunk_seconds: float = 0.0  # summed over finished chunks, for the rate's window
 
     @property
     def t0(self) -> datetime:
@@ -106,7 +109,20 @@ class RunFacts:
         lane.busy[lo : hi + 1] = True
         self.rate[min(int(end / span * RATE_BINS), RATE_BINS - 1)] += int(record["rows"])
         self.devices.add(lane.device)
+        self.chunk_seconds += max(end - start, 0.0)
         self.chunks_done += 1
+
+    def rate_curve(self) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], float]:
+        """(times, rows per second over the window ending at each, the window in seconds): the window
+        spans RATE_WINDOW_CHUNKS mean chunk durations, at least 1/30 of the run."""
+        width = self.span / RATE_BINS
+        mean_chunk = self.chunk_seconds / max(1, self.chunks_done)
+        window = max(RATE_WINDOW_CHUNKS * mean_chunk, self.span / 30, width)
+        bins = max(1, round(window / width))
+        rows = np.convolve(self.rate, np.ones(bins))[: len(self.rate)]
+        # Near the start the window reaches back before the first chunk: divide by what it covers.
+        covered = np.minimum(np.arange(1, len(self.rate) + 1), bins) * width
+        return (np.arange(1, len(self.rate) + 1) * width, rows / covered, bins * width)
 
 
 def gather(layout: RunLayout) -> RunFacts:
@@ -221,7 +237,8 @@ def _plot(facts: RunFacts, lengths: list[int], limit: int | None, unit: str, pat
     for y, lane in enumerate(lanes):
         lane_of_worker[lane.worker] = y
         for start, end, chunk in lane.chunks:
-            ax_lanes.text((start + end) / 2, y, str(chunk), ha="center", va="center", fontsize=8)
+            size = 10 if facts.chunks_done <= 50 else 7
+            ax_lanes.text((start + end) / 2, y, str(chunk), ha="center", va="center", fontsize=size)
         # One artist a lane, of at most TIMELINE_BINS bars: a 10^6-chunk run draws like a small one.
         ax_lanes.broken_barh(
             lane.spans(bin_seconds), (y - 0.3, 0.6), facecolors="tab:blue", edgecolors="white", linewidth=0.3
@@ -251,9 +268,16 @@ def _plot(facts: RunFacts, lengths: list[int], limit: int | None, unit: str, pat
         "process end (|)"
     )
 
-    width = span / RATE_BINS
-    ax_rate.bar(np.arange(RATE_BINS) * width, facts.rate / width, width=width, align="edge")
-    ax_rate.set_ylabel(f"rows / s ({width:.3g} s bins)")
+    times, rates, window = facts.rate_curve()
+    ax_rate.plot(times, rates, color="tab:blue", drawstyle="steps-post")
+    ax_rate.fill_between(times, rates, step="post", alpha=0.3, color="tab:blue")
+    overall = facts.throughput.rows_per_second(running=False)
+    if overall:
+        ax_rate.axhline(
+            overall, color="black", linestyle="--", linewidth=1, label=f"run: {overall:,.1f} rows/s"
+        )
+        ax_rate.legend(loc="lower right", fontsize=9)
+    ax_rate.set_ylabel(f"rows / s (last {window:.3g} s)")
     ax_rate.set_xlabel("seconds since the first chunk started")
 
     ax_len.hist(lengths, bins=50, color="tab:green")
