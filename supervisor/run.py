@@ -227,6 +227,10 @@ class _CreatedHere:
             shutil.rmtree(self.path, ignore_errors=True)
 
 
+def _always() -> bool:
+    return True
+
+
 def _log_path(req: RunRequest, layout: RunLayout, display: ProgressDisplay) -> Path | None:
     """Under a live progress bar the workers' log lines would tear it: they go to a file."""
     if not display.live:
@@ -280,8 +284,9 @@ def run(req: RunRequest, display: ProgressDisplay) -> RunOutcome:
             log.info("run %s: result already published in %s", layout.run_id, layout.result)
             return RunOutcome(SubmitResult.already_published(prepared.manifest), None)
         url, redis_gone = _start_redis(req, stack)
-        pool = stack.enter_context(PoolProcess(req, url, _log_path(req, layout, display)))
-        if prepared is None:
+        pool = None
+        if prepared is None:  # a new run: its corpus is split while the pool loads the model
+            pool = stack.enter_context(PoolProcess(req, url, _log_path(req, layout, display)))
             try:
                 prepared = prepare(req.submit, identified)
             except BaseException:
@@ -295,5 +300,8 @@ def run(req: RunRequest, display: ProgressDisplay) -> RunOutcome:
         if submitted.published or published_result(layout, load_manifest(layout)) is not None:
             log.info("run %s: result already published in %s", submitted.run_id, layout.result)
             return RunOutcome(submitted, None)
-        outcome = supervise(connection, layout, display, req.watch, pool.alive, redis_gone, owner)
-        return RunOutcome(submitted, outcome, pool_died=not pool.alive())
+        if pool is None and submitted.done < submitted.chunks:  # resumed with chunks left to encode
+            pool = stack.enter_context(PoolProcess(req, url, _log_path(req, layout, display)))
+        keep_going = _always if pool is None else pool.alive
+        outcome = supervise(connection, layout, display, req.watch, keep_going, redis_gone, owner)
+        return RunOutcome(submitted, outcome, pool_died=not keep_going())
