@@ -255,17 +255,16 @@ def _embed(chunk: ChunkSpec) -> dict[str, Any]:
             f"chunk {chunk.job_id}: input holds {len(texts)} rows, the spec says {chunk.rows}"
         )
     loaded = models.get_model(chunk.model, ctx.device, chunk.options.precision, chunk.options)
+    work = replace(chunk, options=token_batches.for_device(chunk.options, ctx.device))
     learned = _learned(layout, ctx.device_kind)
-    start = _start_limit(chunk.options, learned)
+    start = _start_limit(work.options, learned)
     started_at = datetime.now(UTC)
     cuda.reset_peak_memory(ctx.device)
     t0 = time.perf_counter()
-    encoded = encode_with_backoff(loaded, texts, chunk, attempt, start, ctx.device)
+    encoded = encode_with_backoff(loaded, texts, work, attempt, start, ctx.device)
     seconds = time.perf_counter() - t0
-    _learn(
-        layout, ctx.device_kind, chunk.options, learned, encoded, sum(map(len, texts)) / max(seconds, 1e-9)
-    )
-    by_tokens = chunk.options.batch_tokens is not None
+    _learn(layout, ctx.device_kind, work.options, learned, encoded, sum(map(len, texts)) / max(seconds, 1e-9))
+    by_tokens = work.options.batch_tokens is not None
     meta = {
         "run_id": chunk.run_id,
         "chunk": chunk.index,

@@ -190,10 +190,16 @@ def test_token_budget_batches_are_cut_longest_first_within_the_budget() -> None:
     assert all(lengths[b[0]] == max(lengths[i] for i in b) for b in batches)
 
 
-@pytest.mark.parametrize("budget", [200, "auto"])
+@pytest.mark.parametrize("budget", [200, "auto", "auto as on a GPU"])
 def test_token_budget_batches_give_the_embeddings_of_fixed_batches(
-    store: Path, reference_model: Any, budget: int | str
+    store: Path, reference_model: Any, budget: int | str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from chunkq.jobs import token_batches
+
+    tuned = budget == "auto as on a GPU"
+    if tuned:  # the GPU's rule on this CPU: the budget tunes itself
+        monkeypatch.setattr(token_batches, "for_device", lambda options, device: options)
+        budget = "auto"
     layout = RunLayout(store, "faulty")
     outputs = []
     for index in range(3):
@@ -202,7 +208,7 @@ def test_token_budget_batches_give_the_embeddings_of_fixed_batches(
         got = np.load(layout.output_npy(index))
         assert max_abs_diff(got, reference_model.encode(texts, batch_size=32)) <= 1e-5
         outputs.append(meta)
-    if budget == "auto":
+    if tuned:
         # Doubled after each chunk that ran faster than the last (the first always does: there is
         # nothing to compare it with), and never again once a chunk did not pay.
         chain = [m["batch_tokens"] for m in outputs] + [
@@ -213,6 +219,12 @@ def test_token_budget_batches_give_the_embeddings_of_fixed_batches(
         assert all(after in (before, 2 * before) for before, after in steps), chain
         stopped = next((i for i, (before, after) in enumerate(steps) if after == before), len(steps))
         assert len(set(chain[stopped:])) == 1, chain
+    elif budget == "auto":
+        # A GPU setting (issue 26): on the CPU, where token budgets were measured slower, chunks
+        # run in --batch-size batches, and their metadata says what was asked.
+        assert [(m["batch_tokens"], m["batch_size"]) for m in outputs] == [(None, 32)] * 3
+        assert all(m["batch_tokens_requested"] == "auto" for m in outputs)
+        assert not layout.learned_batch("cpu").exists()
     else:
         assert [m["batch_tokens"] for m in outputs] == [200, 200, 200]
 
