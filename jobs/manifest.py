@@ -7,6 +7,7 @@ every chunk output and the published result against it.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,13 @@ class RunManifest:
 
     def chunk_rows(self, index: int) -> int:
         return min(self.chunk_size, self.rows - self.first_row(index))
+
+    def rows_of(self, chunks: Collection[int]) -> int:
+        """Rows in ``chunks`` (indices of this run): every chunk but the last is full."""
+        last = self.chunks - 1
+        return len(chunks) * self.chunk_size - (
+            self.chunk_size - self.chunk_rows(last) if last in chunks else 0
+        )
 
     def chunk_spec(self, store: Path, index: int) -> ChunkSpec:
         return ChunkSpec(

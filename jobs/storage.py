@@ -218,6 +218,23 @@ def _mtime(info: dict[str, Any]) -> float:
     return 0.0
 
 
+def list_names(directory: Path) -> Iterator[str]:
+    """The name of each file in ``directory``, without a stat of each where the listing says the
+    type (one listing call on object stores)."""
+    if not is_local(directory):
+        for name, _ in list_with_mtime(directory):
+            yield name
+        return
+    if not directory.is_dir():
+        return
+    for entry in os.scandir(directory):
+        try:
+            if entry.is_file(follow_symlinks=False):
+                yield entry.name
+        except FileNotFoundError:  # a writer renamed its temporary file since the listing
+            continue
+
+
 def list_with_mtime(directory: Path) -> Iterator[tuple[str, float]]:
     """(name, modification time) of each file in ``directory``; one listing call on object stores."""
     if is_local(directory):

@@ -27,7 +27,7 @@ import numpy as np
 
 from chunkq.jobs.errors import BadInputError, StoreError
 from chunkq.jobs.specs import OUTPUT_DTYPES, validate_run_id
-from chunkq.jobs.storage import atomic_path, is_local, list_with_mtime, no_links_below, open_store
+from chunkq.jobs.storage import atomic_path, is_local, list_names, list_with_mtime, no_links_below, open_store
 
 CHUNK_NAME_WIDTH = 6
 
@@ -116,8 +116,14 @@ class RunLayout:
                 yield int(stem), mtime
 
     def done_chunks(self) -> set[int]:
-        """Indices whose output metadata (the commit marker) exists."""
-        return {index for index, _ in self.committed_outputs()}
+        """Indices whose output metadata (the commit marker) exists: names only, no stat of each
+        (200,000 of them at 10^5 chunks)."""
+        done = set()
+        for name in list_names(self.outputs):
+            stem, dot, ext = name.partition(".")
+            if ext == "json" and dot and stem.isdigit():
+                done.add(int(stem))
+        return done
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

@@ -21,7 +21,9 @@ def _size(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def _age(seconds: float) -> str:
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
     for size, unit in ((86400, "d"), (3600, "h"), (60, "min")):
         if seconds >= size:
             return f"{seconds / size:.0f} {unit}"

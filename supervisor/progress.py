@@ -345,7 +345,7 @@ def store_snapshot(layout: RunLayout, manifest: RunManifest) -> Snapshot:
     snap = Snapshot(manifest.run_id, manifest.chunks, manifest.rows, live=False)
     snap.owned = StoreLock(layout.owner, "").live_holder() is not None
     done = layout.done_chunks()
-    snap.rows_done = sum(manifest.chunk_rows(index) for index in done)
+    snap.rows_done = manifest.rows_of(done)
     throughput = throughput_of(layout, done)
     snap.chunks_done = len(done)
     last: dict[int, FailedAttempt] = {}

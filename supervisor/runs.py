@@ -51,11 +51,15 @@ class RunInfo:
     options: str = ""  # the encode options that differ from the defaults, "key=value" each
 
     @property
-    def age_seconds(self) -> float:
-        return (datetime.now(UTC) - datetime.fromisoformat(self.created_at)).total_seconds()
+    def age_seconds(self) -> float | None:
+        try:
+            return (datetime.now(UTC) - datetime.fromisoformat(self.created_at)).total_seconds()
+        except ValueError:  # a manifest without its creation time (written by hand, or by a test)
+            return None
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "age_seconds": round(self.age_seconds)}
+        age = self.age_seconds
+        return {**asdict(self), "age_seconds": None if age is None else round(age)}
 
 
 def run_ids(store: Path) -> list[str]:
@@ -69,13 +73,21 @@ def folder_bytes(path: Path) -> int:
     if not is_local(path):
         fs = path.fs  # type: ignore[attr-defined]
         return int(fs.du(path.path, total=True))  # type: ignore[attr-defined]
-    total = 0
-    for folder, _dirs, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(folder, name)).st_size
-            except FileNotFoundError:
-                continue
+    total, folders = 0, [str(path)]
+    while folders:  # scandir's entries carry their type: one lstat a file, none a folder
+        try:
+            entries = os.scandir(folders.pop())
+        except FileNotFoundError:
+            continue
+        with entries:
+            for entry in entries:
+                try:
+                    if entry.is_dir(follow_symlinks=False):
+                        folders.append(entry.path)
+                    else:
+                        total += entry.stat(follow_symlinks=False).st_size
+                except FileNotFoundError:
+                    continue
     return total
 
 
@@ -90,7 +102,7 @@ def state_of(layout: RunLayout, manifest: RunManifest) -> tuple[str, int]:
     if result is not None and not result_problems(layout, result, manifest, checksums=False):
         return (PUBLISHED if result.get("complete", True) else PARTIAL), int(result["rows"])
     done = layout.done_chunks()
-    rows_done = sum(manifest.chunk_rows(i) for i in done)
+    rows_done = manifest.rows_of(done)
     if owner_of(layout) is not None:
         return IN_FLIGHT, rows_done
     quarantined = {a.chunk for a in failed_attempts(layout) if a.quarantined} - done

@@ -185,6 +185,7 @@ def test_a_stopped_run_says_so_with_the_rate_it_ran_at_and_no_eta(encoded_run: A
     kept = [read_json(layout.output_meta(i)) for i in range(4)]
     snap = store_snapshot(layout, manifest)
     assert not snap.settled and not snap.owned and snap.eta_seconds is None
+    assert (snap.chunks_done, snap.rows_done) == (4, 40)  # the short last chunk (7 rows) is the one missing
     assert snap.rows_per_second == of_outputs(kept).rows_per_second(running=False)
     line = describe(snap)
     assert "not running: no process supervises it" in line and "ETA" not in line
