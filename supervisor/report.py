@@ -10,6 +10,7 @@ model's truncation point.
 from __future__ import annotations
 
 import logging
+import math
 import random
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -118,7 +119,7 @@ class RunFacts:
         width = self.span / RATE_BINS
         mean_chunk = self.chunk_seconds / max(1, self.chunks_done)
         window = max(RATE_WINDOW_CHUNKS * mean_chunk, self.span / 30, width)
-        bins = max(1, round(window / width))
+        bins = max(1, math.ceil(window / width))
         rows = np.convolve(self.rate, np.ones(bins))[: len(self.rate)]
         # Near the start the window reaches back before the first chunk: divide by what it covers.
         covered = np.minimum(np.arange(1, len(self.rate) + 1), bins) * width
