@@ -11,11 +11,13 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
+from array import array
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from chunkq.jobs.errors import AssemblyError, BadInputError
 from chunkq.jobs.manifest import RunManifest, load_manifest
@@ -35,32 +37,33 @@ from chunkq.supervisor.result import (
 log = logging.getLogger(__name__)
 
 
-class Verified(NamedTuple):
-    """What the result needs of one verified chunk output."""
+@dataclass
+class Verified:
+    """What the result needs of the verified chunk outputs, in a few bytes a chunk: each one's
+    stored columns (an array: a run of 10^5 chunks must not hold 10^5 records), and the rest as
+    totals (who did the work, on which devices, for how long)."""
 
-    dim: int  # the stored columns
-    worker: str
-    device: str
-    seconds: float
-    embedding_dim: int  # the dimensions encoded (packed bits store 8 a column)
+    dims: array[int] = field(default_factory=lambda: array("i"))  # per chunk; 0: none verified
+    workers: set[str] = field(default_factory=set)
+    devices: set[str] = field(default_factory=set)
+    seconds: float = 0.0
+    embedding_dim: int = 0  # the dimensions encoded (packed bits store 8 a column)
 
-    @classmethod
-    def of(cls, meta: dict[str, Any]) -> Verified:
+    def add(self, index: int, meta: dict[str, Any]) -> None:
+        self.dims[index] = dim = int(meta["dim"])
+        self.embedding_dim = self.embedding_dim or int(meta.get("embedding_dim") or dim)
+        self.workers.add(str(meta.get("worker")))
+        self.devices.add(str(meta.get("device")))
         try:
-            seconds = float(meta.get("seconds") or 0.0)
+            self.seconds += float(meta.get("seconds") or 0.0)
         except (TypeError, ValueError):
-            seconds = 0.0
-        dim = int(meta["dim"])
-        embedding_dim = int(meta.get("embedding_dim") or dim)
-        return cls(dim, str(meta.get("worker")), str(meta.get("device")), seconds, embedding_dim)
+            pass
 
 
-def _verify_all(layout: RunLayout, manifest: RunManifest, skip: set[int]) -> tuple[list[Verified], list[str]]:
+def _verify_all(layout: RunLayout, manifest: RunManifest, skip: set[int]) -> tuple[Verified, list[str]]:
     """Each chunk output whole and the run's, all of one dimension. A bad output is set aside, so
     the next run encodes it again; its problem is listed either way."""
-    # Only what the result needs of each output (its dimension, who and how long): a run of 10^5
-    # chunks must not hold 10^5 metadata dicts.
-    metas: dict[int, Verified] = {}
+    verified = Verified(array("i", bytes(4 * manifest.chunks)))
     problems = []
     producer = manifest.producer()
     for index in range(manifest.chunks):
@@ -70,16 +73,17 @@ def _verify_all(layout: RunLayout, manifest: RunManifest, skip: set[int]) -> tup
         if meta is None:
             problems.append(_set_aside_because(layout, manifest, index, why))
         else:
-            metas[index] = Verified.of(meta)
+            verified.add(index, meta)
     # The dimension the model gives is the one most chunks have: a lone output of another dimension
     # is the odd one out, not the healthy chunks around it.
-    dims = Counter(m.dim for m in metas.values())
+    dims = Counter(d for d in verified.dims if d)
     if len(dims) > 1:
         dim, _ = dims.most_common(1)[0]
-        for index in [i for i, m in metas.items() if m.dim != dim]:
-            why = f"dimension {metas.pop(index).dim}, while {dims[dim]} other chunk(s) have {dim}"
+        for index in [i for i, d in enumerate(verified.dims) if d and d != dim]:
+            why = f"dimension {verified.dims[index]}, while {dims[dim]} other chunk(s) have {dim}"
+            verified.dims[index] = 0
             problems.append(_set_aside_because(layout, manifest, index, why))
-    return list(metas.values()), problems
+    return verified, problems
 
 
 def _set_aside_because(layout: RunLayout, manifest: RunManifest, index: int, why: str) -> str:
@@ -155,12 +159,12 @@ def assemble(
     if existing is not None:
         return existing
     skip = {f.chunk: f for f in missing or []}
-    metas, problems = _verify_all(layout, manifest, set(skip))
+    verified, problems = _verify_all(layout, manifest, set(skip))
     if problems:
         raise AssemblyError(manifest.run_id, problems)
-    if not metas:
+    dim = next((d for d in verified.dims if d), 0)
+    if not dim:
         raise AssemblyError(manifest.run_id, ["no chunk of the run has an output"])
-    dim = metas[0].dim
     total = manifest.rows - sum(f.rows for f in skip.values())
     built = local_build_dir(layout)
     remote = not is_local(layout.root)
@@ -188,12 +192,12 @@ def assemble(
             "missing": missing_rows,
             "dim": dim,  # the stored array's columns
             "dtype": manifest.output_dtype,
-            "embedding_dim": metas[0].embedding_dim,
+            "embedding_dim": verified.embedding_dim,
             "packed_bits": manifest.output_dtype in PACKED_DTYPES,  # binary/ubinary: 8 dimensions a byte
             "assembled_at": datetime.now(UTC).isoformat(),
-            "workers": sorted({m.worker for m in metas}),
-            "devices": sorted({m.device for m in metas}),
-            "encode_seconds": round(sum(m.seconds for m in metas), 3),
+            "workers": sorted(verified.workers),
+            "devices": sorted(verified.devices),
+            "encode_seconds": round(verified.seconds, 3),
         }
         atomic_write_json(built / "manifest.json", result)
         if fence is not None:
