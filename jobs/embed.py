@@ -52,10 +52,7 @@ def encode_texts(
     }
     if isinstance(options.batch_tokens, int):
         return token_batches.encode(model, texts, options.batch_tokens, kwargs)
-    embeddings = model.encode(
-        texts, batch_size=options.batch_size, convert_to_numpy=True, show_progress_bar=False, **kwargs
-    )
-    return np.asarray(embeddings, dtype=np.float32)
+    return token_batches.encode(model, texts, options.batch_size, kwargs, by_tokens=False)
 
 
 WARM_UP_TOKENS_GPU = (16, 64, 256, 512)  # lengths a warm-up encode covers, capped at the model's maximum
