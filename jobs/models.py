@@ -149,7 +149,7 @@ def get_model(ref: str, device: str, precision: str, options: EncodeOptions | No
         raise ConfigError(f"precision {precision} needs a GPU; this worker runs on {device}")
     started = time.perf_counter()
     # The fork server's copy was loaded the default way: only a default load may take it.
-    template = _templates.pop(ref, None) if options.load_key() == EncodeOptions().load_key() else None
+    template = _templates.pop(ref, None) if options.default_load else None
     if template is not None:
         # SentenceTransformer(path, device=...) builds the model on the CPU and then moves it too.
         model = template.to(device)

@@ -9,12 +9,7 @@ from typing import Any
 import numpy as np
 
 from chunkq.jobs.errors import ConfigError
-from chunkq.jobs.specs import CALIBRATED_DTYPES, OUTPUT_DTYPES, PACKED_DTYPES
-
-
-def storage_dtype(output_dtype: str) -> np.dtype[Any]:
-    """The numpy dtype a result of ``output_dtype`` is stored in."""
-    return np.dtype(OUTPUT_DTYPES[output_dtype])
+from chunkq.jobs.specs import CALIBRATED_DTYPES, PACKED_DTYPES, storage_dtype
 
 
 def stored_columns(dim: int, output_dtype: str) -> int:

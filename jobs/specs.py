@@ -8,6 +8,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
+
 from chunkq.jobs.errors import ConfigError
 
 FORMAT_VERSION = 1
@@ -44,6 +46,13 @@ OUTPUT_DTYPES = {
     "ubinary": "|u1",
 }
 PACKED_DTYPES = frozenset({"binary", "ubinary"})
+
+
+def storage_dtype(output_dtype: str) -> np.dtype[Any]:
+    """The numpy dtype a result of ``output_dtype`` is stored in."""
+    return np.dtype(OUTPUT_DTYPES[output_dtype])
+
+
 CALIBRATED_DTYPES = frozenset({"int8", "uint8"})  # need per-dimension ranges, one set for the run
 # --model-kwargs: keys passed to transformers' from_pretrained that tune how a model runs and cannot
 # make it load or execute anything else, each with the values it may take.
@@ -142,6 +151,12 @@ class EncodeOptions:
         """What decides how the model is loaded (beside its name, device and precision)."""
         kwargs = tuple(sorted((self.model_kwargs or {}).items()))
         return (self.trust_remote_code, self.revision, kwargs)
+
+    @property
+    def default_load(self) -> bool:
+        """The model loads as a plain ``SentenceTransformer(name)`` does: what a preload or the fork
+        server's copy is."""
+        return not self.trust_remote_code and self.revision is None and not self.model_kwargs
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from chunkq.jobs.errors import BadInputError, StoreError
-from chunkq.jobs.specs import OUTPUT_DTYPES, validate_run_id
+from chunkq.jobs.specs import OUTPUT_DTYPES, storage_dtype, validate_run_id
 from chunkq.jobs.storage import atomic_path, is_local, list_names, list_with_mtime, no_links_below, open_store
 
 CHUNK_NAME_WIDTH = 6
@@ -261,7 +261,7 @@ def write_output(
 ) -> dict[str, Any]:
     """Publish a chunk output: the .npy first, then its metadata, which commits it. ``embeddings``
     are already in ``output_dtype``'s stored form (jobs.quantize); ``dim`` is the stored columns."""
-    array = np.ascontiguousarray(embeddings, dtype=np.dtype(OUTPUT_DTYPES[output_dtype]))
+    array = np.ascontiguousarray(embeddings, dtype=storage_dtype(output_dtype))
     digest = save_npy_atomic(layout.output_npy(index), array)
     full = {
         **meta,

@@ -21,8 +21,8 @@ from chunkq.jobs.errors import ConfigError
 from chunkq.jobs.manifest import load_manifest
 from chunkq.jobs.model_info import describe
 from chunkq.jobs.models import check_model, default_model, resolve_model
-from chunkq.jobs.quantize import storage_dtype, stored_columns
-from chunkq.jobs.specs import EncodeOptions
+from chunkq.jobs.quantize import stored_columns
+from chunkq.jobs.specs import EncodeOptions, storage_dtype
 from chunkq.jobs.storage import is_local, open_store, private_open
 from chunkq.jobs.store import RunLayout, load_npy, read_json
 from chunkq.queue_worker.settings import DEFAULT_STORE

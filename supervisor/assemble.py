@@ -21,8 +21,7 @@ from typing import Any
 
 from chunkq.jobs.errors import AssemblyError, BadInputError
 from chunkq.jobs.manifest import RunManifest, load_manifest
-from chunkq.jobs.quantize import storage_dtype
-from chunkq.jobs.specs import PACKED_DTYPES
+from chunkq.jobs.specs import PACKED_DTYPES, storage_dtype
 from chunkq.jobs.storage import is_local, publish_file
 from chunkq.jobs.store import RunLayout, atomic_write_json, load_npy, read_chunk_input, verify_output
 from chunkq.supervisor.progress import Failure
@@ -63,7 +62,7 @@ class Verified:
 def _verify_all(layout: RunLayout, manifest: RunManifest, skip: set[int]) -> tuple[Verified, list[str]]:
     """Each chunk output whole and the run's, all of one dimension. A bad output is set aside, so
     the next run encodes it again; its problem is listed either way."""
-    verified = Verified(array("i", bytes(4 * manifest.chunks)))
+    verified = Verified(array("i", [0]) * manifest.chunks)
     problems = []
     producer = manifest.producer()
     for index in range(manifest.chunks):

@@ -25,7 +25,7 @@ import numpy as np
 
 from chunkq.jobs.errors import AssemblyError, ConfigError, StoreError
 from chunkq.jobs.manifest import load_manifest
-from chunkq.jobs.quantize import storage_dtype
+from chunkq.jobs.specs import storage_dtype
 from chunkq.jobs.store import RunLayout, read_json, read_npy_header
 from chunkq.supervisor.result import ResultPart, result_parts, result_problems
 

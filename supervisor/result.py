@@ -34,7 +34,7 @@ import numpy as np
 
 from chunkq.jobs.errors import ConfigError
 from chunkq.jobs.manifest import RunManifest
-from chunkq.jobs.quantize import storage_dtype
+from chunkq.jobs.specs import storage_dtype
 from chunkq.jobs.storage import (
     exchange_dirs,
     is_local,
@@ -477,6 +477,6 @@ class ShardedEmbeddings:
             yield from self.shard(index)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray[Any, Any]:
-        whole = np.concatenate([self.shard(i) for i in range(len(self._parts))]) if self._parts else None
-        array = whole if whole is not None else np.empty(self.shape, dtype=self.dtype)
+        shards = [self.shard(i) for i in range(len(self._parts))]
+        array = np.concatenate(shards) if shards else np.empty(self.shape, dtype=self.dtype)
         return array if dtype is None else array.astype(dtype)

@@ -23,7 +23,6 @@ from rq.serializers import JSONSerializer
 from chunkq.jobs.abandon import mark_abandoned
 from chunkq.jobs.errors import StoreWriteError
 from chunkq.jobs.manifest import load_manifest
-from chunkq.jobs.specs import EncodeOptions
 from chunkq.jobs.storage import OWNER_ONLY, is_local, no_links_below, private_dirs, private_open
 from chunkq.jobs.store import RunLayout
 from chunkq.queue_worker.lifeline import die_with_parent
@@ -73,7 +72,7 @@ class PoolProcess:
             queue=sub.queue,
             # A preload is the default load of the model: with another revision, remote code or model
             # kwargs it would be a second, unused copy (or fail), so workers load it at their first chunk.
-            preload=sub.model if sub.encode.load_key() == EncodeOptions().load_key() else None,
+            preload=sub.model if sub.encode.default_load else None,
             allowed_models=(sub.model,),  # this run's model, whether preloaded or not
             precision=sub.encode.precision,
             trust_remote_code=sub.encode.trust_remote_code,  # this run's pool, for this run's model
