@@ -115,15 +115,16 @@ class RunLayout:
             if ext == "json" and dot and stem.isdigit():
                 yield int(stem), mtime
 
-    def done_chunks(self) -> set[int]:
-        """Indices whose output metadata (the commit marker) exists: names only, no stat of each
-        (200,000 of them at 10^5 chunks)."""
-        done = set()
+    def done_indices(self) -> Iterator[int]:
+        """Indices whose output metadata (the commit marker) exists, as the listing yields them:
+        names only, no stat of each (200,000 of them at 10^5 chunks)."""
         for name in list_names(self.outputs):
             stem, dot, ext = name.partition(".")
             if ext == "json" and dot and stem.isdigit():
-                done.add(int(stem))
-        return done
+                yield int(stem)
+
+    def done_chunks(self) -> set[int]:
+        return set(self.done_indices())
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

@@ -67,12 +67,16 @@ def chunk_queue(connection: redis.Redis, name: str) -> Queue:
 
 
 def job_statuses(connection: redis.Redis, job_ids: list[str]) -> list[str | None]:
-    """Each job's status straight from its hash, in one round trip (None where the job is gone)."""
-    with connection.pipeline(transaction=False) as pipe:
-        for job_id in job_ids:
-            pipe.hget(Job.key_for(job_id), "status")
-        raw = pipe.execute()
-    return [value.decode() if isinstance(value, bytes) else value for value in raw]
+    """Each job's status straight from its hash (None where the job is gone), BATCH a round trip:
+    one pipeline of 10^5 commands held ~60 MB of the supervisor at once."""
+    statuses: list[str | None] = []
+    for start in range(0, len(job_ids), BATCH):
+        with connection.pipeline(transaction=False) as pipe:
+            for job_id in job_ids[start : start + BATCH]:
+                pipe.hget(Job.key_for(job_id), "status")
+            raw = pipe.execute()
+        statuses += [value.decode() if isinstance(value, bytes) else value for value in raw]
+    return statuses
 
 
 def enqueue_chunks(

@@ -24,6 +24,7 @@ from typing import Any
 
 from chunkq.jobs.storage import list_with_mtime
 from chunkq.jobs.store import RunLayout, atomic_write_bytes, atomic_write_json, read_json
+from chunkq.supervisor.chunk_set import ChunkSet
 from chunkq.supervisor.throughput import Throughput, parse_time
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ class Ledger:
     """The owner's writer: ``add`` records, ``flush`` writes a batch and the summary."""
 
     layout: RunLayout
-    recorded: set[int] = field(default_factory=set)
+    recorded: ChunkSet = field(default_factory=ChunkSet)
     pending: list[dict[str, Any]] = field(default_factory=list)
     throughput: Throughput = field(default_factory=Throughput)
     _next: int = 0

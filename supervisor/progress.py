@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
@@ -21,6 +20,7 @@ from chunkq.jobs.manifest import RunManifest
 from chunkq.jobs.specs import chunk_job_id
 from chunkq.jobs.store import RunLayout, read_json
 from chunkq.supervisor.attempts import FailedAttempt, failed_attempts
+from chunkq.supervisor.chunk_set import ChunkSet
 from chunkq.supervisor.enqueue import chunk_queue, job_statuses
 from chunkq.supervisor.ledger import Ledger, throughput_of
 from chunkq.supervisor.owner import StoreLock
@@ -133,12 +133,12 @@ class Tracker:
     ) -> None:
         self.connection, self.layout, self.manifest = connection, layout, manifest
         self.min_reconcile_seconds = min_reconcile_seconds
-        self.pending = set(range(manifest.chunks))
+        self.pending = ChunkSet(manifest.chunks, full=True)
         self.rows_done = 0
         self.ledger = Ledger.open(layout)  # what earlier looks recorded: their outputs are not read again
         self.failed_jobs: dict[int, Job] = {}
         self.in_redis: set[int] = set()  # pending chunks with a job in Redis, as far as the looks know
-        self.waiting: deque[int] = deque()  # pending chunks with no job, ascending: the window's next ones
+        self.waiting = ChunkSet()  # pending chunks with no job: the window queues the lowest next
         self.finished_jobs: list[str] = []  # jobs whose outputs this look counted: Redis may forget them
         self.full_looks = 0
         self._prefix = chunk_job_id(manifest.run_id, 0)[: -len("000000")]
@@ -155,7 +155,7 @@ class Tracker:
     def throughput(self) -> Throughput:
         return self.ledger.throughput
 
-    def _mark_done(self, indices: set[int]) -> None:
+    def _mark_done(self, indices: Iterable[int]) -> None:
         for index in indices:
             self.pending.discard(index)
             self.in_redis.discard(index)
@@ -183,11 +183,11 @@ class Tracker:
         return found
 
     def _pending_indices(self, job_ids: Iterable[bytes | str]) -> set[int]:
-        return self._run_indices(job_ids) & self.pending
+        return {i for i in self._run_indices(job_ids) if i in self.pending}
 
     def _forget(self, finished: set[int]) -> None:
         """Finished jobs whose outputs are counted: the supervisor deletes them from Redis."""
-        self.finished_jobs += [self._job_id(i) for i in sorted(finished - self.pending)]
+        self.finished_jobs += [self._job_id(i) for i in sorted(finished) if i not in self.pending]
 
     def take_finished(self) -> list[str]:
         """The finished jobs counted since the last call, for the supervisor to delete from Redis."""
@@ -196,7 +196,7 @@ class Tracker:
 
     def take_waiting(self, room: int) -> list[int]:
         """The next ``room`` waiting chunks, in chunk order, as the supervisor queues them."""
-        taken = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
+        taken = self.waiting.take_lowest(room)
         self.in_redis.update(taken)
         return taken
 
@@ -246,12 +246,9 @@ class Tracker:
     def _full_look(self, snap: Snapshot) -> tuple[set[int], set[int]]:
         finished = self._run_indices(self._registry_tail(self._finished_key))  # to forget, once counted
         self._set_cursors()  # before the scan: whatever lands during it is read by the next look
-        self._mark_done(self.layout.done_chunks() & self.pending)
-        order = sorted(self.pending)
-        failed, running, finished_late, in_redis, waiting = set(), set(), set(), set(), []
-        for index, status in zip(
-            order, job_statuses(self.connection, [self._job_id(i) for i in order]), strict=True
-        ):
+        self._mark_done(i for i in self.layout.done_indices() if i in self.pending)
+        failed, running, finished_late, in_redis, waiting = set(), set(), set(), set(), ChunkSet()
+        for index, status in self._pending_statuses():
             if status in ("queued", "deferred", "scheduled"):
                 snap.chunks_queued += 1
                 in_redis.add(index)
@@ -264,10 +261,10 @@ class Tracker:
             elif status == "finished" and self.layout.output_meta(index).is_file():
                 finished_late.add(index)  # finished between the store listing and the status read
             else:
-                waiting.append(index)  # no live job and no output: the window queues it in order
+                waiting.add(index)  # no live job and no output: the window queues it in order
                 if index in self.in_redis:
                     snap.lost.append(index)  # it had a job: a flushed or evicted Redis
-        self.in_redis, self.waiting = in_redis, deque(waiting)
+        self.in_redis, self.waiting = in_redis, waiting
         self._mark_done(finished_late)
         self._forget(finished)
         self._failed = failed
@@ -277,11 +274,10 @@ class Tracker:
 
     def _incremental_look(self, snap: Snapshot) -> tuple[set[int], set[int]]:
         finished = self._run_indices(self._registry_tail(self._finished_key))
-        self._mark_done({i for i in finished & self.pending if self.layout.output_meta(i).is_file()})
+        self._mark_done(i for i in finished if i in self.pending and self.layout.output_meta(i).is_file())
         self._forget(finished)
-        self._failed = (
-            self._failed | self._pending_indices(self._registry_tail(self._failed_key))
-        ) & self.pending
+        gained = self._pending_indices(self._registry_tail(self._failed_key))
+        self._failed = {i for i in self._failed | gained if i in self.pending}
         known = sorted(self._failed)
         statuses = job_statuses(self.connection, [self._job_id(i) for i in known])
         self._failed = {i for i, status in zip(known, statuses, strict=True) if status == "failed"}
@@ -291,6 +287,13 @@ class Tracker:
         if snap.chunks_queued:
             snap.stranded = self._stranded()
         return running, set(self._failed)
+
+    def _pending_statuses(self) -> Iterator[tuple[int, str | None]]:
+        """(index, job status) of every pending chunk, a block of them a round trip."""
+        for block in self.pending.blocks():
+            yield from zip(
+                block, job_statuses(self.connection, [self._job_id(i) for i in block]), strict=True
+            )
 
     def _fetch(self, indices: list[int]) -> dict[int, Job]:
         jobs = Job.fetch_many([self._job_id(i) for i in indices], self.connection, serializer=JSONSerializer)
