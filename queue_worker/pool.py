@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections import deque
 from dataclasses import dataclass
 from types import FrameType
 
@@ -82,7 +81,7 @@ class Pool:
 
     def __init__(self, settings: PoolSettings, gpus: list[GpuInfo], rng: random.Random | None = None) -> None:
         self.settings = settings
-        self.policy = RestartPolicy(settings.restart_delay)
+        self.policy = RestartPolicy(settings.restart_delay, settings.crash_limit, settings.crash_window)
         if gpus:
             per_gpu = resolve_workers_per_gpu(
                 settings.workers_per_gpu, gpus, settings.preload, settings.precision
@@ -93,7 +92,7 @@ class Pool:
         self.connection = redis.Redis.from_url(settings.redis_url)
         self.rng = rng or random.Random()  # noqa: S311 - jitter, not security
         self._signals = 0
-        self._crashes: dict[str, deque[float]] = {}
+        self._crashes: dict[str, tuple[float, ...]] = {}  # each device's recent deaths (RestartPolicy)
         self._to_abandon: list[tuple[str, str]] = []  # (worker name, reason) while Redis is away
         self._hung: dict[str, str] = {}  # worker name -> why the watchdog killed it
         self._next_watchdog = 0.0
@@ -230,21 +229,16 @@ class Pool:
                 log.warning("cannot release the job of %s yet (%s); will retry", worker_name, exc)
                 self._to_abandon.append((worker_name, reason))
 
-    def _count_crash(self, slot: Slot, now: float) -> None:
-        crashes = self._crashes.setdefault(slot.device, deque())
-        crashes.append(now)
-        while crashes and now - crashes[0] > self.settings.crash_window:
-            crashes.popleft()
-        if len(crashes) >= self.settings.crash_limit:
-            log.error(
-                "%s: %d worker deaths within %.0f s; taking it out of this pool (the other devices go on)",
-                self._where(slot),
-                len(crashes),
-                self.settings.crash_window,
-            )
-            for other in self.slots:
-                if other.device == slot.device:
-                    other.retired = True
+    def _retire_device(self, slot: Slot, crashes: int) -> None:
+        log.error(
+            "%s: %d worker deaths within %.0f s; taking it out of this pool (the other devices go on)",
+            self._where(slot),
+            crashes,
+            self.settings.crash_window,
+        )
+        for other in self.slots:
+            if other.device == slot.device:
+                other.retired = True
 
     def _reap(self, stopping: bool, now: float) -> None:
         for slot in self.slots:
@@ -256,16 +250,16 @@ class Pool:
             reason = self._hung.pop(slot.worker_name, None) or exit_codes.describe(code)
             dead = slot.worker_name
             slot.proc = None
-            if stopping and code == -signal.SIGTERM:
-                code = exit_codes.EXIT_STOPPED  # told to stop before its handlers were even installed
-            if code == exit_codes.EXIT_FORKED_NO_CUDA:
+            verdict = self.policy.judge(
+                code, slot.redis_losses, self._crashes.get(slot.device, ()), now, stopping
+            )
+            slot.redis_losses, self._crashes[slot.device] = verdict.redis_losses, verdict.crashes
+            if verdict.stop_forking:
                 self._stop_forking("a forked worker could not create its CUDA context; its log says why")
-            verdict = self.policy.judge(code, slot.redis_losses)
-            slot.redis_losses = verdict.redis_losses
             if verdict.abandon_job:
                 self._to_abandon.append((dead, reason))
-            if verdict.counts_as_crash:
-                self._count_crash(slot, now)
+            if verdict.retire_device:
+                self._retire_device(slot, len(verdict.crashes))
             if not slot.retired and self._promote(slot):
                 log.log(verdict.level, "worker %s %s", dead, reason)
             elif stopping:

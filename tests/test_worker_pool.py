@@ -253,25 +253,3 @@ def test_an_idle_worker_still_stops_on_a_signal(connection: redis.Redis) -> None
     helper.join(timeout=10)
     assert worker.stop_signalled and signalled
     assert time.monotonic() - signalled[0] < STOP_POLL_SECONDS + 5
-
-
-def test_workers_that_keep_losing_redis_are_restarted_ever_more_slowly() -> None:
-    """A Redis outage must not become a respawn every second (130 workers in five minutes, seen)."""
-    from chunkq.queue_worker import exit_codes
-    from chunkq.queue_worker.restart import REDIS_BACKOFF_CAP, RestartPolicy
-
-    policy = RestartPolicy(restart_delay=1.0)
-    losses, delays = 0, []
-    for _ in range(8):
-        verdict = policy.judge(exit_codes.EXIT_REDIS, losses)
-        losses = verdict.redis_losses
-        delays.append(verdict.delay)
-        assert not verdict.counts_as_crash and verdict.may_restart and verdict.abandon_job
-    assert delays == [2.0, 4.0, 8.0, 16.0, 32.0, REDIS_BACKOFF_CAP, REDIS_BACKOFF_CAP, REDIS_BACKOFF_CAP]
-    recycled = policy.judge(exit_codes.EXIT_MAX_JOBS, losses)  # it worked: Redis is back
-    assert (recycled.delay, recycled.redis_losses, recycled.abandon_job) == (0.0, 0, False)
-    assert policy.judge(exit_codes.EXIT_REDIS, recycled.redis_losses).delay == 2.0
-    config = policy.judge(exit_codes.EXIT_CONFIG, 0)
-    assert not config.may_restart and not config.counts_as_crash
-    killed = policy.judge(-9, 0)
-    assert killed.counts_as_crash and killed.abandon_job and killed.delay == 1.0
