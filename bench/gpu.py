@@ -35,9 +35,10 @@ import sysconfig
 import tempfile
 import threading
 import time
-from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+from chunkq.supervisor.throughput import of_run
 
 CONFIGS = {
     "one": ["--workers-per-gpu", "1", "--recycle-after", "0"],
@@ -167,8 +168,9 @@ def chunkq(
     wall = time.perf_counter() - started
     (run_dir,) = (store / "runs").iterdir()
     metas = [json.loads(p.read_text()) for p in (run_dir / "outputs").glob("*.json")]
-    first = min(datetime.fromisoformat(m["started_at"]) for m in metas)
-    last = max(datetime.fromisoformat(m["finished_at"]) for m in metas)
+    throughput = of_run(store, run_dir.name)
+    first, last = throughput.first_start, throughput.last_end
+    assert first is not None and last is not None
     young = [m["seconds"] for m in metas if m.get("attempt", 1) == 1]
     return {
         "wall": wall,

@@ -37,10 +37,10 @@ import statistics
 import subprocess
 import tempfile
 import time
-from datetime import datetime
 from pathlib import Path
 
 from chunkq.supervisor.submit import DEFAULT_CHUNK_SIZE
+from chunkq.supervisor.throughput import of_run
 
 NEVER = 1_000_000  # --max-jobs for the run without recycling, which isolates the per-chunk cost
 WORDS = "alpha beta gamma delta river mountain queue worker chunk embed vector model sentence graph".split()
@@ -157,10 +157,7 @@ def _chunkq(
     subprocess.run(cmd, check=True, capture_output=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     wall = time.perf_counter() - started
     (run_dir,) = (store / "runs").iterdir()
-    metas = [json.loads(p.read_text()) for p in (run_dir / "outputs").glob("*.json")]
-    first = min(datetime.fromisoformat(m["started_at"]) for m in metas)
-    last = max(datetime.fromisoformat(m["finished_at"]) for m in metas)
-    return wall, (last - first).total_seconds()
+    return wall, of_run(store, run_dir.name).seconds(running=False) or 0.0
 
 
 def main() -> None:

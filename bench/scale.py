@@ -37,7 +37,9 @@ from typing import Any
 import psutil
 import redis
 
+from chunkq.jobs.store import RunLayout
 from chunkq.supervisor.embedded_redis import EmbeddedRedis
+from chunkq.supervisor.throughput import of_run
 
 CLI = [sys.executable, "-m", "chunkq.supervisor.cli"]
 WORDS = "alpha beta gamma delta river mountain queue worker chunk embed vector model".split()
@@ -72,11 +74,8 @@ def timed(cmd: list[str], **kw: Any) -> tuple[float, float, subprocess.Completed
 
 
 def _span(run_dir: Path) -> float:
-    """Seconds from the first chunk's start to the last chunk's end (the run's summary.json)."""
-    from chunkq.supervisor.throughput import parse_time
-
-    summary = json.loads((run_dir / "summary.json").read_text())
-    return (parse_time(summary["last_end"]) - parse_time(summary["first_start"])).total_seconds()
+    """Seconds from the first chunk's start to the last chunk's end, as ``status`` measures them."""
+    return of_run(run_dir.parent.parent, run_dir.name).seconds(running=False) or 0.0
 
 
 def measure(chunks: int, workers: int, server: EmbeddedRedis, scratch: Path) -> dict[str, Any]:
@@ -107,7 +106,7 @@ def measure(chunks: int, workers: int, server: EmbeddedRedis, scratch: Path) -> 
     (run_dir,) = (store / "runs").iterdir()
     run_id = run_dir.name
     encode = 0.0
-    for line in (run_dir / "result" / "manifest.json").read_text().splitlines():
+    for line in RunLayout(store, run_id).result_manifest.read_text().splitlines():
         if '"encode_seconds"' in line:
             encode = float(line.split(":")[1].strip().rstrip(","))
     figures: dict[str, Any] = {

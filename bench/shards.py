@@ -138,7 +138,7 @@ def main() -> None:
             "result_mb": round(result_bytes / 1e6, 1),
         }
         for form, limit in (("sharded", size), ("one file", result_bytes + 1)):
-            (layout.result / "manifest.json").unlink(missing_ok=True)  # assemble anew
+            layout.result_manifest.unlink(missing_ok=True)  # assemble anew
             with Peak(scratch) as peak:
                 t0 = time.perf_counter()
                 result = assemble(layout, shard_bytes=limit)

@@ -28,11 +28,11 @@ import statistics
 import subprocess
 import tempfile
 import time
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from chunkq.jobs.models import BUNDLED_MODEL, resolve_model
+from chunkq.supervisor.throughput import of_run
 
 CHUNKQ = str(Path(sys.executable).parent / "chunkq")
 PLAIN = (
@@ -58,11 +58,10 @@ def _first_chunk(scratch: Path, round_: int) -> tuple[float, float]:
         corpus.write_text("".join(json.dumps({"text": f"short text number {i}"}) + "\n" for i in range(200)))
     store = scratch / f"store-{round_}"
     launched, total = _timed([CHUNKQ, "run", str(corpus), "--store", str(store), "--chunk-size", "50"])
-    starts = [
-        datetime.fromisoformat(json.loads(meta.read_text())["started_at"]).timestamp()
-        for meta in store.glob("runs/*/outputs/*.json")
-    ]
-    return min(starts) - launched, total
+    (run_dir,) = (store / "runs").iterdir()
+    first = of_run(store, run_dir.name).first_start
+    assert first is not None
+    return first.timestamp() - launched, total
 
 
 def main() -> None:

@@ -30,9 +30,22 @@ def validate_run_id(run_id: str) -> str:
     return run_id
 
 
+CHUNK_NAME_WIDTH = 6  # digits of a chunk index in file names and job ids; more digits still parse
+
+
+def chunk_name(index: int) -> str:
+    """A chunk's index as file names and job ids spell it: 000042."""
+    return f"{index:0{CHUNK_NAME_WIDTH}d}"
+
+
+def chunk_job_prefix(run_id: str) -> str:
+    """What every chunk job id of a run starts with (the chunk's name follows)."""
+    return f"{validate_run_id(run_id)}__c"
+
+
 def chunk_job_id(run_id: str, index: int) -> str:
     """The deterministic RQ job id of one chunk: resubmitting finds the same job."""
-    return f"{validate_run_id(run_id)}__c{index:06d}"
+    return chunk_job_prefix(run_id) + chunk_name(index)
 
 
 # What a chunk output may be stored as: the name a user gives (sentence-transformers' precisions,

@@ -26,14 +26,10 @@ from typing import Any
 import numpy as np
 
 from chunkq.jobs.errors import BadInputError, StoreError
-from chunkq.jobs.specs import OUTPUT_DTYPES, storage_dtype, validate_run_id
+from chunkq.jobs.specs import OUTPUT_DTYPES, chunk_name, storage_dtype, validate_run_id
 from chunkq.jobs.storage import atomic_path, is_local, list_names, list_with_mtime, no_links_below, open_store
 
-CHUNK_NAME_WIDTH = 6
-
-
-def chunk_name(index: int) -> str:
-    return f"{index:0{CHUNK_NAME_WIDTH}d}"
+MANIFEST_NAME = "manifest.json"  # a run's manifest in its folder; a result's in result/ (or a build)
 
 
 class RunLayout:
@@ -55,7 +51,7 @@ class RunLayout:
 
     @property
     def manifest(self) -> Path:
-        return self._path("manifest.json")
+        return self._path(MANIFEST_NAME)
 
     @property
     def inputs(self) -> Path:
@@ -73,6 +69,11 @@ class RunLayout:
     @property
     def result(self) -> Path:
         return self._path("result")
+
+    @property
+    def result_manifest(self) -> Path:
+        """The published result's manifest: written last, so its presence commits the result."""
+        return self._path("result", MANIFEST_NAME)
 
     def input_path(self, index: int) -> Path:
         return self._path("inputs", f"{chunk_name(index)}.jsonl")

@@ -1,7 +1,10 @@
-"""Named worker exit codes, so the pool knows why a worker ended without parsing its log.
+"""Every chunkq process's exit code, in one table: the commands' (what a shell sees) and the
+workers' (what a pool reads, so it knows why a worker ended without parsing its log).
 
-RQ itself exits 0 after max-jobs, burst, idle timeout and warm shutdown alike. One table says, for
-each code, what people read, what metrics label it, and what the pool does about it.
+A number means one thing wherever both kinds use it: 0 done or stopped, 6 configuration, 7 Redis.
+``chunkq pool`` is a command and exits with the commands' codes; 1, 10, 11, 14 and 15 from a worker
+are the workers' own (1 is Python's own code for an uncaught exception), read only by its pool.
+RQ itself exits 0 after max-jobs, burst, idle timeout and warm shutdown alike.
 """
 
 from __future__ import annotations
@@ -9,12 +12,31 @@ from __future__ import annotations
 import signal
 from dataclasses import dataclass
 
-EXIT_STOPPED = 0
+# Shared by commands and workers.
+EXIT_OK = 0
+EXIT_CONFIG = 6  # settings that cannot work: restarting will not help
+EXIT_REDIS = 7  # Redis unreachable, or lost
+
+# Commands (chunkq ...).
+EXIT_CHUNKS_FAILED = 1  # chunks were quarantined; the report names each with its rows and last error
+EXIT_USAGE = 2  # click's own code for a bad command line
+EXIT_BAD_INPUT = 3  # the corpus is malformed
+EXIT_CONFLICT = 4  # the run id is taken by another corpus or other options
+EXIT_ASSEMBLY = 5  # chunk outputs missing or corrupt
+EXIT_POOL_DIED = 8  # chunkq run: the worker pool ended before the run did
+EXIT_PARTIAL = 9  # --allow-partial: a result without the quarantined chunks was published
+EXIT_LOCKED = 10  # another supervisor is watching the run
+EXIT_STORAGE = 11  # a disk or store is full, read-only or not ours to write
+EXIT_NOT_FOUND = 13  # no run of that id in the store
+EXIT_INTERNAL = 70  # a bug in chunkq (sysexits' EX_SOFTWARE); the traceback is written to a file
+EXIT_INTERRUPTED = 130  # Ctrl+C; the run resumes from the store
+EXIT_BROKEN_PIPE = 141  # whoever read the output stopped reading (`| head`): 128 + SIGPIPE, as a shell says
+
+# Workers (python -m chunkq.queue_worker.worker), read by their pool.
+EXIT_STOPPED = EXIT_OK
 EXIT_ERROR = 1
 EXIT_MAX_JOBS = 10
 EXIT_CUDA_FATAL = 11
-EXIT_CONFIG = 12
-EXIT_REDIS = 13
 EXIT_ORPHANED = 14
 EXIT_FORKED_NO_CUDA = 15
 

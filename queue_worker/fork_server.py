@@ -37,14 +37,14 @@ import setproctitle
 from chunkq.jobs.runtime import DEVICE_ENV
 from chunkq.queue_worker.exit_codes import EXIT_FORKED_NO_CUDA
 from chunkq.queue_worker.lifeline import PARENT_PID_ENV, die_with_parent
+from chunkq.queue_worker.settings import WORKER_MODULE
 from chunkq.queue_worker.standby import NOTIFY_FD_ENV
 
 SOCKET_FD_ENV = "CHUNKQ_FORK_SERVER_FD"
-PRELOAD = ("torch", "sentence_transformers", "chunkq.queue_worker.worker")
+PRELOAD = ("torch", "sentence_transformers", WORKER_MODULE)
 PRELOAD_ENV = "CHUNKQ_FORK_SERVER_PRELOAD"  # more modules to import once, e.g. your own job functions
 MODEL_ENV = "CHUNKQ_FORK_SERVER_MODEL"  # the pool's --preload model, loaded once on the CPU
 TEMPLATE_MEMORY_SHARE = 0.25  # of host memory; a larger model is loaded by each worker instead
-WORKER_MODULE = "chunkq.queue_worker.worker"
 # torch.cuda.is_available() and device_count() then ask NVML, not the driver (whose cuInit a forked
 # child would inherit), should an import call them in the fork server.
 NVML_BASED_CUDA_CHECK = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
@@ -359,7 +359,7 @@ class ForkServer:
             message = self._next(0.0)
 
     def spawn(self, args: list[str], env: dict[str, str], notify_fd: int) -> ForkedWorker:
-        """Fork a worker running ``python -m chunkq.queue_worker.worker ARGS`` in ``env``."""
+        """Fork a worker running ``python -m WORKER_MODULE ARGS`` in ``env``."""
         sock = self.sock or self._start()
         try:
             _send(sock, {"args": args, "env": env}, [notify_fd])

@@ -37,7 +37,7 @@ from chunkq.queue_worker.gpus import (
 from chunkq.queue_worker.lifeline import PARENT_PID_ENV, die_with_parent
 from chunkq.queue_worker.metrics import PoolMetrics, serve
 from chunkq.queue_worker.restart import RestartPolicy
-from chunkq.queue_worker.settings import PoolSettings, env_of, worker_argv
+from chunkq.queue_worker.settings import WORKER_MODULE, PoolSettings, env_of, worker_argv
 from chunkq.queue_worker.standby import NOTIFY_FD_ENV, WAIT_FOR_PID_ENV, parse_announcements
 
 log = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ class Pool:
             "recycle_after": round(self.settings.recycle_after * (1 + self.rng.uniform(-spread, spread)), 1),
         }
         argv = worker_argv(self.settings, **jittered)
-        return [sys.executable, "-m", "chunkq.queue_worker.worker", "--name", name, *argv]
+        return [sys.executable, "-m", WORKER_MODULE, "--name", name, *argv]
 
     def _spawn(self, slot: Slot, wait_for: int | None = None) -> tuple[WorkerProcess, str, int]:
         slot.generation += 1

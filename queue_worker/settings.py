@@ -201,6 +201,9 @@ def flag(name: str, meta: Meta | None = None) -> str:
     return (meta.flag if meta is not None and meta.flag else None) or "--" + name.replace("_", "-")
 
 
+WORKER_MODULE = "chunkq.queue_worker.worker"  # what a pool runs: python -m WORKER_MODULE --name N ARGS
+
+
 def worker_argv(settings: PoolSettings, **overrides: Any) -> list[str]:
     """The worker's command-line arguments for ``settings`` (``overrides``: per-worker values)."""
     argv: list[str] = []

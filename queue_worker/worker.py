@@ -45,7 +45,7 @@ from chunkq.queue_worker.exit_codes import (
     EXIT_STOPPED,
 )
 from chunkq.queue_worker.lifeline import PARENT_PID_ENV
-from chunkq.queue_worker.settings import DEFAULT_STORE, add_worker_arguments, env_of, truthy
+from chunkq.queue_worker.settings import DEFAULT_STORE, WORKER_MODULE, add_worker_arguments, env_of, truthy
 from chunkq.queue_worker.standby import announce_last_job, announce_model_loaded, wait_for_predecessor
 
 log = logging.getLogger(__name__)
@@ -87,9 +87,7 @@ class ChunkWorker(SimpleWorker):
 
     def procline(self, message: str) -> None:
         # RQ's title drops the command line; ps and the pool's tools look for the module and name.
-        setproctitle.setproctitle(
-            f"{sys.executable} -m chunkq.queue_worker.worker --name {self.name}: {message}"
-        )
+        setproctitle.setproctitle(f"{sys.executable} -m {WORKER_MODULE} --name {self.name}: {message}")
 
     def __init__(
         self,
@@ -215,7 +213,7 @@ class ChunkWorker(SimpleWorker):
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m chunkq.queue_worker.worker")
+    parser = argparse.ArgumentParser(prog=f"python -m {WORKER_MODULE}")
     parser.add_argument("--name", default=None)
     parser.add_argument("--burst", action="store_true", help="exit once the queue is empty")
     add_worker_arguments(parser)  # queue, max jobs, recycle-after, preload, precision, store, models...

@@ -62,7 +62,7 @@ class RunResult:
 
     def _parts(self) -> tuple[dict[str, Any], list[ResultPart]]:
         layout = RunLayout(self.store, self.run_id)
-        manifest = read_json(layout.result / "manifest.json")
+        manifest = read_json(layout.result_manifest)
         return manifest, result_parts(layout, manifest)
 
     def embeddings(self, mmap: bool = True) -> np.ndarray | ShardedEmbeddings:

@@ -23,7 +23,14 @@ from chunkq.jobs.errors import AssemblyError, BadInputError
 from chunkq.jobs.manifest import RunManifest, load_manifest
 from chunkq.jobs.specs import PACKED_DTYPES, storage_dtype
 from chunkq.jobs.storage import is_local, publish_file
-from chunkq.jobs.store import RunLayout, atomic_write_json, load_npy, read_chunk_input, verify_output
+from chunkq.jobs.store import (
+    MANIFEST_NAME,
+    RunLayout,
+    atomic_write_json,
+    load_npy,
+    read_chunk_input,
+    verify_output,
+)
 from chunkq.supervisor.progress import Failure
 from chunkq.supervisor.result import (
     DEFAULT_SHARD_BYTES,
@@ -198,7 +205,7 @@ def assemble(
             "devices": sorted(verified.devices),
             "encode_seconds": round(verified.seconds, 3),
         }
-        atomic_write_json(built / "manifest.json", result)
+        atomic_write_json(built / MANIFEST_NAME, result)
         if fence is not None:
             fence()
         publish(built, layout.result, uploaded=writer.shard_dir if remote else None)

@@ -30,15 +30,12 @@ from chunkq.jobs.specs import (
 from chunkq.jobs.storage import OWNER_ONLY, is_local
 from chunkq.jobs.store import RunLayout, read_json
 from chunkq.queue_worker import gpus as gpu_discovery
+from chunkq.queue_worker.exit_codes import EXIT_CHUNKS_FAILED, EXIT_OK, EXIT_PARTIAL, EXIT_POOL_DIED
 from chunkq.queue_worker.pool import Pool
 from chunkq.queue_worker.settings import SETTINGS_JSON_ENV, PoolSettings
 from chunkq.supervisor.assemble import assemble
 from chunkq.supervisor.attempts import describe_attempts, failed_attempts, to_json
 from chunkq.supervisor.cli_common import (
-    EXIT_CHUNKS_FAILED,
-    EXIT_OK,
-    EXIT_PARTIAL,
-    EXIT_POOL_DIED,
     configure_logging,
     interrupt_on_sigterm,
     log_level_option,
@@ -565,7 +562,7 @@ def assemble_cmd(run_id: str, store: Path, verify: bool, shard_size: str, redis_
         damage = check_published(layout, load_manifest(layout))
         if damage:
             raise AssemblyError(run_id, [*damage, "run `chunkq assemble RUN` to assemble it again"])
-        result = read_json(layout.result / "manifest.json")
+        result = read_json(layout.result_manifest)
         click.echo(
             f"{layout.result}: {result['rows']} x {result['dim']}, every checksum matches its manifest "
             "and the result is the run's (fingerprint, model, options, rows)"

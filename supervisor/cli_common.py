@@ -30,6 +30,20 @@ from chunkq.jobs.errors import (
     StoreWriteError,
 )
 from chunkq.jobs.storage import open_store
+from chunkq.queue_worker.exit_codes import (
+    EXIT_ASSEMBLY,
+    EXIT_BAD_INPUT,
+    EXIT_BROKEN_PIPE,
+    EXIT_CHUNKS_FAILED,
+    EXIT_CONFIG,
+    EXIT_CONFLICT,
+    EXIT_INTERNAL,
+    EXIT_INTERRUPTED,
+    EXIT_LOCKED,
+    EXIT_NOT_FOUND,
+    EXIT_REDIS,
+    EXIT_STORAGE,
+)
 from chunkq.queue_worker.settings import DEFAULT_QUEUE, DEFAULT_STORE, env_of
 from chunkq.supervisor.lock import RunLockedError
 from chunkq.supervisor.request import reach_redis
@@ -37,22 +51,6 @@ from chunkq.supervisor.watch import RedisGoneError
 
 log = logging.getLogger("chunkq")
 
-EXIT_OK = 0
-EXIT_CHUNKS_FAILED = 1  # chunks were quarantined; the report names each with its rows and last error
-EXIT_USAGE = 2  # click's own code for a bad command line
-EXIT_BAD_INPUT = 3  # the corpus is malformed
-EXIT_CONFLICT = 4  # the run id is taken by another corpus or other options
-EXIT_ASSEMBLY = 5  # chunk outputs missing or corrupt
-EXIT_CONFIG = 6  # settings that cannot work
-EXIT_REDIS = 7  # Redis unreachable
-EXIT_POOL_DIED = 8  # chunkq run: the worker pool ended before the run did
-EXIT_PARTIAL = 9  # --allow-partial: a result without the quarantined chunks was published
-EXIT_LOCKED = 10  # another supervisor is watching the run
-EXIT_STORAGE = 11  # a disk or store is full, read-only or not ours to write
-EXIT_NOT_FOUND = 13  # no run of that id in the store (12 is `chunkq pool`'s configuration code)
-EXIT_INTERNAL = 70  # a bug in chunkq (sysexits' EX_SOFTWARE); the traceback is written to a file
-EXIT_INTERRUPTED = 130  # Ctrl+C; the run resumes from the store
-EXIT_BROKEN_PIPE = 141  # whoever read the output stopped reading (`| head`): 128 + SIGPIPE, as a shell says
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -38,7 +38,9 @@ RESULT_TTL = 3600
 DEFAULT_WINDOW = 1000  # jobs of a run in Redis at once: ~1.5 MB, and work for 250 workers
 WINDOW_PER_WORKER = 4  # with more workers than DEFAULT_WINDOW / 4 listening, the window grows with them
 FAILURE_TTL = 30 * 24 * 3600
-IN_FLIGHT = {"queued", "started", "deferred", "scheduled"}
+# RQ job statuses of a job that will still run: waiting for a worker, or running now.
+QUEUED_STATUSES = frozenset({"queued", "deferred", "scheduled"})
+LIVE_STATUSES = QUEUED_STATUSES | {"started"}
 
 
 @dataclass
@@ -100,7 +102,7 @@ def enqueue_chunks(
         ids = [chunk_job_id(manifest.run_id, i) for i in batch]
         fresh = []
         for index, job_id, status in zip(batch, ids, job_statuses(connection, ids), strict=True):
-            if status in IN_FLIGHT:
+            if status in LIVE_STATUSES:
                 counts.in_flight += 1
             elif status == "failed":
                 # Submitting again is the user's "try these again": fresh attempts, no quarantine.

@@ -44,7 +44,7 @@ class _ResultReader:
 
     def __init__(self, layout: RunLayout) -> None:
         run = load_manifest(layout)  # no such run: RunNotFoundError, before "no result"
-        manifest_path = layout.result / "manifest.json"
+        manifest_path = layout.result_manifest
         if not manifest_path.is_file():
             raise StoreError(f"run {layout.run_id} has no published result; run it to the end first")
         self.layout, self.manifest = layout, read_json(manifest_path)

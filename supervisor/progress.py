@@ -17,11 +17,11 @@ from rq.utils import str_to_date
 
 from chunkq.jobs import jobmeta
 from chunkq.jobs.manifest import RunManifest
-from chunkq.jobs.specs import chunk_job_id
+from chunkq.jobs.specs import chunk_job_id, chunk_job_prefix
 from chunkq.jobs.store import RunLayout, read_json
 from chunkq.supervisor.attempts import FailedAttempt, failed_attempts
 from chunkq.supervisor.chunk_set import ChunkSet
-from chunkq.supervisor.enqueue import chunk_queue, job_statuses
+from chunkq.supervisor.enqueue import QUEUED_STATUSES, chunk_queue, job_statuses
 from chunkq.supervisor.ledger import Ledger, throughput_of
 from chunkq.supervisor.owner import StoreLock
 from chunkq.supervisor.throughput import Throughput
@@ -141,7 +141,7 @@ class Tracker:
         self.waiting = ChunkSet()  # pending chunks with no job: the window queues the lowest next
         self.finished_jobs: list[str] = []  # jobs whose outputs this look counted: Redis may forget them
         self.full_looks = 0
-        self._prefix = chunk_job_id(manifest.run_id, 0)[: -len("000000")]
+        self._prefix = chunk_job_prefix(manifest.run_id)
         queue = chunk_queue(connection, manifest.queue)
         self._finished_key = FinishedJobRegistry(queue=queue).key
         self._failed_key = FailedJobRegistry(queue=queue).key
@@ -223,7 +223,7 @@ class Tracker:
         snap.chunks_done = self.manifest.chunks - len(self.pending)
         snap.chunks_waiting = len(self.waiting)
         snap.rows_done = self.rows_done
-        snap.result_published = (self.layout.result / "manifest.json").is_file()
+        snap.result_published = self.layout.result_manifest.is_file()
         set_rate(snap, self.throughput)
         return snap
 
@@ -249,7 +249,7 @@ class Tracker:
         self._mark_done(i for i in self.layout.done_indices() if i in self.pending)
         failed, running, finished_late, in_redis, waiting = set(), set(), set(), set(), ChunkSet()
         for index, status in self._pending_statuses():
-            if status in ("queued", "deferred", "scheduled"):
+            if status in QUEUED_STATUSES:
                 snap.chunks_queued += 1
                 in_redis.add(index)
             elif status == "started":
@@ -372,6 +372,6 @@ def store_snapshot(layout: RunLayout, manifest: RunManifest) -> Snapshot:
     ]
     snap.chunks_quarantined = len(snap.quarantined)
     snap.chunks_retrying = len(snap.failures) - snap.chunks_quarantined
-    snap.result_published = (layout.result / "manifest.json").is_file()
+    snap.result_published = layout.result_manifest.is_file()
     set_rate(snap, throughput)
     return snap

@@ -231,7 +231,7 @@ def finished_result(outcome: RunOutcome, request: RunRequest) -> dict[str, Any]:
     """The published result manifest of a run that ``supervisor.run.run`` returned, or the error."""
     if outcome.outcome is None:
         layout = RunLayout(request.submit.store, outcome.submitted.run_id)
-        return dict(read_json(layout.result / "manifest.json"))
+        return dict(read_json(layout.result_manifest))
     watched = outcome.outcome
     if watched.quarantined and not watched.partial:
         raise ChunksFailedError(failure_report(watched.quarantined))

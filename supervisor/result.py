@@ -44,7 +44,7 @@ from chunkq.jobs.storage import (
     publish_file,
     remove_tree,
 )
-from chunkq.jobs.store import RunLayout, file_sha256, load_npy, read_json, read_npy_header
+from chunkq.jobs.store import MANIFEST_NAME, RunLayout, file_sha256, load_npy, read_json, read_npy_header
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ def result_parts(layout: RunLayout, result: dict[str, Any]) -> list[ResultPart]:
 
 def read_result_manifest(layout: RunLayout) -> Any:
     """The published result's manifest.json, parsed; None when there is none, {} when unreadable."""
-    path = layout.result / "manifest.json"
+    path = layout.result_manifest
     try:
         return read_json(path) if path.is_file() else None
     except (OSError, ValueError):
@@ -395,11 +395,11 @@ def publish(built: Path, result: Path, uploaded: str | None) -> None:
             shutil.rmtree(old)
         return
     if uploaded is None:
-        (result / "manifest.json").unlink(missing_ok=True)  # uncommit a stale result before its files change
+        (result / MANIFEST_NAME).unlink(missing_ok=True)  # uncommit a stale result before its files change
     for name in SINGLE:
         if (built / name).exists():
             publish_file(built / name, result / name)
-    publish_file(built / "manifest.json", result / "manifest.json")
+    publish_file(built / MANIFEST_NAME, result / MANIFEST_NAME)
     _remove_unnamed(result, uploaded)
 
 

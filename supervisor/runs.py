@@ -20,9 +20,9 @@ from chunkq.jobs.errors import ConfigError, StoreError
 from chunkq.jobs.manifest import RunManifest, load_manifest
 from chunkq.jobs.specs import EncodeOptions, chunk_job_id
 from chunkq.jobs.storage import is_local, list_with_mtime, remove_tree
-from chunkq.jobs.store import RunLayout
+from chunkq.jobs.store import MANIFEST_NAME, RunLayout
 from chunkq.supervisor.attempts import failed_attempts
-from chunkq.supervisor.enqueue import job_statuses
+from chunkq.supervisor.enqueue import LIVE_STATUSES, job_statuses
 from chunkq.supervisor.owner import StoreLock
 from chunkq.supervisor.result import read_result_manifest, result_problems
 from chunkq.supervisor.submit import DEFAULT_CHUNK_SIZE
@@ -34,7 +34,6 @@ PUBLISHED, PARTIAL, IN_FLIGHT, FAILED, INCOMPLETE = (
     "failed",
     "incomplete",
 )
-LIVE_JOB_STATUSES = frozenset({"queued", "started", "deferred", "scheduled"})
 
 
 @dataclass(frozen=True)
@@ -66,7 +65,7 @@ def run_ids(store: Path) -> list[str]:
     runs = store / "runs"
     if not runs.is_dir():
         return []
-    return sorted(p.name for p in runs.iterdir() if (p / "manifest.json").is_file())
+    return sorted(p.name for p in runs.iterdir() if (p / MANIFEST_NAME).is_file())
 
 
 def folder_bytes(path: Path) -> int:
@@ -153,7 +152,7 @@ def live_jobs(connection: redis.Redis, manifest: RunManifest) -> list[int]:
     """Chunks of the run that Redis holds as queued or running."""
     ids = [chunk_job_id(manifest.run_id, i) for i in range(manifest.chunks)]
     statuses = job_statuses(connection, ids)
-    return [i for i, status in enumerate(statuses) if status in LIVE_JOB_STATUSES]
+    return [i for i, status in enumerate(statuses) if status in LIVE_STATUSES]
 
 
 def clean(layout: RunLayout, outputs_only: bool, connection: redis.Redis | None = None) -> int:

@@ -43,6 +43,16 @@ class Throughput:
         return self.rows / seconds if seconds else None
 
 
+def of_run(store: Any, run_id: str) -> Throughput:
+    """A run's throughput from its committed chunk outputs (the ledger's summary where it covers
+    them): for tools and benches that measure a run the way ``status`` reports it."""
+    from chunkq.jobs.store import RunLayout
+    from chunkq.supervisor.ledger import throughput_of
+
+    layout = RunLayout(store, run_id)
+    return throughput_of(layout, layout.done_chunks())
+
+
 def of_outputs(metas: Iterable[Mapping[str, Any]]) -> Throughput:
     throughput = Throughput()
     for meta in metas:
