@@ -23,6 +23,7 @@ def _reencode(layout: RunLayout, *indices: int) -> None:
         embed_chunk(manifest.chunk_spec(layout.store, index).to_dict())
 
 
+@pytest.mark.slow
 def test_result_is_ordered_and_equals_plain_encode(encoded_run: Any, reference_model: Any) -> None:
     layout, ids, texts = encoded_run
     result = assemble(layout)
@@ -37,6 +38,7 @@ def test_result_is_ordered_and_equals_plain_encode(encoded_run: Any, reference_m
     assert assemble(layout) == result  # assembling again returns the published result
 
 
+@pytest.mark.slow
 def test_missing_and_corrupt_chunks_are_all_named(encoded_run: Any) -> None:
     layout, _, _ = encoded_run
     layout.output_npy(1).unlink()
@@ -59,6 +61,7 @@ def test_missing_and_corrupt_chunks_are_all_named(encoded_run: Any) -> None:
     assert assemble(layout)["rows"] == 47
 
 
+@pytest.mark.slow
 def test_cli_assemble_fails_with_named_chunk_and_exit_code(encoded_run: Any) -> None:
     layout, _, _ = encoded_run
     layout.output_npy(2).write_bytes(b"\x93NUMPY garbage")
@@ -68,6 +71,7 @@ def test_cli_assemble_fails_with_named_chunk_and_exit_code(encoded_run: Any) -> 
     assert not layout.result.exists()
 
 
+@pytest.mark.slow
 def test_a_lone_output_of_another_dimension_is_set_aside_not_the_healthy_chunks(encoded_run: Any) -> None:
     """Issue 21.6: one self-consistent 383-dimension output (.npy and .json agree) among 384s."""
     layout, _, _ = encoded_run
@@ -87,6 +91,7 @@ def test_a_lone_output_of_another_dimension_is_set_aside_not_the_healthy_chunks(
     assert assemble(layout)["dim"] == 384
 
 
+@pytest.mark.slow
 def test_an_output_made_with_other_options_is_never_assembled(encoded_run: Any) -> None:
     """Issue 21.1: an output whose record of what produced it is not the run's manifest."""
     layout, _, _ = encoded_run
@@ -98,6 +103,7 @@ def test_an_output_made_with_other_options_is_never_assembled(encoded_run: Any) 
     assert 1 not in layout.done_chunks()
 
 
+@pytest.mark.slow
 def test_verify_checks_the_result_manifest_against_the_runs(encoded_run: Any) -> None:
     """Issue 21.7: result/manifest.json edited to 46 rows and another model, checksums untouched."""
     layout, _, _ = encoded_run

@@ -19,6 +19,7 @@ def test_its_help_works_without_a_gpu() -> None:
     assert done.returncode == 0 and "--large" in done.stdout and "plain" in done.stdout
 
 
+@pytest.mark.slow
 def test_on_a_host_without_cuda_it_says_so_unless_asked_for_the_cpu() -> None:
     done = subprocess.run(
         [sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=120, env=cli_env()

@@ -153,6 +153,7 @@ def test_the_wheel_installs_one_top_level_name(tmp_path: Path) -> None:
     assert zipfile.ZipFile(wheel).read(top_level).decode().split() == ["chunkq"]
 
 
+@pytest.mark.slow
 def test_a_reader_that_stops_reading_is_not_an_internal_error(encoded_run: Any) -> None:
     """Issue 21.14: `chunkq status RUN | head -1` was exit 70 "internal error: BrokenPipeError"."""
     from tests.helpers import CLI, cli_env

@@ -304,6 +304,7 @@ def _failed_chunk_run(tmp_path: Path, store: Path, redis_url: str) -> tuple[str,
     return "dash-run", chunk_job_id("dash-run", 1)
 
 
+@pytest.mark.slow
 def test_failed_chunk_page_in_a_real_browser(
     tmp_path: Path, store: Path, connection: redis.Redis, redis_url: str
 ) -> None:

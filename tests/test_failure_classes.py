@@ -58,6 +58,7 @@ def _chunk(
     )
 
 
+@pytest.mark.slow
 def test_oom_halves_the_batch_and_later_chunks_start_from_what_fitted(
     store: Path, inject: Any, reference_model: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -92,6 +93,7 @@ def test_the_injected_oom_carries_torchs_real_text_and_each_halving_is_recorded(
     ]
 
 
+@pytest.mark.slow
 def test_the_failed_attempts_memory_is_released_before_the_smaller_batch(
     store: Path, monkeypatch: pytest.MonkeyPatch, reference_model: Any
 ) -> None:
@@ -190,6 +192,7 @@ def test_token_budget_batches_are_cut_longest_first_within_the_budget() -> None:
     assert all(lengths[b[0]] == max(lengths[i] for i in b) for b in batches)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget", [200, "auto", "auto as on a GPU"])
 def test_token_budget_batches_give_the_embeddings_of_fixed_batches(
     store: Path, reference_model: Any, budget: int | str, monkeypatch: pytest.MonkeyPatch

@@ -82,6 +82,7 @@ def test_busy_and_short_gpus_are_reported_and_skipped_as_configured(caplog: pyte
     assert worker_environment({}, GPUS[0], 1, no_nvml=True)["PYTORCH_NO_NVML"] == "1"
 
 
+@pytest.mark.slow
 def test_doctor_on_a_machine_without_gpus(tmp_path: Path, redis_url: str) -> None:
     from tests.helpers import run_cli
 

@@ -121,6 +121,7 @@ def _synthetic_run(store: Path, run_id: str, chunks: int, processes: int) -> Any
     return layout
 
 
+@pytest.mark.slow
 def test_a_report_streams_the_ledger_and_holds_bins_not_records(store: Path) -> None:
     """``report``'s memory holds the plot's points (issue 22.2): gathering a 20,000-chunk run peaks
     at about what a 2,000-chunk run does, and the timeline has at most TIMELINE_BINS bars a lane."""
@@ -150,6 +151,7 @@ def test_a_report_streams_the_ledger_and_holds_bins_not_records(store: Path) -> 
     assert per_chunk < 250, peaks
 
 
+@pytest.mark.slow
 def test_the_report_of_a_run_numbers_each_chunk_when_few_and_bins_them_when_many(
     encoded_run: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -60,6 +60,7 @@ def _result(layout: RunLayout) -> np.ndarray:
     return np.load(layout.result / "embeddings.npy")
 
 
+@pytest.mark.slow
 def test_prompt_truncation_and_normalisation_give_what_a_plain_encode_gives(
     tmp_path: Path, connection: redis.Redis, reference_model: Any
 ) -> None:
@@ -80,6 +81,7 @@ def test_prompt_truncation_and_normalisation_give_what_a_plain_encode_gives(
 @pytest.mark.parametrize(
     "dtype", ["float16", "int8", pytest.param("uint8", marks=pytest.mark.slow), "binary", "ubinary"]
 )
+@pytest.mark.slow
 def test_every_output_dtype_is_stored_verified_and_exported_as_sentence_transformers_makes_it(
     dtype: str, tmp_path: Path, connection: redis.Redis, reference_model: Any
 ) -> None:
@@ -144,6 +146,7 @@ def _model_with_prompts(tmp_path: Path, **config: Any) -> Path:
     return folder
 
 
+@pytest.mark.slow
 def test_named_prompts_the_default_prompt_and_refusals_before_anything_starts(
     tmp_path: Path, connection: redis.Redis, reference_model: Any
 ) -> None:
@@ -202,6 +205,7 @@ def test_remote_code_is_refused_unless_the_run_and_the_pool_both_allow_it(tmp_pa
     assert "--trust-remote-code" not in worker_argv(PoolSettings())
 
 
+@pytest.mark.slow
 def test_model_kwargs_are_a_closed_list_and_options_keep_old_fingerprints(
     tmp_path: Path, connection: redis.Redis, reference_model: Any
 ) -> None:

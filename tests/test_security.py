@@ -324,6 +324,7 @@ def tls_terminator(backend_port: int, cert: Path, key: Path) -> Iterator[int]:
         server.server_close()
 
 
+@pytest.mark.slow
 def test_rediss_urls_reach_redis_over_tls(tmp_path: Path, store: Path, connection: redis.Redis) -> None:
     if shutil.which("openssl") is None:
         pytest.skip("openssl is needed to make a test certificate")
@@ -360,6 +361,7 @@ def test_rediss_urls_reach_redis_over_tls(tmp_path: Path, store: Path, connectio
         assert untrusted.returncode != 0 and "CERTIFICATE_VERIFY_FAILED" in untrusted.stderr
 
 
+@pytest.mark.slow
 def test_embedded_redis_is_loopback_only_and_needs_its_password(tmp_path: Path) -> None:
     import psutil
 
@@ -379,6 +381,7 @@ def test_embedded_redis_is_loopback_only_and_needs_its_password(tmp_path: Path) 
         assert oct((tmp_path / "redis" / "auth.conf").stat().st_mode & 0o777) == "0o600"
 
 
+@pytest.mark.slow
 def test_a_job_that_differs_from_its_runs_manifest_is_refused_and_restored(
     store: Path, connection: redis.Redis, redis_url: str, reference_model: Any
 ) -> None:

@@ -107,6 +107,7 @@ def test_shard_sizes_are_read_with_units_and_nonsense_is_refused() -> None:
             shard_bytes(bad)
 
 
+@pytest.mark.slow
 def test_assemble_shard_size_verify_and_export_through_the_cli(tmp_path: Path) -> None:
     store = tmp_path / "store"
     layout = write_encoded_run(store, "cli", rows=90, chunk_size=20, dim=DIM)

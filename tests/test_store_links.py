@@ -21,6 +21,7 @@ def _moved_out(folder: Path, elsewhere: Path) -> None:
     folder.symlink_to(elsewhere, target_is_directory=True)
 
 
+@pytest.mark.slow
 def test_clean_outputs_only_never_deletes_through_a_linked_outputs_folder(
     encoded_run: Any, tmp_path: Path
 ) -> None:
@@ -39,6 +40,7 @@ def test_clean_outputs_only_never_deletes_through_a_linked_outputs_folder(
     assert len(cli.stderr.strip().splitlines()) == 1 and "symbolic link" in cli.stderr
 
 
+@pytest.mark.slow
 def test_a_linked_run_folder_is_neither_cleaned_nor_reported_as_freed(
     encoded_run: Any, tmp_path: Path
 ) -> None:
@@ -50,6 +52,7 @@ def test_a_linked_run_folder_is_neither_cleaned_nor_reported_as_freed(
     assert (elsewhere / "manifest.json").is_file()
 
 
+@pytest.mark.slow
 def test_assembly_never_replaces_a_linked_result(encoded_run: Any, tmp_path: Path) -> None:
     layout, _, _ = encoded_run
     elsewhere = tmp_path / "result-elsewhere"

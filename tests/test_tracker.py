@@ -10,6 +10,7 @@ import subprocess
 from datetime import UTC, datetime
 from pathlib import Path
 
+import pytest
 import redis
 from rq.job import Job
 
@@ -58,6 +59,7 @@ def test_a_look_between_reconciles_reads_no_status_per_chunk(
     assert (look.chunks_queued, look.chunks_done, look.chunks_running) == (400, 0, 0)
 
 
+@pytest.mark.slow
 def test_incremental_looks_follow_a_run_and_the_reconcile_finds_what_they_cannot(
     tmp_path: Path, store: Path, connection: redis.Redis, redis_url: str
 ) -> None:

@@ -10,6 +10,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 import redis
 
 from chunkq.jobs.events import announce_settled
@@ -40,6 +41,7 @@ def test_a_wait_ends_when_a_chunk_of_its_queue_settles_and_only_then(connection:
         wakeup.close()
 
 
+@pytest.mark.slow
 def test_the_supervisor_finishes_as_the_last_chunk_does_not_a_poll_interval_later(
     tmp_path: Path, store: Path, connection: redis.Redis, redis_url: str
 ) -> None:
