@@ -12,16 +12,12 @@ Figures, not goals: nothing is compared against a baseline here.
 
 from __future__ import annotations
 
-import sys
-
-if not __package__:
-    sys.path.pop(0)  # bench/queue.py would shadow the standard library's queue
-
 import argparse
 import json
 import os
 import re
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path

@@ -20,17 +20,13 @@ MiniLM, >= 1.5x for bge-large size, recycling overhead <= 2 %, utilisation >= 80
 
 from __future__ import annotations
 
-import sys
-
-if not __package__:
-    sys.path.pop(0)  # bench/queue.py would shadow the standard library's queue
-
 import argparse
 import ast
 import json
 import os
 import statistics
 import subprocess
+import sys
 import sysconfig
 import tempfile
 import threading

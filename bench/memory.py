@@ -10,17 +10,11 @@ then ``chunkq assemble``. Each command runs in a fresh interpreter that reports 
 
 from __future__ import annotations
 
-import sys
-
-# Run as a file, Python puts bench/ first on sys.path, where bench/queue.py would shadow the
-# standard library's queue module that redis imports.
-if not __package__:
-    sys.path.pop(0)
-
 import argparse
 import json
 import os
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 

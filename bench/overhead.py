@@ -22,19 +22,13 @@ On a GPU host pass a larger model and ``--precision fp16``; on CPU the bundled m
 
 from __future__ import annotations
 
-import sys
-
-# Run as a file, Python puts bench/ first on sys.path, where bench/queue.py would shadow the
-# standard library's queue module that redis imports.
-if not __package__:
-    sys.path.pop(0)
-
 import argparse
 import json
 import os
 import random
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path

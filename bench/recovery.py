@@ -17,19 +17,13 @@ as the baseline in the same run, with ``--no-fork-server`` (each worker a fresh 
 
 from __future__ import annotations
 
-import sys
-
-# Run as a file, Python puts bench/ first on sys.path, where bench/queue.py would shadow the
-# standard library's queue module that redis imports.
-if not __package__:
-    sys.path.pop(0)
-
 import argparse
 import json
 import os
 import signal
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from datetime import datetime

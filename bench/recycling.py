@@ -10,18 +10,12 @@ wall times and the ratio of each to the baseline with the same standby setting.
 
 from __future__ import annotations
 
-import sys
-
-# Run as a file, Python puts bench/ first on sys.path, where bench/queue.py would shadow the
-# standard library's queue module that redis imports.
-if not __package__:
-    sys.path.pop(0)
-
 import argparse
 import json
 import os
 import random
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path

@@ -17,17 +17,11 @@ Printed as a table with each figure's growth against the smallest size.
 
 from __future__ import annotations
 
-import sys
-
-# Run as a file, Python puts bench/ first on sys.path, where bench/queue.py would shadow the
-# standard library's queue module that redis imports.
-if not __package__:
-    sys.path.pop(0)
-
 import argparse
 import json
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time

@@ -16,8 +16,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-# Run as a file, Python puts bench/ first on sys.path (bench/queue.py would shadow the standard
-# library's queue); the repository root instead, for tests.helpers' run writer.
+# Run as a file, Python puts bench/ first on sys.path; the repository root instead, for
+# tests.helpers' run writer (the same finished run the shard tests assemble).
 if not __package__:
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 

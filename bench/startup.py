@@ -15,17 +15,11 @@ Goals: first chunk <= 1.5x the plain load; embed of 2 texts <= 2x the plain load
 
 from __future__ import annotations
 
-import sys
-
-# Run as a file, Python puts bench/ first on sys.path, where bench/queue.py would shadow the
-# standard library's queue module that redis imports.
-if not __package__:
-    sys.path.pop(0)
-
 import argparse
 import json
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path

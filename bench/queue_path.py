@@ -1,6 +1,6 @@
 """The queue path without the model: no-op jobs, submit, Redis memory, the supervisor's look.
 
-    python bench/queue.py [--jobs 1000] [--chunks 100000]
+    python bench/queue_path.py [--jobs 1000] [--chunks 100000]
 
 All against one embedded Valkey started here, in one run:
 - no-op jobs (``os.getpid``) through chunkq's worker (JSON, allow-listed job class, heartbeat) and
@@ -14,18 +14,12 @@ All against one embedded Valkey started here, in one run:
 
 from __future__ import annotations
 
-import sys
-
-# Run as a file, Python puts bench/ first on sys.path, where bench/queue.py would shadow the
-# standard library's queue module that redis imports.
-if not __package__:
-    sys.path.pop(0)
-
 import argparse
 import json
 import os
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
