@@ -25,11 +25,14 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from chunkq.jobs.abandon import forget_worker, mark_abandoned, running_job_ids
+from chunkq.jobs.errors import ChunkqError
+from chunkq.jobs.nopickle import forbid_pickle
 from chunkq.queue_worker import exit_codes
 from chunkq.queue_worker.fork_server import MODEL_ENV as FORK_SERVER_MODEL_ENV
 from chunkq.queue_worker.fork_server import ForkedWorker, ForkServer, ForkServerError
 from chunkq.queue_worker.gpus import (
     GpuInfo,
+    choose,
     cpu_threads_per_worker,
     resolve_workers_per_gpu,
     worker_environment,
@@ -37,10 +40,17 @@ from chunkq.queue_worker.gpus import (
 from chunkq.queue_worker.lifeline import PARENT_PID_ENV, die_with_parent
 from chunkq.queue_worker.metrics import PoolMetrics, serve
 from chunkq.queue_worker.restart import RestartPolicy
-from chunkq.queue_worker.settings import WORKER_MODULE, PoolSettings, env_of, worker_argv
+from chunkq.queue_worker.settings import (
+    LOG_FORMAT,
+    SETTINGS_JSON_ENV,
+    WORKER_MODULE,
+    PoolSettings,
+    env_of,
+    worker_argv,
+)
 from chunkq.queue_worker.standby import NOTIFY_FD_ENV, WAIT_FOR_PID_ENV, parse_announcements
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("chunkq.queue_worker.pool")  # one name, run as python -m chunkq.queue_worker too
 
 WorkerProcess = subprocess.Popen[bytes] | ForkedWorker
 
@@ -365,3 +375,29 @@ class Pool:
                 proc.wait()
         if self.fork_server is not None:
             self.fork_server.close()
+
+
+def start(settings: PoolSettings) -> int:
+    """Run a pool with ``settings`` on the devices they choose, until signalled: its exit code."""
+    chosen = choose(settings.gpus, settings.min_free_memory, settings.busy_gpus)
+    if not chosen:
+        log.info("no GPU in use; running %d CPU worker(s)", settings.cpu_workers)
+    return Pool(settings, chosen).run()
+
+
+def main() -> int:
+    """``python -m chunkq.queue_worker``: a pool whose settings come whole, as JSON in
+    CHUNKQ_POOL_SETTINGS_JSON, as ``chunkq run`` starts its own (the Redis password stays off the
+    command line). People start one with ``chunkq pool``."""
+    forbid_pickle()
+    raw = os.environ.get(SETTINGS_JSON_ENV)
+    if not raw:
+        print(f"python -m chunkq.queue_worker: set {SETTINGS_JSON_ENV}, or run: chunkq pool", file=sys.stderr)
+        return exit_codes.EXIT_USAGE
+    try:
+        settings = PoolSettings.from_json(raw)
+        logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr, format=LOG_FORMAT)
+        return start(settings)
+    except ChunkqError as exc:  # one line, as every chunkq command reports it
+        log.error("%s", exc)
+        return exit_codes.EXIT_CONFIG

@@ -29,6 +29,7 @@ DEFAULT_STORE = "chunkq-store"
 DEFAULT_RECYCLE_AFTER = 600.0
 HUNG_GRACE_SECONDS = 30.0  # past the job timeout, before a busy worker is taken for hung
 ENV_PREFIX = "CHUNKQ_"
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # every chunkq command and pool
 SETTINGS_JSON_ENV = "CHUNKQ_POOL_SETTINGS_JSON"  # chunkq run hands its pool every setting at once
 
 

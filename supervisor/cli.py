@@ -31,8 +31,8 @@ from chunkq.jobs.storage import OWNER_ONLY, is_local
 from chunkq.jobs.store import RunLayout, read_json
 from chunkq.queue_worker import gpus as gpu_discovery
 from chunkq.queue_worker.exit_codes import EXIT_CHUNKS_FAILED, EXIT_OK, EXIT_PARTIAL, EXIT_POOL_DIED
-from chunkq.queue_worker.pool import Pool
-from chunkq.queue_worker.settings import SETTINGS_JSON_ENV, PoolSettings
+from chunkq.queue_worker.pool import start as start_pool
+from chunkq.queue_worker.settings import PoolSettings
 from chunkq.supervisor.assemble import assemble
 from chunkq.supervisor.attempts import describe_attempts, failed_attempts, to_json
 from chunkq.supervisor.cli_common import (
@@ -375,28 +375,16 @@ def submit_cmd(corpus: tuple[str, ...], redis_url: str | None, as_json: bool, **
 
 @command("pool")
 @pool_setting_options()
-@click.option(
-    "--settings-json",
-    envvar=SETTINGS_JSON_ENV,
-    hidden=True,
-    help="Every setting at once, as chunkq run hands them to its pool.",
-)
 @store_option
 @queue_option
 @redis_option("needed")
-def pool_cmd(redis_url: str | None, store: Path, queue: str, settings_json: str | None, **kw: Any) -> None:
+def pool_cmd(redis_url: str | None, store: Path, queue: str, **kw: Any) -> None:
     """Run fresh worker processes on this host's GPUs (or CPU) until signalled."""
-    if settings_json:
-        settings = PoolSettings.from_json(settings_json)
-    else:
-        url = need_redis(redis_url)
-        settings = pool_settings(kw, redis_url=url, store=str(store), queue=queue, log_level=_log_level())
-        if settings.preload:  # a name people type, or one that cannot load here: before any worker
-            settings = replace(settings, preload=check_model(settings.preload))
-    chosen = gpu_discovery.choose(settings.gpus, settings.min_free_memory, settings.busy_gpus)
-    if not chosen:
-        log.info("no GPU in use; running %d CPU worker(s)", settings.cpu_workers)
-    sys.exit(Pool(settings, chosen).run())
+    url = need_redis(redis_url)
+    settings = pool_settings(kw, redis_url=url, store=str(store), queue=queue, log_level=_log_level())
+    if settings.preload:  # a name people type, or one that cannot load here: before any worker
+        settings = replace(settings, preload=check_model(settings.preload))
+    sys.exit(start_pool(settings))
 
 
 @command("dashboard")

@@ -44,7 +44,7 @@ from chunkq.queue_worker.exit_codes import (
     EXIT_REDIS,
     EXIT_STORAGE,
 )
-from chunkq.queue_worker.settings import DEFAULT_QUEUE, DEFAULT_STORE, env_of
+from chunkq.queue_worker.settings import DEFAULT_QUEUE, DEFAULT_STORE, LOG_FORMAT, env_of
 from chunkq.supervisor.lock import RunLockedError
 from chunkq.supervisor.request import reach_redis
 from chunkq.supervisor.watch import RedisGoneError
@@ -195,9 +195,7 @@ def _set_log_level(ctx: click.Context, param: click.Parameter, value: str | None
 
 def configure_logging(level: str) -> None:
     """The root logger's level and format; the pool hands the level to its workers."""
-    logging.basicConfig(
-        level=level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logging.basicConfig(level=level.upper(), stream=sys.stderr, format=LOG_FORMAT)
     logging.getLogger().setLevel(level.upper())
 
 

@@ -79,7 +79,7 @@ class PoolProcess:
             store=str(sub.store),
             log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()),
         )
-        self.cmd = [sys.executable, "-m", "chunkq.supervisor.cli", "--log-level", settings.log_level, "pool"]
+        self.cmd = [sys.executable, "-m", "chunkq.queue_worker"]  # queue_worker.pool.main
         # Whole, in the environment: the Redis password stays off the command line.
         self.env = dict(os.environ, **{SETTINGS_JSON_ENV: settings.to_json(), env_of("redis_url"): redis_url})
         self.log_path = log_path

@@ -17,7 +17,7 @@ import pytest
 from chunkq.jobs import models
 from chunkq.jobs.errors import ConfigError
 from chunkq.supervisor.cli import cli
-from tests.helpers import run_cli
+from tests.helpers import cli_env, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 PIP_WHEEL = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
@@ -208,3 +208,15 @@ def test_runs_tells_runs_of_one_corpus_apart_by_file_format_and_options(
     assert set(rows) == {"notes.jsonl (jsonl)", "notes.csv (csv)", "notes.parquet (parquet)"}
     assert "chunk_size=3 truncate_dim=64" in rows["notes.parquet (parquet)"]
     assert "truncate_dim" not in rows["notes.csv (csv)"] and "chunk_size=3" in rows["notes.csv (csv)"]
+
+
+def test_the_pool_that_chunkq_run_starts_is_queue_worker_itself_and_says_what_it_needs() -> None:
+    """chunkq run starts `python -m chunkq.queue_worker` (not the CLI again); by hand, without its
+    settings, it names the variable and the command people use, exit 2."""
+    from chunkq.queue_worker.settings import SETTINGS_JSON_ENV
+
+    env = {k: v for k, v in cli_env().items() if k != SETTINGS_JSON_ENV}
+    done = subprocess.run(
+        [sys.executable, "-m", "chunkq.queue_worker"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2 and SETTINGS_JSON_ENV in done.stderr and "chunkq pool" in done.stderr
