@@ -36,7 +36,7 @@ def _corpus(path: Path, rows: int) -> Path:
 def _start(args: list[str], log: Path, **env: str) -> subprocess.Popen[bytes]:
     with open(log, "wb") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "chunkq.supervisor.cli", *args],
+            [sys.executable, "-m", "chunkq.cli", *args],
             stdout=out,
             stderr=subprocess.STDOUT,
             env=dict(os.environ, HF_HUB_OFFLINE="1", **env),

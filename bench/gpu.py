@@ -155,7 +155,7 @@ def chunkq(
     work: Path, corpus: Path, model: str, precision: str, extra: list[str], chunk_size: int, device: str
 ) -> dict[str, Any]:
     store = work / f"store-{time.monotonic_ns()}"
-    cmd = [sys.executable, "-m", "chunkq.supervisor.cli", "--log-level", "WARNING", "run", str(corpus)]
+    cmd = [sys.executable, "-m", "chunkq.cli", "--log-level", "WARNING", "run", str(corpus)]
     cmd += ["--store", str(store), "--model", model, "--precision", precision]
     cmd += ["--chunk-size", str(chunk_size), *extra]
     cmd += ["--gpus", "0" if device == "cuda" else "none"]

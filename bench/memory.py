@@ -28,7 +28,7 @@ MEASURE = """
 import resource, runpy, sys
 sys.argv = ["chunkq", *sys.argv[1:]]
 try:
-    runpy.run_module("chunkq.supervisor.cli", run_name="__main__")
+    runpy.run_module("chunkq.cli", run_name="__main__")
 except SystemExit as exc:
     if exc.code:
         raise

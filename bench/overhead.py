@@ -140,7 +140,7 @@ def _chunkq(
     fork_server: bool = True,
 ) -> tuple[float, float]:
     store = work / f"store-{standby}-{time.monotonic_ns()}"
-    cmd = [sys.executable, "-m", "chunkq.supervisor.cli", "--log-level", "WARNING", "run", str(corpus)]
+    cmd = [sys.executable, "-m", "chunkq.cli", "--log-level", "WARNING", "run", str(corpus)]
     cmd += ["--store", str(store), "--chunk-size", str(args.chunk_size)]
     cmd += ["--model", args.model, "--precision", args.precision]
     if max_jobs is not None:  # None: chunkq's defaults, untouched

@@ -55,7 +55,7 @@ def _submit(work: Path, url: str, chunks: int, run_id: str) -> float:
     with open(corpus, "w", encoding="utf-8") as fh:
         for i in range(chunks):
             fh.write(json.dumps({"id": i, "text": f"text number {i}"}) + "\n")
-    cmd = [sys.executable, "-m", "chunkq.supervisor.cli", "--log-level", "WARNING", "submit", str(corpus)]
+    cmd = [sys.executable, "-m", "chunkq.cli", "--log-level", "WARNING", "submit", str(corpus)]
     cmd += ["--store", str(work / "store"), "--chunk-size", "1", "--run-id", run_id, "--queue", run_id]
     started = time.perf_counter()
     subprocess.run(cmd, check=True, capture_output=True, env=dict(os.environ, CHUNKQ_REDIS_URL=url))

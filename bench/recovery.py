@@ -46,7 +46,7 @@ ROWS, CHUNK = 200, 200
 def _cli(log: Path, env: dict[str, str], *args: str) -> subprocess.Popen[bytes]:
     with open(log, "ab") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "chunkq.supervisor.cli", *args],
+            [sys.executable, "-m", "chunkq.cli", *args],
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -67,7 +67,7 @@ def _submit(work: Path, env: dict[str, str], run_id: str) -> None:
     corpus.write_text(
         "".join(json.dumps({"id": i, "text": f"text {run_id} {i} " * 40}) + "\n" for i in range(ROWS))
     )
-    cmd = [sys.executable, "-m", "chunkq.supervisor.cli", "submit", str(corpus), "--chunk-size", str(CHUNK)]
+    cmd = [sys.executable, "-m", "chunkq.cli", "submit", str(corpus), "--chunk-size", str(CHUNK)]
     out = subprocess.run([*cmd, "--run-id", run_id], env=env, capture_output=True, text=True, check=True)
     assert "enqueued" in out.stdout
 

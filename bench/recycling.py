@@ -28,7 +28,7 @@ def _run(work: Path, corpus: Path, chunk_size: int, max_jobs: int, standby: bool
     cmd = [
         sys.executable,
         "-m",
-        "chunkq.supervisor.cli",
+        "chunkq.cli",
         "--log-level",
         "WARNING",
         "run",

@@ -35,7 +35,7 @@ from chunkq.jobs.store import RunLayout
 from chunkq.supervisor.embedded_redis import EmbeddedRedis
 from chunkq.supervisor.throughput import of_run
 
-CLI = [sys.executable, "-m", "chunkq.supervisor.cli"]
+CLI = [sys.executable, "-m", "chunkq.cli"]
 WORDS = "alpha beta gamma delta river mountain queue worker chunk embed vector model".split()
 
 

@@ -118,9 +118,9 @@ def main() -> None:
     tempfile.tempdir = str(scratch)  # where assembly builds what it uploads
     moto = _start_moto()
     try:
+        from chunkq.api import RunResult
         from chunkq.jobs.manifest import load_manifest
         from chunkq.jobs.storage import open_store
-        from chunkq.supervisor.api import RunResult
         from chunkq.supervisor.assemble import assemble
         from chunkq.supervisor.result import check_published, shard_bytes
         from tests.helpers import write_encoded_run

@@ -4,11 +4,11 @@
     vectors = chunkq.embed(["first text", "second text"])          # a float32 numpy array
     result = chunkq.run("data/*.jsonl", store="chunkq-store")      # paths, rows, rows/s
 
-Both run the machinery of ``chunkq run`` on this machine (see ``chunkq.supervisor.api``).
+Both run the machinery of ``chunkq run`` on this machine (see ``chunkq.api``).
 The command line is ``chunkq`` (or ``python -m chunkq``).
 """
 
+from chunkq.api import RunResult, embed, run
 from chunkq.jobs.errors import ChunkqError, ChunksFailedError, ConfigError, CorpusError
-from chunkq.supervisor.api import RunResult, embed, run
 
 __all__ = ["ChunkqError", "ChunksFailedError", "ConfigError", "CorpusError", "RunResult", "embed", "run"]

@@ -1,3 +1,3 @@
-from chunkq.supervisor.cli import main
+from chunkq.cli import main
 
 main()

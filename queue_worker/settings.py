@@ -2,7 +2,7 @@
 whether each worker gets it on its command line.
 
 ``PoolSettings`` is the schema. From its fields' metadata come the ``chunkq pool`` options (and the
-pool options of ``chunkq run``: ``supervisor/options.py``), the worker's command line (``worker_argv``)
+pool options of ``chunkq run``: ``chunkq/cli/pool_options.py``), the worker's command line (``worker_argv``)
 and parser (``add_worker_arguments``), and the settings ``chunkq run`` hands its pool whole, as JSON
 (``to_json``/``from_json``). compose.yaml sets the same ``CHUNKQ_*`` variables; a test checks that
 each one it sets is here. A new pool option is one field below, plus its test and its line in the

@@ -23,7 +23,7 @@ WORDS = (
 ).split()
 
 
-CLI = [sys.executable, "-m", "chunkq.supervisor.cli"]
+CLI = [sys.executable, "-m", "chunkq.cli"]
 WORKER = [sys.executable, "-m", "chunkq.queue_worker.worker"]
 
 

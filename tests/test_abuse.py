@@ -235,7 +235,7 @@ def test_an_embedded_server_that_cannot_write_stops_the_run_with_the_reason(
     (line,) = [line for line in text.splitlines() if line.startswith("chunkq: error")]
     assert f"the disk of {store / 'redis'} is full" in line and "make room" in line, line
     assert text.rstrip().splitlines()[-1] == line  # the last word
-    assert "supervisor/cli.py" not in text and "Traceback" not in text
+    assert "chunkq/cli/" not in text and "Traceback" not in text
 
     # Issue 21.13: a rerun while the disk is still full said "Connection closed by server." (exit 7).
     still_full = run_cli(*args, timeout=120)

@@ -14,9 +14,9 @@ from typing import Any
 import click
 import pytest
 
+from chunkq.cli import cli
 from chunkq.jobs import models
 from chunkq.jobs.errors import ConfigError
-from chunkq.supervisor.cli import cli
 from tests.helpers import cli_env, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -146,7 +146,8 @@ def test_the_wheel_installs_one_top_level_name(tmp_path: Path) -> None:
         "chunkq/__init__.py",
         "chunkq/jobs/embed.py",
         "chunkq/queue_worker/worker.py",
-        "chunkq/supervisor/cli.py",
+        "chunkq/cli/__init__.py",
+        "chunkq/supervisor/watch.py",
     ):
         assert module in names
     top_level = next(n for n in names if n.endswith("top_level.txt"))

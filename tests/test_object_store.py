@@ -197,10 +197,10 @@ def test_a_sharded_result_goes_to_the_object_store_a_shard_at_a_time(
     manifest no longer names."""
     import tempfile
 
+    from chunkq.api import RunResult
     from chunkq.jobs.manifest import load_manifest
     from chunkq.jobs.store import load_npy
     from chunkq.supervisor import result as result_module
-    from chunkq.supervisor.api import RunResult
     from chunkq.supervisor.assemble import assemble
     from tests.helpers import write_encoded_run
 

@@ -7,9 +7,19 @@ from pathlib import Path
 
 import click
 
-from chunkq.jobs.store import RunLayout
-from chunkq.supervisor.cli_common import reach_redis_if, redis_option, reports_errors, store_option
+from chunkq.cli.common import (
+    reach_redis_if,
+    redis_option,
+    store_option,
+)
+from chunkq.cli.encode_options import SHARD_SIZE_OPTION
+from chunkq.cli.group import command
+from chunkq.jobs.errors import AssemblyError
+from chunkq.jobs.manifest import load_manifest
+from chunkq.jobs.store import RunLayout, read_json
+from chunkq.supervisor.assemble import assemble
 from chunkq.supervisor.export import EXPORT_FORMATS, STDOUT, export
+from chunkq.supervisor.result import check_published, shard_bytes
 from chunkq.supervisor.runs import RunInfo, clean, list_runs
 
 
@@ -51,11 +61,10 @@ def _table(runs: list[RunInfo]) -> str:
     )
 
 
-@click.command("runs")
+@command("runs")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 @store_option
 @redis_option("unused")
-@reports_errors
 def runs_cmd(store: Path, as_json: bool, redis_url: str | None) -> None:
     """List the runs of the store, newest first: state, rows done, corpus, model, the options that
     differ from the defaults, age and size."""
@@ -69,7 +78,7 @@ def runs_cmd(store: Path, as_json: bool, redis_url: str | None) -> None:
         click.echo(f"no runs in {store}")
 
 
-@click.command("clean")
+@command("clean")
 @click.argument("run_id")
 @click.option(
     "--outputs-only",
@@ -79,7 +88,6 @@ def runs_cmd(store: Path, as_json: bool, redis_url: str | None) -> None:
 )
 @store_option
 @redis_option("live")
-@reports_errors
 def clean_cmd(run_id: str, outputs_only: bool, store: Path, redis_url: str | None) -> None:
     """Delete RUN_ID from the store, or free its chunk outputs; a run in flight is refused."""
     layout = RunLayout(store, run_id)
@@ -88,7 +96,7 @@ def clean_cmd(run_id: str, outputs_only: bool, store: Path, redis_url: str | Non
     click.echo(f"freed {_size(freed)}: {what} {run_id}")
 
 
-@click.command("export")
+@command("export")
 @click.argument("run_id")
 @click.option(
     "--format",
@@ -108,7 +116,6 @@ def clean_cmd(run_id: str, outputs_only: bool, store: Path, redis_url: str | Non
 @click.option("--force", is_flag=True, help="Replace --out if it is an existing file.")
 @store_option
 @redis_option("unused")
-@reports_errors
 def export_cmd(run_id: str, fmt: str, out: Path, force: bool, store: Path, redis_url: str | None) -> None:
     """Write RUN_ID's published result, in corpus order with its ids, to one file (streaming)."""
     del redis_url
@@ -116,3 +123,32 @@ def export_cmd(run_id: str, fmt: str, out: Path, force: bool, store: Path, redis
     stream = out == STDOUT or (out.exists() and not out.is_file())
     written = export(RunLayout(store, run_id), fmt, out, force)
     click.echo(", ".join(str(p) for p in written), err=stream)
+
+
+@command("assemble")
+@click.argument("run_id")
+@click.option(
+    "--verify",
+    is_flag=True,
+    help="Only check the published result: its checksums, and that it is the run's (rows, model, options)",
+)
+@SHARD_SIZE_OPTION
+@store_option
+@redis_option("unused")
+def assemble_cmd(run_id: str, store: Path, verify: bool, shard_size: str, redis_url: str | None) -> None:
+    """Verify every chunk output of RUN_ID and publish result/ (whole, or not at all)."""
+    del redis_url
+    layout = RunLayout(store, run_id)
+    if verify:
+        damage = check_published(layout, load_manifest(layout))
+        if damage:
+            raise AssemblyError(run_id, [*damage, "run `chunkq assemble RUN` to assemble it again"])
+        result = read_json(layout.result_manifest)
+        click.echo(
+            f"{layout.result}: {result['rows']} x {result['dim']}, every checksum matches its manifest "
+            "and the result is the run's (fingerprint, model, options, rows)"
+        )
+        return
+    result = assemble(layout, shard_bytes=shard_bytes(shard_size))
+    shards = f" in {len(result['shards'])} shards" if result.get("shards") else ""
+    click.echo(f"{layout.result}: {result['rows']} x {result['dim']}{shards}")

@@ -1,0 +1,27 @@
+"""The ``chunkq`` command line, a module per group of commands: ``work`` (run, submit, pool,
+supervise), ``look`` (status, report, model, doctor, dashboard), ``results`` (runs, assemble,
+export, clean). Options that read an environment variable show it in ``--help``."""
+
+from __future__ import annotations
+
+import os
+
+from chunkq.cli import look, results, work
+from chunkq.cli.common import interrupt_on_sigterm
+from chunkq.cli.group import cli
+from chunkq.jobs.models import assume_offline
+from chunkq.jobs.nopickle import forbid_pickle
+from chunkq.jobs.storage import OWNER_ONLY
+
+__all__ = ["cli", "main"]
+COMMAND_MODULES = (work, look, results)  # imported for their commands, which join the group
+
+
+def main() -> None:
+    # Stored texts, embeddings and the append-only file (which holds tracebacks that quote them) are
+    # the user's data: one mode for all of them, whoever creates them (children inherit the mask).
+    os.umask(OWNER_ONLY)
+    forbid_pickle()
+    assume_offline()  # models load from folders and the cache; HF_HUB_OFFLINE=0 allows downloads
+    interrupt_on_sigterm()  # the pool installs its own handlers, which drain the same way
+    cli(prog_name="chunkq")

@@ -1,0 +1,5 @@
+"""``python -m chunkq.cli``, as ``chunkq``."""
+
+from chunkq.cli import main
+
+main()

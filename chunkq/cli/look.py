@@ -1,0 +1,166 @@
+"""The commands that look at runs, models and the machine: ``status``, ``report``, ``model``,
+``doctor``, ``dashboard``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from chunkq.cli.common import (
+    need_redis,
+    redis_option,
+    store_option,
+)
+from chunkq.cli.group import command
+from chunkq.jobs import model_info
+from chunkq.jobs.manifest import load_manifest
+from chunkq.jobs.models import check_model, default_model
+from chunkq.jobs.storage import is_local
+from chunkq.jobs.store import RunLayout
+from chunkq.queue_worker.exit_codes import EXIT_CHUNKS_FAILED, EXIT_OK
+from chunkq.supervisor.attempts import describe_attempts, failed_attempts, to_json
+from chunkq.supervisor.dashboard import DEFAULT_PORT as DEFAULT_DASHBOARD_PORT
+from chunkq.supervisor.dashboard import serve as serve_dashboard
+from chunkq.supervisor.display import describe
+from chunkq.supervisor.doctor import examine, render
+from chunkq.supervisor.progress import Tracker, store_snapshot
+from chunkq.supervisor.report import write_report
+from chunkq.supervisor.request import (
+    reach_redis,
+)
+from chunkq.supervisor.run import embedded_url
+from chunkq.supervisor.watch import failure_report
+
+
+@command("dashboard")
+@click.option(
+    "--bind",
+    default="127.0.0.1",
+    envvar="CHUNKQ_DASHBOARD_BIND",
+    show_envvar=True,
+    show_default=True,
+    help="Address to serve on; anything but loopback needs --username and --password.",
+)
+@click.option(
+    "--port",
+    type=click.IntRange(1, 65535),
+    default=DEFAULT_DASHBOARD_PORT,
+    envvar="CHUNKQ_DASHBOARD_PORT",
+    show_envvar=True,
+    show_default=True,
+    help="Port to serve on.",
+)
+@click.option(
+    "--username",
+    default=None,
+    envvar="CHUNKQ_DASHBOARD_USERNAME",
+    show_envvar=True,
+    help="Basic-auth user name.",
+)
+@click.option(
+    "--password",
+    default=None,
+    envvar="CHUNKQ_DASHBOARD_PASSWORD",
+    show_envvar=True,
+    help="Basic-auth password. Prefer the variable: a command line is visible to every user of the host.",
+)
+@redis_option("needed")
+def dashboard_cmd(
+    redis_url: str | None, bind: str, port: int, username: str | None, password: str | None
+) -> None:
+    """rq-dashboard for chunkq's queues: JSON only, loopback unless credentials are set."""
+    serve_dashboard(need_redis(redis_url), bind, port, username, password)
+
+
+@command("report")
+@click.argument("run_id")
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Directory for report.png, report.md, report.json (default: the run's report/ in a "
+    "filesystem store, ./chunkq-report-RUN otherwise).",
+)
+@store_option
+@redis_option("unused")
+def report_cmd(run_id: str, out: Path | None, store: Path, redis_url: str | None) -> None:
+    """A timeline PNG and a summary of RUN: chunks per process, model loads, failures, throughput, lengths."""
+    del redis_url  # the report reads the store alone, Redis gone or not
+    layout = RunLayout(store, run_id)
+    if out is None:
+        out = layout.root / "report" if is_local(store) else Path(f"chunkq-report-{run_id}")
+    numbers = write_report(layout, out)
+    click.echo(
+        f"{out / 'report.png'}, {out / 'report.md'}: {numbers['rows_done']} rows, "
+        f"{numbers['worker_processes']} worker processes, {numbers['failed_attempts']} failed attempt(s)"
+    )
+
+
+@command("status")
+@click.argument("run_id")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@store_option
+@redis_option("status")
+def status_cmd(run_id: str, store: Path, redis_url: str | None, as_json: bool) -> None:
+    """Print where RUN_ID stands, once: from the store, and from Redis when one is given."""
+    layout = RunLayout(store, run_id)
+    manifest = load_manifest(layout)
+    redis_url = redis_url or embedded_url(store)  # a `chunkq run` serving this store right now
+    if redis_url:
+        snap = Tracker(reach_redis(redis_url), layout, manifest).poll()
+    else:
+        snap = store_snapshot(layout, manifest)
+    attempts = failed_attempts(layout)
+    if as_json:
+        click.echo(json.dumps({**snap.to_json(), "failed_attempts": to_json(attempts)}, indent=2))
+        return
+    click.echo(describe(snap))
+    click.echo(describe_attempts(attempts))
+    if snap.failures:
+        click.echo(failure_report(snap.quarantined or snap.failures))
+    if snap.result_published:
+        click.echo(f"result published in {layout.result}")
+
+
+@command("model")
+@click.argument("model", required=False)
+@click.option("--revision", default=None, help="The hub revision to describe (default: the cache's main).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@redis_option("unused")
+def model_cmd(model: str | None, revision: str | None, as_json: bool, redis_url: str | None) -> None:
+    """What chunkq will run for MODEL (default: the bundled one), read from its files: dimension,
+    maximum sequence length, named prompts and the default one, remote code, the cached revision."""
+    del redis_url
+    ref = check_model(model) if model else default_model()
+    info = model_info.describe(ref, revision)
+    if as_json:
+        click.echo(json.dumps(info.to_json(), indent=2))
+        return
+    prompts = (
+        "\n".join(f"    {name!r}: {text!r}" for name, text in sorted(info.prompts.items())) or "    none"
+    )
+    default = info.default_prompt_name or "none (no prompt unless --prompt or --prompt-name)"
+    click.echo(
+        f"model               {info.ref}\n"
+        f"files               {info.folder or 'not on this host'}\n"
+        f"revision            {info.revision or '-'}\n"
+        f"dimension           {info.dim or 'unknown'} (--truncate-dim may keep fewer)\n"
+        f"max sequence length {info.max_seq_length or 'the tokenizer maximum'} tokens (--max-seq-length)\n"
+        f"remote code         {'needed: --trust-remote-code' if info.remote_code else 'no'}\n"
+        f"default prompt      {default}\n"
+        f"named prompts (--prompt-name)\n{prompts}"
+    )
+
+
+@command("doctor")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@store_option
+@redis_option("live")
+def doctor_cmd(store: Path, redis_url: str | None, as_json: bool) -> None:
+    """List GPUs, what torch sees, Redis and the store; exit 1 with advice when something is wrong."""
+    report = examine(store, redis_url)
+    click.echo(json.dumps(report.to_json(), indent=2) if as_json else render(report))
+    sys.exit(EXIT_OK if not report.problems else EXIT_CHUNKS_FAILED)

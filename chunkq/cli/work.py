@@ -1,0 +1,156 @@
+"""The commands that do a run's work: ``run``, ``submit``, ``pool``, ``supervise``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import click
+
+from chunkq.cli.common import (
+    need_redis,
+    queue_option,
+    redis_option,
+    store_option,
+)
+from chunkq.cli.encode_options import QUEUE_WINDOW_OPTION, submit_options, watch_options
+from chunkq.cli.group import command, current_log_level
+from chunkq.cli.pool_options import pool_setting_options, pool_settings, pop_pool_values
+from chunkq.jobs.models import check_model
+from chunkq.jobs.store import RunLayout
+from chunkq.queue_worker import gpus as gpu_discovery
+from chunkq.queue_worker.exit_codes import EXIT_CHUNKS_FAILED, EXIT_OK, EXIT_PARTIAL, EXIT_POOL_DIED
+from chunkq.queue_worker.pool import start as start_pool
+from chunkq.supervisor.display import ProgressDisplay, describe
+from chunkq.supervisor.request import (
+    RUN_DECIDES_FOR_THE_POOL,
+    build_run_request,
+    reach_redis,
+    submit_request,
+    watch_settings,
+)
+from chunkq.supervisor.run import RunOutcome, run
+from chunkq.supervisor.submit import submit
+from chunkq.supervisor.watch import Outcome, failure_report, supervise
+
+
+def _finish(outcome: Outcome) -> int:
+    """Print the end of a watched run and pick the exit code."""
+    if outcome.quarantined:
+        click.echo(failure_report(outcome.quarantined), err=True)
+        if outcome.partial and outcome.result is not None:
+            result = outcome.result
+            click.echo(
+                f"PARTIAL result: {result['rows']} of {result['corpus_rows']} rows; the missing row "
+                "ranges are listed under 'missing' in result/manifest.json",
+                err=True,
+            )
+            return EXIT_PARTIAL
+        return EXIT_CHUNKS_FAILED
+    if outcome.result is None:
+        click.echo(
+            f"run {outcome.snapshot.run_id} stopped before it settled: {describe(outcome.snapshot)}", err=True
+        )
+        return EXIT_CHUNKS_FAILED
+    result = outcome.result
+    rate = outcome.snapshot.rows_per_second
+    click.echo(
+        f"run {result['run_id']}: {result['rows']} x {result['dim']} embeddings, "
+        f"{len(result['workers'])} worker process(es)" + (f", {rate:,.1f} rows/s" if rate else "")
+    )
+    return EXIT_OK
+
+
+@command("submit")
+@submit_options
+@QUEUE_WINDOW_OPTION
+@redis_option("needed")
+@click.option("--json", "as_json", is_flag=True, help="Print the run's figures as JSON, not its id alone.")
+def submit_cmd(corpus: tuple[str, ...], redis_url: str | None, as_json: bool, **kw: Any) -> None:
+    """Split CORPUS (files or glob patterns) into chunks in the store and enqueue one job per chunk.
+
+    Idempotent: the same command again enqueues only what is neither done nor in flight. Prints the
+    run id (for `chunkq supervise RUN`).
+    """
+    connection = reach_redis(need_redis(redis_url))  # before anything is written
+    request = submit_request(corpus, kw.pop("store"), **kw)
+    result = submit(request, connection)
+    if not as_json:
+        click.echo(result.run_id)
+        return
+    c = result.counts
+    figures = {
+        "run_id": result.run_id,
+        "rows": result.rows,
+        "chunks": result.chunks,
+        "done": result.done,
+        "in_flight": c.in_flight,
+        "enqueued": c.enqueued,
+        "requeued": c.requeued,
+        "waiting": c.waiting,
+        "created": result.created,
+    }
+    click.echo(json.dumps(figures, indent=2))
+
+
+@command("pool")
+@pool_setting_options()
+@store_option
+@queue_option
+@redis_option("needed")
+def pool_cmd(redis_url: str | None, store: Path, queue: str, **kw: Any) -> None:
+    """Run fresh worker processes on this host's GPUs (or CPU) until signalled."""
+    url = need_redis(redis_url)
+    settings = pool_settings(kw, redis_url=url, store=str(store), queue=queue, log_level=current_log_level())
+    if settings.preload:  # a name people type, or one that cannot load here: before any worker
+        settings = replace(settings, preload=check_model(settings.preload))
+    sys.exit(start_pool(settings))
+
+
+@command("supervise")
+@click.argument("run_id")
+@watch_options
+@store_option
+@redis_option("needed")
+def supervise_cmd(run_id: str, store: Path, redis_url: str | None, **watch: Any) -> None:
+    """Watch RUN_ID: retry or quarantine failed chunks, then assemble the result when all are done."""
+    connection = reach_redis(need_redis(redis_url))
+    with ProgressDisplay() as display:
+        layout = RunLayout(store, run_id)
+        outcome = supervise(connection, layout, display, watch_settings(**watch))
+    sys.exit(_finish(outcome))
+
+
+@command("run")
+@submit_options
+@pool_setting_options(exclude=RUN_DECIDES_FOR_THE_POOL)
+@watch_options
+@redis_option("embedded")
+def run_cmd(corpus: tuple[str, ...], redis_url: str | None, **kw: Any) -> None:
+    """Everything on this machine: embedded Redis (unless --redis-url), pool, submit, supervise, assemble.
+
+    CORPUS: one or more files, or glob patterns ('data/*.parquet'), read in order as one corpus.
+    Everything is checked before anything starts; the same command again resumes the run.
+    """
+    pool_values = pop_pool_values(kw, exclude=RUN_DECIDES_FOR_THE_POOL)
+    if pool_values.get("gpus") not in (None, "all", "none", "cpu"):
+        gpu_discovery.select(pool_values["gpus"], gpu_discovery.discover())  # refuse a missing GPU up front
+    req = build_run_request(corpus, store=kw.pop("store"), redis_url=redis_url, **kw, **pool_values)
+    with ProgressDisplay() as display:
+        outcome: RunOutcome = run(req, display)
+    layout = RunLayout(req.submit.store, outcome.submitted.run_id)
+    if outcome.outcome is None:
+        click.echo(f"run {outcome.submitted.run_id}: already complete; result in {layout.result}")
+        sys.exit(EXIT_OK)
+    if outcome.pool_died and outcome.outcome.result is None:
+        click.echo(
+            "chunkq: error: the worker pool exited before the run finished; see its log above", err=True
+        )
+        sys.exit(EXIT_POOL_DIED)
+    code = _finish(outcome.outcome)
+    if code == EXIT_OK:
+        click.echo(f"result in {layout.result}")
+    sys.exit(code)
