@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from chunkq.jobs.manifest import load_manifest
-from chunkq.jobs.store import RunLayout, write_output
+from chunkq.jobs.run_files import RunLayout, write_output
 from chunkq.supervisor.embedded_redis import EmbeddedRedis
 
 MEASURE = """

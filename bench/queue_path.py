@@ -31,7 +31,7 @@ from rq.serializers import JSONSerializer
 
 from chunkq.jobs.allowlist import AllowListedJob
 from chunkq.jobs.manifest import load_manifest
-from chunkq.jobs.store import RunLayout
+from chunkq.jobs.run_files import RunLayout
 from chunkq.supervisor.embedded_redis import EmbeddedRedis
 from chunkq.supervisor.progress import Tracker
 

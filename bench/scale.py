@@ -31,7 +31,7 @@ from typing import Any
 import psutil
 import redis
 
-from chunkq.jobs.store import RunLayout
+from chunkq.jobs.run_files import RunLayout
 from chunkq.supervisor.embedded_redis import EmbeddedRedis
 from chunkq.supervisor.throughput import of_run
 

@@ -22,9 +22,9 @@ from chunkq.jobs.manifest import load_manifest
 from chunkq.jobs.model_info import describe
 from chunkq.jobs.models import check_model, default_model, resolve_model
 from chunkq.jobs.quantize import stored_columns
+from chunkq.jobs.run_files import RunLayout, load_npy, read_json
 from chunkq.jobs.specs import EncodeOptions, storage_dtype
 from chunkq.jobs.storage import is_local, open_store, private_open
-from chunkq.jobs.store import RunLayout, load_npy, read_json
 from chunkq.queue_worker.settings import DEFAULT_STORE
 from chunkq.supervisor.display import ProgressDisplay
 from chunkq.supervisor.progress import store_snapshot
@@ -107,7 +107,7 @@ def run(
     request = build_run_request(
         [str(c) for c in corpora], model=model, store=open_store(str(store)), redis_url=redis_url, **options
     )
-    from chunkq.supervisor.run import run as run_locally
+    from chunkq.supervisor.local_run import run as run_locally
 
     # The store holds the user's texts: everything chunkq creates is owner-only, as under the CLI,
     # by the modes it sets; this process's umask is the caller's, shared by its threads.

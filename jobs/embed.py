@@ -20,9 +20,7 @@ from rq import get_current_job
 from chunkq.jobs import cuda, errors, faults, jobmeta, models, quantize, runtime, token_batches
 from chunkq.jobs.errors import BadInputError, ChunkOutOfMemoryError, CudaFatalError, TamperedJobError
 from chunkq.jobs.manifest import RunManifest, load_manifest
-from chunkq.jobs.policy import check_spec
-from chunkq.jobs.specs import ChunkSpec, EncodeOptions
-from chunkq.jobs.store import (
+from chunkq.jobs.run_files import (
     RunLayout,
     atomic_write_json,
     read_chunk_input,
@@ -30,6 +28,8 @@ from chunkq.jobs.store import (
     verify_output,
     write_output,
 )
+from chunkq.jobs.scope import check_spec
+from chunkq.jobs.specs import BATCH_TOKENS_AUTO, ChunkSpec, EncodeOptions
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ def _remember(layout: RunLayout, device_kind: str, updates: dict[str, Any]) -> N
 
 def _start_limit(options: EncodeOptions, learned: dict[str, Any]) -> int:
     """The batch size, or token budget, this chunk starts from."""
-    if options.batch_tokens == token_batches.AUTO:
+    if options.batch_tokens == BATCH_TOKENS_AUTO:
         return int(learned.get("batch_tokens") or token_batches.AUTO_START_TOKENS)
     if isinstance(options.batch_tokens, int):
         return min(options.batch_tokens, int(learned.get("batch_tokens") or options.batch_tokens))
@@ -172,7 +172,7 @@ def _learn(
     chars_per_second: float,
 ) -> None:
     """Keep what fitted for the run's later chunks on this kind of device (and tune ``auto``)."""
-    if options.batch_tokens == token_batches.AUTO:
+    if options.batch_tokens == BATCH_TOKENS_AUTO:
         _remember(
             layout,
             kind,

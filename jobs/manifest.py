@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from chunkq.jobs.errors import RunNotFoundError
+from chunkq.jobs.run_files import RunLayout, read_json
 from chunkq.jobs.specs import ChunkSpec, EncodeOptions
-from chunkq.jobs.store import RunLayout, read_json
 
 
 @dataclass(frozen=True)

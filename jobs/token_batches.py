@@ -19,7 +19,6 @@ import numpy as np
 
 from chunkq.jobs.specs import BATCH_TOKENS_AUTO, EncodeOptions
 
-AUTO = BATCH_TOKENS_AUTO
 AUTO_START_TOKENS = 8192
 AUTO_GAIN = 1.05  # a budget is doubled again only while the last doubling paid at least 5 %
 
@@ -101,6 +100,6 @@ def for_device(options: EncodeOptions, device: str) -> EncodeOptions:
     On the CPU a batch's cost grows with its padded tokens whatever its shape, so length-sorted
     fixed batches (sentence-transformers' own) were measured faster than any token budget (issue
     26: 0.78x plain with ``auto`` on 2 cores); CPU workers use ``--batch-size`` batches instead."""
-    if options.batch_tokens == AUTO and not device.startswith("cuda"):
+    if options.batch_tokens == BATCH_TOKENS_AUTO and not device.startswith("cuda"):
         return replace(options, batch_tokens=None)
     return options

@@ -191,7 +191,7 @@ def cpu_threads_per_worker(workers: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, workers))
 
 
-AUTO = "auto"
+WORKERS_AUTO = "auto"  # --workers-per-gpu auto: as many as pay off on each GPU
 AUTO_MAX_WORKERS = 4  # more than this per GPU measured no further gain for small models (issue 15)
 CORES_PER_WORKER = 2  # tokenising and Python for one worker, the other half of a core pair for the rest
 CONTEXT_BYTES = 1 << 29  # a CUDA context and cuBLAS workspaces, per process
@@ -236,7 +236,7 @@ def auto_workers_per_gpu(gpus: list[GpuInfo], cpu_cores: int, weights: int | Non
 
 def resolve_workers_per_gpu(value: str, gpus: list[GpuInfo], preload: str | None, precision: str) -> int:
     """``--workers-per-gpu``: a number as given, or ``auto`` worked out for these GPUs and this model."""
-    if value != AUTO:
+    if value != WORKERS_AUTO:
         return int(value)
     from chunkq.jobs.models import default_model, resolve_model
 

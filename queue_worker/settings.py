@@ -19,7 +19,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 from chunkq.jobs.specs import DEFAULT_PRECISION, PRECISIONS
-from chunkq.queue_worker.gpus import AUTO
+from chunkq.queue_worker.gpus import WORKERS_AUTO
 
 DEFAULT_QUEUE = "chunkq"
 DEFAULT_STORE = "chunkq-store"
@@ -78,7 +78,7 @@ class PoolSettings:
         choices=("use", "skip"),
     )
     workers_per_gpu: str = setting(
-        AUTO,
+        WORKERS_AUTO,
         "Workers sharing each GPU, or 'auto': as many as the CPU cores per GPU feed and GPU memory "
         "holds, at most 4 (logged with the reason).",
     )

@@ -21,9 +21,7 @@ from typing import Any
 
 from chunkq.jobs.errors import AssemblyError, BadInputError
 from chunkq.jobs.manifest import RunManifest, load_manifest
-from chunkq.jobs.specs import PACKED_DTYPES, storage_dtype
-from chunkq.jobs.storage import is_local, publish_file
-from chunkq.jobs.store import (
+from chunkq.jobs.run_files import (
     MANIFEST_NAME,
     RunLayout,
     atomic_write_json,
@@ -31,6 +29,8 @@ from chunkq.jobs.store import (
     read_chunk_input,
     verify_output,
 )
+from chunkq.jobs.specs import PACKED_DTYPES, storage_dtype
+from chunkq.jobs.storage import is_local, publish_file
 from chunkq.supervisor.progress import Failure
 from chunkq.supervisor.result import (
     DEFAULT_SHARD_BYTES,

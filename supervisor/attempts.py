@@ -15,8 +15,8 @@ from typing import Any
 from rq.job import Job
 
 from chunkq.jobs import errors, jobmeta
+from chunkq.jobs.run_files import RunLayout, atomic_write_json, read_json
 from chunkq.jobs.storage import list_with_mtime
-from chunkq.jobs.store import RunLayout, atomic_write_json, read_json
 
 log = logging.getLogger(__name__)
 

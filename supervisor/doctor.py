@@ -14,8 +14,8 @@ from typing import Any
 
 import redis
 
+from chunkq.jobs.run_files import atomic_write_bytes
 from chunkq.jobs.storage import is_local
-from chunkq.jobs.store import atomic_write_bytes
 from chunkq.queue_worker import gpus as gpu_discovery
 from chunkq.supervisor.embedded_redis import server_binary
 

@@ -26,8 +26,8 @@ from rq.worker import Worker
 from chunkq.jobs import jobmeta
 from chunkq.jobs.allowlist import EMBED_CHUNK, AllowListedJob
 from chunkq.jobs.manifest import RunManifest
+from chunkq.jobs.run_files import RunLayout
 from chunkq.jobs.specs import chunk_job_id
-from chunkq.jobs.store import RunLayout
 
 log = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ import numpy as np
 
 from chunkq.jobs.errors import AssemblyError, ConfigError, StoreError
 from chunkq.jobs.manifest import load_manifest
+from chunkq.jobs.run_files import RunLayout, read_json, read_npy_header
 from chunkq.jobs.specs import storage_dtype
-from chunkq.jobs.store import RunLayout, read_json, read_npy_header
 from chunkq.supervisor.result import ResultPart, result_parts, result_problems
 
 EXPORT_FORMATS = ("parquet", "npy", "jsonl")

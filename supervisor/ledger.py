@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from chunkq.jobs.run_files import RunLayout, atomic_write_bytes, atomic_write_json, read_json
 from chunkq.jobs.storage import list_with_mtime
-from chunkq.jobs.store import RunLayout, atomic_write_bytes, atomic_write_json, read_json
 from chunkq.supervisor.chunk_set import ChunkSet
 from chunkq.supervisor.throughput import Throughput, parse_time
 
@@ -187,7 +187,7 @@ def throughput_of(layout: RunLayout, done: Collection[int]) -> Throughput:
 
 def _rebuild(layout: RunLayout, metas: list[dict[str, Any]]) -> None:
     """Record outputs the ledger lacks, when no process owns the run (an owner records them itself)."""
-    from chunkq.supervisor.owner import StoreLock
+    from chunkq.supervisor.store_lock import StoreLock
 
     if not metas or StoreLock(layout.owner, "").live_holder() is not None:
         return

@@ -17,13 +17,13 @@ from rq.utils import str_to_date
 
 from chunkq.jobs import jobmeta
 from chunkq.jobs.manifest import RunManifest
+from chunkq.jobs.run_files import RunLayout, read_json
 from chunkq.jobs.specs import chunk_job_id, chunk_job_prefix
-from chunkq.jobs.store import RunLayout, read_json
 from chunkq.supervisor.attempts import FailedAttempt, failed_attempts
 from chunkq.supervisor.chunk_set import ChunkSet
 from chunkq.supervisor.enqueue import QUEUED_STATUSES, chunk_queue, job_statuses
 from chunkq.supervisor.ledger import Ledger, throughput_of
-from chunkq.supervisor.owner import StoreLock
+from chunkq.supervisor.store_lock import StoreLock
 from chunkq.supervisor.throughput import Throughput
 
 STALE_HEARTBEAT_SECONDS = 60.0  # workers beat every 5 s while a chunk runs

@@ -21,7 +21,7 @@ import numpy as np
 
 from chunkq.jobs.manifest import RunManifest, load_manifest
 from chunkq.jobs.models import resolve_model
-from chunkq.jobs.store import RunLayout, read_chunk_input, read_json
+from chunkq.jobs.run_files import RunLayout, read_chunk_input, read_json
 from chunkq.supervisor.attempts import FailedAttempt, by_class, failed_attempts, to_json
 from chunkq.supervisor.ledger import stream_records, throughput_of
 from chunkq.supervisor.throughput import Throughput, parse_time

@@ -20,16 +20,16 @@ import redis
 from chunkq.jobs.errors import ChunksFailedError, ConfigError, CorpusError
 from chunkq.jobs.model_info import check_options, describe
 from chunkq.jobs.models import check_model, default_model
+from chunkq.jobs.run_files import RunLayout, read_json
 from chunkq.jobs.specs import EncodeOptions
 from chunkq.jobs.storage import is_local, open_store
-from chunkq.jobs.store import RunLayout, read_json
 from chunkq.queue_worker.settings import DEFAULT_QUEUE, PoolSettings
 from chunkq.supervisor.corpus import CorpusOptions, check_readable, detect_format, read_corpus
+from chunkq.supervisor.local_run import RunOutcome, RunRequest
 from chunkq.supervisor.result import DEFAULT_SHARD_BYTES, shard_bytes
 from chunkq.supervisor.retry import RetryPolicy
-from chunkq.supervisor.run import RunOutcome, RunRequest
 from chunkq.supervisor.submit import DEFAULT_CHUNK_SIZE, SubmitRequest
-from chunkq.supervisor.watch import WARN_IDLE_SECONDS, WatchSettings, failure_report
+from chunkq.supervisor.supervise import WARN_IDLE_SECONDS, WatchSettings, failure_report
 
 _GLOB_CHARS = frozenset("*?[")
 _ENCODE_NAMES = {"normalize": "normalize_embeddings"}  # the CLI's short name for a field

@@ -34,6 +34,7 @@ import numpy as np
 
 from chunkq.jobs.errors import ConfigError
 from chunkq.jobs.manifest import RunManifest
+from chunkq.jobs.run_files import MANIFEST_NAME, RunLayout, file_sha256, load_npy, read_json, read_npy_header
 from chunkq.jobs.specs import storage_dtype
 from chunkq.jobs.storage import (
     exchange_dirs,
@@ -44,7 +45,6 @@ from chunkq.jobs.storage import (
     publish_file,
     remove_tree,
 )
-from chunkq.jobs.store import MANIFEST_NAME, RunLayout, file_sha256, load_npy, read_json, read_npy_header
 
 log = logging.getLogger(__name__)
 

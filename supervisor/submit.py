@@ -22,9 +22,15 @@ import redis
 from chunkq.jobs.calibrate import CALIBRATION_ROWS, ranges_for
 from chunkq.jobs.errors import ConfigError, CorpusError, RunConflictError
 from chunkq.jobs.manifest import RunManifest, load_manifest
+from chunkq.jobs.run_files import (
+    RunLayout,
+    atomic_write_json,
+    file_sha256,
+    read_chunk_input,
+    write_chunk_input,
+)
 from chunkq.jobs.specs import FORMAT_VERSION, EncodeOptions, fingerprint, validate_run_id
 from chunkq.jobs.storage import is_local, local_scratch, remove_tree
-from chunkq.jobs.store import RunLayout, atomic_write_json, file_sha256, read_chunk_input, write_chunk_input
 from chunkq.queue_worker.settings import DEFAULT_QUEUE
 from chunkq.supervisor.assemble import set_aside
 from chunkq.supervisor.corpus import CorpusOptions, Record, check_readable, read_corpus

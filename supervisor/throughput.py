@@ -46,7 +46,7 @@ class Throughput:
 def of_run(store: Any, run_id: str) -> Throughput:
     """A run's throughput from its committed chunk outputs (the ledger's summary where it covers
     them): for tools and benches that measure a run the way ``status`` reports it."""
-    from chunkq.jobs.store import RunLayout
+    from chunkq.jobs.run_files import RunLayout
     from chunkq.supervisor.ledger import throughput_of
 
     layout = RunLayout(store, run_id)

@@ -13,7 +13,7 @@ import redis
 from chunkq.jobs.embed import embed_chunk
 from chunkq.jobs.manifest import load_manifest
 from chunkq.jobs.models import BUNDLED_MODEL, resolve_model
-from chunkq.jobs.store import RunLayout
+from chunkq.jobs.run_files import RunLayout
 from chunkq.supervisor.corpus import CorpusOptions
 from chunkq.supervisor.embedded_redis import EmbeddedRedis
 from chunkq.supervisor.submit import SubmitRequest, submit

@@ -148,7 +148,7 @@ def signal_handlers_restored() -> Iterator[None]:
 
 def only_run(store: Path) -> Any:
     """The RunLayout of the one run in ``store``."""
-    from chunkq.jobs.store import RunLayout
+    from chunkq.jobs.run_files import RunLayout
 
     (run_dir,) = (store / "runs").iterdir()
     return RunLayout(store, run_dir.name)
@@ -185,8 +185,8 @@ def _write_manifest(
     """A run manifest as submit writes it (without Redis); the RunManifest."""
     from chunkq.jobs.manifest import RunManifest
     from chunkq.jobs.models import BUNDLED_MODEL
+    from chunkq.jobs.run_files import RunLayout, atomic_write_json
     from chunkq.jobs.specs import EncodeOptions, fingerprint
-    from chunkq.jobs.store import RunLayout, atomic_write_json
 
     options = (options or EncodeOptions()).to_dict()
     identity = {"model": BUNDLED_MODEL, "options": options, "chunk_size": chunk_size, "run_id": run_id}
@@ -214,7 +214,7 @@ def write_test_run(
     submit writes them (without Redis): (its ChunkSpec as the manifest says, its texts). The job
     refuses a spec that differs from the manifest, so job tests need one."""
     from chunkq.jobs.manifest import load_manifest
-    from chunkq.jobs.store import RunLayout, write_chunk_input
+    from chunkq.jobs.run_files import RunLayout, write_chunk_input
 
     ids, texts = make_texts(rows, seed=seed)
     layout = RunLayout(store, run_id)
@@ -232,7 +232,7 @@ def write_encoded_run(store: Path, run_id: str, rows: int, chunk_size: int, dim:
     RunLayout. For assembly and result tests of any size and dimension."""
     from datetime import UTC, datetime
 
-    from chunkq.jobs.store import RunLayout, write_chunk_input, write_output
+    from chunkq.jobs.run_files import RunLayout, write_chunk_input, write_output
 
     chunks = -(-rows // chunk_size)
     manifest = _write_manifest(store, run_id, chunks, chunk_size, rows)

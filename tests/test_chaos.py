@@ -15,8 +15,8 @@ import redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
+from chunkq.jobs.run_files import RunLayout, read_json
 from chunkq.jobs.specs import chunk_job_id
-from chunkq.jobs.store import RunLayout, read_json
 from chunkq.supervisor.embedded_redis import EmbeddedRedis
 from chunkq.supervisor.enqueue import job_statuses
 from tests.helpers import (

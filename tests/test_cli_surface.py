@@ -147,7 +147,7 @@ def test_the_wheel_installs_one_top_level_name(tmp_path: Path) -> None:
         "chunkq/jobs/embed.py",
         "chunkq/queue_worker/worker.py",
         "chunkq/cli/__init__.py",
-        "chunkq/supervisor/watch.py",
+        "chunkq/supervisor/supervise.py",
     ):
         assert module in names
     top_level = next(n for n in names if n.endswith("top_level.txt"))

@@ -10,8 +10,8 @@ import pytest
 
 from chunkq.jobs.embed import embed_chunk
 from chunkq.jobs.errors import BadInputError, ConfigError
+from chunkq.jobs.run_files import RunLayout, verify_output, write_chunk_input
 from chunkq.jobs.specs import ChunkSpec, EncodeOptions
-from chunkq.jobs.store import RunLayout, verify_output, write_chunk_input
 from tests.helpers import make_texts, max_abs_diff, write_test_run
 
 

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from chunkq.jobs.errors import AssemblyError
-from chunkq.jobs.store import RunLayout, atomic_write_json, file_sha256
+from chunkq.jobs.run_files import RunLayout, atomic_write_json, file_sha256
 from chunkq.supervisor.export import BATCH_ROWS, export
 
 ROWS, DIM = 200_000, 64  # 51 MB: more than Arrow's Parquet writer buffers (~27 MB, whatever the rows)

@@ -16,8 +16,8 @@ import torch
 from chunkq.jobs import embed, errors, faults, runtime
 from chunkq.jobs.embed import embed_chunk
 from chunkq.jobs.errors import ChunkOutOfMemoryError, ConfigError, CudaFatalError
+from chunkq.jobs.run_files import RunLayout, read_json
 from chunkq.jobs.specs import ChunkSpec, EncodeOptions
-from chunkq.jobs.store import RunLayout, read_json
 from chunkq.queue_worker.pool import jittered_max_jobs
 from chunkq.supervisor.retry import RetryPolicy
 from tests.helpers import max_abs_diff, write_test_run

@@ -22,7 +22,7 @@ import redis
 from chunkq.jobs import models
 from chunkq.jobs.errors import ConfigError
 from chunkq.jobs.models import BUNDLED_MODEL
-from chunkq.jobs.store import RunLayout, read_json
+from chunkq.jobs.run_files import RunLayout, read_json
 from chunkq.queue_worker import exit_codes
 from chunkq.queue_worker.fork_server import MODEL_ENV, ForkServer, ForkServerError
 from chunkq.queue_worker.gpus import GpuInfo

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from chunkq.jobs.store import read_json
+from chunkq.jobs.run_files import read_json
 from chunkq.supervisor.result import publish
 from tests.helpers import make_texts, only_run, result_matches, run_cli, write_corpus
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from chunkq.jobs.manifest import load_manifest
-from chunkq.jobs.store import read_json
+from chunkq.jobs.run_files import read_json
 from chunkq.supervisor import ledger as ledger_module
 from chunkq.supervisor.ledger import Ledger, read_ledger
 from chunkq.supervisor.progress import store_snapshot
@@ -91,7 +91,7 @@ def _synthetic_run(store: Path, run_id: str, chunks: int, processes: int) -> Any
     Four hours of made-up work across ``processes`` worker processes."""
     from datetime import UTC, datetime, timedelta
 
-    from chunkq.jobs.store import RunLayout
+    from chunkq.jobs.run_files import RunLayout
 
     write_test_run(store, run_id, chunks - 1, 1, seed=0)
     layout = RunLayout(store, run_id)
@@ -201,7 +201,7 @@ def test_start_up_is_not_an_alarm_until_warn_idle(monkeypatch: pytest.MonkeyPatc
 
     from chunkq.supervisor.display import describe
     from chunkq.supervisor.progress import Snapshot
-    from chunkq.supervisor.watch import Supervisor, WatchSettings
+    from chunkq.supervisor.supervise import Supervisor, WatchSettings
 
     watcher: Any = SimpleNamespace(
         settings=WatchSettings(warn_idle=30.0), idle_since=None, idle_warned=time.monotonic()

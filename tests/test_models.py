@@ -23,10 +23,10 @@ from chunkq.jobs.errors import ConfigError, TamperedJobError
 from chunkq.jobs.manifest import load_manifest
 from chunkq.jobs.model_info import describe
 from chunkq.jobs.models import BUNDLED_MODEL, resolve_model
-from chunkq.jobs.policy import check_spec
+from chunkq.jobs.run_files import RunLayout
 from chunkq.jobs.runtime import WorkerContext
+from chunkq.jobs.scope import check_spec
 from chunkq.jobs.specs import EncodeOptions
-from chunkq.jobs.store import RunLayout
 from chunkq.queue_worker.settings import PoolSettings, worker_argv
 from chunkq.supervisor.assemble import assemble
 from chunkq.supervisor.corpus import CorpusOptions

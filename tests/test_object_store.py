@@ -21,8 +21,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from chunkq.jobs.run_files import RunLayout, save_npy_atomic, verify_output, write_output
 from chunkq.jobs.storage import open_store
-from chunkq.jobs.store import RunLayout, save_npy_atomic, verify_output, write_output
 from tests.helpers import make_texts, max_abs_diff, run_cli, wait_for, write_corpus
 
 # Real pools, workers and CLI runs as subprocesses: the slow tier.
@@ -199,7 +199,7 @@ def test_a_sharded_result_goes_to_the_object_store_a_shard_at_a_time(
 
     from chunkq.api import RunResult
     from chunkq.jobs.manifest import load_manifest
-    from chunkq.jobs.store import load_npy
+    from chunkq.jobs.run_files import load_npy
     from chunkq.supervisor import result as result_module
     from chunkq.supervisor.assemble import assemble
     from tests.helpers import write_encoded_run

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from chunkq.jobs.store import RunLayout, read_json
+from chunkq.jobs.run_files import RunLayout, read_json
 from chunkq.supervisor.embedded_redis import free_port
 from tests.helpers import make_texts, run_cli, start_cli, stop_tree, wait_for, write_corpus
 

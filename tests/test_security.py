@@ -388,7 +388,7 @@ def test_a_job_that_differs_from_its_runs_manifest_is_refused_and_restored(
     """Issue 21.1: an allow-listed embed_chunk for a real run and chunk, planted with other options
     (the reported attack: max_seq_length 3, normalized), other rows, or under another chunk's id."""
     from chunkq.jobs.manifest import load_manifest
-    from chunkq.jobs.store import RunLayout
+    from chunkq.jobs.run_files import RunLayout
     from chunkq.supervisor.enqueue import restore_from_manifest
     from tests.helpers import write_test_run
 

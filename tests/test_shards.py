@@ -15,7 +15,7 @@ import pytest
 from chunkq.api import RunResult
 from chunkq.jobs.errors import AssemblyError, ConfigError
 from chunkq.jobs.manifest import load_manifest
-from chunkq.jobs.store import RunLayout, read_json
+from chunkq.jobs.run_files import RunLayout, read_json
 from chunkq.supervisor.assemble import assemble
 from chunkq.supervisor.export import EXPORT_FORMATS, export
 from chunkq.supervisor.result import ShardedEmbeddings, check_published, published_result, shard_bytes

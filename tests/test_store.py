@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from chunkq.jobs.errors import ConfigError
+from chunkq.jobs.run_files import RunLayout, atomic_write_json, read_json, verify_output, write_output
 from chunkq.jobs.specs import ChunkSpec, EncodeOptions, chunk_job_id, validate_run_id
 from chunkq.jobs.storage import list_with_mtime
-from chunkq.jobs.store import RunLayout, atomic_write_json, read_json, verify_output, write_output
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ import pytest
 
 from chunkq.jobs.storage import StoreLinkError
 from chunkq.supervisor.assemble import assemble
-from chunkq.supervisor.runs import clean
+from chunkq.supervisor.run_list import clean
 from tests.helpers import run_cli
 
 
@@ -66,8 +66,8 @@ def test_assembly_never_replaces_a_linked_result(encoded_run: Any, tmp_path: Pat
 
 
 def test_a_linked_runs_folder_or_redis_folder_is_refused(tmp_path: Path) -> None:
-    from chunkq.jobs.store import RunLayout
-    from chunkq.supervisor.run import embedded_redis_dir
+    from chunkq.jobs.run_files import RunLayout
+    from chunkq.supervisor.local_run import embedded_redis_dir
 
     store = tmp_path / "store"
     store.mkdir()

@@ -15,8 +15,8 @@ from rq.job import Job
 from chunkq.jobs.allowlist import EMBED_CHUNK
 from chunkq.jobs.errors import CorpusError, RunConflictError
 from chunkq.jobs.models import BUNDLED_MODEL
+from chunkq.jobs.run_files import RunLayout, read_chunk_input, read_json
 from chunkq.jobs.specs import EncodeOptions, chunk_job_id
-from chunkq.jobs.store import RunLayout, read_chunk_input, read_json
 from chunkq.supervisor.corpus import CorpusOptions
 from chunkq.supervisor.enqueue import chunk_queue
 from chunkq.supervisor.submit import SubmitRequest, submit

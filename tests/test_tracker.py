@@ -16,8 +16,8 @@ from rq.job import Job
 
 from chunkq.jobs.manifest import load_manifest
 from chunkq.jobs.models import BUNDLED_MODEL
+from chunkq.jobs.run_files import RunLayout, read_json
 from chunkq.jobs.specs import chunk_job_id
-from chunkq.jobs.store import RunLayout, read_json
 from chunkq.queue_worker import exit_codes
 from chunkq.supervisor.corpus import CorpusOptions
 from chunkq.supervisor.progress import Tracker, store_snapshot

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 import redis
 
-from chunkq.jobs.store import RunLayout, read_json
+from chunkq.jobs.run_files import RunLayout, read_json
 from chunkq.supervisor.embedded_redis import free_port
 from tests.helpers import (
     cli_env,

@@ -15,7 +15,7 @@ import redis
 
 from chunkq.jobs.events import announce_settled
 from chunkq.jobs.models import BUNDLED_MODEL
-from chunkq.jobs.store import RunLayout
+from chunkq.jobs.run_files import RunLayout
 from chunkq.supervisor.corpus import CorpusOptions
 from chunkq.supervisor.submit import SubmitRequest, submit
 from chunkq.supervisor.wakeup import Wakeup

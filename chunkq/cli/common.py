@@ -45,9 +45,9 @@ from chunkq.queue_worker.exit_codes import (
     EXIT_STORAGE,
 )
 from chunkq.queue_worker.settings import DEFAULT_QUEUE, DEFAULT_STORE, LOG_FORMAT, env_of
-from chunkq.supervisor.lock import RunLockedError
 from chunkq.supervisor.request import reach_redis
-from chunkq.supervisor.watch import RedisGoneError
+from chunkq.supervisor.run_lock import RunLockedError
+from chunkq.supervisor.supervise import RedisGoneError
 
 log = logging.getLogger("chunkq")
 

@@ -29,7 +29,7 @@ from chunkq.supervisor.enqueue import DEFAULT_WINDOW, WINDOW_PER_WORKER
 from chunkq.supervisor.result import DEFAULT_SHARD_BYTES
 from chunkq.supervisor.retry import RetryPolicy
 from chunkq.supervisor.submit import DEFAULT_CHUNK_SIZE
-from chunkq.supervisor.watch import WARN_IDLE_SECONDS, WatchSettings
+from chunkq.supervisor.supervise import WARN_IDLE_SECONDS, WatchSettings
 
 MODEL_HELP = (
     f"Model: a local folder, a name in the Hugging Face cache, or the bundled model ({BUNDLED_MODEL}, "

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 import click
 
-from chunkq.queue_worker.gpus import AUTO
+from chunkq.queue_worker.gpus import WORKERS_AUTO
 from chunkq.queue_worker.settings import Meta, PoolSettings, flag, schema
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -21,7 +21,7 @@ def _split_list(ctx: click.Context, param: click.Parameter, values: tuple[str, .
 
 
 def _workers_value(ctx: click.Context, param: click.Parameter, value: str) -> str:
-    if value == AUTO or (value.isdigit() and int(value) >= 1):
+    if value == WORKERS_AUTO or (value.isdigit() and int(value) >= 1):
         return value
     raise click.BadParameter(f"{value!r}: give a number of workers (1 or more) or 'auto'")
 

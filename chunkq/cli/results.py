@@ -16,11 +16,11 @@ from chunkq.cli.encode_options import SHARD_SIZE_OPTION
 from chunkq.cli.group import command
 from chunkq.jobs.errors import AssemblyError
 from chunkq.jobs.manifest import load_manifest
-from chunkq.jobs.store import RunLayout, read_json
+from chunkq.jobs.run_files import RunLayout, read_json
 from chunkq.supervisor.assemble import assemble
 from chunkq.supervisor.export import EXPORT_FORMATS, STDOUT, export
 from chunkq.supervisor.result import check_published, shard_bytes
-from chunkq.supervisor.runs import RunInfo, clean, list_runs
+from chunkq.supervisor.run_list import RunInfo, clean, list_runs
 
 
 def _size(n: float) -> str:

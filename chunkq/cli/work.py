@@ -20,11 +20,12 @@ from chunkq.cli.encode_options import QUEUE_WINDOW_OPTION, submit_options, watch
 from chunkq.cli.group import command, current_log_level
 from chunkq.cli.pool_options import pool_setting_options, pool_settings, pop_pool_values
 from chunkq.jobs.models import check_model
-from chunkq.jobs.store import RunLayout
+from chunkq.jobs.run_files import RunLayout
 from chunkq.queue_worker import gpus as gpu_discovery
 from chunkq.queue_worker.exit_codes import EXIT_CHUNKS_FAILED, EXIT_OK, EXIT_PARTIAL, EXIT_POOL_DIED
 from chunkq.queue_worker.pool import start as start_pool
 from chunkq.supervisor.display import ProgressDisplay, describe
+from chunkq.supervisor.local_run import RunOutcome, run
 from chunkq.supervisor.request import (
     RUN_DECIDES_FOR_THE_POOL,
     build_run_request,
@@ -32,9 +33,8 @@ from chunkq.supervisor.request import (
     submit_request,
     watch_settings,
 )
-from chunkq.supervisor.run import RunOutcome, run
 from chunkq.supervisor.submit import submit
-from chunkq.supervisor.watch import Outcome, failure_report, supervise
+from chunkq.supervisor.supervise import Outcome, failure_report, supervise
 
 
 def _finish(outcome: Outcome) -> int:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from chunkq.jobs.models import resolve_model
-from chunkq.jobs.store import RunLayout, read_json
+from chunkq.jobs.run_files import RunLayout, read_json
 from tests.helpers import make_texts, run_cli, write_corpus
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]

@@ -23,14 +23,14 @@ from rq.serializers import JSONSerializer
 from chunkq.jobs.abandon import mark_abandoned
 from chunkq.jobs.errors import StoreWriteError
 from chunkq.jobs.manifest import load_manifest
+from chunkq.jobs.run_files import RunLayout
 from chunkq.jobs.storage import OWNER_ONLY, is_local, no_links_below, private_dirs, private_open
-from chunkq.jobs.store import RunLayout
 from chunkq.queue_worker.lifeline import die_with_parent
 from chunkq.queue_worker.settings import SETTINGS_JSON_ENV, PoolSettings, env_of
 from chunkq.supervisor.display import ProgressDisplay
 from chunkq.supervisor.embedded_redis import EmbeddedRedis
-from chunkq.supervisor.owner import StoreLock
 from chunkq.supervisor.result import published_result
+from chunkq.supervisor.store_lock import StoreLock
 from chunkq.supervisor.submit import (
     SubmitRequest,
     SubmitResult,
@@ -39,7 +39,7 @@ from chunkq.supervisor.submit import (
     removed_on_failure,
     submit,
 )
-from chunkq.supervisor.watch import Outcome, RedisGoneError, WatchSettings, redis_never_gone, supervise
+from chunkq.supervisor.supervise import Outcome, RedisGoneError, WatchSettings, redis_never_gone, supervise
 
 log = logging.getLogger(__name__)
 

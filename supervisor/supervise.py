@@ -24,8 +24,8 @@ from chunkq.jobs.abandon import mark_abandoned
 from chunkq.jobs.errors import ChunkqError, StoreWriteError
 from chunkq.jobs.manifest import RunManifest, load_manifest
 from chunkq.jobs.queueing import give_back
+from chunkq.jobs.run_files import RunLayout
 from chunkq.jobs.specs import chunk_job_id
-from chunkq.jobs.store import RunLayout
 from chunkq.queue_worker.metrics import serve as serve_metrics
 from chunkq.supervisor.assemble import assemble
 from chunkq.supervisor.attempts import AttemptRecorder, FailedAttempt
@@ -37,12 +37,12 @@ from chunkq.supervisor.enqueue import (
     restore_from_manifest,
     window_size,
 )
-from chunkq.supervisor.lock import RunLock
 from chunkq.supervisor.metrics import RunMetrics
-from chunkq.supervisor.owner import StoreLock
 from chunkq.supervisor.progress import STALE_HEARTBEAT_SECONDS, Failure, Snapshot, Tracker
 from chunkq.supervisor.result import DEFAULT_SHARD_BYTES
 from chunkq.supervisor.retry import RetryPolicy, settle_failure
+from chunkq.supervisor.run_lock import RunLock
+from chunkq.supervisor.store_lock import StoreLock
 from chunkq.supervisor.wakeup import Wakeup
 
 log = logging.getLogger(__name__)

@@ -30,9 +30,9 @@ from typing import Any
 
 import psutil
 
+from chunkq.jobs.run_files import atomic_write_json, read_json
 from chunkq.jobs.storage import is_local, private_dirs
-from chunkq.jobs.store import atomic_write_json, read_json
-from chunkq.supervisor.lock import RunLockedError
+from chunkq.supervisor.run_lock import RunLockedError
 
 log = logging.getLogger(__name__)
 

@@ -18,13 +18,13 @@ import redis
 
 from chunkq.jobs.errors import ConfigError, StoreError
 from chunkq.jobs.manifest import RunManifest, load_manifest
+from chunkq.jobs.run_files import MANIFEST_NAME, RunLayout
 from chunkq.jobs.specs import EncodeOptions, chunk_job_id
 from chunkq.jobs.storage import is_local, list_with_mtime, remove_tree
-from chunkq.jobs.store import MANIFEST_NAME, RunLayout
 from chunkq.supervisor.attempts import failed_attempts
 from chunkq.supervisor.enqueue import LIVE_STATUSES, job_statuses
-from chunkq.supervisor.owner import StoreLock
 from chunkq.supervisor.result import read_result_manifest, result_problems
+from chunkq.supervisor.store_lock import StoreLock
 from chunkq.supervisor.submit import DEFAULT_CHUNK_SIZE
 
 PUBLISHED, PARTIAL, IN_FLIGHT, FAILED, INCOMPLETE = (
