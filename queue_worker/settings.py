@@ -46,6 +46,10 @@ class Meta:
     choices: tuple[str, ...] = ()
     low: float | None = None
     high: float | None = None
+    # A worker run by hand, without this flag, has none: no count, no time, no store of its own (a
+    # pool always passes it).
+    unset_by_hand: bool = False
+    zero_means_none: bool = False  # 0: never (--recycle-after 0), as the worker reads it
 
     def env_name(self, name: str) -> str | None:
         return None if self.env is None else (self.env or ENV_PREFIX + name.upper())
@@ -90,6 +94,7 @@ class PoolSettings:
         kind="int",
         low=1,
         worker=True,
+        unset_by_hand=True,
     )
     recycle_after: float = setting(
         DEFAULT_RECYCLE_AFTER,
@@ -98,6 +103,8 @@ class PoolSettings:
         kind="float",
         low=0,
         worker=True,
+        unset_by_hand=True,
+        zero_means_none=True,
     )
     max_jobs_jitter: float = setting(
         0.1,
@@ -110,7 +117,9 @@ class PoolSettings:
     preload: str | None = setting(
         None, "Model each worker loads before its first job.", env=None, worker=True
     )
-    store: str | None = setting(None, "The one store workers serve.", cli=False, worker=True)
+    store: str | None = setting(
+        None, "The one store workers serve.", cli=False, worker=True, unset_by_hand=True
+    )
     allowed_models: tuple[str, ...] = setting(
         (),
         "A model jobs may ask for, beside the bundled one and --preload (repeatable or comma-separated; "
@@ -222,6 +231,14 @@ def worker_argv(settings: PoolSettings, **overrides: Any) -> list[str]:
     return argv
 
 
+def _zero_means_none(parse: Any) -> Any:
+    def read(text: str) -> Any:
+        value = parse(text)
+        return None if value == 0 else value
+
+    return read
+
+
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     """The parser side of ``worker_argv``: every setting a worker takes. Run by hand, a worker counts
     no chunks and no time unless told (the pool always tells it)."""
@@ -234,7 +251,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         elif meta.kind == "flag":
             parser.add_argument(flag(name, meta), dest=name, action="store_true", help=meta.help)
         else:
-            start = None if name in ("max_jobs", "recycle_after", "store") else default
-            parser.add_argument(
-                flag(name, meta), type=types.get(meta.kind, str), default=start, help=meta.help
-            )
+            parse = types.get(meta.kind, str)
+            if meta.zero_means_none:
+                parse = _zero_means_none(parse)
+            start = None if meta.unset_by_hand else default
+            parser.add_argument(flag(name, meta), type=parse, default=start, help=meta.help)

@@ -222,7 +222,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     args.store = args.store or os.environ.get(env_of("store"), DEFAULT_STORE)
     args.allowed_models += [m for m in os.environ.get(env_of("allowed_models"), "").split(",") if m]
     args.trust_remote_code = args.trust_remote_code or truthy(os.environ.get(env_of("trust_remote_code")))
-    args.recycle_after = args.recycle_after or None  # 0: never by time
     return args
 
 

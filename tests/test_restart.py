@@ -55,3 +55,17 @@ def test_a_forked_worker_without_cuda_stops_the_forking_not_the_device() -> None
     assert verdict.stop_forking and verdict.may_restart
     assert not verdict.counts_as_crash and not verdict.retire_device
     assert not POLICY.judge(exit_codes.EXIT_CUDA_FATAL).stop_forking
+
+
+def test_a_workers_command_line_round_trips_and_zero_recycle_after_means_never() -> None:
+    """What the pool writes (worker_argv) is what the worker reads (its parser, from the same schema)."""
+    from chunkq.queue_worker.settings import PoolSettings, worker_argv
+    from chunkq.queue_worker.worker import _parse
+
+    settings = PoolSettings(queue="q", max_jobs=7, recycle_after=0.0, store="s", allowed_models=("a", "b"))
+    args = _parse(["--name", "w", *worker_argv(settings)])
+    assert (args.queue, args.max_jobs, args.store, args.allowed_models) == ("q", 7, "s", ["a", "b"])
+    assert args.recycle_after is None  # 0: never by time
+    assert _parse(["--recycle-after", "2.5"]).recycle_after == 2.5
+    by_hand = _parse([])  # no pool: no count and no time unless told
+    assert by_hand.max_jobs is None and by_hand.recycle_after is None
