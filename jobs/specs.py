@@ -91,6 +91,24 @@ def _positive(name: str, value: Any) -> None:
         raise ConfigError(f"{name} must be a positive integer, got {value!r}")
 
 
+def batch_tokens_value(value: str) -> int | str:
+    """--batch-tokens as given: a number of tokens (1 or more) or 'auto'."""
+    if value == BATCH_TOKENS_AUTO:
+        return value
+    if value.isdigit() and int(value) >= 1:
+        return int(value)
+    raise ConfigError(f"{value!r}: give a number of tokens (1 or more) or 'auto'")
+
+
+def model_kwargs_value(text: str) -> dict[str, str] | None:
+    """--model-kwargs as given: a JSON object, checked by ``check_model_kwargs``."""
+    try:
+        kwargs = json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(f"not JSON: {exc}") from exc
+    return check_model_kwargs(kwargs)
+
+
 def check_model_kwargs(kwargs: Any) -> dict[str, str] | None:
     """``kwargs`` if every key is one chunkq passes and every value one it may take; else ConfigError."""
     if kwargs is None or kwargs == {}:

@@ -192,6 +192,15 @@ def cpu_threads_per_worker(workers: int) -> int:
 
 
 WORKERS_AUTO = "auto"  # --workers-per-gpu auto: as many as pay off on each GPU
+
+
+def workers_per_gpu_value(value: str) -> str:
+    """--workers-per-gpu as given: a number of workers (1 or more) or 'auto'."""
+    if value == WORKERS_AUTO or (value.isdigit() and int(value) >= 1):
+        return value
+    raise ConfigError(f"{value!r}: give a number of workers (1 or more) or 'auto'")
+
+
 AUTO_MAX_WORKERS = 4  # more than this per GPU measured no further gain for small models (issue 15)
 CORES_PER_WORKER = 2  # tokenising and Python for one worker, the other half of a core pair for the rest
 CONTEXT_BYTES = 1 << 29  # a CUDA context and cuBLAS workspaces, per process

@@ -1,12 +1,12 @@
 """Every pool and worker setting, written once: its default, flag, environment variable, help, and
 whether each worker gets it on its command line.
 
-``PoolSettings`` is the schema. From its fields' metadata come the ``chunkq pool`` options (and the
-pool options of ``chunkq run``: ``chunkq/cli/pool_options.py``), the worker's command line (``worker_argv``)
-and parser (``add_worker_arguments``), and the settings ``chunkq run`` hands its pool whole, as JSON
-(``to_json``/``from_json``). compose.yaml sets the same ``CHUNKQ_*`` variables; a test checks that
-each one it sets is here. A new pool option is one field below, plus its test and its line in the
-README.
+``PoolSettings`` is the schema. From its fields' metadata come the ``chunkq pool`` options (and
+the pool options of ``chunkq run``: ``chunkq/cli/settings_options.py``), the worker's command line
+(``worker_argv``) and parser (``add_worker_arguments``), and the settings ``chunkq run`` hands its
+pool whole, as JSON (``to_json``/``from_json``). compose.yaml sets the same ``CHUNKQ_*`` variables;
+a test checks that each one it sets is here. A new pool option is one field below, plus its test and
+its line in the README.
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ import argparse
 import json
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 from chunkq.jobs.specs import DEFAULT_PRECISION, PRECISIONS
-from chunkq.queue_worker.gpus import WORKERS_AUTO
+from chunkq.queue_worker.gpus import WORKERS_AUTO, workers_per_gpu_value
 
 DEFAULT_QUEUE = "chunkq"
 DEFAULT_STORE = "chunkq-store"
@@ -35,7 +36,9 @@ SETTINGS_JSON_ENV = "CHUNKQ_POOL_SETTINGS_JSON"  # chunkq run hands its pool eve
 
 @dataclass(frozen=True)
 class Meta:
-    """How a setting reaches the pool: ``kind`` is str, int, float, flag (--x/--no-x), choice or list."""
+    """How a setting reaches whoever receives it: ``kind`` is str, int, float, flag (--x, or --x/--no-x
+    when on by default), switch (--x/--no-x), choice or list. The pool's settings are below; a run's
+    (its corpus, encoding and watch) are ``supervisor/run_options.py``, in the same form."""
 
     help: str
     kind: str = "str"
@@ -50,6 +53,8 @@ class Meta:
     # pool always passes it).
     unset_by_hand: bool = False
     zero_means_none: bool = False  # 0: never (--recycle-after 0), as the worker reads it
+    receiver: str = "pool"  # pool (its workers too where ``worker``), submit (the run's identity) or watch
+    parse: Callable[[str], Any] | None = None  # a value given as text, checked (ConfigError) and converted
 
     def env_name(self, name: str) -> str | None:
         return None if self.env is None else (self.env or ENV_PREFIX + name.upper())
@@ -85,6 +90,7 @@ class PoolSettings:
         WORKERS_AUTO,
         "Workers sharing each GPU, or 'auto': as many as the CPU cores per GPU feed and GPU memory "
         "holds, at most 4 (logged with the reason).",
+        parse=workers_per_gpu_value,
     )
     cpu_workers: int = setting(1, "Workers when no GPU is used.", kind="int", low=1)
     max_jobs: int | None = setting(

@@ -28,24 +28,14 @@ from chunkq.supervisor.corpus import CorpusOptions, check_readable, detect_forma
 from chunkq.supervisor.local_run import RunOutcome, RunRequest
 from chunkq.supervisor.result import DEFAULT_SHARD_BYTES, shard_bytes
 from chunkq.supervisor.retry import RetryPolicy
+from chunkq.supervisor.run_options import SUBMIT, WATCH, run_option_names
 from chunkq.supervisor.submit import DEFAULT_CHUNK_SIZE, SubmitRequest
 from chunkq.supervisor.supervise import WARN_IDLE_SECONDS, WatchSettings, failure_report
 
 _GLOB_CHARS = frozenset("*?[")
 _ENCODE_NAMES = {"normalize": "normalize_embeddings"}  # the CLI's short name for a field
 POOL_NAMES = frozenset(f.name for f in fields(PoolSettings))
-WATCH_NAMES = frozenset(
-    {
-        "poll",
-        "max_attempts",
-        "allow_partial",
-        "metrics_port",
-        "wait",
-        "warn_idle",
-        "queue_window",
-        "shard_size",
-    }
-)
+WATCH_NAMES = run_option_names(WATCH)
 
 
 def _matches(text: str) -> list[Path]:
@@ -184,11 +174,10 @@ RUN_DECIDES_FOR_THE_POOL = (
     "allowed_models",
     "trust_remote_code",  # from the run's own --trust-remote-code
 )
-_SUBMIT_NAMES = frozenset(
-    {"model", "format", "fmt", "text_field", "id_field", "chunk_size", "run_id", "queue", "job_timeout"}
-    | {f.name for f in fields(EncodeOptions)}
-    | set(_ENCODE_NAMES)
-)
+# The run's submit options, its queue (every command's --queue), EncodeOptions' own field names and
+# "format", which the API takes for the CLI's fmt.
+_SUBMIT_NAMES = run_option_names(SUBMIT) | {"queue", "format"} | {f.name for f in fields(EncodeOptions)}
+RUN_NAMES = _SUBMIT_NAMES | WATCH_NAMES  # with the pool's: every keyword chunkq.run takes
 _POOL_NAMES = POOL_NAMES - {*RUN_DECIDES_FOR_THE_POOL, "redis_url", "log_level"}
 
 

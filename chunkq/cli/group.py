@@ -12,7 +12,7 @@ from chunkq.cli.common import (
     log_level_option,
     reports_errors,
 )
-from chunkq.cli.pool_options import F
+from chunkq.cli.settings_options import F
 from chunkq.queue_worker.settings import PoolSettings
 
 

@@ -18,7 +18,7 @@ from chunkq.cli.common import (
 )
 from chunkq.cli.encode_options import QUEUE_WINDOW_OPTION, submit_options, watch_options
 from chunkq.cli.group import command, current_log_level
-from chunkq.cli.pool_options import pool_setting_options, pool_settings, pop_pool_values
+from chunkq.cli.settings_options import pool_setting_options, pool_settings, pop_pool_values
 from chunkq.jobs.models import check_model
 from chunkq.jobs.run_files import RunLayout
 from chunkq.queue_worker import gpus as gpu_discovery

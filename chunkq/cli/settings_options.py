@@ -1,6 +1,7 @@
-"""``chunkq`` options built from the settings schema (``queue_worker/settings.py``): a pool setting
-becomes a ``chunkq pool`` option, and a ``chunkq run`` option unless run decides it itself, with its
-flag, type, default, environment variable and help, all from the one field."""
+"""``chunkq`` options built from the settings schemas: a pool setting (``queue_worker/settings.py``)
+becomes a ``chunkq pool`` option, and a ``chunkq run`` option unless run decides it itself; a run
+option (``supervisor/run_options.py``) becomes an option of the commands that take it; each with its
+flag, type, default, environment variable, help and check, all from the one entry."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from typing import Any, TypeVar
 
 import click
 
-from chunkq.queue_worker.gpus import WORKERS_AUTO
+from chunkq.jobs.errors import ConfigError
 from chunkq.queue_worker.settings import Meta, PoolSettings, flag, schema
+from chunkq.supervisor.run_options import RUN_OPTIONS, run_option
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -20,22 +22,30 @@ def _split_list(ctx: click.Context, param: click.Parameter, values: tuple[str, .
     return tuple(item for value in values for item in value.split(",") if item)
 
 
-def _workers_value(ctx: click.Context, param: click.Parameter, value: str) -> str:
-    if value == WORKERS_AUTO or (value.isdigit() and int(value) >= 1):
-        return value
-    raise click.BadParameter(f"{value!r}: give a number of workers (1 or more) or 'auto'")
+def _parsed_by(parse: Callable[[str], Any]) -> Callable[[click.Context, click.Parameter, Any], Any]:
+    """A click callback from a schema's parser: its ConfigError is a usage error naming the option."""
+
+    def callback(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+        if value is None or not isinstance(value, str):
+            return value
+        try:
+            return parse(value)
+        except ConfigError as exc:
+            raise click.BadParameter(str(exc)) from exc
+
+    return callback
 
 
-_CALLBACKS: dict[str, Callable[..., Any]] = {"workers_per_gpu": _workers_value}
-
-
-def _option(name: str, meta: Meta, default: Any) -> Callable[[F], F]:
+def schema_option(name: str, meta: Meta, default: Any) -> Callable[[F], F]:
+    """The click option of one schema entry."""
     kwargs: dict[str, Any] = {"help": meta.help, "envvar": meta.env_name(name), "show_envvar": True}
     option = flag(name, meta)
-    if meta.kind == "flag" and default:
-        return click.option(f"{option}/--no-{option[2:]}", name, default=True, show_default=True, **kwargs)
+    if meta.kind == "switch" or (meta.kind == "flag" and default):
+        return click.option(
+            f"{option}/--no-{option[2:]}", name, default=bool(default), show_default=True, **kwargs
+        )
     if meta.kind == "flag":
-        return click.option(option, name, is_flag=True, **kwargs)
+        return click.option(option, name, is_flag=True, default=default, **kwargs)
     if meta.kind == "list":
         return click.option(option, name, multiple=True, callback=_split_list, **kwargs)
     if meta.kind == "choice":
@@ -51,7 +61,7 @@ def _option(name: str, meta: Meta, default: Any) -> Callable[[F], F]:
         type=kind,
         default=default,
         show_default=default is not None,
-        callback=_CALLBACKS.get(name),
+        callback=_parsed_by(meta.parse) if meta.parse else None,
         **kwargs,
     )
 
@@ -63,7 +73,7 @@ def pool_setting_options(exclude: Iterable[str] = ()) -> Callable[[F], F]:
 
     def decorate(func: F) -> F:
         for name, meta, default in reversed(chosen):
-            func = _option(name, meta, default)(func)
+            func = schema_option(name, meta, default)(func)
         return func
 
     return decorate
@@ -86,3 +96,20 @@ def pop_pool_values(values: dict[str, Any], exclude: Iterable[str] = ()) -> dict
 
 def _names(keep: Callable[[Meta], bool]) -> set[str]:
     return {name for name, meta, _default in schema() if keep(meta)}
+
+
+def run_options(receiver: str, exclude: Iterable[str] = ()) -> Callable[[F], F]:
+    """Click options for every run option of ``receiver`` (submit or watch) not in ``exclude``."""
+    chosen = [o for o in RUN_OPTIONS if o[1].receiver == receiver and o[0] not in set(exclude)]
+
+    def decorate(func: F) -> F:
+        for name, meta, default in reversed(chosen):
+            func = schema_option(name, meta, default)(func)
+        return func
+
+    return decorate
+
+
+def run_option_flag(name: str) -> Callable[[F], F]:
+    """The click option of one run option (a command that takes it alone)."""
+    return schema_option(*run_option(name))

@@ -1,0 +1,231 @@
+"""Every option of a run, written once: what the corpus, the model and its encoding are (received
+by submit, part of the run's identity) and how the run is watched (received by the supervisor).
+
+Each entry is ``(name, Meta, default)``, the form of the pool's settings (``queue_worker/settings.py``):
+the name is the Python API's keyword and the command line's parameter; the flag, the environment
+variable, the help and how a value given as text is checked come from its ``Meta``. From this table
+come the options of ``chunkq run``, ``submit``, ``supervise`` and ``assemble`` (``chunkq/cli/``), the
+names ``chunkq.run(...)`` takes (``supervisor/request.py``) and a test against README's tables.
+``--store`` and ``--queue`` are every command's, and ``chunkq/cli/common.py``'s.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from chunkq.jobs.models import BUNDLED_MODEL
+from chunkq.jobs.specs import (
+    DEFAULT_PRECISION,
+    MODEL_KWARGS,
+    OUTPUT_DTYPES,
+    PRECISIONS,
+    EncodeOptions,
+    batch_tokens_value,
+    model_kwargs_value,
+)
+from chunkq.queue_worker.settings import Meta
+from chunkq.supervisor.corpus import FORMATS, CorpusOptions
+from chunkq.supervisor.enqueue import DEFAULT_WINDOW, WINDOW_PER_WORKER
+from chunkq.supervisor.result import DEFAULT_SHARD_BYTES
+from chunkq.supervisor.retry import RetryPolicy
+from chunkq.supervisor.submit import DEFAULT_CHUNK_SIZE
+from chunkq.supervisor.supervise import WARN_IDLE_SECONDS, WatchSettings
+
+SUBMIT, WATCH = "submit", "watch"
+Option = tuple[str, Meta, Any]
+
+
+def _submit(name: str, default: Any, help: str, **meta: Any) -> Option:
+    return name, Meta(help, env=meta.pop("env", None), receiver=SUBMIT, **meta), default
+
+
+def _watch(name: str, default: Any, help: str, **meta: Any) -> Option:
+    return name, Meta(help, env=meta.pop("env", None), receiver=WATCH, **meta), default
+
+
+RUN_OPTIONS: tuple[Option, ...] = (
+    _submit(
+        "model",
+        None,
+        f"Model: a local folder, a name in the Hugging Face cache, or the bundled model ({BUNDLED_MODEL}, "
+        "also called all-MiniLM-L6-v2 and sentence-transformers/all-MiniLM-L6-v2; the default). Nothing "
+        "is downloaded unless HF_HUB_OFFLINE=0.",
+        env="",
+    ),
+    _submit(
+        "run_id",
+        None,
+        "Name of the run in the store. Default: the corpus file's name and a fingerprint of the corpus "
+        "and options (notes-3fa2c1d0e9b4), so the same command resumes the same run.",
+    ),
+    _submit(
+        "chunk_size",
+        DEFAULT_CHUNK_SIZE,
+        "Rows per chunk: one job, one output file, the unit that is retried.",
+        kind="int",
+        low=1,
+    ),
+    _submit(
+        "fmt",
+        None,
+        "Corpus format. Default: from each file's suffix (.jsonl/.ndjson, .csv, .parquet, .txt).",
+        kind="choice",
+        choices=FORMATS,
+        flag="--format",
+    ),
+    _submit(
+        "text_field",
+        CorpusOptions.text_field,
+        "Field (JSON Lines) or column (CSV, Parquet) holding the text.",
+    ),
+    _submit(
+        "id_field",
+        CorpusOptions.id_field,
+        "Field or column holding each row's id; without one, ids are line or row numbers.",
+    ),
+    _submit(
+        "batch_size",
+        EncodeOptions.batch_size,
+        "Texts per encode batch (halved for the chunk after an out-of-memory error).",
+        kind="int",
+        low=1,
+    ),
+    _submit(
+        "batch_tokens",
+        None,
+        "Batches by a budget of padded tokens over length-sorted texts instead of --batch-size texts: a "
+        "number, or 'auto' (grows while it pays, learns from OOM).",
+        parse=batch_tokens_value,
+    ),
+    _submit(
+        "normalize",
+        EncodeOptions.normalize_embeddings,
+        "Scale every embedding to unit length.",
+        kind="switch",
+    ),
+    _submit(
+        "max_seq_length",
+        None,
+        "Tokens per text before truncation. Default: the model's own.",
+        kind="int",
+        low=1,
+    ),
+    _submit(
+        "precision",
+        DEFAULT_PRECISION,
+        "Weights and activations on the GPU; fp16 and bf16 need a GPU.",
+        kind="choice",
+        choices=PRECISIONS,
+    ),
+    _submit("prompt", None, 'Text put before every text, e.g. "passage: " for E5 models.'),
+    _submit(
+        "prompt_name",
+        None,
+        "One of the model's named prompts (chunkq model M lists them). Default: the model's own default "
+        "prompt, if it has one.",
+    ),
+    _submit(
+        "truncate_dim",
+        None,
+        "Keep the first N dimensions (Matryoshka models); at most the model's dimension.",
+        kind="int",
+        low=1,
+    ),
+    _submit(
+        "output_dtype",
+        EncodeOptions.output_dtype,
+        "How the result is stored: float16 halves it; int8/uint8 use one set of per-dimension ranges for "
+        "the whole run, computed from a sample before the chunks run; binary/ubinary pack 8 dimensions a "
+        "byte.",
+        kind="choice",
+        choices=tuple(OUTPUT_DTYPES),
+    ),
+    _submit(
+        "trust_remote_code",
+        None,
+        "Run a model that brings its own Python code (nomic-embed, jina, gte-Qwen...). Pools must allow "
+        "it too (chunkq run's own pool does).",
+        kind="flag",
+    ),
+    _submit("revision", None, "The model's hub revision: a branch, tag or commit."),
+    _submit(
+        "model_kwargs",
+        None,
+        "JSON object passed to the model's from_pretrained; only "
+        + ", ".join(sorted(MODEL_KWARGS))
+        + ' (e.g. \'{"attn_implementation": "sdpa"}\').',
+        parse=model_kwargs_value,
+    ),
+    _submit(
+        "job_timeout",
+        None,
+        "Seconds a chunk may take before its worker is stopped. Default: grows with --chunk-size.",
+        kind="int",
+        low=1,
+    ),
+    _watch(
+        "queue_window",
+        None,
+        "Jobs of the run in Redis at once; the other chunks wait in the store and are queued in order as "
+        f"chunks finish. Default: {DEFAULT_WINDOW}, or {WINDOW_PER_WORKER} per worker listening if more.",
+        kind="int",
+        low=1,
+    ),
+    _watch(
+        "shard_size",
+        f"{DEFAULT_SHARD_BYTES // 2**30}GiB",
+        "A result with more embedding bytes than this is published as ordered shards of this size (e.g. "
+        "512MiB, 2GB), each written straight to the store; up to it, one embeddings.npy.",
+    ),
+    _watch(
+        "poll",
+        WatchSettings.poll_seconds,
+        "Seconds between looks at the run (a finished chunk wakes the supervisor sooner).",
+        kind="float",
+        low=0.01,
+    ),
+    _watch(
+        "max_attempts",
+        RetryPolicy.max_attempts,
+        "Attempts per chunk before it is quarantined.",
+        kind="int",
+        low=1,
+        env="",
+    ),
+    _watch(
+        "allow_partial",
+        False,
+        "With quarantined chunks, publish the rest and list the missing rows (exit 9).",
+        kind="flag",
+    ),
+    _watch(
+        "metrics_port",
+        None,
+        "Serve the supervisor's Prometheus metrics on 127.0.0.1:PORT (chunkq run: the pool's on PORT+1).",
+        kind="int",
+        low=0,
+        high=65535,
+        env="",
+    ),
+    _watch(
+        "wait",
+        False,
+        "If another process owns the run (or the store's embedded Redis), wait for it instead of refusing.",
+        kind="flag",
+    ),
+    _watch(
+        "warn_idle",
+        WARN_IDLE_SECONDS,
+        "Say so when chunks wait and no worker has taken one for this many seconds.",
+        kind="float",
+        low=0.1,
+    ),
+)
+
+
+def run_option_names(receiver: str) -> frozenset[str]:
+    return frozenset(name for name, meta, _ in RUN_OPTIONS if meta.receiver == receiver)
+
+
+def run_option(name: str) -> Option:
+    return next(option for option in RUN_OPTIONS if option[0] == name)
