@@ -32,6 +32,7 @@ from rq.serializers import JSONSerializer
 from chunkq.jobs.allowlist import AllowListedJob
 from chunkq.jobs.manifest import load_manifest
 from chunkq.jobs.run_files import RunLayout
+from chunkq.queue_worker.settings import WORKER_MODULE
 from chunkq.supervisor.embedded_redis import EmbeddedRedis
 from chunkq.supervisor.progress import Tracker
 
@@ -92,7 +93,7 @@ def main() -> None:
         chunkq_worker = [
             sys.executable,
             "-m",
-            "chunkq.queue_worker.worker",
+            WORKER_MODULE,
             "--queue",
             "noop-chunkq",
             "--burst",

@@ -36,6 +36,7 @@ from rq.serializers import JSONSerializer
 
 from chunkq.jobs.models import BUNDLED_MODEL
 from chunkq.jobs.specs import chunk_job_id
+from chunkq.queue_worker.settings import WORKER_MODULE
 from chunkq.supervisor.embedded_redis import EmbeddedRedis
 
 # One chunk: after a crash the fresh worker has nothing else to take first, so the figures measure
@@ -89,7 +90,7 @@ def _one(work: Path, url: str, repeat: int) -> tuple[float, float, float]:
         (worker,) = [  # forked by the fork server: a grandchild of the pool
             p
             for p in psutil.Process(pool.pid).children(recursive=True)
-            if "chunkq.queue_worker.worker" in " ".join(p.cmdline())
+            if WORKER_MODULE in " ".join(p.cmdline())
         ]
         killed = time.monotonic()
         worker.send_signal(signal.SIGKILL)

@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from chunkq.queue_worker.settings import WORKER_MODULE
+
 WORDS = (
     "alpha beta gamma delta river mountain queue worker chunk embed vector model sentence graph cloud rain "
     "sun tree ocean lantern copper violet harbor meadow engine signal archive orbit"
@@ -24,7 +26,7 @@ WORDS = (
 
 
 CLI = [sys.executable, "-m", "chunkq.cli"]
-WORKER = [sys.executable, "-m", "chunkq.queue_worker.worker"]
+WORKER = [sys.executable, "-m", WORKER_MODULE]
 
 
 def make_texts(n: int, seed: int = 0) -> tuple[list[str], list[str]]:
@@ -128,7 +130,7 @@ def worker_processes(pool: subprocess.Popen[bytes]) -> list[Any]:
     found = []
     for child in psutil.Process(pool.pid).children(recursive=True):
         try:
-            if "chunkq.queue_worker.worker" in " ".join(child.cmdline()):
+            if WORKER_MODULE in " ".join(child.cmdline()):
                 found.append(child)
         except psutil.Error:  # exited between the listing and the look (a zombie not yet reaped)
             continue
