@@ -14,6 +14,7 @@ import math
 import random
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -75,12 +76,12 @@ class RunFacts:
     failures: list[FailedAttempt] = field(default_factory=list)
     chunk_seconds: float = 0.0  # summed over finished chunks, for the rate's window
 
-    @property
+    @cached_property
     def t0(self) -> datetime:
         return self.throughput.first_start or datetime.now(UTC)
 
-    @property
-    def span(self) -> float:
+    @cached_property
+    def span(self) -> float:  # the throughput is the ledger's before the stream: read once, not a record
         return max(self.throughput.seconds(running=False) or 0.0, 1e-3)
 
     @property
