@@ -215,3 +215,17 @@ def test_start_up_is_not_an_alarm_until_warn_idle(monkeypatch: pytest.MonkeyPatc
     Supervisor._watch_idle(watcher, later)
     assert not later.starting and later.idle_seconds is not None and later.idle_seconds >= 31
     assert "no worker has taken a job from queue 'chunkq' for 31 s" in describe(later)
+
+
+def test_a_damaged_ledger_line_costs_only_that_record(tmp_path: Path) -> None:
+    """A batch is parsed whole; a torn line (a disk filled mid-write) falls back to line by line."""
+    from chunkq.jobs.run_files import RunLayout
+
+    layout = RunLayout(tmp_path, "damaged")
+    layout.ledger.mkdir(parents=True)
+    lines = [json.dumps({"chunk": i, "rows": 1}) for i in range(4)]
+    (layout.ledger / "000000.jsonl").write_text(
+        "\n".join([*lines[:2], '{"chunk": 9, "ro', *lines[2:]]) + "\n"
+    )
+    (layout.ledger / "000001.jsonl").write_text(json.dumps({"chunk": 4, "rows": 1}) + "\n")
+    assert [r["chunk"] for r in read_ledger(layout)] == [0, 1, 2, 3, 4]
