@@ -22,8 +22,8 @@ import redis
 
 from chunkq.jobs.nopickle import PickleRefusedError, forbid_pickle
 from chunkq.jobs.specs import chunk_job_id
-from chunkq.supervisor.dashboard import check_bind, is_loopback
 from chunkq.supervisor.embedded_redis import free_port
+from chunkq.tools.dashboard import check_bind, is_loopback
 from tests.helpers import WORKER, cli_env, make_texts, run_cli, start_cli, stop_tree, wait_for, write_corpus
 from tests.test_security import Exploit
 

@@ -13,7 +13,7 @@ import pytest
 
 from chunkq.jobs.errors import AssemblyError
 from chunkq.jobs.run_files import RunLayout, atomic_write_json, file_sha256
-from chunkq.supervisor.export import BATCH_ROWS, export
+from chunkq.tools.export import BATCH_ROWS, export
 
 ROWS, DIM = 200_000, 64  # 51 MB: more than Arrow's Parquet writer buffers (~27 MB, whatever the rows)
 

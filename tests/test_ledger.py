@@ -127,7 +127,7 @@ def test_a_report_streams_the_ledger_and_holds_bins_not_records(store: Path) -> 
     at about what a 2,000-chunk run does, and the timeline has at most TIMELINE_BINS bars a lane."""
     import tracemalloc
 
-    from chunkq.supervisor import report
+    from chunkq.tools import report
 
     peaks = {}
     for chunks in (2_000, 20_000):
@@ -155,7 +155,7 @@ def test_a_report_streams_the_ledger_and_holds_bins_not_records(store: Path) -> 
 def test_the_report_of_a_run_numbers_each_chunk_when_few_and_bins_them_when_many(
     encoded_run: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from chunkq.supervisor import report
+    from chunkq.tools import report
 
     layout, _, _ = encoded_run
     numbered = report.gather(layout)

@@ -30,10 +30,10 @@ from chunkq.jobs.specs import EncodeOptions
 from chunkq.queue_worker.settings import PoolSettings, worker_argv
 from chunkq.supervisor.assemble import assemble
 from chunkq.supervisor.corpus import CorpusOptions
-from chunkq.supervisor.export import export
 from chunkq.supervisor.request import submit_request
 from chunkq.supervisor.result import check_published
 from chunkq.supervisor.submit import SubmitRequest, submit
+from chunkq.tools.export import export
 from tests.helpers import make_texts, max_abs_diff, run_cli, write_corpus
 
 ROWS = 37

@@ -17,8 +17,8 @@ from chunkq.jobs.errors import AssemblyError, ConfigError
 from chunkq.jobs.manifest import load_manifest
 from chunkq.jobs.run_files import RunLayout, read_json
 from chunkq.supervisor.assemble import assemble
-from chunkq.supervisor.export import EXPORT_FORMATS, export
 from chunkq.supervisor.result import ShardedEmbeddings, check_published, published_result, shard_bytes
+from chunkq.tools.export import EXPORT_FORMATS, export
 from tests.helpers import run_cli, write_encoded_run
 
 DIM = 8

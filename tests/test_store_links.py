@@ -11,7 +11,7 @@ import pytest
 
 from chunkq.jobs.storage import StoreLinkError
 from chunkq.supervisor.assemble import assemble
-from chunkq.supervisor.run_list import clean
+from chunkq.tools.run_list import clean
 from tests.helpers import run_cli
 
 

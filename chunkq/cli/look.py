@@ -22,17 +22,17 @@ from chunkq.jobs.run_files import RunLayout
 from chunkq.jobs.storage import is_local
 from chunkq.queue_worker.exit_codes import EXIT_CHUNKS_FAILED, EXIT_OK
 from chunkq.supervisor.attempts import describe_attempts, failed_attempts, to_json
-from chunkq.supervisor.dashboard import DEFAULT_PORT as DEFAULT_DASHBOARD_PORT
-from chunkq.supervisor.dashboard import serve as serve_dashboard
 from chunkq.supervisor.display import describe
-from chunkq.supervisor.doctor import examine, render
 from chunkq.supervisor.local_run import embedded_url
 from chunkq.supervisor.progress import Tracker, store_snapshot
-from chunkq.supervisor.report import write_report
 from chunkq.supervisor.request import (
     reach_redis,
 )
 from chunkq.supervisor.supervise import failure_report
+from chunkq.tools.dashboard import DEFAULT_PORT as DEFAULT_DASHBOARD_PORT
+from chunkq.tools.dashboard import serve as serve_dashboard
+from chunkq.tools.doctor import examine, render
+from chunkq.tools.report import write_report
 
 
 @command("dashboard")

@@ -18,9 +18,9 @@ from chunkq.jobs.errors import AssemblyError
 from chunkq.jobs.manifest import load_manifest
 from chunkq.jobs.run_files import RunLayout, read_json
 from chunkq.supervisor.assemble import assemble
-from chunkq.supervisor.export import EXPORT_FORMATS, STDOUT, export
 from chunkq.supervisor.result import check_published, shard_bytes
-from chunkq.supervisor.run_list import RunInfo, clean, list_runs
+from chunkq.tools.export import EXPORT_FORMATS, STDOUT, export
+from chunkq.tools.run_list import RunInfo, clean, list_runs
 
 
 def _size(n: float) -> str:
