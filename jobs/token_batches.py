@@ -29,6 +29,17 @@ def token_lengths(model: Any, texts: list[str], max_length: int) -> list[int]:
     return [len(ids) for ids in encoded["input_ids"]]
 
 
+def as_encoded(model: Any, texts: list[str], encode_kwargs: dict[str, Any]) -> list[str]:
+    """The texts as ``model.encode`` will tokenize them: with the prompt it puts before each (given,
+    named, or the model's default, in sentence-transformers' order), so a long prompt counts toward
+    the token budget."""
+    prompt = encode_kwargs.get("prompt")
+    if prompt is None:
+        name = encode_kwargs.get("prompt_name") or getattr(model, "default_prompt_name", None)
+        prompt = (getattr(model, "prompts", None) or {}).get(name) if name else None
+    return [prompt + text for text in texts] if prompt else texts
+
+
 def plan(lengths: list[int], budget: int) -> list[list[int]]:
     """Indices of the texts in each batch, longest first; every batch at most ``budget`` padded
     tokens (longest x count), and at least one text."""
@@ -60,7 +71,7 @@ def encode(
     """Encode ``texts`` in batches cut from their token lengths, longest first: of at most ``limit``
     padded tokens (``by_tokens``), or of ``limit`` texts. Rows come back in input order.
     ``encode_kwargs``: what else ``model.encode`` is given (normalisation, prompt, truncation)."""
-    lengths = token_lengths(model, texts, int(model.max_seq_length))
+    lengths = token_lengths(model, as_encoded(model, texts, encode_kwargs), int(model.max_seq_length))
     out: np.ndarray[Any, Any] | None = None
     for batch in plan(lengths, limit) if by_tokens else plan_fixed(lengths, limit):
         rows = model.encode(

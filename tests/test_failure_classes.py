@@ -247,3 +247,23 @@ def test_auto_token_budget_grows_while_it_pays_and_never_past_what_fitted() -> N
     assert (
         next_auto_budget({**oom, "settled": False}, 16384, 2000.0, backed_off=False)["batch_tokens"] == 16384
     )
+
+
+def test_a_prompt_counts_toward_the_token_budget(
+    reference_model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long prompt is put before every text: the planner must count it, or its batches overrun."""
+    from chunkq.jobs import token_batches
+
+    texts = ["short", "a somewhat longer text here", "mid length text"]
+    prompt = "Represent this sentence for searching relevant passages: "
+    planned: list[list[int]] = []
+    real_plan = token_batches.plan
+    monkeypatch.setattr(
+        token_batches, "plan", lambda lengths, budget: planned.append(lengths) or real_plan(lengths, budget)
+    )
+    got = token_batches.encode(reference_model, texts, 64, {"prompt": prompt})
+    bare = token_batches.token_lengths(reference_model, texts, 256)
+    with_prompt = token_batches.token_lengths(reference_model, [prompt + t for t in texts], 256)
+    assert planned == [with_prompt] and all(w > b for w, b in zip(with_prompt, bare, strict=True))
+    assert max_abs_diff(got, reference_model.encode(texts, prompt=prompt)) <= 1e-5
