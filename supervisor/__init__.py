@@ -1,1 +1,2 @@
-"""Submits corpora, watches runs, assembles and verifies results; home of the ``chunkq`` CLI."""
+"""Submits corpora, watches runs, assembles and verifies results. The ``chunkq`` command line is
+``chunkq/cli/``, the tools that read runs ``chunkq/tools/``."""

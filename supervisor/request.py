@@ -217,7 +217,7 @@ def reach_redis(url: str) -> redis.Redis:
 
 
 def finished_result(outcome: RunOutcome, request: RunRequest) -> dict[str, Any]:
-    """The published result manifest of a run that ``supervisor.run.run`` returned, or the error."""
+    """The published result manifest of a run that ``supervisor.local_run.run`` returned, or the error."""
     if outcome.outcome is None:
         layout = RunLayout(request.submit.store, outcome.submitted.run_id)
         return dict(read_json(layout.result_manifest))
