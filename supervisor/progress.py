@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
@@ -130,12 +130,16 @@ class Tracker:
         layout: RunLayout,
         manifest: RunManifest,
         min_reconcile_seconds: float = MIN_RECONCILE_SECONDS,
+        records: bool = True,
     ) -> None:
+        """``records``: the run's owner records finished chunks in the ledger; a one-off look
+        (``chunkq status``) does not, and reads the rate from the summary instead of the ledger."""
         self.connection, self.layout, self.manifest = connection, layout, manifest
         self.min_reconcile_seconds = min_reconcile_seconds
         self.pending = ChunkSet(manifest.chunks, full=True)
         self.rows_done = 0
-        self.ledger = Ledger.open(layout)  # what earlier looks recorded: their outputs are not read again
+        # What earlier looks recorded: their outputs are not read again.
+        self.ledger = Ledger.open(layout) if records else None
         self.failed_jobs: dict[int, Job] = {}
         self.in_redis: set[int] = set()  # pending chunks with a job in Redis, as far as the looks know
         self.waiting = ChunkSet()  # pending chunks with no job: the window queues the lowest next
@@ -153,6 +157,8 @@ class Tracker:
 
     @property
     def throughput(self) -> Throughput:
+        if self.ledger is None:
+            return throughput_of(self.layout, _DoneChunks(self.pending, self.manifest.chunks))
         return self.ledger.throughput
 
     def _mark_done(self, indices: Iterable[int]) -> None:
@@ -160,7 +166,7 @@ class Tracker:
             self.pending.discard(index)
             self.in_redis.discard(index)
             self.rows_done += self.manifest.chunk_rows(index)
-            if index not in self.ledger.recorded:
+            if self.ledger is not None and index not in self.ledger.recorded:
                 try:
                     self.ledger.add(read_json(self.layout.output_meta(index)))
                 except (OSError, ValueError):
@@ -331,6 +337,22 @@ class Tracker:
             if wall - str_to_date(beat).timestamp() > STALE_HEARTBEAT_SECONDS:
                 stale.append(index)
         return stale
+
+
+class _DoneChunks(Collection[int]):
+    """The chunks not pending, as a collection, without a set of them."""
+
+    def __init__(self, pending: ChunkSet, chunks: int) -> None:
+        self.pending, self.chunks = pending, chunks
+
+    def __len__(self) -> int:
+        return self.chunks - len(self.pending)
+
+    def __contains__(self, index: object) -> bool:
+        return isinstance(index, int) and 0 <= index < self.chunks and index not in self.pending
+
+    def __iter__(self) -> Iterator[int]:
+        return (i for i in range(self.chunks) if i not in self.pending)
 
 
 def set_rate(snap: Snapshot, throughput: Throughput) -> None:

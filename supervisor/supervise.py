@@ -160,7 +160,8 @@ class Supervisor:
         """A look at the run; the finished jobs it counted are deleted from Redis (the store keeps them)."""
         snap = self.tracker.poll()
         forget_finished(self.connection, self.manifest.queue, self.tracker.take_finished())
-        self.tracker.ledger.flush(force=snap.settled)  # the owner records finished chunks in batches
+        if self.tracker.ledger is not None:
+            self.tracker.ledger.flush(force=snap.settled)  # the owner records finished chunks in batches
         return snap
 
     def _top_up(self, snap: Snapshot) -> None:

@@ -229,3 +229,23 @@ def test_a_damaged_ledger_line_costs_only_that_record(tmp_path: Path) -> None:
     )
     (layout.ledger / "000001.jsonl").write_text(json.dumps({"chunk": 4, "rows": 1}) + "\n")
     assert [r["chunk"] for r in read_ledger(layout)] == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.slow
+def test_a_one_off_look_with_redis_reads_the_summary_not_the_ledger(
+    encoded_run: Any, connection: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`chunkq status RUN` with Redis at 10^5 chunks read the whole ledger to record nothing (0.87 s)."""
+    from chunkq.supervisor.progress import Tracker
+
+    layout, _, _ = encoded_run
+    manifest = load_manifest(layout)
+    owner = store_snapshot(layout, manifest)  # builds the ledger and its summary
+    batches: list[str] = []
+    real = ledger_module._parse_batch
+    monkeypatch.setattr(ledger_module, "_parse_batch", lambda lines: batches.append("read") or real(lines))
+    look = Tracker(connection, layout, manifest, records=False).poll()
+    assert batches == []
+    assert (look.chunks_done, look.rows_done) == (manifest.chunks, 47)
+    assert look.rows_per_second == owner.rows_per_second
+    assert Tracker(connection, layout, manifest).ledger is not None and batches  # the owner reads it

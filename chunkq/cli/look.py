@@ -110,7 +110,7 @@ def status_cmd(run_id: str, store: Path, redis_url: str | None, as_json: bool) -
     manifest = load_manifest(layout)
     redis_url = redis_url or embedded_url(store)  # a `chunkq run` serving this store right now
     if redis_url:
-        snap = Tracker(reach_redis(redis_url), layout, manifest).poll()
+        snap = Tracker(reach_redis(redis_url), layout, manifest, records=False).poll()
     else:
         snap = store_snapshot(layout, manifest)
     attempts = failed_attempts(layout)
