@@ -20,6 +20,7 @@ import time
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from itertools import islice
 from typing import Any
 
 from chunkq.jobs.run_files import RunLayout, atomic_write_bytes, atomic_write_json, read_json
@@ -60,9 +61,12 @@ def _batches(layout: RunLayout) -> list[str]:
 def read_ledger(layout: RunLayout) -> Iterator[dict[str, Any]]:
     """Every record, batch by batch (a damaged line is skipped: the outputs are the truth)."""
     for name in _batches(layout):
-        for record in _parse_batch((layout.ledger / name).read_text(encoding="utf-8").splitlines()):
-            if isinstance(record, dict) and isinstance(record.get("chunk"), int):
-                yield record
+        # A reader's rebuild is one file of every record: read and parsed a batch at a time.
+        with (layout.ledger / name).open("r", encoding="utf-8") as lines:
+            while batch := list(islice(lines, LEDGER_BATCH)):
+                for record in _parse_batch([line.strip() for line in batch if line.strip()]):
+                    if isinstance(record, dict) and isinstance(record.get("chunk"), int):
+                        yield record
 
 
 def _parse_batch(lines: list[str]) -> list[Any]:

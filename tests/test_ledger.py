@@ -249,3 +249,26 @@ def test_a_one_off_look_with_redis_reads_the_summary_not_the_ledger(
     assert (look.chunks_done, look.rows_done) == (manifest.chunks, 47)
     assert look.rows_per_second == owner.rows_per_second
     assert Tracker(connection, layout, manifest).ledger is not None and batches  # the owner reads it
+
+
+def test_a_rebuilt_ledger_of_one_file_is_read_a_batch_at_a_time(tmp_path: Path) -> None:
+    """A reader's rebuild writes every record to one file; parsing it whole held ~1.4 KB a chunk
+    (138 MB at 10^5 chunks)."""
+    import tracemalloc
+
+    from chunkq.jobs.run_files import RunLayout
+
+    layout = RunLayout(tmp_path, "rebuilt")
+    layout.ledger.mkdir(parents=True)
+    record = {k: "2026-11-24T04:00:00.000000+00:00" for k in ledger_module.RECORD_KEYS}
+    lines = [json.dumps({**record, "chunk": i, "rows": 1}) for i in range(20_000)]
+    (layout.ledger / "rebuilt-1-1.jsonl").write_text("\n".join(lines) + "\n")
+    del lines
+    tracemalloc.start()
+    try:
+        count = sum(1 for _ in read_ledger(layout))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert count == 20_000
+    assert peak < 4 * 2**20  # one batch of lines and records; the file whole: ~40 MB
