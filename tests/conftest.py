@@ -49,6 +49,22 @@ def _still_connected(port: int) -> list[Any]:
 
 
 @pytest.fixture(autouse=True)
+def signal_handlers_are_left_as_found() -> Iterator[None]:
+    """Fail the test that changed this process's SIGINT or SIGTERM handler and left it: a signal
+    ignored here is ignored by every process a later test starts (dispositions survive exec), so
+    Ctrl+C tests elsewhere fail instead (seen in CI: two tests on one xdist worker)."""
+    import signal
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    changed = {sig.name: signal.getsignal(sig) for sig in before if signal.getsignal(sig) != before[sig]}
+    for sig, handler in before.items():
+        signal.signal(sig, handler)
+    if changed:
+        pytest.fail(f"the test left signal handlers changed: {changed}")
+
+
+@pytest.fixture(autouse=True)
 def no_process_outlives_its_test(request: pytest.FixtureRequest) -> Iterator[None]:
     """Fail the test that leaked a worker, pool or supervisor still using the shared Redis: a leaked
     worker would take the next test's jobs and fail that test instead (seen in CI)."""
