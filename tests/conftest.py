@@ -48,6 +48,19 @@ def _still_connected(port: int) -> list[Any]:
     return found
 
 
+def _interruptible() -> None:
+    """A suite started with SIGINT ignored (a background job of a non-interactive shell: `(make
+    test &)`) passes that to every process it starts, and the Ctrl+C tests fail. Handled here, it
+    is the default again in every child (a handled signal is reset on exec)."""
+    import signal
+
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+_interruptible()
+
+
 @pytest.fixture(autouse=True)
 def signal_handlers_are_left_as_found() -> Iterator[None]:
     """Fail the test that changed this process's SIGINT or SIGTERM handler and left it: a signal
