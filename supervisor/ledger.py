@@ -70,8 +70,8 @@ def read_ledger(layout: RunLayout) -> Iterator[dict[str, Any]]:
 
 
 def _parse_batch(lines: list[str]) -> list[Any]:
-    """A batch's records: one JSON parse of the whole file (a third of a parse a line at 10^5
-    chunks), a line at a time only where one is damaged."""
+    """A batch's records: one JSON parse of the whole batch (a third of the time of a parse a
+    line), a line at a time only where one is damaged."""
     try:
         return list(json.loads("[" + ",".join(lines) + "]"))
     except ValueError:

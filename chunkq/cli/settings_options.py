@@ -66,17 +66,21 @@ def schema_option(name: str, meta: Meta, default: Any) -> Callable[[F], F]:
     )
 
 
-def pool_setting_options(exclude: Iterable[str] = ()) -> Callable[[F], F]:
-    """Click options for every CLI pool setting not in ``exclude``."""
-    skip = set(exclude)
-    chosen = [(n, m, d) for n, m, d in schema() if m.cli and n not in skip]
+def _schema_options(entries: list[tuple[str, Meta, Any]]) -> Callable[[F], F]:
+    """Click options for ``entries``, in their order in ``--help``."""
 
     def decorate(func: F) -> F:
-        for name, meta, default in reversed(chosen):
+        for name, meta, default in reversed(entries):
             func = schema_option(name, meta, default)(func)
         return func
 
     return decorate
+
+
+def pool_setting_options(exclude: Iterable[str] = ()) -> Callable[[F], F]:
+    """Click options for every CLI pool setting not in ``exclude``."""
+    skip = set(exclude)
+    return _schema_options([(n, m, d) for n, m, d in schema() if m.cli and n not in skip])
 
 
 def pool_settings(values: dict[str, Any], **fixed: Any) -> PoolSettings:
@@ -98,16 +102,9 @@ def _names(keep: Callable[[Meta], bool]) -> set[str]:
     return {name for name, meta, _default in schema() if keep(meta)}
 
 
-def run_options(receiver: str, exclude: Iterable[str] = ()) -> Callable[[F], F]:
-    """Click options for every run option of ``receiver`` (submit or watch) not in ``exclude``."""
-    chosen = [o for o in RUN_OPTIONS if o[1].receiver == receiver and o[0] not in set(exclude)]
-
-    def decorate(func: F) -> F:
-        for name, meta, default in reversed(chosen):
-            func = schema_option(name, meta, default)(func)
-        return func
-
-    return decorate
+def run_options(receiver: str) -> Callable[[F], F]:
+    """Click options for every run option of ``receiver`` (submit or watch)."""
+    return _schema_options([o for o in RUN_OPTIONS if o[1].receiver == receiver])
 
 
 def run_option_flag(name: str) -> Callable[[F], F]:
