@@ -5,6 +5,8 @@ from __future__ import annotations
 import gc
 import logging
 
+from chunkq.jobs import errors, faults
+
 log = logging.getLogger(__name__)
 
 
@@ -17,10 +19,27 @@ def free_cached_memory(device: str) -> None:
         torch.cuda.empty_cache()
 
 
+def open_context(device: str) -> Exception | None:
+    """Create this process's CUDA context with a first allocation: the error if it cannot, else None
+    (always None on the CPU)."""
+    if not device.startswith("cuda"):
+        return None
+    try:
+        faults.inject_context()
+        import torch
+
+        torch.ones(1, device=device).item()
+    except Exception as exc:  # any failure: the caller decides what it means
+        return exc
+    return None
+
+
 def context_usable(device: str) -> bool:
     """A tiny allocation and a synchronise: a broken (sticky-error) context fails this for good.
 
     PyTorch has no in-process reset for such a context, so a False here means: exit the process.
+    A probe that itself runs out of memory (workers and a standby share the GPU) proves the context
+    works: an out-of-memory is an out-of-memory wherever it happens.
     """
     if not device.startswith("cuda"):
         return True
@@ -31,6 +50,9 @@ def context_usable(device: str) -> bool:
         torch.cuda.synchronize()
         return bool(probe.item() == 1.0)
     except Exception as exc:
+        if errors.classify(exc) == errors.OOM:
+            log.warning("context probe out of memory (%s): the context works", errors.first_sentence(exc))
+            return True
         log.error("CUDA context probe failed: %s", exc)
         return False
 

@@ -1,8 +1,12 @@
 """The embed job: read a chunk from the store, encode it, publish the output atomically.
 
 Out of memory: free what can be freed, halve the batch and try again, down to 1; the size that
-fitted is recorded for the run's later chunks on the same kind of device. A broken CUDA context:
-fail with CudaFatalError and tell the worker to exit, since no in-process reset exists.
+fitted is recorded for the run's later chunks on the same kind of device (``learned``). The caching
+allocator's NVML assert is an out-of-memory too: the chunk fails with the halved size recorded, and
+the worker leaves so the next attempt starts in a fresh process. A broken CUDA context: fail with
+CudaFatalError and tell the worker to exit, since no in-process reset exists. A GPU that cannot run
+the model at all: DeviceUnsupportedError, and the worker leaves that GPU. NaN or Inf rows are never
+published: encoded again in float32 when the run's precision is lower, else the chunk fails.
 """
 
 from __future__ import annotations
@@ -17,19 +21,25 @@ from typing import Any
 import numpy as np
 from rq import get_current_job
 
-from chunkq.jobs import cuda, errors, faults, jobmeta, models, quantize, runtime, token_batches
-from chunkq.jobs.errors import BadInputError, ChunkOutOfMemoryError, CudaFatalError, TamperedJobError
+from chunkq.jobs import cuda, errors, faults, jobmeta, learned, models, quantize, runtime, token_batches
+from chunkq.jobs.errors import (
+    AllocatorOutOfMemoryError,
+    BadInputError,
+    ChunkOutOfMemoryError,
+    CudaFatalError,
+    DeviceUnsupportedError,
+    NonFiniteError,
+    TamperedJobError,
+)
 from chunkq.jobs.manifest import RunManifest, load_manifest
 from chunkq.jobs.run_files import (
     RunLayout,
-    atomic_write_json,
     read_chunk_input,
-    read_json,
     verify_output,
     write_output,
 )
 from chunkq.jobs.scope import check_spec
-from chunkq.jobs.specs import BATCH_TOKENS_AUTO, ChunkSpec, EncodeOptions
+from chunkq.jobs.specs import DEFAULT_PRECISION, ChunkSpec, EncodeOptions
 
 log = logging.getLogger(__name__)
 
@@ -79,30 +89,6 @@ def warm_up(loaded: models.LoadedModel, device: str) -> tuple[list[int], float]:
     return lengths, time.perf_counter() - started
 
 
-def _learned(layout: RunLayout, device_kind: str) -> dict[str, Any]:
-    """What the run learned on this kind of device: the batch size or token budget that fitted."""
-    try:
-        data = read_json(layout.learned_batch(device_kind))
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _remember(layout: RunLayout, device_kind: str, updates: dict[str, Any]) -> None:
-    atomic_write_json(
-        layout.learned_batch(device_kind), {**_learned(layout, device_kind), **updates, "device": device_kind}
-    )
-
-
-def _start_limit(options: EncodeOptions, learned: dict[str, Any]) -> int:
-    """The batch size, or token budget, this chunk starts from."""
-    if options.batch_tokens == BATCH_TOKENS_AUTO:
-        return int(learned.get("batch_tokens") or token_batches.AUTO_START_TOKENS)
-    if isinstance(options.batch_tokens, int):
-        return min(options.batch_tokens, int(learned.get("batch_tokens") or options.batch_tokens))
-    return min(options.batch_size, int(learned.get("batch_size") or options.batch_size))
-
-
 @dataclass
 class Encoded:
     """What an encode with back-off produced: the rows, the batch size that fitted, each halving."""
@@ -118,15 +104,17 @@ def encode_with_backoff(
     chunk: ChunkSpec,
     attempt: int,
     start_batch: int,
-    device: str,
+    ctx: runtime.WorkerContext,
 ) -> Encoded:
     """Encode, halving the batch (or the token budget) after each out-of-memory error.
 
     The floor is one text per batch: MIN_BATCH texts, or a budget of one text at the maximum length.
     """
+    device = ctx.device
     by_tokens = chunk.options.batch_tokens is not None
-    unit = "batch_tokens" if by_tokens else "batch_size"
+    unit = learned.unit(chunk.options)
     floor = (chunk.options.max_seq_length or loaded.default_max_seq_length or 512) if by_tokens else MIN_BATCH
+    what = "token budget" if by_tokens else "batch size"
     batch = start_batch
     backoffs: list[dict[str, Any]] = []
     while True:
@@ -137,52 +125,101 @@ def encode_with_backoff(
                 if by_tokens
                 else replace(chunk.options, batch_size=batch)
             )
-            return Encoded(encode_texts(loaded, texts, options), batch, backoffs)
+            rows = encode_texts(loaded, texts, options)
+            faults.poison(chunk.run_id, chunk.index, attempt, chunk.options.precision, rows)
+            return Encoded(rows, batch, backoffs)
         except Exception as exc:
             kind = errors.classify(exc)
             if kind == errors.CUDA_FATAL:
                 raise CudaFatalError(f"chunk {chunk.job_id}: {exc}") from exc
-            if kind != errors.OOM:
+            if kind == errors.UNSUPPORTED and not (errors.launch_too_large(exc) and batch > floor):
+                raise DeviceUnsupportedError(
+                    f"{_where(ctx)} cannot run model {chunk.model} ({chunk.options.precision}): "
+                    f"{errors.first_line(str(exc))}; this GPU takes no more chunks"
+                ) from exc
+            if kind not in (errors.OOM, errors.UNSUPPORTED):
                 raise
             detail = str(exc)
+            allocator_failure = exc if errors.allocator_assert(exc) else None
             # The failed forward pass's frames hold its activations; whoever still holds the
             # exception (a log handler, a debugger) would keep that memory from the next attempt.
             traceback.clear_frames(exc.__traceback__)
+        if allocator_failure is not None:
+            # The allocator failed inside its own out-of-memory path: the next attempt, smaller,
+            # starts in a fresh process rather than trust this one's allocator.
+            raise AllocatorOutOfMemoryError(
+                f"chunk {chunk.job_id}: out of memory at {what} {batch} (torch's out-of-memory report "
+                f"failed: {errors.first_sentence_of(detail)}); the next attempt starts at "
+                f"{max(floor, batch // 2)} in a fresh process",
+                retry_limit=max(floor, batch // 2),
+            ) from allocator_failure
         # Out of the except block, so nothing refers to the failed attempt any more: only now can
         # empty_cache() hand its memory back for the smaller batch.
         cuda.free_cached_memory(device)
         if not cuda.context_usable(device) or faults.probe_fails(chunk.run_id, chunk.index, attempt):
             raise CudaFatalError(f"chunk {chunk.job_id}: CUDA context unusable after: {detail}")
-        what = "token budget" if by_tokens else "batch size"
         if batch <= floor:
             raise ChunkOutOfMemoryError(
                 f"chunk {chunk.job_id}: out of memory even at {what} {batch}: {detail}"
             )
         backoffs.append({unit: batch, "error": errors.first_sentence_of(detail)})
         batch = max(floor, batch // 2)
-        log.warning("chunk %s: out of memory; retrying with %s %d", chunk.job_id, what, batch)
+        log.warning("chunk %s: %s; retrying with %s %d", chunk.job_id, backoffs[-1]["error"], what, batch)
 
 
-def _learn(
-    layout: RunLayout,
-    kind: str,
-    options: EncodeOptions,
-    learned: dict[str, Any],
-    encoded: Encoded,
-    chars_per_second: float,
-) -> None:
-    """Keep what fitted for the run's later chunks on this kind of device (and tune ``auto``)."""
-    if options.batch_tokens == BATCH_TOKENS_AUTO:
-        _remember(
-            layout,
-            kind,
-            token_batches.next_auto_budget(learned, encoded.limit, chars_per_second, bool(encoded.backoffs)),
-        )
-    elif encoded.backoffs:
-        key = "batch_tokens" if options.batch_tokens is not None else "batch_size"
-        known = learned.get(key)
-        if known is None or encoded.limit < int(known):
-            _remember(layout, kind, {key: encoded.limit})
+def _where(ctx: runtime.WorkerContext) -> str:
+    return f"GPU {ctx.gpu} ({ctx.device_kind})" if ctx.gpu is not None else ctx.device
+
+
+def _non_finite_rows(rows: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """Indices of the rows holding NaN or an infinity."""
+    return np.flatnonzero(~np.isfinite(rows).all(axis=1)) if rows.size else np.empty(0, dtype=np.int64)
+
+
+def _non_finite_error(chunk: ChunkSpec, bad: np.ndarray[Any, Any], how: str) -> NonFiniteError:
+    shown = ", ".join(str(chunk.first_row + int(r)) for r in bad[:5]) + (" ..." if len(bad) > 5 else "")
+    return NonFiniteError(
+        f"chunk {chunk.job_id}: {len(bad)} row(s) with NaN or infinite values {how} (corpus rows "
+        f"{shown}); not published"
+    )
+
+
+def encode_finite(
+    loaded: models.LoadedModel,
+    texts: list[str],
+    chunk: ChunkSpec,
+    attempt: int,
+    start_batch: int,
+    ctx: runtime.WorkerContext,
+) -> tuple[Encoded, dict[str, Any] | None]:
+    """Encode with back-off; rows that came out NaN or infinite (a float16 or bfloat16 overflow)
+    are encoded again in float32 once, or fail the chunk. Returns what fitted and, after a float32
+    encode, what it was for (for the output's metadata)."""
+    encoded = encode_with_backoff(loaded, texts, chunk, attempt, start_batch, ctx)
+    bad = _non_finite_rows(encoded.embeddings)
+    if not len(bad):
+        return encoded, None
+    precision = chunk.options.precision
+    if precision == DEFAULT_PRECISION:
+        raise _non_finite_error(chunk, bad, f"in {precision}")
+    log.warning(
+        "chunk %s: %d row(s) NaN or infinite in %s; encoding them again in %s",
+        chunk.job_id,
+        len(bad),
+        precision,
+        DEFAULT_PRECISION,
+    )
+    wide = replace(chunk, options=replace(chunk.options, precision=DEFAULT_PRECISION))
+    full = models.get_model(chunk.model, ctx.device, DEFAULT_PRECISION, chunk.options)
+    try:
+        again = encode_with_backoff(full, [texts[int(i)] for i in bad], wide, attempt, encoded.limit, ctx)
+    finally:
+        models.forget(chunk.model, ctx.device, DEFAULT_PRECISION, chunk.options)  # its memory is the run's
+    still = _non_finite_rows(again.embeddings)
+    if len(still):
+        raise _non_finite_error(chunk, bad[still], f"in {precision} and again in {DEFAULT_PRECISION}")
+    encoded.embeddings[bad] = again.embeddings
+    return encoded, {"rows": [int(i) for i in bad], "from": precision, "to": DEFAULT_PRECISION}
 
 
 def _job_meta(updates: dict[str, Any]) -> int:
@@ -196,10 +233,18 @@ def _job_meta(updates: dict[str, Any]) -> int:
     return jobmeta.attempt(job.meta)
 
 
+_ENDS_THE_PROCESS = {
+    errors.CUDA_FATAL: runtime.BROKEN_CONTEXT,
+    errors.UNSUPPORTED: runtime.DEVICE_UNSUPPORTED,
+}
+
+
 def _record_failure(exc: BaseException) -> None:
     kind = errors.classify(exc)
-    if kind == errors.CUDA_FATAL:
-        runtime.mark_context_broken(str(exc))
+    if isinstance(exc, AllocatorOutOfMemoryError):
+        runtime.end_after_job(runtime.FRESH_ALLOCATOR, str(exc))
+    elif kind in _ENDS_THE_PROCESS:
+        runtime.end_after_job(_ENDS_THE_PROCESS[kind], str(exc))
     job = get_current_job()
     if job is not None:
         jobmeta.failed(job.meta, kind, str(exc))
@@ -253,14 +298,24 @@ def _embed(chunk: ChunkSpec) -> dict[str, Any]:
         )
     loaded = models.get_model(chunk.model, ctx.device, chunk.options.precision, chunk.options)
     work = replace(chunk, options=token_batches.for_device(chunk.options, ctx.device))
-    learned = _learned(layout, ctx.device_kind)
-    start = _start_limit(work.options, learned)
+    start = learned.start_limit(work.options, learned.read(layout, ctx.device_kind))
     started_at = datetime.now(UTC)
     cuda.reset_peak_memory(ctx.device)
     t0 = time.perf_counter()
-    encoded = encode_with_backoff(loaded, texts, work, attempt, start, ctx.device)
+    try:
+        encoded, widened = encode_finite(loaded, texts, work, attempt, start, ctx)
+    except AllocatorOutOfMemoryError as exc:
+        limit = exc.retry_limit
+        learned.update(layout, ctx.device_kind, lambda record: learned.lowered(record, work.options, limit))
+        raise
     seconds = time.perf_counter() - t0
-    _learn(layout, ctx.device_kind, work.options, learned, encoded, sum(map(len, texts)) / max(seconds, 1e-9))
+    speed = sum(map(len, texts)) / max(seconds, 1e-9)
+    fitted, backed_off = encoded.limit, bool(encoded.backoffs)
+    learned.update(
+        layout,
+        ctx.device_kind,
+        lambda record: learned.after_chunk(record, work.options, fitted, backed_off, speed),
+    )
     by_tokens = work.options.batch_tokens is not None
     meta = {
         "run_id": chunk.run_id,
@@ -280,6 +335,8 @@ def _embed(chunk: ChunkSpec) -> dict[str, Any]:
         "batch_tokens": encoded.limit if by_tokens else None,
         "batch_tokens_requested": chunk.options.batch_tokens,
         "oom_backoffs": encoded.backoffs,  # each halving this attempt made: from which size, and why
+        "batch_start": start,  # below the request: what the run learned from earlier out-of-memory errors
+        "non_finite_recoded": widened,  # rows that came out NaN/Inf and were encoded again in fp32
         "attempt": attempt,
         "seconds": round(seconds, 4),
         "model_load_seconds": round(loaded.load_seconds, 3),
@@ -289,6 +346,8 @@ def _embed(chunk: ChunkSpec) -> dict[str, Any]:
         "finished_at": datetime.now(UTC).isoformat(),
     }
     stored = quantize.convert(encoded.embeddings, manifest.output_dtype, manifest.ranges)
+    if stored.dtype.kind == "f" and len(overflow := _non_finite_rows(stored)):
+        raise _non_finite_error(chunk, overflow, f"once stored as {manifest.output_dtype}")
     published = write_output(layout, chunk.index, stored, meta, manifest.output_dtype)
     log.info(
         "chunk %s: %d rows in %.2f s (%s %d)",

@@ -64,8 +64,26 @@ class ChunkOutOfMemoryError(ChunkqError):
     """Out of memory even at the smallest batch size; another worker or GPU may still manage."""
 
 
+class AllocatorOutOfMemoryError(ChunkOutOfMemoryError):
+    """Out of memory, reported by a failed assert in the caching allocator (its NVML report could not
+    run): the next attempt starts smaller, in a fresh process."""
+
+    def __init__(self, message: str, retry_limit: int) -> None:
+        super().__init__(message)
+        self.retry_limit = retry_limit  # the batch size or token budget the next attempt starts from
+
+
 class CudaFatalError(ChunkqError):
     """The CUDA context is broken (sticky error); only a fresh process can use the GPU again."""
+
+
+class DeviceUnsupportedError(ConfigError):
+    """This GPU cannot run this model (no kernels for its architecture, an unsupported cuBLAS call):
+    the device takes no more chunks; another device may run them."""
+
+
+class NonFiniteError(ChunkqError):
+    """The encode produced NaN or infinite values; the chunk is never published with them."""
 
 
 class ChunkAbandonedError(ChunkqError):
@@ -83,9 +101,11 @@ TAMPERED = (
 ABANDONED = "abandoned"
 STORAGE = "storage"  # the store refused a write: the run stops with the path instead of retrying every chunk
 STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
+UNSUPPORTED = "unsupported"  # this GPU cannot run this model: retried at once, on another device
+NON_FINITE = "non_finite"  # NaN or Inf rows: retried (once in float32 within the attempt, when lower)
 OTHER = "other"
 NEVER_RETRIED = frozenset({BAD_INPUT, CONFIG})
-NOT_THE_CHUNKS_FAULT = frozenset({ABANDONED, CUDA_FATAL})  # retried at once, on a fresh process
+NOT_THE_CHUNKS_FAULT = frozenset({ABANDONED, CUDA_FATAL, UNSUPPORTED})  # retried at once, elsewhere
 
 # Classification reads the exception's type and its first sentence only. A real torch OOM message
 # ends in advice that names ``expandable_segments`` (torch >= 2.3, CUDACachingAllocator.cpp), so
@@ -108,12 +128,29 @@ _CUDA_FATAL_HEADS = (
     "cuda error:",  # any other CUDA runtime error: illegal address, device-side assert, launch failure
     "cudnn error: cudnn_status_execution_failed",
 )
-# A failed assert in torch's CUDA code, e.g. `NVML_SUCCESS == DriverAPI::get()->nvmlInit_v2_()
-# INTERNAL ASSERT FAILED at "../c10/cuda/CUDACachingAllocator.cpp":1123` (also reported "at
-# PeerToPeerAccess.cpp:83"), or the allocator's own `!handles_.at(i) INTERNAL ASSERT FAILED at
-# "c10/cuda/CUDACachingAllocator.cpp":487` after a partial expandable-segment mapping.
+# A failed assert in torch's CUDA code, e.g. the allocator's own `!handles_.at(i) INTERNAL ASSERT
+# FAILED at "c10/cuda/CUDACachingAllocator.cpp":487` after a partial expandable-segment mapping, or
+# NVML's `... INTERNAL ASSERT FAILED at PeerToPeerAccess.cpp:83`.
 _INTERNAL_ASSERT = "internal assert failed"
 _CUDA_WORDS = ("cuda", "nvml")
+# An out-of-memory in disguise. When an allocation fails, the caching allocator's OOM branch calls
+# ``reportProcessMemoryInfo`` (c10/cuda/CUDACachingAllocator.cpp) to describe the device's memory
+# before it raises OutOfMemoryError; that function asserts ``NVML_SUCCESS ==
+# DriverAPI::get()->nvmlInit_v2_()``, ``... nvmlDeviceGetHandleByPciBusId_v2_( pci_id,
+# &nvml_device)`` and ``NVML_SUCCESS == r`` (nvmlDeviceGetComputeRunningProcesses). Where NVML
+# cannot work in the process (containers, MIG slices, some drivers) the assert is raised instead of
+# the OOM (pytorch/pytorch#112377, #112950, #130486, #157535; fal-ai/fal#478). The context is fine;
+# the batch is too big.
+_ALLOCATOR_FILE = "cudacachingallocator.cpp"
+_NVML_WORD = "nvml_success"
+# Errors that say this GPU cannot run this model, and that leave the context usable: no kernels
+# built for its architecture (cudaErrorNoKernelImageForDevice), a cuBLAS call it does not support
+# (bf16 or fp16 GEMMs on older GPUs), a launch shape it cannot take. Retrying on it cannot help.
+_UNSUPPORTED_HEADS = (
+    "cuda error: no kernel image is available for execution on the device",
+    "cuda error: cublas_status_not_supported",
+    "cuda error: invalid configuration argument",
+)
 _SENTENCE_END = re.compile(r"\.(\s|$)")
 
 
@@ -131,16 +168,45 @@ def first_sentence_of(text: str) -> str:
     return _SENTENCE_END.split(first_line(text), maxsplit=1)[0].strip()
 
 
+def allocator_assert(exc: BaseException) -> bool:
+    """Whether ``exc`` is the caching allocator's NVML assert: an out-of-memory whose report failed."""
+    head = first_sentence(exc).lower()
+    return (
+        isinstance(exc, RuntimeError)
+        and _INTERNAL_ASSERT in head
+        and _NVML_WORD in head
+        and _ALLOCATOR_FILE in head
+    )
+
+
+_BUSY_HEAD = "cuda error: cuda-capable device(s) is/are busy or unavailable"
+
+
+def context_unavailable_now(exc: BaseException) -> bool:
+    """Creating a CUDA context failed for want of memory, or because the GPU is busy (another process
+    holds it in EXCLUSIVE_PROCESS mode): this process cannot use it, another one later may."""
+    return classify(exc) == OOM or first_sentence(exc).lower().startswith(_BUSY_HEAD)
+
+
+def launch_too_large(exc: BaseException) -> bool:
+    """A kernel launch whose grid this GPU cannot take: often a batch too large for it (pytorch/ort#116:
+    a (128, 3, 224, 224) input failed where (16, ...) ran), so a smaller batch is tried first."""
+    return first_sentence(exc).lower().startswith(_UNSUPPORTED_HEADS[2])
+
+
 def _torch_error(exc: BaseException) -> str | None:
-    """OOM or CUDA_FATAL for an error raised by torch or a CUDA library, None for anything else."""
+    """OOM, UNSUPPORTED or CUDA_FATAL for an error raised by torch or a CUDA library, None for
+    anything else."""
     names = {cls.__name__ for cls in type(exc).__mro__}
     head = first_sentence(exc).lower()
     if "OutOfMemoryError" in names:  # torch.OutOfMemoryError (torch.cuda.OutOfMemoryError is an alias)
         return OOM
     if not isinstance(exc, RuntimeError):
         return None
-    if head.startswith(_OOM_HEADS) or _CPU_OOM in first_line(str(exc)).lower():
+    if head.startswith(_OOM_HEADS) or _CPU_OOM in first_line(str(exc)).lower() or allocator_assert(exc):
         return OOM
+    if head.startswith(_UNSUPPORTED_HEADS):
+        return UNSUPPORTED
     if head.startswith(_CUDA_FATAL_HEADS) or (
         _INTERNAL_ASSERT in head and any(word in head for word in _CUDA_WORDS)
     ):
@@ -156,6 +222,10 @@ def classify(exc: BaseException) -> str:
         return OOM
     if isinstance(exc, CudaFatalError):
         return CUDA_FATAL
+    if isinstance(exc, DeviceUnsupportedError):
+        return UNSUPPORTED
+    if isinstance(exc, NonFiniteError):
+        return NON_FINITE
     if isinstance(exc, TamperedJobError):
         return TAMPERED
     if isinstance(exc, BadInputError):

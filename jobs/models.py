@@ -137,6 +137,12 @@ def _torch_dtype(precision: str) -> Any:
     return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[precision]
 
 
+def check_precision(precision: str, device: str) -> None:
+    """Half precisions run on GPUs only: on a CPU they are slower than fp32 and round worse."""
+    if precision != DEFAULT_PRECISION and not device.startswith("cuda"):
+        raise ConfigError(f"precision {precision} needs a GPU; this worker runs on {device}")
+
+
 def get_model(ref: str, device: str, precision: str, options: EncodeOptions | None = None) -> LoadedModel:
     """Load ``ref`` on ``device`` in ``precision`` once per process; later calls reuse it.
     ``options`` say how it loads: remote code, revision, model kwargs (the defaults if None)."""
@@ -145,8 +151,7 @@ def get_model(ref: str, device: str, precision: str, options: EncodeOptions | No
     cached = _cache.get(key)
     if cached is not None:
         return cached
-    if precision != DEFAULT_PRECISION and not device.startswith("cuda"):
-        raise ConfigError(f"precision {precision} needs a GPU; this worker runs on {device}")
+    check_precision(precision, device)
     started = time.perf_counter()
     # The fork server's copy was loaded the default way: only a default load may take it.
     template = _templates.pop(ref, None) if options.default_load else None
@@ -165,6 +170,18 @@ def get_model(ref: str, device: str, precision: str, options: EncodeOptions | No
     log.info(how + " on %s (%s) in %.2f s", ref, device, precision, loaded.load_seconds)
     _cache[key] = loaded
     return loaded
+
+
+def forget(ref: str, device: str, precision: str, options: EncodeOptions | None = None) -> None:
+    """Drop a model from this process's cache (a copy loaded for one use), freeing its memory."""
+    _cache.pop((ref, device, precision, (options or EncodeOptions()).load_key()), None)
+    if device.startswith("cuda"):
+        import gc
+
+        import torch
+
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def _load(ref: str, device: str, options: EncodeOptions | None = None) -> SentenceTransformer:

@@ -176,6 +176,20 @@ def load_npy(path: Path) -> np.ndarray[Any, Any]:
     return array
 
 
+FINITE_CHECK_ROWS = 65536  # rows checked at a time, so a memory-mapped result is never read whole
+
+
+def non_finite_rows(array: np.ndarray[Any, Any]) -> int:
+    """How many rows of a stored float matrix hold NaN or an infinity (0 for integer or bit dtypes,
+    which cannot)."""
+    if array.dtype.kind != "f" or array.ndim != 2:
+        return 0
+    return sum(
+        int(np.count_nonzero(~np.isfinite(array[start : start + FINITE_CHECK_ROWS]).all(axis=1)))
+        for start in range(0, array.shape[0], FINITE_CHECK_ROWS)
+    )
+
+
 def write_chunk_input(layout: RunLayout, index: int, rows: list[tuple[str, str]]) -> None:
     """Write one chunk's (id, text) rows as JSON lines."""
     lines = [json.dumps({"id": rid, "text": text}, ensure_ascii=False) for rid, text in rows]
@@ -246,6 +260,8 @@ def verify_output(
         return None, f"{npy_path.name} has {array.shape[0]} rows, expected {expected_rows}"
     if meta.get("dim") != array.shape[1]:
         return None, f"{npy_path.name} has dimension {array.shape[1]}, metadata says {meta.get('dim')}"
+    if bad := non_finite_rows(array):
+        return None, f"{npy_path.name} has {bad} row(s) of NaN or infinite values"
     if meta.get("run_id") != layout.run_id or meta.get("chunk") != index:
         return None, f"{npy_path.name} belongs to run {meta.get('run_id')} chunk {meta.get('chunk')}"
     why = producer_mismatch(meta, producer) if producer is not None else ""

@@ -28,8 +28,14 @@ class WorkerContext:
     remote_code: bool = False  # whether a model's own code may run here (pool --trust-remote-code)
 
 
+# Why a worker must end after the job in hand (jobs/ cannot name the worker's exit codes; the
+# worker maps each to one): the first reason given holds.
+BROKEN_CONTEXT = "broken_context"  # a sticky CUDA error: no in-process reset exists
+FRESH_ALLOCATOR = "fresh_allocator"  # the caching allocator asserted in its OOM path: start clean
+DEVICE_UNSUPPORTED = "device_unsupported"  # this GPU cannot run this model at all
+
 _context: WorkerContext | None = None
-_broken: str | None = None
+_ending: tuple[str, str] | None = None  # (one of the reasons above, the error)
 
 
 def set_context(context: WorkerContext) -> None:
@@ -37,14 +43,27 @@ def set_context(context: WorkerContext) -> None:
     _context = context
 
 
-def mark_context_broken(reason: str) -> None:
-    """Record that this process's CUDA context is unusable; the worker exits after the job."""
-    global _broken
-    _broken = reason
+def end_after_job(why: str, detail: str) -> None:
+    """Record that this process must not take another job; the worker exits after this one."""
+    global _ending
+    if _ending is None:
+        _ending = (why, detail)
+
+
+def ending() -> tuple[str, str] | None:
+    """Why this process must end after its job, and the error that decided it; None to go on."""
+    return _ending
+
+
+def reset_ending() -> None:
+    """For tests that run jobs in-process: forget an earlier job's verdict."""
+    global _ending
+    _ending = None
 
 
 def context_broken() -> str | None:
-    return _broken
+    """The error that broke this process's CUDA context, or None."""
+    return _ending[1] if _ending is not None and _ending[0] == BROKEN_CONTEXT else None
 
 
 def current() -> WorkerContext:

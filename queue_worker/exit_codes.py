@@ -37,8 +37,11 @@ EXIT_STOPPED = EXIT_OK
 EXIT_ERROR = 1
 EXIT_MAX_JOBS = 10
 EXIT_CUDA_FATAL = 11
+EXIT_FRESH_ALLOCATOR = 12
 EXIT_ORPHANED = 14
 EXIT_FORKED_NO_CUDA = 15
+EXIT_NO_CONTEXT = 16
+EXIT_DEVICE_UNSUPPORTED = 17
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,7 @@ class ExitCode:
     clean: bool = False  # an ending, not a failure: its job (if any) settled, no crash counted
     restart: bool = True  # starting the same worker again can help
     gpus_fault: bool = True  # counts toward --crash-limit for its device
+    retires_device: bool = False  # no worker on this device can help: take it out of the pool at once
 
 
 CODES = {
@@ -62,6 +66,24 @@ CODES = {
     ),
     # Only a fresh process can use the GPU again.
     EXIT_CUDA_FATAL: ExitCode("hit a fatal CUDA error", "cuda_fatal"),
+    # The caching allocator's NVML assert is an out-of-memory (its job failed as one, with a smaller
+    # batch recorded); the retry starts in a fresh process rather than trust this allocator.
+    EXIT_FRESH_ALLOCATOR: ExitCode(
+        "left after an out-of-memory its allocator reported by a failed assert",
+        "fresh_allocator",
+        clean=True,
+        gpus_fault=False,
+    ),
+    # Out of memory or busy while creating its context: this worker, not the fork server, failed.
+    EXIT_NO_CONTEXT: ExitCode("could not create its CUDA context (out of memory or busy)", "no_context"),
+    # No kernels for this GPU's architecture, an unsupported cuBLAS call: its job goes elsewhere.
+    EXIT_DEVICE_UNSUPPORTED: ExitCode(
+        "found that its GPU cannot run the model",
+        "unsupported",
+        restart=False,
+        gpus_fault=False,
+        retires_device=True,
+    ),
     # No CUDA on a GPU worker, a bad model: restarting will not help.
     EXIT_CONFIG: ExitCode("refused its configuration", "config", restart=False, gpus_fault=False),
     EXIT_REDIS: ExitCode("lost Redis", "redis", gpus_fault=False),

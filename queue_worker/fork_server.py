@@ -34,8 +34,9 @@ from typing import Any, NoReturn
 import psutil
 import setproctitle
 
+from chunkq.jobs import cuda, errors
 from chunkq.jobs.runtime import DEVICE_ENV
-from chunkq.queue_worker.exit_codes import EXIT_FORKED_NO_CUDA
+from chunkq.queue_worker.exit_codes import EXIT_FORKED_NO_CUDA, EXIT_NO_CONTEXT
 from chunkq.queue_worker.lifeline import PARENT_PID_ENV, die_with_parent
 from chunkq.queue_worker.settings import WORKER_MODULE
 from chunkq.queue_worker.standby import NOTIFY_FD_ENV
@@ -103,9 +104,10 @@ def _run_worker(request: dict[str, Any], fds: list[int], server_pid: int) -> int
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     _apply_allocator_settings(env)
     problem = forked_cuda_problem(env)
-    if problem:
-        print(f"chunkq: a forked worker cannot create its CUDA context: {problem}", file=sys.stderr)
-        return EXIT_FORKED_NO_CUDA
+    if problem is not None:
+        code, why = problem
+        print(f"chunkq: a forked worker cannot create its CUDA context: {why}", file=sys.stderr)
+        return code
     return main(args)
 
 
@@ -160,25 +162,53 @@ def _cuda_initialised() -> bool:
     ``torch.cuda.is_initialized()`` stays False through ``import transformers, sentence_transformers``
     and a child forked then creates its context and computes correctly. A driver call made during
     an import (``torch.cuda.is_available()`` reaches ``cuInit``) is kept off the driver by
-    ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` in this process; each forked GPU worker still checks that it
-    can create its context (``forked_cuda_problem``) before it takes a job.
+    ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` in this process; whether a child would be a bad fork is
+    asked of a child (``_forks_are_clean``), and each forked GPU worker still checks that it can
+    create its context (``forked_cuda_problem``) before it takes a job.
     """
     import torch
 
     return bool(torch.cuda.is_initialized())  # type: ignore[no-untyped-call]
 
 
-def forked_cuda_problem(env: dict[str, str]) -> str:
-    """Why this forked GPU worker cannot create its CUDA context, or "" (always "" on the CPU)."""
+def forked_cuda_problem(env: dict[str, str]) -> tuple[int, str] | None:
+    """Why this forked GPU worker cannot create its CUDA context, with the exit code that tells the
+    pool what it means; None when it can (always on the CPU).
+
+    A bad fork (torch's fork handler ran: something in the fork server reached
+    ``_cuda_getDeviceCount``) or a failure of unknown cause sends the pool to fresh interpreters
+    (EXIT_FORKED_NO_CUDA). A GPU out of memory or busy costs only this fork (EXIT_NO_CONTEXT): a
+    fresh interpreter would have failed the same way.
+    """
     if env.get(DEVICE_ENV) != "cuda":
-        return ""
+        return None
     import torch
 
-    try:
-        torch.ones(1, device="cuda").item()
-    except Exception as exc:  # any failure: the pool falls back to fresh interpreters
-        return f"{type(exc).__name__}: {exc}".strip()
-    return ""
+    if torch.cuda._is_in_bad_fork():
+        return EXIT_FORKED_NO_CUDA, "torch marks this process a bad fork: the fork server touched CUDA"
+    exc = cuda.open_context("cuda")
+    if exc is None:
+        return None
+    why = f"{type(exc).__name__}: {errors.first_line(str(exc))}"
+    return (EXIT_NO_CONTEXT if errors.context_unavailable_now(exc) else EXIT_FORKED_NO_CUDA), why
+
+
+def _forks_are_clean() -> bool:
+    """Whether a child forked now could use CUDA. torch's ``poison_fork`` (torch/csrc/cuda/Module.cpp)
+    registers a fork handler the first time anything reaches ``_cuda_getDeviceCount`` (e.g.
+    ``torch.cuda.is_available()`` with the NVML-based check off), and that handler marks every
+    later child a bad fork while ``torch.cuda.is_initialized()`` stays False here: only a child can
+    tell. One is forked and asked."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            import torch
+
+            os._exit(1 if torch.cuda._is_in_bad_fork() else 0)
+        finally:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 0
 
 
 def _load_model_template(ref: str) -> dict[str, Any]:
@@ -207,6 +237,9 @@ def serve(sock: socket.socket) -> None:
         _send(
             sock, {"refused": "torch.cuda was initialised while importing; forked workers could not use it"}
         )
+        return
+    if not _forks_are_clean():
+        _send(sock, {"refused": "a child forked now is a bad fork for torch: an import reached CUDA"})
         return
     # Objects that exist now are shared by every worker: keep the collector from writing to them,
     # which would copy their pages into each worker.

@@ -239,13 +239,8 @@ class Pool:
                 log.warning("cannot release the job of %s yet (%s); will retry", worker_name, exc)
                 self._to_abandon.append((worker_name, reason))
 
-    def _retire_device(self, slot: Slot, crashes: int) -> None:
-        log.error(
-            "%s: %d worker deaths within %.0f s; taking it out of this pool (the other devices go on)",
-            self._where(slot),
-            crashes,
-            self.settings.crash_window,
-        )
+    def _retire_device(self, slot: Slot, why: str) -> None:
+        log.error("%s: %s; taking it out of this pool (the other devices go on)", self._where(slot), why)
         for other in self.slots:
             if other.device == slot.device:
                 other.retired = True
@@ -269,7 +264,8 @@ class Pool:
             if verdict.abandon_job:
                 self._to_abandon.append((dead, reason))
             if verdict.retire_device:
-                self._retire_device(slot, len(verdict.crashes))
+                crashes = f"{len(verdict.crashes)} worker deaths within {self.settings.crash_window:.0f} s"
+                self._retire_device(slot, reason if exit_codes.of(code).retires_device else crashes)
             if not slot.retired and self._promote(slot):
                 log.log(verdict.level, "worker %s %s", dead, reason)
             elif stopping:

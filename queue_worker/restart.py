@@ -65,7 +65,7 @@ class RestartPolicy:
             abandon_job=not meaning.clean,
             counts_as_crash=meaning.gpus_fault,
             may_restart=meaning.restart,
-            retire_device=meaning.gpus_fault and len(recent) >= self.crash_limit,
+            retire_device=meaning.retires_device or (meaning.gpus_fault and len(recent) >= self.crash_limit),
             stop_forking=code == exit_codes.EXIT_FORKED_NO_CUDA,
             delay=float(delay),
             redis_losses=losses,

@@ -27,7 +27,7 @@ from rq.exceptions import StopRequested
 from rq.serializers import JSONSerializer
 from rq.worker import SimpleWorker, WorkerStatus
 
-from chunkq.jobs import faults, models, runtime
+from chunkq.jobs import cuda, faults, models, runtime
 from chunkq.jobs.allowlist import AllowListedJob
 from chunkq.jobs.embed import warm_up
 from chunkq.jobs.errors import ConfigError
@@ -38,8 +38,11 @@ from chunkq.jobs.storage import open_store
 from chunkq.queue_worker.exit_codes import (
     EXIT_CONFIG,
     EXIT_CUDA_FATAL,
+    EXIT_DEVICE_UNSUPPORTED,
     EXIT_ERROR,
+    EXIT_FRESH_ALLOCATOR,
     EXIT_MAX_JOBS,
+    EXIT_NO_CONTEXT,
     EXIT_ORPHANED,
     EXIT_REDIS,
     EXIT_STOPPED,
@@ -49,6 +52,18 @@ from chunkq.queue_worker.settings import DEFAULT_STORE, WORKER_MODULE, add_worke
 from chunkq.queue_worker.standby import announce_last_job, announce_model_loaded, wait_for_predecessor
 
 log = logging.getLogger(__name__)
+
+# What a job's verdict on this process (runtime.end_after_job) makes the worker exit with.
+ENDING_CODES = {
+    runtime.BROKEN_CONTEXT: EXIT_CUDA_FATAL,
+    runtime.FRESH_ALLOCATOR: EXIT_FRESH_ALLOCATOR,
+    runtime.DEVICE_UNSUPPORTED: EXIT_DEVICE_UNSUPPORTED,
+}
+ENDING_WORDS = {
+    runtime.BROKEN_CONTEXT: "CUDA context broken",
+    runtime.FRESH_ALLOCATOR: "the allocator asserted in its out-of-memory path",
+    runtime.DEVICE_UNSUPPORTED: "this GPU cannot run the model",
+}
 
 HEARTBEAT_SECONDS = 5.0
 STOP_POLL_SECONDS = 1  # the longest an idle worker waits for a job before it looks for a stop
@@ -106,7 +121,7 @@ class ChunkWorker(SimpleWorker):
         self.stopped_before_start = stopped_before_start
         self.jobs_run = 0
         self.stop_signalled = False
-        self.cuda_broken: str | None = None
+        self.ending: str | None = None  # why a job said this process must end (runtime.ending)
         self.jobs_given_back = 0
         self._taking_job = False  # from waiting for a job until it is started: a stop only marks
 
@@ -163,14 +178,13 @@ class ChunkWorker(SimpleWorker):
             )
         announce_settled(self.connection, queue.name, job.id)  # the supervisor looks now, not in a second
         self.set_state(WorkerStatus.IDLE)
-        broken = runtime.context_broken()
-        if broken:
-            # No empty_cache() or model reload repairs a sticky CUDA error; a fresh process does.
-            self.cuda_broken = broken
+        ending = runtime.ending()
+        if ending:
+            # No empty_cache() or model reload repairs a sticky CUDA error, nor vouches for an
+            # allocator that failed in its own OOM path; a fresh process does.
+            self.ending = ending[0]
             self._stop_requested = True
-            self.log.error(
-                "Worker %s: CUDA context broken (%s); exiting for a fresh process", self.name, broken
-            )
+            self.log.error("Worker %s: %s (%s); exiting", self.name, ENDING_WORDS[ending[0]], ending[1])
 
     def _time_is_up_after_this_job(self) -> bool:
         """Whether the job about to start is the last: the work so far plus one more like the last
@@ -255,8 +269,8 @@ def _context(name: str, args: argparse.Namespace) -> runtime.WorkerContext:
 
 
 def _exit_code(worker: ChunkWorker, max_jobs: int | None, connection: redis.Redis) -> int:
-    if worker.cuda_broken:
-        return EXIT_CUDA_FATAL
+    if worker.ending:
+        return ENDING_CODES[worker.ending]
     if worker.recycled or (max_jobs is not None and worker.jobs_run >= max_jobs):
         return EXIT_MAX_JOBS
     if worker.stop_signalled:
@@ -324,6 +338,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ctx = _context(name, args)
         runtime.set_context(ctx)
+        unusable = cuda.open_context(ctx.device)
+        if unusable is not None:
+            log.error("worker %s cannot create its CUDA context on GPU %s: %s", name, ctx.gpu, unusable)
+            return EXIT_NO_CONTEXT
         connection = redis.Redis.from_url(url)
         connection.ping()
         if args.preload:
@@ -363,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_STOPPED
     except redis.RedisError as exc:  # Redis went away mid-job or at teardown: not this GPU's fault
         log.error("worker %s lost Redis: %s", name, exc)
-        return EXIT_CUDA_FATAL if worker.cuda_broken else EXIT_REDIS
+        return ENDING_CODES[worker.ending] if worker.ending else EXIT_REDIS
     code = _exit_code(worker, args.max_jobs, connection)
     if args.burst and code == EXIT_ERROR:  # burst: an empty queue is the normal end
         code = EXIT_STOPPED

@@ -34,7 +34,15 @@ import numpy as np
 
 from chunkq.jobs.errors import ConfigError
 from chunkq.jobs.manifest import RunManifest
-from chunkq.jobs.run_files import MANIFEST_NAME, RunLayout, file_sha256, load_npy, read_json, read_npy_header
+from chunkq.jobs.run_files import (
+    MANIFEST_NAME,
+    RunLayout,
+    file_sha256,
+    load_npy,
+    non_finite_rows,
+    read_json,
+    read_npy_header,
+)
 from chunkq.jobs.specs import storage_dtype
 from chunkq.jobs.storage import (
     exchange_dirs,
@@ -206,11 +214,15 @@ def result_damage(layout: RunLayout, result: dict[str, Any]) -> list[str]:
     """What in the published result does not match its manifest's checksums (empty: intact)."""
     problems = []
     for part in result_parts(layout, result):
+        intact = len(problems)
         for path, digest in ((part.embeddings, part.embeddings_sha256), (part.ids, part.ids_sha256)):
             if not path.is_file():
                 problems.append(f"{_name(layout, path)} is missing")
             elif file_sha256(path) != digest:
                 problems.append(f"{_name(layout, path)} does not match the checksum in result/manifest.json")
+        # Assembly verifies every chunk's values; a result published before it did could hold these.
+        if len(problems) == intact and (bad := non_finite_rows(load_npy(part.embeddings))):
+            problems.append(f"{_name(layout, part.embeddings)} has {bad} row(s) of NaN or infinite values")
     return problems
 
 

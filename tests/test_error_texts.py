@@ -134,15 +134,68 @@ REAL_TEXTS: list[tuple[str, BaseException, str]] = [
         errors.CUDA_FATAL,
     ),
     (
-        "NVML assert of the caching allocator under memory pressure (DESIGN.md §1; several reports)",
+        "the caching allocator's OOM report cannot start NVML: an out-of-memory (pytorch/pytorch#112950)",
         RuntimeError(
             'NVML_SUCCESS == DriverAPI::get()->nvmlInit_v2_() INTERNAL ASSERT FAILED at "../c10/cuda/'
             'CUDACachingAllocator.cpp":1123, please report a bug to PyTorch. '
         ),
-        errors.CUDA_FATAL,
+        errors.OOM,
     ),
     (
-        "the same NVML assert, reached through peer access",
+        "the same report, no NVML handle for the GPU's PCI id (pytorch/pytorch#112950, 2024-07-10)",
+        RuntimeError(
+            "NVML_SUCCESS == DriverAPI::get()->nvmlDeviceGetHandleByPciBusId_v2_( pci_id, &nvml_device) "
+            'INTERNAL ASSERT FAILED at "../c10/cuda/CUDACachingAllocator.cpp":815, please report a bug to '
+            "PyTorch. "
+        ),
+        errors.OOM,
+    ),
+    (
+        "the same report, its process list refused (fal-ai/fal#478; hpcaitech/Open-Sora#716, A800 MIG)",
+        RuntimeError(
+            'NVML_SUCCESS == r INTERNAL ASSERT FAILED at "../c10/cuda/CUDACachingAllocator.cpp":830, please '
+            "report a bug to PyTorch. "
+        ),
+        errors.OOM,
+    ),
+    (
+        "the same report from a conda build's path (pytorch/pytorch#112377, torch 2.1.0 in Docker)",
+        RuntimeError(
+            'NVML_SUCCESS == r INTERNAL ASSERT FAILED at "/opt/conda/conda-bld/pytorch_1695392020201/work/c10'
+            '/cuda/CUDACachingAllocator.cpp":1154, please report a bug to PyTorch.'
+        ),
+        errors.OOM,
+    ),
+    (
+        "no kernels for this GPU in the torch build, torch >= 2.8 (Acly/krita-ai-diffusion#2426)",
+        ACCELERATOR_ERROR(
+            "CUDA error: no kernel image is available for execution on the device\nSearch for "
+            "`cudaErrorNoKernelImageForDevice' in https://docs.nvidia.com/cuda/cuda-runtime-api/"
+            "group__CUDART__TYPES.html for more information." + CUDA_ADVICE
+        ),
+        errors.UNSUPPORTED,
+    ),
+    (
+        "no kernels for this GPU, older torch (Adam-duan/DiT4SR#17, a V100 with torch 2.1.2)",
+        RuntimeError("CUDA error: no kernel image is available for execution on the device" + CUDA_ADVICE),
+        errors.UNSUPPORTED,
+    ),
+    (
+        "an fp16 GEMM this GPU's cuBLAS does not support (TORCH_CUDABLAS_CHECK's wording)",
+        RuntimeError(
+            "CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling `cublasGemmEx( handle, opa, opb, m, n, k, "
+            "&falpha, a, CUDA_R_16F, lda, b, CUDA_R_16F, ldb, &fbeta, c, CUDA_R_16F, ldc, CUDA_R_32F, "
+            "CUBLAS_GEMM_DEFAULT_TENSOR_OP)`"
+        ),
+        errors.UNSUPPORTED,
+    ),
+    (
+        "a launch grid the GPU cannot take (pytorch/pytorch#48573, vllm-project/vllm#16566)",
+        RuntimeError("CUDA error: invalid configuration argument" + CUDA_ADVICE),
+        errors.UNSUPPORTED,
+    ),
+    (
+        "NVML's assert reached through peer access: not the allocator's OOM report",
         RuntimeError(
             "NVML_SUCCESS == DriverAPI::get()->nvmlInit_v2_() INTERNAL ASSERT FAILED at "
             "PeerToPeerAccess.cpp:83"
@@ -205,4 +258,5 @@ def test_real_error_texts_are_classified_by_type_and_first_sentence(
 def test_first_sentence_drops_torchs_advice() -> None:
     oom = REAL_TEXTS[0][1]
     assert errors.first_sentence(oom) == "CUDA out of memory"
-    assert errors.first_sentence(REAL_TEXTS[13][1]).endswith("please report a bug to PyTorch")
+    nvml = next(exc for source, exc, _ in REAL_TEXTS if "#112950)" in source)
+    assert errors.first_sentence(nvml).endswith("please report a bug to PyTorch")

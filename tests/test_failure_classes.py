@@ -47,7 +47,7 @@ def inject(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
         monkeypatch.setattr(faults, "_FAULTS", faults.parse(raw))
 
     yield set_rules
-    runtime.mark_context_broken(None)  # type: ignore[arg-type]
+    runtime.reset_ending()
 
 
 def _chunk(

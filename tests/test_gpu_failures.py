@@ -1,0 +1,175 @@
+"""The GPU failures a review against PyTorch's source found misread (issue 31), in-process with the
+real model on the CPU: each fault raised with torch's real type and text (``jobs/faults.py`` names
+the report each comes from) where torch raises it, and what the job then does."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from chunkq.jobs import errors, faults, learned, models, runtime
+from chunkq.jobs.embed import embed_chunk
+from chunkq.jobs.errors import AllocatorOutOfMemoryError, DeviceUnsupportedError, NonFiniteError
+from chunkq.jobs.run_files import RunLayout, non_finite_rows, read_json, verify_output
+from chunkq.jobs.specs import EncodeOptions
+from tests.helpers import max_abs_diff, write_test_run
+
+RUN = "gpufaults"
+
+
+@pytest.fixture
+def inject(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    def set_rules(rules: list[dict[str, Any]]) -> None:
+        monkeypatch.setattr(faults, "_FAULTS", faults.parse(json.dumps(rules)))
+
+    yield set_rules
+    runtime.reset_ending()
+
+
+def _chunk(store: Path, index: int = 0, rows: int = 24, **options: Any) -> tuple[Any, list[str]]:
+    return write_test_run(store, RUN, index, rows, 50 + index, EncodeOptions(**options))
+
+
+@pytest.mark.parametrize("variant", sorted(faults.NVML_ASSERTS))
+def test_the_allocators_nvml_assert_is_an_oom_retried_smaller_in_a_fresh_process(
+    store: Path, inject: Any, reference_model: Any, variant: str
+) -> None:
+    inject([{"kind": "nvml_assert", "variant": variant, "above_batch": 16}])
+    spec, texts = _chunk(store, batch_size=32)
+    with pytest.raises(
+        AllocatorOutOfMemoryError, match="next attempt starts at 16 in a fresh process"
+    ) as raised:
+        embed_chunk(spec.to_dict())
+    cause = raised.value.__cause__
+    assert type(cause) is RuntimeError and "INTERNAL ASSERT FAILED" in str(cause)  # torch's type and text
+    assert errors.classify(raised.value) == errors.OOM and errors.classify(cause) == errors.OOM
+    assert runtime.ending() is not None and runtime.ending()[0] == runtime.FRESH_ALLOCATOR  # type: ignore[index]
+    layout = RunLayout(store, RUN)
+    assert not layout.output_meta(0).exists()
+    assert learned.read(layout, "cpu")["batch_size"] == 16
+    # The next attempt (a fresh process; here the same one, told to forget) starts from what was learned.
+    runtime.reset_ending()
+    meta = embed_chunk(spec.to_dict())
+    assert meta["batch_start"] == 16 and meta["batch_size"] == 16 and meta["oom_backoffs"] == []
+    assert max_abs_diff(np.load(layout.output_npy(0)), reference_model.encode(texts)) <= 1e-5
+
+
+def test_a_gpu_that_cannot_run_the_model_is_named_and_leaves(store: Path, inject: Any) -> None:
+    inject([{"kind": "unsupported", "variant": "no_kernel_image"}])
+    spec, _ = _chunk(store)
+    with pytest.raises(DeviceUnsupportedError, match=r"cannot run model bundled:all-MiniLM-L6-v2 \(fp32\)"):
+        embed_chunk(spec.to_dict())
+    assert runtime.ending() is not None and runtime.ending()[0] == runtime.DEVICE_UNSUPPORTED  # type: ignore[index]
+
+
+def test_a_launch_too_large_backs_off_before_it_condemns_the_gpu(
+    store: Path, inject: Any, reference_model: Any
+) -> None:
+    inject([{"kind": "unsupported", "variant": "launch", "above_batch": 8}])
+    spec, texts = _chunk(store, batch_size=32)
+    meta = embed_chunk(spec.to_dict())
+    assert meta["batch_size"] == 8
+    assert [b["error"] for b in meta["oom_backoffs"]] == ["CUDA error: invalid configuration argument"] * 2
+    assert runtime.ending() is None
+    got = np.load(RunLayout(store, RUN).output_npy(0))
+    assert max_abs_diff(got, reference_model.encode(texts)) <= 1e-5
+
+
+def test_a_non_finite_row_is_never_published(store: Path, inject: Any) -> None:
+    inject([{"kind": "non_finite", "rows": [3, 7]}])
+    spec, _ = _chunk(store, index=2)
+    with pytest.raises(
+        NonFiniteError, match=r"2 row\(s\) with NaN or infinite values in fp32 \(corpus rows 51, 55\)"
+    ):
+        embed_chunk(spec.to_dict())
+    assert not RunLayout(store, RUN).output_meta(2).exists()
+    assert errors.classify(NonFiniteError("x")) == errors.NON_FINITE
+
+
+def test_rows_that_overflow_in_half_precision_are_encoded_again_in_float32(
+    store: Path, inject: Any, reference_model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bf16 on the CPU (torch runs it; chunkq refuses it there only for speed), NaN in two rows of
+    the bf16 encode as an overflow leaves them: those rows are encoded again in fp32."""
+    monkeypatch.setattr(models, "check_precision", lambda precision, device: None)
+    inject([{"kind": "non_finite", "rows": [0, 5], "precision": "bf16"}])
+    spec, texts = _chunk(store, precision="bf16")
+    try:
+        meta = embed_chunk(spec.to_dict())
+    finally:
+        models.forget(spec.model, "cpu", "bf16", spec.options)
+    assert meta["non_finite_recoded"] == {"rows": [0, 5], "from": "bf16", "to": "fp32"}
+    got = np.load(RunLayout(store, RUN).output_npy(0))
+    expected = reference_model.encode(texts)
+    assert max_abs_diff(got[[0, 5]], expected[[0, 5]]) <= 1e-5  # fp32's own values
+    assert 1e-5 < max_abs_diff(got, expected) < 0.05  # the others are bf16's, close but not equal
+    assert not non_finite_rows(got)
+
+
+def test_assembly_refuses_a_chunk_output_holding_nan(store: Path) -> None:
+    from chunkq.jobs.manifest import load_manifest
+    from chunkq.jobs.run_files import write_output
+
+    spec, _ = _chunk(store, rows=4)
+    layout = RunLayout(store, RUN)
+    rows = np.ones((4, 8), dtype=np.float32)
+    rows[2, 1] = np.inf
+    producer = load_manifest(layout).producer()
+    write_output(layout, 0, rows, {"run_id": RUN, "chunk": 0, **producer})
+    meta, why = verify_output(layout, 0, 4, producer)
+    assert meta is None and why == "000000.npy has 1 row(s) of NaN or infinite values"
+    assert non_finite_rows(np.array([[1e6]], dtype=np.float32).astype(np.float16)) == 1  # float16's range
+
+
+def test_a_learned_batch_grows_back_after_clean_chunks() -> None:
+    options = EncodeOptions(batch_size=64)
+    record: dict[str, Any] = {}
+    record = learned.after_chunk(record, options, 16, True, 1.0) or record
+    assert record["batch_size"] == 16
+    sizes = []
+    for _ in range(learned.GROW_AFTER * 8):
+        record = (
+            learned.after_chunk(record, options, learned.start_limit(options, record), False, 1.0) or record
+        )
+        sizes.append(record["batch_size"])
+    # +64/8 after every GROW_AFTER clean chunks, never past what the run asked for
+    assert sizes[learned.GROW_AFTER - 2] == 16 and sizes[learned.GROW_AFTER - 1] == 24
+    assert max(sizes) == 64 and sizes == sorted(sizes)
+    assert learned.after_chunk(record, options, 64, False, 1.0) is None  # at the request: nothing to write
+    record = learned.after_chunk(record, options, 32, True, 1.0) or record  # another OOM: down at once
+    assert record["batch_size"] == 32 and record[learned.CLEAN] == 0
+
+
+def test_auto_budgets_ceiling_grows_back_too() -> None:
+    options = EncodeOptions(batch_tokens="auto")
+    record = learned.after_chunk({}, options, 4096, True, 1000.0) or {}
+    assert record["ceiling"] == 4096
+    for _ in range(learned.GROW_AFTER):
+        record = learned.after_chunk(record, options, record["batch_tokens"], False, 1000.0) or record
+    assert record["ceiling"] == 4096 + 4096 // learned.GROW_STEPS
+    assert record["batch_tokens"] == 4096 + 4096 // learned.GROW_STEPS
+
+
+def test_concurrent_updates_of_the_learned_record_lose_nothing(store: Path) -> None:
+    layout = RunLayout(store, RUN)
+    counted = "chunks_seen"
+
+    def count(record: dict[str, Any]) -> dict[str, Any]:
+        return {**record, counted: int(record.get(counted, 0)) + 1}
+
+    def work() -> None:
+        for _ in range(50):
+            learned.update(layout, "cpu", count)
+
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert read_json(layout.learned_batch("cpu"))[counted] == 400
