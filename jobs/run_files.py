@@ -249,25 +249,37 @@ def verify_output(
         array = load_npy(npy_path)
     except (OSError, ValueError) as exc:
         return None, f"{npy_path.name} unreadable: {exc}"
-    output_dtype = str(((producer or {}).get("options") or {}).get("output_dtype", "float32"))
-    expected = np.dtype(OUTPUT_DTYPES.get(output_dtype, "<f4"))
-    if array.ndim != 2 or array.dtype != expected:
-        return None, (
-            f"{npy_path.name} has shape {array.shape} and dtype {array.dtype}, expected 2-D {expected} "
-            f"({output_dtype})"
-        )
-    if array.shape[0] != expected_rows or meta.get("rows") != expected_rows:
-        return None, f"{npy_path.name} has {array.shape[0]} rows, expected {expected_rows}"
-    if meta.get("dim") != array.shape[1]:
-        return None, f"{npy_path.name} has dimension {array.shape[1]}, metadata says {meta.get('dim')}"
-    if bad := non_finite_rows(array):
-        return None, f"{npy_path.name} has {bad} row(s) of NaN or infinite values"
+    why = _array_problem(npy_path.name, array, meta, expected_rows, producer)
+    if why:
+        return None, why
     if meta.get("run_id") != layout.run_id or meta.get("chunk") != index:
         return None, f"{npy_path.name} belongs to run {meta.get('run_id')} chunk {meta.get('chunk')}"
     why = producer_mismatch(meta, producer) if producer is not None else ""
     if why:
         return None, f"{npy_path.name}: {why}"
     return meta, ""
+
+
+def _array_problem(
+    name: str,
+    array: np.ndarray[Any, Any],
+    meta: dict[str, Any],
+    expected_rows: int,
+    producer: dict[str, Any] | None,
+) -> str:
+    """What is wrong with a chunk output's array (its dtype, shape or values), or ""."""
+    output_dtype = str(((producer or {}).get("options") or {}).get("output_dtype", "float32"))
+    expected = np.dtype(OUTPUT_DTYPES.get(output_dtype, "<f4"))
+    if array.ndim != 2 or array.dtype != expected:
+        shape = f"{name} has shape {array.shape} and dtype {array.dtype}"
+        return f"{shape}, expected 2-D {expected} ({output_dtype})"
+    if array.shape[0] != expected_rows or meta.get("rows") != expected_rows:
+        return f"{name} has {array.shape[0]} rows, expected {expected_rows}"
+    if meta.get("dim") != array.shape[1]:
+        return f"{name} has dimension {array.shape[1]}, metadata says {meta.get('dim')}"
+    if bad := non_finite_rows(array):
+        return f"{name} has {bad} row(s) of NaN or infinite values"
+    return ""
 
 
 def write_output(

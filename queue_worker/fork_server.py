@@ -119,8 +119,14 @@ def _apply_allocator_settings(env: dict[str, str]) -> None:
         return
     import torch
 
+    # torch >= 2.9 names it torch._C._accelerator_setAllocatorSettings; the old name still works there
+    # but warns in every worker's log.
+    setter = (
+        getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+        or torch.cuda.memory._set_allocator_settings
+    )
     try:
-        torch.cuda.memory._set_allocator_settings(conf)
+        setter(conf)
     except (AttributeError, RuntimeError) as exc:  # a CPU build of torch, or an older one
         print(f"chunkq: could not apply PYTORCH_CUDA_ALLOC_CONF={conf!r}: {exc}", file=sys.stderr)
 

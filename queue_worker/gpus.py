@@ -1,102 +1,36 @@
-"""GPU discovery through NVML (never a CUDA context in the pool) and per-worker pinning."""
+"""Which GPUs a pool uses (``--gpus``, memory and busy filters, ``--workers-per-gpu auto``) and each
+worker's pinning. What the host has, and what this process may use, is ``discovery``'s."""
 
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
-from typing import Any
 
 from chunkq.jobs.errors import ConfigError
 from chunkq.jobs.runtime import DEVICE_ENV, GPU_ENV
+from chunkq.queue_worker.discovery import VISIBLE_ENV, GpuInfo, read_all, visible
 
 log = logging.getLogger(__name__)
 
 DEFAULT_ALLOC_CONF = "expandable_segments:True"
 
 
-@dataclass(frozen=True)
-class GpuProcess:
-    pid: int
-    name: str
-    used_memory: int | None
+def select(spec: str, available: list[GpuInfo], allowed: list[GpuInfo] | None = None) -> list[GpuInfo]:
+    """Resolve ``--gpus`` (``all``, ``none`` or ``0,2``: NVML's indices, as nvidia-smi and ``chunkq
+    doctor`` show them) against the host's GPUs and those this process may use (``allowed``, from
+    its inherited ``CUDA_VISIBLE_DEVICES``; all of them when None).
 
-
-@dataclass(frozen=True)
-class GpuInfo:
-    index: int
-    name: str
-    uuid: str
-    memory_total: int
-    memory_free: int
-    processes: tuple[GpuProcess, ...] = ()
-
-
-def _process_name(pid: int) -> str:
-    try:
-        import psutil
-
-        return str(psutil.Process(pid).name())
-    except Exception:  # another container's pid, or gone
-        return "?"
-
-
-def _processes(pynvml: Any, handle: Any) -> tuple[GpuProcess, ...]:
-    try:
-        running = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
-    except pynvml.NVMLError:
-        return ()
-    return tuple(
-        GpuProcess(int(p.pid), _process_name(int(p.pid)), getattr(p, "usedGpuMemory", None)) for p in running
-    )
-
-
-def discover() -> list[GpuInfo]:
-    """The GPUs NVML sees, in PCI bus order; an empty list where there is no driver or no GPU."""
-    try:
-        import pynvml
-    except ImportError:  # pragma: no cover - nvidia-ml-py is a dependency
-        return []
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError as exc:
-        log.debug("NVML unavailable (%s): no GPUs", exc)
-        return []
-    try:
-        gpus = []
-        for index in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
-            name = pynvml.nvmlDeviceGetName(handle)
-            uuid = pynvml.nvmlDeviceGetUUID(handle)
-            gpus.append(
-                GpuInfo(
-                    index=index,
-                    name=name.decode() if isinstance(name, bytes) else str(name),
-                    uuid=uuid.decode() if isinstance(uuid, bytes) else str(uuid),
-                    memory_total=int(memory.total),
-                    memory_free=int(memory.free),
-                    processes=_processes(pynvml, handle),
-                )
-            )
-        return gpus
-    finally:
-        pynvml.nvmlShutdown()
-
-
-def select(spec: str, available: list[GpuInfo]) -> list[GpuInfo]:
-    """Resolve ``--gpus`` (``all``, ``none`` or ``0,2``) against the GPUs present.
-
-    ``all`` on a machine without GPUs means CPU workers; naming an index that does not exist is the
-    "invalid device ordinal" case and is refused with the list of GPUs that do.
+    ``all`` means the GPUs this process may use (CPU workers where there is none); naming a GPU
+    that does not exist is the "invalid device ordinal" case, and naming one this process may not
+    use would take another job's GPU: both are refused, naming those it may use.
     """
+    allowed = list(available) if allowed is None else allowed
     spec = spec.strip().lower()
     if spec in ("none", "cpu", ""):
         return []
     if spec == "all":
-        return list(available)
-    by_index = {gpu.index: gpu for gpu in available}
-    chosen = []
+        return list(allowed)
+    chosen: list[GpuInfo] = []
     for part in spec.split(","):
         try:
             index = int(part)
@@ -104,11 +38,27 @@ def select(spec: str, available: list[GpuInfo]) -> list[GpuInfo]:
             raise ConfigError(
                 f"--gpus: {part!r} is not a GPU index (use all, none or a list like 0,2)"
             ) from None
-        if index not in by_index:
-            present = ", ".join(f"{g.index} ({g.name})" for g in available) or "none"
+        devices = [gpu for gpu in available if gpu.index == index]
+        if not devices:
+            present = ", ".join(f"{g.index} ({g.name})" for g in _physical(available)) or "none"
             raise ConfigError(f"--gpus: GPU {index} does not exist; GPUs present: {present}")
-        chosen.append(by_index[index])
+        mine = [gpu for gpu in devices if gpu in allowed]
+        if not mine:
+            usable_here = ", ".join(f"{g.label} ({g.name})" for g in allowed) or "none"
+            raise ConfigError(
+                f"--gpus: GPU {index} is not one this process may use ({VISIBLE_ENV}="
+                f"{os.environ.get(VISIBLE_ENV, '')!r} gives it: {usable_here})"
+            )
+        chosen += mine
     return chosen
+
+
+def _physical(gpus: list[GpuInfo]) -> list[GpuInfo]:
+    """One entry per physical GPU (a MIG GPU lists each instance)."""
+    seen: dict[int, GpuInfo] = {}
+    for gpu in gpus:
+        seen.setdefault(gpu.index, gpu)
+    return list(seen.values())
 
 
 def usable(gpus: list[GpuInfo], min_free_memory: int, skip_busy: bool) -> list[GpuInfo]:
@@ -117,8 +67,8 @@ def usable(gpus: list[GpuInfo], min_free_memory: int, skip_busy: bool) -> list[G
     for gpu in gpus:
         if gpu.memory_free < min_free_memory:
             log.warning(
-                "GPU %d (%s): %.1f GiB free, below --min-free-memory %.1f GiB; skipped",
-                gpu.index,
+                "%s (%s): %.1f GiB free, below --min-free-memory %.1f GiB; skipped",
+                gpu.label,
                 gpu.name,
                 gpu.memory_free / 2**30,
                 min_free_memory / 2**30,
@@ -127,7 +77,7 @@ def usable(gpus: list[GpuInfo], min_free_memory: int, skip_busy: bool) -> list[G
         if gpu.processes:
             names = ", ".join(f"{p.name} (pid {p.pid})" for p in gpu.processes)
             log.warning(
-                "GPU %d (%s) is busy with: %s%s", gpu.index, gpu.name, names, "; skipped" if skip_busy else ""
+                "%s (%s) is busy with: %s%s", gpu.label, gpu.name, names, "; skipped" if skip_busy else ""
             )
             if skip_busy:
                 continue
@@ -160,9 +110,7 @@ def parse_size(text: str) -> int:
         raise ConfigError(f"cannot read the size {text!r} (use e.g. 8GiB, 512MiB)") from None
 
 
-def worker_environment(
-    base: dict[str, str], gpu: GpuInfo | None, cpu_threads: int, no_nvml: bool = False
-) -> dict[str, str]:
+def worker_environment(base: dict[str, str], gpu: GpuInfo | None, cpu_threads: int) -> dict[str, str]:
     """The environment of one worker: pinned to one GPU (or none) before it imports torch."""
     env = dict(base)
     # NVML numbers GPUs in PCI bus order; make CUDA agree so index N is the same card in both.
@@ -172,12 +120,11 @@ def worker_environment(
         env[DEVICE_ENV] = "cpu"
         env.pop(GPU_ENV, None)
     else:
+        # By UUID: a MIG instance's MIG-... is the only name CUDA takes for it.
         env["CUDA_VISIBLE_DEVICES"] = gpu.uuid or str(gpu.index)
         env[DEVICE_ENV] = "cuda"
-        env[GPU_ENV] = str(gpu.index)
+        env[GPU_ENV] = gpu.key
         env.setdefault("PYTORCH_CUDA_ALLOC_CONF", DEFAULT_ALLOC_CONF)
-        if no_nvml:  # sidesteps the NVML INTERNAL ASSERT in the caching allocator on some drivers
-            env["PYTORCH_NO_NVML"] = "1"
     threads = str(max(1, cpu_threads))
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         env.setdefault(var, threads)
@@ -206,44 +153,67 @@ CORES_PER_WORKER = 2  # tokenising and Python for one worker, the other half of 
 CONTEXT_BYTES = 1 << 29  # a CUDA context and cuBLAS workspaces, per process
 ACTIVATION_BYTES = 2 << 30  # headroom for a batch's activations
 UNKNOWN_MODEL_BYTES = 1_400_000_000  # a model we cannot measure: taken for a bge-large in fp32
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+SKIPPED_WEIGHT_FOLDERS = ("onnx", "openvino")  # exported copies sentence-transformers loads only if asked
+
+
+def _loaded_weights(files: list[str]) -> list[str]:
+    """The weight files transformers loads from one folder: its safetensors when there are any
+    (sharded ones included), else its ``pytorch_model*.bin``; never an OpenVINO ``.bin`` beside them."""
+    safetensors = [f for f in files if f.endswith(".safetensors")]
+    if safetensors:
+        return safetensors
+    return [f for f in files if f.startswith("pytorch_model") and f.endswith(".bin")]
 
 
 def model_bytes(path: str | None, precision: str) -> int | None:
-    """The model's weights in ``precision``, from the sizes of its weight files; None if not local."""
+    """The model's weights in ``precision``, from the sizes of the weight files that load (each
+    module's folder); None if the model is not a local folder."""
     if not path or not os.path.isdir(path):
         return None
     stored = 0
-    for root, _dirs, files in os.walk(path):
-        stored += sum(os.path.getsize(os.path.join(root, f)) for f in files if f.endswith(WEIGHT_SUFFIXES))
+    for root, dirs, files in os.walk(path):
+        dirs[:] = [d for d in dirs if d not in SKIPPED_WEIGHT_FOLDERS and not d.startswith(".")]
+        stored += sum(os.path.getsize(os.path.join(root, f)) for f in _loaded_weights(files))
     return stored // 2 if precision in ("fp16", "bf16") and stored else stored
 
 
-def auto_workers_per_gpu(gpus: list[GpuInfo], cpu_cores: int, weights: int | None) -> tuple[int, str]:
+def auto_workers_per_gpu(
+    gpus: list[GpuInfo], cpu_cores: int, weights: int | None, standby: bool = True
+) -> tuple[int, str]:
     """How many workers each GPU gets for ``--workers-per-gpu auto``, and why.
 
     At batch 32 a large GPU waits on its worker's CPU work (tokenising, Python, launches): measured on
     an H100, 2 workers gave 1.85x a plain encode for a 335M model and 4 gave 2.57x for MiniLM. So as
-    many as the CPU cores per GPU feed (CORES_PER_WORKER each) and the least free GPU memory holds
-    (weights + context + activation headroom each), at most AUTO_MAX_WORKERS; one on the CPU.
+    many as the CPU cores per GPU feed (CORES_PER_WORKER each) and the least free GPU memory holds,
+    at most AUTO_MAX_WORKERS; one on the CPU or on an EXCLUSIVE_PROCESS GPU. Each worker needs its
+    weights, a context and activation headroom; with warm standby each may also have a replacement
+    loading beside it (weights and a context), since recycles can coincide.
     """
     if not gpus:
         return 1, "no GPU: one worker per CPU slot (--cpu-workers)"
+    if any(gpu.exclusive for gpu in gpus):
+        return 1, "a GPU in EXCLUSIVE_PROCESS compute mode takes one process"
     by_cpu = max(1, cpu_cores // len(gpus) // CORES_PER_WORKER)
-    per_worker = (weights if weights is not None else UNKNOWN_MODEL_BYTES) + CONTEXT_BYTES + ACTIVATION_BYTES
+    model = weights if weights is not None else UNKNOWN_MODEL_BYTES
+    standby_bytes = model + CONTEXT_BYTES if standby else 0
+    per_worker = model + CONTEXT_BYTES + ACTIVATION_BYTES + standby_bytes
     free = min(gpu.memory_free for gpu in gpus)
     by_memory = max(1, int(0.9 * free // per_worker))
     n = min(by_cpu, by_memory, AUTO_MAX_WORKERS)
     weights_text = f"{weights / 2**20:.0f} MiB of weights" if weights is not None else "weights unknown"
+    standby_text = f" + a standby's {standby_bytes / 2**30:.1f} GiB" if standby else ""
     why = (
         f"{cpu_cores} CPU cores for {len(gpus)} GPU(s) feed {by_cpu} at {CORES_PER_WORKER} cores each; "
         f"{free / 2**30:.1f} GiB free on the fullest GPU holds {by_memory} ({weights_text} + "
-        f"{(CONTEXT_BYTES + ACTIVATION_BYTES) / 2**30:.1f} GiB each); at most {AUTO_MAX_WORKERS}"
+        f"{(CONTEXT_BYTES + ACTIVATION_BYTES) / 2**30:.1f} GiB{standby_text} each); "
+        f"at most {AUTO_MAX_WORKERS}"
     )
     return max(1, n), why
 
 
-def resolve_workers_per_gpu(value: str, gpus: list[GpuInfo], preload: str | None, precision: str) -> int:
+def resolve_workers_per_gpu(
+    value: str, gpus: list[GpuInfo], preload: str | None, precision: str, standby: bool = True
+) -> int:
     """``--workers-per-gpu``: a number as given, or ``auto`` worked out for these GPUs and this model."""
     if value != WORKERS_AUTO:
         return int(value)
@@ -253,11 +223,23 @@ def resolve_workers_per_gpu(value: str, gpus: list[GpuInfo], preload: str | None
         path: str | None = resolve_model(preload or default_model())
     except ConfigError:
         path = None
-    workers, why = auto_workers_per_gpu(gpus, os.cpu_count() or 1, model_bytes(path, precision))
+    workers, why = auto_workers_per_gpu(gpus, os.cpu_count() or 1, model_bytes(path, precision), standby)
     log.info("workers per GPU: auto means %d (%s)", workers, why)
     return workers
 
 
+def selected(spec: str) -> list[GpuInfo]:
+    """``--gpus`` resolved on this host for this process: refused if it names a GPU that is not
+    there or not this process's to use."""
+    host = read_all()
+    return select(spec, host, visible(host, os.environ.get(VISIBLE_ENV)))
+
+
 def choose(spec: str, min_free_memory: str, busy: str) -> list[GpuInfo]:
-    """The GPUs a pool uses: ``--gpus``, less those short of memory or (with ``skip``) busy."""
-    return usable(select(spec, discover()), parse_size(min_free_memory), skip_busy=busy == "skip")
+    """The GPUs a pool uses: ``--gpus`` among those this process may use, less those short of
+    memory or (with ``skip``) busy."""
+    chosen = selected(spec)
+    for gpu in chosen:
+        if gpu.exclusive:
+            log.info("%s (%s): compute mode EXCLUSIVE_PROCESS: one worker, no standby", gpu.label, gpu.name)
+    return usable(chosen, parse_size(min_free_memory), skip_busy=busy == "skip")

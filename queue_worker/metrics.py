@@ -16,7 +16,7 @@ from prometheus_client.registry import Collector
 
 from chunkq.jobs.errors import ConfigError
 from chunkq.queue_worker import exit_codes
-from chunkq.queue_worker.gpus import discover
+from chunkq.queue_worker.discovery import discover
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +41,8 @@ def exit_reason(returncode: int) -> str:
 class _GpuMemory(Collector):
     """Per-GPU memory from NVML at scrape time (no CUDA context in the pool)."""
 
-    def __init__(self, indices: list[int]) -> None:
-        self.indices = set(indices)
+    def __init__(self, keys: list[str]) -> None:
+        self.keys = set(keys)
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         used = GaugeMetricFamily("chunkq_gpu_memory_used_bytes", "GPU memory in use", labels=["gpu", "name"])
@@ -50,15 +50,15 @@ class _GpuMemory(Collector):
             "chunkq_gpu_memory_total_bytes", "GPU memory in all", labels=["gpu", "name"]
         )
         for gpu in discover():
-            if gpu.index in self.indices:
-                used.add_metric([str(gpu.index), gpu.name], float(gpu.memory_total - gpu.memory_free))
-                total.add_metric([str(gpu.index), gpu.name], float(gpu.memory_total))
+            if gpu.key in self.keys:
+                used.add_metric([gpu.key, gpu.name], float(gpu.memory_total - gpu.memory_free))
+                total.add_metric([gpu.key, gpu.name], float(gpu.memory_total))
         yield used
         yield total
 
 
 class PoolMetrics:
-    def __init__(self, pool: str, gpu_indices: list[int]) -> None:
+    def __init__(self, pool: str, gpu_keys: list[str]) -> None:
         self.registry = CollectorRegistry()
         self.pool = pool
         self.exits = Counter(
@@ -78,8 +78,8 @@ class PoolMetrics:
             buckets=(0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300),
             registry=self.registry,
         )
-        if gpu_indices:
-            self.registry.register(_GpuMemory(gpu_indices))
+        if gpu_keys:
+            self.registry.register(_GpuMemory(gpu_keys))
 
     def worker_started(self, device: str) -> None:
         self.started.labels(self.pool, device).inc()

@@ -28,10 +28,10 @@ from chunkq.jobs.abandon import forget_worker, mark_abandoned, running_job_ids
 from chunkq.jobs.errors import ChunkqError
 from chunkq.jobs.nopickle import forbid_pickle
 from chunkq.queue_worker import exit_codes
+from chunkq.queue_worker.discovery import GpuInfo
 from chunkq.queue_worker.fork_server import MODEL_ENV as FORK_SERVER_MODEL_ENV
 from chunkq.queue_worker.fork_server import ForkedWorker, ForkServer, ForkServerError
 from chunkq.queue_worker.gpus import (
-    GpuInfo,
     choose,
     cpu_threads_per_worker,
     resolve_workers_per_gpu,
@@ -83,7 +83,7 @@ class Slot:
 
     @property
     def device(self) -> str:
-        return "cpu" if self.gpu is None else f"gpu{self.gpu.index}"
+        return "cpu" if self.gpu is None else f"gpu{self.gpu.key}"
 
 
 class Pool:
@@ -94,9 +94,13 @@ class Pool:
         self.policy = RestartPolicy(settings.restart_delay, settings.crash_limit, settings.crash_window)
         if gpus:
             per_gpu = resolve_workers_per_gpu(
-                settings.workers_per_gpu, gpus, settings.preload, settings.precision
+                settings.workers_per_gpu, gpus, settings.preload, settings.precision, settings.standby
             )
-            self.slots = [Slot(key=f"gpu{gpu.index}-w{n}", gpu=gpu) for gpu in gpus for n in range(per_gpu)]
+            self.slots = [
+                Slot(key=f"gpu{gpu.key}-w{n}", gpu=gpu)
+                for gpu in gpus
+                for n in range(1 if gpu.exclusive else per_gpu)  # EXCLUSIVE_PROCESS: one context
+            ]
         else:
             self.slots = [Slot(key=f"cpu-w{n}", gpu=None) for n in range(settings.cpu_workers)]
         self.connection = redis.Redis.from_url(settings.redis_url)
@@ -107,7 +111,7 @@ class Pool:
         self._hung: dict[str, str] = {}  # worker name -> why the watchdog killed it
         self._next_watchdog = 0.0
         self.exits: list[tuple[str, int]] = []
-        self.metrics = PoolMetrics(settings.name, [gpu.index for gpu in gpus])
+        self.metrics = PoolMetrics(settings.name, [gpu.key for gpu in gpus])
         server_env = dict(os.environ)
         if settings.preload:
             server_env[FORK_SERVER_MODEL_ENV] = settings.preload
@@ -137,7 +141,7 @@ class Pool:
         if wait_for is not None:
             base[WAIT_FOR_PID_ENV] = str(wait_for)
         threads = cpu_threads_per_worker(len(self.slots)) if slot.gpu is None else 2
-        env = worker_environment(base, slot.gpu, threads, no_nvml=self.settings.no_nvml)
+        env = worker_environment(base, slot.gpu, threads)
         self.metrics.worker_started(slot.device)
         try:
             return self._start_process(self._command(name), env, write_fd), name, read_fd
@@ -185,7 +189,9 @@ class Pool:
             last, loads = parse_announcements(said)
             for seconds in loads:
                 self.metrics.model_loaded(slot.device, seconds)
-            if last and self.settings.standby and slot.standby is None:
+            # On an EXCLUSIVE_PROCESS GPU a standby could not create its context beside the worker.
+            standby = self.settings.standby and not (slot.gpu is not None and slot.gpu.exclusive)
+            if last and standby and slot.standby is None:
                 if not (stopping or slot.retired or slot.proc is None):
                     self._start_standby(slot, slot.proc.pid)
 
@@ -213,7 +219,7 @@ class Pool:
 
     @staticmethod
     def _where(slot: Slot) -> str:
-        return "CPU" if slot.gpu is None else f"GPU {slot.gpu.index} ({slot.gpu.name})"
+        return "CPU" if slot.gpu is None else f"{slot.gpu.label} ({slot.gpu.name})"
 
     def _processes(self) -> list[WorkerProcess]:
         procs = [slot.proc for slot in self.slots if slot.proc is not None]

@@ -169,7 +169,6 @@ class PoolSettings:
         "fresh interpreter each time.",
         kind="flag",
     )
-    no_nvml: bool = setting(False, "Set PYTORCH_NO_NVML=1 in GPU workers.", kind="flag", env=None)
     metrics_port: int | None = setting(
         None,
         "Serve the pool's Prometheus metrics on 127.0.0.1:PORT (0: any free port).",

@@ -47,6 +47,8 @@ RECORD_KEYS = (
     "attempt",
     "model_loaded_at",
     "model_load_seconds",
+    "batch_size",
+    "batch_tokens",
 )
 
 

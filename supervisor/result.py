@@ -212,7 +212,7 @@ def _name(layout: RunLayout, path: Path) -> str:
 
 def result_damage(layout: RunLayout, result: dict[str, Any]) -> list[str]:
     """What in the published result does not match its manifest's checksums (empty: intact)."""
-    problems = []
+    problems: list[str] = []
     for part in result_parts(layout, result):
         intact = len(problems)
         for path, digest in ((part.embeddings, part.embeddings_sha256), (part.ids, part.ids_sha256)):

@@ -24,8 +24,8 @@ from chunkq.jobs.errors import ConfigError
 from chunkq.jobs.models import BUNDLED_MODEL
 from chunkq.jobs.run_files import RunLayout, read_json
 from chunkq.queue_worker import exit_codes
+from chunkq.queue_worker.discovery import GpuInfo
 from chunkq.queue_worker.fork_server import MODEL_ENV, ForkServer, ForkServerError
-from chunkq.queue_worker.gpus import GpuInfo
 from chunkq.queue_worker.pool import Pool
 from chunkq.queue_worker.settings import PoolSettings
 from chunkq.supervisor.corpus import CorpusOptions

@@ -116,7 +116,7 @@ def test_assembly_refuses_a_chunk_output_holding_nan(store: Path) -> None:
     from chunkq.jobs.manifest import load_manifest
     from chunkq.jobs.run_files import write_output
 
-    spec, _ = _chunk(store, rows=4)
+    _chunk(store, rows=4)
     layout = RunLayout(store, RUN)
     rows = np.ones((4, 8), dtype=np.float32)
     rows[2, 1] = np.inf

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from chunkq.jobs.errors import ConfigError
-from chunkq.queue_worker.gpus import GpuInfo, discover, select, worker_environment
+from chunkq.queue_worker.discovery import GpuInfo, discover
+from chunkq.queue_worker.gpus import select, worker_environment
 
 GPUS = [GpuInfo(0, "H100", "GPU-aaa", 80 << 30, 70 << 30), GpuInfo(1, "H100", "GPU-bbb", 80 << 30, 79 << 30)]
 
@@ -67,7 +68,8 @@ def test_standby_waits_for_its_predecessor_to_exit(monkeypatch: pytest.MonkeyPat
 
 
 def test_busy_and_short_gpus_are_reported_and_skipped_as_configured(caplog: pytest.LogCaptureFixture) -> None:
-    from chunkq.queue_worker.gpus import GpuProcess, parse_size, usable
+    from chunkq.queue_worker.discovery import GpuProcess
+    from chunkq.queue_worker.gpus import parse_size, usable
 
     busy = GpuInfo(2, "A100", "GPU-ccc", 40 << 30, 30 << 30, (GpuProcess(4242, "python", 10 << 30),))
     gpus = [*GPUS, busy]
@@ -79,7 +81,7 @@ def test_busy_and_short_gpus_are_reported_and_skipped_as_configured(caplog: pyte
     assert parse_size("512MiB") == 512 << 20 and parse_size("1.5g") == 3 << 29 and parse_size("0") == 0
     with pytest.raises(ConfigError, match="cannot read the size"):
         parse_size("lots")
-    assert worker_environment({}, GPUS[0], 1, no_nvml=True)["PYTORCH_NO_NVML"] == "1"
+    assert "PYTORCH_NO_NVML" not in worker_environment({}, GPUS[0], 1)  # read by no PyTorch code
 
 
 @pytest.mark.slow
@@ -103,7 +105,6 @@ def test_workers_per_gpu_auto_resolves_to_a_number_and_says_why(caplog: pytest.L
     from chunkq.jobs.models import BUNDLED_MODEL, resolve_model
     from chunkq.queue_worker.gpus import (
         AUTO_MAX_WORKERS,
-        GpuInfo,
         auto_workers_per_gpu,
         model_bytes,
         resolve_workers_per_gpu,
@@ -120,8 +121,16 @@ def test_workers_per_gpu_auto_resolves_to_a_number_and_says_why(caplog: pytest.L
     assert auto_workers_per_gpu([h100, h100], 8, minilm)[0] == 2  # 4 cores per GPU feed two
     assert auto_workers_per_gpu([h100], 2, minilm)[0] == 1
     small = GpuInfo(index=0, name="T4", uuid="GPU-2", memory_total=16 * gib, memory_free=12 * gib)
-    workers, why = auto_workers_per_gpu([small], 32, 670_000_000)  # bge-large in fp16
+    workers, why = auto_workers_per_gpu([small], 32, 670_000_000, standby=False)  # bge-large in fp16
     assert workers == 3 and "12.0 GiB free" in why and "holds 3" in why
+    # Each worker's standby loads beside it (weights and a context): room for two, not three.
+    workers, why = auto_workers_per_gpu([small], 32, 670_000_000)
+    assert workers == 2 and "holds 2" in why and "a standby's 1.1 GiB" in why
+    exclusive = GpuInfo(0, "A100", "GPU-3", 80 * gib, 79 * gib, compute_mode="exclusive_process")
+    assert auto_workers_per_gpu([exclusive], 32, minilm) == (
+        1,
+        "a GPU in EXCLUSIVE_PROCESS compute mode takes one process",
+    )
     assert auto_workers_per_gpu([], 16, minilm)[0] == 1
     expected, _ = auto_workers_per_gpu([h100], os.cpu_count() or 1, minilm)
     with caplog.at_level(logging.INFO, logger="chunkq.queue_worker.gpus"):
@@ -129,3 +138,23 @@ def test_workers_per_gpu_auto_resolves_to_a_number_and_says_why(caplog: pytest.L
         assert resolve_workers_per_gpu("2", [h100], BUNDLED_MODEL, "fp32") == 2
     assert f"workers per GPU: auto means {expected} ({os.cpu_count()} CPU cores for 1 GPU(s)" in caplog.text
     assert caplog.text.count("auto means") == 1  # a number given is used as it is
+
+
+def test_auto_sizes_the_model_from_the_weights_that_load(tmp_path: Path) -> None:
+    """An OpenVINO or ONNX export, or a .bin beside the .safetensors, is not loaded: not counted."""
+    from chunkq.queue_worker.gpus import model_bytes
+
+    model = tmp_path / "model"
+    for name, size in {
+        "model.safetensors": 1000,
+        "pytorch_model.bin": 1000,  # the same weights in the older format: not loaded
+        "openvino/openvino_model.bin": 500,
+        "onnx/model.onnx": 700,
+        "onnx/model.onnx_data.bin": 700,
+        "2_Dense/pytorch_model.bin": 40,  # a module with only .bin weights: loaded
+        "config.json": 10,
+    }.items():
+        (model / name).parent.mkdir(parents=True, exist_ok=True)
+        (model / name).write_bytes(b"x" * size)
+    assert model_bytes(str(model), "fp32") == 1040
+    assert model_bytes(str(model), "fp16") == 520

@@ -137,7 +137,7 @@ def run_cmd(corpus: tuple[str, ...], redis_url: str | None, **kw: Any) -> None:
     """
     pool_values = pop_pool_values(kw, exclude=RUN_DECIDES_FOR_THE_POOL)
     if pool_values.get("gpus") not in (None, "all", "none", "cpu"):
-        gpu_discovery.select(pool_values["gpus"], gpu_discovery.discover())  # refuse a missing GPU up front
+        gpu_discovery.selected(pool_values["gpus"])  # refuse a missing GPU, or another process's, up front
     req = build_run_request(corpus, store=kw.pop("store"), redis_url=redis_url, **kw, **pool_values)
     with ProgressDisplay() as display:
         outcome: RunOutcome = run(req, display)

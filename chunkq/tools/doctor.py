@@ -16,7 +16,7 @@ import redis
 
 from chunkq.jobs.run_files import atomic_write_bytes
 from chunkq.jobs.storage import is_local
-from chunkq.queue_worker import gpus as gpu_discovery
+from chunkq.queue_worker import discovery
 from chunkq.supervisor.embedded_redis import server_binary
 
 
@@ -93,8 +93,20 @@ def _store(path: Path) -> dict[str, Any]:
 
 def examine(store: Path, redis_url: str | None) -> Report:
     report = Report(nvml=_nvml(), torch=_torch(), redis=_redis(redis_url), store=_store(store))
-    found = gpu_discovery.discover()
-    report.gpus = [asdict(gpu) for gpu in found]
+    found = discovery.discover()
+    report.gpus = [{**asdict(gpu), "label": gpu.label, "exclusive": gpu.exclusive} for gpu in found]
+    visible = os.environ.get(discovery.VISIBLE_ENV)
+    if visible is not None:
+        report.notes.append(
+            f"{discovery.VISIBLE_ENV}={visible}: this process may use "
+            + (", ".join(gpu.label for gpu in found) or "no GPU")
+            + "; --gpus all means these"
+        )
+    if os.environ.get("PYTORCH_NO_NVML") is not None:
+        report.notes.append(
+            "PYTORCH_NO_NVML is set: no PyTorch code reads it; it does not prevent the NVML assert of the "
+            "caching allocator, which is an out-of-memory (chunkq retries it smaller, in a fresh process)"
+        )
     if not found:
         report.notes.append(
             "no NVIDIA GPU found"
@@ -110,7 +122,9 @@ def examine(store: Path, redis_url: str | None) -> Report:
     for gpu in found:
         if gpu.processes:
             names = ", ".join(f"{p.name} (pid {p.pid})" for p in gpu.processes)
-            report.notes.append(f"GPU {gpu.index} is in use by: {names}")
+            report.notes.append(f"{gpu.label} is in use by: {names}")
+        if gpu.exclusive:
+            report.notes.append(f"{gpu.label} is in EXCLUSIVE_PROCESS compute mode: one worker, no standby")
     if report.redis.get("reachable") is False:
         report.problems.append(f"Redis: {report.redis.get('error')}; check --redis-url / CHUNKQ_REDIS_URL")
     if not report.store["writable"]:
@@ -125,7 +139,7 @@ def render(report: Report) -> str:
         lines.append(f"NVIDIA driver {nvml['driver']}, CUDA driver {nvml['cuda_driver']}")
     for gpu in report.gpus:
         lines.append(
-            f"GPU {gpu['index']}: {gpu['name']}, {gpu['memory_free'] / 2**30:.1f} of "
+            f"{gpu['label']}: {gpu['name']} ({gpu['uuid']}), {gpu['memory_free'] / 2**30:.1f} of "
             f"{gpu['memory_total'] / 2**30:.1f} GiB free, {len(gpu['processes'])} process(es)"
         )
         lines += [f"    pid {p['pid']} {p['name']}" for p in gpu["processes"]]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+from collections import Counter
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import cached_property
@@ -75,6 +76,7 @@ class RunFacts:
     devices: set[str] = field(default_factory=set)
     failures: list[FailedAttempt] = field(default_factory=list)
     chunk_seconds: float = 0.0  # summed over finished chunks, for the rate's window
+    batches: Counter[int] = field(default_factory=Counter)  # chunks per batch size (or token budget) used
 
     @cached_property
     def t0(self) -> datetime:
@@ -113,6 +115,9 @@ class RunFacts:
         self.devices.add(lane.device)
         self.chunk_seconds += max(end - start, 0.0)
         self.chunks_done += 1
+        limit = record.get("batch_tokens") or record.get("batch_size")
+        if limit is not None:  # ledgers written before the batch was recorded have none
+            self.batches[int(limit)] += 1
 
     def rate_curve(self) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], float]:
         """(times, rows per second over the window ending at each, the window in seconds): the window
@@ -210,6 +215,7 @@ def summary(facts: RunFacts, lengths: list[int], limit: int | None, unit: str) -
         "rows_per_second": round(rate, 1) if rate else None,
         "failed_attempts": len(facts.failures),
         "failures_by_class": by_class(facts.failures),
+        "batches": _batches(facts),
         "failures": to_json(facts.failures),
         "quarantined_chunks": facts.quarantined,
         "model_load_seconds_mean": round(sum(loads) / len(loads), 2) if loads else None,
@@ -218,6 +224,18 @@ def summary(facts: RunFacts, lengths: list[int], limit: int | None, unit: str) -
         "length_sample": len(lengths),
         "truncation_point": limit,
         "truncated_in_sample": truncated,
+    }
+
+
+def _batches(facts: RunFacts) -> dict[str, Any]:
+    """What the run asked for and what its chunks ran at: below the request after out-of-memory
+    back-offs (in the chunk, or learned from earlier chunks)."""
+    options = facts.manifest.options
+    unit = "batch_tokens" if options.get("batch_tokens") is not None else "batch_size"
+    return {
+        "unit": unit,
+        "requested": options.get(unit),
+        "chunks_at": {str(size): count for size, count in sorted(facts.batches.items(), reverse=True)},
     }
 
 
@@ -295,6 +313,7 @@ def _plot(facts: RunFacts, lengths: list[int], limit: int | None, unit: str, pat
 
 def _markdown(s: dict[str, Any], png: Path) -> str:
     classes = ", ".join(f"{k}: {v}" for k, v in s["failures_by_class"].items()) or "none"
+    batches = s["batches"]
     lines = [
         f"# chunkq run {s['run_id']}",
         "",
@@ -309,6 +328,8 @@ def _markdown(s: dict[str, Any], png: Path) -> str:
         f"| wall time (first chunk start to last chunk end) | {s['wall_seconds']} s |",
         f"| throughput | {s['rows_per_second']} rows/s |",
         f"| failed attempts | {s['failed_attempts']} ({classes}) |",
+        f"| {batches['unit'].replace('_', ' ')} | requested {batches['requested']}; chunks ran at "
+        f"{', '.join(f'{size} ({n})' for size, n in batches['chunks_at'].items()) or '-'} |",
         f"| quarantined chunks | {len(s['quarantined_chunks'])} {s['quarantined_chunks'] or ''} |",
         f"| model loads | {s['model_loads']} (mean {s['model_load_seconds_mean']} s) |",
         f"| truncated texts (sample of {s['length_sample']}) | {s['truncated_in_sample']} "

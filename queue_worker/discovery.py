@@ -1,0 +1,234 @@
+"""Which GPUs this process may use, read from NVML without creating a CUDA context.
+
+Real hosts differ from a workstation in three ways, each handled here with one line saying which
+GPU and why:
+- **Inherited visibility.** Slurm (``--gres=gpu:2``) and the Kubernetes device plugin give a
+  process some GPUs through ``CUDA_VISIBLE_DEVICES`` (indices or UUIDs), while NVML lists every
+  GPU of the host. ``visible`` keeps those this process may use, read as CUDA reads the variable.
+- **MIG and restricted GPUs.** A GPU in MIG mode is used through its instances: each has a
+  ``MIG-...`` UUID that CUDA accepts (its parent's ``GPU-...`` is refused). A GPU that NVML cannot
+  read (``NO_PERMISSION`` where a cgroup hides it, ``GPU_IS_LOST``) is skipped, not fatal.
+- **Compute mode.** ``PROHIBITED`` takes no context: skipped. ``EXCLUSIVE_PROCESS`` takes one
+  process's: the pool runs one worker there and no standby (``GpuInfo.exclusive``).
+
+``CHUNKQ_SIMULATED_GPUS`` names a JSON file that stands in for NVML (``simulated_nvml``), for tests
+and drills on hosts without GPUs, like ``CHUNKQ_FAULTS``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+SIMULATED_ENV = "CHUNKQ_SIMULATED_GPUS"
+VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
+# NVML's compute modes (nvml.h): 1 is the deprecated EXCLUSIVE_THREAD, which acts as EXCLUSIVE_PROCESS.
+COMPUTE_MODES = {0: "default", 1: "exclusive_process", 2: "prohibited", 3: "exclusive_process"}
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    pid: int
+    name: str
+    used_memory: int | None
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    index: int  # NVML's index of the physical GPU (PCI bus order), as nvidia-smi shows it
+    name: str
+    uuid: str  # what CUDA_VISIBLE_DEVICES pins: GPU-... or, for a MIG instance, MIG-...
+    memory_total: int
+    memory_free: int
+    processes: tuple[GpuProcess, ...] = ()
+    mig: int | None = None  # the MIG instance's index on its GPU; None for a whole GPU
+    compute_mode: str = "default"
+
+    @property
+    def key(self) -> str:
+        """A name unique among a host's devices: ``0``, or ``0-mig1`` for a MIG instance."""
+        return str(self.index) if self.mig is None else f"{self.index}-mig{self.mig}"
+
+    @property
+    def label(self) -> str:
+        return f"GPU {self.index}" if self.mig is None else f"GPU {self.index} MIG {self.mig}"
+
+    @property
+    def exclusive(self) -> bool:
+        """EXCLUSIVE_PROCESS: one CUDA context at a time, so one worker and no standby."""
+        return self.compute_mode == "exclusive_process"
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _process_name(pid: int) -> str:
+    try:
+        import psutil
+
+        return str(psutil.Process(pid).name())
+    except Exception:  # another container's pid, or gone
+        return "?"
+
+
+def _processes(nvml: Any, handle: Any) -> tuple[GpuProcess, ...]:
+    try:
+        running = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+    except nvml.NVMLError:  # NOT_SUPPORTED on some MIG setups, NO_PERMISSION in containers
+        return ()
+    return tuple(
+        GpuProcess(int(p.pid), _process_name(int(p.pid)), getattr(p, "usedGpuMemory", None)) for p in running
+    )
+
+
+def _compute_mode(nvml: Any, handle: Any) -> str:
+    try:
+        return COMPUTE_MODES.get(int(nvml.nvmlDeviceGetComputeMode(handle)), "default")
+    except nvml.NVMLError:  # not supported: no restriction is known
+        return "default"
+
+
+def _mig_enabled(nvml: Any, handle: Any) -> bool:
+    try:
+        current, _pending = nvml.nvmlDeviceGetMigMode(handle)
+    except nvml.NVMLError:  # NOT_SUPPORTED: a GPU without MIG
+        return False
+    return bool(current == nvml.NVML_DEVICE_MIG_ENABLE)
+
+
+def _mig_instances(nvml: Any, index: int, handle: Any, name: str, mode: str) -> list[GpuInfo]:
+    found = []
+    for slot in range(int(nvml.nvmlDeviceGetMaxMigDeviceCount(handle))):
+        try:
+            mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
+        except nvml.NVMLError:  # NOT_FOUND: no instance in this slot
+            continue
+        memory = nvml.nvmlDeviceGetMemoryInfo(mig)
+        found.append(
+            GpuInfo(
+                index=index,
+                name=name,
+                uuid=_text(nvml.nvmlDeviceGetUUID(mig)),
+                memory_total=int(memory.total),
+                memory_free=int(memory.free),
+                processes=_processes(nvml, mig),
+                mig=slot,
+                compute_mode=mode,
+            )
+        )
+    if not found:
+        log.warning("GPU %d (%s): MIG is on but it has no MIG instance; skipped", index, name)
+    return found
+
+
+def _read_gpu(nvml: Any, index: int) -> list[GpuInfo]:
+    """GPU ``index`` as the devices a worker can be pinned to (itself, or its MIG instances)."""
+    try:
+        handle = nvml.nvmlDeviceGetHandleByIndex(index)
+        name = _text(nvml.nvmlDeviceGetName(handle))
+        mode = _compute_mode(nvml, handle)
+        if mode == "prohibited":
+            log.warning("GPU %d (%s): compute mode PROHIBITED, no process may use it; skipped", index, name)
+            return []
+        if _mig_enabled(nvml, handle):
+            return _mig_instances(nvml, index, handle, name, mode)
+        memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+        return [
+            GpuInfo(
+                index=index,
+                name=name,
+                uuid=_text(nvml.nvmlDeviceGetUUID(handle)),
+                memory_total=int(memory.total),
+                memory_free=int(memory.free),
+                processes=_processes(nvml, handle),
+                compute_mode=mode,
+            )
+        ]
+    except nvml.NVMLError as exc:  # NO_PERMISSION (a cgroup hides it), GPU_IS_LOST, UNKNOWN
+        log.warning("GPU %d: NVML cannot read it (%s); skipped", index, exc)
+        return []
+
+
+def _nvml() -> Any:
+    path = os.environ.get(SIMULATED_ENV)
+    if path:
+        from chunkq.queue_worker import simulated_nvml
+
+        return simulated_nvml.load(path)
+    try:
+        import pynvml
+    except ImportError:  # pragma: no cover - nvidia-ml-py is a dependency
+        return None
+    return pynvml
+
+
+def read_all(nvml: Any = None) -> list[GpuInfo]:
+    """Every device of this host a worker could be pinned to, in PCI bus order; [] without a driver."""
+    nvml = nvml or _nvml()
+    if nvml is None:
+        return []
+    try:
+        nvml.nvmlInit()
+    except nvml.NVMLError as exc:
+        log.debug("NVML unavailable (%s): no GPUs", exc)
+        return []
+    try:
+        return [gpu for index in range(int(nvml.nvmlDeviceGetCount())) for gpu in _read_gpu(nvml, index)]
+    finally:
+        nvml.nvmlShutdown()
+
+
+def visible(gpus: list[GpuInfo], value: str | None) -> list[GpuInfo]:
+    """The devices ``CUDA_VISIBLE_DEVICES=value`` leaves to this process, in its order, read as
+    CUDA reads it: unset, all; empty, none; else a list of UUIDs (``GPU-...``, ``MIG-...``, or a
+    unique prefix) or indices counted over the devices this process can open, in PCI bus order
+    (what ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, which the pool sets, gives). CUDA stops at the first
+    entry it cannot match, and so does this."""
+    if value is None:
+        return list(gpus)
+    kept: list[GpuInfo] = []
+    for token in (t.strip() for t in value.split(",")):
+        match = _match(gpus, token)
+        if not match:
+            if token:
+                log.warning(
+                    "%s=%s: %r matches no GPU here; CUDA ignores it and all after it",
+                    VISIBLE_ENV,
+                    value,
+                    token,
+                )
+            break
+        kept += [gpu for gpu in match if gpu not in kept]
+    return kept
+
+
+def _match(gpus: list[GpuInfo], token: str) -> list[GpuInfo]:
+    if token.isdigit():
+        # CUDA counts the devices it can open, whole GPUs and (outside MIG) nothing else.
+        physical = sorted({gpu.index for gpu in gpus})
+        n = int(token)
+        return [gpu for gpu in gpus if n < len(physical) and gpu.index == physical[n]]
+    if token.upper().startswith(("GPU-", "MIG-")):
+        # A MIG GPU's own GPU-... UUID matches nothing here: only its instances are listed.
+        found = [gpu for gpu in gpus if gpu.uuid.lower().startswith(token.lower())]
+        return found if len(found) == 1 else []  # an ambiguous prefix is no match, as for CUDA
+    return []
+
+
+def discover(nvml: Any = None, environ: dict[str, str] | None = None) -> list[GpuInfo]:
+    """The devices this process may use: NVML's, less those its ``CUDA_VISIBLE_DEVICES`` hides."""
+    env = os.environ if environ is None else environ
+    found = visible(read_all(nvml), env.get(VISIBLE_ENV))
+    if env.get(VISIBLE_ENV) is not None:
+        log.info(
+            "%s=%s: this process may use %s",
+            VISIBLE_ENV,
+            env[VISIBLE_ENV],
+            ", ".join(gpu.label for gpu in found) or "no GPU",
+        )
+    return found

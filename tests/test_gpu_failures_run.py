@@ -1,0 +1,75 @@
+"""Issue 31's runs through ``chunkq run``: the seeds' NVML assert on every chunk's first attempt, and
+a NaN row, each finishing exact with nothing wrong published (real pool, Redis and model, CPU)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from chunkq.jobs.run_files import RunLayout, non_finite_rows, read_json
+from tests.helpers import make_texts, max_abs_diff, run_cli, write_corpus
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+ROWS, CHUNK = 90, 30
+
+
+def _run(tmp_path: Path, faults: list[dict[str, Any]]) -> tuple[RunLayout, list[str], list[str], str]:
+    ids, texts = make_texts(ROWS, seed=31)
+    corpus = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")
+    store = tmp_path / "store"
+    args = ["--chunk-size", str(CHUNK), "--batch-size", "32", "--store", str(store), "--run-id", "review"]
+    done = run_cli("run", str(corpus), *args, timeout=500, CHUNKQ_FAULTS=json.dumps(faults))
+    assert done.returncode == 0, done.stderr[-4000:]
+    return RunLayout(store, "review"), ids, texts, done.stderr
+
+
+def _report(layout: RunLayout, out: Path) -> dict[str, Any]:
+    done = run_cli("report", layout.run_id, "--store", str(layout.store), "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    numbers: dict[str, Any] = json.loads((out / "report.json").read_text())
+    return numbers
+
+
+def _check_exact(layout: RunLayout, ids: list[str], texts: list[str], reference_model: Any) -> None:
+    got = np.load(layout.result / "embeddings.npy")
+    assert max_abs_diff(got, reference_model.encode(texts)) <= 1e-5 and not non_finite_rows(got)
+    got_ids = [json.loads(line) for line in (layout.result / "ids.jsonl").read_text().splitlines()]
+    assert got_ids == ids  # each row once, in order
+
+
+def test_every_first_attempt_raising_the_allocators_nvml_assert_finishes_exact_on_smaller_batches(
+    tmp_path: Path, reference_model: Any
+) -> None:
+    layout, ids, texts, log = _run(tmp_path, [{"kind": "nvml_assert", "variant": "init", "attempts": [1]}])
+    _check_exact(layout, ids, texts, reference_model)
+    metas = [read_json(layout.output_meta(i)) for i in range(ROWS // CHUNK)]
+    assert all(m["attempt"] == 2 and m["batch_size"] < 32 for m in metas)  # each chunk once, smaller
+    assert "left after an out-of-memory its allocator reported by a failed assert" in log  # a fresh process
+    assert "hit a fatal CUDA error" not in log and "taking it out of this pool" not in log  # nothing retired
+    numbers = _report(layout, tmp_path / "report")
+    assert numbers["failures_by_class"] == {"oom": ROWS // CHUNK}
+    assert all(
+        f["error"].startswith(f"chunk review__c{f['chunk']:06d}: out of memory") for f in numbers["failures"]
+    )
+    assert numbers["batches"]["requested"] == 32
+    assert sum(numbers["batches"]["chunks_at"].values()) == ROWS // CHUNK
+    assert all(int(size) < 32 for size in numbers["batches"]["chunks_at"])
+    assert "| batch size | requested 32; chunks ran at" in (tmp_path / "report" / "report.md").read_text()
+
+
+def test_a_nan_row_is_never_published_and_the_retry_finishes_exact(
+    tmp_path: Path, reference_model: Any
+) -> None:
+    faults = [{"kind": "non_finite", "chunks": [1], "attempts": [1], "rows": [4]}]
+    layout, ids, texts, _log = _run(tmp_path, faults)
+    _check_exact(layout, ids, texts, reference_model)
+    assert read_json(layout.output_meta(1))["attempt"] == 2
+    numbers = _report(layout, tmp_path / "report")
+    assert numbers["failures_by_class"] == {"non_finite": 1}
+    (failure,) = numbers["failures"]
+    assert "NaN or infinite values in fp32 (corpus rows 34)" in failure["error"]
