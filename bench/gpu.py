@@ -13,9 +13,16 @@ Python's standard library (no network needed). For each model, in one run and on
   --recycle-after 20, so recycling shows), ``tokens`` (the defaults with --batch-tokens auto).
 Printed: rows/s of each, its ratio to plain (steady state: the encode call against the span from
 the first chunk's start to the last chunk's end; end to end: whole commands), and the GPU's
-utilisation sampled through NVML every 0.2 s over that span. ``--device cpu`` runs the same on
-the CPU with small defaults (to test the script itself). Goals (issue 15): >= 2x plain for
-MiniLM, >= 1.5x for bge-large size, recycling overhead <= 2 %, utilisation >= 80 %.
+utilisation sampled through NVML every 0.2 s over that span. Then, in this process, a chunk's
+encode with the chunk tokenised once (``jobs/tokenized.py``) against tokenised twice (its lengths
+first, then ``model.encode`` per batch), alternated, medians of ``--repeats``.
+
+One GPU throughout: the first this process may use (an inherited ``CUDA_VISIBLE_DEVICES`` is
+honoured). chunkq is given it by NVML index (``--gpus``), the plain script and the in-process
+encode by its UUID in ``CUDA_VISIBLE_DEVICES``, and utilisation is read from NVML by that UUID.
+``--device cpu`` runs the same on the CPU with small defaults (to test the script itself).
+Goals (issue 15): >= 2x plain for MiniLM, >= 1.5x for bge-large size, recycling overhead <= 2 %,
+utilisation >= 80 %.
 """
 
 from __future__ import annotations
@@ -113,15 +120,15 @@ def large_model(work: Path) -> str:
 class Utilisation:
     """GPU utilisation samples (time, percent) from NVML every 0.2 s, in a thread."""
 
-    def __init__(self, device: str) -> None:
+    def __init__(self, uuid: str | None) -> None:
         self.samples: list[tuple[float, int]] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        if device == "cuda":
+        if uuid is not None:
             import pynvml
 
             pynvml.nvmlInit()
-            handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+            handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
             self._thread = threading.Thread(target=self._run, args=(pynvml, handle), daemon=True)
             self._thread.start()
 
@@ -137,14 +144,17 @@ class Utilisation:
         self._stop.set()
 
 
-def plain(work: Path, corpus: Path, model: str, device: str, precision: str) -> dict[str, Any]:
+def plain(work: Path, corpus: Path, model: str, device: str, precision: str, gpu: Any) -> dict[str, Any]:
     started = time.perf_counter()
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpu.uuid  # the GPU chunkq is given, whatever CUDA's order
     out = subprocess.run(
         [sys.executable, "-c", PLAIN, str(corpus), model, str(work / "plain.npy"), device, precision],
         check=True,
         capture_output=True,
         text=True,
-        env=dict(os.environ, HF_HUB_OFFLINE="1"),
+        env=env,
     )
     figures: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     figures["wall"] = time.perf_counter() - started
@@ -152,13 +162,13 @@ def plain(work: Path, corpus: Path, model: str, device: str, precision: str) -> 
 
 
 def chunkq(
-    work: Path, corpus: Path, model: str, precision: str, extra: list[str], chunk_size: int, device: str
+    work: Path, corpus: Path, model: str, precision: str, extra: list[str], chunk_size: int, gpu: Any
 ) -> dict[str, Any]:
     store = work / f"store-{time.monotonic_ns()}"
     cmd = [sys.executable, "-m", "chunkq.cli", "--log-level", "WARNING", "run", str(corpus)]
     cmd += ["--store", str(store), "--model", model, "--precision", precision]
     cmd += ["--chunk-size", str(chunk_size), *extra]
-    cmd += ["--gpus", "0" if device == "cuda" else "none"]
+    cmd += ["--gpus", str(gpu.index) if gpu is not None else "none"]
     started = time.perf_counter()
     subprocess.run(cmd, check=True, capture_output=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     wall = time.perf_counter() - started
@@ -178,11 +188,50 @@ def chunkq(
     }
 
 
+def tokenisation(
+    corpus: Path, model: str, precision: str, device: str, args: argparse.Namespace
+) -> dict[str, Any]:
+    """Seconds to encode the corpus chunk by chunk, tokenised once and tokenised twice, in this
+    process, alternated ``--repeats`` times (medians)."""
+    import torch
+
+    from chunkq.jobs import models, token_batches, tokenized
+
+    texts = [json.loads(line)["text"] for line in corpus.read_text(encoding="utf-8").splitlines()]
+    chunks = [texts[i : i + args.chunk_size] for i in range(0, len(texts), args.chunk_size)]
+    loaded = models.get_model(model, "cuda:0" if device == "cuda" else "cpu", precision)
+    real = tokenized.features
+
+    def timed(features: Any) -> float:
+        tokenized.features = features  # type: ignore[assignment]
+        started = time.perf_counter()
+        for chunk in chunks:
+            token_batches.encode(loaded.model, chunk, 32, {}, by_tokens=False)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - started
+
+    once: list[float] = []
+    twice: list[float] = []
+    try:
+        timed(real)  # warm-up
+        for _ in range(args.repeats):
+            once.append(timed(real))
+            twice.append(timed(lambda model, texts, prompt: None))
+    finally:
+        tokenized.features = real  # type: ignore[assignment]
+    return {
+        "once_seconds": statistics.median(once),
+        "twice_seconds": statistics.median(twice),
+        "rows": len(texts),
+    }
+
+
 def bench_model(
     work: Path, label: str, model: str, precision: str, rows: int, args: argparse.Namespace, gpu: Utilisation
 ) -> dict[str, Any]:
     corpus = docstring_corpus(work / f"corpus-{rows}.jsonl", rows)
-    base = plain(work, corpus, model, args.device, precision)
+    base = plain(work, corpus, model, args.device, precision, args.gpu)
     util = gpu.mean(base["start"], base["end"])
     results: dict[str, Any] = {
         "plain": {**base, "rows_per_s": rows / base["encode_seconds"], "gpu_util": util}
@@ -193,7 +242,7 @@ def bench_model(
         f"{f', GPU {util:.0f} %' if util is not None else ''}"
     )
     for name in args.configs:
-        run = chunkq(work, corpus, model, precision, CONFIGS[name], args.chunk_size, args.device)
+        run = chunkq(work, corpus, model, precision, CONFIGS[name], args.chunk_size, args.gpu)
         util = gpu.mean(run["start"], run["end"])
         steady, e2e = base["encode_seconds"] / run["span"], base["wall"] / run["wall"]
         results[name] = {
@@ -207,6 +256,14 @@ def bench_model(
         print(
             f"  chunkq {name:9s}: {rows / run['span']:.0f} rows/s, {steady:.2f}x plain "
             f"(end to end {e2e:.2f}x), {run['processes']} worker process(es){gpu_text}"
+        )
+    if args.repeats:
+        tok = tokenisation(corpus, model, precision, args.device, args)
+        results["tokenisation"] = tok
+        once, twice = rows / tok["once_seconds"], rows / tok["twice_seconds"]
+        print(
+            f"  chunks of {args.chunk_size}, batch 32, in-process: tokenised once {once:.0f} rows/s, "
+            f"twice {twice:.0f} rows/s ({tok['twice_seconds'] / tok['once_seconds']:.2f}x the time)"
         )
     return results
 
@@ -227,6 +284,7 @@ def main() -> None:
     parser.add_argument("--chunk-size", type=int, default=None, help="default 1000; 100 on cpu")
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"out of {', '.join(CONFIGS)}")
     parser.add_argument("--out", type=Path, default=None, help="write every figure as JSON here")
+    parser.add_argument("--repeats", type=int, default=3, help="tokenised once/twice rounds (0: skip)")
     args = parser.parse_args()
     cpu = args.device == "cpu"
     args.rows = args.rows or (300 if cpu else 20_000)
@@ -236,12 +294,18 @@ def main() -> None:
     unknown = set(args.configs) - set(CONFIGS)
     if unknown:
         parser.error(f"unknown configuration(s) {sorted(unknown)}")
+    args.gpu = None
     if not cpu:
-        import torch
+        from chunkq.queue_worker.discovery import discover
 
-        if not torch.cuda.is_available():
-            parser.error("no CUDA device here: run on a GPU host, or pass --device cpu")
-    gpu = Utilisation(args.device)
+        found = discover()
+        if not found:
+            parser.error("no GPU this process may use: run on a GPU host, or pass --device cpu")
+        args.gpu = found[0]
+        # This process's own encode (tokenisation) must land on the same GPU: pin it before CUDA starts.
+        os.environ["CUDA_VISIBLE_DEVICES"] = args.gpu.uuid
+        print(f"on {args.gpu.label} ({args.gpu.name}, {args.gpu.uuid})")
+    gpu = Utilisation(args.gpu.uuid if args.gpu is not None else None)
     figures: dict[str, Any] = {"device": args.device, "cpu_cores": os.cpu_count()}
     try:
         with tempfile.TemporaryDirectory(prefix="chunkq-gpu-bench-") as tmp:

@@ -46,6 +46,7 @@ def context_usable(device: str) -> bool:
     import torch
 
     try:
+        faults.inject_probe()
         probe = torch.ones(1, device=device)
         torch.cuda.synchronize()
         return bool(probe.item() == 1.0)

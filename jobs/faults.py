@@ -29,6 +29,8 @@ Kinds:
 - ``no_context``: creating the worker's CUDA context fails (``variant``: ``oom``, the runtime's
   cudaErrorMemoryAllocation, or ``busy``, a GPU another process holds in EXCLUSIVE_PROCESS mode),
   raised where the worker first touches its GPU; any chunk, any attempt.
+- ``probe_oom``: the after-OOM probe's own allocation (a 2 MiB block) runs out of memory, as it
+  does when workers and a standby share the GPU; the context itself is fine.
 - ``broken_context``: the after-error probe finds the context unusable.
 - ``hang`` (ignores SIGALRM, as a hung CUDA call would, and sleeps), ``sigkill`` (kills its own
   process), ``slow`` (takes ``seconds`` longer).
@@ -56,6 +58,7 @@ KINDS = (
     "device_assert",
     "cuda_fatal",
     "no_context",
+    "probe_oom",
     "broken_context",
     "hang",
     "sigkill",
@@ -326,6 +329,15 @@ def _device_assert(device: str) -> None:
             "group__CUDART__TYPES.html for more information.\nCompile",
         )
     )
+
+
+def inject_probe() -> None:
+    """Called before the context probe allocates; raises as that allocation would without memory."""
+    if any(f.kind == "probe_oom" for f in _FAULTS):
+        import torch
+
+        # The probe's one float comes from a new 2 MiB block of the caching allocator's small pool.
+        raise torch.OutOfMemoryError(_OOM_TEXT.format(wanted=2 / 1024).replace("0.00 GiB", "2.00 MiB"))
 
 
 def probe_fails(run_id: str, chunk: int, attempt: int) -> bool:

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from chunkq.jobs import tokenized
 from chunkq.jobs.specs import BATCH_TOKENS_AUTO, EncodeOptions
 
 AUTO_START_TOKENS = 8192
@@ -27,17 +28,6 @@ def token_lengths(model: Any, texts: list[str], max_length: int) -> list[int]:
     """Each text's length in tokens as the model sees it (special tokens in, truncated)."""
     encoded = model.tokenizer(texts, add_special_tokens=True, truncation=True, max_length=max_length)
     return [len(ids) for ids in encoded["input_ids"]]
-
-
-def as_encoded(model: Any, texts: list[str], encode_kwargs: dict[str, Any]) -> list[str]:
-    """The texts as ``model.encode`` will tokenize them: with the prompt it puts before each (given,
-    named, or the model's default, in sentence-transformers' order), so a long prompt counts toward
-    the token budget."""
-    prompt = encode_kwargs.get("prompt")
-    if prompt is None:
-        name = encode_kwargs.get("prompt_name") or getattr(model, "default_prompt_name", None)
-        prompt = (getattr(model, "prompts", None) or {}).get(name) if name else None
-    return [prompt + text for text in texts] if prompt else texts
 
 
 def plan(lengths: list[int], budget: int) -> list[list[int]]:
@@ -70,17 +60,31 @@ def encode(
 ) -> np.ndarray[Any, Any]:
     """Encode ``texts`` in batches cut from their token lengths, longest first: of at most ``limit``
     padded tokens (``by_tokens``), or of ``limit`` texts. Rows come back in input order.
-    ``encode_kwargs``: what else ``model.encode`` is given (normalisation, prompt, truncation)."""
-    lengths = token_lengths(model, as_encoded(model, texts, encode_kwargs), int(model.max_seq_length))
+    ``encode_kwargs``: what else ``model.encode`` is given (normalisation, prompt, truncation).
+
+    The chunk is tokenised once (``tokenized``); where its features cannot be cut into batches,
+    its lengths are counted first and each batch goes through ``model.encode``."""
+    prompt = tokenized.prompt_of(model, encode_kwargs)
+    chunk = tokenized.features(model, texts, prompt) if texts else None
+    if chunk is not None:
+        lengths = tokenized.lengths(chunk)
+    else:
+        # With the prompt before each text, as encode tokenises it: a long prompt counts too.
+        lengths = token_lengths(
+            model, [prompt + t for t in texts] if prompt else texts, int(model.max_seq_length)
+        )
     out: np.ndarray[Any, Any] | None = None
     for batch in plan(lengths, limit) if by_tokens else plan_fixed(lengths, limit):
-        rows = model.encode(
-            [texts[i] for i in batch],
-            batch_size=len(batch),
-            convert_to_numpy=True,
-            show_progress_bar=False,
-            **encode_kwargs,
-        )
+        if chunk is not None:
+            rows = tokenized.encode_batch(model, chunk, batch, lengths, encode_kwargs)
+        else:
+            rows = model.encode(
+                [texts[i] for i in batch],
+                batch_size=len(batch),
+                convert_to_numpy=True,
+                show_progress_bar=False,
+                **encode_kwargs,
+            )
         rows = np.asarray(rows, dtype=np.float32)
         if out is None:
             out = np.empty((len(texts), rows.shape[1]), dtype=np.float32)

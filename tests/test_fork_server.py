@@ -268,3 +268,49 @@ def test_a_pool_whose_forked_gpu_workers_cannot_create_a_context_falls_back_once
     assert pool.fork_server is None
     assert caplog.text.count("fork server unusable") == 1
     assert "could not create its CUDA context" in caplog.text
+
+
+def test_a_fork_server_whose_children_would_be_bad_forks_refuses(tmp_path: Path) -> None:
+    """torch's poison_fork (torch/csrc/cuda/Module.cpp) registers a pthread_atfork child handler the
+    first time anything reaches _cuda_getDeviceCount; every later child is then a bad fork while
+    torch.cuda.is_initialized() stays False in the parent. Imitated with the same mechanism
+    (os.register_at_fork) behind torch.cuda._is_in_bad_fork, which a CPU build answers False."""
+    env = _preload(
+        tmp_path,
+        "poison_fork",
+        "import os, torch.cuda\n"
+        "_bad = False\n"
+        "def _forked_child():\n"
+        "    global _bad\n"
+        "    _bad = True\n"
+        "os.register_at_fork(after_in_child=_forked_child)\n"
+        "torch.cuda._is_in_bad_fork = lambda: _bad\n",
+    )
+    server = ForkServer(env)
+    with pytest.raises(ForkServerError, match="a child forked now is a bad fork for torch"):
+        server._start()
+    assert server.proc is None
+
+
+def test_a_forked_worker_whose_gpu_is_out_of_memory_costs_only_that_fork(
+    redis_url: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Creating the context fails with the runtime's out-of-memory (a GPU full of other workers):
+    the pool keeps forking, and retires the GPU only after --crash-limit such deaths."""
+    monkeypatch.setenv("CHUNKQ_FAULTS", '[{"kind": "no_context", "variant": "oom"}]')
+    gpu = GpuInfo(index=0, name="no such GPU here", uuid="", memory_total=1 << 30, memory_free=1 << 30)
+    settings = PoolSettings(
+        redis_url=redis_url,
+        queue="fs-oom",
+        restart_delay=0.0,
+        name="fs-oom",
+        crash_limit=3,
+        workers_per_gpu="1",
+    )
+    pool = Pool(settings, [gpu])
+    with signal_handlers_restored(), caplog.at_level(logging.INFO, logger="chunkq.queue_worker.pool"):
+        assert pool.run() == exit_codes.EXIT_CONFIG  # no device left once it is retired
+    assert [code for _slot, code in pool.exits] == [exit_codes.EXIT_NO_CONTEXT] * 3
+    assert pool.fork_server is not None and "fork server unusable" not in caplog.text
+    assert "could not create its CUDA context (out of memory or busy)" in caplog.text
+    assert "3 worker deaths within" in caplog.text

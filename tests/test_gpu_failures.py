@@ -173,3 +173,11 @@ def test_concurrent_updates_of_the_learned_record_lose_nothing(store: Path) -> N
     for thread in threads:
         thread.join(timeout=60)
     assert read_json(layout.learned_batch("cpu"))[counted] == 400
+
+
+def test_a_context_probe_that_runs_out_of_memory_finds_the_context_working(inject: Any) -> None:
+    from chunkq.jobs import cuda
+
+    assert not cuda.context_usable("cuda")  # this CPU build of torch has no CUDA: a real failure
+    inject([{"kind": "probe_oom"}])
+    assert cuda.context_usable("cuda")  # the probe's own OOM: memory is short, the context is fine

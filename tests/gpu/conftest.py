@@ -1,4 +1,5 @@
-"""The GPU tier: real faults on a real GPU through chunkq's own commands (``make test-gpu``).
+"""The GPU tier: real faults on a real GPU through chunkq's own commands (``make test-gpu``: the
+host's own python and torch, ``python3 -m pytest -m gpu tests/gpu``).
 
 Skipped where torch sees no CUDA device. On a GPU host without the bundled model's package, point
 ``CHUNKQ_GPU_TEST_MODEL`` at a local copy of all-MiniLM-L6-v2 (any SentenceTransformer folder).
@@ -7,6 +8,7 @@ Skipped where torch sees no CUDA device. On a GPU host without the bundled model
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -21,6 +23,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("gpu"):
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def gpu() -> Any:
+    """The GPU the tier runs on: the first this process may use, as chunkq numbers it (NVML's index,
+    what ``--gpus`` takes), honouring an inherited CUDA_VISIBLE_DEVICES."""
+    from chunkq.queue_worker.discovery import discover
+
+    found = discover()
+    if not found:
+        pytest.fail("torch sees CUDA but NVML lists no GPU this process may use")
+    return found[0]
+
+
+@pytest.fixture(scope="session")
+def cuda_device(gpu: Any) -> str:
+    """The same GPU as torch numbers it in this process, found by UUID: CUDA's device 0 is another
+    GPU wherever CUDA_VISIBLE_DEVICES or CUDA_DEVICE_ORDER reorders them."""
+    for i in range(torch.cuda.device_count()):
+        uuid = str(getattr(torch.cuda.get_device_properties(i), "uuid", ""))
+        if gpu.uuid in (uuid, f"GPU-{uuid}", f"MIG-{uuid}"):
+            return f"cuda:{i}"
+    pytest.fail(f"torch lists no device with {gpu.label}'s UUID {gpu.uuid}")
 
 
 @pytest.fixture(scope="session")
