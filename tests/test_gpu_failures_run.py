@@ -73,3 +73,17 @@ def test_a_nan_row_is_never_published_and_the_retry_finishes_exact(
     assert numbers["failures_by_class"] == {"non_finite": 1}
     (failure,) = numbers["failures"]
     assert "NaN or infinite values in fp32 (corpus rows 34)" in failure["error"]
+
+
+def test_a_device_that_cannot_run_the_model_stops_the_run_in_one_line(tmp_path: Path) -> None:
+    """On this host the only device is the CPU: once it is retired no device is left, and the run
+    stops (the chunk waits in the store for a host that can run it)."""
+    ids, texts = make_texts(30, seed=32)
+    corpus = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")
+    faults = json.dumps([{"kind": "unsupported", "variant": "no_kernel_image"}])
+    args = ["--chunk-size", "30", "--store", str(tmp_path / "store"), "--cpu-workers", "1"]
+    done = run_cli("run", str(corpus), *args, timeout=300, CHUNKQ_FAULTS=faults)
+    assert done.returncode == 8, done.stderr[-3000:]  # the pool ended before the run did
+    assert "cpu cannot run model bundled:all-MiniLM-L6-v2 (fp32): CUDA error: no kernel image" in done.stderr
+    assert "found that its GPU cannot run the model; taking it out of this pool" in done.stderr
+    assert "Traceback" not in done.stderr
