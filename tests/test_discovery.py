@@ -150,3 +150,27 @@ def test_pool_gpus_all_under_an_inherited_visible_list_uses_that_gpu_alone(
     assert "GPU 0 (" not in done.stderr and "GPU 2 (" not in done.stderr
     assert "CUDA_VISIBLE_DEVICES='GPU-1aaa-0000'" in done.stderr
     assert redis.Redis.from_url(redis_url).ping()
+
+
+def test_doctor_says_which_gpu_takes_one_process(tmp_path: Path) -> None:
+    path = tmp_path / "gpus.json"
+    path.write_text(json.dumps({"gpus": [{"compute_mode": 3}, {"error": "GPU_IS_LOST"}]}))
+    done = run_cli("doctor", "--json", "--store", str(tmp_path / "s"), **{SIMULATED_ENV: str(path)})
+    report = json.loads(done.stdout)
+    assert [gpu["label"] for gpu in report["gpus"]] == ["GPU 0"] and report["gpus"][0]["exclusive"]
+    assert "GPU 0 is in EXCLUSIVE_PROCESS compute mode: one worker, no standby" in report["notes"]
+    assert "GPU 1: NVML cannot read it (GPU is lost); skipped" in done.stderr
+
+
+def test_the_parent_death_signal_loads_no_library_in_the_child(monkeypatch: pytest.MonkeyPatch) -> None:
+    """preexec_fn runs between fork and exec, where loading a library could deadlock on the loader's
+    lock held by another thread at the fork: libc is loaded once, at import."""
+    import ctypes
+
+    from chunkq.queue_worker import lifeline
+
+    def no_loading(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a library was loaded in the child")
+
+    monkeypatch.setattr(ctypes, "CDLL", no_loading)
+    lifeline.die_with_parent()  # uses the libc loaded at import
