@@ -34,6 +34,7 @@ from chunkq.jobs.errors import (
 from chunkq.jobs.manifest import RunManifest, load_manifest
 from chunkq.jobs.run_files import (
     RunLayout,
+    non_finite_rows,
     read_chunk_input,
     verify_output,
     write_output,
@@ -171,11 +172,6 @@ def _where(ctx: runtime.WorkerContext) -> str:
     return f"GPU {ctx.gpu} ({ctx.device_kind})" if ctx.gpu is not None else ctx.device
 
 
-def _non_finite_rows(rows: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-    """Indices of the rows holding NaN or an infinity."""
-    return np.flatnonzero(~np.isfinite(rows).all(axis=1)) if rows.size else np.empty(0, dtype=np.int64)
-
-
 def _non_finite_error(chunk: ChunkSpec, bad: np.ndarray[Any, Any], how: str) -> NonFiniteError:
     shown = ", ".join(str(chunk.first_row + int(r)) for r in bad[:5]) + (" ..." if len(bad) > 5 else "")
     return NonFiniteError(
@@ -196,7 +192,7 @@ def encode_finite(
     are encoded again in float32 once, or fail the chunk. Returns what fitted and, after a float32
     encode, what it was for (for the output's metadata)."""
     encoded = encode_with_backoff(loaded, texts, chunk, attempt, start_batch, ctx)
-    bad = _non_finite_rows(encoded.embeddings)
+    bad = non_finite_rows(encoded.embeddings)
     if not len(bad):
         return encoded, None
     precision = chunk.options.precision
@@ -215,7 +211,7 @@ def encode_finite(
         again = encode_with_backoff(full, [texts[int(i)] for i in bad], wide, attempt, encoded.limit, ctx)
     finally:
         models.forget(chunk.model, ctx.device, DEFAULT_PRECISION, chunk.options)  # its memory is the run's
-    still = _non_finite_rows(again.embeddings)
+    still = non_finite_rows(again.embeddings)
     if len(still):
         raise _non_finite_error(chunk, bad[still], f"in {precision} and again in {DEFAULT_PRECISION}")
     encoded.embeddings[bad] = again.embeddings
@@ -346,7 +342,7 @@ def _embed(chunk: ChunkSpec) -> dict[str, Any]:
         "finished_at": datetime.now(UTC).isoformat(),
     }
     stored = quantize.convert(encoded.embeddings, manifest.output_dtype, manifest.ranges)
-    if stored.dtype.kind == "f" and len(overflow := _non_finite_rows(stored)):
+    if stored.dtype.kind == "f" and len(overflow := non_finite_rows(stored)):
         raise _non_finite_error(chunk, overflow, f"once stored as {manifest.output_dtype}")
     published = write_output(layout, chunk.index, stored, meta, manifest.output_dtype)
     log.info(

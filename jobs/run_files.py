@@ -179,15 +179,17 @@ def load_npy(path: Path) -> np.ndarray[Any, Any]:
 FINITE_CHECK_ROWS = 65536  # rows checked at a time, so a memory-mapped result is never read whole
 
 
-def non_finite_rows(array: np.ndarray[Any, Any]) -> int:
-    """How many rows of a stored float matrix hold NaN or an infinity (0 for integer or bit dtypes,
-    which cannot)."""
+def non_finite_rows(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """The indices of the rows of a stored float matrix that hold NaN or an infinity (none for
+    integer or bit dtypes, which cannot), read a block at a time so a memory-mapped result is
+    never read whole."""
     if array.dtype.kind != "f" or array.ndim != 2:
-        return 0
-    return sum(
-        int(np.count_nonzero(~np.isfinite(array[start : start + FINITE_CHECK_ROWS]).all(axis=1)))
+        return np.empty(0, dtype=np.int64)
+    found = [
+        start + np.flatnonzero(~np.isfinite(array[start : start + FINITE_CHECK_ROWS]).all(axis=1))
         for start in range(0, array.shape[0], FINITE_CHECK_ROWS)
-    )
+    ]
+    return np.concatenate(found) if found else np.empty(0, dtype=np.int64)
 
 
 def write_chunk_input(layout: RunLayout, index: int, rows: list[tuple[str, str]]) -> None:
@@ -277,7 +279,7 @@ def _array_problem(
         return f"{name} has {array.shape[0]} rows, expected {expected_rows}"
     if meta.get("dim") != array.shape[1]:
         return f"{name} has dimension {array.shape[1]}, metadata says {meta.get('dim')}"
-    if bad := non_finite_rows(array):
+    if bad := len(non_finite_rows(array)):
         return f"{name} has {bad} row(s) of NaN or infinite values"
     return ""
 

@@ -101,6 +101,21 @@ def _mig_enabled(nvml: Any, handle: Any) -> bool:
     return bool(current == nvml.NVML_DEVICE_MIG_ENABLE)
 
 
+def _device(nvml: Any, handle: Any, index: int, name: str, mode: str, mig: int | None = None) -> GpuInfo:
+    """What a worker pinned to ``handle`` (a whole GPU, or MIG instance ``mig`` of GPU ``index``) gets."""
+    memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+    return GpuInfo(
+        index=index,
+        name=name,
+        uuid=_text(nvml.nvmlDeviceGetUUID(handle)),
+        memory_total=int(memory.total),
+        memory_free=int(memory.free),
+        processes=_processes(nvml, handle),
+        mig=mig,
+        compute_mode=mode,
+    )
+
+
 def _mig_instances(nvml: Any, index: int, handle: Any, name: str, mode: str) -> list[GpuInfo]:
     found = []
     for slot in range(int(nvml.nvmlDeviceGetMaxMigDeviceCount(handle))):
@@ -108,19 +123,7 @@ def _mig_instances(nvml: Any, index: int, handle: Any, name: str, mode: str) -> 
             mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
         except nvml.NVMLError:  # NOT_FOUND: no instance in this slot
             continue
-        memory = nvml.nvmlDeviceGetMemoryInfo(mig)
-        found.append(
-            GpuInfo(
-                index=index,
-                name=name,
-                uuid=_text(nvml.nvmlDeviceGetUUID(mig)),
-                memory_total=int(memory.total),
-                memory_free=int(memory.free),
-                processes=_processes(nvml, mig),
-                mig=slot,
-                compute_mode=mode,
-            )
-        )
+        found.append(_device(nvml, mig, index, name, mode, slot))
     if not found:
         log.warning("GPU %d (%s): MIG is on but it has no MIG instance; skipped", index, name)
     return found
@@ -137,18 +140,7 @@ def _read_gpu(nvml: Any, index: int) -> list[GpuInfo]:
             return []
         if _mig_enabled(nvml, handle):
             return _mig_instances(nvml, index, handle, name, mode)
-        memory = nvml.nvmlDeviceGetMemoryInfo(handle)
-        return [
-            GpuInfo(
-                index=index,
-                name=name,
-                uuid=_text(nvml.nvmlDeviceGetUUID(handle)),
-                memory_total=int(memory.total),
-                memory_free=int(memory.free),
-                processes=_processes(nvml, handle),
-                compute_mode=mode,
-            )
-        ]
+        return [_device(nvml, handle, index, name, mode)]
     except nvml.NVMLError as exc:  # NO_PERMISSION (a cgroup hides it), GPU_IS_LOST, UNKNOWN
         log.warning("GPU %d: NVML cannot read it (%s); skipped", index, exc)
         return []

@@ -221,7 +221,7 @@ def result_damage(layout: RunLayout, result: dict[str, Any]) -> list[str]:
             elif file_sha256(path) != digest:
                 problems.append(f"{_name(layout, path)} does not match the checksum in result/manifest.json")
         # Assembly verifies every chunk's values; a result published before it did could hold these.
-        if len(problems) == intact and (bad := non_finite_rows(load_npy(part.embeddings))):
+        if len(problems) == intact and (bad := len(non_finite_rows(load_npy(part.embeddings)))):
             problems.append(f"{_name(layout, part.embeddings)} has {bad} row(s) of NaN or infinite values")
     return problems
 

@@ -37,7 +37,7 @@ def _report(layout: RunLayout, out: Path) -> dict[str, Any]:
 
 def _check_exact(layout: RunLayout, ids: list[str], texts: list[str], reference_model: Any) -> None:
     got = np.load(layout.result / "embeddings.npy")
-    assert max_abs_diff(got, reference_model.encode(texts)) <= 1e-5 and not non_finite_rows(got)
+    assert max_abs_diff(got, reference_model.encode(texts)) <= 1e-5 and not len(non_finite_rows(got))
     got_ids = [json.loads(line) for line in (layout.result / "ids.jsonl").read_text().splitlines()]
     assert got_ids == ids  # each row once, in order
 
