@@ -52,18 +52,58 @@ def _folder(ref: str, revision: str | None) -> tuple[Path | None, str | None]:
     return snapshot, snapshot.name
 
 
+def _pooling_dimension(config: dict[str, Any]) -> int | None:
+    """A Pooling module's output: its input width times its modes. sentence-transformers 6 writes
+    ``embedding_dimension`` and ``pooling_mode`` (a name or a list); before it,
+    ``word_embedding_dimension`` and a ``pooling_mode_<name>`` flag per mode."""
+    width = config.get("embedding_dimension", config.get("word_embedding_dimension"))
+    if not isinstance(width, int) or isinstance(width, bool):
+        return None
+    mode = config.get("pooling_mode")
+    if isinstance(mode, list):
+        modes = len(mode)
+    elif isinstance(mode, str):
+        modes = 1
+    else:
+        modes = sum(1 for k, v in config.items() if k.startswith("pooling_mode_") and v is True)
+    return width * max(1, modes)
+
+
+def _modules(folder: Path) -> list[tuple[str, Path]]:
+    """(type, folder) of each module in the model's modules.json."""
+    found = []
+    for module in _json(folder / "modules.json") or []:
+        if isinstance(module, dict):
+            found.append((str(module.get("type", "")), folder / str(module.get("path", ""))))
+    return found
+
+
 def _dimension(folder: Path) -> int | None:
     """The output dimension the module list gives: the last Dense layer's, else the pooling's."""
     dim = None
-    for module in _json(folder / "modules.json") or []:
-        kind = str(module.get("type", "")) if isinstance(module, dict) else ""
-        config = _json(folder / str(module.get("path", "")) / "config.json") or {}
-        if kind.endswith("Pooling") and "word_embedding_dimension" in config:
-            modes = [k for k, v in config.items() if k.startswith("pooling_mode_") and v is True]
-            dim = int(config["word_embedding_dimension"]) * max(1, len(modes))
-        elif kind.endswith("Dense") and "out_features" in config:
+    for kind, path in _modules(folder):
+        config = _json(path / "config.json") or {}
+        if kind.endswith("Pooling"):
+            dim = _pooling_dimension(config) or dim
+        elif kind.endswith("Dense") and isinstance(config.get("out_features"), int):
             dim = int(config["out_features"])
     return dim
+
+
+UNSET_MODEL_MAX_LENGTH = 10**6  # transformers writes a huge number (int(1e30)) when a tokenizer has none
+
+
+def _max_seq_length(folder: Path) -> int | None:
+    """The length sentence-transformers truncates at, in its order: the Transformer module's
+    ``max_seq_length`` (sentence_bert_config.json, written before version 6), else its tokenizer's
+    ``model_max_length`` (what version 6 writes and reads), else the model's position embeddings."""
+    transformer = next((path for kind, path in _modules(folder) if kind.endswith("Transformer")), folder)
+    length = (_json(transformer / "sentence_bert_config.json") or {}).get("max_seq_length")
+    if not isinstance(length, int):
+        length = (_json(transformer / "tokenizer_config.json") or {}).get("model_max_length")
+    if not isinstance(length, int) or length >= UNSET_MODEL_MAX_LENGTH:
+        length = (_json(transformer / "config.json") or {}).get("max_position_embeddings")
+    return int(length) if isinstance(length, int) and not isinstance(length, bool) else None
 
 
 def _remote_code(folder: Path) -> bool:
@@ -81,15 +121,13 @@ def describe(ref: str, revision: str | None = None) -> ModelInfo:
     if folder is None:
         return ModelInfo(ref, None, None, None)
     st_config = _json(folder / "config_sentence_transformers.json") or {}
-    bert_config = _json(folder / "sentence_bert_config.json") or {}
     prompts = st_config.get("prompts")
     prompts = prompts if isinstance(prompts, dict) else {}
-    length = bert_config.get("max_seq_length")
     return ModelInfo(
         ref=ref,
         folder=str(folder),
         dim=_dimension(folder),
-        max_seq_length=int(length) if isinstance(length, int) else None,
+        max_seq_length=_max_seq_length(folder),
         prompts={str(k): str(v) for k, v in prompts.items()},
         default_prompt_name=st_config.get("default_prompt_name") or None,
         remote_code=_remote_code(folder),
@@ -112,6 +150,11 @@ def check_options(info: ModelInfo, options: EncodeOptions) -> None:
         raise ConfigError(
             f"model {info.ref} has no prompt named {options.prompt_name!r} (its prompts: {known}); "
             "give one of them, or the text itself with --prompt"
+        )
+    if options.truncate_dim is not None and info.dim is None:
+        raise ConfigError(
+            f"--truncate-dim {options.truncate_dim} cannot be checked: model {info.ref}'s dimension is not "
+            "in its files (`chunkq model` shows what is); leave it out, or truncate the result instead"
         )
     if options.truncate_dim is not None and info.dim is not None and options.truncate_dim > info.dim:
         raise ConfigError(

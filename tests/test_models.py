@@ -290,3 +290,39 @@ def test_a_run_pins_a_cached_revision_and_an_absent_one_is_refused(
     assert max_abs_diff(_result(layout), reference_model.encode(texts)) <= 1e-5
     local = run_cli("run", str(corpus), "--store", str(store), "--revision", commit)
     assert local.returncode == 6 and "applies to hub models" in local.stderr
+
+
+def test_a_model_saved_by_the_installed_sentence_transformers_is_read_as_it_reads_it(tmp_path: Path) -> None:
+    """Issue 37.3: sentence-transformers 6 writes ``embedding_dimension`` and ``pooling_mode``, and
+    keeps the maximum length in the tokenizer's config; the checks before a run read the same."""
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(resolve_model(BUNDLED_MODEL), device="cpu")
+    model.prompts = {"query": "query: ", "passage": "passage: "}
+    model.default_prompt_name = "query"
+    folder = tmp_path / "saved"
+    model.save(str(folder))
+    info = describe(str(folder))
+    assert (
+        (info.dim, info.max_seq_length)
+        == (
+            model.get_sentence_embedding_dimension(),
+            model.max_seq_length,
+        )
+        == (384, 256)
+    )
+    assert (
+        info.prompts == {"query": "query: ", "passage": "passage: "} and info.default_prompt_name == "query"
+    )
+    corpus = write_corpus(tmp_path / "c.jsonl", *make_texts(3), "jsonl")
+    with pytest.raises(ConfigError, match=r"--truncate-dim 999 is above model .* dimension 384"):
+        submit_request([corpus], tmp_path / "store", str(folder), truncate_dim=999)
+    # A folder whose dimension cannot be read: an option that needs it is refused, not accepted.
+    for config in folder.glob("*Pooling/config.json"):
+        config.write_text("{}")
+    assert describe(str(folder)).dim is None
+    with pytest.raises(
+        ConfigError, match=r"--truncate-dim 128 cannot be checked: .* dimension is not in its files"
+    ):
+        submit_request([corpus], tmp_path / "store", str(folder), truncate_dim=128)
+    assert not (tmp_path / "store").exists()
