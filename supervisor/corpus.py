@@ -132,10 +132,32 @@ def _text_of(record: dict[str, Any], opts: CorpusOptions, where: str) -> str:
 _BOM = "\ufeff".encode()
 
 
+READ_BLOCK = 1 << 20
+
+
+def _raw_lines(fh: Any, limit: int) -> Iterator[bytes]:
+    """A binary file's lines, each cut at ``limit + 2`` bytes as ``readline(limit + 2)`` cuts it,
+    from any file object: fsspec's buffered files (s3://, gs://) take no size in ``readline``. A
+    line over the limit is never held whole: its first ``limit + 2`` bytes end the stream."""
+    pending = b""
+    while block := fh.read(READ_BLOCK):
+        pending += block
+        start = 0
+        while (cut := pending.find(b"\n", start, start + limit + 2)) >= 0:
+            yield pending[start : cut + 1]
+            start = cut + 1
+        if len(pending) - start >= limit + 2:
+            yield pending[start : start + limit + 2]
+            return
+        pending = pending[start:]
+    if pending:
+        yield pending
+
+
 def _lines(path: Path, limit: int) -> Iterator[tuple[int, str]]:
     with path.open("rb") as fh:
         lineno = 0
-        while raw := fh.readline(limit + 2):  # never read more of a line than the limit allows
+        for raw in _raw_lines(fh, limit):  # never more of a line than the limit allows
             lineno += 1
             if lineno == 1 and raw.startswith(_BOM):  # written by Excel and Windows tools
                 raw = raw[len(_BOM) :]

@@ -240,3 +240,23 @@ def test_a_sharded_result_goes_to_the_object_store_a_shard_at_a_time(
     single = assemble(layout)
     assert "shards" not in single and result_module.check_published(layout, manifest) == []
     assert {p.name for p in layout.result.iterdir()} == {"embeddings.npy", "ids.jsonl", "manifest.json"}
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "txt", "csv", "parquet"])
+def test_every_corpus_format_reads_from_the_object_store_as_from_disk(
+    s3_env: dict[str, str], tmp_path: Path, fmt: str
+) -> None:
+    """Issue 37.9: `chunkq run s3://bucket/c.jsonl` died with `readline() takes 1 positional argument`
+    (fsspec's buffered files take no size); only Parquet had been tried."""
+    import s3fs
+
+    from chunkq.supervisor.corpus import CorpusOptions, read_corpus
+
+    ids, texts = make_texts(30, seed=9)
+    local = write_corpus(tmp_path / f"c.{fmt}", ids, texts, fmt)
+    remote = f"{BUCKET}/formats-{time.time_ns()}/c.{fmt}"
+    s3fs.S3FileSystem(skip_instance_cache=True).put_file(str(local), remote)
+    options = CorpusOptions(fmt)
+    on_disk = [(r.id, r.text) for r in read_corpus(local, options)]
+    from_s3 = [(r.id, r.text) for r in read_corpus(open_store(f"s3://{remote}"), options)]
+    assert from_s3 == on_disk and len(on_disk) == 30
