@@ -23,6 +23,7 @@ from datetime import UTC, datetime
 from itertools import islice
 from typing import Any
 
+from chunkq.jobs.manifest import RunManifest, load_manifest
 from chunkq.jobs.run_files import RunLayout, atomic_write_bytes, atomic_write_json, read_json
 from chunkq.jobs.storage import list_with_mtime
 from chunkq.supervisor.chunk_set import ChunkSet
@@ -61,14 +62,31 @@ def _batches(layout: RunLayout) -> list[str]:
 
 
 def read_ledger(layout: RunLayout) -> Iterator[dict[str, Any]]:
-    """Every record, batch by batch (a damaged line is skipped: the outputs are the truth)."""
+    """Every record of this run, batch by batch. The ledger is derived (the outputs are the
+    truth), so it sizes nothing it is not checked against: a damaged line, or a record of a chunk
+    the run does not have or with rows that chunk does not hold, is skipped and said once."""
+    manifest = load_manifest(layout)
+    skipped = 0
     for name in _batches(layout):
         # A reader's rebuild is one file of every record: read and parsed a batch at a time.
         with (layout.ledger / name).open("r", encoding="utf-8") as lines:
             while batch := list(islice(lines, LEDGER_BATCH)):
                 for record in _parse_batch([line.strip() for line in batch if line.strip()]):
-                    if isinstance(record, dict) and isinstance(record.get("chunk"), int):
+                    if _of_this_run(record, manifest):
                         yield record
+                    else:
+                        skipped += 1
+    if skipped:
+        log.warning("run %s: %d ledger record(s) not of this run's chunks skipped", layout.run_id, skipped)
+
+
+def _of_this_run(record: Any, manifest: RunManifest) -> bool:
+    if not isinstance(record, dict):
+        return False
+    chunk = record.get("chunk")
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or not 0 <= chunk < manifest.chunks:
+        return False
+    return bool(record.get("rows") == manifest.chunk_rows(chunk))
 
 
 def _parse_batch(lines: list[str]) -> list[Any]:

@@ -4,6 +4,7 @@ agree with the chunk outputs, and rebuild what is missing from the outputs, once
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -220,8 +221,10 @@ def test_start_up_is_not_an_alarm_until_warn_idle(monkeypatch: pytest.MonkeyPatc
 def test_a_damaged_ledger_line_costs_only_that_record(tmp_path: Path) -> None:
     """A batch is parsed whole; a torn line (a disk filled mid-write) falls back to line by line."""
     from chunkq.jobs.run_files import RunLayout
+    from tests.helpers import _write_manifest
 
     layout = RunLayout(tmp_path, "damaged")
+    _write_manifest(tmp_path, "damaged", 10, 1, 10)
     layout.ledger.mkdir(parents=True)
     lines = [json.dumps({"chunk": i, "rows": 1}) for i in range(4)]
     (layout.ledger / "000000.jsonl").write_text(
@@ -257,8 +260,10 @@ def test_a_rebuilt_ledger_of_one_file_is_read_a_batch_at_a_time(tmp_path: Path) 
     import tracemalloc
 
     from chunkq.jobs.run_files import RunLayout
+    from tests.helpers import _write_manifest
 
     layout = RunLayout(tmp_path, "rebuilt")
+    _write_manifest(tmp_path, "rebuilt", 20_000, 1, 20_000)
     layout.ledger.mkdir(parents=True)
     record = {k: "2026-11-24T04:00:00.000000+00:00" for k in ledger_module.RECORD_KEYS}
     lines = [json.dumps({**record, "chunk": i, "rows": 1}) for i in range(20_000)]
@@ -272,3 +277,30 @@ def test_a_rebuilt_ledger_of_one_file_is_read_a_batch_at_a_time(tmp_path: Path) 
         tracemalloc.stop()
     assert count == 20_000
     assert peak < 4 * 2**20  # one batch of lines and records; the file whole: ~40 MB
+
+
+def test_a_ledger_record_outside_the_run_is_skipped_and_sizes_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 37.11: a record of chunk -1 stopped every resume (`chunk index -1 is negative`), one of
+    chunk 10^12 asked for 931 GiB. Records with rows their chunk does not hold are not this run's."""
+    from chunkq.jobs.run_files import RunLayout
+    from tests.helpers import _write_manifest
+
+    layout = RunLayout(tmp_path, "forged")
+    _write_manifest(tmp_path, "forged", 3, 2, 5)  # chunks of 2, 2 and 1 rows
+    layout.ledger.mkdir(parents=True)
+    records = [
+        {"chunk": 0, "rows": 2},
+        {"chunk": -1, "rows": 2},
+        {"chunk": 10**12, "rows": 2},
+        {"chunk": 1, "rows": 2_000_000},
+        {"chunk": True, "rows": 2},
+        {"chunk": 2, "rows": 1},
+    ]
+    (layout.ledger / "000000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    with caplog.at_level(logging.WARNING):
+        assert [r["chunk"] for r in read_ledger(layout)] == [0, 2]
+        ledger = ledger_module.Ledger.open(layout)
+    assert sorted(ledger.recorded) == [0, 2] and ledger.throughput.rows == 3
+    assert "4 ledger record(s) not of this run's chunks skipped" in caplog.text
