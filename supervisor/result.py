@@ -151,10 +151,15 @@ def read_result_manifest(layout: RunLayout) -> Any:
         return {}
 
 
-def _declared_shape(part: ResultPart) -> tuple[tuple[int, ...], str]:
+def _declared_shape(part: ResultPart) -> tuple[tuple[int, ...], str, int]:
+    """The shape and dtype a shard's header declares, and the bytes the file must then hold."""
     with part.embeddings.open("rb") as fh:
         shape, fortran, dtype = read_npy_header(fh)
-    return shape, dtype.str + (" Fortran-ordered" if fortran else "")
+        data_offset = fh.tell()
+    rows_bytes = dtype.itemsize
+    for n in shape:
+        rows_bytes *= n
+    return shape, dtype.str + (" Fortran-ordered" if fortran else ""), data_offset + rows_bytes
 
 
 def result_disagreement(layout: RunLayout, result: Any, manifest: RunManifest) -> list[str]:
@@ -195,13 +200,16 @@ def result_disagreement(layout: RunLayout, result: Any, manifest: RunManifest) -
     for part in parts:
         name = _name(layout, part.embeddings)
         try:
-            shape, dtype = _declared_shape(part)
+            shape, dtype, size = _declared_shape(part)
+            actual = part.embeddings.stat().st_size
         except (OSError, ValueError) as exc:
             problems.append(f"{name} unreadable: {exc}")
             continue
         if shape != (part.rows, result.get("dim")) or dtype != expected_dtype:
             expected = f"({part.rows}, {result.get('dim')!r}) {expected_dtype}"
             problems.append(f"{name} holds {shape} {dtype}, expected {expected}")
+        elif actual != size:  # a truncated or grown file: seen without reading it
+            problems.append(f"{name} is {actual} bytes, its header makes {size}")
     return problems
 
 

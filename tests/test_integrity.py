@@ -103,3 +103,30 @@ def test_a_result_is_replaced_in_one_step(tmp_path: Path) -> None:
         reader.join(timeout=10)
     assert (result / "manifest.json").read_text() == "299" and not missing
     assert sorted(p.name for p in tmp_path.iterdir()) == ["result"]  # nothing old left behind
+
+
+def test_a_damaged_result_is_never_called_published_nor_its_chunk_outputs_freed(tmp_path: Path) -> None:
+    """Issue 37.13: a truncated shard was "published" to `runs`, and `clean --outputs-only` freed
+    every chunk output, the only good copy; `assemble` then failed."""
+    ids, texts = make_texts(40, seed=82)
+    corpus, store = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl"), tmp_path / "store"
+    assert _run(corpus, store).returncode == 0
+    layout = only_run(store)
+    embeddings = layout.result / "embeddings.npy"
+    good = embeddings.read_bytes()
+    embeddings.write_bytes(good[:-1000])  # truncated: seen by its size alone
+    runs = run_cli("runs", "--store", str(store))
+    assert "damaged result" in runs.stdout and "published" not in runs.stdout, runs.stdout
+    status = run_cli("status", layout.run_id, "--store", str(store))
+    assert "is DAMAGED (embeddings.npy is" in status.stdout and "result published" not in status.stdout
+    clean = run_cli("clean", layout.run_id, "--outputs-only", "--store", str(store))
+    assert clean.returncode != 0 and "is damaged result" in clean.stderr
+    assert len(list(layout.outputs.glob("*.npy"))) == 2  # the chunk outputs are all still there
+
+    embeddings.write_bytes(good)
+    _flip(embeddings)  # same size: only its checksum tells, and clean checks it before freeing
+    clean = run_cli("clean", layout.run_id, "--outputs-only", "--store", str(store))
+    assert clean.returncode != 0 and len(list(layout.outputs.glob("*.npy"))) == 2
+    assert run_cli("assemble", layout.run_id, "--store", str(store)).returncode == 0
+    assert run_cli("clean", layout.run_id, "--outputs-only", "--store", str(store)).returncode == 0
+    assert not list(layout.outputs.glob("*.npy"))

@@ -28,6 +28,7 @@ from chunkq.supervisor.progress import Tracker, store_snapshot
 from chunkq.supervisor.request import (
     reach_redis,
 )
+from chunkq.supervisor.result import read_result_manifest, result_problems
 from chunkq.supervisor.supervise import failure_report
 from chunkq.tools.dashboard import DEFAULT_PORT as DEFAULT_DASHBOARD_PORT
 from chunkq.tools.dashboard import serve as serve_dashboard
@@ -122,7 +123,14 @@ def status_cmd(run_id: str, store: Path, redis_url: str | None, as_json: bool) -
     if snap.failures:
         click.echo(failure_report(snap.quarantined or snap.failures))
     if snap.result_published:
-        click.echo(f"result published in {layout.result}")
+        damage = result_problems(layout, read_result_manifest(layout), manifest, checksums=False)
+        if damage:
+            click.echo(
+                f"result in {layout.result} is DAMAGED ({damage[0]}); `chunkq assemble {layout.run_id}` "
+                "publishes it again from the chunk outputs"
+            )
+        else:
+            click.echo(f"result published in {layout.result}")
 
 
 @command("model")

@@ -27,9 +27,10 @@ from chunkq.supervisor.result import read_result_manifest, result_problems
 from chunkq.supervisor.store_lock import StoreLock
 from chunkq.supervisor.submit import DEFAULT_CHUNK_SIZE
 
-PUBLISHED, PARTIAL, IN_FLIGHT, FAILED, INCOMPLETE = (
+PUBLISHED, PARTIAL, DAMAGED, IN_FLIGHT, FAILED, INCOMPLETE = (
     "published",
     "partial",
+    "damaged result",
     "in flight",
     "failed",
     "incomplete",
@@ -95,13 +96,17 @@ def owner_of(layout: RunLayout) -> dict[str, Any] | None:
     return StoreLock(layout.owner, f"run {layout.run_id}").live_holder()
 
 
-def state_of(layout: RunLayout, manifest: RunManifest) -> tuple[str, int]:
-    """(state, rows done) from the store."""
+def state_of(layout: RunLayout, manifest: RunManifest, checksums: bool = False) -> tuple[str, int]:
+    """(state, rows done) from the store. A result is checked against its run and its files'
+    headers and sizes (a truncated or missing shard shows), and with ``checksums`` byte for byte."""
     result = read_result_manifest(layout)
-    if result is not None and not result_problems(layout, result, manifest, checksums=False):
+    damaged = result is not None and bool(result_problems(layout, result, manifest, checksums))
+    if result is not None and not damaged:
         return (PUBLISHED if result.get("complete", True) else PARTIAL), int(result["rows"])
     done = layout.done_chunks()
     rows_done = manifest.rows_of(done)
+    if damaged:
+        return DAMAGED, rows_done
     if owner_of(layout) is not None:
         return IN_FLIGHT, rows_done
     quarantined = {a.chunk for a in failed_attempts(layout) if a.quarantined} - done
@@ -173,11 +178,13 @@ def clean(layout: RunLayout, outputs_only: bool, connection: redis.Redis | None 
             freed = folder_bytes(layout.root)
             remove_tree(layout.root)  # the lock file goes with it: nobody can take the run meanwhile
             return freed
-        state, _ = state_of(layout, manifest)
+        # Every byte of the result is checked first: its chunk outputs are what could rebuild it.
+        state, _ = state_of(layout, manifest, checksums=True)
         if state != PUBLISHED:
             raise StoreError(
-                f"run {layout.run_id} is {state}: its chunk outputs are all there is until a whole "
-                "result is published; finish it first (or delete the whole run without --outputs-only)"
+                f"run {layout.run_id} is {state}: its chunk outputs are all there is until a whole, "
+                "intact result is published; `chunkq assemble RUN` (or the same run command) publishes "
+                "one, then clean (or delete the whole run without --outputs-only)"
             )
         return _free_outputs(layout)
 
