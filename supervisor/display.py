@@ -47,7 +47,13 @@ def describe(snap: Snapshot) -> str:
     eta = "" if snap.settled else f"; ETA {_duration(snap.eta_seconds)}"
     if snap.starting:
         eta = "; starting: workers are loading the model"
-    if snap.idle_seconds:
+    if snap.idle_seconds and snap.own_pool_seconds is not None:
+        eta = (
+            f"; its pool is starting ({snap.own_pool_seconds:.0f} s)"
+            if snap.chunks_done == 0
+            else f"; its pool has taken no job for {snap.idle_seconds:.0f} s"
+        )
+    elif snap.idle_seconds:
         eta = f"; no worker has taken a job from queue {snap.queue!r} for {snap.idle_seconds:.0f} s"
     if not snap.settled and not snap.owned:
         eta = "; not running: no process supervises it (`chunkq run` with the same corpus resumes it)"

@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -84,6 +85,7 @@ class PoolProcess:
         self.env = dict(os.environ, **{SETTINGS_JSON_ENV: settings.to_json(), env_of("redis_url"): redis_url})
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
+        self.started_at = time.monotonic()
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -102,6 +104,7 @@ class PoolProcess:
             private_dirs(self.log_path.parent)
             log_file = private_open(self.log_path, "ab")
         # Its own session: a terminal's Ctrl+C reaches only us, and we decide what the pool hears.
+        self.started_at = time.monotonic()
         self.proc = subprocess.Popen(
             self.cmd,
             env=self.env,
@@ -302,5 +305,6 @@ def run(req: RunRequest, display: ProgressDisplay) -> RunOutcome:
         if pool is None and submitted.done < submitted.chunks:  # resumed with chunks left to encode
             pool = stack.enter_context(PoolProcess(req, url, _log_path(req, layout, display)))
         keep_going = _always if pool is None else pool.alive
-        outcome = supervise(connection, layout, display, req.watch, keep_going, redis_gone, owner)
+        watch = req.watch if pool is None else replace(req.watch, own_pool_started=pool.started_at)
+        outcome = supervise(connection, layout, display, watch, keep_going, redis_gone, owner)
         return RunOutcome(submitted, outcome, pool_died=not keep_going())

@@ -74,6 +74,7 @@ class Snapshot:
     queue: str = ""
     idle_seconds: float | None = None  # chunks wait and no worker has taken one for this long (warn_idle+)
     starting: bool = False  # chunks wait, none has started yet, and it is not yet worth a warning
+    own_pool_seconds: float | None = None  # chunkq started the pool itself, this long ago (run, the API)
     owned: bool = True  # a process supervises the run (False: stopped; nothing happens until resumed)
 
     @property

@@ -68,6 +68,9 @@ class WatchSettings:
     warn_idle: float = WARN_IDLE_SECONDS  # say so when chunks wait and no worker took one for this long
     window: int | None = None  # jobs of the run in Redis at once; None: enqueue.window_size decides
     shard_bytes: int = DEFAULT_SHARD_BYTES  # a larger result is published as shards of this size
+    # When chunkq started the pool itself (chunkq run, the API): time.monotonic() then. Its idle
+    # warnings then speak of that pool, never ask the user to start another.
+    own_pool_started: float | None = None
 
 
 @dataclass
@@ -129,17 +132,34 @@ class Supervisor:
             snap.starting = snap.chunks_done == 0
             return
         snap.idle_seconds = idle
+        own = self.settings.own_pool_started
+        if own is not None:
+            snap.own_pool_seconds = now - own
         if now - self.idle_warned < self.settings.warn_idle:
             return
         self.idle_warned = now
         queue = self.manifest.queue
         workers = Worker.count(connection=self.connection, queue=chunk_queue(self.connection, queue))
+        if snap.own_pool_seconds is not None:
+            log.warning(
+                "run %s: the pool chunkq started %.0f s ago has taken no job from queue %r for %.0f s "
+                "(%d worker(s) listen on it)%s",
+                self.manifest.run_id,
+                snap.own_pool_seconds,
+                queue,
+                idle,
+                workers,
+                "; its workers are still starting (importing torch, loading the model)"
+                if not workers
+                else "",
+            )
+            return
         log.warning(
             "run %s: no worker has taken a job from queue %r for %.0f s (%d worker(s) listen on it); "
             "start one: chunkq pool --queue %s (with this Redis)",
             self.manifest.run_id,
             queue,
-            snap.idle_seconds,
+            idle,
             workers,
             queue,
         )

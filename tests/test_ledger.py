@@ -218,6 +218,37 @@ def test_start_up_is_not_an_alarm_until_warn_idle(monkeypatch: pytest.MonkeyPatc
     assert "no worker has taken a job from queue 'chunkq' for 31 s" in describe(later)
 
 
+def test_when_chunkq_started_the_pool_it_never_asks_for_another(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 37.2: after a resume and under chunkq.embed the warning said "start one: chunkq pool"
+    while chunkq's own pool was still loading."""
+    import time
+    from types import SimpleNamespace
+
+    from chunkq.supervisor import supervise as supervise_module
+    from chunkq.supervisor.display import describe
+    from chunkq.supervisor.progress import Snapshot
+    from chunkq.supervisor.supervise import Supervisor, WatchSettings
+
+    monkeypatch.setattr(supervise_module.Worker, "count", lambda **kw: 0)
+    monkeypatch.setattr(supervise_module, "chunk_queue", lambda connection, name: name)
+    now = time.monotonic()
+    watcher: Any = SimpleNamespace(
+        settings=WatchSettings(warn_idle=30.0, own_pool_started=now - 45),
+        idle_since=now - 31,
+        idle_warned=0.0,
+        manifest=SimpleNamespace(run_id="r", queue="chunkq"),
+        connection=None,
+    )
+    snap = Snapshot("r", 4, 40, chunks_queued=4, queue="chunkq")
+    with caplog.at_level(logging.WARNING):
+        Supervisor._watch_idle(watcher, snap)
+    assert "its pool is starting (45 s)" in describe(snap) and "no worker has taken" not in describe(snap)
+    assert "the pool chunkq started 45 s ago has taken no job from queue 'chunkq' for 31 s" in caplog.text
+    assert "its workers are still starting" in caplog.text and "chunkq pool --queue" not in caplog.text
+
+
 def test_a_damaged_ledger_line_costs_only_that_record(tmp_path: Path) -> None:
     """A batch is parsed whole; a torn line (a disk filled mid-write) falls back to line by line."""
     from chunkq.jobs.run_files import RunLayout
