@@ -13,6 +13,7 @@ from typing import Any
 
 import click
 import pytest
+import redis
 
 from chunkq.cli import cli
 from chunkq.jobs import models
@@ -221,3 +222,35 @@ def test_the_pool_that_chunkq_run_starts_is_queue_worker_itself_and_says_what_it
         [sys.executable, "-m", "chunkq.queue_worker"], env=env, capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 2 and SETTINGS_JSON_ENV in done.stderr and "chunkq pool" in done.stderr
+
+
+@pytest.mark.slow
+def test_a_wrong_redis_password_names_redis_and_its_url_masked(redis_url: str, tmp_path: Path) -> None:
+    """Issue 37.17: a wrong password printed only Redis's `invalid username-password pair or user is
+    disabled.`, naming neither Redis nor the server."""
+    from urllib.parse import urlsplit
+
+    real = urlsplit(redis_url)
+    wrong = redis_url.replace(f":{real.password}@", ":not-the-password@")
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"id": 1, "text": "a text"}\n')
+    done = run_cli("submit", str(corpus), "--store", str(tmp_path / "s"), "--redis-url", wrong)
+    assert done.returncode == 7, done.stderr
+    assert f"Redis at redis://:***@127.0.0.1:{real.port}/0 refused the password" in done.stderr
+    assert "not-the-password" not in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.slow
+def test_doctor_calls_a_redis_without_durable_persistence_a_problem(tmp_path: Path) -> None:
+    """Issue 37.17: `doctor` said "all good" with append-only off, though README asks for it."""
+    from chunkq.supervisor.embedded_redis import EmbeddedRedis
+
+    server = EmbeddedRedis(tmp_path / "redis").start()
+    try:
+        good = run_cli("doctor", "--store", str(tmp_path / "s"), "--redis-url", server.url)
+        assert good.returncode == 0 and "all good" in good.stdout, good.stdout
+        redis.Redis.from_url(server.url).config_set("appendfsync", "everysec")
+        loose = run_cli("doctor", "--store", str(tmp_path / "s"), "--redis-url", server.url)
+        assert loose.returncode == 1 and "appendfsync everysec: a server killed then loses" in loose.stdout
+    finally:
+        server.stop()

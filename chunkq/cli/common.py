@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any, NoReturn, TypeVar
+from urllib.parse import urlsplit, urlunsplit
 
 import click
 import redis
@@ -82,7 +83,10 @@ def reports_errors(func: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return func(*args, **kwargs)
-        except (ChunkqError, redis.RedisError) as exc:
+        except redis.RedisError as exc:
+            click.echo(f"chunkq: error: {_redis_error(exc, kwargs.get('redis_url'))}", err=True)
+            sys.exit(_exit_code(exc))
+        except ChunkqError as exc:
             click.echo(f"chunkq: error: {exc}", err=True)
             sys.exit(_exit_code(exc))
         except KeyboardInterrupt:
@@ -110,6 +114,30 @@ def reports_errors(func: F) -> F:
             _internal_error(exc)
 
     return wrapper  # type: ignore[return-value]
+
+
+def masked_url(url: str) -> str:
+    """A Redis URL fit to print: its password replaced by ***."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = f"{parts.username}:" if parts.username else ":"
+    host = parts.hostname or ""
+    netloc = f"{user}***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def _redis_error(exc: redis.RedisError, url: str | None) -> str:
+    """Redis's own words (``invalid username-password pair or user is disabled.``) name neither Redis
+    nor the server: say both, the password masked, and what to check."""
+    url = url or os.environ.get("CHUNKQ_REDIS_URL")
+    where = f"Redis at {masked_url(url)}" if url else "Redis"
+    if isinstance(exc, redis.AuthenticationError):
+        return (
+            f"{where} refused the password: {exc} (give it in the URL, redis://:PASSWORD@HOST:PORT, or "
+            "in CHUNKQ_REDIS_URL)"
+        )
+    return f"{where}: {exc}"
 
 
 def _internal_error(exc: BaseException) -> NoReturn:

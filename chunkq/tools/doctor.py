@@ -70,10 +70,22 @@ def _redis(url: str | None) -> dict[str, Any]:
         except Exception as exc:
             return {"mode": "embedded (chunkq run)", "error": str(exc), "reachable": False}
     try:
-        info = redis.Redis.from_url(url, socket_timeout=3).info("server")
-        return {"mode": "external", "reachable": True, "version": info.get("redis_version")}
+        connection = redis.Redis.from_url(url, socket_timeout=3)
+        info = connection.info("server")
+        aof = bool(connection.info("persistence").get("aof_enabled"))
     except redis.RedisError as exc:
         return {"mode": "external", "reachable": False, "error": str(exc)}
+    try:
+        fsync = connection.config_get("appendfsync").get("appendfsync")
+    except redis.RedisError:  # CONFIG renamed or refused for this user: unknown, not wrong
+        fsync = None
+    return {
+        "mode": "external",
+        "reachable": True,
+        "version": info.get("redis_version"),
+        "append_only": aof,
+        "appendfsync": fsync,
+    }
 
 
 def _store(path: Path) -> dict[str, Any]:
@@ -127,6 +139,12 @@ def examine(store: Path, redis_url: str | None) -> Report:
             report.notes.append(f"{gpu.label} is in EXCLUSIVE_PROCESS compute mode: one worker, no standby")
     if report.redis.get("reachable") is False:
         report.problems.append(f"Redis: {report.redis.get('error')}; check --redis-url / CHUNKQ_REDIS_URL")
+    elif report.redis.get("append_only") is False or report.redis.get("appendfsync") not in (None, "always"):
+        report.problems.append(
+            f"Redis persistence is appendonly {'yes' if report.redis.get('append_only') else 'no'}, "
+            f"appendfsync {report.redis.get('appendfsync')}: a server killed then loses what was queued; "
+            "set `appendonly yes` and `appendfsync always` (the embedded server of `chunkq run` does)"
+        )
     if not report.store["writable"]:
         report.problems.append(f"store {report.store['path']} is not writable: {report.store.get('error')}")
     return report
