@@ -35,6 +35,9 @@ _LOCAL_PROTOCOLS = ("", "file", "local")
 
 
 OWNER_ONLY = 0o077  # the umask of chunkq's own processes (CLI, servers, pool, workers)
+# The umask the command line found before it set OWNER_ONLY: what a file written for the user
+# outside the store (an export) is created with, as any other tool would create it.
+caller_umask: int | None = None
 PRIVATE_DIR, PRIVATE_FILE = 0o700, 0o600  # modes set explicitly where chunkq runs in a caller's process
 
 
@@ -49,6 +52,12 @@ def private_dirs(path: Path) -> None:
     for folder in reversed(missing):
         with contextlib.suppress(FileExistsError):
             os.mkdir(folder, PRIVATE_DIR)
+
+
+def as_the_caller_would(path: Path) -> None:
+    """Give a file chunkq wrote outside the store the mode the caller's umask gives new files."""
+    if caller_umask is not None:
+        os.chmod(path, 0o666 & ~caller_umask)
 
 
 def private_open(path: Path, mode: str = "wb", **kw: Any) -> Any:

@@ -128,3 +128,37 @@ def test_out_is_never_replaced_unasked_and_streams_are_written_through(tmp_path:
         rows = [json.loads(line) for line in piped.stdout.splitlines()]
         assert [r["id"] for r in rows] == ids and np.allclose([r["embedding"] for r in rows], embeddings)
     assert not Path("/dev/stdout").is_file() or Path("/dev/stdout").is_symlink()
+
+
+def test_an_export_is_written_with_the_callers_umask_and_the_store_stays_owner_only(tmp_path: Path) -> None:
+    """Issue 37.7: `chunkq export` wrote 0600 files (the command's own umask); a result is for sharing."""
+    import os
+    import subprocess
+
+    from tests.helpers import CLI, cli_env
+
+    layout, _, _ = _published(tmp_path / "store", rows=50)
+    os.chmod(layout.result / "embeddings.npy", 0o600)
+    for fmt, name in (("parquet", "out.parquet"), ("npy", "out.npy"), ("jsonl", "out.jsonl")):
+        done = subprocess.run(
+            [
+                *CLI,
+                "export",
+                "big",
+                "--store",
+                str(tmp_path / "store"),
+                "--format",
+                fmt,
+                "--out",
+                str(tmp_path / name),
+            ],
+            env=cli_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            umask=0o022,
+        )
+        assert done.returncode == 0, done.stderr
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o644, fmt
+    assert (tmp_path / "out.ids.jsonl").stat().st_mode & 0o777 == 0o644
+    assert (layout.result / "embeddings.npy").stat().st_mode & 0o777 == 0o600

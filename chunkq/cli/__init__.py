@@ -9,6 +9,7 @@ import os
 from chunkq.cli import look, results, work
 from chunkq.cli.common import interrupt_on_sigterm
 from chunkq.cli.group import cli
+from chunkq.jobs import storage
 from chunkq.jobs.models import assume_offline
 from chunkq.jobs.nopickle import forbid_pickle
 from chunkq.jobs.storage import OWNER_ONLY
@@ -20,7 +21,7 @@ COMMAND_MODULES = (work, look, results)  # imported for their commands, which jo
 def main() -> None:
     # Stored texts, embeddings and the append-only file (which holds tracebacks that quote them) are
     # the user's data: one mode for all of them, whoever creates them (children inherit the mask).
-    os.umask(OWNER_ONLY)
+    storage.caller_umask = os.umask(OWNER_ONLY)
     forbid_pickle()
     assume_offline()  # models load from folders and the cache; HF_HUB_OFFLINE=0 allows downloads
     interrupt_on_sigterm()  # the pool installs its own handlers, which drain the same way

@@ -27,6 +27,7 @@ from chunkq.jobs.errors import AssemblyError, ConfigError, StoreError
 from chunkq.jobs.manifest import load_manifest
 from chunkq.jobs.run_files import RunLayout, read_json, read_npy_header
 from chunkq.jobs.specs import storage_dtype
+from chunkq.jobs.storage import as_the_caller_would
 from chunkq.supervisor.result import ResultPart, result_parts, result_problems
 
 EXPORT_FORMATS = ("parquet", "npy", "jsonl")
@@ -169,6 +170,7 @@ def _written_whole(target: _Target) -> Iterator[Path]:
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
         yield tmp
+        as_the_caller_would(tmp)  # a result is for sharing; the store stays owner-only
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
