@@ -125,6 +125,20 @@ class LoadedModel:
     loaded_at: str  # ISO time the load finished, for the run report's timeline
 
 
+class _DefaultPromptNotice(logging.Filter):
+    """sentence-transformers warns at every load of a model that has a default prompt, meant for a
+    person at a prompt. chunkq applies that prompt exactly as a plain ``encode`` does, and
+    ``chunkq model`` shows it: at ``--log-level warning`` the line was noise in every worker's log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Default prompt name is set to")
+
+
+# Its module in sentence-transformers 6, and the one before it.
+for _name in ("sentence_transformers.base.model", "sentence_transformers.SentenceTransformer"):
+    logging.getLogger(_name).addFilter(_DefaultPromptNotice())
+
+
 _cache: dict[tuple[Any, ...], LoadedModel] = {}
 # Models loaded on the CPU in fp32 by a process that forks workers (queue_worker.fork_server): a forked
 # worker takes its copy instead of reading and building the model again.

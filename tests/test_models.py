@@ -326,3 +326,27 @@ def test_a_model_saved_by_the_installed_sentence_transformers_is_read_as_it_read
     ):
         submit_request([corpus], tmp_path / "store", str(folder), truncate_dim=128)
     assert not (tmp_path / "store").exists()
+
+
+def test_sentence_transformers_default_prompt_notice_stays_out_of_a_warning_log(tmp_path: Path) -> None:
+    """Issue 37.7: "Default prompt name is set to ..." printed at --log-level warning in every worker."""
+    import subprocess
+    import sys
+
+    from tests.helpers import cli_env
+
+    folder = _model_with_prompts(tmp_path, prompts={"query": "query: "}, default_prompt_name="query")
+    load = "import logging; logging.basicConfig(level=logging.WARNING); "
+    plain = (
+        load + f"from sentence_transformers import SentenceTransformer; SentenceTransformer({str(folder)!r})"
+    )
+    ours = load + f"from chunkq.jobs import models; models.get_model({str(folder)!r}, 'cpu', 'fp32')"
+    outputs = [
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=cli_env()
+        )
+        for code in (plain, ours)
+    ]
+    assert all(out.returncode == 0 for out in outputs), outputs[1].stderr
+    assert "Default prompt name is set to 'query'" in outputs[0].stderr  # what a plain load says
+    assert "Default prompt name is set to" not in outputs[1].stderr
