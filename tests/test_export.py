@@ -162,3 +162,19 @@ def test_an_export_is_written_with_the_callers_umask_and_the_store_stays_owner_o
         assert (tmp_path / name).stat().st_mode & 0o777 == 0o644, fmt
     assert (tmp_path / "out.ids.jsonl").stat().st_mode & 0o777 == 0o644
     assert (layout.result / "embeddings.npy").stat().st_mode & 0o777 == 0o600
+
+
+def test_an_export_into_the_store_is_refused_even_with_force(tmp_path: Path) -> None:
+    """Issue 37.16: `export --force --out <store>/runs/<run>/result/embeddings.npy` replaced the published
+    file."""
+    from chunkq.jobs.errors import ConfigError
+
+    layout, _, _ = _published(tmp_path / "store", rows=20)
+    published = layout.result / "embeddings.npy"
+    before = published.read_bytes()
+    link = tmp_path / "into-the-store.npy"
+    link.symlink_to(published)
+    for out in (published, layout.root / "copy.jsonl", link):
+        with pytest.raises(ConfigError, match="is inside the store"):
+            export(layout, "npy" if out.suffix == ".npy" else "jsonl", out, force=True)
+    assert published.read_bytes() == before and not (layout.root / "copy.jsonl").exists()

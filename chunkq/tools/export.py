@@ -27,7 +27,7 @@ from chunkq.jobs.errors import AssemblyError, ConfigError, StoreError
 from chunkq.jobs.manifest import load_manifest
 from chunkq.jobs.run_files import RunLayout, read_json, read_npy_header
 from chunkq.jobs.specs import storage_dtype
-from chunkq.jobs.storage import as_the_caller_would
+from chunkq.jobs.storage import as_the_caller_would, is_local
 from chunkq.supervisor.result import ResultPart, result_parts, result_problems
 
 EXPORT_FORMATS = ("parquet", "npy", "jsonl")
@@ -176,8 +176,21 @@ def _written_whole(target: _Target) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
 
 
+def _outside_the_store(layout: RunLayout, out: Path) -> None:
+    """An export is never written into the store: with --force it could replace a published file."""
+    if out == STDOUT or not is_local(layout.store):
+        return
+    store = os.path.realpath(layout.store)
+    where = os.path.realpath(out)
+    if where == store or where.startswith(store + os.sep):
+        raise ConfigError(
+            f"{out} is inside the store {layout.store}, which is chunkq's; export somewhere else"
+        )
+
+
 def export(layout: RunLayout, fmt: str, out: Path, force: bool = False) -> list[Path]:
     """Write the run's result to ``out`` in ``fmt``; the files written."""
+    _outside_the_store(layout, out)
     target = _target(out, force, fmt)
     reader = _ResultReader(layout)
     if fmt == "parquet":
