@@ -104,6 +104,11 @@ class RunLayout:
     def failure_path(self, index: int, attempt: int) -> Path:
         return self._path("failures", f"{chunk_name(index)}-a{attempt}.json")
 
+    @property
+    def queue_window(self) -> Path:
+        """The ``--queue-window`` the run was submitted with, for the supervisor that watches it."""
+        return self._path("queue_window.json")
+
     def learned_batch(self, device_kind: str) -> Path:
         """Where the batch size that fitted on this kind of device is kept for the run's later chunks."""
         safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in device_kind)[:80] or "device"

@@ -334,6 +334,8 @@ def submit(
     for index in sorted(i for i in done if not layout.output_npy(i).exists()):
         set_aside(layout, index)  # committed, then its .npy was lost: encode it again
         done.discard(index)
+    if req.queue_window is not None:  # kept for a later `chunkq supervise` that is not told again
+        atomic_write_json(layout.queue_window, {"queue_window": req.queue_window})
     counts = enqueue_chunks(
         connection,
         layout,

@@ -24,7 +24,7 @@ from chunkq.jobs.abandon import mark_abandoned
 from chunkq.jobs.errors import ChunkqError, StoreWriteError
 from chunkq.jobs.manifest import RunManifest, load_manifest
 from chunkq.jobs.queueing import give_back
-from chunkq.jobs.run_files import RunLayout
+from chunkq.jobs.run_files import RunLayout, read_json
 from chunkq.jobs.specs import chunk_job_id
 from chunkq.queue_worker.metrics import serve as serve_metrics
 from chunkq.supervisor.assemble import assemble
@@ -97,6 +97,15 @@ def failure_report(failures: list[Failure]) -> str:
     return "\n".join(lines)
 
 
+def submitted_window(layout: RunLayout) -> int | None:
+    """The ``--queue-window`` the run was submitted with, if any (a damaged record: none)."""
+    try:
+        value = read_json(layout.queue_window).get("queue_window") if layout.queue_window.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 @dataclass
 class Supervisor:
     """One run under watch: what a look reads (the tracker) and what it acts with."""
@@ -114,10 +123,12 @@ class Supervisor:
 
     idle_since: float | None = None
     idle_warned: float = 0.0
+    submitted_window: int | None = None  # --queue-window given to submit (this look's is the watch's)
 
     def __post_init__(self) -> None:
         self.tracker = Tracker(self.connection, self.layout, self.manifest)
         self.recorder = AttemptRecorder(self.layout)
+        self.submitted_window = submitted_window(self.layout)
 
     def _watch_idle(self, snap: Snapshot) -> None:
         """Chunks wait and none runs: after ``warn_idle`` seconds say so, with the queue to serve."""
@@ -195,7 +206,9 @@ class Supervisor:
             )
         if not snap.chunks_waiting:
             return
-        window = window_size(self.connection, self.manifest.queue, self.settings.window)
+        window = window_size(
+            self.connection, self.manifest.queue, self.settings.window or self.submitted_window
+        )
         room = window - (snap.chunks_queued + snap.chunks_running + snap.chunks_retrying)
         if room < max(1, window // TOP_UP_FRACTION) and snap.chunks_queued:
             return  # a tenth of the window at a time: one enqueue per many chunks, not one per chunk

@@ -35,6 +35,14 @@ def test_submit_queues_at_most_the_window_and_says_how_many_wait(
     again = submit(request, connection)  # idempotent: the window is full of this run's jobs already
     assert (again.counts.in_flight, again.counts.enqueued, again.counts.waiting) == (5, 0, 25)
     assert queue.count == 5
+    # Issue 37.16: a later `chunkq supervise` without --queue-window keeps the one submit was given.
+    from chunkq.jobs.run_files import RunLayout
+    from chunkq.supervisor.supervise import submitted_window
+
+    layout = RunLayout(store, first.run_id)
+    assert submitted_window(layout) == 5
+    layout.queue_window.write_text("not json")
+    assert submitted_window(layout) is None  # a damaged record: the window is worked out again
 
 
 @pytest.mark.slow
