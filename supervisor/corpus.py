@@ -124,12 +124,21 @@ def _text_of(record: dict[str, Any], opts: CorpusOptions, where: str) -> str:
         raise CorpusError(f"{where}: text field {field!r} is {kind}, not a string")
     if not text.strip():
         raise CorpusError(f"{where}: text field {field!r} is empty")
-    if len(text) > opts.max_text_bytes:  # characters: a cheap lower bound of the bytes
+    if _utf8_length_over(text, opts.max_text_bytes):
         raise CorpusError(f"{where}: text is over the limit of {opts.max_text_bytes} bytes")
     return _unicode(text, f"text field {field!r}", where)
 
 
+def _utf8_length_over(text: str, limit: int) -> bool:
+    """Whether ``text`` takes more than ``limit`` bytes in UTF-8 (encoded only when its characters,
+    1 to 4 bytes each, leave it in doubt)."""
+    if len(text) > limit:
+        return True
+    return len(text) * 4 > limit and len(text.encode("utf-8", "surrogatepass")) > limit
+
+
 _BOM = "\ufeff".encode()
+CSV_LINE_SLACK = 1 << 16  # a CSV line holds its id and other columns beside a text at the limit
 
 
 READ_BLOCK = 1 << 20
@@ -197,26 +206,41 @@ def _read_csv(path: Path, opts: CorpusOptions, prefix: str) -> Iterator[Record]:
     ids = _IdPolicy(path, opts.id_field, prefix)
     # The csv module refuses fields over 131,072 characters by default; the limit is chunkq's own.
     csv.field_size_limit(max(csv.field_size_limit(), opts.max_text_bytes + 1))
+    # Physical lines bounded as every reader's are: a huge line is refused by number, never read
+    # whole by the csv module (a 1 GB line peaked at 2.17 GB before).
+    lines = (line for _, line in _lines(path, opts.max_text_bytes + CSV_LINE_SLACK))
+    reader = csv.DictReader(lines)
     try:
-        # utf-8-sig: a byte-order mark (Excel's "CSV UTF-8") is not part of the first column's name.
-        with path.open("r", encoding="utf-8-sig", newline="") as fh:
-            reader = csv.DictReader(fh)
-            header = reader.fieldnames or []
-            if opts.text_field not in header:
+        header = reader.fieldnames or []
+        if opts.text_field not in header:
+            raise CorpusError(
+                f"{path}:1: header has no column {opts.text_field!r} (columns: {', '.join(header)})"
+            )
+        for number, row in enumerate(reader, 1):
+            where = f"{path}:{reader.line_num}"
+            if None in row or any(value is None for value in row.values()):
                 raise CorpusError(
-                    f"{path}:1: header has no column {opts.text_field!r} (columns: {', '.join(header)})"
+                    f"{where}: row has {len(header)} columns expected, found a different number"
                 )
-            for number, row in enumerate(reader, 1):
-                where = f"{path}:{reader.line_num}"
-                if None in row or any(value is None for value in row.values()):
-                    raise CorpusError(
-                        f"{where}: row has {len(header)} columns expected, found a different number"
-                    )
-                yield Record(ids.pick(row, where, number), _text_of(row, opts, where), where)
-    except UnicodeDecodeError as exc:
-        raise CorpusError(f"{path}: not valid UTF-8 ({exc.reason})") from None
+            yield Record(ids.pick(row, where, number), _text_of(row, opts, where), where)
     except csv.Error as exc:
-        raise CorpusError(f"{path}: malformed CSV: {exc}") from None
+        raise CorpusError(f"{path}:{reader.line_num}: malformed CSV: {exc}") from None
+
+
+PARQUET_BATCH_ROWS = 1024
+
+
+def _refuse_long_texts(column: Any, limit: int, path: Path, before: int) -> None:
+    """Refuse a text over the limit from Arrow's byte lengths, before it is copied into Python."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if pa.types.is_dictionary(column.type):
+        column = column.dictionary_decode()
+    if len(column) == 0 or pc.max(pc.binary_length(column)).as_py() <= limit:
+        return
+    over = pc.indices_nonzero(pc.greater(pc.binary_length(column), limit))[0].as_py()
+    raise CorpusError(f"{path}: row {before + over + 1}: text is over the limit of {limit} bytes")
 
 
 def _read_parquet(path: Path, opts: CorpusOptions, prefix: str) -> Iterator[Record]:
@@ -239,7 +263,8 @@ def _read_parquet(path: Path, opts: CorpusOptions, prefix: str) -> Iterator[Reco
     columns = [opts.text_field] + ([opts.id_field] if opts.id_field in schema.names else [])
     ids = _IdPolicy(path, opts.id_field, prefix)
     number = 0
-    for batch in pfile.iter_batches(batch_size=4096, columns=columns):
+    for batch in pfile.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns):
+        _refuse_long_texts(batch.column(opts.text_field), opts.max_text_bytes, path, number)
         for record in batch.to_pylist():
             number += 1
             where = f"{path}: row {number}"

@@ -190,8 +190,10 @@ def test_a_csv_field_up_to_the_documented_limit_is_read(tmp_path: Path) -> None:
     long_text = "word " * 40_000  # 200,000 characters
     write_corpus(path, ["a"], [long_text], "csv")
     assert _read(path) == [("a", long_text)]
-    with pytest.raises(CorpusError, match=r"c\.csv:2: text is over the limit"):
-        _read(path, max_text_bytes=100_000)
+    with pytest.raises(CorpusError, match=r"c\.csv:2: line is over the limit of 165536 bytes"):
+        _read(path, max_text_bytes=100_000)  # the line is refused before the csv module reads it whole
+    with pytest.raises(CorpusError, match=r"c\.csv:2: text is over the limit of 190000 bytes"):
+        _read(path, max_text_bytes=190_000)  # a line within the bound, a text over the limit
 
 
 def test_a_dictionary_encoded_parquet_text_column_is_read(tmp_path: Path) -> None:
@@ -201,3 +203,32 @@ def test_a_dictionary_encoded_parquet_text_column_is_read(tmp_path: Path) -> Non
     pq.write_table(pa.table({"id": ["1", "2", "3"], "text": texts}), path)
     assert pa.types.is_dictionary(pq.ParquetFile(path).schema_arrow.field("text").type)
     assert _read(path) == [("1", "alpha"), ("2", "beta"), ("3", "alpha")]
+
+
+def test_limits_count_bytes_and_a_huge_line_or_text_is_refused_by_number_without_being_held(
+    tmp_path: Path,
+) -> None:
+    """Issue 37.16: the Parquet limit counted characters while its message said bytes; a 1 GB CSV line
+    peaked at 2.17 GB before it was refused, naming no line; a 200 MB Parquet text at 936 MB."""
+    import tracemalloc
+
+    wide = "é" * 600_000  # 600,000 characters, 1.2 MB in UTF-8: over the 1 MiB limit
+    path = tmp_path / "wide.parquet"
+    write_corpus(path, ["a", "b"], ["fine", wide], "parquet")
+    with pytest.raises(CorpusError, match=r"wide\.parquet: row 2: text is over the limit of 1048576 bytes"):
+        _read(path)
+
+    huge = tmp_path / "huge.csv"
+    with open(huge, "w", encoding="utf-8") as fh:
+        fh.write("id,text\n1,short\n2,")
+        for _ in range(64):
+            fh.write("x" * (1 << 20))  # a 64 MiB field on line 3
+        fh.write("\n")
+    tracemalloc.start()
+    try:
+        with pytest.raises(CorpusError, match=r"huge\.csv:3: line is over the limit"):
+            _read(huge)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, peak  # a few blocks, never the line
