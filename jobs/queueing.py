@@ -17,8 +17,11 @@ from rq import Queue
 def give_back(connection: redis.Redis, queue: Queue, job_ids: Iterable[str], at_front: bool) -> None:
     """Move each job from the intermediate list back to ``queue`` in one transaction;
     ``at_front``: it was next, so it goes first."""
+    ordered = list(job_ids)
+    if at_front:  # each push goes before the last: push the last first, so the first is next
+        ordered.reverse()
     with connection.pipeline(transaction=True) as pipe:
-        for job_id in job_ids:
+        for job_id in ordered:
             pipe.lrem(queue.intermediate_queue_key, 1, job_id)
             queue.push_job_id(job_id, pipeline=pipe, at_front=at_front)
         pipe.execute()

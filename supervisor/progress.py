@@ -66,6 +66,9 @@ class Snapshot:
     lost: list[int] = field(default_factory=list)  # had a job in Redis, now neither a job nor an output
     stale: list[int] = field(default_factory=list)
     stranded: list[int] = field(default_factory=list)  # dequeued by a worker that died before starting it
+    unlisted: list[int] = field(
+        default_factory=list
+    )  # queued by their job, in no queue list (a deleted list)
     failures: list[Failure] = field(default_factory=list)
     rows_per_second: float | None = None
     eta_seconds: float | None = None
@@ -152,6 +155,7 @@ class Tracker:
         self._failed_key = FailedJobRegistry(queue=queue).key
         self._started = StartedJobRegistry(queue=queue)
         self._intermediate = IntermediateQueue(queue.key, connection)
+        self._queue = queue
         self._cursors: dict[str, float] = {}
         self._failed: set[int] = set()
         self._next_full = 0.0
@@ -255,10 +259,13 @@ class Tracker:
         self._set_cursors()  # before the scan: whatever lands during it is read by the next look
         self._mark_done(i for i in self.layout.done_indices() if i in self.pending)
         failed, running, finished_late, in_redis, waiting = set(), set(), set(), set(), ChunkSet()
+        queued: list[int] = []
         for index, status in self._pending_statuses():
             if status in QUEUED_STATUSES:
                 snap.chunks_queued += 1
                 in_redis.add(index)
+                if status == "queued":
+                    queued.append(index)
             elif status == "started":
                 running.add(index)
                 in_redis.add(index)
@@ -277,7 +284,26 @@ class Tracker:
         self._failed = failed
         if snap.chunks_queued:
             snap.stranded = self._stranded()
+            snap.unlisted = self._unlisted(queued)
         return running, failed
+
+    def _unlisted(self, queued: list[int]) -> list[int]:
+        """Chunks whose job says queued but that neither the queue's list nor its intermediate list
+        holds (the list was deleted, or evicted): no worker would ever take them. The lists and the
+        statuses are read in one transaction, so a job a worker takes meanwhile is never among them."""
+        job_ids = [self._job_id(i) for i in queued]
+        with self.connection.pipeline(transaction=True) as pipe:
+            pipe.lrange(self._queue.key, 0, -1)
+            pipe.lrange(self._queue.intermediate_queue_key, 0, -1)
+            for job_id in job_ids:
+                pipe.hget(Job.key_for(job_id), "status")
+            listed, taken, *statuses = pipe.execute()
+        held = {bytes(x).decode() for x in (*listed, *taken)}
+        return [
+            index
+            for index, job_id, status in zip(queued, job_ids, statuses, strict=True)
+            if status == b"queued" and job_id not in held
+        ]
 
     def _incremental_look(self, snap: Snapshot) -> tuple[set[int], set[int]]:
         finished = self._run_indices(self._registry_tail(self._finished_key))

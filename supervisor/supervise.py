@@ -181,7 +181,7 @@ class Supervisor:
         snap = self._poll()
         self._top_up(snap)
         self._act(snap)
-        snap = self._poll() if snap.failures or snap.stale or snap.stranded else snap
+        snap = self._poll() if snap.failures or snap.stale or snap.stranded or snap.unlisted else snap
         self._watch_idle(snap)
         if self.metrics is not None:
             self.metrics.observe(snap)
@@ -224,7 +224,9 @@ class Supervisor:
     def _act(self, snap: Snapshot) -> None:
         run_id = self.manifest.run_id
         if snap.stranded:
-            self._requeue_stranded(snap.stranded)
+            self._requeue(snap.stranded, "were taken by a worker that died before starting them")
+        if snap.unlisted:
+            self._requeue(snap.unlisted, "were queued in no queue list (a deleted or evicted list)")
         for index in snap.stale:
             mark_abandoned(
                 self.connection,
@@ -234,16 +236,13 @@ class Supervisor:
         for index, job in self.tracker.failed_jobs.items():
             self._settle(index, job)
 
-    def _requeue_stranded(self, stranded: list[int]) -> None:
+    def _requeue(self, chunks: list[int], why: str) -> None:
+        """Put queued jobs no worker would take back at the front of their queue's list."""
         queue = chunk_queue(self.connection, self.manifest.queue)
         give_back(
-            self.connection, queue, [chunk_job_id(self.manifest.run_id, i) for i in stranded], at_front=True
+            self.connection, queue, [chunk_job_id(self.manifest.run_id, i) for i in chunks], at_front=True
         )
-        log.warning(
-            "run %s: chunk(s) %s were taken by a worker that died before starting them; queued again",
-            self.manifest.run_id,
-            stranded,
-        )
+        log.warning("run %s: chunk(s) %s %s; queued again", self.manifest.run_id, chunks, why)
 
     def _settle(self, index: int, job: Job) -> None:
         if jobmeta.error_class(job.meta) == errors.STORAGE:

@@ -85,3 +85,38 @@ def test_a_run_never_holds_more_than_its_window_in_redis_and_forgets_finished_jo
     # Finished jobs are forgotten: the store is their record, and its ledger has every chunk once.
     assert list(connection.scan_iter(f"rq:job:{layout.run_id}__*")) == []
     assert sorted(r["chunk"] for r in read_ledger(layout)) == list(range(18))
+
+
+def test_queued_jobs_in_no_queue_list_are_queued_again(
+    tmp_path: Path, store: Path, connection: redis.Redis
+) -> None:
+    """Issue 37.12: `DEL rq:queue:chunkq` mid-run left 4 chunks "queued" for ever, a restarted
+    supervisor too: their jobs said queued, but no list held them for a worker to take."""
+    from chunkq.jobs.manifest import load_manifest
+    from chunkq.jobs.run_files import RunLayout
+    from chunkq.supervisor.progress import Tracker
+
+    ids, texts = make_texts(8)
+    corpus = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")
+    request = SubmitRequest(corpus, store, BUNDLED_MODEL, CorpusOptions("jsonl"), chunk_size=2, queue="gone")
+    run = submit(request, connection)
+    layout = RunLayout(store, run.run_id)
+    manifest = load_manifest(layout)
+    queue = chunk_queue(connection, "gone")
+    assert Tracker(connection, layout, manifest).poll().unlisted == []  # listed: nothing to do
+    connection.delete(queue.key)
+    look = Tracker(connection, layout, manifest).poll()  # a restarted supervisor's first look
+    assert look.unlisted == [0, 1, 2, 3] and look.chunks_queued == 4
+    from chunkq.queue_worker.worker import ChunkWorker  # noqa: F401 - the job class's functions import
+    from chunkq.supervisor.run_lock import RunLock
+    from chunkq.supervisor.store_lock import StoreLock
+    from chunkq.supervisor.supervise import Supervisor, WatchSettings
+
+    with StoreLock(layout.owner, "run") as owner:
+        owner.acquire()
+        watch = Supervisor(
+            connection, layout, manifest, WatchSettings(), RunLock(connection, run.run_id), owner
+        )
+        watch._act(look)
+    assert [j[-2:] for j in queue.job_ids] == ["00", "01", "02", "03"]
+    assert Tracker(connection, layout, manifest).poll().unlisted == []
