@@ -55,13 +55,13 @@ def _submit(
 
 @contextmanager
 def running_pool(
-    tmp_path: Path, redis_url: str, *args: str
+    tmp_path: Path, redis_url: str, *args: str, **env: str
 ) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
     log = tmp_path / "pool.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [*CLI, "pool", "--gpus", "none", "--queue", "t", *args],
-            env=cli_env(CHUNKQ_REDIS_URL=redis_url, CHUNKQ_STORE=str(tmp_path / "store")),
+            env=cli_env(CHUNKQ_REDIS_URL=redis_url, CHUNKQ_STORE=str(tmp_path / "store"), **env),
             stdout=out,
             stderr=subprocess.STDOUT,
         )
@@ -101,15 +101,18 @@ def test_pool_recycles_workers_and_finishes_every_chunk(
 def test_first_signal_drains_the_chunk_in_hand(
     tmp_path: Path, store: Path, connection: redis.Redis, redis_url: str
 ) -> None:
-    run = _submit(tmp_path, store, connection, rows=600, chunk=600, words=120)
+    # The chunk is in hand for 8 s of its own (the slow fault) whatever the machine's load: a big
+    # chunk to keep the worker busy took over 120 s to drain at load 15 (issue 37.1).
+    run = _submit(tmp_path, store, connection, rows=40, chunk=40)
     job_id = chunk_job_id(run.run_id, 0)
-    with running_pool(tmp_path, redis_url) as (pool, _):
+    slow = '[{"kind": "slow", "seconds": 8}]'
+    with running_pool(tmp_path, redis_url, CHUNKQ_FAULTS=slow) as (pool, _):
         wait_for(lambda: job_statuses(connection, [job_id]) == ["started"], 120, "the chunk to start")
         pool.send_signal(signal.SIGTERM)
         signalled = time.time()
         assert pool.wait(timeout=120) == 0
     meta = read_json(RunLayout(store, run.run_id).output_meta(0))
-    assert meta["rows"] == 600
+    assert meta["rows"] == 40
     assert job_statuses(connection, [job_id]) == ["finished"]
     assert datetime.fromisoformat(meta["finished_at"]).timestamp() > signalled  # it was busy when signalled
 
@@ -117,9 +120,10 @@ def test_first_signal_drains_the_chunk_in_hand(
 def test_second_signal_stops_at_once(
     tmp_path: Path, store: Path, connection: redis.Redis, redis_url: str
 ) -> None:
-    run = _submit(tmp_path, store, connection, rows=3000, chunk=3000, words=200)
+    run = _submit(tmp_path, store, connection, rows=40, chunk=40)
     job_id = chunk_job_id(run.run_id, 0)
-    with running_pool(tmp_path, redis_url) as (pool, log):
+    slow = '[{"kind": "slow", "seconds": 600}]'  # in hand until stopped, whatever the machine's load
+    with running_pool(tmp_path, redis_url, CHUNKQ_FAULTS=slow) as (pool, log):
         wait_for(lambda: job_statuses(connection, [job_id]) == ["started"], 120, "the chunk to start")
         pool.send_signal(signal.SIGTERM)
         wait_for(lambda: "draining" in log.read_text(), 10, "the pool to begin draining")
