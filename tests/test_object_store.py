@@ -107,6 +107,7 @@ def test_an_unknown_protocol_is_refused_clearly() -> None:
         open_store("nosuch://bucket/prefix")
 
 
+@pytest.mark.timeout(900)  # a dozen commands, each starting Python and torch: past 300 s at load 15
 def test_run_end_to_end_on_s3(s3_env: dict[str, str], tmp_path: Path, reference_model: Any) -> None:
     ids, texts = make_texts(120, seed=7)
     corpus = write_corpus(tmp_path / "corpus.jsonl", ids, texts, "jsonl")
@@ -114,7 +115,7 @@ def test_run_end_to_end_on_s3(s3_env: dict[str, str], tmp_path: Path, reference_
     args = ("run", str(corpus), "--chunk-size", "30", "--max-jobs", "2", "--store", store)
     args += ("--run-id", "s3run")
     env = {**s3_env, "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    first = run_cli(*args, cwd=tmp_path, **env)
+    first = run_cli(*args, cwd=tmp_path, timeout=600, **env)
     assert first.returncode == 0, first.stderr[-3000:]
 
     layout = RunLayout(store, "s3run")
