@@ -22,6 +22,7 @@ from types import FrameType
 
 import redis
 from rq.job import Job
+from rq.queue import Queue
 from rq.serializers import JSONSerializer
 
 from chunkq.jobs.abandon import forget_worker, mark_abandoned, running_job_ids
@@ -191,9 +192,18 @@ class Pool:
                 self.metrics.model_loaded(slot.device, seconds)
             # On an EXCLUSIVE_PROCESS GPU a standby could not create its context beside the worker.
             standby = self.settings.standby and not (slot.gpu is not None and slot.gpu.exclusive)
-            if last and standby and slot.standby is None:
+            if last and standby and slot.standby is None and self._work_waiting():
                 if not (stopping or slot.retired or slot.proc is None):
                     self._start_standby(slot, slot.proc.pid)
+
+    def _work_waiting(self) -> bool:
+        """Whether jobs wait in the queue: at a run's end a standby would load its model beside the
+        last chunks (on a CPU, on the same cores) and take nothing. The slot is refilled anyway
+        when its worker exits, should work come."""
+        try:
+            return bool(self.connection.llen(Queue(self.settings.queue, connection=self.connection).key))
+        except redis.RedisError:
+            return True  # cannot tell: the standby costs less than a cold start would
 
     def _check_standbys(self, stopping: bool) -> None:
         for slot in self.slots:

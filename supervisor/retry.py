@@ -58,7 +58,10 @@ def settle_failure(
         meta.update({jobmeta.QUARANTINED: True, jobmeta.QUARANTINE_REASON: reason})
         job.save_meta()  # type: ignore[no-untyped-call]
         log.error(
-            "chunk job %s quarantined: %s; last error: %s", job.id, reason, meta.get(jobmeta.ERROR, "?")
+            "chunk job %s quarantined: %s; last error: %s",
+            job.id,
+            reason,
+            errors.first_line(str(meta.get(jobmeta.ERROR, "?"))),  # torch's advice lines stay in the record
         )
         return "quarantined"
     due = jobmeta.retry_at(meta)

@@ -91,7 +91,7 @@ def failure_report(failures: list[Failure]) -> str:
     lines = [f"{len(failures)} chunk(s) quarantined:"]
     lines += [
         f"  chunk {f.chunk} (rows {f.first_row}-{f.first_row + f.rows - 1}, job {f.job_id}, {f.error_class}, "
-        f"attempt {f.attempt}{', ' + f.reason if f.reason else ''}): {f.error}"
+        f"attempt {f.attempt}{', ' + f.reason if f.reason else ''}): {errors.first_line(f.error)}"
         for f in failures
     ]
     return "\n".join(lines)

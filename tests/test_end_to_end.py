@@ -186,6 +186,9 @@ def test_workers_recycle_on_work_time_and_each_successor_is_warm_before_its_firs
         per_process.setdefault(read_json(layout.output_meta(index))["pid"], []).append(index)
     assert sorted(len(chunks) for chunks in per_process.values()) == [2, 2], per_process
     assert done.stderr.count("recycling after") == 2 and "takes over" in done.stderr
+    # The second worker's last chunk was the run's last: with nothing queued no standby loads beside
+    # it (issue 37.17: on a CPU it competed for the cores and took nothing).
+    assert done.stderr.count("started standby") == 1
     # Each successor ran its warm-up encode before its predecessor exited and it took a job.
     for name in set(re.findall(r"\[(\S+-g\d+) gpu=-\] \S+: predecessor \d+ exited", done.stderr)):
         lines = [line for line in done.stderr.splitlines() if f"[{name} gpu=-]" in line]

@@ -67,3 +67,29 @@ def test_a_retried_chunk_goes_to_the_front_of_the_queue(
     queue.enqueue("chunkq.jobs.embed.embed_chunk", {}, job_id="someone-else")
     assert settle_failure(connection, job, RetryPolicy(), random.Random(0), now=0.0) == "requeued"
     assert queue.job_ids[0] == job.id
+
+
+def test_a_quarantine_line_is_the_errors_first_line_not_torchs_advice() -> None:
+    """Issue 37.17: each quarantine line repeated torch's four lines of CUDA advice."""
+    from chunkq.supervisor.progress import Failure
+    from chunkq.supervisor.supervise import failure_report
+
+    advice = (
+        "\nCUDA kernel errors might be asynchronously reported at some other API call, so the stacktrace "
+        "below might be incorrect.\nFor debugging consider passing CUDA_LAUNCH_BLOCKING=1\n"
+    )
+    failure = Failure(
+        chunk=3,
+        first_row=30,
+        rows=10,
+        job_id="r__c000003",
+        error_class="cuda_fatal",
+        attempt=3,
+        error="chunk r__c000003: CUDA error: an illegal memory access was encountered" + advice,
+        traceback="",
+        quarantined=True,
+        reason="failed 3 of 3 attempts",
+    )
+    report = failure_report([failure])
+    assert report.splitlines()[1].endswith("CUDA error: an illegal memory access was encountered")
+    assert "CUDA_LAUNCH_BLOCKING" not in report and len(report.splitlines()) == 2
