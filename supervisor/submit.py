@@ -344,7 +344,10 @@ def submit(
         limit=window_size(connection, req.queue, req.queue_window),
     )
     log.info(
-        "run %s: %d chunk(s) done, %d in flight, %d enqueued, %d requeued, %d waiting in the store",
+        # "in flight" read as running: after a stop these are jobs left queued (or taken by workers now
+        # gone, which the supervisor gives back), not work going on.
+        "run %s: %d chunk(s) done, %d already had a job in Redis, %d enqueued, %d requeued, %d waiting "
+        "in the store",
         run_id,
         len(done),
         counts.in_flight,
