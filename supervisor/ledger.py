@@ -158,6 +158,7 @@ class Ledger:
                 "rows_recorded": t.rows,
                 "first_start": t.first_start.isoformat() if t.first_start else None,
                 "last_end": t.last_end.isoformat() if t.last_end else None,
+                "spans": None if t.spans is None else [[a.isoformat(), b.isoformat()] for a, b in t.spans],
                 "ledger_batches": self._next,
                 "updated_at": datetime.now(UTC).isoformat(),
             },
@@ -171,10 +172,13 @@ def summarised(layout: RunLayout, done: int) -> Throughput | None:
         summary = read_json(layout.summary)
         if summary.get("chunks_recorded") != done or not summary.get("first_start"):
             return None
+        spans = summary.get("spans")
         return Throughput(
             rows=int(summary["rows_recorded"]),
             first_start=parse_time(summary["first_start"]),
             last_end=parse_time(summary["last_end"]),
+            # A summary from before spans were kept: the whole span, as it was counted then.
+            spans=[[parse_time(a), parse_time(b)] for a, b in spans] if isinstance(spans, list) else None,
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None

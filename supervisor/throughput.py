@@ -1,15 +1,19 @@
 """Rows per second, defined once for status, supervise, report and metrics alike.
 
-rows done ÷ the time from the first chunk's start to the last chunk's end, or to now while the run
-is still going. Both ends come from the chunk outputs in the store (their ``started_at`` and
-``finished_at``), so every command that reads the store gives the same figure for the same run.
+rows done ÷ the time the run ran: the spans during which some chunk was being encoded, from the
+chunk outputs in the store (their ``started_at`` and ``finished_at``), so every command that reads
+the store gives the same figure for the same run. Chunk spans closer than PAUSE_SECONDS are one
+span (the moments between chunks are the run's own cost); a longer pause, a run stopped and
+resumed the next day, is not counted. While the run goes on, the time since its last chunk ended
+counts, up to PAUSE_SECONDS.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
-from datetime import UTC, datetime
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 
@@ -19,11 +23,18 @@ def parse_time(value: Any) -> datetime:
     return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
 
 
+PAUSE_SECONDS = 300.0  # a gap between chunk spans longer than this is a stopped run, not its work
+_PAUSE = timedelta(seconds=PAUSE_SECONDS)
+
+
 @dataclass
 class Throughput:
     rows: int = 0
     first_start: datetime | None = None
     last_end: datetime | None = None
+    # Merged [start, end] spans of chunk work, in time order: one per stretch the run ran (a few
+    # entries, whatever the chunk count). None: not known (a summary written before they were kept).
+    spans: list[list[datetime]] | None = field(default_factory=list)
 
     def add(self, meta: Mapping[str, Any]) -> None:
         """Count one committed chunk output (its metadata as written by the worker)."""
@@ -31,16 +42,45 @@ class Throughput:
         started, ended = parse_time(meta["started_at"]), parse_time(meta["finished_at"])
         self.first_start = started if self.first_start is None else min(self.first_start, started)
         self.last_end = ended if self.last_end is None else max(self.last_end, ended)
+        if self.spans is not None:
+            _merge(self.spans, started, max(started, ended))
 
-    def seconds(self, running: bool, now: datetime | None = None) -> float | None:
+    def ran_seconds(self) -> float | None:
+        """The time spent in the run's spans; the whole span where they are unknown."""
         if self.first_start is None or self.last_end is None:
             return None
-        end = (now or datetime.now(UTC)) if running else self.last_end
-        return max((end - self.first_start).total_seconds(), 0.0)
+        if self.spans is None:
+            return max((self.last_end - self.first_start).total_seconds(), 0.0)
+        return sum((end - start).total_seconds() for start, end in self.spans)
+
+    def seconds(self, running: bool, now: datetime | None = None) -> float | None:
+        ran = self.ran_seconds()
+        if ran is None or self.last_end is None:
+            return None
+        if running:
+            since = ((now or datetime.now(UTC)) - self.last_end).total_seconds()
+            ran += min(max(since, 0.0), PAUSE_SECONDS)
+        return ran
 
     def rows_per_second(self, running: bool, now: datetime | None = None) -> float | None:
         seconds = self.seconds(running, now)
         return self.rows / seconds if seconds else None
+
+
+def _merge(spans: list[list[datetime]], start: datetime, end: datetime) -> None:
+    """Add [start, end] to sorted, merged ``spans``: a span within PAUSE_SECONDS of another joins it."""
+    at = bisect.bisect_left([s for s, _ in spans], start)
+    spans.insert(at, [start, end])
+    # Merge around the new span: its left neighbour, then every span it now reaches.
+    i = max(at - 1, 0)
+    while i + 1 < len(spans):
+        if spans[i + 1][0] - spans[i][1] <= _PAUSE:
+            spans[i][1] = max(spans[i][1], spans[i + 1][1])
+            del spans[i + 1]
+        elif i + 1 > at:
+            break
+        else:
+            i += 1
 
 
 def of_run(store: Any, run_id: str) -> Throughput:

@@ -26,7 +26,7 @@ from chunkq.jobs.models import resolve_model
 from chunkq.jobs.run_files import RunLayout, read_chunk_input, read_json
 from chunkq.supervisor.attempts import FailedAttempt, by_class, failed_attempts, to_json
 from chunkq.supervisor.ledger import stream_records, throughput_of
-from chunkq.supervisor.throughput import Throughput, parse_time
+from chunkq.supervisor.throughput import PAUSE_SECONDS, Throughput, parse_time
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,10 @@ class RunFacts:
 
     @cached_property
     def span(self) -> float:  # the throughput is the ledger's before the stream: read once, not a record
-        return max(self.throughput.seconds(running=False) or 0.0, 1e-3)
+        """The timeline's width: first chunk start to last chunk end, pauses included."""
+        t = self.throughput
+        wall = (t.last_end - t.first_start).total_seconds() if t.first_start and t.last_end else 0.0
+        return max(wall, 1e-3)
 
     @property
     def quarantined(self) -> list[int]:
@@ -199,7 +202,7 @@ def _model_max_seq_length(path: Path) -> int | None:
 def summary(facts: RunFacts, lengths: list[int], limit: int | None, unit: str) -> dict[str, Any]:
     m = facts.manifest
     running = facts.chunks_done + len(facts.quarantined) < m.chunks
-    wall = facts.throughput.seconds(running) or 0.0
+    ran = facts.throughput.seconds(running) or 0.0  # pauses of a stopped run not counted
     rate = facts.throughput.rows_per_second(running)
     loads = [lane.load[1] for lane in facts.lanes.values() if lane.load is not None]
     truncated = sum(1 for n in lengths if limit is not None and n > limit)
@@ -211,7 +214,8 @@ def summary(facts: RunFacts, lengths: list[int], limit: int | None, unit: str) -
         "chunks_done": facts.chunks_done,
         "worker_processes": len(facts.lanes),
         "devices": sorted(facts.devices),
-        "wall_seconds": round(wall, 2),
+        "wall_seconds": round(facts.span, 2),
+        "ran_seconds": round(ran, 2),
         "rows_per_second": round(rate, 1) if rate else None,
         "failed_attempts": len(facts.failures),
         "failures_by_class": by_class(facts.failures),
@@ -326,6 +330,7 @@ def _markdown(s: dict[str, Any], png: Path) -> str:
         f"| worker processes | {s['worker_processes']} |",
         f"| devices | {', '.join(s['devices'])} |",
         f"| wall time (first chunk start to last chunk end) | {s['wall_seconds']} s |",
+        f"| time it ran (pauses over {PAUSE_SECONDS:.0f} s left out) | {s['ran_seconds']} s |",
         f"| throughput | {s['rows_per_second']} rows/s |",
         f"| failed attempts | {s['failed_attempts']} ({classes}) |",
         f"| {batches['unit'].replace('_', ' ')} | requested {batches['requested']}; chunks ran at "

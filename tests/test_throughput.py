@@ -1,0 +1,72 @@
+"""The rate counts the time a run ran (issue 37.7): a run stopped overnight and resumed is not
+slower for the night it did not run."""
+
+from __future__ import annotations
+
+import random
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+from chunkq.supervisor.ledger import Ledger, summarised
+from chunkq.supervisor.throughput import PAUSE_SECONDS, Throughput
+
+T0 = datetime(2026, 11, 24, 9, 0, tzinfo=UTC)
+
+
+def _chunk(start: float, seconds: float, rows: int = 100) -> dict[str, object]:
+    begin = T0 + timedelta(seconds=start)
+    return {
+        "rows": rows,
+        "started_at": begin.isoformat(),
+        "finished_at": (begin + timedelta(seconds=seconds)).isoformat(),
+    }
+
+
+def _sessions() -> list[dict[str, object]]:
+    """Ten chunks of 10 s back to back, a night off, ten more: 200 s of work over 12 hours."""
+    first = [_chunk(10 * i, 10) for i in range(10)]
+    second = [_chunk(12 * 3600 + 10 * i, 10) for i in range(10)]
+    return first + second
+
+
+def test_a_stopped_stretch_is_not_counted_whatever_order_chunks_are_added_in() -> None:
+    records = _sessions()
+    for seed in range(5):
+        random.Random(seed).shuffle(records)
+        t = Throughput()
+        for record in records:
+            t.add(record)
+        assert t.seconds(running=False) == 200.0 and t.rows_per_second(running=False) == 10.0
+        assert t.spans is not None and len(t.spans) == 2
+    # Short gaps between chunks (up to PAUSE_SECONDS) are the run's own: counted.
+    gappy = Throughput()
+    for i in range(3):
+        gappy.add(_chunk(i * (10 + PAUSE_SECONDS - 1), 10))
+    assert gappy.seconds(running=False) == 30 + 2 * (PAUSE_SECONDS - 1)
+
+
+def test_while_running_the_time_since_the_last_chunk_counts_up_to_a_pause() -> None:
+    t = Throughput()
+    t.add(_chunk(0, 10))
+    assert t.seconds(running=True, now=T0 + timedelta(seconds=40)) == 40.0
+    resumed_next_day = T0 + timedelta(hours=24)
+    assert t.seconds(running=True, now=resumed_next_day) == 10 + PAUSE_SECONDS
+
+
+def test_the_summary_keeps_the_spans_and_an_old_summary_still_reads(tmp_path: Path) -> None:
+    from chunkq.jobs.run_files import RunLayout, atomic_write_json, read_json
+    from tests.helpers import _write_manifest
+
+    _write_manifest(tmp_path, "paused", 20, 100, 2000)
+    layout = RunLayout(tmp_path, "paused")
+    ledger = Ledger(layout)
+    for i, record in enumerate(_sessions()):
+        ledger.add({**record, "chunk": i})
+    ledger.flush(force=True)
+    again = summarised(layout, 20)
+    assert again is not None and again.seconds(running=False) == 200.0
+    old = read_json(layout.summary)
+    del old["spans"]
+    atomic_write_json(layout.summary, old)
+    before = summarised(layout, 20)
+    assert before is not None and before.seconds(running=False) == 12 * 3600 + 100  # as it was counted then
