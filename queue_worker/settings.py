@@ -6,7 +6,7 @@ the pool options of ``chunkq run``: ``chunkq/cli/settings_options.py``), the wor
 (``worker_argv``) and parser (``add_worker_arguments``), and the settings ``chunkq run`` hands its
 pool whole, as JSON (``to_json``/``from_json``). compose.yaml sets the same ``CHUNKQ_*`` variables;
 a test checks that each one it sets is here. A new pool option is one field below, plus its test and
-its line in the README.
+its line in docs/settings.md.
 """
 
 from __future__ import annotations

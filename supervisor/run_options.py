@@ -5,7 +5,7 @@ Each entry is ``(name, Meta, default)``, the form of the pool's settings (``queu
 the name is the Python API's keyword and the command line's parameter; the flag, the environment
 variable, the help and how a value given as text is checked come from its ``Meta``. From this table
 come the options of ``chunkq run``, ``submit``, ``supervise`` and ``assemble`` (``chunkq/cli/``), the
-names ``chunkq.run(...)`` takes (``supervisor/request.py``) and a test against README's tables.
+names ``chunkq.run(...)`` takes (``supervisor/request.py``) and a test against docs/settings.md's tables.
 ``--store`` and ``--queue`` are every command's, and ``chunkq/cli/common.py``'s.
 """
 

@@ -12,7 +12,7 @@ is taken over only when the file has not been renewed for STALE_SECONDS. A holde
 (SIGSTOP, a frozen VM) while another host took over finds someone else's token when it wakes: it
 never renews or removes that lock, and ``check`` (the fencing test before anything is published)
 raises LockLostError. On a filesystem the file is created exclusively; an object store has no
-exclusive create, so there two owners starting in the same second could both win (documented in README).
+exclusive create, so there two owners starting in the same second could both win (documented in docs/runs.md).
 """
 
 from __future__ import annotations

@@ -61,9 +61,8 @@ def _variables_in_code() -> set[str]:
     return found
 
 
-def test_the_readme_lists_every_environment_variable_once() -> None:
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("### Settings", 1)[1].split("\n##", 1)[0]  # up to the next heading
+def test_the_settings_page_lists_every_environment_variable_once() -> None:
+    section = (ROOT / "docs" / "settings.md").read_text()
     listed = re.findall(r"`(CHUNKQ_[A-Z_]+)`", section)
     duplicates = sorted({v for v in listed if listed.count(v) > 1})
     assert duplicates == []
@@ -124,7 +123,7 @@ def test_the_wheel_installs_one_top_level_name(tmp_path: Path) -> None:
     top-level `supervisor` (PyPI's supervisord) or `jobs`."""
     source = tmp_path / "src"  # a copy: building in the tree would leave build/ behind
     source.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md"):  # README.md: the project's readme, in pyproject.toml
         shutil.copy(ROOT / name, source / name)
     for name in ("chunkq", "jobs", "queue_worker", "supervisor"):
         shutil.copytree(
@@ -254,3 +253,17 @@ def test_doctor_calls_a_redis_without_durable_persistence_a_problem(tmp_path: Pa
         assert loose.returncode == 1 and "appendfsync everysec: a server killed then loses" in loose.stdout
     finally:
         server.stop()
+
+
+def test_the_readme_is_a_first_screen_and_every_page_it_links_exists() -> None:
+    """Issue 37.8: README was 448 lines, the quick start under lock, rename and exit-code detail."""
+    readme = (ROOT / "README.md").read_text()
+    assert readme.startswith("# chunkq\n\n```bash\nmake demo") and len(readme.splitlines()) <= 100
+    links = re.findall(r"\]\(([^)#]+\.md)\)", readme)
+    assert {"docs/settings.md", "docs/failures.md", "docs/exit-codes.md", "SECURITY.md"} <= set(links)
+    assert all((ROOT / link).is_file() for link in links), [
+        link for link in links if not (ROOT / link).is_file()
+    ]
+    for page in (ROOT / "docs").glob("*.md"):
+        for link in re.findall(r"\]\(([^)#:]+\.md)\)", page.read_text()):
+            assert (page.parent / link).resolve().is_file(), (page.name, link)

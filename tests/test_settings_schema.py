@@ -1,5 +1,5 @@
 """One schema for every setting: the pool's (queue_worker/settings.py) and a run's
-(supervisor/run_options.py). The command line, the Python API's keywords and README are generated
+(supervisor/run_options.py). The command line, the Python API's keywords and docs/settings.md are generated
 from them or checked against them here, so an option added by hand anywhere else fails a test."""
 
 from __future__ import annotations
@@ -61,8 +61,10 @@ def test_the_python_api_takes_every_option_by_its_schema_name() -> None:
     assert not run_names & POOL_NAMES - {"precision", "trust_remote_code", "metrics_port"}
 
 
-def test_the_readme_names_every_option_of_every_schema() -> None:
-    readme = (ROOT / "README.md").read_text()
+def test_the_documentation_names_every_option_of_every_schema() -> None:
+    readme = "\n".join(
+        page.read_text() for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    )
     pool = [(n, m) for n, m, _ in schema() if m.cli]
     missing = [
         flag(n, m) for n, m in pool + [(n, m) for n, m, _ in RUN_OPTIONS] if f"`{flag(n, m)}" not in readme
