@@ -121,16 +121,19 @@ class RunLayout:
             if ext == "json" and dot and stem.isdigit():
                 yield int(stem), mtime
 
-    def done_indices(self) -> Iterator[int]:
+    def done_indices(self, chunks: int | None = None) -> Iterator[int]:
         """Indices whose output metadata (the commit marker) exists, as the listing yields them:
-        names only, no stat of each (200,000 of them at 10^5 chunks)."""
+        names only, no stat of each (200,000 of them at 10^5 chunks). Only a chunk's own name counts,
+        and given the run's ``chunks``, only its chunks: a stray file is no chunk done."""
         for name in list_names(self.outputs):
             stem, dot, ext = name.partition(".")
             if ext == "json" and dot and stem.isdigit():
-                yield int(stem)
+                index = int(stem)
+                if stem == chunk_name(index) and (chunks is None or index < chunks):
+                    yield index
 
-    def done_chunks(self) -> set[int]:
-        return set(self.done_indices())
+    def done_chunks(self, chunks: int | None = None) -> set[int]:
+        return set(self.done_indices(chunks))
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

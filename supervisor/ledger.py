@@ -218,6 +218,8 @@ def throughput_of(layout: RunLayout, done: Collection[int]) -> Throughput:
     """The rate's inputs of the chunks in ``done``: ``summary.json`` when it covers them all (one
     small file), else the ledger (a file per LEDGER_BATCH chunks)."""
     throughput = summarised(layout, len(done))
+    if throughput is not None and throughput.rows != load_manifest(layout).rows_of(done):
+        throughput = None  # a summary that counts rows these chunks do not hold: not trusted
     if throughput is None:
         throughput = Throughput()
         for record in stream_records(layout, done):

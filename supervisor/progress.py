@@ -257,7 +257,7 @@ class Tracker:
     def _full_look(self, snap: Snapshot) -> tuple[set[int], set[int]]:
         finished = self._run_indices(self._registry_tail(self._finished_key))  # to forget, once counted
         self._set_cursors()  # before the scan: whatever lands during it is read by the next look
-        self._mark_done(i for i in self.layout.done_indices() if i in self.pending)
+        self._mark_done(i for i in self.layout.done_indices(self.manifest.chunks) if i in self.pending)
         failed, running, finished_late, in_redis, waiting = set(), set(), set(), set(), ChunkSet()
         queued: list[int] = []
         for index, status in self._pending_statuses():
@@ -396,7 +396,7 @@ def store_snapshot(layout: RunLayout, manifest: RunManifest) -> Snapshot:
     chunks done and their rate, the failures recorded and the chunks quarantined."""
     snap = Snapshot(manifest.run_id, manifest.chunks, manifest.rows, live=False)
     snap.owned = StoreLock(layout.owner, "").live_holder() is not None
-    done = layout.done_chunks()
+    done = layout.done_chunks(manifest.chunks)
     snap.rows_done = manifest.rows_of(done)
     throughput = throughput_of(layout, done)
     snap.chunks_done = len(done)

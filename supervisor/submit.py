@@ -330,7 +330,7 @@ def submit(
     if prepared.published:
         log.info("run %s: result already published in %s", run_id, layout.result)
         return SubmitResult.already_published(manifest)
-    done = layout.done_chunks()
+    done = layout.done_chunks(manifest.chunks)
     for index in sorted(i for i in done if not layout.output_npy(i).exists()):
         set_aside(layout, index)  # committed, then its .npy was lost: encode it again
         done.discard(index)

@@ -335,3 +335,25 @@ def test_a_ledger_record_outside_the_run_is_skipped_and_sizes_nothing(
         ledger = ledger_module.Ledger.open(layout)
     assert sorted(ledger.recorded) == [0, 2] and ledger.throughput.rows == 3
     assert "4 ledger record(s) not of this run's chunks skipped" in caplog.text
+
+
+def test_a_stray_output_or_an_inflated_summary_never_shows_as_done(tmp_path: Path) -> None:
+    """Issue 37.15: a stray outputs/000000000099.json made status say "11/10 done, -1 not done"; an
+    inflated summary.json made it show 2,000,000 of 200 rows."""
+    from chunkq.jobs.run_files import RunLayout, atomic_write_json
+    from chunkq.supervisor.progress import store_snapshot
+    from tests.helpers import write_encoded_run
+
+    layout = write_encoded_run(tmp_path, "stray", rows=200, chunk_size=20, dim=8)
+    manifest = load_manifest(layout)
+    (layout.outputs / "000000000099.json").write_text("{}")
+    (layout.outputs / "000099.json").write_text("{}")  # a chunk name, but not a chunk of this run
+    snap = store_snapshot(layout, manifest)
+    assert (snap.chunks_done, snap.rows_done) == (10, 200)
+    summary = json.loads(layout.summary.read_text()) if layout.summary.is_file() else None
+    if summary is None:
+        ledger_module.Ledger.open(layout).flush(force=True)
+        summary = json.loads(layout.summary.read_text())
+    atomic_write_json(layout.summary, {**summary, "rows_recorded": 2_000_000})
+    again = store_snapshot(RunLayout(tmp_path, "stray"), manifest)
+    assert again.rows_done == 200 and again.rows_per_second is not None and again.rows_per_second < 2_000_000

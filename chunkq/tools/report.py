@@ -140,7 +140,7 @@ def gather(layout: RunLayout) -> RunFacts:
     twice, once for the run's span (or ``summary.json`` alone) and once to bin the timeline, and
     every failed attempt (no Redis needed)."""
     manifest = load_manifest(layout)
-    done = layout.done_chunks()
+    done = layout.done_chunks(manifest.chunks)
     facts = RunFacts(manifest, throughput_of(layout, done), failures=failed_attempts(layout))
     labelled = len(done) <= LABELLED_CHUNKS
     for record in stream_records(layout, done):

@@ -103,7 +103,7 @@ def state_of(layout: RunLayout, manifest: RunManifest, checksums: bool = False) 
     damaged = result is not None and bool(result_problems(layout, result, manifest, checksums))
     if result is not None and not damaged:
         return (PUBLISHED if result.get("complete", True) else PARTIAL), int(result["rows"])
-    done = layout.done_chunks()
+    done = layout.done_chunks(manifest.chunks)
     rows_done = manifest.rows_of(done)
     if damaged:
         return DAMAGED, rows_done
