@@ -186,6 +186,15 @@ def test_poison_chunk_is_quarantined_and_reported(tmp_path: Path) -> None:
     ]
     kept = [json.loads(line) for line in (run_dir / "result" / "ids.jsonl").read_text().splitlines()]
     assert kept == ids[:10] + ids[20:]
+    # Issue 37.15: what reads a partial result says so, with the partial exit code.
+    store = str(tmp_path / "s")
+    verify = run_cli("assemble", run_dir.name, "--verify", "--store", store)
+    assert verify.returncode == 9 and "PARTIAL: the result holds 20 of 30 rows" in verify.stdout
+    exported = run_cli(
+        "export", run_dir.name, "--format", "jsonl", "--out", str(tmp_path / "p.jsonl"), "--store", store
+    )
+    assert exported.returncode == 9 and "PARTIAL: the result holds 20 of 30 rows" in exported.stderr
+    assert len((tmp_path / "p.jsonl").read_text().splitlines()) == 20
 
 
 def test_bad_row_in_the_store_is_quarantined_without_retry(

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -17,6 +19,7 @@ from chunkq.cli.group import command
 from chunkq.jobs.errors import AssemblyError
 from chunkq.jobs.manifest import load_manifest
 from chunkq.jobs.run_files import RunLayout, read_json
+from chunkq.queue_worker.exit_codes import EXIT_PARTIAL
 from chunkq.supervisor.assemble import assemble
 from chunkq.supervisor.result import check_published, shard_bytes
 from chunkq.tools.export import EXPORT_FORMATS, STDOUT, export
@@ -121,8 +124,24 @@ def export_cmd(run_id: str, fmt: str, out: Path, force: bool, store: Path, redis
     del redis_url
     # Where the data itself goes to stdout, a pipe or a device, the note of what was written must not join it.
     stream = out == STDOUT or (out.exists() and not out.is_file())
-    written = export(RunLayout(store, run_id), fmt, out, force)
+    layout = RunLayout(store, run_id)
+    written = export(layout, fmt, out, force)
     click.echo(", ".join(str(p) for p in written), err=stream)
+    result = read_json(layout.result_manifest)
+    if not result.get("complete", True):
+        click.echo(f"chunkq: PARTIAL: {_partial(result)}; the export holds only those rows", err=True)
+        sys.exit(EXIT_PARTIAL)
+
+
+def _partial(result: dict[str, Any]) -> str:
+    """What a partial result (--allow-partial) lacks, in one line."""
+    missing = result.get("missing") or []
+    rows = sum(int(m.get("rows", 0)) for m in missing if isinstance(m, dict))
+    chunks = [m.get("chunk") for m in missing if isinstance(m, dict)]
+    return (
+        f"the result holds {result.get('rows')} of {result.get('corpus_rows')} rows; "
+        f"{len(missing)} quarantined chunk(s) ({rows} rows) are missing: {chunks[:10]}"
+    )
 
 
 @command("assemble")
@@ -148,6 +167,9 @@ def assemble_cmd(run_id: str, store: Path, verify: bool, shard_size: str, redis_
             f"{layout.result}: {result['rows']} x {result['dim']}, every checksum matches its manifest "
             "and the result is the run's (fingerprint, model, options, rows)"
         )
+        if not result.get("complete", True):
+            click.echo(f"PARTIAL: {_partial(result)}")
+            sys.exit(EXIT_PARTIAL)
         return
     result = assemble(layout, shard_bytes=shard_bytes(shard_size))
     shards = f" in {len(result['shards'])} shards" if result.get("shards") else ""
