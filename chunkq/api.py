@@ -17,19 +17,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from chunkq.jobs.errors import ConfigError
+from chunkq.jobs.errors import ConfigError, StoreError
 from chunkq.jobs.manifest import load_manifest
 from chunkq.jobs.model_info import describe
 from chunkq.jobs.models import check_model, default_model, resolve_model
 from chunkq.jobs.quantize import stored_columns
-from chunkq.jobs.run_files import RunLayout, load_npy, read_json
+from chunkq.jobs.run_files import RunLayout, load_npy
 from chunkq.jobs.specs import EncodeOptions, storage_dtype
 from chunkq.jobs.storage import is_local, open_store, private_open
 from chunkq.queue_worker.settings import DEFAULT_STORE
 from chunkq.supervisor.display import ProgressDisplay
 from chunkq.supervisor.progress import store_snapshot
 from chunkq.supervisor.request import build_run_request, finished_result
-from chunkq.supervisor.result import ResultPart, ShardedEmbeddings, result_parts
+from chunkq.supervisor.result import (
+    ResultPart,
+    ShardedEmbeddings,
+    read_result_manifest,
+    result_parts,
+    result_problems,
+)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -61,8 +67,17 @@ class RunResult:
         return self.result_dir / "ids.jsonl"
 
     def _parts(self) -> tuple[dict[str, Any], list[ResultPart]]:
+        """The published result's manifest and files, checked against the run and against the files'
+        headers and sizes (a missing, truncated or foreign file is refused in one line, StoreError);
+        a sharded result's shards are also checked against their checksums as they are read."""
         layout = RunLayout(self.store, self.run_id)
-        manifest = read_json(layout.result_manifest)
+        manifest = read_result_manifest(layout)
+        problems = result_problems(layout, manifest, load_manifest(layout), checksums=False)
+        if problems:
+            raise StoreError(
+                f"run {self.run_id}: the published result is damaged ({'; '.join(problems[:3])}); "
+                "`chunkq assemble RUN` publishes it again from the chunk outputs"
+            )
         return manifest, result_parts(layout, manifest)
 
     def embeddings(self, mmap: bool = True) -> np.ndarray | ShardedEmbeddings:

@@ -32,7 +32,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from chunkq.jobs.errors import ConfigError
+from chunkq.jobs.errors import ConfigError, StoreError
 from chunkq.jobs.manifest import RunManifest
 from chunkq.jobs.run_files import (
     MANIFEST_NAME,
@@ -463,7 +463,15 @@ class ShardedEmbeddings:
 
     def shard(self, index: int) -> np.ndarray[Any, Any]:
         if self._cached is None or self._cached[0] != index:
-            self._cached = (index, load_npy(self._parts[index].embeddings))
+            part = self._parts[index]
+            # Each shard is checked against its checksum as it is first read (a shard is read
+            # whole anyway): shards swapped or rewritten on disk are refused, never returned.
+            if file_sha256(part.embeddings) != part.embeddings_sha256:
+                raise StoreError(
+                    f"{part.embeddings} does not match the checksum in its result/manifest.json: the "
+                    "result is damaged; `chunkq assemble RUN` publishes it again from the chunk outputs"
+                )
+            self._cached = (index, load_npy(part.embeddings))
         return self._cached[1]
 
     def _rows(self, rows: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:

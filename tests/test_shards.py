@@ -123,3 +123,31 @@ def test_assemble_shard_size_verify_and_export_through_the_cli(tmp_path: Path) -
     refused = run_cli("assemble", "cli", "--store", str(store), "--shard-size", "lots")
     assert refused.returncode == 6 and "shard size 'lots'" in refused.stderr
     del layout
+
+
+def test_the_python_api_refuses_a_damaged_result_instead_of_returning_its_rows(tmp_path: Path) -> None:
+    """Issue 37.15: RunResult.embeddings() returned swapped shards' rows silently (max diff 0.15) and
+    raised raw FileNotFoundError or mmap errors for missing or short files."""
+    from chunkq.jobs.errors import StoreError
+
+    layout = write_encoded_run(tmp_path / "store", "dmg", rows=600, chunk_size=64, dim=DIM)
+    result = assemble(layout, shard_bytes=200 * ROW_BYTES)
+    api = _api(layout, result)
+    shard_dir = layout.result / result["shard_dir"]
+    first, second = shard_dir / "000000.npy", shard_dir / "000001.npy"
+    good = np.asarray(api.embeddings())
+    saved = first.read_bytes()
+    first.write_bytes(second.read_bytes())  # same size, same header: only the checksum tells
+    second.write_bytes(saved)
+    with pytest.raises(StoreError, match=r"000000\.npy does not match the checksum"):
+        api.embeddings()[0]
+    second.unlink()
+    with pytest.raises(StoreError, match=r"the published result is damaged \(.*000001\.npy unreadable"):
+        api.embeddings()
+    shutil.rmtree(layout.result)
+    assemble(layout)  # one file
+    single = _api(layout, read_json(layout.result_manifest))
+    (layout.result / "embeddings.npy").write_bytes((layout.result / "embeddings.npy").read_bytes()[:-100])
+    with pytest.raises(StoreError, match=r"embeddings\.npy is \d+ bytes, its header makes \d+"):
+        single.embeddings()
+    assert good.shape == (600, DIM)
