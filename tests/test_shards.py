@@ -151,3 +151,29 @@ def test_the_python_api_refuses_a_damaged_result_instead_of_returning_its_rows(t
     with pytest.raises(StoreError, match=r"embeddings\.npy is \d+ bytes, its header makes \d+"):
         single.embeddings()
     assert good.shape == (600, DIM)
+
+
+def test_an_export_whose_result_is_published_again_meanwhile_stops_in_one_line(tmp_path: Path) -> None:
+    """Issue 37.14: `FileNotFoundError` on the old shard folder after 8,192 rows were written, and a
+    `JSONDecodeError` for a truncated result/manifest.json."""
+    from chunkq.jobs.errors import StoreError
+    from chunkq.tools.export import BATCH_ROWS, _ResultReader
+
+    layout = write_encoded_run(tmp_path / "store", "moving", rows=3 * BATCH_ROWS, chunk_size=4096, dim=DIM)
+    first = assemble(layout, shard_bytes=BATCH_ROWS * ROW_BYTES)
+    reading = _ResultReader(layout).batches()
+    next(reading)  # the first shard is read; then its last shard is damaged and a rerun publishes again
+    last = layout.result / first["shard_dir"] / "000002.npy"
+    data = bytearray(last.read_bytes())
+    data[-1] ^= 0xFF
+    last.write_bytes(bytes(data))
+    assemble(layout, shard_bytes=2 * BATCH_ROWS * ROW_BYTES)
+    assert not (layout.result / first["shard_dir"]).exists()
+    with pytest.raises(StoreError, match="was published again while this export read it"):
+        list(reading)
+    out = tmp_path / "out.jsonl"
+    manifest = layout.result / "manifest.json"
+    manifest.write_text(manifest.read_text()[:50])
+    with pytest.raises(AssemblyError, match=r"result/manifest\.json is unreadable"):
+        export(layout, "jsonl", out)
+    assert not out.exists()

@@ -48,7 +48,11 @@ class _ResultReader:
         manifest_path = layout.result_manifest
         if not manifest_path.is_file():
             raise StoreError(f"run {layout.run_id} has no published result; run it to the end first")
-        self.layout, self.manifest = layout, read_json(manifest_path)
+        self.layout = layout
+        try:
+            self.manifest = read_json(manifest_path)
+        except (OSError, ValueError) as exc:  # torn or truncated: `assemble --verify` says the same
+            raise self._damaged(f"result/manifest.json is unreadable ({exc})") from None
         disagreement = result_problems(layout, self.manifest, run, checksums=False)
         if disagreement:
             raise self._damaged("; ".join(disagreement))
@@ -80,7 +84,11 @@ class _ResultReader:
     def _part_batches(self, part: ResultPart) -> Iterator[tuple[list[str], np.ndarray]]:
         emb_hash, ids_hash = hashlib.sha256(), hashlib.sha256()
         name = part.embeddings.name
-        with part.embeddings.open("rb") as emb, part.ids.open("rb") as ids:
+        try:
+            emb, ids = part.embeddings.open("rb"), part.ids.open("rb")
+        except FileNotFoundError:
+            raise self._gone(part) from None
+        with emb, ids:
             header = _read_header(emb, emb_hash, name, self.dtype)
             if header != (part.rows, self.dim):
                 raise self._damaged(f"{name} holds {header}, the manifest says {(part.rows, self.dim)}")
@@ -106,6 +114,20 @@ class _ResultReader:
             raise self._damaged(f"{name} holds more rows than the manifest says")
         if emb_hash.hexdigest() != part.embeddings_sha256 or ids_hash.hexdigest() != part.ids_sha256:
             raise self._damaged(f"{name} or its ids do not match the checksums in its manifest")
+
+    def _gone(self, part: ResultPart) -> StoreError | AssemblyError:
+        """A file of the result vanished while the export read it: published again meanwhile (a rerun,
+        an assemble), which removes the old shards once the new manifest is in place; or damaged."""
+        try:
+            now = read_json(self.layout.result_manifest)
+        except (OSError, ValueError):
+            now = None
+        if now != self.manifest:
+            return StoreError(
+                f"run {self.layout.run_id}: the result was published again while this export read it "
+                f"({part.embeddings.name} was replaced); nothing was written: run the same export again"
+            )
+        return self._damaged(f"{part.embeddings.name} or its ids are missing")
 
     def _damaged(self, why: str) -> AssemblyError:
         return AssemblyError(
