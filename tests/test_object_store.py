@@ -261,3 +261,21 @@ def test_every_corpus_format_reads_from_the_object_store_as_from_disk(
     on_disk = [(r.id, r.text) for r in read_corpus(local, options)]
     from_s3 = [(r.id, r.text) for r in read_corpus(open_store(f"s3://{remote}"), options)]
     assert from_s3 == on_disk and len(on_disk) == 30
+
+
+def test_an_unreachable_store_or_a_missing_bucket_is_one_line_and_a_documented_code(
+    s3_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Issue 37.10: object-store failures were exit 70, "a bug in chunkq"."""
+    corpus = write_corpus(tmp_path / "c.jsonl", ["1"], ["a text"], "jsonl")
+    env = {**s3_env, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    closed = {**env, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{_free_port()}"}
+    unreachable = run_cli("run", str(corpus), "--store", f"s3://{BUCKET}/x", **closed)
+    assert unreachable.returncode == 11, unreachable.stderr[-2000:]
+    assert "the object store could not be reached or refused the request: EndpointConnectionError" in (
+        unreachable.stderr
+    )
+    missing = run_cli("run", str(corpus), "--store", "s3://no-such-bucket-here/x", **env)
+    assert missing.returncode in (6, 11), missing.stderr[-2000:]
+    for done in (unreachable, missing):
+        assert "internal error" not in done.stderr and "Traceback" not in done.stderr

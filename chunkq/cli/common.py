@@ -100,20 +100,62 @@ def reports_errors(func: F) -> F:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             sys.exit(EXIT_BROKEN_PIPE)
         except OSError as exc:
-            if exc.errno not in errors.STORAGE_ERRNOS:
-                _internal_error(exc)
-            log.debug("storage error", exc_info=exc)
-            where = f" writing {exc.filename}" if exc.filename else ""
-            click.echo(
-                f"chunkq: error: {exc.strerror}{where}; make room (or fix the permissions) and run the "
-                f"same command again (nothing partial was published; {RESUME_HINT})",
-                err=True,
-            )
-            sys.exit(EXIT_STORAGE)
+            _os_error(exc)
         except Exception as exc:
+            if _is_object_store_error(exc):
+                _store_refused(exc, "could not be reached or refused the request")
             _internal_error(exc)
 
     return wrapper  # type: ignore[return-value]
+
+
+def _os_error(exc: OSError) -> NoReturn:
+    """A disk or store that refuses (full, read-only, not ours, a bucket's 403 or missing bucket):
+    one line and EXIT_STORAGE; any other OSError is a bug."""
+    if isinstance(exc, PermissionError) and exc.errno is None:  # s3fs and gcsfs: 403 Forbidden
+        _store_refused(exc, "refused access (check the store's credentials and permissions)")
+    if isinstance(exc, FileNotFoundError) and exc.errno is None and "://" in str(exc):
+        _store_refused(exc, "has no such bucket or path")  # fsspec's NoSuchBucket
+    if exc.errno not in errors.STORAGE_ERRNOS:
+        _internal_error(exc)
+    log.debug("storage error", exc_info=exc)
+    where = f" writing {exc.filename}" if exc.filename else ""
+    click.echo(
+        f"chunkq: error: {exc.strerror}{where}; make room (or fix the permissions) and run the "
+        f"same command again (nothing partial was published; {RESUME_HINT})",
+        err=True,
+    )
+    sys.exit(EXIT_STORAGE)
+
+
+# The object stores' client errors (botocore, aiobotocore, aiohttp, google-auth), by class name: the
+# store's network, endpoint or credentials, not a bug in chunkq. Named, not imported: each is an
+# optional extra.
+OBJECT_STORE_ERRORS = frozenset(
+    {
+        "BotoCoreError",
+        "ClientError",
+        "EndpointConnectionError",
+        "NoCredentialsError",
+        "ClientConnectorError",
+        "ServerTimeoutError",
+        "RefreshError",
+        "TransportError",
+    }
+)
+
+
+def _is_object_store_error(exc: BaseException) -> bool:
+    return any(cls.__name__ in OBJECT_STORE_ERRORS for cls in type(exc).__mro__)
+
+
+def _store_refused(exc: BaseException, what: str) -> NoReturn:
+    click.echo(
+        f"chunkq: error: the object store {what}: {type(exc).__name__}: {errors.first_line(str(exc))}; "
+        f"fix it and run the same command again ({RESUME_HINT})",
+        err=True,
+    )
+    sys.exit(EXIT_STORAGE)
 
 
 def masked_url(url: str) -> str:
