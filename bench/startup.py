@@ -9,7 +9,10 @@ measurements (the median of ``--repeats`` rounds is reported):
 - plain load + encode: the same, then ``encode`` of 2 texts;
 - chunkq run, first chunk: ``chunkq run`` of 200 short texts (chunks of 50) into a new store, from
   launch to the first chunk's ``started_at`` (its output metadata), and to the end;
-- chunkq.embed, 2 texts: ``import chunkq; chunkq.embed(["first text", "second text"])``.
+- chunkq.embed, 2 texts: ``import chunkq; chunkq.embed(["first text", "second text"])`` (in the
+  caller's process, as a few texts are: issue 37.4), and the same with ``isolated=True`` (a run:
+  embedded Redis, a pool, a store);
+- a second query in a process that has embedded once: the in-process path's cost per call.
 Goals: first chunk <= 1.5x the plain load; embed of 2 texts <= 2x the plain load and encode.
 """
 
@@ -34,6 +37,11 @@ PLAIN = (
 )
 ENCODE = "; m.encode(['first text', 'second text'])"
 EMBED = "import chunkq; chunkq.embed(['first text', 'second text'])"
+EMBED_ISOLATED = "import chunkq; chunkq.embed(['first text', 'second text'], isolated=True)"
+SECOND_QUERY = (
+    "import time, chunkq; chunkq.embed(['warm']); t = time.perf_counter(); chunkq.embed(['a query']); "
+    "print(time.perf_counter() - t)"
+)
 
 
 def _timed(cmd: list[str]) -> tuple[float, float]:
@@ -66,7 +74,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     path = resolve_model(BUNDLED_MODEL)
-    figures: dict[str, list[float]] = {k: [] for k in ("load", "load_encode", "first_chunk", "run", "embed")}
+    names = ("load", "load_encode", "first_chunk", "run", "embed", "embed_isolated", "second_query")
+    figures: dict[str, list[float]] = {k: [] for k in names}
     with tempfile.TemporaryDirectory(prefix="chunkq-startup-") as scratch:
         for round_ in range(args.repeats):
             figures["load"].append(_timed([sys.executable, "-c", PLAIN.format(path=path)])[1])
@@ -75,6 +84,11 @@ def main() -> None:
             figures["run"].append(total)
             figures["load_encode"].append(_timed([sys.executable, "-c", PLAIN.format(path=path) + ENCODE])[1])
             figures["embed"].append(_timed([sys.executable, "-c", EMBED])[1])
+            figures["embed_isolated"].append(_timed([sys.executable, "-c", EMBED_ISOLATED])[1])
+            second = subprocess.run(
+                [sys.executable, "-c", SECOND_QUERY], capture_output=True, text=True, check=True
+            )
+            figures["second_query"].append(float(second.stdout.strip().splitlines()[-1]))
             print(json.dumps({k: round(v[-1], 2) for k, v in figures.items()}), flush=True)
     median = {k: statistics.median(v) for k, v in figures.items()}
     result: dict[str, Any] = {
@@ -88,7 +102,8 @@ def main() -> None:
         f"{median['load_encode']:.2f}; chunkq run: first chunk {median['first_chunk']:.2f} "
         f"({result['first_chunk_vs_load']}x the plain load; goal <= 1.5x), whole run {median['run']:.2f}; "
         f"chunkq.embed of 2 texts {median['embed']:.2f} ({result['embed_vs_load_encode']}x the plain load "
-        "and encode; goal <= 2x)"
+        f"and encode; goal <= 2x), isolated {median['embed_isolated']:.2f}; a second query in a warm "
+        f"process {median['second_query'] * 1000:.1f} ms"
     )
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")

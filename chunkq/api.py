@@ -13,22 +13,22 @@ import json
 import tempfile
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from chunkq.jobs.errors import ConfigError, StoreError
+from chunkq.jobs.errors import ConfigError, NonFiniteError, StoreError
 from chunkq.jobs.manifest import load_manifest
 from chunkq.jobs.model_info import describe
 from chunkq.jobs.models import check_model, default_model, resolve_model
 from chunkq.jobs.quantize import stored_columns
 from chunkq.jobs.run_files import RunLayout, load_npy
-from chunkq.jobs.specs import EncodeOptions, storage_dtype
+from chunkq.jobs.specs import CALIBRATED_DTYPES, EncodeOptions, storage_dtype
 from chunkq.jobs.storage import is_local, open_store, private_open
 from chunkq.queue_worker.settings import DEFAULT_STORE
 from chunkq.supervisor.display import ProgressDisplay
 from chunkq.supervisor.progress import store_snapshot
-from chunkq.supervisor.request import build_run_request, finished_result
+from chunkq.supervisor.request import ENCODE_NAMES, build_run_request, encode_options_of, finished_result
 from chunkq.supervisor.result import (
     ResultPart,
     ShardedEmbeddings,
@@ -141,11 +141,15 @@ def run(
     )
 
 
+IN_PROCESS_TEXTS = 1000  # up to this many texts (one chunk's worth), embed encodes in the caller's process
+
+
 def embed(
     texts_or_path: Iterable[str] | str | Path,
     model: str | None = None,
     *,
     store: str | Path | None = None,
+    isolated: bool | None = None,
     **options: Any,
 ) -> np.ndarray:
     """Embeddings of ``texts_or_path`` as an array (float32, or ``output_dtype``), row i for text
@@ -153,6 +157,13 @@ def embed(
 
     A list of texts, or a corpus path (file or glob) as ``chunkq run`` takes. Without ``store`` the
     work happens in a temporary store that is removed afterwards; give one to resume after a crash.
+
+    Up to IN_PROCESS_TEXTS texts given as a list, with no ``store`` and only encoding options, are
+    encoded in this process (``isolated=None``, the default): a query in milliseconds once the model
+    is loaded, the same embeddings as a run. What that gives up: the fresh process (a CUDA fault
+    lands in yours), resume, and the model stays loaded in this process for the next call.
+    ``isolated=True`` always goes through a run (embedded Redis, a pool, a store); ``False``
+    encodes in this process whatever the size.
     """
     import numpy as np
 
@@ -161,6 +172,14 @@ def embed(
             f"chunkq.embed takes a list of texts or a corpus path; {texts_or_path[:60]!r} is neither a "
             "file nor a pattern that matches one (for one text, pass [text])"
         )
+    if not isinstance(texts_or_path, str | Path) and store is None and isolated is not True:
+        texts = list(texts_or_path)
+        others = sorted(set(options) - ENCODE_NAMES)  # pool or watch settings: a run's
+        if isolated is False or (not others and len(texts) <= IN_PROCESS_TEXTS):
+            if others:
+                raise ConfigError(f"isolated=False takes encoding options only, not {others}")
+            return _embed_in_process(texts, model, encode_options_of(options))
+        texts_or_path = texts
     with tempfile.TemporaryDirectory(prefix="chunkq-") as scratch:
         if isinstance(texts_or_path, str | Path):
             corpus: str | Path = texts_or_path
@@ -170,6 +189,43 @@ def embed(
                 return _empty(model, options)
         result = run(corpus, model, store=store or Path(scratch) / "store", **options)
         return np.array(result.embeddings(mmap=False))
+
+
+def _embed_in_process(texts: list[str], model: str | None, options: EncodeOptions) -> np.ndarray:
+    """``texts`` encoded here as a run's worker encodes a chunk (same options, same batches, same
+    checks), stored as the run would store them. int8/uint8 ranges come from these texts encoded in
+    fp32, as a run's calibration does from up to 1,000 of its texts."""
+    import numpy as np
+    import torch
+
+    from chunkq.jobs import models, quantize, token_batches
+    from chunkq.jobs.embed import encode_texts
+    from chunkq.jobs.model_info import check_options
+    from chunkq.jobs.run_files import non_finite_rows
+
+    name = check_model(model) if model else default_model()
+    check_options(describe(name, options.revision), options)
+    if not texts:
+        return _empty(name, options.to_dict())
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    work = token_batches.for_device(options, device)
+    if work.batch_tokens == "auto":
+        work = replace(work, batch_tokens=token_batches.AUTO_START_TOKENS)
+    loaded = models.get_model(name, device, options.precision, options)
+    embeddings = encode_texts(loaded, texts, work)
+    bad = non_finite_rows(embeddings)
+    if len(bad):
+        raise NonFiniteError(
+            f"{len(bad)} of {len(texts)} text(s) gave NaN or infinite values (texts {list(bad[:5])})"
+        )
+    ranges = None
+    if options.output_dtype in CALIBRATED_DTYPES:
+        wide = embeddings
+        if options.precision != "fp32":
+            fp32 = models.get_model(name, device, "fp32", options)
+            wide = encode_texts(fp32, texts, replace(work, batch_tokens=None))
+        ranges = quantize.ranges_of(wide)
+    return np.asarray(quantize.convert(embeddings, options.output_dtype, ranges))
 
 
 def _names_files(text: str) -> bool:

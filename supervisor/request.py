@@ -102,6 +102,14 @@ def corpus_format(paths: Sequence[Path], given: str | None) -> str:
     return formats.pop()
 
 
+ENCODE_NAMES = frozenset({f.name for f in fields(EncodeOptions)} | set(_ENCODE_NAMES))
+
+
+def encode_options_of(encode: dict[str, Any]) -> EncodeOptions:
+    """EncodeOptions from keywords as the API and submit take them (``normalize`` too; None: default)."""
+    return EncodeOptions(**{_ENCODE_NAMES.get(k, k): v for k, v in encode.items() if v is not None})
+
+
 def submit_request(
     corpora: Sequence[str | Path],
     store: Path,
@@ -124,7 +132,7 @@ def submit_request(
     positive_int("chunk_size", chunk_size)
     if job_timeout is not None:
         positive_int("job_timeout", job_timeout)
-    encode_options = EncodeOptions(**{_ENCODE_NAMES.get(k, k): v for k, v in encode.items() if v is not None})
+    encode_options = encode_options_of(encode)
     model = check_model(model) if model else default_model()
     check_options(describe(model, encode_options.revision), encode_options)
     return SubmitRequest(
