@@ -120,7 +120,7 @@ def test_verify_checks_the_result_manifest_against_the_runs(encoded_run: Any) ->
     assert "says 46 rows" in verify.stderr and "every checksum matches" not in verify.stdout
     runs = run_cli("runs", "--store", store, "--json")
     assert '"published"' not in runs.stdout, runs.stdout
-    refused = run_cli("export", layout.run_id, "--store", store, "--out", str(layout.store / "x.npy"))
+    refused = run_cli("export", layout.run_id, "--store", store, "--out", str(layout.store.parent / "x.npy"))
     assert refused.returncode == 5 and "run `chunkq assemble RUN` again" in refused.stderr
 
     repaired = run_cli("assemble", layout.run_id, "--store", store)  # what export told the user to do

@@ -306,7 +306,8 @@ def test_a_model_saved_by_the_installed_sentence_transformers_is_read_as_it_read
     assert (
         (info.dim, info.max_seq_length)
         == (
-            model.get_sentence_embedding_dimension(),
+            # sentence-transformers 6 renamed it get_embedding_dimension; older versions have only this
+            getattr(model, "get_embedding_dimension", model.get_sentence_embedding_dimension)(),
             model.max_seq_length,
         )
         == (384, 256)
