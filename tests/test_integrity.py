@@ -108,10 +108,12 @@ def test_a_result_is_replaced_in_one_step(tmp_path: Path) -> None:
 def test_a_damaged_result_is_never_called_published_nor_its_chunk_outputs_freed(tmp_path: Path) -> None:
     """Issue 37.13: a truncated shard was "published" to `runs`, and `clean --outputs-only` freed
     every chunk output, the only good copy; `assemble` then failed."""
-    ids, texts = make_texts(40, seed=82)
-    corpus, store = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl"), tmp_path / "store"
-    assert _run(corpus, store).returncode == 0
-    layout = only_run(store)
+    from chunkq.supervisor.assemble import assemble
+    from tests.helpers import write_encoded_run
+
+    store = tmp_path / "store"
+    layout = write_encoded_run(store, "damaged", rows=40, chunk_size=20, dim=16)  # no model needed
+    assemble(layout)
     embeddings = layout.result / "embeddings.npy"
     good = embeddings.read_bytes()
     embeddings.write_bytes(good[:-1000])  # truncated: seen by its size alone

@@ -269,7 +269,7 @@ def test_an_unreachable_store_or_a_missing_bucket_is_one_line_and_a_documented_c
     """Issue 37.10: object-store failures were exit 70, "a bug in chunkq"."""
     corpus = write_corpus(tmp_path / "c.jsonl", ["1"], ["a text"], "jsonl")
     env = {**s3_env, "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    closed = {**env, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{_free_port()}"}
+    closed = {**env, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{_free_port()}", "AWS_MAX_ATTEMPTS": "1"}
     unreachable = run_cli("run", str(corpus), "--store", f"s3://{BUCKET}/x", **closed)
     assert unreachable.returncode == 11, unreachable.stderr[-2000:]
     assert "the object store could not be reached or refused the request: EndpointConnectionError" in (
