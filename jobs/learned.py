@@ -49,7 +49,8 @@ def _locked(layout: RunLayout, device_kind: str) -> Iterator[None]:
         yield
         return
     private_dirs(path.parent)
-    fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    # O_NOFOLLOW: a link planted as the lock file is refused, never followed out of the store.
+    fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
