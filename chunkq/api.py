@@ -242,9 +242,9 @@ def _empty(model: str | None, options: dict[str, Any]) -> np.ndarray:
     if dim is None:  # its files do not say: ask the model itself
         from sentence_transformers import SentenceTransformer
 
-        dim = int(
-            SentenceTransformer(resolve_model(name), device="cpu").get_sentence_embedding_dimension() or 0
-        )
+        loaded = SentenceTransformer(resolve_model(name), device="cpu")
+        # sentence-transformers 6 renamed it get_embedding_dimension (the old name warns, then goes)
+        dim = int(getattr(loaded, "get_embedding_dimension", loaded.get_sentence_embedding_dimension)() or 0)
     columns = stored_columns(dim, encode.output_dtype)
     return np.empty((0, columns), dtype=storage_dtype(encode.output_dtype))
 
