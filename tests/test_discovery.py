@@ -119,6 +119,7 @@ def three_gpus(tmp_path: Path) -> dict[str, str]:
     return {SIMULATED_ENV: str(path), "CUDA_VISIBLE_DEVICES": "1"}
 
 
+@pytest.mark.slow  # loads or runs the model in a subprocess or several times: the slow tier
 def test_doctor_under_an_inherited_visible_list_shows_that_gpu_alone(
     three_gpus: dict[str, str], tmp_path: Path
 ) -> None:
@@ -152,6 +153,7 @@ def test_pool_gpus_all_under_an_inherited_visible_list_uses_that_gpu_alone(
     assert redis.Redis.from_url(redis_url).ping()
 
 
+@pytest.mark.slow  # loads or runs the model in a subprocess or several times: the slow tier
 def test_doctor_says_which_gpu_takes_one_process(tmp_path: Path) -> None:
     path = tmp_path / "gpus.json"
     path.write_text(json.dumps({"gpus": [{"compute_mode": 3}, {"error": "GPU_IS_LOST"}]}))

@@ -130,6 +130,7 @@ def test_out_is_never_replaced_unasked_and_streams_are_written_through(tmp_path:
     assert not Path("/dev/stdout").is_file() or Path("/dev/stdout").is_symlink()
 
 
+@pytest.mark.slow  # loads or runs the model in a subprocess or several times: the slow tier
 def test_an_export_is_written_with_the_callers_umask_and_the_store_stays_owner_only(tmp_path: Path) -> None:
     """Issue 37.7: `chunkq export` wrote 0600 files (the command's own umask); a result is for sharing."""
     import os

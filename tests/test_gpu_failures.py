@@ -68,6 +68,7 @@ def test_a_gpu_that_cannot_run_the_model_is_named_and_leaves(store: Path, inject
     assert runtime.ending() is not None and runtime.ending()[0] == runtime.DEVICE_UNSUPPORTED  # type: ignore[index]
 
 
+@pytest.mark.slow  # loads or runs the model in a subprocess or several times: the slow tier
 def test_a_launch_too_large_backs_off_before_it_condemns_the_gpu(
     store: Path, inject: Any, reference_model: Any
 ) -> None:
@@ -92,6 +93,7 @@ def test_a_non_finite_row_is_never_published(store: Path, inject: Any) -> None:
     assert errors.classify(NonFiniteError("x")) == errors.NON_FINITE
 
 
+@pytest.mark.slow  # loads or runs the model in a subprocess or several times: the slow tier
 def test_rows_that_overflow_in_half_precision_are_encoded_again_in_float32(
     store: Path, inject: Any, reference_model: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -292,6 +292,7 @@ def test_a_run_pins_a_cached_revision_and_an_absent_one_is_refused(
     assert local.returncode == 6 and "applies to hub models" in local.stderr
 
 
+@pytest.mark.slow  # loads or runs the model in a subprocess or several times: the slow tier
 def test_a_model_saved_by_the_installed_sentence_transformers_is_read_as_it_reads_it(tmp_path: Path) -> None:
     """Issue 37.3: sentence-transformers 6 writes ``embedding_dimension`` and ``pooling_mode``, and
     keeps the maximum length in the tokenizer's config; the checks before a run read the same."""
@@ -329,6 +330,7 @@ def test_a_model_saved_by_the_installed_sentence_transformers_is_read_as_it_read
     assert not (tmp_path / "store").exists()
 
 
+@pytest.mark.slow  # loads or runs the model in a subprocess or several times: the slow tier
 def test_sentence_transformers_default_prompt_notice_stays_out_of_a_warning_log(tmp_path: Path) -> None:
     """Issue 37.7: "Default prompt name is set to ..." printed at --log-level warning in every worker."""
     import subprocess

@@ -42,6 +42,7 @@ def test_one_tokenisation_gives_a_plain_encodes_embeddings(
     assert got.shape == (90, 128) and max_abs_diff(got, expected) <= 1e-5
 
 
+@pytest.mark.slow  # loads or runs the model in a subprocess or several times: the slow tier
 def test_a_left_padding_tokenizer_is_trimmed_from_the_left(
     counted: tuple[Any, list[int]], reference_model: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -65,6 +66,7 @@ def test_a_left_padding_tokenizer_is_trimmed_from_the_left(
     assert max_abs_diff(got, expected) > 1e-4  # the side matters: a trim from the wrong side would show
 
 
+@pytest.mark.slow  # loads or runs the model in a subprocess or several times: the slow tier
 def test_features_that_cannot_be_cut_fall_back_to_encode_per_batch(
     counted: tuple[Any, list[int]], reference_model: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
