@@ -199,6 +199,7 @@ def _embed_in_process(texts: list[str], model: str | None, options: EncodeOption
     import torch
 
     from chunkq.jobs import models, quantize, token_batches
+    from chunkq.jobs.calibrate import ranges_here
     from chunkq.jobs.embed import encode_texts
     from chunkq.jobs.model_info import check_options
     from chunkq.jobs.run_files import non_finite_rows
@@ -219,12 +220,9 @@ def _embed_in_process(texts: list[str], model: str | None, options: EncodeOption
             f"{len(bad)} of {len(texts)} text(s) gave NaN or infinite values (texts {list(bad[:5])})"
         )
     ranges = None
-    if options.output_dtype in CALIBRATED_DTYPES:
-        wide = embeddings
-        if options.precision != "fp32":
-            fp32 = models.get_model(name, device, "fp32", options)
-            wide = encode_texts(fp32, texts, replace(work, batch_tokens=None))
-        ranges = quantize.ranges_of(wide)
+    if options.output_dtype in CALIBRATED_DTYPES:  # a run's calibration, from these texts
+        same = options.precision == "fp32" and work.batch_tokens is None  # what calibration encodes
+        ranges = quantize.ranges_of(embeddings) if same else ranges_here(name, options, texts, device)
     return np.asarray(quantize.convert(embeddings, options.output_dtype, ranges))
 
 

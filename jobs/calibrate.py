@@ -38,19 +38,35 @@ def ranges_for(model: str, options: EncodeOptions, texts: list[str]) -> dict[str
     return dict(json.loads(done.stdout))
 
 
-def _main() -> None:
+def ranges_here(model: str, options: EncodeOptions, texts: list[str], device: str) -> list[list[float]]:
+    """The ranges of ``texts`` encoded in this process in fp32, as a run's calibration encodes them."""
     from chunkq.jobs import models, quantize
     from chunkq.jobs.embed import encode_texts
 
+    wide = replace(options, batch_tokens=None)
+    loaded = models.get_model(model, device, "fp32", wide)
+    return quantize.ranges_of(encode_texts(loaded, texts, wide))
+
+
+def _main() -> None:
+    from chunkq.jobs import models
+
     request = json.loads(sys.stdin.buffer.read())
-    options = replace(EncodeOptions.from_dict(request["options"]), batch_tokens=None)
+    options = EncodeOptions.from_dict(request["options"])
     models.assume_offline()
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    loaded = models.get_model(request["model"], device, "fp32", options)
-    embeddings = encode_texts(loaded, list(request["texts"]), options)
-    print(json.dumps({"rows": len(embeddings), "ranges": quantize.ranges_of(embeddings), "device": device}))
+    texts = list(request["texts"])
+    print(
+        json.dumps(
+            {
+                "rows": len(texts),
+                "ranges": ranges_here(request["model"], options, texts, device),
+                "device": device,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":
