@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
@@ -21,7 +22,7 @@ from typing import Any
 import numpy as np
 from rq import get_current_job
 
-from chunkq.jobs import cuda, errors, faults, jobmeta, learned, models, quantize, runtime, token_batches
+from chunkq.jobs import chunk_progress, cuda, errors, faults, jobmeta, learned, models, quantize, runtime, token_batches
 from chunkq.jobs.errors import (
     AllocatorOutOfMemoryError,
     BadInputError,
@@ -48,10 +49,14 @@ MIN_BATCH = 1
 
 
 def encode_texts(
-    loaded: models.LoadedModel, texts: list[str], options: EncodeOptions
+    loaded: models.LoadedModel,
+    texts: list[str],
+    options: EncodeOptions,
+    on_rows: Callable[[int], None] | None = None,
 ) -> np.ndarray[Any, Any]:
     """The maths alone: texts in, float32 rows out, in input order (prompt, truncation and
-    normalisation applied as sentence-transformers applies them; not yet converted for storage)."""
+    normalisation applied as sentence-transformers applies them; not yet converted for storage).
+    ``on_rows``: told the rows encoded so far after each batch."""
     model = loaded.model
     # The cached model is shared by every run this process serves, so set the length on each call.
     model.max_seq_length = options.max_seq_length or loaded.default_max_seq_length
@@ -62,8 +67,8 @@ def encode_texts(
         "truncate_dim": options.truncate_dim,
     }
     if isinstance(options.batch_tokens, int):
-        return token_batches.encode(model, texts, options.batch_tokens, kwargs)
-    return token_batches.encode(model, texts, options.batch_size, kwargs, by_tokens=False)
+        return token_batches.encode(model, texts, options.batch_tokens, kwargs, on_rows=on_rows)
+    return token_batches.encode(model, texts, options.batch_size, kwargs, by_tokens=False, on_rows=on_rows)
 
 
 WARM_UP_TOKENS_GPU = (16, 64, 256, 512)  # lengths a warm-up encode covers, capped at the model's maximum
@@ -106,6 +111,7 @@ def encode_with_backoff(
     attempt: int,
     start_batch: int,
     ctx: runtime.WorkerContext,
+    on_rows: Callable[[int], None] | None = None,
 ) -> Encoded:
     """Encode, halving the batch (or the token budget) after each out-of-memory error.
 
@@ -126,7 +132,7 @@ def encode_with_backoff(
                 if by_tokens
                 else replace(chunk.options, batch_size=batch)
             )
-            rows = encode_texts(loaded, texts, options)
+            rows = encode_texts(loaded, texts, options, on_rows)
             faults.poison(chunk.run_id, chunk.index, attempt, chunk.options.precision, rows)
             return Encoded(rows, batch, backoffs)
         except Exception as exc:
@@ -187,11 +193,12 @@ def encode_finite(
     attempt: int,
     start_batch: int,
     ctx: runtime.WorkerContext,
+    on_rows: Callable[[int], None] | None = None,
 ) -> tuple[Encoded, dict[str, Any] | None]:
     """Encode with back-off; rows that came out NaN or infinite (a float16 or bfloat16 overflow)
     are encoded again in float32 once, or fail the chunk. Returns what fitted and, after a float32
     encode, what it was for (for the output's metadata)."""
-    encoded = encode_with_backoff(loaded, texts, chunk, attempt, start_batch, ctx)
+    encoded = encode_with_backoff(loaded, texts, chunk, attempt, start_batch, ctx, on_rows)
     bad = non_finite_rows(encoded.embeddings)
     if not len(bad):
         return encoded, None
@@ -298,8 +305,12 @@ def _embed(chunk: ChunkSpec) -> dict[str, Any]:
     started_at = datetime.now(UTC)
     cuda.reset_peak_memory(ctx.device)
     t0 = time.perf_counter()
+    progress = chunk_progress.RowsReporter(
+        job.connection if job is not None else None, chunk.run_id, chunk.index, len(texts)
+    )
+    progress(0)
     try:
-        encoded, widened = encode_finite(loaded, texts, work, attempt, start, ctx)
+        encoded, widened = encode_finite(loaded, texts, work, attempt, start, ctx, progress)
     except AllocatorOutOfMemoryError as exc:
         limit = exc.retry_limit
         learned.update(layout, ctx.device_kind, lambda record: learned.lowered(record, work.options, limit))
@@ -337,9 +348,11 @@ def _embed(chunk: ChunkSpec) -> dict[str, Any]:
         "seconds": round(seconds, 4),
         "model_load_seconds": round(loaded.load_seconds, 3),
         "model_loaded_at": loaded.loaded_at,
+        "startup": ctx.startup(),  # the worker's start-up and its pool's, for the report
         **cuda.peak_memory(ctx.device),
         "started_at": started_at.isoformat(),
         "finished_at": datetime.now(UTC).isoformat(),
+        "rows_at": progress.samples,  # [seconds since started_at, rows encoded by then], for the report
     }
     stored = quantize.convert(encoded.embeddings, manifest.output_dtype, manifest.ranges)
     if stored.dtype.kind == "f" and len(overflow := non_finite_rows(stored)):

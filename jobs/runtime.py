@@ -5,10 +5,16 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
 
 # How the pool tells a worker its device: set in its environment before torch is imported.
 DEVICE_ENV = "CHUNKQ_DEVICE"  # "cpu" or "cuda"
 GPU_ENV = "CHUNKQ_GPU"  # the physical GPU index, for the record
+# When the pool that started this worker started, and the run it was started for (``chunkq run``
+# starts a pool per run): how long the run waited before its first chunk, for the report.
+POOL_STARTED_ENV = "CHUNKQ_POOL_STARTED_AT"
+POOL_FOR_RUN_ENV = "CHUNKQ_POOL_FOR_RUN"
 
 
 @dataclass(frozen=True)
@@ -26,6 +32,27 @@ class WorkerContext:
     store: str | None = None
     models: frozenset[str] | None = None
     remote_code: bool = False  # whether a model's own code may run here (pool --trust-remote-code)
+    # Start-up, as wall-clock seconds (epoch): the pool's start, this process's, and when it was
+    # ready to take a job (model loaded, warmed up). None where unknown (in-process calls).
+    pool_started_at: float | None = None
+    pool_for_run: str | None = None
+    process_started_at: float | None = None
+    ready_at: float | None = None
+
+    def startup(self) -> dict[str, Any] | None:
+        """What a chunk's output records of its worker's start-up (ISO times), or None."""
+        if self.process_started_at is None:
+            return None
+
+        def iso(t: float | None) -> str | None:
+            return None if t is None else datetime.fromtimestamp(t, UTC).isoformat()
+
+        return {
+            "pool_started_at": iso(self.pool_started_at),
+            "pool_for_run": self.pool_for_run,
+            "process_started_at": iso(self.process_started_at),
+            "ready_at": iso(self.ready_at),
+        }
 
 
 # Why a worker must end after the job in hand (jobs/ cannot name the worker's exit codes; the

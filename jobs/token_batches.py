@@ -12,6 +12,7 @@ halves it; the size that fitted after an OOM becomes a ceiling.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -56,11 +57,17 @@ def plan_fixed(lengths: list[int], size: int) -> list[list[int]]:
 
 
 def encode(
-    model: Any, texts: list[str], limit: int, encode_kwargs: dict[str, Any], by_tokens: bool = True
+    model: Any,
+    texts: list[str],
+    limit: int,
+    encode_kwargs: dict[str, Any],
+    by_tokens: bool = True,
+    on_rows: Callable[[int], None] | None = None,
 ) -> np.ndarray[Any, Any]:
     """Encode ``texts`` in batches cut from their token lengths, longest first: of at most ``limit``
     padded tokens (``by_tokens``), or of ``limit`` texts. Rows come back in input order.
     ``encode_kwargs``: what else ``model.encode`` is given (normalisation, prompt, truncation).
+    ``on_rows``: called with the rows encoded so far after each batch (``chunk_progress``).
 
     The chunk is tokenised once (``tokenized``); where its features cannot be cut into batches,
     its lengths are counted first and each batch goes through ``model.encode``."""
@@ -74,6 +81,7 @@ def encode(
             model, [prompt + t for t in texts] if prompt else texts, int(model.max_seq_length)
         )
     out: np.ndarray[Any, Any] | None = None
+    done = 0
     for batch in plan(lengths, limit) if by_tokens else plan_fixed(lengths, limit):
         if chunk is not None:
             rows = tokenized.encode_batch(model, chunk, batch, lengths, encode_kwargs)
@@ -89,6 +97,9 @@ def encode(
         if out is None:
             out = np.empty((len(texts), rows.shape[1]), dtype=np.float32)
         out[batch] = rows
+        done += len(batch)
+        if on_rows is not None:
+            on_rows(done)
     return out if out is not None else np.empty((0, 0), dtype=np.float32)
 
 

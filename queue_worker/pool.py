@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from types import FrameType
 
+import psutil
 import redis
 from rq.job import Job
 from rq.queue import Queue
@@ -28,6 +29,7 @@ from rq.serializers import JSONSerializer
 from chunkq.jobs.abandon import forget_worker, mark_abandoned, running_job_ids
 from chunkq.jobs.errors import ChunkqError
 from chunkq.jobs.nopickle import forbid_pickle
+from chunkq.jobs.runtime import POOL_STARTED_ENV
 from chunkq.queue_worker import exit_codes
 from chunkq.queue_worker.discovery import GpuInfo
 from chunkq.queue_worker.fork_server import MODEL_ENV as FORK_SERVER_MODEL_ENV
@@ -112,6 +114,7 @@ class Pool:
         self._hung: dict[str, str] = {}  # worker name -> why the watchdog killed it
         self._next_watchdog = 0.0
         self.exits: list[tuple[str, int]] = []
+        self.started_at = psutil.Process().create_time()  # its interpreter's start-up included
         self.metrics = PoolMetrics(settings.name, [gpu.key for gpu in gpus])
         server_env = dict(os.environ)
         if settings.preload:
@@ -138,6 +141,7 @@ class Pool:
         os.set_blocking(read_fd, False)
         base = dict(os.environ, **{env_of("redis_url"): self.settings.redis_url})
         base[PARENT_PID_ENV] = str(os.getpid())
+        base[POOL_STARTED_ENV] = str(self.started_at)
         base[NOTIFY_FD_ENV] = str(write_fd)
         if wait_for is not None:
             base[WAIT_FOR_PID_ENV] = str(wait_for)

@@ -8,8 +8,10 @@ Run as ``python -m chunkq.queue_worker.worker`` by the pool, with the Redis URL 
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -27,7 +29,7 @@ from rq.exceptions import StopRequested
 from rq.serializers import JSONSerializer
 from rq.worker import SimpleWorker, WorkerStatus
 
-from chunkq.jobs import cuda, faults, models, runtime
+from chunkq.jobs import cuda, errors, faults, models, runtime
 from chunkq.jobs.allowlist import AllowListedJob
 from chunkq.jobs.embed import warm_up
 from chunkq.jobs.errors import ConfigError
@@ -184,7 +186,9 @@ class ChunkWorker(SimpleWorker):
             # allocator that failed in its own OOM path; a fresh process does.
             self.ending = ending[0]
             self._stop_requested = True
-            self.log.error("Worker %s: %s (%s); exiting", self.name, ENDING_WORDS[ending[0]], ending[1])
+            # One line: torch's four lines of CUDA advice stay in the job's record.
+            said = errors.first_line(ending[1])
+            self.log.error("Worker %s: %s (%s); exiting", self.name, ENDING_WORDS[ending[0]], said)
 
     def _time_is_up_after_this_job(self) -> bool:
         """Whether the job about to start is the last: the work so far plus one more like the last
@@ -265,7 +269,17 @@ def _context(name: str, args: argparse.Namespace) -> runtime.WorkerContext:
         store=str(open_store(args.store)),
         models=frozenset(allowed),
         remote_code=bool(args.trust_remote_code),
+        pool_started_at=_float_env(runtime.POOL_STARTED_ENV),
+        pool_for_run=os.environ.get(runtime.POOL_FOR_RUN_ENV) or None,
+        process_started_at=psutil.Process().create_time(),
     )
+
+
+def _float_env(name: str) -> float | None:
+    try:
+        return float(os.environ[name])
+    except (KeyError, ValueError):
+        return None
 
 
 def _exit_code(worker: ChunkWorker, max_jobs: int | None, connection: redis.Redis) -> int:
@@ -297,6 +311,9 @@ class _EarlyStop:
 _TRACEBACK = "\nTraceback (most recent call last):"
 
 
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Warning)?: ")
+
+
 class OneLineErrors(logging.Formatter):
     """A job's traceback as its last line. RQ logs a failed job's whole traceback in the message;
     it is kept in the job's record (``chunkq status``, the dashboard), so the log that reaches a
@@ -307,7 +324,11 @@ class OneLineErrors(logging.Formatter):
         head, found, rest = text.partition(_TRACEBACK)
         if not found:
             return text
-        last = rest.strip().splitlines()[-1] if rest.strip() else ""
+        lines = rest.strip().splitlines()
+        # The exception's own line ("module.Class: message"), not the last line of a message that
+        # runs on (torch's CUDA errors end in four lines of advice).
+        named = [line for line in lines if _EXCEPTION_LINE.match(line)]
+        last = named[-1] if named else (lines[-1] if lines else "")
         return f"{head} {last} (the traceback is in the job's record)"
 
     def formatException(self, ei: Any) -> str:
@@ -357,9 +378,10 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_REDIS
 
     # Start to ready (model on its device), before any wait for a predecessor: what a recycle costs.
-    log.info(
-        "worker %s ready %.2f s after its process started", name, time.time() - psutil.Process().create_time()
-    )
+    ready_at = time.time()
+    ctx = replace(ctx, ready_at=ready_at)
+    runtime.set_context(ctx)
+    log.info("worker %s ready %.2f s after its process started", name, ready_at - (ctx.process_started_at or 0))
     wait_for_predecessor(lambda: early_stop.requested)
     if early_stop.requested:
         log.info("worker %s: stop requested during start-up; exiting before taking a job", name)

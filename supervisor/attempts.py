@@ -36,6 +36,7 @@ class FailedAttempt:
     at: str  # ISO time the attempt ended
     quarantined: bool = False  # this attempt was the chunk's last
     reason: str = ""
+    started: str | None = None  # ISO time the attempt started (None: recorded before it was kept)
 
     @property
     def when(self) -> datetime:
@@ -57,7 +58,12 @@ class FailedAttempt:
             at=ended.replace(tzinfo=ended.tzinfo or UTC).isoformat(),
             quarantined=quarantine_reason is not None,
             reason=quarantine_reason or "",
+            started=_iso(job.started_at),
         )
+
+
+def _iso(moment: datetime | None) -> str | None:
+    return None if moment is None else moment.replace(tzinfo=moment.tzinfo or UTC).isoformat()
 
 
 class AttemptRecorder:

@@ -8,11 +8,12 @@ import time
 from types import TracebackType
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from chunkq.supervisor.progress import Snapshot
+from chunkq.supervisor.run_log import PROGRESS_LOGGER
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(PROGRESS_LOGGER)  # reaches the terminal at any log level (run_log)
 
 PLAIN_EVERY_SECONDS = 5.0
 
@@ -57,10 +58,11 @@ def describe(snap: Snapshot) -> str:
         eta = f"; no worker has taken a job from queue {snap.queue!r} for {snap.idle_seconds:.0f} s"
     if not snap.settled and not snap.owned:
         eta = "; not running: no process supervises it (`chunkq run` with the same corpus resumes it)"
+    encoding = f" (+{snap.rows_encoding:,} encoding)" if snap.rows_encoding else ""
     return (
         f"run {snap.run_id}: chunks {snap.chunks_done}/{snap.chunks} done, {states}"
         f"{snap.chunks_retrying} retrying, {snap.chunks_quarantined} quarantined{trouble}; "
-        f"rows {snap.rows_done:,}/{snap.rows:,}; {rate}{eta}"
+        f"rows {snap.rows_done:,}/{snap.rows:,}{encoding}; {rate}{eta}"
     )
 
 
@@ -84,10 +86,9 @@ class ProgressDisplay:
             self._progress = Progress(
                 TextColumn("[bold]{task.description}"),
                 BarColumn(),
-                MofNCompleteColumn(),
                 TextColumn(
-                    "rows {task.fields[rows]}  {task.fields[rate]}  ETA {task.fields[eta]}  "
-                    "[red]{task.fields[failed]} failed"
+                    "rows {task.fields[rows]}  chunks {task.fields[chunks]}  {task.fields[rate]}  "
+                    "ETA {task.fields[eta]}  [red]{task.fields[failed]} failed"
                 ),
                 TimeElapsedColumn(),
                 console=Console(stderr=True),
@@ -99,12 +100,14 @@ class ProgressDisplay:
         if self._progress is not None:
             if self._task is None:
                 self._task = self._progress.add_task(
-                    f"run {snap.run_id}", total=snap.chunks, rows="", rate="", eta="", failed=0
+                    f"run {snap.run_id}", total=snap.rows, rows="", chunks="", rate="", eta="", failed=0
                 )
+            # The bar moves with the rows running chunks have encoded, not only when a chunk is published.
             self._progress.update(
                 self._task,
-                completed=snap.chunks_done,
-                rows=f"{snap.rows_done:,}/{snap.rows:,}",
+                completed=snap.rows_done + snap.rows_encoding,
+                rows=f"{snap.rows_done + snap.rows_encoding:,}/{snap.rows:,}",
+                chunks=f"{snap.chunks_done}/{snap.chunks}",
                 rate=f"{snap.rows_per_second:,.0f}/s" if snap.rows_per_second else "-/s",
                 eta="no worker"
                 if snap.idle_seconds

@@ -50,6 +50,8 @@ RECORD_KEYS = (
     "model_load_seconds",
     "batch_size",
     "batch_tokens",
+    "startup",
+    "rows_at",
 )
 
 

@@ -10,6 +10,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
+from importlib.metadata import version
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -25,12 +27,14 @@ from chunkq.jobs.abandon import mark_abandoned
 from chunkq.jobs.errors import StoreWriteError
 from chunkq.jobs.manifest import load_manifest
 from chunkq.jobs.run_files import RunLayout
+from chunkq.jobs.runtime import POOL_FOR_RUN_ENV
 from chunkq.jobs.storage import OWNER_ONLY, is_local, no_links_below, private_dirs, private_open
 from chunkq.queue_worker.lifeline import die_with_parent
 from chunkq.queue_worker.settings import SETTINGS_JSON_ENV, PoolSettings, env_of
 from chunkq.supervisor.display import ProgressDisplay
 from chunkq.supervisor.embedded_redis import EmbeddedRedis
 from chunkq.supervisor.result import published_result
+from chunkq.supervisor.run_log import RunLog, log_path, relay
 from chunkq.supervisor.store_lock import StoreLock
 from chunkq.supervisor.submit import (
     SubmitRequest,
@@ -45,6 +49,7 @@ from chunkq.supervisor.supervise import Outcome, RedisGoneError, WatchSettings, 
 log = logging.getLogger(__name__)
 
 POOL_STOP_SECONDS = 120.0  # workers finish the chunk in hand; after assembly they are idle
+RELAY_DRAIN_SECONDS = 10.0  # the pool has exited: what is left in its pipe is a few lines
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,7 @@ class RunRequest:
     redis_url: str | None = None
     pool: PoolSettings = field(default_factory=PoolSettings)  # run fills in Redis, queue, store, model
     watch: WatchSettings = field(default_factory=WatchSettings)  # wait_for_owner: --wait
+    log_file: bool = False  # the run's INFO lines, its pool's included, to runs/<run>/logs/run.log
 
 
 @dataclass
@@ -65,7 +71,7 @@ class RunOutcome:
 class PoolProcess:
     """``chunkq pool`` as a child process, stopped (drained) on exit and never left behind."""
 
-    def __init__(self, req: RunRequest, redis_url: str, log_path: Path | None = None) -> None:
+    def __init__(self, req: RunRequest, redis_url: str, run_id: str, run_log: RunLog | None = None) -> None:
         sub = req.submit
         settings = replace(
             req.pool,
@@ -83,7 +89,9 @@ class PoolProcess:
         self.cmd = [sys.executable, "-m", "chunkq.queue_worker"]  # queue_worker.pool.main
         # Whole, in the environment: the Redis password stays off the command line.
         self.env = dict(os.environ, **{SETTINGS_JSON_ENV: settings.to_json(), env_of("redis_url"): redis_url})
-        self.log_path = log_path
+        self.env[POOL_FOR_RUN_ENV] = run_id  # its workers' start-up is this run's (the report shows it)
+        self.run_log = run_log
+        self._relay: threading.Thread | None = None
         self.proc: subprocess.Popen[bytes] | None = None
         self.started_at = time.monotonic()
 
@@ -99,23 +107,21 @@ class PoolProcess:
             self.proc.wait()
 
     def __enter__(self) -> PoolProcess:
-        log_file = None
-        if self.log_path is not None:
-            private_dirs(self.log_path.parent)
-            log_file = private_open(self.log_path, "ab")
+        # Through us to the run's log file (and the terminal from its level up), or straight out.
+        output = subprocess.PIPE if self.run_log is not None else None
         # Its own session: a terminal's Ctrl+C reaches only us, and we decide what the pool hears.
         self.started_at = time.monotonic()
         self.proc = subprocess.Popen(
             self.cmd,
             env=self.env,
-            stdout=log_file,
-            stderr=log_file,
+            stdout=output,
+            stderr=subprocess.STDOUT if output is not None else None,
             start_new_session=True,
             preexec_fn=die_with_parent,
             umask=OWNER_ONLY,  # what the pool and its workers write, whatever the caller's umask
         )
-        if log_file is not None:
-            log_file.close()
+        if self.run_log is not None and self.proc.stdout is not None:
+            self._relay = relay(self.proc.stdout, self.run_log)
         return self
 
     def __exit__(
@@ -141,6 +147,8 @@ class PoolProcess:
                 except (subprocess.TimeoutExpired, KeyboardInterrupt):
                     self.proc.kill()
                     self.proc.wait()
+        if self._relay is not None:
+            self._relay.join(timeout=RELAY_DRAIN_SECONDS)  # the pool's last lines, before the log closes
 
 
 def _release_orphans(connection: redis.Redis, previous: str) -> None:
@@ -233,13 +241,12 @@ def _always() -> bool:
     return True
 
 
-def _log_path(req: RunRequest, layout: RunLayout, display: ProgressDisplay) -> Path | None:
-    """Under a live progress bar the workers' log lines would tear it: they go to a file."""
-    if not display.live:
+def _run_log(req: RunRequest, layout: RunLayout, stack: contextlib.ExitStack) -> RunLog | None:
+    if not req.log_file:
         return None
-    path = local_state_dir(req.submit.store) / "runs" / layout.run_id / "logs" / "pool.log"
-    log.info("worker logs: %s", path)
-    return path
+    run_log = stack.enter_context(RunLog(log_path(local_state_dir(req.submit.store), layout.run_id)))
+    log.info("run %s: chunkq %s (pid %d); this log: %s", layout.run_id, version("chunkq"), os.getpid(), run_log.path)
+    return run_log
 
 
 def _start_redis(req: RunRequest, stack: contextlib.ExitStack) -> tuple[str, Callable[[], str | None]]:
@@ -281,6 +288,7 @@ def run(req: RunRequest, display: ProgressDisplay) -> RunOutcome:
         # written and queued nothing.
         owner = stack.enter_context(StoreLock(layout.owner, f"run {layout.run_id}"))
         owner.acquire(req.watch.wait_for_owner)
+        run_log = _run_log(req, layout, stack)
         prepared = prepare(req.submit, identified) if layout.manifest.is_file() else None
         if prepared is not None and prepared.published:
             log.info("run %s: result already published in %s", layout.run_id, layout.result)
@@ -288,7 +296,7 @@ def run(req: RunRequest, display: ProgressDisplay) -> RunOutcome:
         url, redis_gone = _start_redis(req, stack)
         pool = None
         if prepared is None:  # a new run: its corpus is split while the pool loads the model
-            pool = stack.enter_context(PoolProcess(req, url, _log_path(req, layout, display)))
+            pool = stack.enter_context(PoolProcess(req, url, layout.run_id, run_log))
             try:
                 prepared = prepare(req.submit, identified)
             except BaseException:
@@ -303,7 +311,7 @@ def run(req: RunRequest, display: ProgressDisplay) -> RunOutcome:
             log.info("run %s: result already published in %s", submitted.run_id, layout.result)
             return RunOutcome(submitted, None)
         if pool is None and submitted.done < submitted.chunks:  # resumed with chunks left to encode
-            pool = stack.enter_context(PoolProcess(req, url, _log_path(req, layout, display)))
+            pool = stack.enter_context(PoolProcess(req, url, layout.run_id, run_log))
         keep_going = _always if pool is None else pool.alive
         watch = req.watch if pool is None else replace(req.watch, own_pool_started=pool.started_at)
         outcome = supervise(connection, layout, display, watch, keep_going, redis_gone, owner)

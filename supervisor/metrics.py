@@ -19,6 +19,12 @@ class RunMetrics:
         self.rows_done = Gauge(
             "chunkq_rows_done", "Rows whose embeddings are in the store", ["run"], registry=self.registry
         )
+        self.rows_encoding = Gauge(
+            "chunkq_rows_encoding",
+            "Rows running chunks have encoded, not yet published",
+            ["run"],
+            registry=self.registry,
+        )
         self.rows_total = Gauge("chunkq_rows", "Rows in the run", ["run"], registry=self.registry)
         self.rate = Gauge("chunkq_rows_per_second", "Recent throughput", ["run"], registry=self.registry)
         self.retries = Counter(
@@ -45,6 +51,7 @@ class RunMetrics:
         for state in STATES:
             self.chunks.labels(self.run_id, state).set(counts[state])
         self.rows_done.labels(self.run_id).set(snap.rows_done)
+        self.rows_encoding.labels(self.run_id).set(snap.rows_encoding)
         self.rows_total.labels(self.run_id).set(snap.rows)
         self.rate.labels(self.run_id).set(snap.rows_per_second or 0.0)
 

@@ -15,7 +15,7 @@ from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegist
 from rq.serializers import JSONSerializer
 from rq.utils import str_to_date
 
-from chunkq.jobs import jobmeta
+from chunkq.jobs import chunk_progress, jobmeta
 from chunkq.jobs.manifest import RunManifest
 from chunkq.jobs.run_files import RunLayout, read_json
 from chunkq.jobs.specs import chunk_job_id, chunk_job_prefix
@@ -57,7 +57,9 @@ class Snapshot:
     chunks: int
     rows: int
     chunks_done: int = 0
-    rows_done: int = 0
+    rows_done: int = 0  # in published chunk outputs
+    rows_encoding: int = 0  # encoded by running chunks, not yet published (their workers' reports)
+    encoding_since: float | None = None  # epoch seconds the earliest running chunk started encoding
     chunks_queued: int = 0
     chunks_running: int = 0
     chunks_retrying: int = 0
@@ -159,6 +161,7 @@ class Tracker:
         self._cursors: dict[str, float] = {}
         self._failed: set[int] = set()
         self._next_full = 0.0
+        self._counted: list[int] = []  # chunks counted done since the last look: their reports go
 
     @property
     def throughput(self) -> Throughput:
@@ -168,6 +171,7 @@ class Tracker:
 
     def _mark_done(self, indices: Iterable[int]) -> None:
         for index in indices:
+            self._counted.append(index)
             self.pending.discard(index)
             self.in_redis.discard(index)
             self.rows_done += self.manifest.chunk_rows(index)
@@ -227,6 +231,9 @@ class Tracker:
             running, failed = self._incremental_look(snap)
         snap.chunks_running = len(running)
         snap.stale = self._stale(sorted(running))
+        counted, self._counted = self._counted, []
+        chunk_progress.forget(self.connection, self.manifest.run_id, counted)
+        self._read_encoding(snap, sorted(running))
         self.failed_jobs = self._fetch(sorted(failed))
         snap.failures = [_failure(job, i, self.manifest) for i, job in sorted(self.failed_jobs.items())]
         snap.chunks_quarantined = len(snap.quarantined)
@@ -237,6 +244,15 @@ class Tracker:
         snap.result_published = self.layout.result_manifest.is_file()
         set_rate(snap, self.throughput)
         return snap
+
+    def _read_encoding(self, snap: Snapshot, running: list[int]) -> None:
+        """Rows the running chunks have encoded so far (jobs.chunk_progress), each at most its chunk's."""
+        try:
+            reports = chunk_progress.read(self.connection, self.manifest.run_id, running)
+        except redis.ResponseError:  # the key is not a hash: written by someone else, so no report
+            return
+        snap.rows_encoding = sum(min(r.rows, self.manifest.chunk_rows(i)) for i, r in reports.items())
+        snap.encoding_since = min((r.started for r in reports.values()), default=None)
 
     def _registry_tail(self, key: str) -> list[bytes]:
         """Members a registry gained since the last look (scores are now + a fixed TTL, so they grow
@@ -306,6 +322,9 @@ class Tracker:
         ]
 
     def _incremental_look(self, snap: Snapshot) -> tuple[set[int], set[int]]:
+        # The started registry first: a chunk that finishes between the two reads is then in both
+        # (and counted done), never in neither (its encoded rows gone from the display for a look).
+        started = self._started.get_job_ids(cleanup=False)
         finished = self._run_indices(self._registry_tail(self._finished_key))
         self._mark_done(i for i in finished if i in self.pending and self.layout.output_meta(i).is_file())
         self._forget(finished)
@@ -314,7 +333,7 @@ class Tracker:
         known = sorted(self._failed)
         statuses = job_statuses(self.connection, [self._job_id(i) for i in known])
         self._failed = {i for i, status in zip(known, statuses, strict=True) if status == "failed"}
-        running = self._pending_indices(self._started.get_job_ids(cleanup=False))
+        running = self._pending_indices(started)
         self.in_redis |= running | self._failed
         snap.chunks_queued = len(self.in_redis - running - self._failed)
         if snap.chunks_queued:
@@ -384,11 +403,16 @@ class _DoneChunks(Collection[int]):
 
 def set_rate(snap: Snapshot, throughput: Throughput) -> None:
     """The run's rows/s (supervisor.throughput) and, while chunks remain and it runs, the time they
-    will take. A stopped run's rate is the rate while it ran, not one that falls while nothing runs."""
+    will take. A stopped run's rate is the rate while it ran, not one that falls while nothing runs.
+    Rows the running chunks have encoded count, so the rate does not fall between two chunks."""
     going = not snap.settled and snap.owned
-    snap.rows_per_second = throughput.rows_per_second(running=going)
+    since = None if snap.encoding_since is None else datetime.fromtimestamp(snap.encoding_since, UTC)
+    snap.rows_per_second = throughput.rows_per_second(
+        running=going, encoding=snap.rows_encoding if going else 0, resumed_at=since
+    )
     if snap.rows_per_second and going:
-        snap.eta_seconds = (snap.rows - snap.rows_done) / snap.rows_per_second
+        left = max(snap.rows - snap.rows_done - snap.rows_encoding, 0)
+        snap.eta_seconds = left / snap.rows_per_second
 
 
 def store_snapshot(layout: RunLayout, manifest: RunManifest) -> Snapshot:

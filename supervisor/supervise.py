@@ -19,7 +19,7 @@ import redis
 from rq.job import Job
 from rq.worker import Worker
 
-from chunkq.jobs import errors, jobmeta
+from chunkq.jobs import chunk_progress, errors, jobmeta
 from chunkq.jobs.abandon import mark_abandoned
 from chunkq.jobs.errors import ChunkqError, StoreWriteError
 from chunkq.jobs.manifest import RunManifest, load_manifest
@@ -193,6 +193,8 @@ class Supervisor:
         forget_finished(self.connection, self.manifest.queue, self.tracker.take_finished())
         if self.tracker.ledger is not None:
             self.tracker.ledger.flush(force=snap.settled)  # the owner records finished chunks in batches
+        if snap.settled:
+            chunk_progress.forget(self.connection, self.manifest.run_id)  # reports of chunks now counted
         return snap
 
     def _top_up(self, snap: Snapshot) -> None:

@@ -53,18 +53,36 @@ class Throughput:
             return max((self.last_end - self.first_start).total_seconds(), 0.0)
         return sum((end - start).total_seconds() for start, end in self.spans)
 
-    def seconds(self, running: bool, now: datetime | None = None) -> float | None:
+    def seconds(
+        self, running: bool, now: datetime | None = None, resumed_at: datetime | None = None
+    ) -> float | None:
+        """The time the run ran. ``resumed_at``: when the encoding now in progress started (the
+        earliest running chunk's), which counts while nothing is published yet, and replaces the
+        PAUSE_SECONDS allowance after a longer stop."""
+        now = now or datetime.now(UTC)
         ran = self.ran_seconds()
         if ran is None or self.last_end is None:
+            if running and resumed_at is not None:
+                return max((now - resumed_at).total_seconds(), 0.0)
             return None
         if running:
-            since = ((now or datetime.now(UTC)) - self.last_end).total_seconds()
-            ran += min(max(since, 0.0), PAUSE_SECONDS)
+            since = (now - self.last_end).total_seconds()
+            if since > PAUSE_SECONDS and resumed_at is not None and resumed_at > self.last_end:
+                ran += (now - resumed_at).total_seconds()
+            else:
+                ran += min(max(since, 0.0), PAUSE_SECONDS)
         return ran
 
-    def rows_per_second(self, running: bool, now: datetime | None = None) -> float | None:
-        seconds = self.seconds(running, now)
-        return self.rows / seconds if seconds else None
+    def rows_per_second(
+        self,
+        running: bool,
+        now: datetime | None = None,
+        encoding: int = 0,
+        resumed_at: datetime | None = None,
+    ) -> float | None:
+        """Rows per second; ``encoding``: rows running chunks have encoded and not yet published."""
+        seconds = self.seconds(running, now, resumed_at)
+        return (self.rows + encoding) / seconds if seconds else None
 
 
 def _merge(spans: list[list[datetime]], start: datetime, end: datetime) -> None:

@@ -60,10 +60,12 @@ def write_corpus(path: Path, ids: list[str], texts: list[str], fmt: str) -> Path
 
 
 def cli_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    """The environment of a chunkq command in a test: offline, and logging at INFO on the terminal
+    (what most tests read); the tests of the quiet default pass CHUNKQ_LOG_LEVEL="" to drop it."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", CHUNKQ_LOG_LEVEL="INFO")
     env.pop("CHUNKQ_REDIS_URL", None)
     env.update(extra)
-    return env
+    return {k: v for k, v in env.items() if v != "" or k != "CHUNKQ_LOG_LEVEL"}
 
 
 def run_cli(

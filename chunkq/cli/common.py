@@ -45,9 +45,10 @@ from chunkq.queue_worker.exit_codes import (
     EXIT_REDIS,
     EXIT_STORAGE,
 )
-from chunkq.queue_worker.settings import DEFAULT_QUEUE, DEFAULT_STORE, LOG_FORMAT, env_of
+from chunkq.queue_worker.settings import DEFAULT_QUEUE, DEFAULT_STORE, env_of
 from chunkq.supervisor.request import reach_redis
 from chunkq.supervisor.run_lock import RunLockedError
+from chunkq.supervisor.run_log import QUIET, show_on_terminal
 from chunkq.supervisor.supervise import RedisGoneError
 
 log = logging.getLogger("chunkq")
@@ -257,16 +258,40 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 LOG_LEVEL_ENV = env_of("log_level")
 
 
+_level_given: list[str] = []  # the --log-level (or CHUNKQ_LOG_LEVEL) this command was given
+
+
 def _set_log_level(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     if value:
+        _level_given.append(value.upper())
         configure_logging(value)
     return value
 
 
 def configure_logging(level: str) -> None:
-    """The root logger's level and format; the pool hands the level to its workers."""
-    logging.basicConfig(level=level.upper(), stream=sys.stderr, format=LOG_FORMAT)
+    """The root logger's level, and the terminal's; the pool hands the level to its workers."""
+    show_on_terminal(logging.getLevelName(level.upper()))
     logging.getLogger().setLevel(level.upper())
+
+
+def quiet_unless(verbose: int) -> None:
+    """``run`` and ``supervise``: the terminal shows the progress and warnings; ``-v`` INFO lines
+    too, ``-vv`` DEBUG. A --log-level given (or CHUNKQ_LOG_LEVEL) sets the terminal's level itself.
+    The run's log file gets INFO and up either way (supervisor.run_log)."""
+    if _level_given and not verbose:
+        return
+    show_on_terminal({0: QUIET, 1: logging.INFO}.get(verbose, logging.DEBUG))
+
+
+def verbose_option(func: F) -> F:
+    return click.option(
+        "-v",
+        "--verbose",
+        count=True,
+        help="Log lines on the terminal too: -v INFO (each chunk, each worker), -vv DEBUG. "
+        "By default the terminal shows the progress and warnings; INFO lines go to the run's "
+        "log file (runs/RUN/logs/run.log).",
+    )(func)
 
 
 def log_level_option(func: F) -> F:
@@ -279,7 +304,8 @@ def log_level_option(func: F) -> F:
         expose_value=False,
         is_eager=True,
         callback=_set_log_level,
-        help="How much chunkq logs (default INFO).",
+        help="How much chunkq logs on the terminal (default INFO; run and supervise: progress and "
+        "warnings, see -v).",
     )(func)
 
 

@@ -13,8 +13,10 @@ import click
 from chunkq.cli.common import (
     need_redis,
     queue_option,
+    quiet_unless,
     redis_option,
     store_option,
+    verbose_option,
 )
 from chunkq.cli.encode_options import QUEUE_WINDOW_OPTION, submit_options, watch_options
 from chunkq.cli.group import command, current_log_level
@@ -25,7 +27,7 @@ from chunkq.queue_worker import gpus as gpu_discovery
 from chunkq.queue_worker.exit_codes import EXIT_CHUNKS_FAILED, EXIT_OK, EXIT_PARTIAL, EXIT_POOL_DIED
 from chunkq.queue_worker.pool import start as start_pool
 from chunkq.supervisor.display import ProgressDisplay, describe
-from chunkq.supervisor.local_run import RunOutcome, run
+from chunkq.supervisor.local_run import RunOutcome, local_state_dir, run
 from chunkq.supervisor.request import (
     RUN_DECIDES_FOR_THE_POOL,
     build_run_request,
@@ -33,6 +35,7 @@ from chunkq.supervisor.request import (
     submit_request,
     watch_settings,
 )
+from chunkq.supervisor.run_log import RunLog, log_path
 from chunkq.supervisor.submit import submit
 from chunkq.supervisor.supervise import Outcome, failure_report, supervise
 
@@ -115,11 +118,13 @@ def pool_cmd(redis_url: str | None, store: Path, queue: str, **kw: Any) -> None:
 @watch_options
 @store_option
 @redis_option("needed")
-def supervise_cmd(run_id: str, store: Path, redis_url: str | None, **watch: Any) -> None:
+@verbose_option
+def supervise_cmd(run_id: str, store: Path, redis_url: str | None, verbose: int, **watch: Any) -> None:
     """Watch RUN_ID: retry or quarantine failed chunks, then assemble the result when all are done."""
+    quiet_unless(verbose)
     connection = reach_redis(need_redis(redis_url))
-    with ProgressDisplay() as display:
-        layout = RunLayout(store, run_id)
+    layout = RunLayout(store, run_id)
+    with RunLog(log_path(local_state_dir(store), run_id)), ProgressDisplay() as display:
         outcome = supervise(connection, layout, display, watch_settings(**watch))
     sys.exit(_finish(outcome))
 
@@ -129,16 +134,19 @@ def supervise_cmd(run_id: str, store: Path, redis_url: str | None, **watch: Any)
 @pool_setting_options(exclude=RUN_DECIDES_FOR_THE_POOL)
 @watch_options
 @redis_option("embedded")
-def run_cmd(corpus: tuple[str, ...], redis_url: str | None, **kw: Any) -> None:
+@verbose_option
+def run_cmd(corpus: tuple[str, ...], redis_url: str | None, verbose: int, **kw: Any) -> None:
     """Everything on this machine: embedded Redis (unless --redis-url), pool, submit, supervise, assemble.
 
     CORPUS: one or more files, or glob patterns ('data/*.parquet'), read in order as one corpus.
     Everything is checked before anything starts; the same command again resumes the run.
     """
+    quiet_unless(verbose)
     pool_values = pop_pool_values(kw, exclude=RUN_DECIDES_FOR_THE_POOL)
     if pool_values.get("gpus") not in (None, "all", "none", "cpu"):
         gpu_discovery.selected(pool_values["gpus"])  # refuse a missing GPU, or another process's, up front
     req = build_run_request(corpus, store=kw.pop("store"), redis_url=redis_url, **kw, **pool_values)
+    req = replace(req, log_file=True)
     with ProgressDisplay() as display:
         outcome: RunOutcome = run(req, display)
     layout = RunLayout(req.submit.store, outcome.submitted.run_id)
@@ -146,8 +154,9 @@ def run_cmd(corpus: tuple[str, ...], redis_url: str | None, **kw: Any) -> None:
         click.echo(f"run {outcome.submitted.run_id}: already complete; result in {layout.result}")
         sys.exit(EXIT_OK)
     if outcome.pool_died and outcome.outcome.result is None:
+        where = log_path(local_state_dir(req.submit.store), outcome.submitted.run_id)
         click.echo(
-            "chunkq: error: the worker pool exited before the run finished; see its log above", err=True
+            f"chunkq: error: the worker pool exited before the run finished; its log: {where}", err=True
         )
         sys.exit(EXIT_POOL_DIED)
     code = _finish(outcome.outcome)

@@ -13,6 +13,7 @@ import logging
 import math
 import random
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import cached_property
@@ -34,9 +35,14 @@ LENGTH_SAMPLE = 20_000  # texts whose token length is measured for the histogram
 LENGTH_SAMPLE_CHUNKS = 200  # chunk inputs read for that sample: a run's size must not decide the cost
 LABELLED_CHUNKS = 300  # up to this many chunks, each is drawn and numbered; above, lanes are binned
 TIMELINE_BINS = 1500  # columns of a binned lane: about a pixel each in the figure, at any chunk count
-RATE_BINS = 200  # rows finished per slice of the run's span, before the rate's window smooths them
-RATE_WINDOW_CHUNKS = 2.0  # the rate is taken over at least this many chunk durations (a chunk's rows
-# arrive at once when it finishes: a shorter window shows each arrival as a spike, not a rate)
+RATE_BINS = 200  # rows encoded per slice of the run's span, before the rate's window smooths them
+RATE_WINDOW_SAMPLES = 2.0  # the rate is taken over at least this many gaps between a chunk's row
+# samples (jobs.chunk_progress: rows arrive a batch at a time, a shorter window shows each as a spike)
+RATE_WINDOW_SHARE = 1 / 30  # and over at least this share of the run
+MIN_BAR_SHARE = 0.004  # a bar this share of the timeline at least: a 0.01 s model load stays visible
+LENGTH_AXIS_QUANTILE = 0.995  # a long tail past this is cut from the length histogram's axis
+LONG_TAIL = 1.5  # ... when the longest text is this many times the quantile (the count beyond is said)
+LABELLED_FAILURES = 30  # up to this many failed attempts, each is labelled with its chunk and class
 
 
 @dataclass
@@ -49,6 +55,8 @@ class Lane:
     first_start: float
     last_end: float = 0.0
     load: tuple[float, float] | None = None  # (seconds at which its model was loaded, load seconds)
+    startup: tuple[float, float] | None = None  # (process start, ready to take a job), in seconds
+    failed_only: bool = False  # a process that failed every attempt it made: no chunk of its own
     busy: np.ndarray[Any, Any] = field(default_factory=lambda: np.zeros(TIMELINE_BINS, dtype=bool))
     chunks: list[tuple[float, float, int]] = field(default_factory=list)  # only while labelled
 
@@ -76,7 +84,11 @@ class RunFacts:
     devices: set[str] = field(default_factory=set)
     failures: list[FailedAttempt] = field(default_factory=list)
     chunk_seconds: float = 0.0  # summed over finished chunks, for the rate's window
+    sample_seconds: float = 0.0  # summed gaps between the row samples of each chunk, for the same
+    samples: int = 0
     batches: Counter[int] = field(default_factory=Counter)  # chunks per batch size (or token budget) used
+    done: Collection[int] = ()  # the chunks published (a failure later recovered is not quarantined)
+    startup_began: float | None = None  # when the run's first workers began starting (<= 0), seconds
 
     @cached_property
     def t0(self) -> datetime:
@@ -91,7 +103,55 @@ class RunFacts:
 
     @property
     def quarantined(self) -> list[int]:
-        return sorted({a.chunk for a in self.failures if a.quarantined})
+        """Chunks quarantined and still without an output: a chunk recovered by a later run is done."""
+        return sorted({a.chunk for a in self.failures if a.quarantined and a.chunk not in self.done})
+
+    def seconds(self, moment: Any) -> float | None:
+        """An ISO time as seconds since the first chunk started; None when absent or unreadable."""
+        try:
+            return (parse_time(moment) - self.t0).total_seconds() if moment else None
+        except (TypeError, ValueError):
+            return None
+
+    def _startup(self, record: dict[str, Any], lane: Lane, start: float) -> None:
+        """The lane's process start-up, and the run's: from the pool's start when the pool was
+        started for this run (``chunkq run``), else from when the run was submitted."""
+        startup = record.get("startup")
+        if not isinstance(startup, dict):
+            return  # written before start-up was recorded
+        began, ready = self.seconds(startup.get("process_started_at")), self.seconds(startup.get("ready_at"))
+        if lane.startup is None and began is not None and ready is not None:
+            lane.startup = (began, ready)
+        pool = self.seconds(startup.get("pool_started_at"))
+        if startup.get("pool_for_run") != self.manifest.run_id:
+            submitted = self.seconds(self.manifest.data.get("created_at"))
+            pool = None if pool is None or submitted is None else max(pool, submitted)
+        if pool is not None and pool <= min(start, 0.0):  # a later session's pool is its lanes' start-up
+            self.startup_began = pool if self.startup_began is None else min(self.startup_began, pool)
+
+    def _rows_in_time(self, record: dict[str, Any], start: float, end: float) -> None:
+        """The chunk's rows in the rate's bins when they were encoded: at its samples, else spread."""
+        rows, span = int(record["rows"]), self.span
+        samples = record.get("rows_at")
+        points: list[tuple[float, int]] = []
+        if isinstance(samples, list) and samples:
+            try:
+                points = [(start + float(t), int(n)) for t, n in samples]
+            except (TypeError, ValueError):
+                points = []
+        if not points or points[-1][1] != rows:  # no samples (older outputs), or damaged: spread evenly
+            steps = max(1, min(RATE_BINS, math.ceil((end - start) / span * RATE_BINS)))
+            points = [
+                (start + (end - start) * (k + 1) / steps, rows * (k + 1) // steps) for k in range(steps)
+            ]
+        else:
+            self.sample_seconds += max(end - start, 0.0) / len(points)
+            self.samples += 1
+        before = 0
+        for moment, total in points:
+            bin_ = min(max(int(moment / span * RATE_BINS), 0), RATE_BINS - 1)
+            self.rate[bin_] += max(total - before, 0)
+            before = max(before, total)
 
     def add(self, record: dict[str, Any], labelled: bool) -> None:
         t0, span = self.t0, self.span
@@ -110,11 +170,12 @@ class RunFacts:
             loaded = (parse_time(record["model_loaded_at"]) - t0).total_seconds()  # once a process
             lane.load = (loaded, float(record["model_load_seconds"]))
         lane.last_end = max(lane.last_end, end)
+        self._startup(record, lane, start)
         if labelled:
             lane.chunks.append((start, end, int(record["chunk"])))
         lo, hi = (min(int(t / span * TIMELINE_BINS), TIMELINE_BINS - 1) for t in (max(start, 0.0), end))
         lane.busy[lo : hi + 1] = True
-        self.rate[min(int(end / span * RATE_BINS), RATE_BINS - 1)] += int(record["rows"])
+        self._rows_in_time(record, start, end)
         self.devices.add(lane.device)
         self.chunk_seconds += max(end - start, 0.0)
         self.chunks_done += 1
@@ -124,10 +185,14 @@ class RunFacts:
 
     def rate_curve(self) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], float]:
         """(times, rows per second over the window ending at each, the window in seconds): the window
-        spans RATE_WINDOW_CHUNKS mean chunk durations, at least 1/30 of the run."""
+        spans RATE_WINDOW_SAMPLES mean gaps between row samples (a chunk's duration where a chunk
+        has none), and at least RATE_WINDOW_SHARE of the run."""
         width = self.span / RATE_BINS
-        mean_chunk = self.chunk_seconds / max(1, self.chunks_done)
-        window = max(RATE_WINDOW_CHUNKS * mean_chunk, self.span / 30, width)
+        unsampled = self.chunks_done - self.samples
+        gap = (self.sample_seconds + self.chunk_seconds * unsampled / max(1, self.chunks_done)) / max(
+            1, self.chunks_done
+        )
+        window = max(RATE_WINDOW_SAMPLES * gap, self.span * RATE_WINDOW_SHARE, width)
         bins = max(1, math.ceil(window / width))
         rows = np.convolve(self.rate, np.ones(bins))[: len(self.rate)]
         # Near the start the window reaches back before the first chunk: divide by what it covers.
@@ -141,7 +206,7 @@ def gather(layout: RunLayout) -> RunFacts:
     every failed attempt (no Redis needed)."""
     manifest = load_manifest(layout)
     done = layout.done_chunks(manifest.chunks)
-    facts = RunFacts(manifest, throughput_of(layout, done), failures=failed_attempts(layout))
+    facts = RunFacts(manifest, throughput_of(layout, done), failures=failed_attempts(layout), done=done)
     labelled = len(done) <= LABELLED_CHUNKS
     for record in stream_records(layout, done):
         try:
@@ -223,6 +288,7 @@ def summary(facts: RunFacts, lengths: list[int], limit: int | None, unit: str) -
         "failures": to_json(facts.failures),
         "quarantined_chunks": facts.quarantined,
         "model_load_seconds_mean": round(sum(loads) / len(loads), 2) if loads else None,
+        "startup_seconds": None if facts.startup_began is None else round(-facts.startup_began, 2),
         "model_loads": len(loads),
         "length_unit": unit,
         "length_sample": len(lengths),
@@ -254,65 +320,139 @@ def _plot(facts: RunFacts, lengths: list[int], limit: int | None, unit: str, pat
     import matplotlib.pyplot as plt
 
     fig, (ax_lanes, ax_rate, ax_len) = plt.subplots(3, 1, figsize=(12, 11), height_ratios=(3, 1.3, 1.3))
-    t0, span = facts.t0, facts.span
-    lanes = sorted(facts.lanes.values(), key=lambda lane: (lane.device, lane.first_start))
-    lane_of_worker: dict[str, int] = {}
-    bin_seconds = span / TIMELINE_BINS
-    for y, lane in enumerate(lanes):
-        lane_of_worker[lane.worker] = y
-        for start, end, chunk in lane.chunks:
-            size = 10 if facts.chunks_done <= 50 else 7
-            ax_lanes.text((start + end) / 2, y, str(chunk), ha="center", va="center", fontsize=size)
-        # One artist a lane, of at most TIMELINE_BINS bars: a 10^6-chunk run draws like a small one.
-        ax_lanes.broken_barh(
-            lane.spans(bin_seconds), (y - 0.3, 0.6), facecolors="tab:blue", edgecolors="white", linewidth=0.3
-        )
-        if lane.load is not None:
-            loaded, seconds = lane.load
-            ax_lanes.barh(y, seconds, left=loaded - seconds, height=0.6, color="tab:gray")
-        ax_lanes.plot([lane.last_end], [y], marker="|", color="black", markersize=12)  # the process ends
-    for attempt in facts.failures:
-        # A process that never finished a chunk has no lane of its own: its failures sit below the lanes.
-        row = lane_of_worker.get(attempt.worker, -1)
-        x = (attempt.when - t0).total_seconds()
-        ax_lanes.plot([x], [row], marker="x", color="tab:red", markersize=9)
-        ax_lanes.annotate(
-            attempt.error_class,
-            (x, row),
-            fontsize=9,
-            color="tab:red",
-            xytext=(3, 5),
-            textcoords="offset points",
-        )
-    labels = [f"{lane.device} pid {lane.pid}" for lane in lanes]
-    ax_lanes.set_yticks(range(len(lanes)), labels, fontsize=9 if len(lanes) <= 40 else 6)
-    ax_lanes.set_xlabel("seconds since the first chunk started")
-    ax_lanes.set_title(
-        f"run {facts.manifest.run_id}: chunks (blue), model loads (grey), failed attempts (red x), "
-        "process end (|)"
-    )
-
-    times, rates, window = facts.rate_curve()
-    ax_rate.plot(times, rates, color="tab:blue", drawstyle="steps-post")
-    ax_rate.fill_between(times, rates, step="post", alpha=0.3, color="tab:blue")
-    overall = facts.throughput.rows_per_second(running=False)
-    if overall:
-        ax_rate.axhline(
-            overall, color="black", linestyle="--", linewidth=1, label=f"run: {overall:,.1f} rows/s"
-        )
-        ax_rate.legend(loc="lower right", fontsize=9)
-    ax_rate.set_ylabel(f"rows / s (last {window:.3g} s)")
-    ax_rate.set_xlabel("seconds since the first chunk started")
-
-    ax_len.hist(lengths, bins=50, color="tab:green")
-    if limit is not None:
-        ax_len.axvline(limit, color="tab:red", linestyle="--", label=f"truncation at {limit} {unit}")
-        ax_len.legend()
-    ax_len.set_xlabel(f"text length ({unit}, sample of {len(lengths)})")
-    ax_len.set_ylabel("texts")
+    began = [lane.startup[0] for lane in facts.lanes.values() if lane.startup is not None]
+    left = min(facts.startup_began or 0.0, *began, 0.0)  # the timeline starts with the start-up
+    right = max([facts.span, *((a.when - facts.t0).total_seconds() for a in facts.failures)])
+    _lanes(ax_lanes, facts, left)
+    _rates(ax_rate, facts, left)
+    for ax in (ax_lanes, ax_rate):  # one time axis for both
+        ax.set_xlim(left - (right - left) * 0.01, right + (right - left) * 0.03)
+    _lengths(ax_len, lengths, limit, unit)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _lanes(ax: Any, facts: RunFacts, left: float) -> None:
+    """One lane per worker process: its start-up, model load, chunks, failed attempts and end."""
+    span = facts.span
+    lanes = _with_failed_only_lanes(facts)
+    lane_of_worker = {lane.worker: y for y, lane in enumerate(lanes)}
+    bin_seconds = span / TIMELINE_BINS
+    least = (span - left) * MIN_BAR_SHARE
+    for y, lane in enumerate(lanes):
+        for start, end, chunk in lane.chunks:
+            size = 10 if facts.chunks_done <= 50 else 7
+            ax.text((start + end) / 2, y, str(chunk), ha="center", va="center", fontsize=size)
+        # One artist a lane, of at most TIMELINE_BINS bars: a 10^6-chunk run draws like a small one.
+        ax.broken_barh(
+            lane.spans(bin_seconds), (y - 0.3, 0.6), facecolors="tab:blue", edgecolors="white", linewidth=0.3
+        )
+        if lane.startup is not None:
+            began, ready = lane.startup
+            ax.barh(y, max(ready - began, least), left=began, height=0.6, color="lightgray", hatch="//")
+        if lane.load is not None:
+            loaded, seconds = lane.load
+            ax.barh(y, max(seconds, least), left=loaded - seconds, height=0.6, color="dimgray")
+        if not lane.failed_only:
+            ax.plot([lane.last_end], [y], marker="|", color="black", markersize=12)  # the process ends
+    if facts.startup_began is not None and facts.startup_began < 0:
+        ax.axvspan(facts.startup_began, 0.0, color="gold", alpha=0.15, zorder=0)
+        ax.text(
+            facts.startup_began,
+            len(lanes) - 0.45,
+            f" start-up {-facts.startup_began:.1f} s",
+            fontsize=9,
+            va="top",
+        )
+    labelled = len(facts.failures) <= LABELLED_FAILURES
+    for n, attempt in enumerate(facts.failures):
+        y = lane_of_worker[attempt.worker]
+        end = (attempt.when - facts.t0).total_seconds()
+        tried = facts.seconds(attempt.started)
+        if tried is not None:  # the failed attempt itself, where it ran
+            ax.barh(y, max(end - tried, least), left=tried, height=0.6, color="tab:red", alpha=0.35)
+        ax.plot([end], [y], marker="x", color="tab:red", markersize=9)
+        if labelled:  # alternately above and below the lane, so neighbours do not overwrite each other
+            ax.annotate(
+                f"{attempt.chunk}: {attempt.error_class}",
+                (end, y),
+                fontsize=8,
+                color="tab:red",
+                xytext=(3, 7 if n % 2 == 0 else -13),
+                textcoords="offset points",
+            )
+    labels = [
+        f"{lane.device} {lane.worker} (failed only)" if lane.failed_only else f"{lane.device} pid {lane.pid}"
+        for lane in lanes
+    ]
+    ax.set_yticks(range(len(lanes)), labels, fontsize=9 if len(lanes) <= 40 else 6)
+    ax.set_ylim(-0.7, len(lanes) - 0.3)
+    ax.set_xlabel("seconds since the first chunk started")
+    ax.set_title(
+        f"run {facts.manifest.run_id}\nchunks (blue), start-up (hatched), model loads (dark grey), "
+        "failed attempts (red, x at the failure, 'chunk: class'), process end (|)",
+        fontsize=10,
+    )
+
+
+def _with_failed_only_lanes(facts: RunFacts) -> list[Lane]:
+    """The lanes in device order, and one for each process that only ever failed (it published no
+    chunk, so the ledger has no lane for it)."""
+    lanes = sorted(facts.lanes.values(), key=lambda lane: (lane.device, lane.first_start))
+    known = {lane.worker for lane in lanes}
+    extra: dict[str, Lane] = {}
+    for attempt in facts.failures:
+        if attempt.worker not in known and attempt.worker not in extra:
+            device = f"GPU {attempt.gpu}" if attempt.gpu is not None else attempt.device
+            extra[attempt.worker] = Lane(device, 0, attempt.worker, 0.0, failed_only=True)
+    return lanes + sorted(extra.values(), key=lambda lane: (lane.device, lane.worker))
+
+
+def _rates(ax: Any, facts: RunFacts, left: float) -> None:
+    """Rows per second as they were encoded (within chunks), zero through the start-up."""
+    times, rates, window = facts.rate_curve()
+    if left < 0:
+        times, rates = np.concatenate(([left, 0.0], times)), np.concatenate(([0.0, 0.0], rates))
+    ax.plot(times, rates, color="tab:blue", drawstyle="steps-post")
+    ax.fill_between(times, rates, step="post", alpha=0.3, color="tab:blue")
+    overall = facts.throughput.rows_per_second(running=False)
+    if overall:
+        ax.axhline(overall, color="black", linestyle="--", linewidth=1, label=f"run: {overall:,.1f} rows/s")
+        ax.legend(loc="lower right", fontsize=9)
+    ax.set_ylabel(f"rows / s (over {window:.3g} s)")
+    ax.set_xlabel("seconds since the first chunk started")
+
+
+def length_axis(lengths: list[int], limit: int | None) -> tuple[float, int]:
+    """Where the length histogram's axis ends (the data's LENGTH_AXIS_QUANTILE, reaching the
+    truncation point when it is near), and how many texts lie beyond it."""
+    if not lengths:
+        return 1.0, 0
+    top = float(np.quantile(np.asarray(lengths), LENGTH_AXIS_QUANTILE))
+    if max(lengths) <= LONG_TAIL * top:
+        top = float(max(lengths))
+    if limit is not None and limit <= LONG_TAIL * top:
+        top = max(top, limit * 1.05)
+    top = max(top, 1.0)
+    return top, sum(1 for n in lengths if n > top)
+
+
+def _lengths(ax: Any, lengths: list[int], limit: int | None, unit: str) -> None:
+    top, beyond = length_axis(lengths, limit)
+    # Short texts: a bin per length, else 50 bins (50 bins over 22 tokens leave gaps between lengths)
+    bins: Any = np.arange(0, int(top) + 2) - 0.5 if top <= 50 else 50
+    ax.hist([n for n in lengths if n <= top], bins=bins, range=(0, top), color="tab:green")
+    if limit is not None and limit <= top:
+        ax.axvline(limit, color="tab:red", linestyle="--", label=f"truncation at {limit} {unit}")
+        ax.legend()
+    elif limit is not None:
+        ax.set_title(f"truncation at {limit} {unit}: beyond every text drawn", fontsize=9)
+    if beyond:
+        ax.text(0.99, 0.92, f"{beyond} longer than {top:.0f} (not drawn)", transform=ax.transAxes, ha="right")
+    ax.set_xlim(0, top)
+    ax.set_xlabel(f"text length ({unit}, sample of {len(lengths)})")
+    ax.set_ylabel("texts")
 
 
 def _markdown(s: dict[str, Any], png: Path) -> str:
@@ -336,6 +476,7 @@ def _markdown(s: dict[str, Any], png: Path) -> str:
         f"| {batches['unit'].replace('_', ' ')} | requested {batches['requested']}; chunks ran at "
         f"{', '.join(f'{size} ({n})' for size, n in batches['chunks_at'].items()) or '-'} |",
         f"| quarantined chunks | {len(s['quarantined_chunks'])} {s['quarantined_chunks'] or ''} |",
+        f"| start-up before the first chunk | {s['startup_seconds']} s |",
         f"| model loads | {s['model_loads']} (mean {s['model_load_seconds_mean']} s) |",
         f"| truncated texts (sample of {s['length_sample']}) | {s['truncated_in_sample']} "
         f"longer than {s['truncation_point']} {s['length_unit']} |",

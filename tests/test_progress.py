@@ -1,0 +1,194 @@
+"""Issue 37.5/37.6: progress counted within a chunk, a quiet terminal with the run's log in a file,
+and the report drawing rows when they were encoded, the start-up, and failures where they ran."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from chunkq.jobs import chunk_progress
+from chunkq.jobs.manifest import RunManifest, load_manifest
+from chunkq.jobs.run_files import RunLayout, read_json
+from chunkq.supervisor import run_log
+from chunkq.supervisor.attempts import FailedAttempt
+from chunkq.supervisor.display import describe
+from chunkq.supervisor.progress import Snapshot, Tracker, set_rate
+from chunkq.supervisor.throughput import Throughput
+from chunkq.tools import report
+from tests.helpers import CLI, cli_env, make_texts, run_cli, wait_for, write_corpus
+
+T0 = datetime(2026, 11, 24, 12, 0, tzinfo=UTC)
+
+
+def _at(seconds: float) -> str:
+    return (T0 + timedelta(seconds=seconds)).isoformat()
+
+
+def test_the_rate_counts_rows_running_chunks_have_encoded_and_a_resume_counts_from_its_restart() -> None:
+    first = Snapshot("r", chunks=10, rows=1000, rows_encoding=100, encoding_since=(T0.timestamp()))
+    throughput = Throughput()
+    # Nothing published yet: 100 rows encoded in the 10 s since the first chunk began.
+    assert throughput.rows_per_second(True, T0 + timedelta(seconds=10), 100, T0) == pytest.approx(10.0)
+    set_rate(first, throughput)  # now is later than T0: a rate, and an ETA for the rows not yet encoded
+    assert first.rows_per_second is not None and first.eta_seconds is not None
+    assert "rows 0/1,000 (+100 encoding)" in describe(first)
+    # 100 rows published in a 10 s span; stopped an hour; resumed 20 s ago and 50 rows encoded since.
+    throughput.add({"rows": 100, "started_at": _at(0), "finished_at": _at(10)})
+    now, resumed = T0 + timedelta(seconds=3650), T0 + timedelta(seconds=3630)
+    assert throughput.rows_per_second(True, now, 50, resumed) == pytest.approx(150 / 30)
+    # Without a report of the resumed work, the stop counts only up to the pause allowance.
+    assert throughput.rows_per_second(True, now) == pytest.approx(100 / 310)
+
+
+def test_the_terminal_shows_progress_and_warnings_and_pool_lines_keep_their_level() -> None:
+    handler = run_log.TerminalLog(logging.WARNING)
+
+    def shown(name: str, level: int) -> bool:
+        return handler.filter(logging.LogRecord(name, level, "", 0, "m", None, None))
+
+    assert not shown("rq.worker", logging.INFO) and not shown("chunkq.jobs.embed", logging.INFO)
+    assert shown(run_log.PROGRESS_LOGGER, logging.INFO) and shown("chunkq.queue_worker.pool", logging.WARNING)
+    lines = [
+        b"2026-11-24 20:37:01,990 ERROR [w gpu=-] rq.worker: job failed\n",
+        b"CUDA kernel errors might be asynchronously reported\n",  # the ERROR record's next line
+        b"2026-11-24 20:37:02,036 INFO chunkq.supervisor.retry: retrying\n",
+    ]
+    levels, level = [], logging.INFO
+    for line in lines:
+        level = run_log.level_of(line, level)
+        levels.append(level)
+    assert levels == [logging.ERROR, logging.ERROR, logging.INFO]
+
+
+def _facts(
+    records: list[dict[str, Any]], failures: list[FailedAttempt], done: set[int], submitted: float = -30
+) -> report.RunFacts:
+    data = {"run_id": "r", "rows": 40, "chunks": 4, "chunk_size": 10, "created_at": _at(submitted)}
+    manifest = RunManifest(data)
+    throughput = Throughput()
+    for record in records:
+        throughput.add(record)
+    facts = report.RunFacts(manifest, throughput, failures=failures, done=done)
+    for record in records:
+        facts.add(record, labelled=True)
+    return facts
+
+
+def _record(chunk: int, start: float, end: float, **extra: Any) -> dict[str, Any]:
+    return {
+        "chunk": chunk,
+        "rows": 10,
+        "started_at": _at(start),
+        "finished_at": _at(end),
+        "host": "h",
+        "pid": 7,
+        "worker": "w1",
+        "device": "cpu",
+        **extra,
+    }
+
+
+def test_the_report_puts_rows_when_encoded_the_start_up_before_and_recovered_chunks_as_done() -> None:
+    startup = {
+        "pool_started_at": _at(-20),
+        "pool_for_run": "r",
+        "process_started_at": _at(-5),
+        "ready_at": _at(-1),
+    }
+    # Chunk 0 encoded all its rows in its first second of ten; chunk 1 has no samples (spread).
+    records = [
+        _record(0, 0, 10, rows_at=[[0.5, 5], [1.0, 10]], startup=startup),
+        _record(1, 10, 20),
+    ]
+    oom = FailedAttempt(2, 1, "oom", "CUDA out of memory", "w9", "h", "cpu", None, _at(15), started=_at(14))
+    gone = FailedAttempt(3, 3, "oom", "CUDA out of memory", "w1", "h", "cpu", None, _at(18), quarantined=True)
+    facts = _facts(records, [oom, gone], done={0, 1, 3})  # chunk 3 was published by a later run
+    first_second = int(1.0 / facts.span * report.RATE_BINS) + 1
+    assert (
+        facts.rate[:first_second].sum() == 10 and facts.rate[first_second : report.RATE_BINS // 2].sum() == 0
+    )
+    assert facts.rate[report.RATE_BINS // 2 :].sum() == 10  # chunk 1's rows over its own ten seconds
+    assert facts.startup_began == pytest.approx(-20.0)  # its pool started 20 s before the first chunk
+    (lane,) = facts.lanes.values()
+    assert lane.startup == (pytest.approx(-5.0), pytest.approx(-1.0))
+    assert facts.quarantined == []  # recovered, so not listed as quarantined
+    lanes = report._with_failed_only_lanes(facts)
+    assert [(x.worker, x.failed_only) for x in lanes] == [("w1", False), ("w9", True)]
+    # A pool started for another run (a long-lived one): this run's start-up begins at its submit.
+    shared = dict(startup, pool_for_run="other")
+    assert _facts([_record(0, 0, 10, startup=shared)], [], {0}, submitted=-8).startup_began == pytest.approx(
+        -8
+    )
+
+
+def test_the_length_axis_ends_where_the_texts_are_and_counts_those_beyond() -> None:
+    lengths = [20] * 990 + [30] * 9 + [1600]
+    top, beyond = report.length_axis(lengths, 512)
+    assert top < 512 and beyond == 1  # truncation far out: the axis stays with the data
+    assert report.length_axis(lengths, 40) == (pytest.approx(42.0), 1)  # a near truncation point is drawn
+    assert report.length_axis([10, 11, 12], None) == (12.0, 0)  # no long tail: every text drawn
+
+
+@pytest.mark.slow
+def test_a_quiet_run_counts_rows_within_its_chunk_and_logs_everything_to_its_file(
+    tmp_path: Path, store: Path, connection: redis.Redis, redis_url: str
+) -> None:
+    ids, texts = make_texts(600, seed=37)
+    corpus = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")
+    harmless = json.dumps([{"kind": "oom", "chunks": [99]}])  # no such chunk: only the workers' warning
+    args = ["run", str(corpus), "--store", str(store), "--redis-url", redis_url, "--queue", "quiet"]
+    args += ["--run-id", "prog", "--chunk-size", "600", "--batch-size", "4"]
+    env = cli_env(CHUNKQ_LOG_LEVEL="", CHUNKQ_FAULTS=harmless)
+    with subprocess.Popen(
+        [*CLI, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as proc:
+        layout = RunLayout(store, "prog")
+        wait_for(lambda: layout.manifest.is_file() or proc.poll() is not None, 120, "the run's manifest")
+        tracker = Tracker(connection, layout, load_manifest(layout), records=False)
+        seen: list[int] = []
+
+        def published() -> bool:
+            snap = tracker.poll()
+            if snap.chunks_done == 0:
+                seen.append(snap.rows_encoding)
+            return snap.chunks_done == 1 or proc.poll() is not None
+
+        wait_for(published, 240, "the chunk to be published", interval=0.05)
+        out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    assert any(0 < n < 600 for n in seen), seen  # rows counted while the chunk ran, not only at its end
+    assert seen == sorted(seen), str(seen)
+    # The terminal: progress and the workers' warning; the log file: every INFO line, RQ's included.
+    assert "FAULT INJECTION IS ON" in err and " INFO " not in err and "rq.worker" not in err, err
+    assert "run prog: chunks 1/1 done" in err and "600 x 384 embeddings" in out
+    logged = run_log.log_path(store, "prog").read_text()
+    assert (
+        "rq.worker" in logged and "chunk prog__c000000: 600 rows in" in logged and "FAULT INJECTION" in logged
+    )
+    meta = read_json(layout.output_meta(0))
+    samples = meta["rows_at"]
+    assert 2 <= len(samples) <= chunk_progress.SAMPLES + 1 and samples[-1][1] == 600
+    assert [s[1] for s in samples] == sorted(s[1] for s in samples)
+    started = meta["startup"]
+    assert started["pool_for_run"] == "prog"
+    assert (
+        started["pool_started_at"]
+        <= started["process_started_at"]
+        <= started["ready_at"]
+        <= meta["started_at"]
+    )
+    drawn = run_cli("report", "prog", "--store", str(store))
+    assert drawn.returncode == 0, drawn.stderr
+    assert json.loads((layout.root / "report" / "report.json").read_text())["startup_seconds"] > 0
+    verbose = run_cli(*args, "-v", CHUNKQ_LOG_LEVEL="")
+    assert (
+        verbose.returncode == 0
+        and " INFO chunkq.supervisor.local_run: run prog: result already published" in verbose.stderr
+    )
