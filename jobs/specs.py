@@ -5,12 +5,12 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
 
-from chunkq.jobs.errors import ConfigError
+from chunkq.jobs.errors import ConfigError, TamperedJobError
 
 FORMAT_VERSION = 1
 DEFAULT_PRECISION = "fp32"
@@ -198,7 +198,7 @@ class EncodeOptions:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EncodeOptions:
-        return cls(**data)
+        return cls(**_known_fields(cls, data, "options"))
 
 
 @dataclass(frozen=True)
@@ -236,8 +236,23 @@ class ChunkSpec:
         version = data.pop("format_version", FORMAT_VERSION)
         if version != FORMAT_VERSION:
             raise ConfigError(f"chunk spec format {version} is not supported (expected {FORMAT_VERSION})")
-        options = EncodeOptions.from_dict(data.pop("options", {}))
-        return cls(options=options, **data)
+        options = data.pop("options", {})
+        if not isinstance(options, dict):
+            raise TamperedJobError(f"chunk spec options must be an object, got {options!r}")
+        return cls(options=EncodeOptions.from_dict(options), **_known_fields(cls, data, "spec"))
+
+
+def _known_fields(kind: type, data: dict[str, Any], what: str) -> dict[str, Any]:
+    """``data`` if it names only ``kind``'s fields; else TamperedJobError naming the others (a job
+    comes through Redis: one written by someone else, or by a newer chunkq, must not fail raw)."""
+    known = {f.name for f in fields(kind)}
+    foreign = sorted(set(data) - known)
+    if foreign:
+        raise TamperedJobError(
+            f"chunk {what} has field(s) this chunkq does not know: {', '.join(map(repr, foreign))} "
+            "(a job edited in Redis, or queued by a newer chunkq); refused"
+        )
+    return data
 
 
 def canonical_json(data: Any) -> str:

@@ -21,9 +21,10 @@ import pytest
 import redis
 
 from chunkq.jobs.nopickle import PickleRefusedError, forbid_pickle
+from chunkq.jobs.run_files import RunLayout
 from chunkq.jobs.specs import chunk_job_id
 from chunkq.supervisor.embedded_redis import free_port
-from chunkq.tools.dashboard import check_bind, is_loopback
+from chunkq.tools.dashboard import check_bind, create_app, is_loopback
 from tests.helpers import WORKER, cli_env, make_texts, run_cli, start_cli, stop_tree, wait_for, write_corpus
 from tests.test_security import Exploit
 
@@ -280,6 +281,19 @@ def test_strings_from_redis_reach_the_page_escaped(
     assert "&lt;b&gt;bold&lt;/b&gt;" in info["metadata"] and "<b>" not in info["metadata"]
 
 
+@pytest.mark.slow  # the model, in this process
+def test_the_front_page_counts_finished_chunks_from_the_store(
+    encoded_run: tuple[RunLayout, list[str], list[str]], store: Path, redis_url: str
+) -> None:
+    """Issue 37.7: after a run the dashboard showed 0 finished jobs (the supervisor deletes them)."""
+    app = create_app(redis_url, store=store)
+    page = app.test_client().get("/").get_data(as_text=True)
+    assert f"the store {store} holds 5 of 5 chunks done in 1 run(s)" in page
+    (encoded_run[0].outputs / "000002.json").unlink()  # one output gone: four of five done
+    page = app.test_client().get("/").get_data(as_text=True)
+    assert "holds 4 of 5 chunks done" in page
+
+
 def _chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -317,7 +331,7 @@ def test_failed_chunk_page_in_a_real_browser(
     meta = json.loads(connection.hget(f"rq:job:{job_id}", "meta") or b"{}")
     assert meta["error_class"] == "cuda_fatal"
     screenshot = Path(os.environ.get("CHUNKQ_SCREENSHOT_DIR", tmp_path)) / "failed-chunk.png"
-    with dashboard(tmp_path, redis_url) as base:
+    with dashboard(tmp_path, redis_url, CHUNKQ_STORE=str(store)) as base:
         page = f"{base}/0/view/job/{job_id}"
         flags = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=15000"]
         dom = subprocess.run(
@@ -341,6 +355,8 @@ def test_failed_chunk_page_in_a_real_browser(
     # The front page's first line links to the failed chunks (issue 24.6).
     assert front.returncode == 0, front.stderr[-2000:]
     assert 'href="/0/view/jobs/dash/failed/20/asc/1">1 failed chunk(s) in queue dash</a>' in front.stdout
+    # Finished jobs leave Redis: the page says so, with the count from the store (issue 37.7).
+    assert f"the store {store} holds 1 of 2 chunks done in 1 run(s)" in front.stdout
     assert dom.returncode == 0, dom.stderr[-2000:]
     text = dom.stdout
     assert '"chunk": 1<br>' in text and '"error_class": "cuda_fatal"<br>' in text  # a line a field

@@ -20,7 +20,11 @@ EVERY_COMMANDS = {"store", "queue", "redis_url", "as_json"}  # chunkq/cli/common
 
 def _options(command: str) -> dict[str, click.Option]:
     found = cli.commands[command].params  # type: ignore[attr-defined]
-    return {p.name: p for p in found if isinstance(p, click.Option) and p.name and p.name not in ("log_level", "verbose")}
+    return {
+        p.name: p
+        for p in found
+        if isinstance(p, click.Option) and p.name and p.name not in ("log_level", "verbose")
+    }
 
 
 def _entries(receiver: str) -> list[tuple[str, Any, Any]]:

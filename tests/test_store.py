@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from chunkq.jobs.errors import ConfigError
+from chunkq.jobs.errors import ConfigError, TamperedJobError
 from chunkq.jobs.run_files import RunLayout, atomic_write_json, read_json, verify_output, write_output
 from chunkq.jobs.specs import ChunkSpec, EncodeOptions, chunk_job_id, validate_run_id
 from chunkq.jobs.storage import list_with_mtime
@@ -37,6 +38,26 @@ def test_chunk_spec_round_trips_through_json_dict() -> None:
         EncodeOptions(precision="int4")
     with pytest.raises(ConfigError, match="batch size"):
         EncodeOptions(batch_size=0)
+
+
+@pytest.mark.parametrize(
+    ("edit", "said"),
+    [
+        (
+            {"options": {"batch_size": 8, "model_kwarg": "x"}},
+            "chunk options has field(s) this chunkq does not know: 'model_kwarg'",
+        ),
+        ({"device_map": "auto"}, "chunk spec has field(s) this chunkq does not know: 'device_map'"),
+        ({"options": ["fp16"]}, "chunk spec options must be an object"),
+    ],
+)
+def test_a_spec_with_fields_this_chunkq_does_not_know_is_refused_in_one_line(
+    edit: dict[str, object], said: str
+) -> None:
+    """Issue 37.16: a foreign key in a job's options failed with a raw TypeError."""
+    spec = ChunkSpec("r1", 2, 50, 25, "bundled:x", "/s").to_dict()
+    with pytest.raises(TamperedJobError, match=re.escape(said)):
+        ChunkSpec.from_dict({**spec, **edit})
 
 
 def test_atomic_write_leaves_no_temporary_files(tmp_path: Path) -> None:

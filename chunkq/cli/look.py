@@ -68,12 +68,15 @@ from chunkq.tools.report import write_report
     show_envvar=True,
     help="Basic-auth password. Prefer the variable: a command line is visible to every user of the host.",
 )
+@store_option
 @redis_option("needed")
 def dashboard_cmd(
-    redis_url: str | None, bind: str, port: int, username: str | None, password: str | None
+    redis_url: str | None, bind: str, port: int, username: str | None, password: str | None, store: Path
 ) -> None:
-    """rq-dashboard for chunkq's queues: JSON only, loopback unless credentials are set."""
-    serve_dashboard(need_redis(redis_url), bind, port, username, password)
+    """rq-dashboard for chunkq's queues: JSON only, loopback unless credentials are set.
+
+    Its front page counts finished chunks from --store: Redis forgets them once the store has them."""
+    serve_dashboard(need_redis(redis_url), bind, port, username, password, store)
 
 
 @command("report")

@@ -27,6 +27,7 @@ import html
 import ipaddress
 import json
 import logging
+from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit
 
@@ -37,7 +38,7 @@ from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
 from chunkq.jobs import errors
-from chunkq.jobs.errors import ConfigError
+from chunkq.jobs.errors import ChunkqError, ConfigError
 from chunkq.jobs.nopickle import PickleRefusedError, forbid_pickle
 from chunkq.queue_worker.settings import DEFAULT_QUEUE
 
@@ -158,6 +159,26 @@ def jobs_url(queue: str, registry: str = "failed", instance: int = 0) -> str:
     return f"/{instance}/view/jobs/{quote(queue, safe='')}/{quote(registry, safe='')}/{JOBS_PER_PAGE}/asc/1"
 
 
+def _finished_note(store: Path | None) -> str:
+    """Why the finished counts stay near 0, with the count from the store that holds the truth."""
+    if store is None:
+        return ""
+    from chunkq.tools.run_list import chunks_done
+
+    try:
+        done, chunks, runs = chunks_done(store)
+        counted = (
+            f"the store {html.escape(str(store))} holds {done:,} of {chunks:,} chunks done in {runs} run(s)"
+        )
+    except (OSError, ChunkqError) as exc:
+        counted = f"the store {html.escape(str(store))} could not be read ({html.escape(str(exc))})"
+    return (
+        '<div class="alert alert-info" id="chunkq-finished">Finished chunks are deleted from Redis once '
+        f"the store holds their output, so the finished counts below stay near 0: {counted} "
+        "(<code>chunkq runs</code>, <code>chunkq status RUN</code>).</div>"
+    )
+
+
 def _failed_banner(connection: redis.Redis) -> str:
     """The front page's first line: each queue's failed chunks, a link to them, or that there are none."""
     counts = [
@@ -195,7 +216,9 @@ def allowed_hosts(bind: str, port: int) -> frozenset[str] | None:
     return frozenset(f"{name}:{port}" for name in names)
 
 
-def _rewrite(app: Any, response: Any, endpoint: str | None, connection: redis.Redis) -> None:
+def _rewrite(
+    app: Any, response: Any, endpoint: str | None, connection: redis.Redis, store: Path | None
+) -> None:
     """What chunkq changes in rq-dashboard's answers: strings from Redis escaped where the page
     inserts them as HTML, a job's meta one line a field, and the failed chunks on the front page."""
     if endpoint in _RAW_HTML_ENDPOINTS and response.is_json:
@@ -206,7 +229,7 @@ def _rewrite(app: Any, response: Any, endpoint: str | None, connection: redis.Re
         response.set_data(app.json.dumps(escaped))
     if endpoint == "rq_dashboard.queues_overview" and response.mimetype == "text/html":
         page = response.get_data(as_text=True)
-        banner = _failed_banner(connection)
+        banner = _failed_banner(connection) + _finished_note(store)
         response.set_data(page.replace('<div class="container">', f'<div class="container">{banner}', 1))
 
 
@@ -215,8 +238,10 @@ def create_app(
     username: str | None = None,
     password: str | None = None,
     hosts: frozenset[str] | None = None,
+    store: Path | None = None,
 ) -> Any:
-    """The rq-dashboard Flask app for ``redis_url``, its holes closed (see the module docstring)."""
+    """The rq-dashboard Flask app for ``redis_url``, its holes closed (see the module docstring);
+    ``store``: where the front page counts finished chunks from."""
     forbid_pickle()
     from flask import Response, current_app, redirect, request
     from rq_dashboard import web
@@ -251,7 +276,7 @@ def create_app(
     app.add_url_rule("/<int:instance>/view/jobs/<queue>/<registry>", "chunkq_jobs", shortcut)
 
     def escape_raw_html_fields(response: Any) -> Any:
-        _rewrite(app, response, request.endpoint, current_app.redis_conn)  # type: ignore[attr-defined]
+        _rewrite(app, response, request.endpoint, current_app.redis_conn, store)  # type: ignore[attr-defined]
         response.headers.setdefault("X-Content-Type-Options", "nosniff")
         response.headers.setdefault("X-Frame-Options", "DENY")
         return response
@@ -294,12 +319,19 @@ def _held_by(port: int) -> str:
     return ""
 
 
-def serve(redis_url: str, bind: str, port: int, username: str | None, password: str | None) -> None:
+def serve(
+    redis_url: str,
+    bind: str,
+    port: int,
+    username: str | None,
+    password: str | None,
+    store: Path | None = None,
+) -> None:
     """Serve the dashboard with waitress (a production WSGI server) until interrupted."""
     check_bind(bind, username, password)
     import waitress
 
-    app = create_app(redis_url, username, password, allowed_hosts(bind, port))
+    app = create_app(redis_url, username, password, allowed_hosts(bind, port), store)
     try:
         server = waitress.create_server(app, host=bind, port=port, threads=4, ident="chunkq")
     except OSError as exc:

@@ -16,7 +16,7 @@ from typing import Any
 
 import redis
 
-from chunkq.jobs.errors import ConfigError, StoreError
+from chunkq.jobs.errors import ChunkqError, ConfigError, StoreError
 from chunkq.jobs.manifest import RunManifest, load_manifest
 from chunkq.jobs.run_files import MANIFEST_NAME, RunLayout
 from chunkq.jobs.specs import EncodeOptions, chunk_job_id
@@ -146,6 +146,24 @@ def _options(manifest: RunManifest) -> str:
     if manifest.chunk_size != DEFAULT_CHUNK_SIZE:
         differ["chunk_size"] = manifest.chunk_size
     return " ".join(f"{k}={json.dumps(v, separators=(',', ':'))}" for k, v in sorted(differ.items()))
+
+
+def chunks_done(store: Path) -> tuple[int, int, int]:
+    """(chunks done, chunks, runs) over the store's runs: a published run's chunks are all done,
+    another's are its committed outputs. What the dashboard's finished counts cannot show, since
+    the supervisor deletes a finished job from Redis once the store holds its output."""
+    done = total = runs = 0
+    for run_id in run_ids(store):
+        layout = RunLayout(store, run_id)
+        try:
+            manifest = load_manifest(layout)
+        except (OSError, ValueError, ChunkqError):
+            continue  # a run being submitted, or damaged: `chunkq runs` names it
+        runs += 1
+        total += manifest.chunks
+        published = read_result_manifest(layout)
+        done += manifest.chunks if published is not None else len(layout.done_chunks(manifest.chunks))
+    return done, total, runs
 
 
 def list_runs(store: Path) -> list[RunInfo]:
