@@ -72,7 +72,9 @@ def forget(connection: redis.Redis, run_id: str, indices: list[int] | None = Non
     if indices is None:
         connection.delete(progress_key(run_id))
     for start in range(0, len(indices or ()), FORGET_BLOCK):
-        connection.hdel(progress_key(run_id), *(str(i) for i in (indices or [])[start : start + FORGET_BLOCK]))
+        connection.hdel(
+            progress_key(run_id), *(str(i) for i in (indices or [])[start : start + FORGET_BLOCK])
+        )
 
 
 @dataclass
@@ -103,7 +105,8 @@ class RowsReporter:
             self._send(f"{rows} {self.started:.3f} {time.time():.3f}")
 
     def _send(self, value: str) -> None:
-        assert self.connection is not None
+        if self.connection is None:
+            return
         key = progress_key(self.run_id)
         try:
             with self.connection.pipeline(transaction=False) as pipe:

@@ -22,7 +22,18 @@ from typing import Any
 import numpy as np
 from rq import get_current_job
 
-from chunkq.jobs import chunk_progress, cuda, errors, faults, jobmeta, learned, models, quantize, runtime, token_batches
+from chunkq.jobs import (
+    chunk_progress,
+    cuda,
+    errors,
+    faults,
+    jobmeta,
+    learned,
+    models,
+    quantize,
+    runtime,
+    token_batches,
+)
 from chunkq.jobs.errors import (
     AllocatorOutOfMemoryError,
     BadInputError,

@@ -8,7 +8,6 @@ Run as ``python -m chunkq.queue_worker.worker`` by the pool, with the Redis URL 
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
 import logging
 import os
 import re
@@ -19,6 +18,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import replace
 from types import FrameType
 from typing import Any
 
@@ -381,7 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     ready_at = time.time()
     ctx = replace(ctx, ready_at=ready_at)
     runtime.set_context(ctx)
-    log.info("worker %s ready %.2f s after its process started", name, ready_at - (ctx.process_started_at or 0))
+    log.info(
+        "worker %s ready %.2f s after its process started", name, ready_at - (ctx.process_started_at or 0)
+    )
     wait_for_predecessor(lambda: early_stop.requested)
     if early_stop.requested:
         log.info("worker %s: stop requested during start-up; exiting before taking a job", name)

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from chunkq.supervisor.progress import Snapshot
-from chunkq.supervisor.run_log import PROGRESS_LOGGER
+from chunkq.supervisor.run_log import PROGRESS_LOGGER, TerminalLog
 
 log = logging.getLogger(PROGRESS_LOGGER)  # reaches the terminal at any log level (run_log)
 
@@ -94,6 +94,7 @@ class ProgressDisplay:
                 console=Console(stderr=True),
             )
             self._progress.start()
+            TerminalLog.live = self._progress.console  # log lines print above the bar
         return self
 
     def update(self, snap: Snapshot) -> None:
@@ -125,4 +126,5 @@ class ProgressDisplay:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         if self._progress is not None:
+            TerminalLog.live = None
             self._progress.stop()

@@ -11,10 +11,10 @@ import signal
 import subprocess
 import sys
 import threading
-from importlib.metadata import version
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from importlib.metadata import version
 from pathlib import Path
 from types import TracebackType
 
@@ -28,7 +28,7 @@ from chunkq.jobs.errors import StoreWriteError
 from chunkq.jobs.manifest import load_manifest
 from chunkq.jobs.run_files import RunLayout
 from chunkq.jobs.runtime import POOL_FOR_RUN_ENV
-from chunkq.jobs.storage import OWNER_ONLY, is_local, no_links_below, private_dirs, private_open
+from chunkq.jobs.storage import OWNER_ONLY, is_local, no_links_below, private_open
 from chunkq.queue_worker.lifeline import die_with_parent
 from chunkq.queue_worker.settings import SETTINGS_JSON_ENV, PoolSettings, env_of
 from chunkq.supervisor.display import ProgressDisplay
@@ -245,7 +245,13 @@ def _run_log(req: RunRequest, layout: RunLayout, stack: contextlib.ExitStack) ->
     if not req.log_file:
         return None
     run_log = stack.enter_context(RunLog(log_path(local_state_dir(req.submit.store), layout.run_id)))
-    log.info("run %s: chunkq %s (pid %d); this log: %s", layout.run_id, version("chunkq"), os.getpid(), run_log.path)
+    log.info(
+        "run %s: chunkq %s (pid %d); this log: %s",
+        layout.run_id,
+        version("chunkq"),
+        os.getpid(),
+        run_log.path,
+    )
     return run_log
 
 

@@ -11,6 +11,7 @@ terminal when the line's level reaches the terminal's.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import sys
@@ -30,14 +31,36 @@ _LEVEL = re.compile(rb"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING
 class TerminalLog(logging.StreamHandler):  # type: ignore[type-arg]
     """The log lines a user sees: at ``threshold`` or above, and the progress lines whatever it is.
 
-    Writes to ``sys.stderr`` as it is at each line: a live progress bar replaces it, so lines
-    print above the bar instead of tearing it."""
+    While a live progress bar runs (``live``), lines are printed through its console, above the
+    bar, instead of tearing it."""
+
+    live: Any = None  # the rich Console of the live progress bar, while one runs
 
     def __init__(self, threshold: int) -> None:
-        super().__init__()
+        super().__init__(sys.stderr)
         self.threshold = threshold
         self.setFormatter(logging.Formatter(LOG_FORMAT))
         self._progress_format = logging.Formatter("%(asctime)s %(message)s")
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if TerminalLog.live is None:
+            super().emit(record)
+            return
+        try:
+            self.print_line(self.format(record))
+        except Exception:
+            self.handleError(record)
+
+    @staticmethod
+    def print_line(text: str) -> None:
+        """A line on the terminal, above the live bar while there is one."""
+        if TerminalLog.live is not None:
+            from rich.text import Text
+
+            TerminalLog.live.print(Text(text), soft_wrap=True)
+        else:
+            sys.stderr.write(text + "\n")
+            sys.stderr.flush()
 
     def format(self, record: logging.LogRecord) -> str:
         if record.name == PROGRESS_LOGGER:  # not a log line to the user: no level, no logger name
@@ -79,19 +102,44 @@ def log_path(state_dir: Path, run_id: str) -> Path:
     return state_dir / "runs" / run_id / "logs" / LOG_NAME
 
 
+class _LogFile(logging.StreamHandler):  # type: ignore[type-arg]
+    """The log file's handler: a write that fails (a full disk) stops the file, said once on the
+    terminal, instead of logging's traceback on every line; the run goes on (its store decides)."""
+
+    def __init__(self, stream: IO[str], path: Path) -> None:
+        super().__init__(stream)
+        self.path = path
+        self.broken = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.broken:
+            super().emit(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        self.fail(sys.exc_info()[1])
+
+    def fail(self, exc: BaseException | None) -> None:
+        if not self.broken:
+            self.broken = True
+            sys.stderr.write(
+                f"chunkq: warning: the run's log file {self.path} cannot be written ({exc}); "
+                "log lines go to the terminal's level only from here\n"
+            )
+
+
 class RunLog:
     """The run's log file while a command works on it: the root logger's records at INFO or above
     (DEBUG when the terminal shows DEBUG), and the pool's lines through ``write``."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._handler: logging.StreamHandler | None = None  # type: ignore[type-arg]
+        self._handler: _LogFile | None = None
         self._lock = threading.RLock()
 
     def __enter__(self) -> RunLog:
         private_dirs(self.path.parent)
         stream = private_open(self.path, "a", encoding="utf-8", buffering=1)
-        self._handler = logging.StreamHandler(stream)
+        self._handler = _LogFile(stream, self.path)
         self._handler.setFormatter(logging.Formatter(LOG_FORMAT))
         self._handler.setLevel(min(terminal().threshold, logging.INFO))
         self._handler.lock = self._lock  # one lock for both writers
@@ -100,15 +148,20 @@ class RunLog:
 
     def write(self, line: bytes) -> None:
         """One line of the pool's output, as it wrote it."""
-        if self._handler is None:
+        handler = self._handler
+        if handler is None or handler.broken:
             return
         with self._lock:
-            self._handler.stream.write(line.decode("utf-8", "replace"))
+            try:
+                handler.stream.write(line.decode("utf-8", "replace"))
+            except OSError as exc:
+                handler.fail(exc)
 
     def __exit__(self, *exc: object) -> None:
         if self._handler is not None:
             logging.getLogger().removeHandler(self._handler)
-            self._handler.stream.close()
+            with contextlib.suppress(OSError):  # its last buffered line, on a full disk
+                self._handler.stream.close()
             self._handler = None
 
 
@@ -129,8 +182,7 @@ def relay(pipe: IO[bytes], run_log: RunLog) -> threading.Thread:
                 run_log.write(line)
                 level = level_of(line, level)
                 if level >= terminal().threshold:
-                    sys.stderr.write(line.decode("utf-8", "replace"))
-                    sys.stderr.flush()
+                    TerminalLog.print_line(line.decode("utf-8", "replace").rstrip("\n"))
 
     thread = threading.Thread(target=copy, name="chunkq-pool-output", daemon=True)
     thread.start()

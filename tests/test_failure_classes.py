@@ -76,6 +76,7 @@ def test_oom_halves_the_batch_and_later_chunks_start_from_what_fitted(
     assert "out of memory" not in caplog.text  # started at the learned size: no OOM this time
 
 
+@pytest.mark.slow  # the model in this process, encoding at each halving
 def test_the_injected_oom_carries_torchs_real_text_and_each_halving_is_recorded(
     store: Path, inject: Any
 ) -> None:
@@ -104,7 +105,7 @@ def test_the_failed_attempts_memory_is_released_before_the_smaller_batch(
     kept: list[BaseException] = []
     alive_at_retry: list[bool] = []
 
-    def encode(loaded: Any, texts: list[str], options: EncodeOptions) -> Any:
+    def encode(loaded: Any, texts: list[str], options: EncodeOptions, on_rows: Any = None) -> Any:
         if options.batch_size > 8:
             held = torch.ones(1 << 20)
             activations.append(weakref.ref(held))

@@ -166,10 +166,12 @@ def test_the_report_of_a_run_numbers_each_chunk_when_few_and_bins_them_when_many
     assert all(
         not lane.chunks and lane.spans(binned.span / report.TIMELINE_BINS) for lane in binned.lanes.values()
     )
-    # The rate panel shows a rate, not each chunk's rows arriving at once (issue 24.5): its window
-    # spans two chunk durations or more, and no point is far above the run's own rate.
+    # The rate panel shows a rate, not each batch's rows arriving at once (issues 24.5, 37.6): rows
+    # are placed when encoded (each chunk's samples), the window spans two gaps between samples or
+    # more, and no point is far above the run's own rate.
     _, rates, window = numbered.rate_curve()
-    assert window >= 2 * numbered.chunk_seconds / numbered.chunks_done
+    assert numbered.samples == 5
+    assert window >= report.RATE_WINDOW_SAMPLES * numbered.sample_seconds / numbered.samples
     assert rates.max() <= 2.5 * numbered.throughput.rows_per_second(running=False)
     numbers = report.write_report(layout, tmp_path / "r")
     assert (tmp_path / "r" / "report.png").stat().st_size > 20_000

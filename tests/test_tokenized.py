@@ -29,6 +29,7 @@ def counted(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, list[int]]]:
     yield model, calls
 
 
+@pytest.mark.slow  # the model, and a plain encode to compare with
 @pytest.mark.parametrize("by_tokens", [False, True])
 def test_one_tokenisation_gives_a_plain_encodes_embeddings(
     counted: tuple[Any, list[int]], reference_model: Any, by_tokens: bool

@@ -380,8 +380,8 @@ def test_ctrl_c_in_a_terminal_says_what_happens_and_a_second_one_stops_without_a
     pid, fd = _pty_run([chunkq, "run", str(corpus), "--store", str(store), "--chunk-size", "400"])
     seen = bytearray()
     try:
-        wait_for(lambda: any(store.glob("runs/*/logs/pool.log")), 60, "the pool's log")
-        (log,) = store.glob("runs/*/logs/pool.log")
+        wait_for(lambda: any(store.glob("runs/*/logs/run.log")), 60, "the run's log")
+        (log,) = store.glob("runs/*/logs/run.log")
         wait_for(lambda: b"(400 rows)" in log.read_bytes(), 90, "a worker to take a chunk")
         os.write(fd, b"\x03")
         _read_until(fd, seen, b"press Ctrl+C again to stop now", 30)

@@ -18,6 +18,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import click
 import redis
+from click.core import ParameterSource
 
 from chunkq.jobs import errors
 from chunkq.jobs.errors import (
@@ -258,12 +259,17 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 LOG_LEVEL_ENV = env_of("log_level")
 
 
-_level_given: list[str] = []  # the --log-level (or CHUNKQ_LOG_LEVEL) this command was given
+_level_given: list[bool] = []  # a --log-level (or CHUNKQ_LOG_LEVEL) was given: True when on the command line
 
 
 def _set_log_level(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     if value:
-        _level_given.append(value.upper())
+        typed = ctx.get_parameter_source(str(param.name)) is ParameterSource.COMMANDLINE
+        # `chunkq --log-level DEBUG run`: the subcommand's option falls back to CHUNKQ_LOG_LEVEL,
+        # which must not undo the level typed before the subcommand's name.
+        if not typed and any(_level_given):
+            return value
+        _level_given.append(typed)
         configure_logging(value)
     return value
 
