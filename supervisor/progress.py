@@ -232,7 +232,8 @@ class Tracker:
         snap.chunks_running = len(running)
         snap.stale = self._stale(sorted(running))
         counted, self._counted = self._counted, []
-        chunk_progress.forget(self.connection, self.manifest.run_id, counted)
+        if self.ledger is not None:  # the run's owner; a one-off look (chunkq status) writes nothing
+            chunk_progress.forget(self.connection, self.manifest.run_id, counted)
         self._read_encoding(snap, sorted(running))
         self.failed_jobs = self._fetch(sorted(failed))
         snap.failures = [_failure(job, i, self.manifest) for i, job in sorted(self.failed_jobs.items())]

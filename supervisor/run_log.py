@@ -176,13 +176,16 @@ def relay(pipe: IO[bytes], run_log: RunLog) -> threading.Thread:
     terminal's level up; it ends when the pool closes its output."""
 
     def copy() -> None:
-        level = logging.INFO
+        level, shown = logging.INFO, True
         with pipe:
             for line in iter(pipe.readline, b""):
                 run_log.write(line)
                 level = level_of(line, level)
-                if level >= terminal().threshold:
-                    TerminalLog.print_line(line.decode("utf-8", "replace").rstrip("\n"))
+                if shown and level >= terminal().threshold:
+                    try:
+                        TerminalLog.print_line(line.decode("utf-8", "replace").rstrip("\n"))
+                    except Exception:  # a closed terminal: keep draining the pipe
+                        shown = False  # (a pool blocked on a full pipe would stall the run)
 
     thread = threading.Thread(target=copy, name="chunkq-pool-output", daemon=True)
     thread.start()

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
+import threading
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -65,6 +67,35 @@ def test_the_terminal_shows_progress_and_warnings_and_pool_lines_keep_their_leve
         level = run_log.level_of(line, level)
         levels.append(level)
     assert levels == [logging.ERROR, logging.ERROR, logging.INFO]
+
+
+def test_the_pool_output_is_drained_into_the_log_file_even_when_the_terminal_is_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A relay that stopped reading when the terminal went away would leave the pool blocked on a
+    full pipe, and the run stalled."""
+
+    def gone(text: str) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(run_log.TerminalLog, "print_line", staticmethod(gone))
+    run_log.show_on_terminal(logging.INFO)
+    line = b"2026-11-24 20:37:01,990 WARNING [w gpu=-] chunkq.jobs.embed: " + b"x" * 100 + b"\n"
+    read, write = os.pipe()
+
+    def pool() -> None:
+        with os.fdopen(write, "wb") as out:
+            for _ in range(2000):  # 250 KB: four times a pipe's buffer
+                out.write(line)
+
+    with run_log.RunLog(tmp_path / "run.log") as log_file:
+        relayed = run_log.relay(os.fdopen(read, "rb"), log_file)
+        writer = threading.Thread(target=pool, daemon=True)
+        writer.start()
+        writer.join(timeout=60)
+        assert not writer.is_alive(), "the pool is blocked on a full pipe"
+        relayed.join(timeout=60)
+    assert (tmp_path / "run.log").read_bytes().count(line) == 2000
 
 
 def _facts(
