@@ -181,6 +181,14 @@ def test_a_run_that_is_not_in_the_store_is_not_found(command: str, tmp_path: Pat
     assert "run nosuch not found in store" in result.stderr and "`chunkq runs` lists" in result.stderr
 
 
+def test_supervise_of_a_run_that_is_not_in_the_store_writes_nothing(tmp_path: Path, redis_url: str) -> None:
+    """Its log file lives in the run's folder: a missing run must not get a folder for it."""
+    store = tmp_path / "store"
+    result = run_cli("supervise", "nosuch", "--store", str(store), "--redis-url", redis_url)
+    assert result.returncode == 13 and "run nosuch not found in store" in result.stderr, result.stderr
+    assert not (store / "runs" / "nosuch").exists()
+
+
 def test_runs_tells_runs_of_one_corpus_apart_by_file_format_and_options(
     tmp_path: Path, connection: Any
 ) -> None:

@@ -21,6 +21,7 @@ from chunkq.cli.common import (
 from chunkq.cli.encode_options import QUEUE_WINDOW_OPTION, submit_options, watch_options
 from chunkq.cli.group import command, current_log_level
 from chunkq.cli.settings_options import pool_setting_options, pool_settings, pop_pool_values
+from chunkq.jobs.manifest import load_manifest
 from chunkq.jobs.models import check_model
 from chunkq.jobs.run_files import RunLayout
 from chunkq.queue_worker import gpus as gpu_discovery
@@ -124,6 +125,7 @@ def supervise_cmd(run_id: str, store: Path, redis_url: str | None, verbose: int,
     quiet_unless(verbose)
     connection = reach_redis(need_redis(redis_url))
     layout = RunLayout(store, run_id)
+    load_manifest(layout)  # a run that is not there is said before its log file would be made
     with RunLog(log_path(local_state_dir(store), run_id)), ProgressDisplay() as display:
         outcome = supervise(connection, layout, display, watch_settings(**watch))
     sys.exit(_finish(outcome))
