@@ -136,7 +136,7 @@ class RunFacts:
         points: list[tuple[float, int]] = []
         if isinstance(samples, list) and samples:
             try:
-                points = [(start + float(t), int(n)) for t, n in samples]
+                points = [(start + max(float(t), 0.0), min(max(int(n), 0), rows)) for t, n in samples]
             except (TypeError, ValueError):
                 points = []
         if not points or points[-1][1] != rows:  # no samples (older outputs), or damaged: spread evenly
