@@ -129,6 +129,8 @@ class PoolProcess:
     ) -> None:
         if self.proc is None:
             return
+        if exc_type is KeyboardInterrupt and self.run_log is not None:
+            self.run_log.terminal_muted = True
         if self.proc.poll() is None:
             if exc_type is KeyboardInterrupt:
                 log.warning(

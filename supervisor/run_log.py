@@ -135,6 +135,10 @@ class RunLog:
         self.path = path
         self._handler: _LogFile | None = None
         self._lock = threading.RLock()
+        # Set once the user stopped the run: the pool's lines about chunks it interrupts on the
+        # user's own request (RQ's "SystemExit" per job) go to the file only; the supervisor says
+        # what happens.
+        self.terminal_muted = False
 
     def __enter__(self) -> RunLog:
         private_dirs(self.path.parent)
@@ -181,7 +185,7 @@ def relay(pipe: IO[bytes], run_log: RunLog) -> threading.Thread:
             for line in iter(pipe.readline, b""):
                 run_log.write(line)
                 level = level_of(line, level)
-                if shown and level >= terminal().threshold:
+                if shown and not run_log.terminal_muted and level >= terminal().threshold:
                     try:
                         TerminalLog.print_line(line.decode("utf-8", "replace").rstrip("\n"))
                     except Exception:  # a closed terminal: keep draining the pipe

@@ -98,6 +98,28 @@ def test_the_pool_output_is_drained_into_the_log_file_even_when_the_terminal_is_
     assert (tmp_path / "run.log").read_bytes().count(line) == 2000
 
 
+def test_after_the_users_stop_the_pools_lines_go_to_the_file_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 37.1 under load: after the second Ctrl+C the workers' lines about the chunks they drop
+    ("... SystemExit: 0") reached the terminal, which the supervisor's own lines already explain."""
+    shown: list[str] = []
+    monkeypatch.setattr(run_log.TerminalLog, "print_line", staticmethod(shown.append))
+    run_log.show_on_terminal(logging.WARNING)
+    line = b"2026-11-24 21:48:09,064 ERROR [w gpu=-] rq.worker: job c__c000000: SystemExit: 0\n"
+    read, write = os.pipe()
+    with run_log.RunLog(tmp_path / "run.log") as log_file:
+        relayed = run_log.relay(os.fdopen(read, "rb"), log_file)
+        with os.fdopen(write, "wb") as pool:
+            pool.write(line)
+            pool.flush()
+            wait_for(lambda: len(shown) == 1, 30, "the first line on the terminal")
+            log_file.terminal_muted = True  # what PoolProcess does when the user stops the run
+            pool.write(line)
+        relayed.join(timeout=30)
+    assert len(shown) == 1 and (tmp_path / "run.log").read_bytes().count(line) == 2
+
+
 def _facts(
     records: list[dict[str, Any]], failures: list[FailedAttempt], done: set[int], submitted: float = -30
 ) -> report.RunFacts:
