@@ -60,10 +60,14 @@ def s3_env() -> Iterator[dict[str, str]]:
     }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    try:
-        wait_for(lambda: _listening(port), 30, "the moto S3 server to listen")
-        import s3fs
+    import s3fs
 
+    # fsspec keeps one filesystem per set of arguments in the process: one made for an earlier
+    # instance of this fixture (xdist can run the module's tests in two stretches) would still
+    # point at that fixture's server, now gone (seen at load 10, issue 37.1: connection refused).
+    s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        wait_for(lambda: _listening(port), 120, "the moto S3 server to listen")  # its imports, at load 10
         s3fs.S3FileSystem(skip_instance_cache=True).mkdir(BUCKET)
         yield env
     finally:
@@ -74,6 +78,7 @@ def s3_env() -> Iterator[dict[str, str]]:
                 os.environ[key] = value
         proc.terminate()
         proc.wait(timeout=30)
+        s3fs.S3FileSystem.clear_instance_cache()
 
 
 def _names(layout: RunLayout) -> set[str]:
