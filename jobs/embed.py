@@ -365,10 +365,10 @@ def _embed(chunk: ChunkSpec) -> dict[str, Any]:
         "finished_at": datetime.now(UTC).isoformat(),
         "rows_at": progress.samples,  # [seconds since started_at, rows encoded by then], for the report
     }
-    stored = quantize.convert(encoded.embeddings, manifest.output_dtype, manifest.ranges)
+    stored = quantize.convert(encoded.embeddings, manifest.chunk_dtype, manifest.ranges)
     if stored.dtype.kind == "f" and len(overflow := non_finite_rows(stored)):
-        raise _non_finite_error(chunk, overflow, f"once stored as {manifest.output_dtype}")
-    published = write_output(layout, chunk.index, stored, meta, manifest.output_dtype)
+        raise _non_finite_error(chunk, overflow, f"once stored as {manifest.chunk_dtype}")
+    published = write_output(layout, chunk.index, stored, meta, manifest.chunk_dtype)
     log.info(
         "chunk %s: %d rows in %.2f s (%s %d)",
         chunk.job_id,

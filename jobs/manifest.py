@@ -29,7 +29,34 @@ class RunManifest:
 
     @property
     def rows(self) -> int:
+        """The rows its chunks hold: the corpus's, or with a plan its distinct texts not yet cached
+        followed by those read from the cache."""
         return int(self.data["rows"])
+
+    @property
+    def plan(self) -> dict[str, Any] | None:
+        """How a run with the vector cache on maps its corpus onto its chunks (supervisor.plan):
+        ``corpus_rows``, ``encode_rows`` (chunks first), ``cached_rows`` (chunks after them, their
+        outputs read from the cache at submit), ``duplicate_rows``, ``producer``, ``identity``
+        (each corpus row is its chunk row: no duplicate, no hit) and ``parts`` (the row map)."""
+        plan = self.data.get("plan")
+        return plan if isinstance(plan, dict) else None
+
+    @property
+    def corpus_rows(self) -> int:
+        """The rows of the corpus, and of a whole result."""
+        plan = self.plan
+        return int(plan["corpus_rows"]) if plan is not None else self.rows
+
+    @property
+    def _encode_rows(self) -> int:
+        plan = self.plan
+        return int(plan["encode_rows"]) if plan is not None else self.rows
+
+    @property
+    def encode_chunks(self) -> int:
+        """The chunks of texts to encode; those after them hold texts read from the cache."""
+        return -(-self._encode_rows // self.chunk_size)
 
     @property
     def chunk_size(self) -> int:
@@ -61,17 +88,23 @@ class RunManifest:
         calibration = self.data.get("calibration")
         return calibration.get("ranges") if isinstance(calibration, dict) else None
 
+    # Chunks come in two runs of equal sizes: those to encode, then (with a plan) those read from
+    # the cache; every chunk of each is full but its last.
     def first_row(self, index: int) -> int:
-        return index * self.chunk_size
+        encode = self.encode_chunks
+        if index < encode:
+            return index * self.chunk_size
+        return self._encode_rows + (index - encode) * self.chunk_size
 
     def chunk_rows(self, index: int) -> int:
-        return min(self.chunk_size, self.rows - self.first_row(index))
+        end = self._encode_rows if index < self.encode_chunks else self.rows
+        return min(self.chunk_size, end - self.first_row(index))
 
     def rows_of(self, chunks: Collection[int]) -> int:
-        """Rows in ``chunks`` (indices of this run): every chunk but the last is full."""
-        last = self.chunks - 1
-        return len(chunks) * self.chunk_size - (
-            self.chunk_size - self.chunk_rows(last) if last in chunks else 0
+        """Rows in ``chunks`` (indices of this run): every chunk is full but the last of each run."""
+        lasts = {self.encode_chunks - 1, self.chunks - 1}
+        return len(chunks) * self.chunk_size - sum(
+            self.chunk_size - self.chunk_rows(last) for last in lasts if last >= 0 and last in chunks
         )
 
     def chunk_spec(self, store: Path, index: int) -> ChunkSpec:
@@ -82,7 +115,7 @@ class RunManifest:
             rows=self.chunk_rows(index),
             model=str(self.data["model"]),
             store=str(store),
-            options=EncodeOptions.from_dict(self.data["options"]),
+            options=EncodeOptions.from_dict(self.chunk_options),
         )
 
     @property
@@ -93,6 +126,17 @@ class RunManifest:
     def options(self) -> dict[str, Any]:
         options: dict[str, Any] = self.data["options"]
         return options
+
+    @property
+    def chunk_options(self) -> dict[str, Any]:
+        """The options chunks are encoded and stored with: the run's, or with a plan float32 at the
+        model's full dimension (what the cache keeps), the result derived from them at assembly."""
+        options: dict[str, Any] = self.data.get("chunk_options", self.options)
+        return options
+
+    @property
+    def chunk_dtype(self) -> str:
+        return str(self.chunk_options.get("output_dtype", "float32"))
 
     def spec_mismatch(self, spec: ChunkSpec) -> str:
         """How a chunk spec differs from what this manifest says the chunk is, or "" when it agrees.
@@ -112,7 +156,7 @@ class RunManifest:
 
     def producer(self) -> dict[str, Any]:
         """What a chunk output records of what produced it; assembly compares it with the manifest."""
-        return {"run_fingerprint": self.fingerprint, "model": self.model, "options": self.options}
+        return {"run_fingerprint": self.fingerprint, "model": self.model, "options": self.chunk_options}
 
 
 def load_manifest(layout: RunLayout) -> RunManifest:

@@ -5,6 +5,7 @@ truncation above the model's dimension, remote code not allowed)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -133,6 +134,36 @@ def describe(ref: str, revision: str | None = None) -> ModelInfo:
         remote_code=_remote_code(folder),
         revision=found_revision,
     )
+
+
+_FOLDER_DIGESTS: dict[tuple[Any, ...], str] = {}
+
+
+def model_identity(ref: str, revision: str | None = None) -> str | None:
+    """What the model is, whatever it is called: a hub model's snapshot commit (content-addressed),
+    else the sha256 of its folder's files (names and bytes); None when its files are not on this host.
+    A folder's digest is kept per process, keyed by its files' sizes and modification times."""
+    folder, found_revision = _folder(ref, revision)
+    if folder is None:
+        return None
+    if found_revision:
+        return f"hub:{resolve_model(ref)}@{found_revision}"
+    files = sorted(
+        (path.relative_to(folder).as_posix(), path)
+        for path in folder.rglob("*")
+        if path.is_file() and not any(part.startswith(".") for part in path.relative_to(folder).parts)
+    )
+    stamp = (str(folder), *((name, path.stat().st_size, path.stat().st_mtime_ns) for name, path in files))
+    if stamp not in _FOLDER_DIGESTS:
+        digest = hashlib.sha256()
+        for name, path in files:
+            digest.update(name.encode() + b"\0")
+            with path.open("rb") as fh:
+                while block := fh.read(1 << 20):
+                    digest.update(block)
+            digest.update(b"\0")
+        _FOLDER_DIGESTS[stamp] = f"files:{digest.hexdigest()}"
+    return _FOLDER_DIGESTS[stamp]
 
 
 def check_options(info: ModelInfo, options: EncodeOptions) -> None:

@@ -105,6 +105,17 @@ class RunLayout:
         return self._path("failures", f"{chunk_name(index)}-a{attempt}.json")
 
     @property
+    def plan(self) -> Path:
+        """The row map of a run with the vector cache on: each corpus row's id and chunk row."""
+        return self._path("plan")
+
+    def plan_map(self, part: int) -> Path:
+        return self._path("plan", f"rows-{chunk_name(part)}.npy")
+
+    def plan_ids(self, part: int) -> Path:
+        return self._path("plan", f"ids-{chunk_name(part)}.jsonl")
+
+    @property
     def queue_window(self) -> Path:
         """The ``--queue-window`` the run was submitted with, for the supervisor that watches it."""
         return self._path("queue_window.json")

@@ -19,8 +19,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from chunkq.jobs.errors import AssemblyError, BadInputError
 from chunkq.jobs.manifest import RunManifest, load_manifest
+from chunkq.jobs.quantize import derived, stored_columns
 from chunkq.jobs.run_files import (
     MANIFEST_NAME,
     RunLayout,
@@ -29,8 +32,10 @@ from chunkq.jobs.run_files import (
     read_chunk_input,
     verify_output,
 )
-from chunkq.jobs.specs import PACKED_DTYPES, storage_dtype
+from chunkq.jobs.specs import PACKED_DTYPES, EncodeOptions, storage_dtype
 from chunkq.jobs.storage import is_local, publish_file
+from chunkq.jobs.vector_cache import VectorCache, producer
+from chunkq.supervisor import plan
 from chunkq.supervisor.progress import Failure
 from chunkq.supervisor.result import (
     DEFAULT_SHARD_BYTES,
@@ -130,7 +135,13 @@ def _move_remote(path: Path, target: Path) -> None:
     path.unlink()
 
 
-def _write_result(layout: RunLayout, manifest: RunManifest, writer: ResultWriter, skip: set[int]) -> None:
+def _write_result(
+    layout: RunLayout, manifest: RunManifest, writer: ResultWriter, skip: set[int], dim: int, scratch: Path
+) -> None:
+    if manifest.plan is not None:
+        for ids, block in plan.result_rows(layout, manifest, skip, dim, scratch):
+            writer.write(ids, derived(block, manifest.options, manifest.ranges))
+        return
     for index in range(manifest.chunks):
         if index in skip:
             continue
@@ -171,19 +182,31 @@ def assemble(
     dim = next((d for d in verified.dims if d), 0)
     if not dim:
         raise AssemblyError(manifest.run_id, ["no chunk of the run has an output"])
-    total = manifest.rows - sum(f.rows for f in skip.values())
+    lost = (
+        plan.lost_rows(layout, manifest, set(skip))
+        if manifest.plan is not None
+        else {f.chunk: f.rows for f in skip.values()}
+    )
+    total = manifest.corpus_rows - sum(lost.values())
     built = local_build_dir(layout)
     remote = not is_local(layout.root)
     dtype = storage_dtype(manifest.output_dtype)
-    writer = ResultWriter(built, total, dim, dtype, shard_bytes, upload_to=layout.result if remote else None)
+    embedding_dim = verified.embedding_dim
+    columns = dim
+    if manifest.plan is not None:  # the chunks hold full float32 vectors; the result is derived
+        embedding_dim = int(manifest.options.get("truncate_dim") or dim)
+        columns = stored_columns(embedding_dim, manifest.output_dtype)
+    writer = ResultWriter(
+        built, total, columns, dtype, shard_bytes, upload_to=layout.result if remote else None
+    )
     try:
-        _write_result(layout, manifest, writer, set(skip))
+        _write_result(layout, manifest, writer, set(skip), dim, built)
         files = writer.finish()
         missing_rows = [
             {
                 "chunk": f.chunk,
                 "first_row": f.first_row,
-                "rows": f.rows,
+                "rows": lost[f.chunk],
                 "error_class": f.error_class,
                 "error": f.error,
             }
@@ -193,12 +216,12 @@ def assemble(
             **manifest.data,
             **files,
             "complete": not skip,
-            "corpus_rows": manifest.rows,
+            "corpus_rows": manifest.corpus_rows,
             "rows": total,
             "missing": missing_rows,
-            "dim": dim,  # the stored array's columns
+            "dim": columns,  # the stored array's columns
             "dtype": manifest.output_dtype,
-            "embedding_dim": verified.embedding_dim,
+            "embedding_dim": embedding_dim,
             "packed_bits": manifest.output_dtype in PACKED_DTYPES,  # binary/ubinary: 8 dimensions a byte
             "assembled_at": datetime.now(UTC).isoformat(),
             "workers": sorted(verified.workers),
@@ -219,8 +242,48 @@ def assemble(
             "run %s: published a PARTIAL result: %d of %d rows; %d chunk(s) missing",
             manifest.run_id,
             total,
-            manifest.rows,
+            manifest.corpus_rows,
             len(skip),
         )
-    log.info("run %s: published %d x %d embeddings in %s", manifest.run_id, total, dim, layout.result)
+    log.info("run %s: published %d x %d embeddings in %s", manifest.run_id, total, columns, layout.result)
+    _add_to_cache(layout, manifest, skip)
     return result
+
+
+CACHE_WRITE_ROWS = 1 << 18  # encoded rows gathered before they are written to the cache as a shard
+
+
+def _add_to_cache(layout: RunLayout, manifest: RunManifest, skip: dict[int, Failure]) -> None:
+    """Add the vectors the run's workers encoded to the store's cache (derived data: a failure here
+    is said and costs only a later run's time)."""
+    key = (manifest.plan or {}).get("producer")
+    if not key or skip:
+        return
+    cache = VectorCache(layout.store, str(key))
+    identity = (manifest.plan or {}).get("model_identity")
+    hashes: list[np.ndarray[Any, Any]] = []
+    vectors: list[np.ndarray[Any, Any]] = []
+    seconds, written = 0.0, 0
+
+    def flush() -> None:
+        nonlocal hashes, vectors, seconds, written
+        if hashes:
+            cache.write(np.concatenate(hashes), np.concatenate(vectors), manifest.run_id, seconds)
+            written += sum(len(h) for h in hashes)
+        hashes, vectors, seconds = [], [], 0.0
+
+    try:
+        if identity:
+            cache.describe(producer(manifest.model, str(identity), EncodeOptions.from_dict(manifest.options)))
+        for chunk_hashes, chunk_vectors, chunk_seconds in plan.encoded_chunks(layout, manifest):
+            hashes.append(chunk_hashes)
+            vectors.append(chunk_vectors)
+            seconds += chunk_seconds
+            if sum(len(h) for h in hashes) >= CACHE_WRITE_ROWS:
+                flush()
+        flush()
+    except (OSError, ValueError) as exc:
+        log.warning("run %s: the vector cache was not updated: %s", manifest.run_id, exc)
+        return
+    if written:
+        log.info("run %s: %d encoded vectors added to the vector cache", manifest.run_id, written)

@@ -123,6 +123,7 @@ def submit_request(
     queue: str = DEFAULT_QUEUE,
     job_timeout: int | None = None,
     queue_window: int | None = None,
+    cache: bool | None = None,
     **encode: Any,
 ) -> SubmitRequest:
     """A checked SubmitRequest; ``encode`` takes EncodeOptions' fields (``normalize`` too)."""
@@ -146,6 +147,7 @@ def submit_request(
         queue=queue,
         job_timeout=job_timeout,
         queue_window=queue_window,
+        cache=cache,
     )
 
 

@@ -174,14 +174,14 @@ def result_disagreement(layout: RunLayout, result: Any, manifest: RunManifest) -
             ("fingerprint", manifest.fingerprint),
             ("model", manifest.model),
             ("options", manifest.options),
-            ("corpus_rows", manifest.rows),
+            ("corpus_rows", manifest.corpus_rows),
             ("dtype", manifest.output_dtype),
         )
         if result.get(key) != value
     ]
     missing = result.get("missing") or []
     try:
-        expected_rows = manifest.rows - sum(int(m["rows"]) for m in missing)
+        expected_rows = manifest.corpus_rows - sum(int(m["rows"]) for m in missing)
     except (TypeError, KeyError, ValueError):
         return [*problems, "result/manifest.json lists missing chunks it cannot describe"]
     if result.get("rows") != expected_rows or bool(result.get("complete")) == bool(missing):

@@ -157,6 +157,14 @@ RUN_OPTIONS: tuple[Option, ...] = (
         parse=model_kwargs_value,
     ),
     _submit(
+        "cache",
+        None,
+        "The store's vector cache: each distinct text is encoded once, and texts an earlier run encoded "
+        "with the same model files and options are read from the cache, not encoded. Default: on when "
+        "the result is float32 or float16 (--cache for int8/uint8/binary, derived from cached floats).",
+        kind="switch",
+    ),
+    _submit(
         "job_timeout",
         None,
         "Seconds a chunk may take before its worker is stopped. Default: grows with --chunk-size.",

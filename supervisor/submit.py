@@ -12,7 +12,7 @@ import logging
 import os
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ import redis
 from chunkq.jobs.calibrate import CALIBRATION_ROWS, ranges_for
 from chunkq.jobs.errors import ConfigError, CorpusError, RunConflictError
 from chunkq.jobs.manifest import RunManifest, load_manifest
+from chunkq.jobs.model_info import model_identity
 from chunkq.jobs.run_files import (
     RunLayout,
     atomic_write_json,
@@ -31,11 +32,13 @@ from chunkq.jobs.run_files import (
 )
 from chunkq.jobs.specs import FORMAT_VERSION, EncodeOptions, fingerprint, validate_run_id
 from chunkq.jobs.storage import is_local, local_scratch, remove_tree
+from chunkq.jobs.vector_cache import VectorCache, cache_enabled, producer, producer_key
 from chunkq.queue_worker.settings import DEFAULT_QUEUE
 from chunkq.supervisor.assemble import set_aside
 from chunkq.supervisor.corpus import CorpusOptions, Record, check_readable, read_corpus
 from chunkq.supervisor.dupes import IdRegistry
 from chunkq.supervisor.enqueue import EnqueueCounts, enqueue_chunks, window_size
+from chunkq.supervisor.plan import write_planned_inputs
 from chunkq.supervisor.result import published_result
 
 log = logging.getLogger(__name__)
@@ -57,6 +60,11 @@ class SubmitRequest:
     queue: str = DEFAULT_QUEUE
     job_timeout: int | None = None  # seconds per chunk; default scales with the chunk size
     queue_window: int | None = None  # jobs in Redis at once (enqueue.window_size); the rest wait in the store
+    cache: bool | None = None  # the vector cache and in-run deduplication; None: on for float outputs
+
+    @property
+    def planned(self) -> bool:
+        return cache_enabled(self.cache, self.encode)
 
     def timeout(self) -> int:
         return self.job_timeout or max(600, 2 * self.chunk_size)
@@ -79,7 +87,9 @@ class SubmitResult:
     @classmethod
     def already_published(cls, manifest: RunManifest) -> SubmitResult:
         chunks = manifest.chunks
-        return cls(manifest.run_id, manifest.rows, chunks, chunks, EnqueueCounts(), False, published=True)
+        return cls(
+            manifest.run_id, manifest.corpus_rows, chunks, chunks, EnqueueCounts(), False, published=True
+        )
 
 
 def describe_inputs(paths: tuple[Path, ...]) -> list[dict[str, Any]]:
@@ -126,6 +136,8 @@ def _identity(req: SubmitRequest, inputs: list[dict[str, Any]]) -> dict[str, Any
         "chunk_size": req.chunk_size,
         "model": req.model,
         "options": req.encode.to_dict(),
+        # Only where it is on, so runs without it keep the fingerprint they had before it existed.
+        **({"vector_cache": True} if req.planned else {}),
     }
 
 
@@ -183,21 +195,80 @@ def _write_inputs(req: SubmitRequest, layout: RunLayout) -> int:
         if buffer:
             flush()
             rows += len(buffer)
+    _not_empty(req, rows)
+    return rows
+
+
+def _not_empty(req: SubmitRequest, rows: int) -> None:
     if rows == 0:
         names = ", ".join(str(p) for p in req.corpora)
         raise CorpusError(f"{names}: the corpus holds no texts")
-    return rows
+
+
+def chunk_options(req: SubmitRequest) -> dict[str, Any]:
+    """What a run's chunks are encoded and stored with: with the plan, float32 vectors at the model's
+    full dimension, as the cache keeps them (the result is derived from them at assembly)."""
+    if not req.planned:
+        return req.encode.to_dict()
+    return replace(req.encode, truncate_dim=None, output_dtype="float32").to_dict()
+
+
+def _vector_cache(req: SubmitRequest) -> tuple[VectorCache | None, dict[str, Any] | None]:
+    """The store's cache for this run's model and options, and what they are; (None, None) when the
+    model's files are not on this host, so its identity cannot be known (duplicates are still
+    encoded once)."""
+    identity = model_identity(req.model, req.encode.revision)
+    if identity is None:
+        log.warning("model %s: its files are not on this host; the vector cache is not used", req.model)
+        return None, None
+    described = producer(req.model, identity, req.encode)
+    return VectorCache(req.store, producer_key(described)), described
+
+
+def _write_planned(req: SubmitRequest, layout: RunLayout, run_fingerprint: str) -> dict[str, Any]:
+    """The chunk inputs by plan (supervisor.plan), and the manifest's fields that describe it."""
+    cache, described = _vector_cache(req)
+    options = chunk_options(req)
+    output_producer = {"run_fingerprint": run_fingerprint, "model": req.model, "options": options}
+    with local_scratch(layout.root) as scratch, IdRegistry(scratch / ".ids.sqlite") as seen:
+        plan = write_planned_inputs(
+            read_inputs(req), layout, req.chunk_size, cache, output_producer, seen.add
+        )
+    _not_empty(req, plan["corpus_rows"])
+    plan["producer"] = cache.key if cache is not None else None
+    plan["model_identity"] = described["model_identity"] if described is not None else None
+    encode_rows, cached_rows = plan["encode_rows"], plan["cached_rows"]
+    size = req.chunk_size
+    log.info(
+        "run %s: %d rows, %d distinct texts: %d to encode, %d from the vector cache",
+        layout.run_id,
+        plan["corpus_rows"],
+        encode_rows + cached_rows,
+        encode_rows,
+        cached_rows,
+    )
+    return {
+        "rows": encode_rows + cached_rows,
+        "chunks": -(-encode_rows // size) + -(-cached_rows // size),
+        "plan": plan,
+        "chunk_options": options,
+    }
 
 
 def _create_run(
     req: SubmitRequest, layout: RunLayout, identity: dict[str, Any], inputs: list[dict[str, Any]]
 ) -> RunManifest:
+    run_fingerprint = fingerprint(identity)
     try:
-        rows = _write_inputs(req, layout)
+        if req.planned:
+            chunking = _write_planned(req, layout, run_fingerprint)
+        else:
+            rows = _write_inputs(req, layout)
+            chunking = {"rows": rows, "chunks": -(-rows // req.chunk_size)}
         # The checksums were taken in an earlier pass: the rows just copied must be of those bytes.
         for path, described in zip(req.corpora, inputs, strict=True):
             _unchanged(path, (described["size"], described["version"]))
-        calibration = _calibration(req, layout, rows) if req.encode.calibrated else None
+        calibration = _calibration(req, layout, chunking["chunks"]) if req.encode.calibrated else None
     except BaseException:
         # No manifest was written, so nothing refers to these inputs: leave the store as it was.
         remove_tree(layout.root)
@@ -206,7 +277,7 @@ def _create_run(
         "format_version": FORMAT_VERSION,
         "run_id": layout.run_id,
         "created_at": datetime.now(UTC).isoformat(),
-        "fingerprint": fingerprint(identity),
+        "fingerprint": run_fingerprint,
         "identity": identity,
         "corpus": {
             **inputs[0],
@@ -218,21 +289,35 @@ def _create_run(
         "model": req.model,
         "options": req.encode.to_dict(),
         "chunk_size": req.chunk_size,
-        "rows": rows,
-        "chunks": -(-rows // req.chunk_size),
+        **chunking,
         "queue": req.queue,
         "job_timeout": req.timeout(),
     }
     if calibration is not None:
         data["calibration"] = calibration
     atomic_write_json(layout.manifest, data)
-    return RunManifest(data)
+    manifest = RunManifest(data)
+    _record_cache_use(layout, manifest)
+    return manifest
 
 
-def _calibration(req: SubmitRequest, layout: RunLayout, rows: int) -> dict[str, Any]:
+def _record_cache_use(layout: RunLayout, manifest: RunManifest) -> None:
+    """What the run took from the cache, for ``chunkq cache`` (once the run exists: a failed submit
+    leaves no trace in the store)."""
+    plan = manifest.plan or {}
+    if plan.get("producer"):
+        VectorCache(layout.store, str(plan["producer"])).record_use(
+            manifest.run_id,
+            rows=int(plan["corpus_rows"]),
+            distinct=int(plan["distinct_rows"]),
+            hits=int(plan["cached_rows"]),
+            damaged=int(plan["cache_damaged_rows"]),
+        )
+
+
+def _calibration(req: SubmitRequest, layout: RunLayout, chunks: int) -> dict[str, Any]:
     """The run's one set of int8/uint8 ranges (jobs.calibrate), from up to CALIBRATION_ROWS texts
     taken evenly across its chunks, before any chunk runs."""
-    chunks = -(-rows // req.chunk_size)
     picked = sorted({round(i * (chunks - 1) / max(1, CALIBRATION_ROWS - 1)) for i in range(CALIBRATION_ROWS)})
     per_chunk = -(-CALIBRATION_ROWS // len(picked))
     texts: list[str] = []
@@ -301,7 +386,7 @@ def prepare(req: SubmitRequest, identified: Identified | None = None) -> Prepare
         log.info(
             "run %s: %d rows in %d chunks written to %s",
             layout.run_id,
-            manifest.rows,
+            manifest.corpus_rows,
             manifest.chunks,
             layout.root,
         )
@@ -363,4 +448,4 @@ def submit(
             run_id,
             counts.waiting,
         )
-    return SubmitResult(run_id, manifest.rows, manifest.chunks, len(done), counts, created)
+    return SubmitResult(run_id, manifest.corpus_rows, manifest.chunks, len(done), counts, created)

@@ -41,8 +41,13 @@ def schema_option(name: str, meta: Meta, default: Any) -> Callable[[F], F]:
     kwargs: dict[str, Any] = {"help": meta.help, "envvar": meta.env_name(name), "show_envvar": True}
     option = flag(name, meta)
     if meta.kind == "switch" or (meta.kind == "flag" and default):
+        # A switch whose default is None is left unset unless given: the default depends on others.
         return click.option(
-            f"{option}/--no-{option[2:]}", name, default=bool(default), show_default=True, **kwargs
+            f"{option}/--no-{option[2:]}",
+            name,
+            default=None if default is None else bool(default),
+            show_default=default is not None,
+            **kwargs,
         )
     if meta.kind == "flag":
         return click.option(option, name, is_flag=True, default=default, **kwargs)

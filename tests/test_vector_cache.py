@@ -1,0 +1,256 @@
+"""Issue 32: pay once for a text. Duplicates inside a run are encoded once, and texts an earlier run
+encoded are read from the store's vector cache; every result equals a plain encode of its texts."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import threading
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import redis
+
+from chunkq.jobs.embed import embed_chunk
+from chunkq.jobs.manifest import RunManifest, load_manifest
+from chunkq.jobs.model_info import model_identity
+from chunkq.jobs.models import BUNDLED_MODEL, resolve_model
+from chunkq.jobs.run_files import RunLayout, read_json
+from chunkq.jobs.specs import EncodeOptions
+from chunkq.jobs.vector_cache import VectorCache, producer, producer_key, text_hashes
+from chunkq.supervisor.assemble import assemble
+from chunkq.supervisor.corpus import CorpusOptions
+from chunkq.supervisor.result import check_published
+from chunkq.supervisor.submit import SubmitRequest, submit
+from tests.helpers import make_texts, max_abs_diff, write_corpus
+
+
+def _run(
+    tmp_path: Path,
+    store: Path,
+    connection: redis.Redis,
+    ids: list[str],
+    texts: list[str],
+    name: str,
+    **kw: Any,
+) -> tuple[RunLayout, RunManifest, int]:
+    """Submit, encode every chunk in-process, assemble: (layout, manifest, rows a worker encoded)."""
+    corpus = write_corpus(tmp_path / f"{name}.jsonl", ids, texts, "jsonl")
+    encode = kw.pop("encode", EncodeOptions())
+    request = SubmitRequest(
+        corpus,
+        store,
+        BUNDLED_MODEL,
+        CorpusOptions("jsonl"),
+        chunk_size=kw.pop("chunk_size", 10),
+        encode=encode,
+        **kw,
+    )
+    layout = RunLayout(store, submit(request, connection).run_id)
+    manifest = load_manifest(layout)
+    encoded = 0
+    for index in range(manifest.chunks):
+        out = embed_chunk(manifest.chunk_spec(store, index).to_dict())
+        encoded += 0 if out["skipped"] else int(out["rows"])
+    assemble(layout)
+    assert check_published(layout, manifest) == []
+    return layout, manifest, encoded
+
+
+def _result(layout: RunLayout) -> tuple[np.ndarray[Any, Any], list[str]]:
+    ids = [json.loads(line) for line in (layout.result / "ids.jsonl").read_text().splitlines()]
+    return np.load(layout.result / "embeddings.npy"), ids
+
+
+def _with_duplicates(unique: int, copies: int, seed: int) -> tuple[list[str], list[str]]:
+    """``unique`` texts plus ``copies`` exact copies of some of them, shuffled; ids all distinct."""
+    _, texts = make_texts(unique, seed=seed)
+    rng = random.Random(seed)
+    texts = texts + [rng.choice(texts) for _ in range(copies)]
+    rng.shuffle(texts)
+    return [f"row-{i}" for i in range(len(texts))], texts
+
+
+def test_duplicates_inside_a_run_are_encoded_once(
+    tmp_path: Path, store: Path, connection: redis.Redis, reference_model: Any
+) -> None:
+    ids, texts = _with_duplicates(35, 15, seed=1)
+    distinct = len(set(texts))
+    layout, manifest, encoded = _run(tmp_path, store, connection, ids, texts, "dupes")
+    assert encoded == distinct < len(texts)
+    plan = manifest.plan
+    assert plan is not None and plan["duplicate_rows"] == len(texts) - distinct and not plan["identity"]
+    matrix, got_ids = _result(layout)
+    assert got_ids == ids
+    assert max_abs_diff(matrix, reference_model.encode(texts)) <= 1e-5
+
+
+def test_a_new_version_encodes_only_changed_and_added_texts(
+    tmp_path: Path, store: Path, connection: redis.Redis, reference_model: Any
+) -> None:
+    ids, texts = make_texts(60, seed=2)
+    _run(tmp_path, store, connection, ids, texts, "v1")
+    v2_texts = list(texts)
+    v2_texts[7] += " changed"
+    v2_texts[41] = "a wholly new sentence about copper harbors"
+    v2_ids, v2_texts = [*ids, "doc-new"], [*v2_texts, "an added text about lanterns"]
+    layout, manifest, encoded = _run(tmp_path, store, connection, v2_ids, v2_texts, "v2")
+    assert encoded == 3
+    assert manifest.plan is not None and manifest.plan["cached_rows"] == 58
+    matrix, got_ids = _result(layout)
+    assert got_ids == v2_ids
+    assert max_abs_diff(matrix, reference_model.encode(v2_texts)) <= 1e-5
+    # Every text cached: nothing to encode, and still the exact result.
+    layout, manifest, encoded = _run(tmp_path, store, connection, v2_ids, v2_texts, "v2", chunk_size=7)
+    assert encoded == 0 and manifest.plan is not None and manifest.plan["cached_rows"] == 61
+    assert max_abs_diff(_result(layout)[0], reference_model.encode(v2_texts)) <= 1e-5
+    (summary,) = VectorCache(store).summary()
+    assert summary["rows"] == 63 and summary["hits"] == 58 + 61
+
+
+def test_no_cache_encodes_every_row(tmp_path: Path, store: Path, connection: redis.Redis) -> None:
+    ids, texts = _with_duplicates(20, 10, seed=3)
+    _, manifest, encoded = _run(tmp_path, store, connection, ids, texts, "plain", cache=False)
+    assert encoded == len(texts) and manifest.plan is None
+    assert not (store / "cache").exists()
+
+
+def test_what_changes_a_vector_changes_the_key(tmp_path: Path) -> None:
+    bundled = resolve_model(BUNDLED_MODEL)
+    identity = model_identity(BUNDLED_MODEL)
+    assert identity is not None and identity.startswith("files:")
+    copy = tmp_path / "model"
+    shutil.copytree(bundled, copy)
+    assert model_identity(str(copy)) == identity  # the same files under another name: the same model
+    with open(copy / "config.json", "a") as fh:
+        fh.write("\n")
+    assert model_identity(str(copy)) != identity
+    base = producer_key(producer(BUNDLED_MODEL, identity, EncodeOptions()))
+    changed = [
+        producer(BUNDLED_MODEL, "hub:org/model@" + "1" * 40, EncodeOptions()),
+        producer(BUNDLED_MODEL, identity, EncodeOptions(prompt="query: ")),
+        producer(BUNDLED_MODEL, identity, EncodeOptions(prompt_name="query")),
+        producer(BUNDLED_MODEL, identity, EncodeOptions(max_seq_length=64)),
+        producer(BUNDLED_MODEL, identity, EncodeOptions(normalize_embeddings=True)),
+        producer(BUNDLED_MODEL, identity, EncodeOptions(precision="fp16")),
+        producer(BUNDLED_MODEL, identity, EncodeOptions(model_kwargs={"attn_implementation": "eager"})),
+    ]
+    assert base not in {producer_key(p) for p in changed} and len({producer_key(p) for p in changed}) == 7
+    same = [EncodeOptions(batch_size=4), EncodeOptions(output_dtype="int8"), EncodeOptions(truncate_dim=32)]
+    assert {producer_key(producer(BUNDLED_MODEL, identity, o)) for o in same} == {base}
+
+
+def test_other_options_get_no_hits(tmp_path: Path, store: Path, connection: redis.Redis) -> None:
+    ids, texts = make_texts(12, seed=5)
+    _run(tmp_path, store, connection, ids, texts, "a")
+    for encode in (
+        EncodeOptions(prompt="passage: "),
+        EncodeOptions(max_seq_length=16),
+        EncodeOptions(normalize_embeddings=True),
+    ):
+        _, manifest, encoded = _run(tmp_path, store, connection, ids, texts, "a", encode=encode)
+        assert encoded == 12 and manifest.plan is not None and manifest.plan["cached_rows"] == 0
+
+
+def test_a_tampered_cache_entry_is_set_aside_and_encoded_again(
+    tmp_path: Path, store: Path, connection: redis.Redis, reference_model: Any
+) -> None:
+    ids, texts = make_texts(30, seed=6)
+    _run(tmp_path, store, connection, ids, texts, "t")
+    (producer_dir,) = (store / "cache").iterdir()
+    (vectors,) = (producer_dir / "shards").glob("*.vectors.npy")
+    data = bytearray(vectors.read_bytes())
+    data[-8:-4] = np.float32(0.5).tobytes()  # a plausible value: only the checksum can tell
+    vectors.write_bytes(bytes(data))
+    layout, manifest, encoded = _run(tmp_path, store, connection, ids, texts, "t", chunk_size=7)
+    assert encoded == 30 and manifest.plan is not None and manifest.plan["cache_damaged_rows"] == 30
+    assert list((producer_dir / "damaged").glob("*.vectors.npy"))
+    assert max_abs_diff(_result(layout)[0], reference_model.encode(texts)) <= 1e-5
+
+
+@pytest.mark.slow
+def test_quantized_and_truncated_results_from_cached_floats_equal_plain(
+    tmp_path: Path, store: Path, connection: redis.Redis, reference_model: Any
+) -> None:
+    from sentence_transformers import quantize_embeddings
+
+    ids, texts = _with_duplicates(25, 5, seed=7)
+    _run(tmp_path, store, connection, ids, texts, "f")
+    layout, manifest, encoded = _run(
+        tmp_path, store, connection, ids, texts, "f", encode=EncodeOptions(output_dtype="int8"), cache=True
+    )
+    assert encoded == 0
+    ranges = np.asarray(manifest.ranges, dtype=np.float32)
+    plain = quantize_embeddings(reference_model.encode(texts), precision="int8", ranges=ranges)
+    assert np.abs(_result(layout)[0].astype(int) - plain.astype(int)).max() <= 1  # a rounding at an edge
+    assert (_result(layout)[0] == plain).mean() > 0.999
+    encode = EncodeOptions(truncate_dim=64, normalize_embeddings=True)
+    layout, _, _ = _run(
+        tmp_path, store, connection, ids, texts, "n", encode=replace(encode, truncate_dim=None)
+    )
+    layout, _, encoded = _run(tmp_path, store, connection, ids, texts, "n", encode=encode)
+    assert encoded == 0
+    want = reference_model.encode(texts, truncate_dim=64, normalize_embeddings=True)
+    assert _result(layout)[0].shape == (30, 64) and max_abs_diff(_result(layout)[0], want) <= 1e-5
+
+
+def test_two_writers_at_once_lose_nothing(tmp_path: Path) -> None:
+    cache = VectorCache(tmp_path / "store", "p" * 32)
+    texts = [[f"text {w}-{i}" for i in range(3000)] for w in range(4)]
+    vectors = [np.random.default_rng(w).random((3000, 8), dtype=np.float32) for w in range(4)]
+    threads = [
+        threading.Thread(target=cache.write, args=(text_hashes(t), v, f"run{w}", 1.0))
+        for w, (t, v) in enumerate(zip(texts, vectors, strict=True))
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    shards = cache.shards()
+    assert sorted(s.meta["run_id"] for s in shards) == ["run0", "run1", "run2", "run3"]
+    for shard in shards:
+        w = int(shard.meta["run_id"][-1])
+        assert (cache.hashes(shard) == text_hashes(texts[w])).all()
+        got = cache.vectors(shard, np.arange(0, 3000, 7))
+        assert np.array_equal(got, vectors[w][::7])
+
+
+def test_a_damaged_marker_or_hash_file_is_set_aside(tmp_path: Path) -> None:
+    cache = VectorCache(tmp_path / "store", "q" * 32)
+    cache.write(text_hashes(["a", "b"]), np.ones((2, 4), np.float32), "r", 0.0)
+    (shard,) = cache.shards()
+    hashes = shard.path(".hashes.npy")
+    hashes.write_bytes(hashes.read_bytes()[:-1] + b"\x00")
+    with pytest.raises(Exception, match="checksum"):
+        cache.hashes(shard)
+    assert cache.shards() == []
+    assert (
+        read_json(next((tmp_path / "store" / "cache" / ("q" * 32) / "damaged").glob("*.json")))["rows"] == 2
+    )
+
+
+def test_the_partitioned_join_and_a_row_map_in_parts_give_the_same_result(
+    tmp_path: Path,
+    store: Path,
+    connection: redis.Redis,
+    reference_model: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At 10^8 rows the join spills to partition files and the row map is cut into parts: the same
+    code paths, driven here by small sizes."""
+    from chunkq.supervisor import plan
+
+    monkeypatch.setattr(plan, "BUCKET_ROWS", 8)  # 64 rows: 8 partitions
+    monkeypatch.setattr(plan, "PART_ROWS", 9)
+    monkeypatch.setattr(plan, "ROW_BLOCK", 5)
+    ids, texts = _with_duplicates(40, 24, seed=8)
+    _run(tmp_path, store, connection, ids[:30], texts[:30], "half")
+    layout, manifest, encoded = _run(tmp_path, store, connection, ids, texts, "all")
+    assert manifest.plan is not None and len(manifest.plan["parts"]) == 8
+    assert encoded == len(set(texts) - set(texts[:30]))
+    matrix, got_ids = _result(layout)
+    assert got_ids == ids and max_abs_diff(matrix, reference_model.encode(texts)) <= 1e-5
