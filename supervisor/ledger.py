@@ -37,6 +37,7 @@ FLUSH_SECONDS = 30.0  # a smaller batch is written after this long, so a reader 
 RECORD_KEYS = (
     "chunk",
     "rows",
+    "source",  # "cache": read from the vector cache at submit, not encoded
     "started_at",
     "finished_at",
     "seconds",

@@ -27,6 +27,13 @@ class RunMetrics:
         )
         self.rows_total = Gauge("chunkq_rows", "Rows in the run", ["run"], registry=self.registry)
         self.rate = Gauge("chunkq_rows_per_second", "Recent throughput", ["run"], registry=self.registry)
+        self.corpus_rows = Gauge(
+            "chunkq_corpus_rows",
+            "Rows of the run's corpus by where their vector comes from: encoded, from_cache, deduplicated "
+            "(a copy of a text encoded once)",
+            ["run", "source"],
+            registry=self.registry,
+        )
         self.retries = Counter(
             "chunkq_chunk_retries",
             "Failed chunk attempts queued again, by error class",
@@ -54,6 +61,9 @@ class RunMetrics:
         self.rows_encoding.labels(self.run_id).set(snap.rows_encoding)
         self.rows_total.labels(self.run_id).set(snap.rows)
         self.rate.labels(self.run_id).set(snap.rows_per_second or 0.0)
+        if snap.cache is not None:
+            for source in ("encoded", "from_cache", "deduplicated"):
+                self.corpus_rows.labels(self.run_id, source).set(snap.cache[source])
 
     def settled(self, outcome: str, error_class: str) -> None:
         """Count what the retry policy did with one failed chunk ('requeued' or 'quarantined_now')."""

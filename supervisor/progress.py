@@ -23,6 +23,7 @@ from chunkq.supervisor.attempts import FailedAttempt, failed_attempts
 from chunkq.supervisor.chunk_set import ChunkSet
 from chunkq.supervisor.enqueue import QUEUED_STATUSES, chunk_queue, job_statuses
 from chunkq.supervisor.ledger import Ledger, throughput_of
+from chunkq.supervisor.plan import savings
 from chunkq.supervisor.store_lock import StoreLock
 from chunkq.supervisor.throughput import Throughput
 
@@ -81,6 +82,7 @@ class Snapshot:
     starting: bool = False  # chunks wait, none has started yet, and it is not yet worth a warning
     own_pool_seconds: float | None = None  # chunkq started the pool itself, this long ago (run, the API)
     owned: bool = True  # a process supervises the run (False: stopped; nothing happens until resumed)
+    cache: dict[str, Any] | None = None  # what the vector cache saved (plan.savings); None: not used
 
     @property
     def settled(self) -> bool:
@@ -218,7 +220,11 @@ class Tracker:
     def poll(self, now: float | None = None) -> Snapshot:
         now = time.monotonic() if now is None else now
         snap = Snapshot(
-            self.manifest.run_id, self.manifest.chunks, self.manifest.rows, queue=self.manifest.queue
+            self.manifest.run_id,
+            self.manifest.chunks,
+            self.manifest.rows,
+            queue=self.manifest.queue,
+            cache=savings(self.manifest.plan),
         )
         if now >= self._next_full:
             started = time.monotonic()
@@ -419,7 +425,7 @@ def set_rate(snap: Snapshot, throughput: Throughput) -> None:
 def store_snapshot(layout: RunLayout, manifest: RunManifest) -> Snapshot:
     """Where a run stands from the store alone, as ``chunkq status`` shows it without Redis: the
     chunks done and their rate, the failures recorded and the chunks quarantined."""
-    snap = Snapshot(manifest.run_id, manifest.chunks, manifest.rows, live=False)
+    snap = Snapshot(manifest.run_id, manifest.chunks, manifest.rows, live=False, cache=savings(manifest.plan))
     snap.owned = StoreLock(layout.owner, "").live_holder() is not None
     done = layout.done_chunks(manifest.chunks)
     snap.rows_done = manifest.rows_of(done)

@@ -37,7 +37,10 @@ class Throughput:
     spans: list[list[datetime]] | None = field(default_factory=list)
 
     def add(self, meta: Mapping[str, Any]) -> None:
-        """Count one committed chunk output (its metadata as written by the worker)."""
+        """Count one committed chunk output (its metadata as written by the worker); a chunk read
+        from the vector cache was not encoded and is no part of the rate."""
+        if meta.get("source") == "cache":
+            return
         self.rows += int(meta["rows"])
         started, ended = parse_time(meta["started_at"]), parse_time(meta["finished_at"])
         self.first_start = started if self.first_start is None else min(self.first_start, started)

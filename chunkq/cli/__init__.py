@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from chunkq.cli import look, results, work
+from chunkq.cli import cache, look, results, work
 from chunkq.cli.common import interrupt_on_sigterm
 from chunkq.cli.group import cli
 from chunkq.jobs import storage
@@ -15,7 +15,7 @@ from chunkq.jobs.nopickle import forbid_pickle
 from chunkq.jobs.storage import OWNER_ONLY
 
 __all__ = ["cli", "main"]
-COMMAND_MODULES = (work, look, results)  # imported for their commands, which join the group
+COMMAND_MODULES = (work, look, results, cache)  # imported for their commands, which join the group
 
 
 def main() -> None:

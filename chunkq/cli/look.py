@@ -24,6 +24,7 @@ from chunkq.queue_worker.exit_codes import EXIT_CHUNKS_FAILED, EXIT_OK
 from chunkq.supervisor.attempts import describe_attempts, failed_attempts, to_json
 from chunkq.supervisor.display import describe
 from chunkq.supervisor.local_run import embedded_url
+from chunkq.supervisor.plan import describe_savings
 from chunkq.supervisor.progress import Tracker, store_snapshot
 from chunkq.supervisor.request import (
     reach_redis,
@@ -122,6 +123,8 @@ def status_cmd(run_id: str, store: Path, redis_url: str | None, as_json: bool) -
         click.echo(json.dumps({**snap.to_json(), "failed_attempts": to_json(attempts)}, indent=2))
         return
     click.echo(describe(snap))
+    if snap.cache is not None:
+        click.echo(f"vector cache: {describe_savings(snap.cache)}")
     click.echo(describe_attempts(attempts))
     if snap.failures:
         click.echo(failure_report(snap.quarantined or snap.failures))

@@ -29,6 +29,7 @@ from chunkq.queue_worker.exit_codes import EXIT_CHUNKS_FAILED, EXIT_OK, EXIT_PAR
 from chunkq.queue_worker.pool import start as start_pool
 from chunkq.supervisor.display import ProgressDisplay, describe
 from chunkq.supervisor.local_run import RunOutcome, local_state_dir, run
+from chunkq.supervisor.plan import describe_savings, savings
 from chunkq.supervisor.request import (
     RUN_DECIDES_FOR_THE_POOL,
     build_run_request,
@@ -63,8 +64,11 @@ def _finish(outcome: Outcome) -> int:
     rate = outcome.snapshot.rows_per_second
     click.echo(
         f"run {result['run_id']}: {result['rows']} x {result['dim']} embeddings, "
-        f"{len(result['workers'])} worker process(es)" + (f", {rate:,.1f} rows/s" if rate else "")
+        f"{len(result['workers'])} worker process(es)" + (f", {rate:,.1f} rows/s encoded" if rate else "")
     )
+    saved = savings(result.get("plan"))
+    if saved is not None:
+        click.echo(describe_savings(saved))
     return EXIT_OK
 
 

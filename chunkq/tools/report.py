@@ -27,6 +27,7 @@ from chunkq.jobs.models import resolve_model
 from chunkq.jobs.run_files import RunLayout, read_chunk_input, read_json
 from chunkq.supervisor.attempts import FailedAttempt, by_class, failed_attempts, to_json
 from chunkq.supervisor.ledger import stream_records, throughput_of
+from chunkq.supervisor.plan import describe_savings, savings
 from chunkq.supervisor.throughput import PAUSE_SECONDS, Throughput, parse_time
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,7 @@ class RunFacts:
     batches: Counter[int] = field(default_factory=Counter)  # chunks per batch size (or token budget) used
     done: Collection[int] = ()  # the chunks published (a failure later recovered is not quarantined)
     startup_began: float | None = None  # when the run's first workers began starting (<= 0), seconds
+    cached_chunks: int = 0  # chunks read from the vector cache at submit
 
     @cached_property
     def t0(self) -> datetime:
@@ -209,6 +211,9 @@ def gather(layout: RunLayout) -> RunFacts:
     facts = RunFacts(manifest, throughput_of(layout, done), failures=failed_attempts(layout), done=done)
     labelled = len(done) <= LABELLED_CHUNKS
     for record in stream_records(layout, done):
+        if record.get("source") == "cache":
+            facts.cached_chunks += 1  # read from the vector cache at submit: no part of the timeline
+            continue
         try:
             facts.add(record, labelled)
         except (KeyError, TypeError, ValueError):
@@ -294,7 +299,24 @@ def summary(facts: RunFacts, lengths: list[int], limit: int | None, unit: str) -
         "length_sample": len(lengths),
         "truncation_point": limit,
         "truncated_in_sample": truncated,
+        "cache": _saved(facts),
     }
+
+
+def _saved(facts: RunFacts) -> dict[str, Any] | None:
+    """What the vector cache saved: its rows, and the encode time they would have cost: what the
+    cached vectors cost when they were made, and each duplicate at this run's seconds per row."""
+    saved = savings(facts.manifest.plan)
+    if saved is None:
+        return None
+    encoded = facts.throughput.rows
+    per_row = (
+        facts.chunk_seconds / encoded
+        if encoded
+        else (saved["cache_seconds_saved"] / saved["from_cache"] if saved["from_cache"] else 0.0)
+    )
+    seconds = saved["cache_seconds_saved"] + saved["deduplicated"] * per_row
+    return {**saved, "chunks_from_cache": facts.cached_chunks, "encode_seconds_saved": round(seconds, 2)}
 
 
 def _batches(facts: RunFacts) -> dict[str, Any]:
@@ -480,8 +502,14 @@ def _markdown(s: dict[str, Any], png: Path) -> str:
         f"| model loads | {s['model_loads']} (mean {s['model_load_seconds_mean']} s) |",
         f"| truncated texts (sample of {s['length_sample']}) | {s['truncated_in_sample']} "
         f"longer than {s['truncation_point']} {s['length_unit']} |",
-        "",
     ]
+    if s["cache"] is not None:
+        saved = s["cache"]
+        lines += [
+            f"| vector cache | {describe_savings(saved)} |",
+            f"| encode time saved (worker seconds) | {saved['encode_seconds_saved']} s |",
+        ]
+    lines.append("")
     return "\n".join(lines)
 
 

@@ -23,6 +23,7 @@ from chunkq.jobs.specs import EncodeOptions, chunk_job_id
 from chunkq.jobs.storage import is_local, list_with_mtime, remove_tree
 from chunkq.supervisor.attempts import failed_attempts
 from chunkq.supervisor.enqueue import LIVE_STATUSES, job_statuses
+from chunkq.supervisor.plan import savings
 from chunkq.supervisor.result import read_result_manifest, result_problems
 from chunkq.supervisor.store_lock import StoreLock
 from chunkq.supervisor.submit import DEFAULT_CHUNK_SIZE
@@ -49,6 +50,7 @@ class RunInfo:
     bytes: int  # what the run's folder takes in the store
     corpus: str = ""  # the first corpus file (its name), "+N" for more, and its format
     options: str = ""  # the encode options that differ from the defaults, "key=value" each
+    cache: dict[str, Any] | None = None  # what the vector cache saved (supervisor.plan.savings)
 
     @property
     def age_seconds(self) -> float | None:
@@ -120,7 +122,8 @@ def describe_run(store: Path, run_id: str) -> RunInfo:
     return RunInfo(
         run_id=run_id,
         state=state,
-        rows=manifest.rows,
+        # Until its result is published a run with the cache counts its chunks' rows (distinct texts).
+        rows=manifest.corpus_rows if state in (PUBLISHED, PARTIAL) else manifest.rows,
         rows_done=rows_done,
         chunks=manifest.chunks,
         model=str(manifest.data.get("model", "?")),
@@ -128,6 +131,7 @@ def describe_run(store: Path, run_id: str) -> RunInfo:
         bytes=folder_bytes(layout.root),
         corpus=_corpus(manifest),
         options=_options(manifest),
+        cache=savings(manifest.plan),
     )
 
 

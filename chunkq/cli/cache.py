@@ -1,0 +1,107 @@
+"""``chunkq cache`` and ``chunkq cache clean``: the store's vector cache, through jobs.vector_cache."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import click
+
+from chunkq.cli.common import log_level_option, reports_errors, store_option
+from chunkq.cli.group import cli
+from chunkq.jobs.errors import ConfigError
+from chunkq.jobs.vector_cache import VectorCache
+
+_AGE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(s|min|h|d|w)?\s*", re.IGNORECASE)
+_AGE_UNITS = {"": 1, "s": 1, "min": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def age_seconds(text: str) -> float:
+    """``--older-than``: seconds, or a number with s, min, h, d or w (``30d``)."""
+    match = _AGE.fullmatch(text)
+    if match is None:
+        raise ConfigError(f"--older-than {text!r}: give seconds or a number with s, min, h, d or w (30d)")
+    return float(match.group(1)) * _AGE_UNITS[(match.group(2) or "").lower()]
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""
+
+
+def _options(options: Any) -> str:
+    chosen = {k: v for k, v in (options or {}).items() if v not in (None, False, "fp32")}
+    return ", ".join(f"{k}={v}" for k, v in chosen.items()) or "-"
+
+
+def _table(entries: list[dict[str, Any]]) -> str:
+    rows = [("PRODUCER", "MODEL", "OPTIONS", "SHARDS", "TEXTS", "SIZE", "HITS", "RUNS", "LAST USED")]
+    rows += [
+        (
+            e["producer"][:12],
+            str(e["model"]),
+            _options(e["options"]),
+            str(e["shards"]),
+            f"{e['rows']:,}",
+            _size(e["bytes"]),
+            f"{e['hits']:,}",
+            str(e["runs"]),
+            (e["last_used"] or "-")[:19],
+        )
+        for e in entries
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows
+    )
+
+
+@cli.group("cache", invoke_without_command=True)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@store_option
+@log_level_option
+@click.pass_context
+@reports_errors
+def cache_cmd(ctx: click.Context, store: Path, as_json: bool) -> None:
+    """The store's vector cache: per model and options, the texts it holds, its size, the rows runs
+    took from it (hits) and when it was last used. It is derived data: `chunkq cache clean` frees it
+    and costs only the time to encode those texts again."""
+    ctx.obj = store
+    if ctx.invoked_subcommand is not None:
+        return
+    entries = VectorCache(store).summary()
+    if as_json:
+        click.echo(json.dumps(entries, indent=2))
+    elif entries:
+        click.echo(_table(entries))
+    else:
+        click.echo(f"the vector cache of {store} is empty")
+
+
+@cache_cmd.command("clean")
+@click.option("--older-than", "older_than", help="Only shards written longer ago than this: 3600, 12h, 30d.")
+@click.option("--producer", "key", help="Only this producer's shards (its key, as `chunkq cache` lists it).")
+@store_option
+@log_level_option
+@click.pass_context
+@reports_errors
+def cache_clean_cmd(ctx: click.Context, store: Path, older_than: str | None, key: str | None) -> None:
+    """Remove the cache's shards (all, or those older than --older-than). A run that is looking the
+    cache up meanwhile encodes the texts it can no longer read."""
+    if ctx.get_parameter_source("store") is click.core.ParameterSource.DEFAULT:
+        store = ctx.obj  # `chunkq cache --store S clean`
+    cache = VectorCache(store)
+    if key is not None:
+        matches = [p for p in cache.producers() if p.startswith(key)]
+        if len(matches) != 1:
+            raise ConfigError(f"--producer {key!r} names {len(matches)} producers of the cache, not one")
+        key = matches[0]
+    removed = cache.clean(None if older_than is None else age_seconds(older_than), key)
+    click.echo(
+        f"removed {removed['shards']} shard(s), {removed['rows']:,} texts, {removed['producers']} producer(s)"
+    )
