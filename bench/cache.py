@@ -1,10 +1,11 @@
 """Pay once for a text (issue 32): what the vector cache saves, against the same run with --no-cache.
 
-    python bench/cache.py [--rows 20000] [--dupes-rows 3000] [--out cache.json]
+    python bench/cache.py [--rows 20000] [--dupes-rows 3000 10000] [--repeats 3] [--out cache.json]
 
 Three measurements, each `chunkq run` a fresh process into a fresh store unless said:
-- duplicates: a corpus with 30 % exact duplicates, with the cache and with --no-cache: rows encoded
-  (from the run's plan) and wall time;
+- duplicates: a corpus with 30 % exact duplicates, with the cache and with --no-cache, in rounds
+  that alternate which runs first: rows encoded (from the run's plan), wall times, each round's
+  ratio and the median;
 - a new version: version 1 of a corpus (``--rows`` texts) is run to fill the cache; version 2 (2 % of
   texts changed, 1 % added) is run in the same store, and with --no-cache in another: rows encoded
   and wall time;
@@ -71,19 +72,33 @@ def run(corpus: Path, store: Path, *extra: str) -> dict[str, Any]:
     }
 
 
-def duplicates(scratch: Path, rows: int) -> dict[str, Any]:
+def duplicates(scratch: Path, rows: int, repeats: int) -> dict[str, Any]:
+    """Rounds alternate which of the two runs first; the median round's ratio is the figure."""
     unique = paragraphs(round(rows * 0.7), seed=1)
     rng = random.Random(2)
     texts = unique + [rng.choice(unique) for _ in range(rows - len(unique))]
     rng.shuffle(texts)
-    corpus = write(scratch / "dupes.jsonl", texts)
-    cached = run(corpus, scratch / "dupes-cache")
-    plain = run(corpus, scratch / "dupes-plain", "--no-cache")
+    corpus = write(scratch / f"dupes-{rows}.jsonl", texts)
+    rounds = []
+    for round_ in range(repeats):
+        order = ("cache", "no_cache") if round_ % 2 == 0 else ("no_cache", "cache")
+        got = {
+            kind: run(
+                corpus,
+                scratch / f"dupes-{rows}-{kind}-{round_}",
+                *(["--no-cache"] if kind == "no_cache" else []),
+            )
+            for kind in order
+        }
+        got["ratio"] = round(got["cache"]["wall_seconds"] / got["no_cache"]["wall_seconds"], 3)
+        rounds.append(got)
+        print(json.dumps(got), flush=True)
+    ratios = sorted(r["ratio"] for r in rounds)
     return {
+        "rows": rows,
         "distinct": len(set(texts)),
-        "cache": cached,
-        "no_cache": plain,
-        "ratio": round(cached["wall_seconds"] / plain["wall_seconds"], 3),
+        "rounds": rounds,
+        "median_ratio": ratios[len(ratios) // 2],
     }
 
 
@@ -155,7 +170,8 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--rows", type=int, default=20000)
-    parser.add_argument("--dupes-rows", type=int, default=3000)
+    parser.add_argument("--dupes-rows", type=int, nargs="+", default=[3000, 10000])
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of the duplicates pair")
     parser.add_argument("--only", choices=("duplicates", "versions", "lookup"))
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -164,7 +180,7 @@ def main() -> None:
         if args.only in (None, "lookup"):
             results["lookup"] = lookup()
         if args.only in (None, "duplicates"):
-            results["duplicates"] = duplicates(Path(scratch), args.dupes_rows)
+            results["duplicates"] = [duplicates(Path(scratch), n, args.repeats) for n in args.dupes_rows]
             print(json.dumps(results["duplicates"]), flush=True)
         if args.only in (None, "versions"):
             results["versions"] = versions(Path(scratch), args.rows)

@@ -16,8 +16,8 @@ changed: two runs writing at once add two shards and touch nothing of each other
 each shard's hashes (16 bytes a text, one request a shard) and joins them with the corpus's
 (supervisor.plan), so its cost is bytes, not a request per text. Vectors are read by block, each
 block checked against its checksum before any row of it is used; a shard that fails any check is
-moved to ``damaged/`` and its texts are encoded again. This module is the only reader and writer of
-``cache/``: submit, assembly and the ``chunkq cache`` command all go through it.
+moved to ``damaged/`` (deleted, on an object store) and its texts are encoded again. This module
+is the only reader and writer of ``cache/``: submit, assembly and ``chunkq cache`` go through it.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from chunkq.jobs.storage import (
     is_local,
     list_dirs,
     list_names,
+    list_with_mtime,
     no_links_below,
     open_store,
     publish_file,
@@ -52,6 +53,7 @@ log = logging.getLogger(__name__)
 CACHE_FORMAT = 1  # part of every producer key: a change to how vectors are made or kept starts afresh
 HASH_BYTES = 16  # 128 bits: at 10^9 texts a collision has odds of about 10^-21
 BLOCK_ROWS = 1024  # vectors checked a block at a time: a hit reads and verifies one block, not the shard
+ORPHAN_SECONDS = 3600  # a shard's files without their marker this long after: a writer that died
 SHARD_BYTES = 256 << 20  # vectors a shard holds at most; a run writes as many shards as it needs
 # The options that change a text's vector; batch size, output dtype and truncation do not (outputs
 # are derived from the float32 vectors the cache keeps).
@@ -326,7 +328,7 @@ class VectorCache:
         """Remove shards (of one producer, or all) written more than ``older_than`` seconds ago, or
         every shard; a producer left with no shard goes whole. A run looking the cache up meanwhile
         finds a shard gone and encodes its texts (a missing shard is damage, never a wrong vector)."""
-        removed = {"shards": 0, "rows": 0, "producers": 0}
+        removed = {"shards": 0, "rows": 0, "producers": 0, "orphans": 0}
         cutoff = None if older_than is None else time.time() - older_than
         for producer_key_ in [key] if key else list(self.producers()):
             view = VectorCache(self.store, producer_key_)
@@ -338,10 +340,28 @@ class VectorCache:
                     _unlink(shard.path(suffix))
                 removed["shards"] += 1
                 removed["rows"] += shard.rows
+            removed["orphans"] += view._remove_orphans()
             if not view.shards():
                 remove_tree(view._dir())
                 removed["producers"] += 1
         return removed
+
+    def _remove_orphans(self) -> int:
+        """Shard files with no marker, left by a writer that died, once older than ORPHAN_SECONDS
+        (a live writer's files are younger: its marker follows them within the write)."""
+        folder = self._dir("shards")
+        files = dict(list_with_mtime(folder))
+        stems = {name[: -len(".json")] for name in files if name.endswith(".json")}
+        orphans = [
+            name
+            for name, mtime in files.items()
+            if name.endswith(".npy")
+            and name.split(".", 1)[0] not in stems
+            and mtime < time.time() - ORPHAN_SECONDS
+        ]
+        for name in orphans:
+            _unlink(folder / name)
+        return len(orphans)
 
 
 def _unlink(path: Path) -> None:

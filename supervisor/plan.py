@@ -301,12 +301,11 @@ def _write(
     chunk_row = np.memmap(folder / "chunk_row.bin", dtype=np.int64, mode="w+", shape=(n,))
     reader = _CorpusReader(spooled)
     encode = _Chunker(layout, chunk_size, 0, [])
-    hits_path = folder / "hits.jsonl"
-    hit_refs: list[np.ndarray[Any, Any]] = []
+    hits_path, refs_path = folder / "hits.jsonl", folder / "hits.refs"
     next_miss = next_hit = 0
     identity = True
     try:
-        with open(hits_path, "wb") as hits:
+        with open(hits_path, "wb") as hits, open(refs_path, "wb") as refs:
             for start in range(0, n, ROW_BLOCK):
                 stop = min(n, start + ROW_BLOCK)
                 rows = np.arange(start, stop)
@@ -327,7 +326,9 @@ def _write(
                     encode.add(json.loads(lines[i]), texts[i])
                 for i in np.flatnonzero(hit):
                     hits.write(json.dumps({"id": json.loads(lines[i]), "text": texts[i]}).encode() + b"\n")
-                hit_refs.append(np.stack([shard[hit].astype(np.int64), joined.hit_pos[start:stop][hit]], 1))
+                refs.write(
+                    np.stack([shard[hit].astype(np.int64), joined.hit_pos[start:stop][hit]], 1).tobytes()
+                )
             encode.flush()
         parts = [] if identity else _write_row_map(layout, chunk_row, spooled.path("ids.jsonl"), n)
         cached = _write_cached_chunks(
@@ -336,7 +337,7 @@ def _write(
             encode.index,
             encode_rows,
             hits_path,
-            hit_refs,
+            _pairs(refs_path),
             joined.shards,
             cache,
             output_producer,
@@ -356,6 +357,12 @@ def _write(
         "part_rows": PART_ROWS,
         "parts": parts,
     }
+
+
+def _pairs(path: Path) -> np.ndarray[Any, Any]:
+    """A file of int64 pairs, memory-mapped (16 bytes a hit, never all in memory)."""
+    size = path.stat().st_size // 16
+    return np.memmap(path, dtype=np.int64, mode="r", shape=(size, 2)) if size else np.empty((0, 2), np.int64)
 
 
 def _write_row_map(
@@ -385,14 +392,13 @@ def _write_cached_chunks(
     first_index: int,
     encode_rows: int,
     hits_path: Path,
-    hit_refs: list[np.ndarray[Any, Any]],
+    refs: np.ndarray[Any, Any],
     shards: list[Shard],
     cache: VectorCache | None,
     output_producer: dict[str, Any],
 ) -> dict[str, Any]:
     """The chunks of texts the cache holds: inputs (kept, should an output be damaged later) and
     outputs read from the cache. A chunk that touches a damaged shard gets no output: it is encoded."""
-    refs = np.concatenate(hit_refs) if hit_refs else np.empty((0, 2), np.int64)
     damaged_shards: set[int] = set()
     damaged_rows = 0
     chunker = _Chunker(layout, chunk_size, first_index, [])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 import random
@@ -251,3 +252,41 @@ def write_encoded_run(store: Path, run_id: str, rows: int, chunk_size: int, dim:
         meta |= {"started_at": now, "finished_at": now}
         write_output(layout, index, rng.standard_normal((n, dim), dtype=np.float32), meta)
     return layout
+
+
+def run_in_process(
+    tmp_path: Path, store: Any, connection: Any, ids: list[str], texts: list[str], name: str, **kw: Any
+) -> tuple[Any, Any, int]:
+    """Submit ``texts`` as ``name``.jsonl, encode every chunk in this process with the real job
+    function, assemble: (layout, manifest, rows a worker encoded, not read from the vector cache)."""
+    from chunkq.jobs.embed import embed_chunk
+    from chunkq.jobs.manifest import load_manifest
+    from chunkq.jobs.models import BUNDLED_MODEL
+    from chunkq.jobs.run_files import RunLayout
+    from chunkq.jobs.specs import EncodeOptions
+    from chunkq.supervisor.assemble import assemble
+    from chunkq.supervisor.corpus import CorpusOptions
+    from chunkq.supervisor.result import check_published
+    from chunkq.supervisor.submit import SubmitRequest, submit
+
+    corpus = write_corpus(tmp_path / f"{name}.jsonl", ids, texts, "jsonl")
+    encode = kw.pop("encode", EncodeOptions())
+    chunk_size = kw.pop("chunk_size", 10)
+    request = SubmitRequest(
+        corpus, store, BUNDLED_MODEL, CorpusOptions("jsonl"), chunk_size=chunk_size, encode=encode, **kw
+    )
+    layout = RunLayout(store, submit(request, connection).run_id)
+    manifest = load_manifest(layout)
+    encoded = 0
+    for index in range(manifest.chunks):
+        out = embed_chunk(manifest.chunk_spec(layout.store, index).to_dict())
+        encoded += 0 if out["skipped"] else int(out["rows"])
+    assemble(layout)
+    assert check_published(layout, manifest) == []
+    return layout, manifest, encoded
+
+
+def result_of(layout: Any) -> tuple[np.ndarray[Any, Any], list[str]]:
+    """A published single-file result: (embeddings, ids), from a filesystem or an object store."""
+    ids = [json.loads(line) for line in (layout.result / "ids.jsonl").read_text().splitlines()]
+    return np.load(io.BytesIO((layout.result / "embeddings.npy").read_bytes()), allow_pickle=False), ids

@@ -23,7 +23,7 @@ import pytest
 
 from chunkq.jobs.run_files import RunLayout, save_npy_atomic, verify_output, write_output
 from chunkq.jobs.storage import open_store
-from tests.helpers import make_texts, max_abs_diff, run_cli, wait_for, write_corpus
+from tests.helpers import make_texts, max_abs_diff, result_of, run_cli, run_in_process, wait_for, write_corpus
 
 # Real pools, workers and CLI runs as subprocesses: the slow tier.
 pytestmark = pytest.mark.slow
@@ -284,3 +284,32 @@ def test_an_unreachable_store_or_a_missing_bucket_is_one_line_and_a_documented_c
     assert missing.returncode in (6, 11), missing.stderr[-2000:]
     for done in (unreachable, missing):
         assert "internal error" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_vector_cache_on_an_object_store(
+    s3_env: dict[str, str], tmp_path: Path, connection: Any, reference_model: Any
+) -> None:
+    """Issue 32: the cache's shards are objects; a look-up reads their hashes, a hit its vectors'
+    blocks by range; a tampered object is set aside and its texts encoded again."""
+    from chunkq.jobs.vector_cache import VectorCache
+
+    store = open_store(f"s3://{BUCKET}/cache-{time.time_ns()}")
+    ids, texts = make_texts(40, seed=11)
+    run_in_process(tmp_path, store, connection, ids, texts, "v1")
+    v2_texts = [*texts[:-1], texts[-1] + " changed", "an added text", texts[0]]  # 1 changed, 1 added, 1 copy
+    v2_ids = [*ids, "new", "again"]
+    layout, manifest, encoded = run_in_process(tmp_path, store, connection, v2_ids, v2_texts, "v2")
+    assert encoded == 2 and manifest.plan["cached_rows"] == 39 and manifest.plan["duplicate_rows"] == 1
+    matrix, got = result_of(layout)
+    assert got == v2_ids and max_abs_diff(matrix, reference_model.encode(v2_texts)) <= 1e-5
+
+    cache = VectorCache(store, manifest.plan["producer"])
+    first = cache.shards()[0]
+    vectors = first.path(".vectors.npy")
+    vectors.write_bytes(vectors.read_bytes()[:-4] + np.float32(0.25).tobytes())
+    layout, manifest, encoded = run_in_process(
+        tmp_path, store, connection, v2_ids, v2_texts, "v2", chunk_size=9
+    )
+    assert manifest.plan["cache_damaged_rows"] > 0 and encoded == manifest.plan["cache_damaged_rows"]
+    assert first.name not in {s.name for s in cache.shards()}
+    assert max_abs_diff(result_of(layout)[0], reference_model.encode(v2_texts)) <= 1e-5

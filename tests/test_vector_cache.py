@@ -15,55 +15,12 @@ import numpy as np
 import pytest
 import redis
 
-from chunkq.jobs.embed import embed_chunk
-from chunkq.jobs.manifest import RunManifest, load_manifest
 from chunkq.jobs.model_info import model_identity
 from chunkq.jobs.models import BUNDLED_MODEL, resolve_model
-from chunkq.jobs.run_files import RunLayout, read_json
+from chunkq.jobs.run_files import read_json
 from chunkq.jobs.specs import EncodeOptions
 from chunkq.jobs.vector_cache import VectorCache, producer, producer_key, text_hashes
-from chunkq.supervisor.assemble import assemble
-from chunkq.supervisor.corpus import CorpusOptions
-from chunkq.supervisor.result import check_published
-from chunkq.supervisor.submit import SubmitRequest, submit
-from tests.helpers import make_texts, max_abs_diff, write_corpus
-
-
-def _run(
-    tmp_path: Path,
-    store: Path,
-    connection: redis.Redis,
-    ids: list[str],
-    texts: list[str],
-    name: str,
-    **kw: Any,
-) -> tuple[RunLayout, RunManifest, int]:
-    """Submit, encode every chunk in-process, assemble: (layout, manifest, rows a worker encoded)."""
-    corpus = write_corpus(tmp_path / f"{name}.jsonl", ids, texts, "jsonl")
-    encode = kw.pop("encode", EncodeOptions())
-    request = SubmitRequest(
-        corpus,
-        store,
-        BUNDLED_MODEL,
-        CorpusOptions("jsonl"),
-        chunk_size=kw.pop("chunk_size", 10),
-        encode=encode,
-        **kw,
-    )
-    layout = RunLayout(store, submit(request, connection).run_id)
-    manifest = load_manifest(layout)
-    encoded = 0
-    for index in range(manifest.chunks):
-        out = embed_chunk(manifest.chunk_spec(store, index).to_dict())
-        encoded += 0 if out["skipped"] else int(out["rows"])
-    assemble(layout)
-    assert check_published(layout, manifest) == []
-    return layout, manifest, encoded
-
-
-def _result(layout: RunLayout) -> tuple[np.ndarray[Any, Any], list[str]]:
-    ids = [json.loads(line) for line in (layout.result / "ids.jsonl").read_text().splitlines()]
-    return np.load(layout.result / "embeddings.npy"), ids
+from tests.helpers import make_texts, max_abs_diff, result_of, run_cli, run_in_process, write_corpus
 
 
 def _with_duplicates(unique: int, copies: int, seed: int) -> tuple[list[str], list[str]]:
@@ -80,11 +37,11 @@ def test_duplicates_inside_a_run_are_encoded_once(
 ) -> None:
     ids, texts = _with_duplicates(35, 15, seed=1)
     distinct = len(set(texts))
-    layout, manifest, encoded = _run(tmp_path, store, connection, ids, texts, "dupes")
+    layout, manifest, encoded = run_in_process(tmp_path, store, connection, ids, texts, "dupes")
     assert encoded == distinct < len(texts)
     plan = manifest.plan
     assert plan is not None and plan["duplicate_rows"] == len(texts) - distinct and not plan["identity"]
-    matrix, got_ids = _result(layout)
+    matrix, got_ids = result_of(layout)
     assert got_ids == ids
     assert max_abs_diff(matrix, reference_model.encode(texts)) <= 1e-5
 
@@ -93,28 +50,30 @@ def test_a_new_version_encodes_only_changed_and_added_texts(
     tmp_path: Path, store: Path, connection: redis.Redis, reference_model: Any
 ) -> None:
     ids, texts = make_texts(60, seed=2)
-    _run(tmp_path, store, connection, ids, texts, "v1")
+    run_in_process(tmp_path, store, connection, ids, texts, "v1")
     v2_texts = list(texts)
     v2_texts[7] += " changed"
     v2_texts[41] = "a wholly new sentence about copper harbors"
     v2_ids, v2_texts = [*ids, "doc-new"], [*v2_texts, "an added text about lanterns"]
-    layout, manifest, encoded = _run(tmp_path, store, connection, v2_ids, v2_texts, "v2")
+    layout, manifest, encoded = run_in_process(tmp_path, store, connection, v2_ids, v2_texts, "v2")
     assert encoded == 3
     assert manifest.plan is not None and manifest.plan["cached_rows"] == 58
-    matrix, got_ids = _result(layout)
+    matrix, got_ids = result_of(layout)
     assert got_ids == v2_ids
     assert max_abs_diff(matrix, reference_model.encode(v2_texts)) <= 1e-5
     # Every text cached: nothing to encode, and still the exact result.
-    layout, manifest, encoded = _run(tmp_path, store, connection, v2_ids, v2_texts, "v2", chunk_size=7)
+    layout, manifest, encoded = run_in_process(
+        tmp_path, store, connection, v2_ids, v2_texts, "v2", chunk_size=7
+    )
     assert encoded == 0 and manifest.plan is not None and manifest.plan["cached_rows"] == 61
-    assert max_abs_diff(_result(layout)[0], reference_model.encode(v2_texts)) <= 1e-5
+    assert max_abs_diff(result_of(layout)[0], reference_model.encode(v2_texts)) <= 1e-5
     (summary,) = VectorCache(store).summary()
     assert summary["rows"] == 63 and summary["hits"] == 58 + 61
 
 
 def test_no_cache_encodes_every_row(tmp_path: Path, store: Path, connection: redis.Redis) -> None:
     ids, texts = _with_duplicates(20, 10, seed=3)
-    _, manifest, encoded = _run(tmp_path, store, connection, ids, texts, "plain", cache=False)
+    _, manifest, encoded = run_in_process(tmp_path, store, connection, ids, texts, "plain", cache=False)
     assert encoded == len(texts) and manifest.plan is None
     assert not (store / "cache").exists()
 
@@ -146,13 +105,13 @@ def test_what_changes_a_vector_changes_the_key(tmp_path: Path) -> None:
 
 def test_other_options_get_no_hits(tmp_path: Path, store: Path, connection: redis.Redis) -> None:
     ids, texts = make_texts(12, seed=5)
-    _run(tmp_path, store, connection, ids, texts, "a")
+    run_in_process(tmp_path, store, connection, ids, texts, "a")
     for encode in (
         EncodeOptions(prompt="passage: "),
         EncodeOptions(max_seq_length=16),
         EncodeOptions(normalize_embeddings=True),
     ):
-        _, manifest, encoded = _run(tmp_path, store, connection, ids, texts, "a", encode=encode)
+        _, manifest, encoded = run_in_process(tmp_path, store, connection, ids, texts, "a", encode=encode)
         assert encoded == 12 and manifest.plan is not None and manifest.plan["cached_rows"] == 0
 
 
@@ -160,16 +119,16 @@ def test_a_tampered_cache_entry_is_set_aside_and_encoded_again(
     tmp_path: Path, store: Path, connection: redis.Redis, reference_model: Any
 ) -> None:
     ids, texts = make_texts(30, seed=6)
-    _run(tmp_path, store, connection, ids, texts, "t")
+    run_in_process(tmp_path, store, connection, ids, texts, "t")
     (producer_dir,) = (store / "cache").iterdir()
     (vectors,) = (producer_dir / "shards").glob("*.vectors.npy")
     data = bytearray(vectors.read_bytes())
     data[-8:-4] = np.float32(0.5).tobytes()  # a plausible value: only the checksum can tell
     vectors.write_bytes(bytes(data))
-    layout, manifest, encoded = _run(tmp_path, store, connection, ids, texts, "t", chunk_size=7)
+    layout, manifest, encoded = run_in_process(tmp_path, store, connection, ids, texts, "t", chunk_size=7)
     assert encoded == 30 and manifest.plan is not None and manifest.plan["cache_damaged_rows"] == 30
     assert list((producer_dir / "damaged").glob("*.vectors.npy"))
-    assert max_abs_diff(_result(layout)[0], reference_model.encode(texts)) <= 1e-5
+    assert max_abs_diff(result_of(layout)[0], reference_model.encode(texts)) <= 1e-5
 
 
 @pytest.mark.slow
@@ -179,23 +138,23 @@ def test_quantized_and_truncated_results_from_cached_floats_equal_plain(
     from sentence_transformers import quantize_embeddings
 
     ids, texts = _with_duplicates(25, 5, seed=7)
-    _run(tmp_path, store, connection, ids, texts, "f")
-    layout, manifest, encoded = _run(
+    run_in_process(tmp_path, store, connection, ids, texts, "f")
+    layout, manifest, encoded = run_in_process(
         tmp_path, store, connection, ids, texts, "f", encode=EncodeOptions(output_dtype="int8"), cache=True
     )
     assert encoded == 0
     ranges = np.asarray(manifest.ranges, dtype=np.float32)
     plain = quantize_embeddings(reference_model.encode(texts), precision="int8", ranges=ranges)
-    assert np.abs(_result(layout)[0].astype(int) - plain.astype(int)).max() <= 1  # a rounding at an edge
-    assert (_result(layout)[0] == plain).mean() > 0.999
+    assert np.abs(result_of(layout)[0].astype(int) - plain.astype(int)).max() <= 1  # a rounding at an edge
+    assert (result_of(layout)[0] == plain).mean() > 0.999
     encode = EncodeOptions(truncate_dim=64, normalize_embeddings=True)
-    layout, _, _ = _run(
+    layout, _, _ = run_in_process(
         tmp_path, store, connection, ids, texts, "n", encode=replace(encode, truncate_dim=None)
     )
-    layout, _, encoded = _run(tmp_path, store, connection, ids, texts, "n", encode=encode)
+    layout, _, encoded = run_in_process(tmp_path, store, connection, ids, texts, "n", encode=encode)
     assert encoded == 0
     want = reference_model.encode(texts, truncate_dim=64, normalize_embeddings=True)
-    assert _result(layout)[0].shape == (30, 64) and max_abs_diff(_result(layout)[0], want) <= 1e-5
+    assert result_of(layout)[0].shape == (30, 64) and max_abs_diff(result_of(layout)[0], want) <= 1e-5
 
 
 def test_two_writers_at_once_lose_nothing(tmp_path: Path) -> None:
@@ -233,7 +192,7 @@ def test_a_damaged_marker_or_hash_file_is_set_aside(tmp_path: Path) -> None:
     )
 
 
-def test_the_partitioned_join_and_a_row_map_in_parts_give_the_same_result(
+def test_the_partitioned_join_and_a_row_map_in_parts_give_the_sameresult_of(
     tmp_path: Path,
     store: Path,
     connection: redis.Redis,
@@ -248,9 +207,96 @@ def test_the_partitioned_join_and_a_row_map_in_parts_give_the_same_result(
     monkeypatch.setattr(plan, "PART_ROWS", 9)
     monkeypatch.setattr(plan, "ROW_BLOCK", 5)
     ids, texts = _with_duplicates(40, 24, seed=8)
-    _run(tmp_path, store, connection, ids[:30], texts[:30], "half")
-    layout, manifest, encoded = _run(tmp_path, store, connection, ids, texts, "all")
+    run_in_process(tmp_path, store, connection, ids[:30], texts[:30], "half")
+    layout, manifest, encoded = run_in_process(tmp_path, store, connection, ids, texts, "all")
     assert manifest.plan is not None and len(manifest.plan["parts"]) == 8
     assert encoded == len(set(texts) - set(texts[:30]))
-    matrix, got_ids = _result(layout)
+    matrix, got_ids = result_of(layout)
     assert got_ids == ids and max_abs_diff(matrix, reference_model.encode(texts)) <= 1e-5
+
+
+def test_status_runs_report_metrics_and_the_cache_command_say_what_was_saved(
+    tmp_path: Path, store: Path, connection: redis.Redis
+) -> None:
+    from chunkq.supervisor.metrics import RunMetrics
+    from chunkq.supervisor.progress import store_snapshot
+    from chunkq.tools.report import gather
+    from chunkq.tools.report import summary as report_summary
+    from chunkq.tools.run_list import describe_run
+
+    ids, texts = make_texts(20, seed=9)
+    run_in_process(tmp_path, store, connection, ids, texts, "s1")
+    ids2, texts2 = _with_duplicates(20, 6, seed=9)  # the same 20 texts (seed 9), 6 of them twice
+    layout, manifest, encoded = run_in_process(tmp_path, store, connection, ids2, texts2, "s2")
+    assert encoded == 0
+    want = {"rows": 26, "distinct": 20, "encoded": 0, "from_cache": 20, "deduplicated": 6}
+    assert {k: store_snapshot(layout, manifest).cache[k] for k in want} == want  # type: ignore[index]
+    assert {k: describe_run(store, layout.run_id).to_json()["cache"][k] for k in want} == want
+    facts = gather(layout)
+    saved = report_summary(facts, [], None, "tokens")["cache"]
+    assert saved["chunks_from_cache"] == manifest.chunks and saved["encode_seconds_saved"] > 0
+    metrics = RunMetrics(layout.run_id)
+    metrics.observe(store_snapshot(layout, manifest))
+    sample = metrics.registry.get_sample_value
+    assert sample("chunkq_corpus_rows", {"run": layout.run_id, "source": "from_cache"}) == 20
+    assert sample("chunkq_corpus_rows", {"run": layout.run_id, "source": "deduplicated"}) == 6
+
+    shown = run_cli("cache", "--store", str(store), "--json")
+    assert shown.returncode == 0, shown.stderr
+    (entry,) = json.loads(shown.stdout)
+    assert entry["rows"] == 20 and entry["hits"] == 20 and entry["runs"] == 2
+    kept = run_cli("cache", "clean", "--older-than", "1d", "--store", str(store))
+    assert kept.returncode == 0 and "removed 0 shard(s)" in kept.stdout
+    bad = run_cli("cache", "clean", "--older-than", "soon", "--store", str(store))
+    assert bad.returncode != 0 and "--older-than 'soon'" in bad.stderr
+    freed = run_cli("cache", "--store", str(store), "clean")
+    assert freed.returncode == 0 and "removed 1 shard(s), 20 texts, 1 producer(s)" in freed.stdout
+    assert VectorCache(store).summary() == []
+
+
+def test_a_partial_result_leaves_out_every_row_of_a_missing_chunks_texts(
+    tmp_path: Path, store: Path, connection: redis.Redis, reference_model: Any
+) -> None:
+    from chunkq.jobs.embed import embed_chunk
+    from chunkq.jobs.manifest import load_manifest
+    from chunkq.jobs.run_files import RunLayout
+    from chunkq.supervisor.assemble import assemble
+    from chunkq.supervisor.corpus import CorpusOptions
+    from chunkq.supervisor.progress import Failure
+    from chunkq.supervisor.result import check_published
+    from chunkq.supervisor.submit import SubmitRequest, submit
+
+    ids, texts = _with_duplicates(30, 20, seed=10)
+    corpus = write_corpus(tmp_path / "p.jsonl", ids, texts, "jsonl")
+    request = SubmitRequest(corpus, store, BUNDLED_MODEL, CorpusOptions("jsonl"), chunk_size=10)
+    layout = RunLayout(store, submit(request, connection).run_id)
+    manifest = load_manifest(layout)
+    for index in range(1, manifest.chunks):  # chunk 0 is quarantined
+        embed_chunk(manifest.chunk_spec(store, index).to_dict())
+    chunk0 = {json.loads(x)["text"] for x in layout.input_path(0).read_text().splitlines()}
+    failure = Failure(0, 0, 10, "j", "other", 3, "boom", "", True)
+    result = assemble(layout, missing=[failure])
+    kept = [i for i, t in enumerate(texts) if t not in chunk0]
+    assert result["rows"] == len(kept) < len(texts) and not result["complete"]
+    assert result["missing"][0]["rows"] == len(texts) - len(kept)
+    assert check_published(layout, manifest) == []
+    matrix, got = result_of(layout)
+    assert got == [ids[i] for i in kept]
+    assert max_abs_diff(matrix, reference_model.encode([texts[i] for i in kept])) <= 1e-5
+    assert all(e["rows"] == 0 for e in VectorCache(store).summary())  # a partial result adds nothing
+
+
+def test_clean_removes_a_dead_writers_files_but_not_a_live_ones(tmp_path: Path) -> None:
+    import os
+    import time
+
+    cache = VectorCache(tmp_path / "store", "o" * 32)
+    cache.write(text_hashes(["kept"]), np.ones((1, 4), np.float32), "r", 0.0)
+    folder = tmp_path / "store" / "cache" / ("o" * 32) / "shards"
+    dead, live = folder / "dead-1.vectors.npy", folder / "live-1.vectors.npy"
+    dead.write_bytes(b"x")
+    live.write_bytes(b"x")
+    os.utime(dead, (time.time() - 7200, time.time() - 7200))
+    removed = cache.clean(older_than=10**6)
+    assert removed["orphans"] == 1 and removed["shards"] == 0
+    assert not dead.exists() and live.exists() and len(cache.shards()) == 1
