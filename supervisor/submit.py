@@ -361,7 +361,27 @@ def identify(req: SubmitRequest) -> Identified:
     identity = _identity(req, inputs)
     run_fingerprint = fingerprint(identity)
     run_id = validate_run_id(req.run_id) if req.run_id else default_run_id(req.corpora[0], run_fingerprint)
-    return Identified(run_id, inputs, identity, run_fingerprint)
+    return _begun_without_cache(req, inputs, identity) or Identified(
+        run_id, inputs, identity, run_fingerprint
+    )
+
+
+def _begun_without_cache(
+    req: SubmitRequest, inputs: list[dict[str, Any]], identity: dict[str, Any]
+) -> Identified | None:
+    """The same corpus and options submitted before the vector cache existed: that run, so the same
+    command resumes it (without the cache) rather than start again. Only where the cache was not
+    asked for by name: ``--cache`` means a run that uses it."""
+    if req.cache is not None or "vector_cache" not in identity:
+        return None
+    before = {k: v for k, v in identity.items() if k != "vector_cache"}
+    before_fingerprint = fingerprint(before)
+    run_id = validate_run_id(req.run_id) if req.run_id else default_run_id(req.corpora[0], before_fingerprint)
+    layout = RunLayout(req.store, run_id)
+    if not layout.manifest.is_file() or load_manifest(layout).fingerprint != before_fingerprint:
+        return None
+    log.info("run %s was submitted before the vector cache; it goes on without it", run_id)
+    return Identified(run_id, inputs, before, before_fingerprint)
 
 
 @dataclass(frozen=True)

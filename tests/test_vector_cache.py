@@ -300,3 +300,34 @@ def test_clean_removes_a_dead_writers_files_but_not_a_live_ones(tmp_path: Path) 
     removed = cache.clean(older_than=10**6)
     assert removed["orphans"] == 1 and removed["shards"] == 0
     assert not dead.exists() and live.exists() and len(cache.shards()) == 1
+
+
+def test_a_run_begun_before_the_cache_resumes_as_it_was(
+    tmp_path: Path, store: Path, connection: redis.Redis
+) -> None:
+    """The same command after an upgrade finds the run it began, not a new one (its identity had
+    no cache); it finishes without the cache. Asking for the cache by name makes a new run."""
+    from chunkq.jobs.manifest import load_manifest
+    from chunkq.jobs.run_files import RunLayout
+    from chunkq.supervisor.corpus import CorpusOptions
+    from chunkq.supervisor.submit import SubmitRequest, submit
+
+    ids, texts = make_texts(20, seed=12)
+    corpus = write_corpus(tmp_path / "old.jsonl", ids, texts, "jsonl")
+    old = submit(
+        SubmitRequest(corpus, store, BUNDLED_MODEL, CorpusOptions("jsonl"), chunk_size=10, cache=False),
+        connection,
+    )
+    manifest_path = RunLayout(store, old.run_id).manifest
+    data = json.loads(manifest_path.read_text())
+    assert "vector_cache" not in data["identity"]  # what a run made before the cache looks like
+    again = submit(
+        SubmitRequest(corpus, store, BUNDLED_MODEL, CorpusOptions("jsonl"), chunk_size=10), connection
+    )
+    assert again.run_id == old.run_id and not again.created
+    assert load_manifest(RunLayout(store, again.run_id)).plan is None
+    asked = submit(
+        SubmitRequest(corpus, store, BUNDLED_MODEL, CorpusOptions("jsonl"), chunk_size=10, cache=True),
+        connection,
+    )
+    assert asked.run_id != old.run_id and asked.created
