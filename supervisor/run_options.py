@@ -163,6 +163,7 @@ RUN_OPTIONS: tuple[Option, ...] = (
         "with the same model files and options are read from the cache, not encoded. Default: on when "
         "the result is float32 or float16 (--cache for int8/uint8/binary, derived from cached floats).",
         kind="switch",
+        env="",
     ),
     _submit(
         "job_timeout",

@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from chunkq.cli.common import log_level_option, reports_errors, store_option
+from chunkq.cli.common import log_level_option, redis_option, reports_errors, store_option
 from chunkq.cli.group import cli
 from chunkq.jobs.errors import ConfigError
 from chunkq.jobs.vector_cache import VectorCache
@@ -64,13 +64,15 @@ def _table(entries: list[dict[str, Any]]) -> str:
 @cli.group("cache", invoke_without_command=True)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 @store_option
+@redis_option("unused")
 @log_level_option
 @click.pass_context
 @reports_errors
-def cache_cmd(ctx: click.Context, store: Path, as_json: bool) -> None:
+def cache_cmd(ctx: click.Context, store: Path, as_json: bool, redis_url: str | None) -> None:
     """The store's vector cache: per model and options, the texts it holds, its size, the rows runs
     took from it (hits) and when it was last used. It is derived data: `chunkq cache clean` frees it
     and costs only the time to encode those texts again."""
+    del redis_url
     ctx.obj = store
     if ctx.invoked_subcommand is not None:
         return
@@ -87,12 +89,16 @@ def cache_cmd(ctx: click.Context, store: Path, as_json: bool) -> None:
 @click.option("--older-than", "older_than", help="Only shards written longer ago than this: 3600, 12h, 30d.")
 @click.option("--producer", "key", help="Only this producer's shards (its key, as `chunkq cache` lists it).")
 @store_option
+@redis_option("unused")
 @log_level_option
 @click.pass_context
 @reports_errors
-def cache_clean_cmd(ctx: click.Context, store: Path, older_than: str | None, key: str | None) -> None:
+def cache_clean_cmd(
+    ctx: click.Context, store: Path, older_than: str | None, key: str | None, redis_url: str | None
+) -> None:
     """Remove the cache's shards (all, or those older than --older-than). A run that is looking the
     cache up meanwhile encodes the texts it can no longer read."""
+    del redis_url
     if ctx.get_parameter_source("store") is click.core.ParameterSource.DEFAULT:
         store = ctx.obj  # `chunkq cache --store S clean`
     cache = VectorCache(store)
