@@ -1,0 +1,113 @@
+"""Long texts cut into windows on the model's own tokenizer (issue 33, first part: the planning).
+
+A text longer than a window is cut into windows of at most ``size`` tokens that overlap by
+``overlap`` tokens, each an exact character span of the text: a window starts and ends on a word's
+first token (never inside a word, so the span re-tokenises to the same tokens), the first starts at
+character 0, the last ends at the text's end, and a window ends where the next token begins (the
+white space between words belongs to the window before it), so together they cover every character
+in order. The count a window records is its span re-tokenised, what an encode of it sees; a span
+that re-tokenises longer than ``size`` (byte-level BPE tokenisers can differ at a cut) is cut again.
+
+Only the tokenizer is read (``tokenizer.json`` through the ``tokenizers`` library): no torch, so
+submit can plan windows without loading the model.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from chunkq.jobs.errors import ConfigError
+
+DEFAULT_OVERLAP_SHARE = 4  # a quarter of a window overlaps the next, as the issue asks
+
+
+@dataclass(frozen=True)
+class Window:
+    """One window of a text: its number, its character span and its tokens (special ones excluded)."""
+
+    number: int
+    char_start: int
+    char_end: int
+    tokens: int
+
+
+def load_tokenizer(model_folder: str | Path) -> Any:
+    """The model's fast tokenizer, with the truncation and padding its file may carry turned off."""
+    from tokenizers import Tokenizer
+
+    path = Path(model_folder) / "tokenizer.json"
+    if not path.is_file():
+        raise ConfigError(f"{model_folder}: no tokenizer.json, so its texts cannot be cut into windows")
+    tokenizer = Tokenizer.from_file(str(path))
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    return tokenizer
+
+
+def default_size(tokenizer: Any, max_seq_length: int, prompt: str | None = None) -> int:
+    """The model's maximum length less its special tokens and the prompt's tokens."""
+    special = int(tokenizer.num_special_tokens_to_add(False))
+    prompt_tokens = len(tokenizer.encode(prompt, add_special_tokens=False).ids) if prompt else 0
+    size = max_seq_length - special - prompt_tokens
+    if size < 1:
+        raise ConfigError(
+            f"a window of {max_seq_length} tokens leaves no room after the special tokens and prompt"
+        )
+    return size
+
+
+def _count(tokenizer: Any, text: str) -> int:
+    return len(tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+def windows(text: str, tokenizer: Any, size: int, overlap: int | None = None) -> list[Window]:
+    """``text`` as windows of at most ``size`` tokens overlapping by ``overlap`` (default: a quarter
+    of a window); one window, the whole text, when it fits."""
+    if size < 1:
+        raise ConfigError(f"window size {size}: at least 1 token")
+    overlap = size // DEFAULT_OVERLAP_SHARE if overlap is None else overlap
+    if not 0 <= overlap < size:
+        raise ConfigError(f"window overlap {overlap}: from 0 to {size - 1} tokens (less than a window)")
+    encoding = tokenizer.encode(text, add_special_tokens=False)
+    offsets, words = encoding.offsets, encoding.word_ids
+    n = len(offsets)
+    if n <= size:
+        return [Window(0, 0, len(text), n)]
+    starts = [i for i in range(n) if i == 0 or words[i] is None or words[i] != words[i - 1]]
+
+    def word_start_at_or_before(token: int, above: int) -> int:
+        """The last word start in (above, token], or ``token`` when a word is longer than that."""
+        at = bisect.bisect_right(starts, token) - 1
+        return starts[at] if at >= 0 and starts[at] > above else token
+
+    found: list[Window] = []
+    first = 0
+    while True:
+        last = n if first + size >= n else word_start_at_or_before(first + size, first)
+        char_start = 0 if first == 0 else offsets[first][0]
+        char_end = len(text) if last == n else offsets[last][0]
+        tokens = _count(tokenizer, text[char_start:char_end])
+        while tokens > size and last - first > 1:  # re-tokenised longer: cut one word earlier
+            last = word_start_at_or_before(last - 1, first)
+            char_end = offsets[last][0]
+            tokens = _count(tokenizer, text[char_start:char_end])
+        found.append(Window(len(found), char_start, char_end, tokens))
+        if last == n:
+            return found
+        first = _next_first(starts, first, last, overlap)
+
+
+def _next_first(starts: list[int], first: int, last: int, overlap: int) -> int:
+    """Where the window after [first, last) begins: the last word start that leaves ``overlap``
+    tokens shared; where no word starts that late, the first word start after ``first`` (less
+    overlap rather than a word cut in two); ``last`` without overlap."""
+    if not overlap:
+        return last
+    at = bisect.bisect_right(starts, last - overlap) - 1
+    if at >= 0 and starts[at] > first:
+        return starts[at]
+    after = bisect.bisect_right(starts, first)
+    return starts[after] if after < len(starts) and starts[after] < last else last

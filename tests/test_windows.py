@@ -1,0 +1,72 @@
+"""Issue 33 (first part): long texts planned as windows on the model's own tokenizer."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from chunkq.jobs.errors import ConfigError
+from chunkq.jobs.models import BUNDLED_MODEL, resolve_model
+from chunkq.supervisor.windows import default_size, load_tokenizer, windows
+from tests.helpers import WORDS
+
+
+@pytest.fixture(scope="module")
+def tokenizer():  # type: ignore[no-untyped-def]
+    return load_tokenizer(resolve_model(BUNDLED_MODEL))
+
+
+def _long_text(words: int, seed: int) -> str:
+    rng = random.Random(seed)
+    # Punctuation, long words cut into several tokens and runs of white space, as real text has.
+    pieces = [rng.choice([*WORDS, "embeddings", "tokenization,", "re-ranking.", "x"]) for _ in range(words)]
+    return "".join(p + rng.choice([" ", "  ", "\n", " "]) for p in pieces).strip()
+
+
+def test_a_text_that_fits_is_one_window_of_the_whole_text(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    text = "a short text about copper harbors"
+    (only,) = windows(text, tokenizer, 64)
+    assert (only.char_start, only.char_end) == (0, len(text))
+    assert only.tokens == len(tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+@pytest.mark.parametrize(("size", "overlap"), [(64, None), (50, 0), (32, 31), (128, 40)])
+def test_windows_cover_every_character_in_order_with_the_overlap_asked(  # type: ignore[no-untyped-def]
+    tokenizer, size: int, overlap: int | None
+) -> None:
+    text = _long_text(900, seed=size)
+    got = windows(text, tokenizer, size, overlap)
+    want_overlap = size // 4 if overlap is None else overlap
+    assert len(got) > 1 and [w.number for w in got] == list(range(len(got)))
+    assert got[0].char_start == 0 and got[-1].char_end == len(text)
+    for before, after in itertools.pairwise(got):
+        assert before.char_start < after.char_start <= before.char_end  # in order, no gap
+        if want_overlap == 0:
+            assert after.char_start == before.char_end  # tiled exactly
+        shared = len(tokenizer.encode(text[after.char_start : before.char_end], add_special_tokens=False).ids)
+        # The overlap asked, and at most the rest of a word more: windows start on a word's start
+        # (less only where no word starts late enough, so as never to cut one).
+        assert min(want_overlap, before.tokens - 4) <= shared <= want_overlap + 4
+    whole = tokenizer.encode(text, add_special_tokens=False)
+    for window in got:
+        span = tokenizer.encode(text[window.char_start : window.char_end], add_special_tokens=False).ids
+        inside = [
+            token
+            for token, (start, end) in zip(whole.ids, whole.offsets, strict=True)
+            if start >= window.char_start and end <= window.char_end
+        ]
+        assert window.tokens == len(span) <= size
+        assert span == inside  # the span re-tokenises to the text's own tokens: no word was cut
+
+
+def test_the_default_window_is_the_models_length_less_its_special_tokens_and_prompt(  # type: ignore[no-untyped-def]
+    tokenizer,
+) -> None:
+    assert default_size(tokenizer, 256) == 254  # [CLS] and [SEP]
+    assert default_size(tokenizer, 256, prompt="query: ") == 254 - 2
+    with pytest.raises(ConfigError, match="no room"):
+        default_size(tokenizer, 2)
+    with pytest.raises(ConfigError, match="less than a window"):
+        windows("text", tokenizer, 8, overlap=8)
