@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 import numpy as np
 
@@ -48,7 +48,6 @@ from chunkq.jobs.run_files import (
 )
 from chunkq.jobs.storage import local_scratch, remove_tree
 from chunkq.jobs.vector_cache import HASH_BYTES, CacheDamage, Shard, VectorCache, text_hashes
-from chunkq.supervisor.corpus import Record
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +56,16 @@ BUCKET_ROWS = 1 << 22  # corpus rows a partition of the join holds at most: abou
 MAX_BUCKETS = 1 << 16  # the partition is chosen by a hash's first 16 bits
 ROW_BLOCK = 1 << 16  # rows read, hashed and written at a time
 _KEY = np.dtype(f"S{HASH_BYTES}")
+
+
+class PlanRow(Protocol):
+    """A row the plan takes: a corpus record, or a window of one (its id then a JSON object)."""
+
+    @property
+    def id(self) -> Any: ...
+
+    @property
+    def text(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -74,7 +83,7 @@ class _Spooled:
         return np.memmap(self.path("ends.bin"), dtype=np.uint64, mode="r", shape=(self.rows,))
 
 
-def _spool(records: Iterable[Record], folder: Path, check: Callable[[list[Record]], None]) -> _Spooled:
+def _spool(records: Iterable[PlanRow], folder: Path, check: Callable[[list[Any]], None]) -> _Spooled:
     """Pass one: ids, texts (UTF-8, end offsets) and hashes, in corpus order, to local scratch."""
     rows, end = 0, 0
     with (
@@ -84,7 +93,7 @@ def _spool(records: Iterable[Record], folder: Path, check: Callable[[list[Record
         open(folder / "hashes.bin", "wb") as hashes,
     ):
 
-        def flush(batch: list[Record]) -> None:
+        def flush(batch: list[PlanRow]) -> None:
             nonlocal rows, end
             check(batch)
             encoded = [r.text.encode("utf-8", "surrogatepass") for r in batch]
@@ -95,7 +104,7 @@ def _spool(records: Iterable[Record], folder: Path, check: Callable[[list[Record
             hashes.write(text_hashes(r.text for r in batch).tobytes())
             rows, end = rows + len(batch), int(offsets[-1])
 
-        batch: list[Record] = []
+        batch: list[PlanRow] = []
         for record in records:
             batch.append(record)
             if len(batch) == ROW_BLOCK:
@@ -219,6 +228,16 @@ def _join(spooled: _Spooled, cache: VectorCache | None, folder: Path) -> _Joined
     return _Joined(first_of, hit_shard, hit_pos, distinct, misses, shards)
 
 
+def _every_row(spooled: _Spooled, folder: Path) -> _Joined:
+    """No join: every row is its own first occurrence, none is cached."""
+    n = spooled.rows
+    first_of = np.memmap(folder / "first.bin", dtype=np.int64, mode="w+", shape=(n,))
+    first_of[:] = np.arange(n)
+    hit_shard = np.memmap(folder / "hit_shard.bin", dtype=np.int32, mode="w+", shape=(n,))
+    hit_shard[:] = -1
+    return _Joined(first_of, hit_shard, np.zeros(n, dtype=np.int64), n, n, [])
+
+
 class _CorpusReader:
     """The spooled ids and texts, read back in corpus order a block at a time."""
 
@@ -264,25 +283,29 @@ class _Chunker:
 
 
 def write_planned_inputs(
-    records: Iterable[Record],
+    records: Iterable[PlanRow],
     layout: RunLayout,
     chunk_size: int,
     cache: VectorCache | None,
     output_producer: dict[str, Any],
-    check: Callable[[list[Record]], None],
+    check: Callable[[list[Any]], None],
+    dedup: bool = True,
+    row_map: bool = False,
 ) -> dict[str, Any]:
     """Split the corpus into chunk inputs by plan (see the module's docstring); the manifest's
     ``plan``. ``cache``: None looks nothing up (duplicates are still encoded once). ``check``: told
     each block of records (the duplicate-id check). ``output_producer``: what a chunk output of the
-    run records of its producer (``RunManifest.producer()``)."""
+    run records of its producer (``RunManifest.producer()``). ``dedup``: False encodes every row
+    (windows with --no-cache). ``row_map``: write the row map even where it is the identity (rows
+    whose ids are window objects, which chunk inputs do not carry back)."""
     with local_scratch(layout.root) as where:
         folder = Path(tempfile.mkdtemp(prefix=".plan-", dir=where))
         try:
             spooled = _spool(records, folder, check)
             if not spooled.rows:
                 return {"corpus_rows": 0}
-            joined = _join(spooled, cache, folder)
-            return _write(layout, chunk_size, spooled, joined, cache, output_producer, folder)
+            joined = _join(spooled, cache, folder) if dedup else _every_row(spooled, folder)
+            return _write(layout, chunk_size, spooled, joined, cache, output_producer, folder, row_map)
         finally:
             remove_tree(folder)
 
@@ -295,6 +318,7 @@ def _write(
     cache: VectorCache | None,
     output_producer: dict[str, Any],
     folder: Path,
+    row_map: bool,
 ) -> dict[str, Any]:
     """Pass two, in corpus order: the chunk inputs, the row map, then the cached chunks' outputs."""
     n, encode_rows = spooled.rows, joined.misses
@@ -330,6 +354,7 @@ def _write(
                     np.stack([shard[hit].astype(np.int64), joined.hit_pos[start:stop][hit]], 1).tobytes()
                 )
             encode.flush()
+        identity = identity and not row_map
         parts = [] if identity else _write_row_map(layout, chunk_row, spooled.path("ids.jsonl"), n)
         cached = _write_cached_chunks(
             layout,
@@ -498,7 +523,7 @@ def chunk_of(manifest: RunManifest, rows: np.ndarray[Any, Any]) -> np.ndarray[An
 
 def _row_map_parts(
     layout: RunLayout, manifest: RunManifest
-) -> Iterator[tuple[np.ndarray[Any, Any], list[str]]]:
+) -> Iterator[tuple[np.ndarray[Any, Any], list[Any]]]:
     """Each part of the row map (chunk rows) and its ids, checked against the manifest's checksums."""
     plan = manifest.plan or {}
     for part, described in enumerate(plan.get("parts") or []):
@@ -516,7 +541,7 @@ def _row_map_parts(
             )
         if len(rows) and (rows.min() < 0 or rows.max() >= manifest.rows):
             raise BadInputError(f"{map_path}: a row outside the run's {manifest.rows} chunk rows")
-        yield rows, [str(i) for i in ids]
+        yield rows, [i if isinstance(i, dict) else str(i) for i in ids]
 
 
 def lost_rows(layout: RunLayout, manifest: RunManifest, skip: set[int]) -> dict[int, int]:
@@ -534,7 +559,7 @@ def lost_rows(layout: RunLayout, manifest: RunManifest, skip: set[int]) -> dict[
 
 def result_rows(
     layout: RunLayout, manifest: RunManifest, skip: set[int], dim: int, scratch: Path
-) -> Iterator[tuple[list[str], np.ndarray[Any, Any]]]:
+) -> Iterator[tuple[list[Any], np.ndarray[Any, Any]]]:
     """(ids, float32 rows) of the result in corpus order, from the verified chunk outputs, rows of
     ``skip``'s chunks left out."""
     if (manifest.plan or {}).get("identity", True):

@@ -31,6 +31,7 @@ from chunkq.supervisor.retry import RetryPolicy
 from chunkq.supervisor.run_options import SUBMIT, WATCH, run_option_names
 from chunkq.supervisor.submit import DEFAULT_CHUNK_SIZE, SubmitRequest
 from chunkq.supervisor.supervise import WARN_IDLE_SECONDS, WatchSettings, failure_report
+from chunkq.supervisor.windows import LONG_TEXTS
 
 _GLOB_CHARS = frozenset("*?[")
 _ENCODE_NAMES = {"normalize": "normalize_embeddings"}  # the CLI's short name for a field
@@ -124,6 +125,9 @@ def submit_request(
     job_timeout: int | None = None,
     queue_window: int | None = None,
     cache: bool | None = None,
+    long_texts: str = LONG_TEXTS[0],
+    window_tokens: int | None = None,
+    window_overlap: int | None = None,
     **encode: Any,
 ) -> SubmitRequest:
     """A checked SubmitRequest; ``encode`` takes EncodeOptions' fields (``normalize`` too)."""
@@ -133,6 +137,8 @@ def submit_request(
     positive_int("chunk_size", chunk_size)
     if job_timeout is not None:
         positive_int("job_timeout", job_timeout)
+    if long_texts not in LONG_TEXTS:
+        raise ConfigError(f"long_texts {long_texts!r}: one of {', '.join(LONG_TEXTS)}")
     encode_options = encode_options_of(encode)
     model = check_model(model) if model else default_model()
     check_options(describe(model, encode_options.revision), encode_options)
@@ -148,6 +154,9 @@ def submit_request(
         job_timeout=job_timeout,
         queue_window=queue_window,
         cache=cache,
+        long_texts=long_texts,
+        window_tokens=window_tokens,
+        window_overlap=window_overlap,
     )
 
 

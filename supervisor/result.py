@@ -297,7 +297,7 @@ class _PartWriter:
         fh.write(data)
         digest.update(data)
 
-    def write(self, ids: list[str], block: np.ndarray[Any, Any]) -> None:
+    def write(self, ids: list[Any], block: np.ndarray[Any, Any]) -> None:
         self._write(self._emb, self._emb_hash, np.ascontiguousarray(block, dtype=self.dtype).data)
         lines = "".join(json.dumps(rid, ensure_ascii=False) + "\n" for rid in ids).encode()
         self._write(self._ids, self._ids_hash, lines)
@@ -355,7 +355,7 @@ class ResultWriter:
         embeddings, ids = (self.built / self.shard_dir / name for name in shard_names(len(self.done)))
         return _PartWriter(embeddings, ids, rows, self.dim, self.dtype)
 
-    def write(self, ids: list[str], block: np.ndarray[Any, Any]) -> None:
+    def write(self, ids: list[Any], block: np.ndarray[Any, Any]) -> None:
         """Append rows; a block that crosses a shard's end is split there."""
         if self.total + len(ids) > self.rows:
             raise ValueError(f"{self.total + len(ids)} rows for a result of {self.rows}")

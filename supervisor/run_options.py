@@ -30,6 +30,7 @@ from chunkq.supervisor.result import DEFAULT_SHARD_BYTES
 from chunkq.supervisor.retry import RetryPolicy
 from chunkq.supervisor.submit import DEFAULT_CHUNK_SIZE
 from chunkq.supervisor.supervise import WARN_IDLE_SECONDS, WatchSettings
+from chunkq.supervisor.windows import LONG_TEXTS
 
 SUBMIT, WATCH = "submit", "watch"
 Option = tuple[str, Meta, Any]
@@ -164,6 +165,30 @@ RUN_OPTIONS: tuple[Option, ...] = (
         "the result is float32 or float16 (--cache for int8/uint8/binary, derived from cached floats).",
         kind="switch",
         env="",
+    ),
+    _submit(
+        "long_texts",
+        LONG_TEXTS[0],
+        "A text longer than the model reads: truncate (what a plain encode does), or window: cut into "
+        "overlapping windows on the model's tokenizer, each a row of the result (id, window, char_start, "
+        "char_end, tokens).",
+        kind="choice",
+        choices=LONG_TEXTS,
+    ),
+    _submit(
+        "window_tokens",
+        None,
+        "Tokens a window holds (--long-texts window). Default: the model's maximum length less its special "
+        "tokens and prompt, the most it reads.",
+        kind="int",
+        low=1,
+    ),
+    _submit(
+        "window_overlap",
+        None,
+        "Tokens a window shares with the next (--long-texts window). Default: a quarter of a window.",
+        kind="int",
+        low=0,
     ),
     _submit(
         "job_timeout",

@@ -12,7 +12,7 @@ import logging
 import os
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,7 @@ import redis
 from chunkq.jobs.calibrate import CALIBRATION_ROWS, ranges_for
 from chunkq.jobs.errors import ConfigError, CorpusError, RunConflictError
 from chunkq.jobs.manifest import RunManifest, load_manifest
-from chunkq.jobs.model_info import model_identity
+from chunkq.jobs.model_info import describe, model_identity
 from chunkq.jobs.run_files import (
     RunLayout,
     atomic_write_json,
@@ -40,6 +40,7 @@ from chunkq.supervisor.dupes import IdRegistry
 from chunkq.supervisor.enqueue import EnqueueCounts, enqueue_chunks, window_size
 from chunkq.supervisor.plan import write_planned_inputs
 from chunkq.supervisor.result import published_result
+from chunkq.supervisor.windows import LONG_TEXTS, WindowCounts, default_size, load_tokenizer, window_rows
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +62,22 @@ class SubmitRequest:
     job_timeout: int | None = None  # seconds per chunk; default scales with the chunk size
     queue_window: int | None = None  # jobs in Redis at once (enqueue.window_size); the rest wait in the store
     cache: bool | None = None  # the vector cache and in-run deduplication; None: on for float outputs
+    long_texts: str = LONG_TEXTS[0]  # "window": long texts cut into windows, a result row each
+    window_tokens: int | None = None  # None: the model's maximum length less special tokens and prompt
+    window_overlap: int | None = None  # None: a quarter of a window
+
+    @property
+    def cached(self) -> bool:
+        return cache_enabled(self.cache, self.encode)
+
+    @property
+    def windowed(self) -> bool:
+        return self.long_texts == "window"
 
     @property
     def planned(self) -> bool:
-        return cache_enabled(self.cache, self.encode)
+        """The run's chunks are planned (supervisor.plan): with the cache, or with windows."""
+        return self.cached or self.windowed
 
     def timeout(self) -> int:
         return self.job_timeout or max(600, 2 * self.chunk_size)
@@ -136,8 +149,19 @@ def _identity(req: SubmitRequest, inputs: list[dict[str, Any]]) -> dict[str, Any
         "chunk_size": req.chunk_size,
         "model": req.model,
         "options": req.encode.to_dict(),
-        # Only where it is on, so runs without it keep the fingerprint they had before it existed.
-        **({"vector_cache": True} if req.planned else {}),
+        # Only where they are on, so runs without them keep the fingerprint they had before.
+        **({"vector_cache": True} if req.cached else {}),
+        **(
+            {
+                "long_texts": {
+                    "mode": req.long_texts,
+                    "tokens": req.window_tokens,
+                    "overlap": req.window_overlap,
+                }
+            }
+            if req.windowed
+            else {}
+        ),
     }
 
 
@@ -205,10 +229,14 @@ def _not_empty(req: SubmitRequest, rows: int) -> None:
         raise CorpusError(f"{names}: the corpus holds no texts")
 
 
+def _nothing(rows: list[Any]) -> None:
+    del rows
+
+
 def chunk_options(req: SubmitRequest) -> dict[str, Any]:
     """What a run's chunks are encoded and stored with: with the plan, float32 vectors at the model's
     full dimension, as the cache keeps them (the result is derived from them at assembly)."""
-    if not req.planned:
+    if not req.cached:
         return req.encode.to_dict()
     return replace(req.encode, truncate_dim=None, output_dtype="float32").to_dict()
 
@@ -225,16 +253,55 @@ def _vector_cache(req: SubmitRequest) -> tuple[VectorCache | None, dict[str, Any
     return VectorCache(req.store, producer_key(described)), described
 
 
+def _window_plan(req: SubmitRequest) -> tuple[Any, int, int | None]:
+    """(tokenizer, window tokens, overlap) for --long-texts window: by default the model's maximum
+    length less its special tokens and prompt; a larger window would be truncated, so it is refused."""
+    info = describe(req.model, req.encode.revision)
+    if info.folder is None:
+        raise ConfigError(
+            f"model {req.model}: its files are not on this host; texts cannot be cut into windows"
+        )
+    tokenizer = load_tokenizer(info.folder)
+    longest = req.encode.max_seq_length or info.max_seq_length
+    if longest is None:
+        raise ConfigError(f"model {req.model}: no maximum sequence length found; give --max-seq-length")
+    name = req.encode.prompt_name or info.default_prompt_name
+    prompt = req.encode.prompt or (info.prompts.get(name) if name else None)
+    room = default_size(tokenizer, longest, prompt)
+    size = req.window_tokens or room
+    if size > room:
+        raise ConfigError(
+            f"--window-tokens {size}: the model reads {room} tokens of text at most (its maximum length "
+            f"{longest} less its special tokens and prompt); a larger window would be truncated"
+        )
+    return tokenizer, size, req.window_overlap
+
+
 def _write_planned(req: SubmitRequest, layout: RunLayout, run_fingerprint: str) -> dict[str, Any]:
     """The chunk inputs by plan (supervisor.plan), and the manifest's fields that describe it."""
-    cache, described = _vector_cache(req)
+    cache, described = _vector_cache(req) if req.cached else (None, None)
     options = chunk_options(req)
     output_producer = {"run_fingerprint": run_fingerprint, "model": req.model, "options": options}
+    counts = WindowCounts()
     with local_scratch(layout.root) as scratch, IdRegistry(scratch / ".ids.sqlite") as seen:
+        rows: Any = read_inputs(req)
+        check: Any = seen.add
+        if req.windowed:
+            tokenizer, size, overlap = _window_plan(req)
+            rows, check = window_rows(rows, tokenizer, size, overlap, seen.add, counts), _nothing
         plan = write_planned_inputs(
-            read_inputs(req), layout, req.chunk_size, cache, output_producer, seen.add
+            rows,
+            layout,
+            req.chunk_size,
+            cache,
+            output_producer,
+            check,
+            dedup=req.cached,
+            row_map=req.windowed,
         )
     _not_empty(req, plan["corpus_rows"])
+    if req.windowed:
+        plan["windows"] = {"tokens": size, "overlap": overlap, **asdict(counts)}
     plan["producer"] = cache.key if cache is not None else None
     plan["model_identity"] = described["model_identity"] if described is not None else None
     encode_rows, cached_rows = plan["encode_rows"], plan["cached_rows"]
@@ -372,7 +439,7 @@ def _begun_without_cache(
     """The same corpus and options submitted before the vector cache existed: that run, so the same
     command resumes it (without the cache) rather than start again. Only where the cache was not
     asked for by name: ``--cache`` means a run that uses it."""
-    if req.cache is not None or "vector_cache" not in identity:
+    if req.cache is not None or "vector_cache" not in identity or req.windowed:
         return None
     before = {k: v for k, v in identity.items() if k != "vector_cache"}
     before_fingerprint = fingerprint(before)

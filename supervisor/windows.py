@@ -9,19 +9,22 @@ in order. The count a window records is its span re-tokenised, what an encode of
 that re-tokenises longer than ``size`` (byte-level BPE tokenisers can differ at a cut) is cut again.
 
 Only the tokenizer is read (``tokenizer.json`` through the ``tokenizers`` library): no torch, so
-submit can plan windows without loading the model.
+submit can plan windows without loading the model. ``--long-texts window`` feeds ``window_rows`` to
+the run's plan (supervisor.plan): each window is a row of the run and of its result.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from chunkq.jobs.errors import ConfigError
 
 DEFAULT_OVERLAP_SHARE = 4  # a quarter of a window overlaps the next, as the issue asks
+LONG_TEXTS = ("truncate", "window")  # truncate: what a plain encode does (the default)
 
 
 @dataclass(frozen=True)
@@ -111,3 +114,46 @@ def _next_first(starts: list[int], first: int, last: int, overlap: int) -> int:
         return starts[at]
     after = bisect.bisect_right(starts, first)
     return starts[after] if after < len(starts) and starts[after] < last else last
+
+
+class WindowRow(NamedTuple):
+    """A window as a row of the run: its id an object (the text's id, the window's number, span and
+    tokens), its text the window's span."""
+
+    id: dict[str, Any]
+    text: str
+
+
+@dataclass
+class WindowCounts:
+    texts: int = 0
+    windowed: int = 0  # texts cut into more than one window
+    windows: int = 0
+
+
+def window_rows(
+    records: Iterable[Any],
+    tokenizer: Any,
+    size: int,
+    overlap: int | None,
+    check: Callable[[list[Any]], None],
+    counts: WindowCounts,
+    batch: int = 1000,
+) -> Iterator[WindowRow]:
+    """Each record's windows in order; ``check`` is told the records a batch at a time (the
+    duplicate-id check, on the corpus's ids, not the windows')."""
+    held: list[Any] = []
+    for record in records:
+        held.append(record)
+        if len(held) == batch:
+            check(held)
+            held = []
+        cut = windows(record.text, tokenizer, size, overlap)
+        counts.texts += 1
+        counts.windowed += len(cut) > 1
+        counts.windows += len(cut)
+        for w in cut:
+            meta = {"id": record.id, "window": w.number, "char_start": w.char_start, "char_end": w.char_end}
+            yield WindowRow({**meta, "tokens": w.tokens}, record.text[w.char_start : w.char_end])
+    if held:
+        check(held)

@@ -103,6 +103,7 @@ def test_what_changes_a_vector_changes_the_key(tmp_path: Path) -> None:
     assert {producer_key(producer(BUNDLED_MODEL, identity, o)) for o in same} == {base}
 
 
+@pytest.mark.slow
 def test_other_options_get_no_hits(tmp_path: Path, store: Path, connection: redis.Redis) -> None:
     ids, texts = make_texts(12, seed=5)
     run_in_process(tmp_path, store, connection, ids, texts, "a")
@@ -192,7 +193,8 @@ def test_a_damaged_marker_or_hash_file_is_set_aside(tmp_path: Path) -> None:
     )
 
 
-def test_the_partitioned_join_and_a_row_map_in_parts_give_the_sameresult_of(
+@pytest.mark.slow
+def test_the_partitioned_join_and_a_row_map_in_parts_give_the_same_result(
     tmp_path: Path,
     store: Path,
     connection: redis.Redis,
@@ -215,6 +217,7 @@ def test_the_partitioned_join_and_a_row_map_in_parts_give_the_sameresult_of(
     assert got_ids == ids and max_abs_diff(matrix, reference_model.encode(texts)) <= 1e-5
 
 
+@pytest.mark.slow
 def test_status_runs_report_metrics_and_the_cache_command_say_what_was_saved(
     tmp_path: Path, store: Path, connection: redis.Redis
 ) -> None:
@@ -254,6 +257,7 @@ def test_status_runs_report_metrics_and_the_cache_command_say_what_was_saved(
     assert VectorCache(store).summary() == []
 
 
+@pytest.mark.slow
 def test_a_partial_result_leaves_out_every_row_of_a_missing_chunks_texts(
     tmp_path: Path, store: Path, connection: redis.Redis, reference_model: Any
 ) -> None:

@@ -70,3 +70,58 @@ def test_the_default_window_is_the_models_length_less_its_special_tokens_and_pro
         default_size(tokenizer, 2)
     with pytest.raises(ConfigError, match="less than a window"):
         windows("text", tokenizer, 8, overlap=8)
+
+
+def test_a_run_with_windows_gives_a_row_per_window_equal_to_a_plain_encode_of_its_span(  # type: ignore[no-untyped-def]
+    tmp_path, store, connection, reference_model
+) -> None:
+    import pyarrow.parquet as pq
+
+    from chunkq.tools.export import export
+    from tests.helpers import max_abs_diff, result_of, run_in_process
+
+    texts = [_long_text(120, seed=1), "a short one", _long_text(70, seed=2), "x"]
+    ids = ["long-1", "short", "long-2", "last"]
+    layout, manifest, encoded = run_in_process(
+        tmp_path, store, connection, ids, texts, "w", long_texts="window", window_tokens=32, cache=False
+    )
+    matrix, rows = result_of(layout)
+    spans = [texts[ids.index(r["id"])][r["char_start"] : r["char_end"]] for r in rows]
+    assert [r["id"] for r in rows][:2] == ["long-1", "long-1"] and rows[-1]["id"] == "last"
+    assert encoded == len(rows) == manifest.plan["windows"]["windows"]  # --no-cache: every window
+    assert manifest.plan["windows"]["windowed"] == 2 and manifest.plan["windows"]["texts"] == 4
+    assert max_abs_diff(matrix, reference_model.encode(spans)) <= 1e-5
+    (short,) = [i for i, r in enumerate(rows) if r["id"] == "short"]
+    assert (rows[short]["char_start"], rows[short]["char_end"]) == (0, len("a short one"))
+    assert max_abs_diff(matrix[short : short + 1], reference_model.encode(["a short one"])) <= 1e-5
+    for text_id in ("long-1", "long-2"):
+        mine = [r for r in rows if r["id"] == text_id]
+        assert [r["window"] for r in mine] == list(range(len(mine))) and len(mine) > 1
+        assert all(r["tokens"] <= 32 for r in mine)
+    out = tmp_path / "w.parquet"
+    export(layout, "parquet", out)
+    table = pq.read_table(out)
+    assert table.column_names == ["id", "window", "char_start", "char_end", "tokens", "embedding"]
+    assert table.column("char_end").to_pylist() == [r["char_end"] for r in rows]
+
+
+@pytest.mark.slow
+def test_windows_with_the_cache_encode_each_distinct_window_once(  # type: ignore[no-untyped-def]
+    tmp_path, store, connection, reference_model
+) -> None:
+    from tests.helpers import max_abs_diff, result_of, run_in_process
+
+    text = _long_text(90, seed=3)
+    texts, ids = [text, "between", text], ["a", "b", "c"]
+    layout, manifest, encoded = run_in_process(
+        tmp_path, store, connection, ids, texts, "wc", long_texts="window", window_tokens=40
+    )
+    matrix, rows = result_of(layout)
+    per_text = manifest.plan["windows"]["windows"] // 2
+    assert encoded == per_text + 1 and len(rows) == 2 * per_text + 1
+    spans = [texts[ids.index(r["id"])][r["char_start"] : r["char_end"]] for r in rows]
+    assert max_abs_diff(matrix, reference_model.encode(spans)) <= 1e-5
+    _, _, again = run_in_process(
+        tmp_path, store, connection, ids, texts, "wc", long_texts="window", window_tokens=40, chunk_size=7
+    )
+    assert again == 0  # every window from the cache

@@ -31,6 +31,7 @@ from chunkq.jobs.storage import as_the_caller_would, is_local
 from chunkq.supervisor.result import ResultPart, result_parts, result_problems
 
 EXPORT_FORMATS = ("parquet", "npy", "jsonl")
+WINDOW_COLUMNS = ("window", "char_start", "char_end", "tokens")  # a windowed result's, after id
 BATCH_ROWS = 8192
 
 
@@ -59,11 +60,12 @@ class _ResultReader:
         self.rows, self.dim = int(self.manifest["rows"]), int(self.manifest["dim"])
         self.dtype = storage_dtype(run.output_dtype)
         self.parts = result_parts(layout, self.manifest)
+        self.windowed = bool((run.plan or {}).get("windows"))  # each row's id an object: the window's
 
-    def batches(self) -> Iterator[tuple[list[str], np.ndarray]]:
+    def batches(self) -> Iterator[tuple[list[Any], np.ndarray]]:
         """BATCH_ROWS rows at a time (the last batch fewer) whatever the shard ends: an export's
         bytes (Parquet's row groups) do not depend on the result's form."""
-        held_ids: list[str] = []
+        held_ids: list[Any] = []
         held: list[np.ndarray] = []
         for part in self.parts:
             for ids, block in self._part_batches(part):
@@ -222,7 +224,9 @@ def export(layout: RunLayout, fmt: str, out: Path, force: bool = False) -> list[
         with _written_whole(target) as tmp, open(tmp, "w", encoding="utf-8") as fh:
             for ids, block in reader.batches():
                 for rid, row in zip(ids, block.tolist(), strict=True):
-                    fh.write(json.dumps({"id": rid, "embedding": row}, ensure_ascii=False) + "\n")
+                    # A window's id is an object: its fields become the line's (id, window, span, tokens).
+                    fields = rid if isinstance(rid, dict) else {"id": rid}
+                    fh.write(json.dumps({**fields, "embedding": row}, ensure_ascii=False) + "\n")
         return [target.path]
     ids_target = _target(ids_path_beside(target.path), force, fmt)
     with _written_whole(target) as tmp, _written_whole(ids_target) as ids_tmp:
@@ -249,12 +253,18 @@ def _parquet(reader: _ResultReader, out: _Target) -> None:
     import pyarrow.parquet as pq
 
     value_type = pa.from_numpy_dtype(reader.dtype)
-    schema = pa.schema([("id", pa.string()), ("embedding", pa.list_(value_type, reader.dim))])
+    windows = reader.windowed
+    columns = [("id", pa.string())] + [(name, pa.int64()) for name in WINDOW_COLUMNS if windows]
+    schema = pa.schema([*columns, ("embedding", pa.list_(value_type, reader.dim))])
     with _written_whole(out) as tmp:
         with pq.ParquetWriter(tmp, schema) as writer:
             for ids, block in reader.batches():
                 values = pa.array(block.reshape(-1), type=value_type)
-                column = pa.FixedSizeListArray.from_arrays(values, reader.dim)
-                writer.write_table(
-                    pa.table({"id": pa.array(ids, pa.string()), "embedding": column}, schema=schema)
-                )
+                data: dict[str, Any] = {"embedding": pa.FixedSizeListArray.from_arrays(values, reader.dim)}
+                if windows:
+                    data["id"] = pa.array([str(rid["id"]) for rid in ids], pa.string())
+                    for name in WINDOW_COLUMNS:
+                        data[name] = pa.array([int(rid[name]) for rid in ids], pa.int64())
+                else:
+                    data["id"] = pa.array(ids, pa.string())
+                writer.write_table(pa.table(data, schema=schema))
