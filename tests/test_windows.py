@@ -125,3 +125,45 @@ def test_windows_with_the_cache_encode_each_distinct_window_once(  # type: ignor
         tmp_path, store, connection, ids, texts, "wc", long_texts="window", window_tokens=40, chunk_size=7
     )
     assert again == 0  # every window from the cache
+
+
+@pytest.mark.slow
+def test_a_windowed_run_killed_midway_resumes_and_equals_an_uninterrupted_one(  # type: ignore[no-untyped-def]
+    tmp_path, tokenizer, reference_model
+) -> None:
+    import json
+
+    import psutil
+
+    from chunkq.jobs.run_files import RunLayout
+    from tests.helpers import max_abs_diff, only_run, result_of, run_cli, start_cli, wait_for, write_corpus
+
+    texts = [_long_text(80, seed=20 + i) for i in range(5)]
+    ids = [f"t{i}" for i in range(5)]
+    corpus = write_corpus(tmp_path / "w.jsonl", ids, texts, "jsonl")
+    store = tmp_path / "store"
+    args = ("run", str(corpus), "--chunk-size", "6", "--store", str(store), "--long-texts", "window")
+    args += ("--window-tokens", "32")
+    log = tmp_path / "run.log"
+    faults = json.dumps([{"kind": "slow", "chunks": [1], "attempts": [1], "seconds": 60}])
+    killed = start_cli(log, *args, CHUNKQ_FAULTS=faults)
+    try:
+        wait_for(lambda: "__c000001" in log.read_text(errors="replace"), 180, "chunk 1 started")
+        family = psutil.Process(killed.pid).children(recursive=True)
+        killed.kill()  # SIGKILL mid-run: chunk 0 done, chunk 1 in hand
+        killed.wait(timeout=30)
+        psutil.wait_procs(family, timeout=30)
+    finally:
+        if killed.poll() is None:
+            killed.kill()
+    layout: RunLayout = only_run(store)
+    assert not layout.result_manifest.exists()
+    again = run_cli(*args, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    matrix, rows = result_of(layout)
+    planned = [(i, w) for i, text in zip(ids, texts, strict=True) for w in windows(text, tokenizer, 32)]
+    assert [(r["id"], r["window"], r["char_start"], r["char_end"]) for r in rows] == [
+        (i, w.number, w.char_start, w.char_end) for i, w in planned
+    ]
+    spans = [texts[ids.index(i)][w.char_start : w.char_end] for i, w in planned]
+    assert max_abs_diff(matrix, reference_model.encode(spans)) <= 1e-5

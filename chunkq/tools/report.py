@@ -300,6 +300,7 @@ def summary(facts: RunFacts, lengths: list[int], limit: int | None, unit: str) -
         "truncation_point": limit,
         "truncated_in_sample": truncated,
         "cache": _saved(facts),
+        "windows": (facts.manifest.plan or {}).get("windows"),  # --long-texts window: texts cut, windows
     }
 
 
@@ -503,6 +504,12 @@ def _markdown(s: dict[str, Any], png: Path) -> str:
         f"| truncated texts (sample of {s['length_sample']}) | {s['truncated_in_sample']} "
         f"longer than {s['truncation_point']} {s['length_unit']} |",
     ]
+    if s["windows"]:
+        w = s["windows"]
+        lines.append(
+            f"| long texts as windows | {w['windowed']} of {w['texts']} texts cut; {w['windows']} windows "
+            f"of at most {w['tokens']} tokens |"
+        )
     if s["cache"] is not None:
         saved = s["cache"]
         lines += [
