@@ -27,6 +27,7 @@ class ModelInfo:
     default_prompt_name: str | None = None
     remote_code: bool = False  # it needs trust_remote_code (its config maps classes to its own code)
     revision: str | None = None  # the commit of the cached snapshot (hub models)
+    normalizes: bool = False  # its module list ends in a Normalize module: its vectors are unit length
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -133,6 +134,7 @@ def describe(ref: str, revision: str | None = None) -> ModelInfo:
         default_prompt_name=st_config.get("default_prompt_name") or None,
         remote_code=_remote_code(folder),
         revision=found_revision,
+        normalizes=any(kind.endswith("Normalize") for kind, _ in _modules(folder)),
     )
 
 

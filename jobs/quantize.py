@@ -44,19 +44,15 @@ def convert(
     return np.ascontiguousarray(converted, dtype=storage_dtype(output_dtype))
 
 
-def derived(
-    vectors: np.ndarray[Any, Any], options: dict[str, Any], ranges: list[list[float]] | None
-) -> np.ndarray[Any, Any]:
-    """A result's rows from the float32 vectors at full dimension that a run with the vector cache
-    encodes (``options``: the run's own): cut to ``truncate_dim`` and, when the run normalises,
-    scaled to unit length again (sentence-transformers truncates before it normalises, and a unit
-    vector cut short is no longer one), then stored as ``output_dtype`` on the run's ranges."""
+def derived_floats(vectors: np.ndarray[Any, Any], options: dict[str, Any]) -> np.ndarray[Any, Any]:
+    """A result's float rows from the float32 vectors at full dimension that a planned run encodes
+    (``options``: the run's own): cut to ``truncate_dim`` and, when the run normalises, scaled to
+    unit length again (sentence-transformers truncates before it normalises, and a unit vector cut
+    short is no longer one)."""
     truncate_dim = options.get("truncate_dim")
     if truncate_dim:
         vectors = vectors[:, :truncate_dim]
         if options.get("normalize_embeddings"):
             norms = np.linalg.norm(vectors, axis=1, keepdims=True)
             vectors = vectors / np.maximum(norms, 1e-12)  # torch's F.normalize: eps 1e-12
-    return convert(
-        np.ascontiguousarray(vectors, dtype=np.float32), str(options.get("output_dtype", "float32")), ranges
-    )
+    return np.ascontiguousarray(vectors, dtype=np.float32)

@@ -23,7 +23,7 @@ import numpy as np
 
 from chunkq.jobs.errors import AssemblyError, BadInputError
 from chunkq.jobs.manifest import RunManifest, load_manifest
-from chunkq.jobs.quantize import derived, stored_columns
+from chunkq.jobs.quantize import convert, derived_floats, stored_columns
 from chunkq.jobs.run_files import (
     MANIFEST_NAME,
     RunLayout,
@@ -39,11 +39,14 @@ from chunkq.supervisor import plan
 from chunkq.supervisor.progress import Failure
 from chunkq.supervisor.result import (
     DEFAULT_SHARD_BYTES,
+    TEXTS,
+    PartWriter,
     ResultWriter,
     local_build_dir,
     publish,
     published_result,
 )
+from chunkq.supervisor.windows import TextPooler
 
 log = logging.getLogger(__name__)
 
@@ -139,8 +142,14 @@ def _write_result(
     layout: RunLayout, manifest: RunManifest, writer: ResultWriter, skip: set[int], dim: int, scratch: Path
 ) -> None:
     if manifest.plan is not None:
+        pooler = _pooler(manifest, writer, skip)
         for ids, block in plan.result_rows(layout, manifest, skip, dim, scratch):
-            writer.write(ids, derived(block, manifest.options, manifest.ranges))
+            floats = derived_floats(block, manifest.options)
+            writer.write(ids, convert(floats, manifest.output_dtype, manifest.ranges))
+            if pooler is not None:
+                pooler.add(ids, floats)
+        if pooler is not None:
+            pooler.finish()
         return
     for index in range(manifest.chunks):
         if index in skip:
@@ -155,6 +164,23 @@ def _write_result(
                 f"chunk {index}: output has shape {block.shape}, expected ({rows}, {writer.dim})"
             )
         writer.write(ids, block)
+
+
+def _pooler(manifest: RunManifest, writer: ResultWriter, skip: set[int]) -> TextPooler | None:
+    """--pool: a vector per text, written beside the windows' rows as texts.npy (a whole result's
+    only: a partial one lacks some texts' windows)."""
+    windows = (manifest.plan or {}).get("windows") or {}
+    if windows.get("pool", "none") == "none" or skip:
+        return None
+    texts = PartWriter(
+        writer.built / TEXTS[0], writer.built / TEXTS[1], int(windows["texts"]), writer.dim, writer.dtype
+    )
+    writer.extra = texts
+
+    def write(ids: list[Any], vectors: Any) -> None:
+        texts.write(ids, convert(vectors, manifest.output_dtype, manifest.ranges))
+
+    return TextPooler(str(windows["pool"]), bool(windows.get("normalize")), write)
 
 
 def assemble(
@@ -202,6 +228,9 @@ def assemble(
     try:
         _write_result(layout, manifest, writer, set(skip), dim, built)
         files = writer.finish()
+        if writer.extra is not None:
+            windows = (manifest.plan or {}).get("windows") or {}
+            files["texts"] = {**writer.extra.close(), "pool": windows.get("pool"), "dim": columns}
         missing_rows = [
             {
                 "chunk": f.chunk,

@@ -31,7 +31,7 @@ from chunkq.supervisor.retry import RetryPolicy
 from chunkq.supervisor.run_options import SUBMIT, WATCH, run_option_names
 from chunkq.supervisor.submit import DEFAULT_CHUNK_SIZE, SubmitRequest
 from chunkq.supervisor.supervise import WARN_IDLE_SECONDS, WatchSettings, failure_report
-from chunkq.supervisor.windows import LONG_TEXTS
+from chunkq.supervisor.windows import LONG_TEXTS, POOLS
 
 _GLOB_CHARS = frozenset("*?[")
 _ENCODE_NAMES = {"normalize": "normalize_embeddings"}  # the CLI's short name for a field
@@ -128,6 +128,7 @@ def submit_request(
     long_texts: str = LONG_TEXTS[0],
     window_tokens: int | None = None,
     window_overlap: int | None = None,
+    pool: str = POOLS[0],
     **encode: Any,
 ) -> SubmitRequest:
     """A checked SubmitRequest; ``encode`` takes EncodeOptions' fields (``normalize`` too)."""
@@ -139,6 +140,8 @@ def submit_request(
         positive_int("job_timeout", job_timeout)
     if long_texts not in LONG_TEXTS:
         raise ConfigError(f"long_texts {long_texts!r}: one of {', '.join(LONG_TEXTS)}")
+    if pool not in POOLS or (pool != POOLS[0] and long_texts != "window"):
+        raise ConfigError(f"pool {pool!r}: one of {', '.join(POOLS)}, and only with --long-texts window")
     encode_options = encode_options_of(encode)
     model = check_model(model) if model else default_model()
     check_options(describe(model, encode_options.revision), encode_options)
@@ -157,6 +160,7 @@ def submit_request(
         long_texts=long_texts,
         window_tokens=window_tokens,
         window_overlap=window_overlap,
+        pool=pool,
     )
 
 

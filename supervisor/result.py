@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SHARD_BYTES = 1 << 30  # 1 GiB of embeddings a shard; a result up to this size is one .npy
 SINGLE = ("embeddings.npy", "ids.jsonl")
+TEXTS = ("texts.npy", "texts.ids.jsonl")  # --long-texts window --pool: a vector per text, beside the windows
 _SHARD_DIR = re.compile(r"shards-[0-9A-Za-z]{1,64}")
 
 
@@ -234,6 +235,21 @@ def result_damage(layout: RunLayout, result: dict[str, Any]) -> list[str]:
     return problems
 
 
+def texts_damage(layout: RunLayout, result: dict[str, Any]) -> list[str]:
+    """What in a result's pooled vectors per text (``texts``) does not match its checksums."""
+    texts = result.get("texts")
+    if not isinstance(texts, dict):
+        return []
+    problems = []
+    for name, key in zip(TEXTS, ("embeddings_sha256", "ids_sha256"), strict=True):
+        path = layout.result / name
+        if not path.is_file():
+            problems.append(f"{name} is missing")
+        elif file_sha256(path) != texts.get(key):
+            problems.append(f"{name} does not match the checksum in result/manifest.json")
+    return problems
+
+
 def check_published(layout: RunLayout, manifest: RunManifest, checksums: bool = True) -> list[str]:
     """Everything wrong with the published result (empty: whole, intact and this run's)."""
     return result_problems(layout, read_result_manifest(layout), manifest, checksums)
@@ -248,7 +264,7 @@ def result_problems(
     problems = result_disagreement(layout, result, manifest)
     if problems or not checksums:
         return problems
-    return result_damage(layout, result)
+    return result_damage(layout, result) + texts_damage(layout, result)
 
 
 def published_result(layout: RunLayout, manifest: RunManifest) -> dict[str, Any] | None:
@@ -274,7 +290,7 @@ def published_result(layout: RunLayout, manifest: RunManifest) -> dict[str, Any]
     return dict(result)
 
 
-class _PartWriter:
+class PartWriter:
     """One embeddings file and its ids being written: the header first (the rows are known), rows
     appended with plain writes (dirty pages of a memory map would count as resident memory), both
     hashed as they are written, so nothing is read back."""
@@ -345,15 +361,16 @@ class ResultWriter:
         self.shard_dir = f"shards-{stamp}{os.getpid()}" if self.sharded else None
         self.done: list[dict[str, Any]] = []
         self.total = 0
-        self._part: _PartWriter | None = None
+        self._part: PartWriter | None = None
+        self.extra: PartWriter | None = None  # texts.npy beside the rows (--pool), closed by assembly
 
-    def _open_part(self) -> _PartWriter:
+    def _open_part(self) -> PartWriter:
         if self.shard_dir is None:
             embeddings, ids = (self.built / name for name in SINGLE)
-            return _PartWriter(embeddings, ids, self.rows, self.dim, self.dtype)
+            return PartWriter(embeddings, ids, self.rows, self.dim, self.dtype)
         rows = min(self.shard_rows, self.rows - self.total)
         embeddings, ids = (self.built / self.shard_dir / name for name in shard_names(len(self.done)))
-        return _PartWriter(embeddings, ids, rows, self.dim, self.dtype)
+        return PartWriter(embeddings, ids, rows, self.dim, self.dtype)
 
     def write(self, ids: list[Any], block: np.ndarray[Any, Any]) -> None:
         """Append rows; a block that crosses a shard's end is split there."""
@@ -392,6 +409,9 @@ class ResultWriter:
         if self._part is not None:
             self._part.abort()
             self._part = None
+        if self.extra is not None:
+            self.extra.abort()
+            self.extra = None
         if self.upload_to is not None and self.shard_dir is not None:
             remove_tree(self.upload_to / self.shard_dir)
 
@@ -416,7 +436,7 @@ def publish(built: Path, result: Path, uploaded: str | None) -> None:
         return
     if uploaded is None:
         (result / MANIFEST_NAME).unlink(missing_ok=True)  # uncommit a stale result before its files change
-    for name in SINGLE:
+    for name in (*SINGLE, *TEXTS):
         if (built / name).exists():
             publish_file(built / name, result / name)
     publish_file(built / MANIFEST_NAME, result / MANIFEST_NAME)

@@ -30,7 +30,7 @@ from chunkq.supervisor.result import DEFAULT_SHARD_BYTES
 from chunkq.supervisor.retry import RetryPolicy
 from chunkq.supervisor.submit import DEFAULT_CHUNK_SIZE
 from chunkq.supervisor.supervise import WARN_IDLE_SECONDS, WatchSettings
-from chunkq.supervisor.windows import LONG_TEXTS
+from chunkq.supervisor.windows import LONG_TEXTS, POOLS
 
 SUBMIT, WATCH = "submit", "watch"
 Option = tuple[str, Meta, Any]
@@ -189,6 +189,14 @@ RUN_OPTIONS: tuple[Option, ...] = (
         "Tokens a window shares with the next (--long-texts window). Default: a quarter of a window.",
         kind="int",
         low=0,
+    ),
+    _submit(
+        "pool",
+        POOLS[0],
+        "With --long-texts window, a vector per text as well (result/texts.npy): the mean of its windows', "
+        "or weighted by each window's tokens; unit length where the model's vectors are.",
+        kind="choice",
+        choices=POOLS,
     ),
     _submit(
         "job_timeout",

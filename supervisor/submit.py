@@ -40,7 +40,14 @@ from chunkq.supervisor.dupes import IdRegistry
 from chunkq.supervisor.enqueue import EnqueueCounts, enqueue_chunks, window_size
 from chunkq.supervisor.plan import write_planned_inputs
 from chunkq.supervisor.result import published_result
-from chunkq.supervisor.windows import LONG_TEXTS, WindowCounts, default_size, load_tokenizer, window_rows
+from chunkq.supervisor.windows import (
+    LONG_TEXTS,
+    POOLS,
+    WindowCounts,
+    default_size,
+    load_tokenizer,
+    window_rows,
+)
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +72,7 @@ class SubmitRequest:
     long_texts: str = LONG_TEXTS[0]  # "window": long texts cut into windows, a result row each
     window_tokens: int | None = None  # None: the model's maximum length less special tokens and prompt
     window_overlap: int | None = None  # None: a quarter of a window
+    pool: str = POOLS[0]  # with windows: a vector per text as well (mean, or weighted by tokens)
 
     @property
     def cached(self) -> bool:
@@ -157,6 +165,7 @@ def _identity(req: SubmitRequest, inputs: list[dict[str, Any]]) -> dict[str, Any
                     "mode": req.long_texts,
                     "tokens": req.window_tokens,
                     "overlap": req.window_overlap,
+                    "pool": req.pool,
                 }
             }
             if req.windowed
@@ -253,7 +262,7 @@ def _vector_cache(req: SubmitRequest) -> tuple[VectorCache | None, dict[str, Any
     return VectorCache(req.store, producer_key(described)), described
 
 
-def _window_plan(req: SubmitRequest) -> tuple[Any, int, int | None]:
+def _window_plan(req: SubmitRequest) -> tuple[Any, int, int | None, bool]:
     """(tokenizer, window tokens, overlap) for --long-texts window: by default the model's maximum
     length less its special tokens and prompt; a larger window would be truncated, so it is refused."""
     info = describe(req.model, req.encode.revision)
@@ -274,7 +283,7 @@ def _window_plan(req: SubmitRequest) -> tuple[Any, int, int | None]:
             f"--window-tokens {size}: the model reads {room} tokens of text at most (its maximum length "
             f"{longest} less its special tokens and prompt); a larger window would be truncated"
         )
-    return tokenizer, size, req.window_overlap
+    return tokenizer, size, req.window_overlap, req.encode.normalize_embeddings or info.normalizes
 
 
 def _write_planned(req: SubmitRequest, layout: RunLayout, run_fingerprint: str) -> dict[str, Any]:
@@ -287,7 +296,7 @@ def _write_planned(req: SubmitRequest, layout: RunLayout, run_fingerprint: str) 
         rows: Any = read_inputs(req)
         check: Any = seen.add
         if req.windowed:
-            tokenizer, size, overlap = _window_plan(req)
+            tokenizer, size, overlap, normalize = _window_plan(req)
             rows, check = window_rows(rows, tokenizer, size, overlap, seen.add, counts), _nothing
         plan = write_planned_inputs(
             rows,
@@ -301,7 +310,13 @@ def _write_planned(req: SubmitRequest, layout: RunLayout, run_fingerprint: str) 
         )
     _not_empty(req, plan["corpus_rows"])
     if req.windowed:
-        plan["windows"] = {"tokens": size, "overlap": overlap, **asdict(counts)}
+        plan["windows"] = {
+            "tokens": size,
+            "overlap": overlap,
+            "pool": req.pool,
+            "normalize": normalize,  # what a pooled vector is scaled to: unit length where windows are
+            **asdict(counts),
+        }
     plan["producer"] = cache.key if cache is not None else None
     plan["model_identity"] = described["model_identity"] if described is not None else None
     encode_rows, cached_rows = plan["encode_rows"], plan["cached_rows"]

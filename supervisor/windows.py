@@ -25,6 +25,7 @@ from chunkq.jobs.errors import ConfigError
 
 DEFAULT_OVERLAP_SHARE = 4  # a quarter of a window overlaps the next, as the issue asks
 LONG_TEXTS = ("truncate", "window")  # truncate: what a plain encode does (the default)
+POOLS = ("none", "mean", "weighted")  # a vector per windowed text: none, the mean, or weighted by tokens
 
 
 @dataclass(frozen=True)
@@ -157,3 +158,43 @@ def window_rows(
             yield WindowRow({**meta, "tokens": w.tokens}, record.text[w.char_start : w.char_end])
     if held:
         check(held)
+
+
+class TextPooler:
+    """One vector per text from its windows' (which come together, in order): their mean, or their
+    mean weighted by each window's tokens; scaled to unit length where the run's vectors are."""
+
+    def __init__(self, pool: str, normalize: bool, write: Callable[[list[Any], Any], None]) -> None:
+        import numpy as np
+
+        self._np = np
+        self.pool, self.normalize, self.write = pool, normalize, write
+        self._id: Any = None
+        self._sum: Any = None
+        self._weight = 0.0
+        self.texts = 0
+
+    def add(self, ids: list[dict[str, Any]], block: Any) -> None:
+        np = self._np
+        for rid, row in zip(ids, block, strict=True):
+            if self._sum is not None and rid["id"] != self._id:
+                self._emit()
+            weight = float(rid["tokens"]) if self.pool == "weighted" else 1.0
+            if self._sum is None:
+                self._id, self._sum, self._weight = rid["id"], np.zeros(len(row), dtype=np.float64), 0.0
+            self._sum += weight * np.asarray(row, dtype=np.float64)
+            self._weight += weight
+
+    def _emit(self) -> None:
+        np = self._np
+        vector = self._sum / max(self._weight, 1e-12)
+        if self.normalize:
+            vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
+        self.write([self._id], vector.astype(np.float32)[None, :])
+        self.texts += 1
+        self._sum = None
+
+    def finish(self) -> int:
+        if self._sum is not None:
+            self._emit()
+        return self.texts

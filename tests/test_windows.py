@@ -167,3 +167,38 @@ def test_a_windowed_run_killed_midway_resumes_and_equals_an_uninterrupted_one(  
     ]
     spans = [texts[ids.index(i)][w.char_start : w.char_end] for i, w in planned]
     assert max_abs_diff(matrix, reference_model.encode(spans)) <= 1e-5
+
+
+def test_pooled_vectors_per_text_are_the_token_weighted_mean_of_its_windows(  # type: ignore[no-untyped-def]
+    tmp_path, store, connection
+) -> None:
+    import json
+
+    import numpy as np
+
+    from chunkq.jobs.manifest import load_manifest
+    from chunkq.supervisor.result import check_published
+    from tests.helpers import result_of, run_in_process
+
+    texts, ids = [_long_text(100, seed=4), "short text", _long_text(60, seed=5)], ["a", "b", "c"]
+    for pool in ("weighted", "mean"):
+        layout, manifest, _ = run_in_process(
+            tmp_path, store, connection, ids, texts, "p", long_texts="window", window_tokens=32, pool=pool
+        )
+        matrix, rows = result_of(layout)
+        pooled = np.load(layout.result / "texts.npy")
+        pooled_ids = [json.loads(x) for x in (layout.result / "texts.ids.jsonl").read_text().splitlines()]
+        assert pooled_ids == ids and pooled.shape == (3, matrix.shape[1])
+        for n, text_id in enumerate(ids):
+            mine = [i for i, r in enumerate(rows) if r["id"] == text_id]
+            weights = np.array(
+                [rows[i]["tokens"] if pool == "weighted" else 1 for i in mine], dtype=np.float64
+            )
+            by_hand = (matrix[mine].astype(np.float64) * weights[:, None]).sum(0) / weights.sum()
+            by_hand /= np.linalg.norm(by_hand)  # all-MiniLM-L6-v2 ends in a Normalize module
+            assert np.abs(pooled[n] - by_hand).max() <= 1e-5
+        assert len(rows) > 3  # some texts were cut
+    (layout.result / "texts.npy").write_bytes((layout.result / "texts.npy").read_bytes()[:-4] + b"\0\0\0\0")
+    assert check_published(layout, load_manifest(layout)) == [
+        "texts.npy does not match the checksum in result/manifest.json"
+    ]
