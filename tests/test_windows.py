@@ -182,7 +182,7 @@ def test_pooled_vectors_per_text_are_the_token_weighted_mean_of_its_windows(  # 
 
     texts, ids = [_long_text(100, seed=4), "short text", _long_text(60, seed=5)], ["a", "b", "c"]
     for pool in ("weighted", "mean"):
-        layout, manifest, _ = run_in_process(
+        layout, _, _ = run_in_process(
             tmp_path, store, connection, ids, texts, "p", long_texts="window", window_tokens=32, pool=pool
         )
         matrix, rows = result_of(layout)
