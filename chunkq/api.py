@@ -9,6 +9,7 @@ either. Options are ``chunkq run``'s, by their Python names: ``chunk_size``, ``b
 from __future__ import annotations
 
 import glob
+import io
 import json
 import tempfile
 import time
@@ -95,12 +96,36 @@ class RunResult:
         array: np.ndarray = np.load(parts[0].embeddings, allow_pickle=False)
         return array
 
-    def ids(self) -> list[str]:
-        ids: list[str] = []
+    def ids(self) -> list[Any]:
+        """Each row's id, in order: a string, or with ``long_texts="window"`` an object (the text's
+        id, the window's number, ``char_start``, ``char_end``, ``tokens``)."""
+        ids: list[Any] = []
         for part in self._parts()[1]:
             with part.ids.open(encoding="utf-8") as fh:
                 ids += (json.loads(line) for line in fh)
         return ids
+
+    def text_embeddings(self) -> np.ndarray | None:
+        """With ``long_texts="window"`` and ``pool``: a vector per text (``texts.npy``), the texts in
+        corpus order; None without ``pool``."""
+        import numpy as np
+
+        path = self.result_dir / "texts.npy"
+        if not path.exists():
+            return None
+        array: np.ndarray = np.load(io.BytesIO(path.read_bytes()), allow_pickle=False)
+        return array
+
+
+@dataclass(frozen=True)
+class Windowed:
+    """What ``embed(..., long_texts="window")`` returns: a row per window, and which text and span
+    each is (``windows[i]``: ``text`` (its index in the texts given), ``window``, ``char_start``,
+    ``char_end``, ``tokens``), and with ``pool`` a vector per text."""
+
+    embeddings: np.ndarray
+    windows: list[dict[str, Any]]
+    texts: np.ndarray | None
 
 
 def run(
@@ -164,6 +189,9 @@ def embed(
     lands in yours), resume, and the model stays loaded in this process for the next call.
     ``isolated=True`` always goes through a run (embedded Redis, a pool, a store); ``False``
     encodes in this process whatever the size.
+
+    ``long_texts="window"`` (a run) returns a ``Windowed``: a row per window of each text, which text
+    and character span each row is, and with ``pool="mean"`` or ``"weighted"`` a vector per text.
     """
     import numpy as np
 
@@ -188,7 +216,21 @@ def embed(
             if not _write_texts(corpus, texts_or_path):
                 return _empty(model, options)
         result = run(corpus, model, store=store or Path(scratch) / "store", **options)
+        if options.get("long_texts") == "window":
+            return _windowed(result)  # type: ignore[return-value]
         return np.array(result.embeddings(mmap=False))
+
+
+def _windowed(result: RunResult) -> Windowed:
+    """A windowed run's rows with each window's text numbered as the texts were given (row order)."""
+    import numpy as np
+
+    numbers: dict[Any, int] = {}
+    windows = []
+    for rid in result.ids():
+        number = numbers.setdefault(rid["id"], len(numbers))
+        windows.append({"text": number, **{k: v for k, v in rid.items() if k != "id"}, "id": rid["id"]})
+    return Windowed(np.array(result.embeddings(mmap=False)), windows, result.text_embeddings())
 
 
 def _embed_in_process(texts: list[str], model: str | None, options: EncodeOptions) -> np.ndarray:
@@ -258,4 +300,4 @@ def _write_texts(path: Path, texts: Iterable[str]) -> int:
     return number
 
 
-__all__ = ["RunResult", "embed", "run"]
+__all__ = ["RunResult", "Windowed", "embed", "run"]

@@ -202,3 +202,19 @@ def test_pooled_vectors_per_text_are_the_token_weighted_mean_of_its_windows(  # 
     assert check_published(layout, load_manifest(layout)) == [
         "texts.npy does not match the checksum in result/manifest.json"
     ]
+
+
+@pytest.mark.slow
+def test_the_python_api_returns_the_windows_rows_and_their_mapping(reference_model) -> None:  # type: ignore[no-untyped-def]
+    import chunkq
+    from tests.helpers import max_abs_diff
+
+    texts = [_long_text(90, seed=6), "a short text"]
+    got = chunkq.embed(texts, long_texts="window", window_tokens=32, pool="mean")
+    assert isinstance(got, chunkq.api.Windowed)
+    assert [w["text"] for w in got.windows][-1] == 1 and got.windows[0]["text"] == 0
+    assert len(got.windows) == len(got.embeddings) > 2
+    spans = [texts[w["text"]][w["char_start"] : w["char_end"]] for w in got.windows]
+    assert max_abs_diff(got.embeddings, reference_model.encode(spans)) <= 1e-5
+    assert got.texts is not None and got.texts.shape == (2, got.embeddings.shape[1])
+    assert max_abs_diff(got.texts[1:], reference_model.encode(["a short text"])) <= 1e-5
