@@ -127,7 +127,7 @@ def submit_request(
     cache: bool | None = None,
     long_texts: str = LONG_TEXTS[0],
     window_tokens: int | None = None,
-    window_overlap: int | None = None,
+    window_stride: int | None = None,
     pool: str = POOLS[0],
     **encode: Any,
 ) -> SubmitRequest:
@@ -159,7 +159,7 @@ def submit_request(
         cache=cache,
         long_texts=long_texts,
         window_tokens=window_tokens,
-        window_overlap=window_overlap,
+        window_stride=window_stride,
         pool=pool,
     )
 

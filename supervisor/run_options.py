@@ -184,9 +184,10 @@ RUN_OPTIONS: tuple[Option, ...] = (
         low=1,
     ),
     _submit(
-        "window_overlap",
+        "window_stride",
         None,
-        "Tokens a window shares with the next (--long-texts window). Default: a quarter of a window.",
+        "Tokens a window shares with the next (--long-texts window), as Hugging Face tokenizers' stride. "
+        "Default: a quarter of a window.",
         kind="int",
         low=0,
     ),

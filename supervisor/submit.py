@@ -71,7 +71,7 @@ class SubmitRequest:
     cache: bool | None = None  # the vector cache and in-run deduplication; None: on for float outputs
     long_texts: str = LONG_TEXTS[0]  # "window": long texts cut into windows, a result row each
     window_tokens: int | None = None  # None: the model's maximum length less special tokens and prompt
-    window_overlap: int | None = None  # None: a quarter of a window
+    window_stride: int | None = None  # None: a quarter of a window
     pool: str = POOLS[0]  # with windows: a vector per text as well (mean, or weighted by tokens)
 
     @property
@@ -164,7 +164,7 @@ def _identity(req: SubmitRequest, inputs: list[dict[str, Any]]) -> dict[str, Any
                 "long_texts": {
                     "mode": req.long_texts,
                     "tokens": req.window_tokens,
-                    "overlap": req.window_overlap,
+                    "overlap": req.window_stride,
                     "pool": req.pool,
                 }
             }
@@ -283,7 +283,7 @@ def _window_plan(req: SubmitRequest) -> tuple[Any, int, int | None, bool]:
             f"--window-tokens {size}: the model reads {room} tokens of text at most (its maximum length "
             f"{longest} less its special tokens and prompt); a larger window would be truncated"
         )
-    return tokenizer, size, req.window_overlap, req.encode.normalize_embeddings or info.normalizes
+    return tokenizer, size, req.window_stride, req.encode.normalize_embeddings or info.normalizes
 
 
 def _write_planned(req: SubmitRequest, layout: RunLayout, run_fingerprint: str) -> dict[str, Any]:
