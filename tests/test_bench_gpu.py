@@ -31,15 +31,14 @@ def test_on_a_host_without_cuda_it_says_so_unless_asked_for_the_cpu() -> None:
 @pytest.mark.timeout(600)
 def test_its_cpu_path_measures_plain_and_chunkq_on_one_corpus(tmp_path: Path) -> None:
     out = tmp_path / "figures.json"
-    cmd = [sys.executable, str(SCRIPT), "--device", "cpu", "--rows", "60", "--configs", "one,tokens"]
+    # One configuration: each is a chunkq run of its own (~30 s here), and they share the script's path.
+    cmd = [sys.executable, str(SCRIPT), "--device", "cpu", "--rows", "60", "--configs", "one"]
     done = subprocess.run(
         [*cmd, "--out", str(out)], capture_output=True, text=True, timeout=560, env=cli_env()
     )
     assert done.returncode == 0, done.stderr[-3000:]
     figures = json.loads(out.read_text())["minilm"]
-    assert set(figures) == {"plain", "one", "tokens", "tokenisation"}
+    assert set(figures) == {"plain", "one", "tokenisation"}
     assert figures["tokenisation"]["rows"] == 60 and figures["tokenisation"]["once_seconds"] > 0
-    assert all(
-        figures[name]["rows_per_s"] > 0 and figures[name]["steady_ratio"] > 0 for name in ("one", "tokens")
-    )
+    assert all(figures[name]["rows_per_s"] > 0 and figures[name]["steady_ratio"] > 0 for name in ("one",))
     assert "chunkq one" in done.stdout and "x plain" in done.stdout
