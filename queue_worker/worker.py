@@ -8,6 +8,7 @@ Run as ``python -m chunkq.queue_worker.worker`` by the pool, with the Redis URL 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import re
@@ -205,10 +206,18 @@ class ChunkWorker(SimpleWorker):
     def unsubscribe(self) -> None:
         # RQ sends UNSUBSCRIBE before it stops its listener thread. When the reply wakes the thread
         # first, the thread goes back to a 60 s wait and RQ's join(timeout=1) sits it out: up to a
-        # second added to every recycle. Stopped first, the thread ends on that reply.
-        if self.pubsub_thread:
-            self.pubsub_thread.stop()
-        super().unsubscribe()  # type: ignore[no-untyped-call]
+        # second added to every recycle. Stopped first, the thread ends on that reply; but a thread
+        # woken by anything else in between ends at once and closes the connection under us (seen
+        # in CI: "Error 9 while writing to socket"), which ends the subscription just as well.
+        if not self.pubsub_thread:
+            super().unsubscribe()  # type: ignore[no-untyped-call]
+            return
+        self.log.info("Worker %s: unsubscribing from channel %s", self.name, self.pubsub_channel_name)
+        self.pubsub_thread.stop()
+        with contextlib.suppress(redis.ConnectionError, OSError):
+            self.pubsub.unsubscribe()
+        self.pubsub_thread.join(timeout=1)
+        self.pubsub.close()
 
     def _install_signal_handlers(self) -> None:
         super()._install_signal_handlers()  # type: ignore[no-untyped-call]
