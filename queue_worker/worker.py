@@ -214,7 +214,9 @@ class ChunkWorker(SimpleWorker):
             return
         self.log.info("Worker %s: unsubscribing from channel %s", self.name, self.pubsub_channel_name)
         self.pubsub_thread.stop()
-        with contextlib.suppress(redis.RedisError, OSError):  # reconnecting to say it may fail too
+        with contextlib.suppress(
+            redis.RedisError, OSError, ValueError
+        ):  # a closed socket, or a failed reconnect
             self.pubsub.unsubscribe()
         self.pubsub_thread.join(timeout=1)
         self.pubsub.close()
