@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from chunkq.jobs.errors import ConfigError
 
 DEFAULT_OVERLAP_SHARE = 4  # a quarter of a window overlaps the next, as the issue asks
@@ -165,9 +167,6 @@ class TextPooler:
     mean weighted by each window's tokens; scaled to unit length where the run's vectors are."""
 
     def __init__(self, pool: str, normalize: bool, write: Callable[[list[Any], Any], None]) -> None:
-        import numpy as np
-
-        self._np = np
         self.pool, self.normalize, self.write = pool, normalize, write
         self._id: Any = None
         self._sum: Any = None
@@ -175,7 +174,6 @@ class TextPooler:
         self.texts = 0
 
     def add(self, ids: list[dict[str, Any]], block: Any) -> None:
-        np = self._np
         for rid, row in zip(ids, block, strict=True):
             if self._sum is not None and rid["id"] != self._id:
                 self._emit()
@@ -186,7 +184,6 @@ class TextPooler:
             self._weight += weight
 
     def _emit(self) -> None:
-        np = self._np
         vector = self._sum / max(self._weight, 1e-12)
         if self.normalize:
             vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
