@@ -20,6 +20,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
+import redis
 from rq import get_current_job
 
 from chunkq.jobs import (
@@ -262,7 +263,13 @@ def _record_failure(exc: BaseException) -> None:
     job = get_current_job()
     if job is not None:
         jobmeta.failed(job.meta, kind, str(exc))
-        job.save_meta()  # type: ignore[no-untyped-call]
+        try:
+            job.save_meta()  # type: ignore[no-untyped-call]
+        except redis.exceptions.RedisError as lost:
+            # Redis gone (its disk full, its host down): the job's own error is what fails the
+            # chunk; the worker finds Redis gone on its next call and exits as it does then.
+            failed = f"{type(exc).__name__}: {exc}"
+            log.warning("the chunk failed (%s) and Redis cannot record it: %s", failed, lost)
 
 
 def embed_chunk(spec: dict[str, Any]) -> dict[str, Any]:

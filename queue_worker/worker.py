@@ -346,13 +346,24 @@ class OneLineErrors(logging.Formatter):
         return "".join(traceback.format_exception_only(ei[1])).strip()
 
 
+class OneLineHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """A log line that cannot be written costs one line on stderr, not logging's traceback dump
+    (whose call stack through the CLI reads like chunkq crashing)."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        exc = sys.exc_info()[1]
+        with contextlib.suppress(Exception):
+            why = f"{type(exc).__name__}: {exc}"
+            sys.stderr.write(f"chunkq: a worker log line was lost ({why}): {record.msg}\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     early_stop = _EarlyStop()
     forbid_pickle()
     args = _parse(argv)
     name = args.name or f"cq-{socket.gethostname()}-{os.getpid()}"
     where = f"{name} gpu={os.environ.get('CHUNKQ_GPU', '-')}"
-    handler = logging.StreamHandler(sys.stderr)
+    handler = OneLineHandler(sys.stderr)
     line_format = f"%(asctime)s %(levelname)s [{where}] %(name)s: %(message)s"
     debug = args.log_level.upper() == "DEBUG"
     handler.setFormatter(logging.Formatter(line_format) if debug else OneLineErrors(line_format))

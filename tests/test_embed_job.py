@@ -88,3 +88,37 @@ def test_half_precision_is_refused_on_cpu(store: Path) -> None:
     spec, _ = _chunk(store, precision="fp16")
     with pytest.raises(ConfigError, match="fp16 needs a GPU"):
         embed_chunk(spec.to_dict())
+
+
+def test_a_chunk_whose_redis_dies_under_it_fails_with_its_own_error(
+    store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Seen in CI: the store's disk filled, Redis died of it, and the job's write of the chunk's
+    failure to Redis replaced the chunk's own error (the full disk) with a ConnectionError, chained
+    under logging's traceback dump. The chunk's error is what the job raises; the lost record is
+    one warning. Real rq job, real server stopped mid-job; the encode is replaced by its failure."""
+    import redis
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    import chunkq.jobs.embed as embed
+    from chunkq.supervisor.embedded_redis import EmbeddedRedis
+
+    spec, _ = _chunk(store)
+    server = EmbeddedRedis(tmp_path / "redis").start()
+
+    def disk_full_after_redis_died(chunk: Any) -> dict[str, Any]:
+        server.stop()
+        raise OSError(28, "No space left on device", str(store / "runs" / chunk.run_id / "outputs"))
+
+    monkeypatch.setattr(embed, "_embed", disk_full_after_redis_died)
+    try:
+        connection = redis.Redis.from_url(server.url, socket_connect_timeout=2)
+        job = Job.create(embed_chunk, args=[spec.to_dict()], connection=connection, serializer=JSONSerializer)
+        with pytest.raises(OSError, match="No space left on device") as raised:
+            job.perform()
+    finally:
+        server.stop()
+    assert not isinstance(raised.value, redis.exceptions.RedisError)
+    (warning,) = [r.getMessage() for r in caplog.records if "Redis cannot record it" in r.getMessage()]
+    assert "No space left on device" in warning and "Connection refused" in warning, warning

@@ -257,3 +257,29 @@ def test_an_idle_worker_still_stops_on_a_signal(connection: redis.Redis) -> None
     helper.join(timeout=10)
     assert worker.stop_signalled and signalled
     assert time.monotonic() - signalled[0] < STOP_POLL_SECONDS + 5
+
+
+def test_a_worker_log_line_that_cannot_be_written_costs_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """logging's own handleError prints a traceback and the whole call stack (through the CLI) when
+    a handler fails, which reads like chunkq crashing; the worker's handler says it in one line."""
+    import io
+    import logging
+
+    from chunkq.queue_worker.worker import OneLineHandler
+
+    closed = io.StringIO()
+    closed.close()  # writing raises ValueError, as a stream that went away does
+    handler = OneLineHandler(closed)
+    logger = logging.getLogger("chunkq.test.lost-line")
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        try:
+            raise ConnectionError("Error 111 connecting to 127.0.0.1:1. Connection refused.")
+        except ConnectionError:
+            logger.error("Worker %s: found an unhandled exception, quitting...", "w0", exc_info=True)
+    finally:
+        logger.removeHandler(handler)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert "a worker log line was lost (ValueError" in err and "found an unhandled exception" in err, err
