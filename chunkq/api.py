@@ -190,8 +190,9 @@ def embed(
     ``isolated=True`` always goes through a run (embedded Redis, a pool, a store); ``False``
     encodes in this process whatever the size.
 
-    ``long_texts="window"`` (a run) returns a ``Windowed``: a row per window of each text, which text
-    and character span each row is, and with ``pool="mean"`` or ``"weighted"`` a vector per text.
+    ``long_texts="window"`` or ``"late"`` (a run) returns a ``Windowed``: a row per window of each
+    text, which text and character span each row is, and with ``pool="mean"`` or ``"weighted"`` a
+    vector per text. ``"late"`` pools each window from one pass over the segment around it.
     """
     import numpy as np
 
@@ -216,7 +217,7 @@ def embed(
             if not _write_texts(corpus, texts_or_path):
                 return _empty(model, options)
         result = run(corpus, model, store=store or Path(scratch) / "store", **options)
-        if options.get("long_texts") == "window":
+        if options.get("long_texts") in ("window", "late"):
             return _windowed(result)  # type: ignore[return-value]
         return np.array(result.embeddings(mmap=False))
 

@@ -29,6 +29,7 @@ from chunkq.jobs import (
     errors,
     faults,
     jobmeta,
+    late,
     learned,
     models,
     quantize,
@@ -78,6 +79,16 @@ def encode_texts(
         "prompt_name": options.prompt_name,
         "truncate_dim": options.truncate_dim,
     }
+    if options.late_chunking:
+        limit = options.batch_tokens if isinstance(options.batch_tokens, int) else options.batch_size
+        by_tokens = isinstance(options.batch_tokens, int)
+
+        def plan_batches(lengths: list[int]) -> list[list[int]]:
+            return (
+                token_batches.plan(lengths, limit) if by_tokens else token_batches.plan_fixed(lengths, limit)
+            )
+
+        return late.encode(model, texts, plan_batches, kwargs, on_rows)
     if isinstance(options.batch_tokens, int):
         return token_batches.encode(model, texts, options.batch_tokens, kwargs, on_rows=on_rows)
     return token_batches.encode(model, texts, options.batch_size, kwargs, by_tokens=False, on_rows=on_rows)

@@ -28,6 +28,9 @@ class ModelInfo:
     remote_code: bool = False  # it needs trust_remote_code (its config maps classes to its own code)
     revision: str | None = None  # the commit of the cached snapshot (hub models)
     normalizes: bool = False  # its module list ends in a Normalize module: its vectors are unit length
+    pooling: str | None = (
+        None  # how its Pooling module pools tokens ("mean", "cls", ...); None: no such module
+    )
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -108,6 +111,23 @@ def _max_seq_length(folder: Path) -> int | None:
     return int(length) if isinstance(length, int) and not isinstance(length, bool) else None
 
 
+def _pooling(folder: Path) -> str | None:
+    """The Pooling module's mode: ``pooling_mode`` (sentence-transformers 6), else the one
+    ``pooling_mode_<name>_tokens`` flag set (earlier versions); several joined by "+"."""
+    for kind, path in _modules(folder):
+        if kind.endswith("Pooling"):
+            config = _json(path / "config.json") or {}
+            mode = config.get("pooling_mode")
+            if mode is None:
+                mode = [
+                    k[len("pooling_mode_") :].removesuffix("_tokens").removesuffix("_token")
+                    for k, v in config.items()
+                    if k.startswith("pooling_mode_") and v is True
+                ]
+            return mode if isinstance(mode, str) else "+".join(map(str, mode)) or None
+    return None
+
+
 def _remote_code(folder: Path) -> bool:
     config = _json(folder / "config.json") or {}
     custom_modules = any(
@@ -135,6 +155,7 @@ def describe(ref: str, revision: str | None = None) -> ModelInfo:
         remote_code=_remote_code(folder),
         revision=found_revision,
         normalizes=any(kind.endswith("Normalize") for kind, _ in _modules(folder)),
+        pooling=_pooling(folder),
     )
 
 

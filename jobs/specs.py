@@ -83,6 +83,7 @@ _NEW_FIELD_DEFAULTS = {  # left out of to_dict when unset, so older runs keep th
     "trust_remote_code": False,
     "revision": None,
     "model_kwargs": None,
+    "late_chunking": False,
 }
 
 
@@ -142,6 +143,9 @@ class EncodeOptions:
     trust_remote_code: bool = False  # the model's own Python code may run (a pool must allow it too)
     revision: str | None = None  # the hub revision (branch, tag or commit) to load
     model_kwargs: dict[str, str] | None = None  # MODEL_KWARGS only
+    late_chunking: bool = (
+        False  # rows are late-chunking windows (jobs.late): pooled from their segment's pass
+    )
 
     def __post_init__(self) -> None:
         if (
@@ -170,6 +174,8 @@ class EncodeOptions:
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise ConfigError(f"{name} must be a string, got {value!r}")
+        if not isinstance(self.late_chunking, bool):
+            raise ConfigError(f"late_chunking must be true or false, got {self.late_chunking!r}")
         if not isinstance(self.trust_remote_code, bool):
             raise ConfigError(f"trust_remote_code must be true or false, got {self.trust_remote_code!r}")
         object.__setattr__(self, "model_kwargs", check_model_kwargs(self.model_kwargs))

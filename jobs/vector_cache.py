@@ -90,6 +90,8 @@ def producer(model: str, model_identity: str, options: EncodeOptions) -> dict[st
         "model": model,
         "model_identity": model_identity,
         "options": {name: chosen.get(name) for name in VECTOR_OPTIONS},
+        # Only where on, so the producers written before late chunking keep their keys.
+        **({"late_chunking": True} if options.late_chunking else {}),
     }
 
 

@@ -140,8 +140,10 @@ def submit_request(
         positive_int("job_timeout", job_timeout)
     if long_texts not in LONG_TEXTS:
         raise ConfigError(f"long_texts {long_texts!r}: one of {', '.join(LONG_TEXTS)}")
-    if pool not in POOLS or (pool != POOLS[0] and long_texts != "window"):
-        raise ConfigError(f"pool {pool!r}: one of {', '.join(POOLS)}, and only with --long-texts window")
+    if pool not in POOLS or (pool != POOLS[0] and long_texts == LONG_TEXTS[0]):
+        raise ConfigError(
+            f"pool {pool!r}: one of {', '.join(POOLS)}, and only with --long-texts window or late"
+        )
     encode_options = encode_options_of(encode)
     model = check_model(model) if model else default_model()
     check_options(describe(model, encode_options.revision), encode_options)

@@ -169,33 +169,34 @@ RUN_OPTIONS: tuple[Option, ...] = (
     _submit(
         "long_texts",
         LONG_TEXTS[0],
-        "A text longer than the model reads: truncate (what a plain encode does), or window: cut into "
+        "A text longer than the model reads: truncate (what a plain encode does), window: cut into "
         "overlapping windows on the model's tokenizer, each a row of the result (id, window, char_start, "
-        "char_end, tokens).",
+        "char_end, tokens), or late: the same rows, each pooled from one pass over the segment of the "
+        "model's context around it (late chunking; mean-pooling models only).",
         kind="choice",
         choices=LONG_TEXTS,
     ),
     _submit(
         "window_tokens",
         None,
-        "Tokens a window holds (--long-texts window). Default: the model's maximum length less its special "
-        "tokens and prompt, the most it reads.",
+        "Tokens a window holds (--long-texts window, late). Default: the model's maximum length less its "
+        "special tokens and prompt, the most it reads; with late, a quarter of that.",
         kind="int",
         low=1,
     ),
     _submit(
         "window_stride",
         None,
-        "Tokens a window shares with the next (--long-texts window), as Hugging Face tokenizers' stride. "
-        "Default: a quarter of a window.",
+        "Tokens a window shares with the next (--long-texts window, late), as Hugging Face tokenizers' "
+        "stride. Default: a quarter of a window.",
         kind="int",
         low=0,
     ),
     _submit(
         "pool",
         POOLS[0],
-        "With --long-texts window, a vector per text as well (result/texts.npy): the mean of its windows', "
-        "or weighted by each window's tokens; unit length where the model's vectors are.",
+        "With --long-texts window or late, a vector per text as well (result/texts.npy): the mean of its "
+        "windows', or weighted by each window's tokens; unit length where the model's vectors are.",
         kind="choice",
         choices=POOLS,
     ),

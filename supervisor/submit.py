@@ -19,6 +19,7 @@ from typing import Any
 
 import redis
 
+from chunkq.jobs import late
 from chunkq.jobs.calibrate import CALIBRATION_ROWS, ranges_for
 from chunkq.jobs.errors import ConfigError, CorpusError, RunConflictError
 from chunkq.jobs.manifest import RunManifest, load_manifest
@@ -41,10 +42,12 @@ from chunkq.supervisor.enqueue import EnqueueCounts, enqueue_chunks, window_size
 from chunkq.supervisor.plan import write_planned_inputs
 from chunkq.supervisor.result import published_result
 from chunkq.supervisor.windows import (
+    LATE_WINDOWS_PER_SEGMENT,
     LONG_TEXTS,
     POOLS,
     WindowCounts,
     default_size,
+    late_rows,
     load_tokenizer,
     window_rows,
 )
@@ -69,10 +72,15 @@ class SubmitRequest:
     job_timeout: int | None = None  # seconds per chunk; default scales with the chunk size
     queue_window: int | None = None  # jobs in Redis at once (enqueue.window_size); the rest wait in the store
     cache: bool | None = None  # the vector cache and in-run deduplication; None: on for float outputs
-    long_texts: str = LONG_TEXTS[0]  # "window": long texts cut into windows, a result row each
+    long_texts: str = LONG_TEXTS[0]  # "window"/"late": long texts cut into windows, a result row each
     window_tokens: int | None = None  # None: the model's maximum length less special tokens and prompt
     window_stride: int | None = None  # None: a quarter of a window
     pool: str = POOLS[0]  # with windows: a vector per text as well (mean, or weighted by tokens)
+
+    def __post_init__(self) -> None:
+        # A late run's rows are late rows (jobs.late): its workers must encode them so.
+        if self.encode.late_chunking != (self.long_texts == "late"):
+            object.__setattr__(self, "encode", replace(self.encode, late_chunking=self.long_texts == "late"))
 
     @property
     def cached(self) -> bool:
@@ -80,7 +88,7 @@ class SubmitRequest:
 
     @property
     def windowed(self) -> bool:
-        return self.long_texts == "window"
+        return self.long_texts in ("window", "late")
 
     @property
     def planned(self) -> bool:
@@ -262,9 +270,11 @@ def _vector_cache(req: SubmitRequest) -> tuple[VectorCache | None, dict[str, Any
     return VectorCache(req.store, producer_key(described)), described
 
 
-def _window_plan(req: SubmitRequest) -> tuple[Any, int, int | None, bool]:
-    """(tokenizer, window tokens, overlap) for --long-texts window: by default the model's maximum
-    length less its special tokens and prompt; a larger window would be truncated, so it is refused."""
+def _window_plan(req: SubmitRequest) -> tuple[Any, int, int | None, bool, int | None]:
+    """(tokenizer, window tokens, overlap, whether pooled vectors are normalised, late chunking's
+    context or None). --long-texts window: by default the model's maximum length less its special
+    tokens and prompt; a larger window would be truncated, so it is refused. late: segments of that
+    many tokens, windows of a quarter of it by default; a model that does not mean-pool is refused."""
     info = describe(req.model, req.encode.revision)
     if info.folder is None:
         raise ConfigError(
@@ -277,13 +287,17 @@ def _window_plan(req: SubmitRequest) -> tuple[Any, int, int | None, bool]:
     name = req.encode.prompt_name or info.default_prompt_name
     prompt = req.encode.prompt or (info.prompts.get(name) if name else None)
     room = default_size(tokenizer, longest, prompt)
+    if req.long_texts == "late":
+        late.check_pooling(info.pooling, req.model)
+        size = req.window_tokens or room // LATE_WINDOWS_PER_SEGMENT
+        return tokenizer, size, req.window_stride, req.encode.normalize_embeddings or info.normalizes, room
     size = req.window_tokens or room
     if size > room:
         raise ConfigError(
             f"--window-tokens {size}: the model reads {room} tokens of text at most (its maximum length "
             f"{longest} less its special tokens and prompt); a larger window would be truncated"
         )
-    return tokenizer, size, req.window_stride, req.encode.normalize_embeddings or info.normalizes
+    return tokenizer, size, req.window_stride, req.encode.normalize_embeddings or info.normalizes, None
 
 
 def _write_planned(req: SubmitRequest, layout: RunLayout, run_fingerprint: str) -> dict[str, Any]:
@@ -296,8 +310,12 @@ def _write_planned(req: SubmitRequest, layout: RunLayout, run_fingerprint: str) 
         rows: Any = read_inputs(req)
         check: Any = seen.add
         if req.windowed:
-            tokenizer, size, overlap, normalize = _window_plan(req)
-            rows, check = window_rows(rows, tokenizer, size, overlap, seen.add, counts), _nothing
+            tokenizer, size, overlap, normalize, context = _window_plan(req)
+            if context is None:
+                rows = window_rows(rows, tokenizer, size, overlap, seen.add, counts)
+            else:
+                rows = late_rows(rows, tokenizer, context, size, overlap, seen.add, counts)
+            check = _nothing
         plan = write_planned_inputs(
             rows,
             layout,
@@ -314,6 +332,7 @@ def _write_planned(req: SubmitRequest, layout: RunLayout, run_fingerprint: str) 
             "tokens": size,
             "overlap": overlap,
             "pool": req.pool,
+            **({"late": True, "context": context} if context is not None else {}),
             "normalize": normalize,  # what a pooled vector is scaled to: unit length where windows are
             **asdict(counts),
         }

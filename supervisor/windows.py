@@ -23,10 +23,14 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from chunkq.jobs import late
 from chunkq.jobs.errors import ConfigError
 
 DEFAULT_OVERLAP_SHARE = 4  # a quarter of a window overlaps the next, as the issue asks
-LONG_TEXTS = ("truncate", "window")  # truncate: what a plain encode does (the default)
+# truncate: what a plain encode does (the default); window: each window encoded alone; late: windows
+# pooled from one pass over the segment of the model's context around them (jobs.late)
+LONG_TEXTS = ("truncate", "window", "late")
+LATE_WINDOWS_PER_SEGMENT = 4  # late chunking's default window: a quarter of the model's context
 POOLS = ("none", "mean", "weighted")  # a vector per windowed text: none, the mean, or weighted by tokens
 
 
@@ -141,25 +145,80 @@ def window_rows(
     overlap: int | None,
     check: Callable[[list[Any]], None],
     counts: WindowCounts,
-    batch: int = 1000,
 ) -> Iterator[WindowRow]:
     """Each record's windows in order; ``check`` is told the records a batch at a time (the
     duplicate-id check, on the corpus's ids, not the windows')."""
+
+    def cut(record: Any) -> Iterator[WindowRow]:
+        for w in windows(record.text, tokenizer, size, overlap):
+            meta = {"id": record.id, "window": w.number, "char_start": w.char_start, "char_end": w.char_end}
+            yield WindowRow({**meta, "tokens": w.tokens}, record.text[w.char_start : w.char_end])
+
+    return _rows_of(records, cut, check, counts)
+
+
+def _rows_of(
+    records: Iterable[Any],
+    cut: Callable[[Any], Iterator[WindowRow]],
+    check: Callable[[list[Any]], None],
+    counts: WindowCounts,
+    batch: int = 1000,
+) -> Iterator[WindowRow]:
     held: list[Any] = []
     for record in records:
         held.append(record)
         if len(held) == batch:
             check(held)
             held = []
-        cut = windows(record.text, tokenizer, size, overlap)
+        rows = list(cut(record))
         counts.texts += 1
-        counts.windowed += len(cut) > 1
-        counts.windows += len(cut)
-        for w in cut:
-            meta = {"id": record.id, "window": w.number, "char_start": w.char_start, "char_end": w.char_end}
-            yield WindowRow({**meta, "tokens": w.tokens}, record.text[w.char_start : w.char_end])
+        counts.windowed += len(rows) > 1
+        counts.windows += len(rows)
+        yield from rows
     if held:
         check(held)
+
+
+def late_windows(
+    text: str, tokenizer: Any, context: int, size: int, overlap: int | None
+) -> Iterator[tuple[Window, Window]]:
+    """(segment, window) pairs: ``text`` cut into segments of at most ``context`` tokens that share
+    nothing (each is one forward pass), each segment into windows of ``size`` tokens overlapping by
+    ``overlap`` within it; spans are the text's characters, numbered across the text."""
+    number = 0
+    for segment in windows(text, tokenizer, context, 0):
+        inner = text[segment.char_start : segment.char_end]
+        for w in windows(inner, tokenizer, size, overlap):
+            start = segment.char_start + w.char_start
+            yield segment, Window(number, start, segment.char_start + w.char_end, w.tokens)
+            number += 1
+
+
+def late_rows(
+    records: Iterable[Any],
+    tokenizer: Any,
+    context: int,
+    size: int,
+    overlap: int | None,
+    check: Callable[[list[Any]], None],
+    counts: WindowCounts,
+) -> Iterator[WindowRow]:
+    """``window_rows`` for late chunking: each row's id the same object, its text the window's place
+    in its segment and the segment (jobs.late.row_text), which the worker encodes in one pass."""
+    if size >= context:
+        raise ConfigError(
+            f"late chunking needs windows shorter than the model's context ({context} tokens of text), "
+            f"got {size}; use --long-texts window, or a smaller --window-tokens"
+        )
+
+    def cut(record: Any) -> Iterator[WindowRow]:
+        for segment, w in late_windows(record.text, tokenizer, context, size, overlap):
+            meta = {"id": record.id, "window": w.number, "char_start": w.char_start, "char_end": w.char_end}
+            text = record.text[segment.char_start : segment.char_end]
+            span = (w.char_start - segment.char_start, w.char_end - segment.char_start)
+            yield WindowRow({**meta, "tokens": w.tokens}, late.row_text(text, *span))
+
+    return _rows_of(records, cut, check, counts)
 
 
 class TextPooler:

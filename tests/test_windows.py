@@ -218,3 +218,105 @@ def test_the_python_api_returns_the_windows_rows_and_their_mapping(reference_mod
     assert max_abs_diff(got.embeddings, reference_model.encode(spans)) <= 1e-5
     assert got.texts is not None and got.texts.shape == (2, got.embeddings.shape[1])
     assert max_abs_diff(got.texts[1:], reference_model.encode(["a short text"])) <= 1e-5
+
+
+def _late_reference(model, text: str, segment: tuple[int, int], span: tuple[int, int]):  # type: ignore[no-untyped-def]
+    """Late chunking written from the transformer's own forward pass (not sentence-transformers'
+    encode): the segment's token embeddings, the mean of those whose characters lie in the window,
+    unit length as the model's Normalize module makes its vectors."""
+    import numpy as np
+    import torch
+
+    tokenizer, transformer = model.tokenizer, model[0].auto_model
+    piece = text[segment[0] : segment[1]]
+    enc = tokenizer(piece, return_offsets_mapping=True, return_tensors="pt")
+    offsets = enc.pop("offset_mapping")[0].tolist()
+    with torch.no_grad():
+        hidden = transformer(**enc).last_hidden_state[0].numpy()
+    start, end = span[0] - segment[0], span[1] - segment[0]
+    mine = [i for i, (a, b) in enumerate(offsets) if b > a and start <= a < end]
+    vector = hidden[mine].mean(axis=0)
+    return vector / np.linalg.norm(vector)
+
+
+def test_late_windows_tile_segments_of_the_context_and_windows_within_them(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    from chunkq.supervisor.windows import late_windows
+
+    text = _long_text(700, seed=8)
+    pairs = list(late_windows(text, tokenizer, 100, 30, 5))
+    segments = list(dict.fromkeys((s.char_start, s.char_end) for s, _ in pairs))
+    assert len(segments) > 2 and segments[0][0] == 0 and segments[-1][1] == len(text)
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(segments))  # segments tile: no token twice
+    assert [w.number for _, w in pairs] == list(range(len(pairs)))
+    for segment, window in pairs:
+        assert segment.char_start <= window.char_start < window.char_end <= segment.char_end
+        assert segment.tokens <= 100 and window.tokens <= 30
+    for (s1, w1), (s2, w2) in itertools.pairwise(pairs):
+        assert w1.char_start < w2.char_start <= w1.char_end  # in order, every character covered
+        if s1 != s2:
+            assert w2.char_start == s2.char_start == w1.char_end == s1.char_end
+
+
+@pytest.mark.slow
+def test_late_chunking_equals_a_reference_from_the_models_token_embeddings(  # type: ignore[no-untyped-def]
+    tmp_path, store, connection, reference_model
+) -> None:
+    import numpy as np
+
+    from chunkq.supervisor.windows import late_windows
+    from tests.helpers import max_abs_diff, result_of, run_in_process
+
+    tok = load_tokenizer(resolve_model(BUNDLED_MODEL))
+    texts = [_long_text(400, seed=9), "a short one", _long_text(150, seed=10)]
+    ids = ["long-1", "short", "long-2"]
+    layout, manifest, encoded = run_in_process(
+        tmp_path, store, connection, ids, texts, "late", long_texts="late", window_tokens=40, pool="weighted"
+    )
+    matrix, rows = result_of(layout)
+    assert manifest.plan["windows"]["late"] is True and manifest.plan["windows"]["context"] == 254
+    assert encoded == len(rows) == manifest.plan["windows"]["windows"] > 10
+    want = []
+    for r in rows:
+        text = texts[ids.index(r["id"])]
+        pairs = list(late_windows(text, tok, 254, 40, None))
+        segment, window = pairs[r["window"]]
+        assert (window.char_start, window.char_end) == (r["char_start"], r["char_end"])
+        want.append(
+            _late_reference(
+                reference_model,
+                text,
+                (segment.char_start, segment.char_end),
+                (window.char_start, window.char_end),
+            )
+        )
+    assert max_abs_diff(matrix, np.array(want)) <= 1e-5
+    # Not the windows encoded alone: each saw the words around it.
+    alone = reference_model.encode([texts[ids.index(r["id"])][r["char_start"] : r["char_end"]] for r in rows])
+    assert max_abs_diff(matrix, alone) > 0.05
+    pooled = np.load(layout.result / "texts.npy")
+    assert pooled.shape == (3, matrix.shape[1])
+    assert np.abs(pooled[1] - matrix[next(i for i, r in enumerate(rows) if r["id"] == "short")]).max() <= 1e-6
+
+
+def test_late_chunking_is_refused_for_a_model_that_cannot(  # type: ignore[no-untyped-def]
+    tmp_path, store
+) -> None:
+    import json
+    import shutil
+
+    from chunkq.supervisor.request import submit_request
+    from chunkq.supervisor.submit import submit
+    from tests.helpers import make_texts, write_corpus
+
+    ids, texts = make_texts(4, seed=1)
+    corpus = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")
+    with pytest.raises(ConfigError, match="late chunking needs windows shorter than the model's context"):
+        submit(submit_request([corpus], store, long_texts="late", window_tokens=254), None)
+    folder = tmp_path / "cls-model"
+    shutil.copytree(resolve_model(BUNDLED_MODEL), folder)
+    config = folder / "1_Pooling" / "config.json"
+    pooling = json.loads(config.read_text())
+    pooling.update(pooling_mode_mean_tokens=False, pooling_mode_cls_token=True)
+    config.write_text(json.dumps(pooling))
+    with pytest.raises(ConfigError, match="pools its tokens by cls, late chunking needs mean pooling"):
+        submit(submit_request([corpus], store, model=str(folder), long_texts="late"), None)
