@@ -29,7 +29,7 @@ from chunkq.jobs import (
     errors,
     faults,
     jobmeta,
-    late,
+    kinds,
     learned,
     models,
     quantize,
@@ -54,7 +54,7 @@ from chunkq.jobs.run_files import (
     write_output,
 )
 from chunkq.jobs.scope import check_spec
-from chunkq.jobs.specs import DEFAULT_PRECISION, ChunkSpec, EncodeOptions
+from chunkq.jobs.specs import DEFAULT_KIND, DEFAULT_PRECISION, ChunkSpec, EncodeOptions
 
 log = logging.getLogger(__name__)
 
@@ -67,31 +67,12 @@ def encode_texts(
     options: EncodeOptions,
     on_rows: Callable[[int], None] | None = None,
 ) -> np.ndarray[Any, Any]:
-    """The maths alone: texts in, float32 rows out, in input order (prompt, truncation and
-    normalisation applied as sentence-transformers applies them; not yet converted for storage).
-    ``on_rows``: told the rows encoded so far after each batch."""
-    model = loaded.model
+    """The maths alone: a chunk's row texts in, float32 rows out, in input order, as the run's kind
+    (jobs.kinds) computes them; not yet converted for storage. ``on_rows``: told the rows encoded
+    so far after each batch."""
     # The cached model is shared by every run this process serves, so set the length on each call.
-    model.max_seq_length = options.max_seq_length or loaded.default_max_seq_length
-    kwargs: dict[str, Any] = {
-        "normalize_embeddings": options.normalize_embeddings,
-        "prompt": options.prompt,
-        "prompt_name": options.prompt_name,
-        "truncate_dim": options.truncate_dim,
-    }
-    if options.late_chunking:
-        limit = options.batch_tokens if isinstance(options.batch_tokens, int) else options.batch_size
-        by_tokens = isinstance(options.batch_tokens, int)
-
-        def plan_batches(lengths: list[int]) -> list[list[int]]:
-            return (
-                token_batches.plan(lengths, limit) if by_tokens else token_batches.plan_fixed(lengths, limit)
-            )
-
-        return late.encode(model, texts, plan_batches, kwargs, on_rows)
-    if isinstance(options.batch_tokens, int):
-        return token_batches.encode(model, texts, options.batch_tokens, kwargs, on_rows=on_rows)
-    return token_batches.encode(model, texts, options.batch_size, kwargs, by_tokens=False, on_rows=on_rows)
+    loaded.model.max_seq_length = options.max_seq_length or loaded.default_max_seq_length
+    return kinds.get(options.kind).encode(loaded.model, texts, options, on_rows)
 
 
 WARM_UP_TOKENS_GPU = (16, 64, 256, 512)  # lengths a warm-up encode covers, capped at the model's maximum
@@ -99,18 +80,15 @@ WARM_UP_TOKENS_CPU = (16, 64)  # on the CPU the predecessor is still computing o
 WARM_UP_TEXTS = 8
 
 
-def warm_up(loaded: models.LoadedModel, device: str) -> tuple[list[int], float]:
+def warm_up(loaded: models.LoadedModel, device: str, kind: str = DEFAULT_KIND) -> tuple[list[int], float]:
     """Encode a few texts of representative lengths once, so a new process's first chunk does not
     pay for kernel selection, allocator growth and lazy initialisation; (lengths, seconds)."""
     limit = loaded.default_max_seq_length or 512
     on_gpu = device.startswith("cuda")
     lengths = sorted({min(n, limit) for n in (WARM_UP_TOKENS_GPU if on_gpu else WARM_UP_TOKENS_CPU)})
-    texts = [
-        " ".join(["warm"] * max(1, n - 2)) for n in lengths for _ in range(WARM_UP_TEXTS if on_gpu else 2)
-    ]
     started = time.perf_counter()
     loaded.model.max_seq_length = limit
-    loaded.model.encode(texts, batch_size=len(texts), convert_to_numpy=True, show_progress_bar=False)
+    kinds.get(kind).warm_up(loaded.model, [n for n in lengths for _ in range(WARM_UP_TEXTS if on_gpu else 2)])
     if on_gpu:
         import torch
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from chunkq.jobs.errors import ConfigError
 from chunkq.jobs.models import hub_reachable, resolve_model
-from chunkq.jobs.specs import EncodeOptions
+from chunkq.jobs.specs import DEFAULT_KIND, EncodeOptions
 
 
 @dataclass(frozen=True)
@@ -28,9 +28,8 @@ class ModelInfo:
     remote_code: bool = False  # it needs trust_remote_code (its config maps classes to its own code)
     revision: str | None = None  # the commit of the cached snapshot (hub models)
     normalizes: bool = False  # its module list ends in a Normalize module: its vectors are unit length
-    pooling: str | None = (
-        None  # how its Pooling module pools tokens ("mean", "cls", ...); None: no such module
-    )
+    pooling: str | None = None  # its Pooling module's mode ("mean", "cls", ...); None: it has none
+    kind: str = DEFAULT_KIND  # what its files say it is (jobs.kinds): dense, cross, sparse, ...
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -128,6 +127,27 @@ def _pooling(folder: Path) -> str | None:
     return None
 
 
+# config_sentence_transformers.json's "model_type" (sentence-transformers 5+) to chunkq's kind names.
+_MODEL_TYPES = {
+    "SentenceTransformer": "dense",
+    "CrossEncoder": "cross",
+    "SparseEncoder": "sparse",
+    "MultiVectorEncoder": "multivector",
+}
+
+
+def _kind(folder: Path, st_config: dict[str, Any]) -> str:
+    """What the model's files say it is: sentence-transformers' own "model_type" where it wrote
+    one; else a sequence classifier without a module list is a cross-encoder (as sentence-transformers
+    2-4 saved them); else a dense model."""
+    model_type = st_config.get("model_type")
+    if isinstance(model_type, str) and model_type in _MODEL_TYPES:
+        return _MODEL_TYPES[model_type]
+    architectures = (_json(folder / "config.json") or {}).get("architectures") or []
+    classifier = any(str(a).endswith("ForSequenceClassification") for a in architectures)
+    return "cross" if classifier and not (folder / "modules.json").is_file() else DEFAULT_KIND
+
+
 def _remote_code(folder: Path) -> bool:
     config = _json(folder / "config.json") or {}
     custom_modules = any(
@@ -156,6 +176,7 @@ def describe(ref: str, revision: str | None = None) -> ModelInfo:
         revision=found_revision,
         normalizes=any(kind.endswith("Normalize") for kind, _ in _modules(folder)),
         pooling=_pooling(folder),
+        kind=_kind(folder, st_config),
     )
 
 

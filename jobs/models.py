@@ -142,7 +142,7 @@ for _name in ("sentence_transformers.base.model", "sentence_transformers.Sentenc
 _cache: dict[tuple[Any, ...], LoadedModel] = {}
 # Models loaded on the CPU in fp32 by a process that forks workers (queue_worker.fork_server): a forked
 # worker takes its copy instead of reading and building the model again.
-_templates: dict[str, SentenceTransformer] = {}
+_templates: dict[tuple[str, str], Any] = {}  # (model, kind): loaded on the CPU before workers fork
 
 
 def _torch_dtype(precision: str) -> Any:
@@ -168,7 +168,7 @@ def get_model(ref: str, device: str, precision: str, options: EncodeOptions | No
     check_precision(precision, device)
     started = time.perf_counter()
     # The fork server's copy was loaded the default way: only a default load may take it.
-    template = _templates.pop(ref, None) if options.default_load else None
+    template = _templates.pop((ref, options.kind), None) if options.default_load else None
     if template is not None:
         # SentenceTransformer(path, device=...) builds the model on the CPU and then moves it too.
         model = template.to(device)
@@ -204,8 +204,10 @@ def _load(ref: str, device: str, options: EncodeOptions | None = None) -> Senten
     if os.path.isdir(path):
         # A local model must never reach for the hub (no network on many GPU hosts).
         os.environ.setdefault(OFFLINE_ENV, "1")
-    from sentence_transformers import SentenceTransformer
+    import sentence_transformers
     from transformers.utils import logging as transformers_logging
+
+    from chunkq.jobs import kinds  # the kinds import this module's neighbours, not the other way
 
     # Its "Loading weights" bar would land in every worker's log, once per load.
     transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
@@ -215,7 +217,8 @@ def _load(ref: str, device: str, options: EncodeOptions | None = None) -> Senten
             import torch
 
             kwargs[name] = getattr(torch, kwargs[name])
-    return SentenceTransformer(
+    model_class = getattr(sentence_transformers, kinds.get(options.kind).model_class)
+    return model_class(  # type: ignore[no-any-return]
         path,
         device=device,
         trust_remote_code=options.trust_remote_code,
@@ -238,7 +241,10 @@ def load_template(ref: str, max_bytes: int) -> float:
     torch.set_num_threads(1)
     try:
         started = time.perf_counter()
-        model = _load(ref, "cpu")
+        from chunkq.jobs.model_info import describe  # model_info reads this module's names
+
+        kind = describe(ref).kind
+        model = _load(ref, "cpu", EncodeOptions(kind=kind))
         model.eval()
     finally:
         torch.set_num_threads(threads)
@@ -247,5 +253,5 @@ def load_template(ref: str, max_bytes: int) -> float:
         raise ConfigError(
             f"its weights take {size / 2**30:.1f} GiB, more than the {max_bytes / 2**30:.1f} GiB allowed"
         )
-    _templates[ref] = model
+    _templates[(ref, kind)] = model
     return time.perf_counter() - started

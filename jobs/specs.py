@@ -74,6 +74,7 @@ MODEL_KWARGS = {
     "dtype": ("auto", "float32", "float16", "bfloat16"),
     "torch_dtype": ("auto", "float32", "float16", "bfloat16"),
 }
+DEFAULT_KIND = "dense"  # what every run was before kinds (jobs.kinds)
 _NEW_FIELD_DEFAULTS = {  # left out of to_dict when unset, so older runs keep their fingerprint
     "batch_tokens": None,
     "prompt": None,
@@ -84,6 +85,7 @@ _NEW_FIELD_DEFAULTS = {  # left out of to_dict when unset, so older runs keep th
     "revision": None,
     "model_kwargs": None,
     "late_chunking": False,
+    "kind": DEFAULT_KIND,
 }
 
 
@@ -143,9 +145,8 @@ class EncodeOptions:
     trust_remote_code: bool = False  # the model's own Python code may run (a pool must allow it too)
     revision: str | None = None  # the hub revision (branch, tag or commit) to load
     model_kwargs: dict[str, str] | None = None  # MODEL_KWARGS only
-    late_chunking: bool = (
-        False  # rows are late-chunking windows (jobs.late): pooled from their segment's pass
-    )
+    late_chunking: bool = False  # rows are late-chunking windows (jobs.late), pooled from one pass
+    kind: str = DEFAULT_KIND  # the model's kind (jobs.kinds): dense vectors, cross-encoder scores, ...
 
     def __post_init__(self) -> None:
         if (
@@ -174,6 +175,8 @@ class EncodeOptions:
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise ConfigError(f"{name} must be a string, got {value!r}")
+        if not isinstance(self.kind, str) or not self.kind:
+            raise ConfigError(f"kind must be a name, got {self.kind!r}")
         if not isinstance(self.late_chunking, bool):
             raise ConfigError(f"late_chunking must be true or false, got {self.late_chunking!r}")
         if not isinstance(self.trust_remote_code, bool):
@@ -187,12 +190,12 @@ class EncodeOptions:
     def load_key(self) -> tuple[Any, ...]:
         """What decides how the model is loaded (beside its name, device and precision)."""
         kwargs = tuple(sorted((self.model_kwargs or {}).items()))
-        return (self.trust_remote_code, self.revision, kwargs)
+        return (self.trust_remote_code, self.revision, kwargs, self.kind)
 
     @property
     def default_load(self) -> bool:
-        """The model loads as a plain ``SentenceTransformer(name)`` does: what a preload or the fork
-        server's copy is."""
+        """The model loads as its class loads it by name alone (``SentenceTransformer(name)``,
+        ``CrossEncoder(name)``): what a preload or the fork server's copy is."""
         return not self.trust_remote_code and self.revision is None and not self.model_kwargs
 
     def to_dict(self) -> dict[str, Any]:

@@ -56,6 +56,11 @@ def plan_fixed(lengths: list[int], size: int) -> list[list[int]]:
     return [order[start : start + size] for start in range(0, len(order), size)]
 
 
+def batches(lengths: list[int], limit: int, by_tokens: bool) -> list[list[int]]:
+    """Batches of a chunk's rows: of at most ``limit`` padded tokens (``by_tokens``), or of ``limit`` rows."""
+    return plan(lengths, limit) if by_tokens else plan_fixed(lengths, limit)
+
+
 def encode(
     model: Any,
     texts: list[str],
@@ -82,7 +87,7 @@ def encode(
         )
     out: np.ndarray[Any, Any] | None = None
     done = 0
-    for batch in plan(lengths, limit) if by_tokens else plan_fixed(lengths, limit):
+    for batch in batches(lengths, limit, by_tokens):
         if chunk is not None:
             rows = tokenized.encode_batch(model, chunk, batch, lengths, encode_kwargs)
         else:

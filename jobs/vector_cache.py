@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from chunkq.jobs.run_files import atomic_write_json, read_json, save_npy_atomic
-from chunkq.jobs.specs import EncodeOptions, fingerprint
+from chunkq.jobs.specs import DEFAULT_KIND, EncodeOptions, fingerprint
 from chunkq.jobs.storage import (
     is_local,
     list_dirs,
@@ -92,6 +92,7 @@ def producer(model: str, model_identity: str, options: EncodeOptions) -> dict[st
         "options": {name: chosen.get(name) for name in VECTOR_OPTIONS},
         # Only where on, so the producers written before late chunking keep their keys.
         **({"late_chunking": True} if options.late_chunking else {}),
+        **({"kind": options.kind} if options.kind != DEFAULT_KIND else {}),
     }
 
 

@@ -30,13 +30,15 @@ from rq.exceptions import StopRequested
 from rq.serializers import JSONSerializer
 from rq.worker import SimpleWorker, WorkerStatus
 
-from chunkq.jobs import cuda, errors, faults, models, runtime
+from chunkq.jobs import cuda, errors, faults, kinds, models, runtime
 from chunkq.jobs.allowlist import AllowListedJob
 from chunkq.jobs.embed import warm_up
 from chunkq.jobs.errors import ConfigError
 from chunkq.jobs.events import announce_settled
+from chunkq.jobs.model_info import describe
 from chunkq.jobs.nopickle import forbid_pickle
 from chunkq.jobs.queueing import give_back
+from chunkq.jobs.specs import DEFAULT_KIND, EncodeOptions
 from chunkq.jobs.storage import open_store
 from chunkq.queue_worker.exit_codes import (
     EXIT_CONFIG,
@@ -388,9 +390,11 @@ def main(argv: list[str] | None = None) -> int:
         connection = redis.Redis.from_url(url)
         connection.ping()
         if args.preload:
-            loaded = models.get_model(args.preload, ctx.device, args.precision)
+            kind = describe(args.preload).kind
+            kind = kind if kind in kinds.KINDS else DEFAULT_KIND  # a run of it is refused at submit
+            loaded = models.get_model(args.preload, ctx.device, args.precision, EncodeOptions(kind=kind))
             announce_model_loaded(loaded.load_seconds)
-            lengths, seconds = warm_up(loaded, ctx.device)
+            lengths, seconds = warm_up(loaded, ctx.device, kind)
             log.info("warm-up encode at %s tokens on %s in %.2f s", lengths, ctx.device, seconds)
     except ConfigError as exc:
         log.error("%s", exc)

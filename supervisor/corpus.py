@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from chunkq.jobs.errors import CorpusError
+from chunkq.jobs.kinds.cross import pair_text
 from chunkq.jobs.storage import is_local
 
 FORMATS = ("jsonl", "csv", "parquet", "txt")
@@ -31,6 +32,7 @@ class CorpusOptions:
     text_field: str = "text"
     id_field: str = "id"
     max_text_bytes: int = MAX_TEXT_BYTES  # a longer line or text is a data bug, not a document
+    pair_field: str | None = None  # --kind cross: the second text of each pair (the passage)
 
 
 class Record(NamedTuple):
@@ -115,7 +117,14 @@ def _unicode(value: str, what: str, where: str) -> str:
 
 
 def _text_of(record: dict[str, Any], opts: CorpusOptions, where: str) -> str:
-    field = opts.text_field
+    """The row's text; with a pair field, the pair as one row text (jobs.kinds.cross.pair_text)."""
+    text = _field_text(record, opts.text_field, opts, where)
+    if opts.pair_field is None:
+        return text
+    return pair_text(text, _field_text(record, opts.pair_field, opts, where))
+
+
+def _field_text(record: dict[str, Any], field: str, opts: CorpusOptions, where: str) -> str:
     if field not in record:
         raise CorpusError(f"{where}: missing text field {field!r}")
     text = record[field]
@@ -195,7 +204,15 @@ def _read_jsonl(path: Path, opts: CorpusOptions, prefix: str) -> Iterator[Record
         yield Record(ids.pick(record, where, lineno), _text_of(record, opts, where), where)
 
 
+def _text_fields(opts: CorpusOptions) -> tuple[str, ...]:
+    return (opts.text_field,) if opts.pair_field is None else (opts.text_field, opts.pair_field)
+
+
 def _read_txt(path: Path, opts: CorpusOptions, prefix: str) -> Iterator[Record]:
+    if opts.pair_field is not None:
+        raise CorpusError(
+            f"{path}: a text file holds one text a line, not pairs; use JSON Lines, CSV or Parquet"
+        )
     for lineno, line in _lines(path, opts.max_text_bytes):
         text = line.rstrip("\r\n")
         if text.strip():
@@ -212,10 +229,9 @@ def _read_csv(path: Path, opts: CorpusOptions, prefix: str) -> Iterator[Record]:
     reader = csv.DictReader(lines)
     try:
         header = reader.fieldnames or []
-        if opts.text_field not in header:
-            raise CorpusError(
-                f"{path}:1: header has no column {opts.text_field!r} (columns: {', '.join(header)})"
-            )
+        for name in _text_fields(opts):
+            if name not in header:
+                raise CorpusError(f"{path}:1: header has no column {name!r} (columns: {', '.join(header)})")
         for number, row in enumerate(reader, 1):
             where = f"{path}:{reader.line_num}"
             if None in row or any(value is None for value in row.values()):
@@ -253,18 +269,20 @@ def _read_parquet(path: Path, opts: CorpusOptions, prefix: str) -> Iterator[Reco
     except (pa.ArrowException, OSError) as exc:
         raise CorpusError(f"{path}: not a readable Parquet file: {exc}") from None
     schema = pfile.schema_arrow
-    if opts.text_field not in schema.names:
-        raise CorpusError(f"{path}: no column {opts.text_field!r} (columns: {', '.join(schema.names)})")
-    text_type = schema.field(opts.text_field).type
-    if pa.types.is_dictionary(text_type):  # how pyarrow and pandas write repetitive string columns
-        text_type = text_type.value_type
-    if not (pa.types.is_string(text_type) or pa.types.is_large_string(text_type)):
-        raise CorpusError(f"{path}: column {opts.text_field!r} has type {text_type}, expected string")
-    columns = [opts.text_field] + ([opts.id_field] if opts.id_field in schema.names else [])
+    for name in _text_fields(opts):
+        if name not in schema.names:
+            raise CorpusError(f"{path}: no column {name!r} (columns: {', '.join(schema.names)})")
+        text_type = schema.field(name).type
+        if pa.types.is_dictionary(text_type):  # how pyarrow and pandas write repetitive string columns
+            text_type = text_type.value_type
+        if not (pa.types.is_string(text_type) or pa.types.is_large_string(text_type)):
+            raise CorpusError(f"{path}: column {name!r} has type {text_type}, expected string")
+    columns = [*_text_fields(opts)] + ([opts.id_field] if opts.id_field in schema.names else [])
     ids = _IdPolicy(path, opts.id_field, prefix)
     number = 0
     for batch in pfile.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns):
-        _refuse_long_texts(batch.column(opts.text_field), opts.max_text_bytes, path, number)
+        for name in _text_fields(opts):
+            _refuse_long_texts(batch.column(name), opts.max_text_bytes, path, number)
         for record in batch.to_pylist():
             number += 1
             where = f"{path}: row {number}"

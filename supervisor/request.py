@@ -17,11 +17,12 @@ from typing import Any
 
 import redis
 
+from chunkq.jobs import kinds
 from chunkq.jobs.errors import ChunksFailedError, ConfigError, CorpusError
 from chunkq.jobs.model_info import check_options, describe
 from chunkq.jobs.models import check_model, default_model
 from chunkq.jobs.run_files import RunLayout, read_json
-from chunkq.jobs.specs import EncodeOptions
+from chunkq.jobs.specs import DEFAULT_KIND, EncodeOptions
 from chunkq.jobs.storage import is_local, open_store
 from chunkq.queue_worker.settings import DEFAULT_QUEUE, PoolSettings
 from chunkq.supervisor.corpus import CorpusOptions, check_readable, detect_format, read_corpus
@@ -111,6 +112,32 @@ def encode_options_of(encode: dict[str, Any]) -> EncodeOptions:
     return EncodeOptions(**{_ENCODE_NAMES.get(k, k): v for k, v in encode.items() if v is not None})
 
 
+def encode_options_for(model: str, encode: dict[str, Any]) -> EncodeOptions:
+    """EncodeOptions for ``model``, checked against its files; the kind, when not given, is what its
+    files say (``chunkq model`` shows it)."""
+    options = encode_options_of(encode)
+    info = describe(model, options.revision)
+    if encode.get("kind") is None:
+        options = replace(options, kind=info.kind)
+    kinds.check_options(options)
+    check_options(info, options)
+    return options
+
+
+def check_kind(options: EncodeOptions, corpus: CorpusOptions, long_texts: str) -> None:
+    """A cross-encoder reads pairs, and only it does; windows are for texts that are vectors."""
+    if (options.kind == "cross") != (corpus.pair_field is not None):
+        raise ConfigError(
+            "a cross-encoder scores pairs: give --pair-field (the passage beside --text-field)"
+            if options.kind == "cross"
+            else f"--pair-field is for a cross-encoder (--kind cross); this model's kind is {options.kind}"
+        )
+    if options.kind != DEFAULT_KIND and long_texts != LONG_TEXTS[0]:
+        raise ConfigError(
+            f"--long-texts {long_texts} is for dense models; this model's kind is {options.kind}"
+        )
+
+
 def submit_request(
     corpora: Sequence[str | Path],
     store: Path,
@@ -119,6 +146,7 @@ def submit_request(
     fmt: str | None = None,
     text_field: str = CorpusOptions.text_field,
     id_field: str = CorpusOptions.id_field,
+    pair_field: str | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     run_id: str | None = None,
     queue: str = DEFAULT_QUEUE,
@@ -133,7 +161,9 @@ def submit_request(
 ) -> SubmitRequest:
     """A checked SubmitRequest; ``encode`` takes EncodeOptions' fields (``normalize`` too)."""
     paths = expand_corpora(corpora)
-    options = CorpusOptions(format=corpus_format(paths, fmt), text_field=text_field, id_field=id_field)
+    options = CorpusOptions(
+        format=corpus_format(paths, fmt), text_field=text_field, id_field=id_field, pair_field=pair_field
+    )
     check_corpora(paths, options)
     positive_int("chunk_size", chunk_size)
     if job_timeout is not None:
@@ -144,9 +174,9 @@ def submit_request(
         raise ConfigError(
             f"pool {pool!r}: one of {', '.join(POOLS)}, and only with --long-texts window or late"
         )
-    encode_options = encode_options_of(encode)
     model = check_model(model) if model else default_model()
-    check_options(describe(model, encode_options.revision), encode_options)
+    encode_options = encode_options_for(model, encode)
+    check_kind(encode_options, options, long_texts)
     return SubmitRequest(
         corpus=paths[0] if len(paths) == 1 else paths,
         store=store,

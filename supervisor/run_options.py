@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from chunkq.jobs.kinds import KINDS, NOT_BUILT
 from chunkq.jobs.models import BUNDLED_MODEL
 from chunkq.jobs.specs import (
     DEFAULT_PRECISION,
@@ -54,6 +55,14 @@ RUN_OPTIONS: tuple[Option, ...] = (
         env="",
     ),
     _submit(
+        "kind",
+        None,
+        "What the model is: dense (a vector per text, SentenceTransformer.encode) or cross (a score per "
+        "pair, CrossEncoder.predict; with --pair-field). Default: what the model's files say.",
+        kind="choice",
+        choices=(*KINDS, *NOT_BUILT),
+    ),
+    _submit(
         "run_id",
         None,
         "Name of the run in the store. Default: the corpus file's name and a fingerprint of the corpus "
@@ -78,6 +87,12 @@ RUN_OPTIONS: tuple[Option, ...] = (
         "text_field",
         CorpusOptions.text_field,
         "Field (JSON Lines) or column (CSV, Parquet) holding the text.",
+    ),
+    _submit(
+        "pair_field",
+        None,
+        "--kind cross: the field or column holding each pair's second text (the passage); --text-field "
+        "holds the first (the query).",
     ),
     _submit(
         "id_field",

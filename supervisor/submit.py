@@ -162,6 +162,7 @@ def _identity(req: SubmitRequest, inputs: list[dict[str, Any]]) -> dict[str, Any
         "format": req.corpus_options.format,
         "text_field": req.corpus_options.text_field,
         "id_field": req.corpus_options.id_field,
+        **({"pair_field": req.corpus_options.pair_field} if req.corpus_options.pair_field else {}),
         "chunk_size": req.chunk_size,
         "model": req.model,
         "options": req.encode.to_dict(),
@@ -385,6 +386,7 @@ def _create_run(
             "format": req.corpus_options.format,
             "text_field": req.corpus_options.text_field,
             "id_field": req.corpus_options.id_field,
+            **({"pair_field": req.corpus_options.pair_field} if req.corpus_options.pair_field else {}),
         },
         "inputs": inputs,  # every corpus file, in the order its rows were read
         "model": req.model,

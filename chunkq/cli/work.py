@@ -21,9 +21,11 @@ from chunkq.cli.common import (
 from chunkq.cli.encode_options import QUEUE_WINDOW_OPTION, submit_options, watch_options
 from chunkq.cli.group import command, current_log_level
 from chunkq.cli.settings_options import pool_setting_options, pool_settings, pop_pool_values
+from chunkq.jobs import kinds
 from chunkq.jobs.manifest import load_manifest
 from chunkq.jobs.models import check_model
 from chunkq.jobs.run_files import RunLayout
+from chunkq.jobs.specs import DEFAULT_KIND
 from chunkq.queue_worker import gpus as gpu_discovery
 from chunkq.queue_worker.exit_codes import EXIT_CHUNKS_FAILED, EXIT_OK, EXIT_PARTIAL, EXIT_POOL_DIED
 from chunkq.queue_worker.pool import start as start_pool
@@ -63,13 +65,17 @@ def _finish(outcome: Outcome) -> int:
     result = outcome.result
     rate = outcome.snapshot.rows_per_second
     click.echo(
-        f"run {result['run_id']}: {result['rows']} x {result['dim']} embeddings, "
+        f"run {result['run_id']}: {result['rows']} x {result['dim']} {_what(result)}, "
         f"{len(result['workers'])} worker process(es)" + (f", {rate:,.1f} rows/s encoded" if rate else "")
     )
     saved = savings(result.get("plan"))
     if saved is not None:
         click.echo(describe_savings(saved))
     return EXIT_OK
+
+
+def _what(result: dict[str, Any]) -> str:
+    return kinds.get((result.get("options") or {}).get("kind", DEFAULT_KIND)).rows_are
 
 
 @command("submit")

@@ -1,0 +1,26 @@
+"""The contract every model kind keeps (see jobs/kinds/__init__.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from chunkq.jobs.specs import EncodeOptions
+
+OnRows = Callable[[int], None] | None
+Encoder = Callable[[Any, list[str], EncodeOptions, OnRows], np.ndarray[Any, Any]]
+
+
+@dataclass(frozen=True)
+class Kind:
+    name: str
+    model_class: str  # the sentence-transformers class that loads and runs it
+    reference: str  # the sentence-transformers call a run of this kind equals, row for row
+    row: str  # what a result row holds, in words
+    rows_are: str  # what the result's rows are called: "embeddings", "scores"
+    encode: Encoder  # a chunk's row texts to a float32 matrix, row for row
+    warm_up: Callable[[Any, list[int]], None]  # run once in a fresh worker, on inputs of these token lengths
+    refuse: Callable[[EncodeOptions], str | None]  # why these options mean nothing for it, or None

@@ -1,0 +1,91 @@
+"""cross: a score per (query, passage) pair, or a row of class scores, as ``CrossEncoder.predict``
+gives it with the model's own activation (offline reranking, hard-negative mining).
+
+A pair travels as a row's text, the canonical JSON of ``[query, passage]`` (``pair_text``), so the
+run's plan, deduplication and vector cache key a pair by both its texts unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+from chunkq.jobs import token_batches
+from chunkq.jobs.errors import BadInputError
+from chunkq.jobs.kinds.contract import Kind, OnRows
+from chunkq.jobs.specs import EncodeOptions, canonical_json
+
+SCORE_DTYPES = ("float32", "float16")  # scores are not embeddings: no calibrated or packed outputs
+
+
+def pair_text(query: str, passage: str) -> str:
+    return canonical_json([query, passage])
+
+
+def parse_pair(text: str) -> tuple[str, str]:
+    try:
+        pair = json.loads(text)
+    except ValueError:
+        pair = None
+    if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(p, str) for p in pair)):
+        raise BadInputError(f"not a (query, passage) pair: {text[:60]!r}")
+    return pair[0], pair[1]
+
+
+def _lengths(model: Any, pairs: list[tuple[str, str]]) -> list[int]:
+    queries, passages = [q for q, _ in pairs], [p for _, p in pairs]
+    found = model.tokenizer(queries, passages, truncation=True, max_length=int(model.max_seq_length))
+    return [len(ids) for ids in found["input_ids"]]
+
+
+def encode(model: Any, texts: list[str], options: EncodeOptions, on_rows: OnRows) -> np.ndarray[Any, Any]:
+    pairs = [parse_pair(t) for t in texts]
+    lengths = _lengths(model, pairs)
+    by_tokens = isinstance(options.batch_tokens, int)
+    limit = options.batch_tokens if isinstance(options.batch_tokens, int) else options.batch_size
+    out: np.ndarray[Any, Any] | None = None
+    done = 0
+    for batch in token_batches.batches(lengths, limit, by_tokens):
+        scores = model.predict(
+            [pairs[i] for i in batch],
+            batch_size=len(batch),
+            prompt=options.prompt,
+            prompt_name=options.prompt_name,
+            convert_to_numpy=True,
+            show_progress_bar=False,
+        )
+        rows = np.asarray(scores, dtype=np.float32).reshape(len(batch), -1)
+        if out is None:
+            out = np.empty((len(texts), rows.shape[1]), dtype=np.float32)
+        out[batch] = rows
+        done += len(batch)
+        if on_rows is not None:
+            on_rows(done)
+    return out if out is not None else np.empty((0, 0), dtype=np.float32)
+
+
+def warm_up(model: Any, lengths: list[int]) -> None:
+    pairs = [("warm", " ".join(["warm"] * max(1, n - 4))) for n in lengths]
+    model.predict(pairs, batch_size=len(pairs), show_progress_bar=False)
+
+
+def refuse(options: EncodeOptions) -> str | None:
+    if options.truncate_dim or options.normalize_embeddings or options.late_chunking:
+        return "a cross-encoder gives scores, not vectors: no --truncate-dim, --normalize or late chunking"
+    if options.output_dtype not in SCORE_DTYPES:
+        return f"scores are stored as {' or '.join(SCORE_DTYPES)}, not {options.output_dtype}"
+    return None
+
+
+KIND = Kind(
+    name="cross",
+    model_class="CrossEncoder",
+    reference="CrossEncoder.predict(pairs)",
+    row="a score per (query, passage) pair, or a row of class scores",
+    rows_are="scores",
+    encode=encode,
+    warm_up=warm_up,
+    refuse=refuse,
+)

@@ -1,0 +1,50 @@
+"""dense: a vector per text, as ``SentenceTransformer.encode`` gives it (the kind chunkq began with)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from chunkq.jobs import late, token_batches
+from chunkq.jobs.kinds.contract import Kind, OnRows
+from chunkq.jobs.specs import EncodeOptions
+
+
+def encode(model: Any, texts: list[str], options: EncodeOptions, on_rows: OnRows) -> np.ndarray[Any, Any]:
+    """Texts in, float32 rows out, in input order (prompt, truncation and normalisation applied as
+    sentence-transformers applies them); late-chunking rows pooled from their segment's pass."""
+    kwargs: dict[str, Any] = {
+        "normalize_embeddings": options.normalize_embeddings,
+        "prompt": options.prompt,
+        "prompt_name": options.prompt_name,
+        "truncate_dim": options.truncate_dim,
+    }
+    by_tokens = isinstance(options.batch_tokens, int)
+    limit = options.batch_tokens if isinstance(options.batch_tokens, int) else options.batch_size
+    if options.late_chunking:
+        return late.encode(
+            model, texts, lambda lengths: token_batches.batches(lengths, limit, by_tokens), kwargs, on_rows
+        )
+    return token_batches.encode(model, texts, limit, kwargs, by_tokens=by_tokens, on_rows=on_rows)
+
+
+def warm_up(model: Any, lengths: list[int]) -> None:
+    texts = [" ".join(["warm"] * max(1, n - 2)) for n in lengths]
+    model.encode(texts, batch_size=len(texts), convert_to_numpy=True, show_progress_bar=False)
+
+
+def refuse(options: EncodeOptions) -> str | None:
+    return None
+
+
+KIND = Kind(
+    name="dense",
+    model_class="SentenceTransformer",
+    reference="SentenceTransformer.encode(texts)",
+    row="a vector per text",
+    rows_are="embeddings",
+    encode=encode,
+    warm_up=warm_up,
+    refuse=refuse,
+)

@@ -1,0 +1,201 @@
+"""Issue 34: model kinds behind one contract (jobs/kinds). Each kind's run equals the
+sentence-transformers call it names, on a small model built here offline (random weights)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from chunkq.jobs import kinds
+from chunkq.jobs.errors import ConfigError
+from chunkq.jobs.model_info import describe
+from chunkq.jobs.models import BUNDLED_MODEL, resolve_model
+from tests.helpers import WORDS, max_abs_diff, only_run, run_cli
+
+
+def _cross_encoder(folder: Path, labels: int, save_as_st: bool) -> Path:
+    """A two-layer BERT sequence classifier with random weights and the bundled model's tokenizer:
+    as transformers saves it (how sentence-transformers 2-4 cross-encoders look), or re-saved by
+    CrossEncoder (sentence-transformers 5+: modules.json, model_type "CrossEncoder")."""
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(labels)
+    config = BertConfig(
+        vocab_size=30522,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=128,
+        num_labels=labels,
+    )
+    raw = folder / "raw"
+    BertForSequenceClassification(config).save_pretrained(raw)
+    AutoTokenizer.from_pretrained(resolve_model(BUNDLED_MODEL)).save_pretrained(raw)
+    if not save_as_st:
+        return raw
+    from sentence_transformers import CrossEncoder
+
+    CrossEncoder(str(raw), device="cpu").save(str(folder / "st"))
+    return folder / "st"
+
+
+@pytest.fixture(scope="module")
+def reranker(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _cross_encoder(tmp_path_factory.mktemp("reranker"), labels=1, save_as_st=True)
+
+
+def _pairs(n: int, seed: int) -> list[dict[str, str]]:
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(n):
+        query = " ".join(rng.choice(WORDS, size=int(rng.integers(2, 6))))
+        passage = " ".join(rng.choice(WORDS, size=int(rng.integers(5, 60))))
+        rows.append({"id": f"pair-{i}", "query": query, "passage": passage})
+    if n > 7:
+        rows[7] = dict(rows[3], id="pair-7")  # a duplicate pair: scored once, in the result twice
+    return rows
+
+
+def _write_pairs(path: Path, rows: list[dict[str, str]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_the_kind_is_read_from_the_models_files_and_unbuilt_kinds_are_refused(
+    tmp_path: Path, reranker: Path
+) -> None:
+    assert describe(BUNDLED_MODEL).kind == "dense"
+    assert describe(str(reranker)).kind == "cross"  # model_type "CrossEncoder"
+    raw = _cross_encoder(tmp_path, labels=3, save_as_st=False)
+    assert describe(str(raw)).kind == "cross"  # a sequence classifier without modules.json
+    assert kinds.get("cross").reference == "CrossEncoder.predict(pairs)"
+    with pytest.raises(ConfigError, match="kind 'sparse' is not built yet"):
+        kinds.get("sparse")
+
+
+def test_a_pair_corpus_is_read_from_json_lines_csv_and_parquet(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from chunkq.jobs.errors import CorpusError
+    from chunkq.jobs.kinds.cross import parse_pair
+    from chunkq.supervisor.corpus import CorpusOptions, read_corpus
+
+    rows = _pairs(5, seed=1)
+    jsonl = _write_pairs(tmp_path / "p.jsonl", rows)
+    with open(tmp_path / "p.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, ["id", "query", "passage"])
+        writer.writeheader()
+        writer.writerows(rows)
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "p.parquet")
+    for path, fmt in ((jsonl, "jsonl"), (tmp_path / "p.csv", "csv"), (tmp_path / "p.parquet", "parquet")):
+        options = CorpusOptions(fmt, text_field="query", pair_field="passage")
+        got = [(r.id, parse_pair(r.text)) for r in read_corpus(path, options)]
+        assert got == [(r["id"], (r["query"], r["passage"])) for r in rows], fmt
+    broken = dict(rows[0], passage=None)
+    _write_pairs(tmp_path / "bad.jsonl", [rows[1], broken])
+    with pytest.raises(CorpusError, match=r"bad.jsonl:2: text field 'passage' is null"):
+        list(
+            read_corpus(
+                tmp_path / "bad.jsonl", CorpusOptions("jsonl", text_field="query", pair_field="passage")
+            )
+        )
+
+
+def test_options_a_kind_cannot_honour_are_refused_before_anything_starts(
+    tmp_path: Path, reranker: Path
+) -> None:
+    from chunkq.supervisor.request import submit_request
+
+    corpus = _write_pairs(tmp_path / "p.jsonl", _pairs(4, seed=2))
+    store = tmp_path / "store"
+    pairs = {"text_field": "query", "pair_field": "passage"}
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"text_field": "query"}, "a cross-encoder scores pairs: give --pair-field"),
+        ({**pairs, "normalize": True}, "--kind cross: a cross-encoder gives scores, not vectors"),
+        ({**pairs, "output_dtype": "int8"}, "scores are stored as float32 or float16, not int8"),
+        ({**pairs, "long_texts": "window"}, "--long-texts window is for dense models; this model's kind is cross"),
+        ({**pairs, "kind": "sparse"}, "kind 'sparse' is not built yet; chunkq runs dense, cross"),
+    ]
+    for given, message in cases:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            submit_request([corpus], store, str(reranker), **given)
+    with pytest.raises(ConfigError, match="--pair-field is for a cross-encoder"):
+        submit_request([corpus], store, None, **pairs)
+    # The same refusal from the command line: one line, before a run exists.
+    done = run_cli(
+        "run", str(corpus), "--model", str(reranker), "--text-field", "query", "--store", str(store)
+    )
+    assert done.returncode != 0 and "give --pair-field" in done.stderr.strip().splitlines()[-1], done.stderr
+    assert "Traceback" not in done.stderr and not (store / "runs").exists()
+
+
+@pytest.mark.slow
+def test_a_cross_encoder_run_equals_predict_through_a_sigkill_and_an_oom_back_off(
+    tmp_path: Path, reranker: Path
+) -> None:
+    """``chunkq run`` of 60 pairs in chunks of 20: chunk 0 runs out of memory above batch 4 (halved
+    to 4), chunk 1's first worker is SIGKILLed; the scores equal ``CrossEncoder.predict`` on the
+    same pairs within 1e-5, in corpus order with their ids. A second run reads every score from
+    the vector cache, keyed by both texts of a pair."""
+    from sentence_transformers import CrossEncoder
+
+    rows = _pairs(60, seed=3)
+    corpus = _write_pairs(tmp_path / "pairs.jsonl", rows)
+    store = tmp_path / "store"
+    faults = json.dumps(
+        [
+            {"kind": "oom", "chunks": [0], "above_batch": 4},
+            {"kind": "sigkill", "chunks": [1], "attempts": [1]},
+        ]
+    )
+    args = [
+        "--model",
+        str(reranker),
+        "--text-field",
+        "query",
+        "--pair-field",
+        "passage",
+        "--chunk-size",
+        "20",
+    ]
+    done = run_cli(
+        "run", str(corpus), *args, "--batch-size", "16", "--store", str(store), CHUNKQ_FAULTS=faults
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "60 x 1 scores" in done.stdout, done.stdout
+    layout = only_run(store)
+    got = np.load(layout.result / "embeddings.npy")
+    ids = [json.loads(x) for x in (layout.result / "ids.jsonl").read_text().splitlines()]
+    want = CrossEncoder(str(reranker), device="cpu").predict([(r["query"], r["passage"]) for r in rows])
+    assert ids == [r["id"] for r in rows]
+    assert got.shape == (60, 1) and max_abs_diff(got[:, 0], np.asarray(want)) <= 1e-5
+    first = json.loads(layout.output_meta(0).read_text())
+    assert [b["batch_size"] for b in first["oom_backoffs"]] == [16, 8] and first["batch_size"] == 4
+    assert json.loads(layout.output_meta(1).read_text())["attempt"] == 2
+    again = run_cli("run", str(corpus), *args, "--store", str(tmp_path / "store"), "--run-id", "again")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "0 encoded, 59 from the vector cache, 1 duplicate" in again.stdout, again.stdout
+
+
+@pytest.mark.slow
+def test_a_cross_encoder_with_classes_gives_a_row_of_class_scores(tmp_path: Path) -> None:
+    from sentence_transformers import CrossEncoder
+
+    model = _cross_encoder(tmp_path, labels=3, save_as_st=False)
+    rows = _pairs(12, seed=4)
+    corpus = _write_pairs(tmp_path / "pairs.jsonl", rows)
+    args = ["--model", str(model), "--text-field", "query", "--pair-field", "passage", "--chunk-size", "5"]
+    done = run_cli("run", str(corpus), *args, "--output-dtype", "float16", "--store", str(tmp_path / "s"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = np.load(only_run(tmp_path / "s").result / "embeddings.npy")
+    want = CrossEncoder(str(model), device="cpu").predict([(r["query"], r["passage"]) for r in rows])
+    assert got.dtype == np.float16 and got.shape == (12, 3)
+    assert max_abs_diff(got, np.asarray(want, dtype=np.float16)) <= 1e-3  # float16's own rounding
