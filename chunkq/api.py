@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from chunkq.jobs.errors import ConfigError, NonFiniteError, StoreError
+from chunkq.jobs.kinds.cross import pair_text
 from chunkq.jobs.manifest import load_manifest
 from chunkq.jobs.model_info import describe
 from chunkq.jobs.models import check_model, default_model, resolve_model
@@ -29,7 +30,7 @@ from chunkq.jobs.storage import is_local, open_store, private_open
 from chunkq.queue_worker.settings import DEFAULT_STORE
 from chunkq.supervisor.display import ProgressDisplay
 from chunkq.supervisor.progress import store_snapshot
-from chunkq.supervisor.request import ENCODE_NAMES, build_run_request, encode_options_of, finished_result
+from chunkq.supervisor.request import ENCODE_NAMES, build_run_request, encode_options_for, finished_result
 from chunkq.supervisor.result import (
     ResultPart,
     ShardedEmbeddings,
@@ -193,6 +194,10 @@ def embed(
     ``long_texts="window"`` or ``"late"`` (a run) returns a ``Windowed``: a row per window of each
     text, which text and character span each row is, and with ``pool="mean"`` or ``"weighted"`` a
     vector per text. ``"late"`` pools each window from one pass over the segment around it.
+
+    A cross-encoder (``kind="cross"``, or a model whose files say so) takes (query, passage) pairs
+    and returns a score per pair (a row of class scores for a classifier), as
+    ``CrossEncoder.predict`` does.
     """
     import numpy as np
 
@@ -207,15 +212,18 @@ def embed(
         if isolated is False or (not others and len(texts) <= IN_PROCESS_TEXTS):
             if others:
                 raise ConfigError(f"isolated=False takes encoding options only, not {others}")
-            return _embed_in_process(texts, model, encode_options_of(options))
+            return _embed_in_process(texts, model, options)
         texts_or_path = texts
     with tempfile.TemporaryDirectory(prefix="chunkq-") as scratch:
         if isinstance(texts_or_path, str | Path):
             corpus: str | Path = texts_or_path
         else:
             corpus = Path(scratch) / "texts.jsonl"
-            if not _write_texts(corpus, texts_or_path):
+            written, paired = _write_texts(corpus, texts_or_path)
+            if not written:
                 return _empty(model, options)
+            if paired:
+                options = {**options, "pair_field": PAIR_FIELD}
         result = run(corpus, model, store=store or Path(scratch) / "store", **options)
         if options.get("long_texts") in ("window", "late"):
             return _windowed(result)  # type: ignore[return-value]
@@ -234,7 +242,7 @@ def _windowed(result: RunResult) -> Windowed:
     return Windowed(np.array(result.embeddings(mmap=False)), windows, result.text_embeddings())
 
 
-def _embed_in_process(texts: list[str], model: str | None, options: EncodeOptions) -> np.ndarray:
+def _embed_in_process(texts: list[Any], model: str | None, given: dict[str, Any]) -> np.ndarray:
     """``texts`` encoded here as a run's worker encodes a chunk (same options, same batches, same
     checks), stored as the run would store them. int8/uint8 ranges come from these texts encoded in
     fp32, as a run's calibration does from up to 1,000 of its texts."""
@@ -244,13 +252,13 @@ def _embed_in_process(texts: list[str], model: str | None, options: EncodeOption
     from chunkq.jobs import models, quantize, token_batches
     from chunkq.jobs.calibrate import ranges_here
     from chunkq.jobs.embed import encode_texts
-    from chunkq.jobs.model_info import check_options
     from chunkq.jobs.run_files import non_finite_rows
 
     name = check_model(model) if model else default_model()
-    check_options(describe(name, options.revision), options)
+    options = encode_options_for(name, given)
     if not texts:
         return _empty(name, options.to_dict())
+    texts = _row_texts(texts, options.kind)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     work = token_batches.for_device(options, device)
     if work.batch_tokens == "auto":
@@ -290,15 +298,37 @@ def _empty(model: str | None, options: dict[str, Any]) -> np.ndarray:
     return np.empty((0, columns), dtype=storage_dtype(encode.output_dtype))
 
 
-def _write_texts(path: Path, texts: Iterable[str]) -> int:
-    """Write ``texts`` as a JSON Lines corpus; how many there were."""
-    number = 0
+PAIR_FIELD = "passage"  # where embed writes a pair's second text in its temporary corpus
+
+
+def _pair(item: Any, number: int) -> tuple[str, str] | None:
+    """``item`` as a (query, passage) pair, None if it is a text; ConfigError if it is neither."""
+    if isinstance(item, str):
+        return None
+    if isinstance(item, tuple | list) and len(item) == 2 and all(isinstance(p, str) for p in item):
+        return item[0], item[1]
+    raise ConfigError(f"text {number} is {type(item).__name__}, not a string or a (query, passage) pair")
+
+
+def _row_texts(items: list[Any], kind: str) -> list[str]:
+    """What a chunk's rows hold for ``kind``: the texts, or each pair as one row text."""
+    pairs = [_pair(item, n) for n, item in enumerate(items, 1)]
+    if (kind == "cross") != (pairs[0] is not None) or any((p is None) != (pairs[0] is None) for p in pairs):
+        want = "(query, passage) pairs" if kind == "cross" else "texts"
+        raise ConfigError(f"a {kind} model takes {want}, given {type(items[0]).__name__}s")
+    return [item if pair is None else pair_text(*pair) for item, pair in zip(items, pairs, strict=True)]
+
+
+def _write_texts(path: Path, texts: Iterable[Any]) -> tuple[int, bool]:
+    """Write ``texts`` (or (query, passage) pairs) as a JSON Lines corpus: (how many, whether pairs)."""
+    number, paired = 0, False
     with private_open(path, "w", encoding="utf-8") as fh:
-        for number, text in enumerate(texts, 1):
-            if not isinstance(text, str):
-                raise ConfigError(f"text {number} is {type(text).__name__}, not a string")
-            fh.write(json.dumps({"text": text}) + "\n")
-    return number
+        for number, item in enumerate(texts, 1):
+            pair = _pair(item, number)
+            paired = pair is not None
+            row = {"text": item} if pair is None else {"text": pair[0], PAIR_FIELD: pair[1]}
+            fh.write(json.dumps(row) + "\n")
+    return number, paired
 
 
 __all__ = ["RunResult", "Windowed", "embed", "run"]

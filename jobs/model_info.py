@@ -136,6 +136,13 @@ _MODEL_TYPES = {
 }
 
 
+def _labels(folder: Path) -> int | None:
+    """A cross-encoder's scores per pair: its classifier's labels (config.json)."""
+    config = _json(folder / "config.json") or {}
+    labels = config.get("num_labels") or len(config.get("id2label") or {}) or None
+    return int(labels) if isinstance(labels, int) else None
+
+
 def _kind(folder: Path, st_config: dict[str, Any]) -> str:
     """What the model's files say it is: sentence-transformers' own "model_type" where it wrote
     one; else a sequence classifier without a module list is a cross-encoder (as sentence-transformers
@@ -163,12 +170,13 @@ def describe(ref: str, revision: str | None = None) -> ModelInfo:
     if folder is None:
         return ModelInfo(ref, None, None, None)
     st_config = _json(folder / "config_sentence_transformers.json") or {}
+    kind = _kind(folder, st_config)
     prompts = st_config.get("prompts")
     prompts = prompts if isinstance(prompts, dict) else {}
     return ModelInfo(
         ref=ref,
         folder=str(folder),
-        dim=_dimension(folder),
+        dim=_labels(folder) if kind == "cross" else _dimension(folder),
         max_seq_length=_max_seq_length(folder),
         prompts={str(k): str(v) for k, v in prompts.items()},
         default_prompt_name=st_config.get("default_prompt_name") or None,
@@ -176,7 +184,7 @@ def describe(ref: str, revision: str | None = None) -> ModelInfo:
         revision=found_revision,
         normalizes=any(kind.endswith("Normalize") for kind, _ in _modules(folder)),
         pooling=_pooling(folder),
-        kind=_kind(folder, st_config),
+        kind=kind,
     )
 
 

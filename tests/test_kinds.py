@@ -121,7 +121,10 @@ def test_options_a_kind_cannot_honour_are_refused_before_anything_starts(
         ({"text_field": "query"}, "a cross-encoder scores pairs: give --pair-field"),
         ({**pairs, "normalize": True}, "--kind cross: a cross-encoder gives scores, not vectors"),
         ({**pairs, "output_dtype": "int8"}, "scores are stored as float32 or float16, not int8"),
-        ({**pairs, "long_texts": "window"}, "--long-texts window is for dense models; this model's kind is cross"),
+        (
+            {**pairs, "long_texts": "window"},
+            "--long-texts window is for dense models; this model's kind is cross",
+        ),
         ({**pairs, "kind": "sparse"}, "kind 'sparse' is not built yet; chunkq runs dense, cross"),
     ]
     for given, message in cases:
@@ -199,3 +202,30 @@ def test_a_cross_encoder_with_classes_gives_a_row_of_class_scores(tmp_path: Path
     want = CrossEncoder(str(model), device="cpu").predict([(r["query"], r["passage"]) for r in rows])
     assert got.dtype == np.float16 and got.shape == (12, 3)
     assert max_abs_diff(got, np.asarray(want, dtype=np.float16)) <= 1e-3  # float16's own rounding
+
+
+def test_the_python_api_scores_pairs_in_process(reranker: Path) -> None:
+    from sentence_transformers import CrossEncoder
+
+    import chunkq
+
+    rows = _pairs(9, seed=5)
+    pairs = [(r["query"], r["passage"]) for r in rows]
+    want = np.asarray(CrossEncoder(str(reranker), device="cpu").predict(pairs))
+    here = chunkq.embed(pairs, model=str(reranker))
+    assert here.shape == (9, 1) and max_abs_diff(here[:, 0], want) <= 1e-5
+    with pytest.raises(ConfigError, match="a cross model takes \\(query, passage\\) pairs, given strs"):
+        chunkq.embed(["a text"], model=str(reranker))
+    assert chunkq.embed([], model=str(reranker)).shape == (0, 1)
+
+
+@pytest.mark.slow
+def test_the_python_api_scores_pairs_through_a_run(reranker: Path) -> None:
+    from sentence_transformers import CrossEncoder
+
+    import chunkq
+
+    pairs = [(r["query"], r["passage"]) for r in _pairs(9, seed=6)]
+    want = np.asarray(CrossEncoder(str(reranker), device="cpu").predict(pairs))
+    got = chunkq.embed(pairs, model=str(reranker), isolated=True, chunk_size=4)
+    assert got.shape == (9, 1) and max_abs_diff(got[:, 0], want) <= 1e-5
