@@ -78,6 +78,8 @@ def test_the_kind_is_read_from_the_models_files_and_unbuilt_kinds_are_refused(
     assert kinds.get("cross").reference == "CrossEncoder.predict(pairs)"
     with pytest.raises(ConfigError, match="kind 'sparse' is not built yet"):
         kinds.get("sparse")
+    shown = run_cli("model", str(reranker))
+    assert "kind                cross: a score per (query, passage) pair" in shown.stdout, shown.stdout
 
 
 def test_a_pair_corpus_is_read_from_json_lines_csv_and_parquet(tmp_path: Path) -> None:

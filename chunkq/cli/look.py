@@ -15,7 +15,7 @@ from chunkq.cli.common import (
     store_option,
 )
 from chunkq.cli.group import command
-from chunkq.jobs import model_info
+from chunkq.jobs import kinds, model_info
 from chunkq.jobs.manifest import load_manifest
 from chunkq.jobs.models import check_model, default_model
 from chunkq.jobs.run_files import RunLayout
@@ -161,12 +161,24 @@ def model_cmd(model: str | None, revision: str | None, as_json: bool, redis_url:
         f"model               {info.ref}\n"
         f"files               {info.folder or 'not on this host'}\n"
         f"revision            {info.revision or '-'}\n"
-        f"dimension           {info.dim or 'unknown'} (--truncate-dim may keep fewer)\n"
+        f"kind                {_kind_line(info.kind)}\n"
+        f"dimension           {info.dim or 'unknown'}{_dim_note(info.kind)}\n"
         f"max sequence length {info.max_seq_length or 'the tokenizer maximum'} tokens (--max-seq-length)\n"
         f"remote code         {'needed: --trust-remote-code' if info.remote_code else 'no'}\n"
         f"default prompt      {default}\n"
         f"named prompts (--prompt-name)\n{prompts}"
     )
+
+
+def _kind_line(kind: str) -> str:
+    if kind in kinds.KINDS:
+        found = kinds.KINDS[kind]
+        return f"{kind}: {found.row}, as {found.reference} (--kind)"
+    return f"{kind} (not built yet: chunkq refuses to run it)"
+
+
+def _dim_note(kind: str) -> str:
+    return " score(s) per pair" if kind == "cross" else " (--truncate-dim may keep fewer)"
 
 
 @command("doctor")
