@@ -24,6 +24,7 @@ from chunkq.jobs.manifest import load_manifest
 from chunkq.jobs.model_info import describe
 from chunkq.jobs.models import check_model, default_model, resolve_model
 from chunkq.jobs.quantize import stored_columns
+from chunkq.jobs.ragged import Ragged
 from chunkq.jobs.run_files import RunLayout, load_npy
 from chunkq.jobs.specs import CALIBRATED_DTYPES, EncodeOptions, storage_dtype
 from chunkq.jobs.storage import is_local, open_store, private_open
@@ -89,6 +90,8 @@ class RunResult:
         import numpy as np
 
         manifest, parts = self._parts()
+        if manifest.get("ragged") is not None:
+            raise ConfigError(f"run {self.run_id} holds sparse vectors, not a matrix: use .sparse()")
         if manifest.get("shards") is not None:
             dtype = storage_dtype(str(manifest.get("dtype", "float32")))
             return ShardedEmbeddings(parts, int(manifest["dim"]), dtype)
@@ -96,6 +99,17 @@ class RunResult:
             return load_npy(parts[0].embeddings)  # memory-mapped here, read whole from an object store
         array: np.ndarray = np.load(parts[0].embeddings, allow_pickle=False)
         return array
+
+    def sparse(self) -> Ragged:
+        """A sparse run's vectors as CSR (``offsets``, ``arrays["indices"]``, ``arrays["values"]``,
+        ``dim``): row i's active dimensions are ``indices[offsets[i]:offsets[i + 1]]``."""
+        from chunkq.supervisor import ragged_result
+
+        manifest, _ = self._parts()
+        if manifest.get("ragged") is None:
+            raise ConfigError(f"run {self.run_id} holds a matrix, not sparse vectors: use .embeddings()")
+        arrays = ragged_result.load(self.result_dir)
+        return Ragged(arrays.pop("offsets"), arrays, int(manifest["dim"]))
 
     def ids(self) -> list[Any]:
         """Each row's id, in order: a string, or with ``long_texts="window"`` an object (the text's
@@ -197,7 +211,8 @@ def embed(
 
     A cross-encoder (``kind="cross"``, or a model whose files say so) takes (query, passage) pairs
     and returns a score per pair (a row of class scores for a classifier), as
-    ``CrossEncoder.predict`` does.
+    ``CrossEncoder.predict`` does. A sparse model returns its vectors as CSR, a
+    ``chunkq.jobs.ragged.Ragged`` (``offsets``, ``arrays["indices"]``, ``arrays["values"]``).
     """
     import numpy as np
 
@@ -227,6 +242,8 @@ def embed(
         result = run(corpus, model, store=store or Path(scratch) / "store", **options)
         if options.get("long_texts") in ("window", "late"):
             return _windowed(result)  # type: ignore[return-value]
+        if read_result_manifest(RunLayout(result.store, result.run_id)).get("ragged") is not None:
+            return result.sparse()  # type: ignore[return-value]
         return np.array(result.embeddings(mmap=False))
 
 
@@ -265,6 +282,8 @@ def _embed_in_process(texts: list[Any], model: str | None, given: dict[str, Any]
         work = replace(work, batch_tokens=token_batches.AUTO_START_TOKENS)
     loaded = models.get_model(name, device, options.precision, options)
     embeddings = encode_texts(loaded, texts, work)
+    if isinstance(embeddings, Ragged):
+        return embeddings
     bad = non_finite_rows(embeddings)
     if len(bad):
         raise NonFiniteError(

@@ -46,6 +46,7 @@ from chunkq.jobs.errors import (
     TamperedJobError,
 )
 from chunkq.jobs.manifest import RunManifest, load_manifest
+from chunkq.jobs.ragged import Ragged, write_ragged_output
 from chunkq.jobs.run_files import (
     RunLayout,
     non_finite_rows,
@@ -72,7 +73,8 @@ def encode_texts(
     so far after each batch."""
     # The cached model is shared by every run this process serves, so set the length on each call.
     loaded.model.max_seq_length = options.max_seq_length or loaded.default_max_seq_length
-    return kinds.get(options.kind).encode(loaded.model, texts, options, on_rows)
+    encoded: np.ndarray[Any, Any] = kinds.get(options.kind).encode(loaded.model, texts, options, on_rows)
+    return encoded
 
 
 WARM_UP_TOKENS_GPU = (16, 64, 256, 512)  # lengths a warm-up encode covers, capped at the model's maximum
@@ -175,6 +177,11 @@ def encode_with_backoff(
         log.warning("chunk %s: %s; retrying with %s %d", chunk.job_id, backoffs[-1]["error"], what, batch)
 
 
+def _width(encoded: Any) -> int:
+    """The dimensions a chunk's rows have: a matrix's columns, a ragged output's space."""
+    return encoded.dim if isinstance(encoded, Ragged) else int(encoded.shape[1])
+
+
 def _where(ctx: runtime.WorkerContext) -> str:
     return f"GPU {ctx.gpu} ({ctx.device_kind})" if ctx.gpu is not None else ctx.device
 
@@ -200,6 +207,13 @@ def encode_finite(
     are encoded again in float32 once, or fail the chunk. Returns what fitted and, after a float32
     encode, what it was for (for the output's metadata)."""
     encoded = encode_with_backoff(loaded, texts, chunk, attempt, start_batch, ctx, on_rows)
+    if isinstance(encoded.embeddings, Ragged):
+        values = encoded.embeddings.arrays.get("values")
+        if values is not None and not bool(np.isfinite(values).all()):
+            bad_entries = np.flatnonzero(~np.isfinite(values))
+            rows = np.unique(np.searchsorted(encoded.embeddings.offsets, bad_entries, side="right") - 1)
+            raise _non_finite_error(chunk, rows, f"in {chunk.options.precision}")
+        return encoded, None
     bad = non_finite_rows(encoded.embeddings)
     if not len(bad):
         return encoded, None
@@ -343,7 +357,7 @@ def _embed(chunk: ChunkSpec) -> dict[str, Any]:
         "device_kind": ctx.device_kind,
         "gpu": ctx.gpu,
         "precision": chunk.options.precision,
-        "embedding_dim": int(encoded.embeddings.shape[1]),  # before packing bits
+        "embedding_dim": _width(encoded.embeddings),  # before packing bits
         "batch_size": chunk.options.batch_size if by_tokens else encoded.limit,
         "batch_size_requested": chunk.options.batch_size,
         "batch_tokens": encoded.limit if by_tokens else None,
@@ -361,10 +375,13 @@ def _embed(chunk: ChunkSpec) -> dict[str, Any]:
         "finished_at": datetime.now(UTC).isoformat(),
         "rows_at": progress.samples,  # [seconds since started_at, rows encoded by then], for the report
     }
-    stored = quantize.convert(encoded.embeddings, manifest.chunk_dtype, manifest.ranges)
-    if stored.dtype.kind == "f" and len(overflow := non_finite_rows(stored)):
-        raise _non_finite_error(chunk, overflow, f"once stored as {manifest.chunk_dtype}")
-    published = write_output(layout, chunk.index, stored, meta, manifest.chunk_dtype)
+    if isinstance(encoded.embeddings, Ragged):
+        published = write_ragged_output(layout, chunk.index, encoded.embeddings, meta, chunk.options.kind)
+    else:
+        stored = quantize.convert(encoded.embeddings, manifest.chunk_dtype, manifest.ranges)
+        if stored.dtype.kind == "f" and len(overflow := non_finite_rows(stored)):
+            raise _non_finite_error(chunk, overflow, f"once stored as {manifest.chunk_dtype}")
+        published = write_output(layout, chunk.index, stored, meta, manifest.chunk_dtype)
     log.info(
         "chunk %s: %d rows in %.2f s (%s %d)",
         chunk.job_id,

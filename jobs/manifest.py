@@ -14,7 +14,7 @@ from typing import Any
 
 from chunkq.jobs.errors import RunNotFoundError
 from chunkq.jobs.run_files import RunLayout, read_json
-from chunkq.jobs.specs import ChunkSpec, EncodeOptions
+from chunkq.jobs.specs import DEFAULT_KIND, ChunkSpec, EncodeOptions
 
 
 @dataclass(frozen=True)
@@ -121,6 +121,11 @@ class RunManifest:
     @property
     def model(self) -> str:
         return str(self.data["model"])
+
+    @property
+    def kind(self) -> str:
+        """The run's model kind (jobs.kinds); runs from before kinds are dense."""
+        return str(self.data["options"].get("kind", DEFAULT_KIND))
 
     @property
     def options(self) -> dict[str, Any]:

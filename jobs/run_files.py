@@ -81,6 +81,10 @@ class RunLayout:
     def output_npy(self, index: int) -> Path:
         return self._path("outputs", f"{chunk_name(index)}.npy")
 
+    def output_array(self, index: int, name: str) -> Path:
+        """One of a ragged output's entry arrays (jobs.ragged), beside its offsets (``output_npy``)."""
+        return self._path("outputs", f"{chunk_name(index)}.{name}.npy")
+
     def output_meta(self, index: int) -> Path:
         return self._path("outputs", f"{chunk_name(index)}.json")
 
@@ -270,7 +274,12 @@ def verify_output(
         array = load_npy(npy_path)
     except (OSError, ValueError) as exc:
         return None, f"{npy_path.name} unreadable: {exc}"
-    why = _array_problem(npy_path.name, array, meta, expected_rows, producer)
+    if "arrays" in meta:  # a ragged output: npy_path holds its row offsets
+        from chunkq.jobs.ragged import ragged_problem  # it writes with this module's helpers
+
+        why = ragged_problem(layout, index, array, meta, expected_rows)
+    else:
+        why = _array_problem(npy_path.name, array, meta, expected_rows, producer)
     if why:
         return None, why
     if meta.get("run_id") != layout.run_id or meta.get("chunk") != index:

@@ -74,6 +74,7 @@ MODEL_KWARGS = {
     "dtype": ("auto", "float32", "float16", "bfloat16"),
     "torch_dtype": ("auto", "float32", "float16", "bfloat16"),
 }
+ROLES = (None, "query", "document")  # --role: plain encode, or the model's query/document routing
 DEFAULT_KIND = "dense"  # what every run was before kinds (jobs.kinds)
 _NEW_FIELD_DEFAULTS = {  # left out of to_dict when unset, so older runs keep their fingerprint
     "batch_tokens": None,
@@ -86,6 +87,8 @@ _NEW_FIELD_DEFAULTS = {  # left out of to_dict when unset, so older runs keep th
     "model_kwargs": None,
     "late_chunking": False,
     "kind": DEFAULT_KIND,
+    "role": None,
+    "max_active_dims": None,
 }
 
 
@@ -147,6 +150,8 @@ class EncodeOptions:
     model_kwargs: dict[str, str] | None = None  # MODEL_KWARGS only
     late_chunking: bool = False  # rows are late-chunking windows (jobs.late), pooled from one pass
     kind: str = DEFAULT_KIND  # the model's kind (jobs.kinds): dense vectors, cross-encoder scores, ...
+    role: str | None = None  # "query" or "document": the model's encode_query / encode_document
+    max_active_dims: int | None = None  # sparse: keep each vector's N largest values
 
     def __post_init__(self) -> None:
         if (
@@ -175,6 +180,9 @@ class EncodeOptions:
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise ConfigError(f"{name} must be a string, got {value!r}")
+        if self.role not in ROLES:
+            raise ConfigError(f"role must be one of {', '.join(map(str, ROLES[1:]))}, got {self.role!r}")
+        _positive("max_active_dims", self.max_active_dims)
         if not isinstance(self.kind, str) or not self.kind:
             raise ConfigError(f"kind must be a name, got {self.kind!r}")
         if not isinstance(self.late_chunking, bool):

@@ -21,9 +21,11 @@ from typing import Any
 
 import numpy as np
 
+from chunkq.jobs import kinds
 from chunkq.jobs.errors import AssemblyError, BadInputError
 from chunkq.jobs.manifest import RunManifest, load_manifest
 from chunkq.jobs.quantize import convert, derived_floats, stored_columns
+from chunkq.jobs.ragged import SCHEMAS
 from chunkq.jobs.run_files import (
     MANIFEST_NAME,
     RunLayout,
@@ -35,7 +37,7 @@ from chunkq.jobs.run_files import (
 from chunkq.jobs.specs import PACKED_DTYPES, EncodeOptions, storage_dtype
 from chunkq.jobs.storage import is_local, publish_file
 from chunkq.jobs.vector_cache import VectorCache, producer
-from chunkq.supervisor import plan
+from chunkq.supervisor import plan, ragged_result
 from chunkq.supervisor.progress import Failure
 from chunkq.supervisor.result import (
     DEFAULT_SHARD_BYTES,
@@ -112,7 +114,8 @@ def set_aside(layout: RunLayout, index: int) -> str:
     next run counts the chunk as not done and encodes it again; where it went, or "" if nothing."""
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S%f")
     moved = ""
-    for path in (layout.output_meta(index), layout.output_npy(index)):  # the commit marker first
+    arrays = [layout.output_array(index, name) for names in SCHEMAS.values() for name in names]
+    for path in (layout.output_meta(index), layout.output_npy(index), *arrays):  # the commit marker first
         if path.exists():
             target = layout.damaged_outputs / f"{path.stem}-{stamp}{path.suffix}"
             if is_local(path):
@@ -222,12 +225,16 @@ def assemble(
     if manifest.plan is not None:  # the chunks hold full float32 vectors; the result is derived
         embedding_dim = int(manifest.options.get("truncate_dim") or dim)
         columns = stored_columns(embedding_dim, manifest.output_dtype)
+    ragged = kinds.get(manifest.kind).ragged
     writer = ResultWriter(
         built, total, columns, dtype, shard_bytes, upload_to=layout.result if remote else None
     )
     try:
-        _write_result(layout, manifest, writer, set(skip), dim, built)
-        files = writer.finish()
+        if ragged:
+            files = ragged_result.write(layout, manifest, set(skip), built, total)
+        else:
+            _write_result(layout, manifest, writer, set(skip), dim, built)
+            files = writer.finish()
         if writer.extra is not None:
             windows = (manifest.plan or {}).get("windows") or {}
             files["texts"] = {**writer.extra.close(), "pool": windows.get("pool"), "dim": columns}

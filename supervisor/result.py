@@ -32,8 +32,10 @@ from typing import IO, Any
 
 import numpy as np
 
+from chunkq.jobs import kinds
 from chunkq.jobs.errors import ConfigError, StoreError
 from chunkq.jobs.manifest import RunManifest
+from chunkq.jobs.ragged import OFFSETS, SCHEMAS
 from chunkq.jobs.run_files import (
     MANIFEST_NAME,
     RunLayout,
@@ -58,6 +60,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SHARD_BYTES = 1 << 30  # 1 GiB of embeddings a shard; a result up to this size is one .npy
 SINGLE = ("embeddings.npy", "ids.jsonl")
+# A ragged result's arrays (supervisor.ragged_result), uploaded before the manifest as SINGLE's are.
+RAGGED_FILES = tuple(f"{name}.npy" for name in (OFFSETS, *sorted({n for s in SCHEMAS.values() for n in s})))
 TEXTS = ("texts.npy", "texts.ids.jsonl")  # --long-texts window --pool: a vector per text, beside the windows
 _SHARD_DIR = re.compile(r"shards-[0-9A-Za-z]{1,64}")
 
@@ -190,6 +194,10 @@ def result_disagreement(layout: RunLayout, result: Any, manifest: RunManifest) -
             f"result/manifest.json says {result.get('rows')!r} rows (complete: {result.get('complete')!r}), "
             f"the run's manifest and its missing chunks make {expected_rows}"
         )
+    if kinds.get(manifest.kind).ragged:
+        from chunkq.supervisor import ragged_result  # it writes with this module's names
+
+        return [*problems, *ragged_result.problems(layout, result, expected_rows, checksums=False)]
     # The dtype the run's manifest asks for: the result manifest's own word could be edited.
     expected_dtype = storage_dtype(manifest.output_dtype).str
     try:
@@ -264,6 +272,10 @@ def result_problems(
     problems = result_disagreement(layout, result, manifest)
     if problems or not checksums:
         return problems
+    if kinds.get(manifest.kind).ragged:
+        from chunkq.supervisor import ragged_result
+
+        return ragged_result.problems(layout, result, int(result["rows"]), checksums=True)
     return result_damage(layout, result) + texts_damage(layout, result)
 
 
@@ -436,7 +448,7 @@ def publish(built: Path, result: Path, uploaded: str | None) -> None:
         return
     if uploaded is None:
         (result / MANIFEST_NAME).unlink(missing_ok=True)  # uncommit a stale result before its files change
-    for name in (*SINGLE, *TEXTS):
+    for name in (*SINGLE, *TEXTS, *RAGGED_FILES):
         if (built / name).exists():
             publish_file(built / name, result / name)
     publish_file(built / MANIFEST_NAME, result / MANIFEST_NAME)

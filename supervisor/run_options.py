@@ -20,6 +20,7 @@ from chunkq.jobs.specs import (
     MODEL_KWARGS,
     OUTPUT_DTYPES,
     PRECISIONS,
+    ROLES,
     EncodeOptions,
     batch_tokens_value,
     model_kwargs_value,
@@ -61,6 +62,21 @@ RUN_OPTIONS: tuple[Option, ...] = (
         "pair, CrossEncoder.predict; with --pair-field). Default: what the model's files say.",
         kind="choice",
         choices=(*KINDS, *NOT_BUILT),
+    ),
+    _submit(
+        "role",
+        None,
+        "query or document: encode as the model's encode_query / encode_document do (its own prompt and "
+        "routing for that role). Default: a plain encode.",
+        kind="choice",
+        choices=ROLES[1:],
+    ),
+    _submit(
+        "max_active_dims",
+        None,
+        "--kind sparse: keep each vector's N largest values (SparseEncoder's max_active_dims).",
+        kind="int",
+        low=1,
     ),
     _submit(
         "run_id",

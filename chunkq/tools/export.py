@@ -23,6 +23,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from chunkq.jobs import kinds
 from chunkq.jobs.errors import AssemblyError, ConfigError, StoreError
 from chunkq.jobs.manifest import load_manifest
 from chunkq.jobs.run_files import RunLayout, read_json, read_npy_header
@@ -215,6 +216,8 @@ def _outside_the_store(layout: RunLayout, out: Path) -> None:
 def export(layout: RunLayout, fmt: str, out: Path, force: bool = False) -> list[Path]:
     """Write the run's result to ``out`` in ``fmt``; the files written."""
     _outside_the_store(layout, out)
+    if kinds.get(load_manifest(layout).kind).ragged:
+        return _export_ragged(layout, fmt, _target(out, force, fmt))
     target = _target(out, force, fmt)
     reader = _ResultReader(layout)
     if fmt == "parquet":
@@ -268,3 +271,45 @@ def _parquet(reader: _ResultReader, out: _Target) -> None:
                 else:
                     data["id"] = pa.array(ids, pa.string())
                 writer.write_table(pa.table(data, schema=schema))
+
+
+def _export_ragged(layout: RunLayout, fmt: str, target: _Target) -> list[Path]:
+    """A sparse result as Parquet (``id``, ``indices`` list<int32>, ``values`` list<float32>) or JSON
+    Lines (the same fields), its files checked against their checksums first."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from chunkq.supervisor import ragged_result
+
+    run = load_manifest(layout)
+    if not layout.result_manifest.is_file():
+        raise StoreError(f"run {layout.run_id} has no published result; run it to the end first")
+    result = read_json(layout.result_manifest)
+    damage = result_problems(layout, result, run, checksums=True)
+    if damage:
+        raise AssemblyError(layout.run_id, [f"the published result is damaged: {'; '.join(damage)}"])
+    if fmt == "npy":
+        raise ConfigError(f"a {run.kind} result has no matrix to write as .npy; export parquet or jsonl")
+    arrays = ragged_result.load(layout.result)
+    offsets, names = arrays.pop("offsets"), list(arrays)
+    with open(layout.result / "ids.jsonl", encoding="utf-8") as fh:
+        ids = [json.loads(line) for line in fh]
+    if fmt == "jsonl":
+        with _written_whole(target) as tmp, open(tmp, "w", encoding="utf-8") as out:
+            for row, rid in enumerate(ids):
+                a, b = int(offsets[row]), int(offsets[row + 1])
+                fields = {name: arrays[name][a:b].tolist() for name in names}
+                out.write(json.dumps({"id": rid, **fields}, ensure_ascii=False) + "\n")
+        return [target.path]
+    types = {name: pa.from_numpy_dtype(arrays[name].dtype) for name in names}
+    schema = pa.schema([("id", pa.string()), *((name, pa.list_(types[name])) for name in names)])
+    with _written_whole(target) as tmp, pq.ParquetWriter(tmp, schema) as writer:
+        for start in range(0, len(ids), BATCH_ROWS):
+            stop = min(start + BATCH_ROWS, len(ids))
+            cut = offsets[start : stop + 1]
+            data: dict[str, Any] = {"id": pa.array(ids[start:stop], pa.string())}
+            for name in names:
+                values = pa.array(arrays[name][int(cut[0]) : int(cut[-1])], type=types[name])
+                data[name] = pa.ListArray.from_arrays(pa.array(cut - cut[0], pa.int32()), values)
+            writer.write_table(pa.table(data, schema=schema))
+    return [target.path]

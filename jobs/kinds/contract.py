@@ -6,12 +6,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from chunkq.jobs.specs import EncodeOptions
 
 OnRows = Callable[[int], None] | None
-Encoder = Callable[[Any, list[str], EncodeOptions, OnRows], np.ndarray[Any, Any]]
+# A chunk's row texts to a float32 matrix, row for row, or for a ragged kind a jobs.ragged.Ragged.
+Encoder = Callable[[Any, list[str], EncodeOptions, OnRows], Any]
 
 
 @dataclass(frozen=True)
@@ -21,6 +20,11 @@ class Kind:
     reference: str  # the sentence-transformers call a run of this kind equals, row for row
     row: str  # what a result row holds, in words
     rows_are: str  # what the result's rows are called: "embeddings", "scores"
-    encode: Encoder  # a chunk's row texts to a float32 matrix, row for row
+    encode: Encoder
     warm_up: Callable[[Any, list[int]], None]  # run once in a fresh worker, on inputs of these token lengths
     refuse: Callable[[EncodeOptions], str | None]  # why these options mean nothing for it, or None
+    ragged: bool = False  # its rows vary in length (jobs.ragged): no vector cache, no windows
+
+    @property
+    def matrix(self) -> bool:
+        return not self.ragged

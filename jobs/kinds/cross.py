@@ -74,6 +74,8 @@ def warm_up(model: Any, lengths: list[int]) -> None:
 def refuse(options: EncodeOptions) -> str | None:
     if options.truncate_dim or options.normalize_embeddings or options.late_chunking:
         return "a cross-encoder gives scores, not vectors: no --truncate-dim, --normalize or late chunking"
+    if options.role or options.max_active_dims:
+        return "a pair has no query or document role, and no active dimensions"
     if options.output_dtype not in SCORE_DTYPES:
         return f"scores are stored as {' or '.join(SCORE_DTYPES)}, not {options.output_dtype}"
     return None

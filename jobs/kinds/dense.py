@@ -26,7 +26,44 @@ def encode(model: Any, texts: list[str], options: EncodeOptions, on_rows: OnRows
         return late.encode(
             model, texts, lambda lengths: token_batches.batches(lengths, limit, by_tokens), kwargs, on_rows
         )
+    if options.role:
+        return _encode_with_role(model, texts, options.role, limit, by_tokens, kwargs, on_rows)
     return token_batches.encode(model, texts, limit, kwargs, by_tokens=by_tokens, on_rows=on_rows)
+
+
+def _encode_with_role(
+    model: Any,
+    texts: list[str],
+    role: str,
+    limit: int,
+    by_tokens: bool,
+    kwargs: dict[str, Any],
+    on_rows: OnRows,
+) -> np.ndarray[Any, Any]:
+    """``encode_query``/``encode_document`` a batch at a time: the model's own routing (its "query"
+    or "document" prompt, its router's task), which a named prompt alone does not set."""
+    call = getattr(model, f"encode_{role}")
+    lengths = token_batches.token_lengths(model, texts, int(model.max_seq_length))
+    out = np.empty((len(texts), 0), dtype=np.float32)
+    done = 0
+    for batch in token_batches.batches(lengths, limit, by_tokens):
+        rows = np.asarray(
+            call(
+                [texts[i] for i in batch],
+                batch_size=len(batch),
+                convert_to_numpy=True,
+                show_progress_bar=False,
+                **kwargs,
+            ),
+            dtype=np.float32,
+        )
+        if out.shape[1] != rows.shape[1]:
+            out = np.empty((len(texts), rows.shape[1]), dtype=np.float32)
+        out[batch] = rows
+        done += len(batch)
+        if on_rows is not None:
+            on_rows(done)
+    return out
 
 
 def warm_up(model: Any, lengths: list[int]) -> None:
@@ -35,7 +72,7 @@ def warm_up(model: Any, lengths: list[int]) -> None:
 
 
 def refuse(options: EncodeOptions) -> str | None:
-    return None
+    return "--max-active-dims is for sparse models" if options.max_active_dims else None
 
 
 KIND = Kind(

@@ -1,0 +1,79 @@
+"""sparse: a sparse vector per text over the model's vocabulary (SPLADE and the like), as
+``SparseEncoder.encode_document`` / ``encode_query`` / ``encode`` give it, stored as CSR
+(jobs.ragged): each row's active indices in rising order and their values.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from chunkq.jobs import token_batches
+from chunkq.jobs.kinds.contract import Kind, OnRows
+from chunkq.jobs.ragged import SCHEMAS, Ragged
+from chunkq.jobs.specs import EncodeOptions
+
+
+def encode_call(model: Any, role: str | None) -> Any:
+    """The model's call for ``role``: ``encode_query``/``encode_document`` (its own routing and
+    prompts), or plain ``encode``."""
+    return getattr(model, f"encode_{role}") if role else model.encode
+
+
+def encode(model: Any, texts: list[str], options: EncodeOptions, on_rows: OnRows) -> Ragged:
+    call = encode_call(model, options.role)
+    lengths = token_batches.token_lengths(model, texts, int(model.max_seq_length))
+    by_tokens = isinstance(options.batch_tokens, int)
+    limit = options.batch_tokens if isinstance(options.batch_tokens, int) else options.batch_size
+    rows: list[dict[str, np.ndarray[Any, Any]]] = [{}] * len(texts)
+    dim = 0
+    done = 0
+    for batch in token_batches.batches(lengths, limit, by_tokens):
+        found = call(
+            [texts[i] for i in batch],
+            batch_size=len(batch),
+            prompt=options.prompt,
+            prompt_name=options.prompt_name,
+            convert_to_tensor=True,
+            convert_to_sparse_tensor=True,
+            max_active_dims=options.max_active_dims,
+            show_progress_bar=False,
+        )
+        found = found.coalesce().cpu()
+        dim = int(found.shape[1])
+        where, values = found.indices().numpy(), found.values().float().numpy()
+        for position, i in enumerate(batch):
+            mine = where[0] == position
+            order = np.argsort(where[1][mine], kind="stable")
+            rows[i] = {"indices": where[1][mine][order], "values": values[mine][order]}
+        done += len(batch)
+        if on_rows is not None:
+            on_rows(done)
+    return Ragged.of_rows(rows, SCHEMAS["sparse"], dim)
+
+
+def warm_up(model: Any, lengths: list[int]) -> None:
+    texts = [" ".join(["warm"] * max(1, n - 2)) for n in lengths]
+    model.encode(texts, batch_size=len(texts), show_progress_bar=False)
+
+
+def refuse(options: EncodeOptions) -> str | None:
+    if options.truncate_dim or options.normalize_embeddings or options.late_chunking:
+        return "a sparse vector is not truncated, normalised or late-chunked"
+    if options.output_dtype != "float32":
+        return "sparse values are stored as float32"
+    return None
+
+
+KIND = Kind(
+    name="sparse",
+    model_class="SparseEncoder",
+    reference="SparseEncoder.encode_document(texts) (encode_query with --role query)",
+    row="a sparse vector per text (CSR: indices, values)",
+    rows_are="sparse vectors",
+    encode=encode,
+    warm_up=warm_up,
+    refuse=refuse,
+    ragged=True,
+)
