@@ -185,7 +185,13 @@ def start_run_with_a_slow_chunk(
 
 
 def _write_manifest(
-    store: Path, run_id: str, chunks: int, chunk_size: int, rows: int, options: Any = None
+    store: Path,
+    run_id: str,
+    chunks: int,
+    chunk_size: int,
+    rows: int,
+    options: Any = None,
+    model: str | None = None,
 ) -> Any:
     """A run manifest as submit writes it (without Redis); the RunManifest."""
     from chunkq.jobs.manifest import RunManifest
@@ -194,13 +200,14 @@ def _write_manifest(
     from chunkq.jobs.specs import EncodeOptions, fingerprint
 
     options = (options or EncodeOptions()).to_dict()
-    identity = {"model": BUNDLED_MODEL, "options": options, "chunk_size": chunk_size, "run_id": run_id}
+    model = model or BUNDLED_MODEL
+    identity = {"model": model, "options": options, "chunk_size": chunk_size, "run_id": run_id}
     data = {
         "format_version": 1,
         "run_id": run_id,
         "fingerprint": fingerprint(identity),
         "identity": identity,
-        "model": BUNDLED_MODEL,
+        "model": model,
         "options": options,
         "chunk_size": chunk_size,
         "rows": rows,
@@ -213,7 +220,7 @@ def _write_manifest(
 
 
 def write_test_run(
-    store: Path, run_id: str, index: int, rows: int, seed: int, options: Any = None
+    store: Path, run_id: str, index: int, rows: int, seed: int, options: Any = None, model: str | None = None
 ) -> tuple[Any, list[str]]:
     """Chunk ``index`` of a run of ``rows``-row chunks, its input and a run manifest written as
     submit writes them (without Redis): (its ChunkSpec as the manifest says, its texts). The job
@@ -227,7 +234,7 @@ def write_test_run(
     chunks = index + 1
     if layout.manifest.is_file():
         chunks = max(chunks, load_manifest(layout).chunks)
-    manifest = _write_manifest(store, run_id, chunks, rows, chunks * rows, options)
+    manifest = _write_manifest(store, run_id, chunks, rows, chunks * rows, options, model)
     return manifest.chunk_spec(store, index), texts
 
 

@@ -231,3 +231,122 @@ def test_the_python_api_scores_pairs_through_a_run(reranker: Path) -> None:
     want = np.asarray(CrossEncoder(str(reranker), device="cpu").predict(pairs))
     got = chunkq.embed(pairs, model=str(reranker), isolated=True, chunk_size=4)
     assert got.shape == (9, 1) and max_abs_diff(got[:, 0], want) <= 1e-5
+
+
+def _splade(folder: Path) -> Path:
+    """A SPLADE-shaped sparse encoder with random weights: a two-layer BERT masked-LM head over the
+    bundled model's vocabulary, max-pooled by SpladePooling, saved by SparseEncoder."""
+    import torch
+    from sentence_transformers import SparseEncoder
+    from sentence_transformers.sparse_encoder.models import MLMTransformer, SpladePooling
+    from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
+
+    torch.manual_seed(7)
+    config = BertConfig(
+        vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128
+    )
+    BertForMaskedLM(config).save_pretrained(folder / "raw")
+    AutoTokenizer.from_pretrained(resolve_model(BUNDLED_MODEL)).save_pretrained(folder / "raw")
+    model = SparseEncoder(modules=[MLMTransformer(str(folder / "raw")), SpladePooling("max")], device="cpu")
+    model.save(str(folder / "st"))
+    return folder / "st"
+
+
+@pytest.fixture(scope="module")
+def splade(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _splade(tmp_path_factory.mktemp("splade"))
+
+
+def _dense_rows(offsets: Any, indices: Any, values: Any, dim: int) -> np.ndarray:
+    out = np.zeros((len(offsets) - 1, dim), dtype=np.float32)
+    for i in range(len(offsets) - 1):
+        out[i, indices[offsets[i] : offsets[i + 1]]] = values[offsets[i] : offsets[i + 1]]
+    return out
+
+
+@pytest.mark.slow
+def test_a_sparse_run_equals_encode_document_through_a_sigkill_and_an_oom_back_off(
+    tmp_path: Path, splade: Path
+) -> None:
+    """``chunkq run --role document --max-active-dims 32`` of 50 texts in chunks of 20, chunk 0 out
+    of memory above batch 4, chunk 1's first worker SIGKILLed: the CSR result equals
+    ``SparseEncoder.encode_document(texts, max_active_dims=32)``: the same indices, values within
+    1e-5, ids in corpus order; the Parquet export has them as lists."""
+    import pyarrow.parquet as pq
+    from sentence_transformers import SparseEncoder
+
+    from tests.helpers import make_texts, write_corpus
+
+    ids, texts = make_texts(50, seed=8)
+    corpus = write_corpus(tmp_path / "docs.jsonl", ids, texts, "jsonl")
+    store = tmp_path / "store"
+    faults = json.dumps(
+        [
+            {"kind": "oom", "chunks": [0], "above_batch": 4},
+            {"kind": "sigkill", "chunks": [1], "attempts": [1]},
+        ]
+    )
+    args = ["--model", str(splade), "--role", "document", "--max-active-dims", "32", "--chunk-size", "20"]
+    done = run_cli(
+        "run", str(corpus), *args, "--batch-size", "16", "--store", str(store), CHUNKQ_FAULTS=faults
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "50 x 30522 sparse vectors" in done.stdout, done.stdout
+    layout = only_run(store)
+    result = {name: np.load(layout.result / f"{name}.npy") for name in ("offsets", "indices", "values")}
+    model = SparseEncoder(str(splade), device="cpu")
+    want = model.encode_document(texts, max_active_dims=32, convert_to_sparse_tensor=True).coalesce()
+    got = _dense_rows(result["offsets"], result["indices"], result["values"], 30522)
+    wanted = want.to_dense().numpy()
+    assert [json.loads(x) for x in (layout.result / "ids.jsonl").read_text().splitlines()] == ids
+    assert np.array_equal(got != 0, wanted != 0)  # the same active dimensions
+    assert max_abs_diff(got, wanted) <= 1e-5
+    assert (np.diff(result["offsets"]) == 32).all()
+    first = json.loads(layout.output_meta(0).read_text())
+    assert [b["batch_size"] for b in first["oom_backoffs"]] == [16, 8] and first["batch_size"] == 4
+    assert json.loads(layout.output_meta(1).read_text())["attempt"] == 2
+    out = tmp_path / "docs.parquet"
+    exported = run_cli(
+        "export", layout.run_id, "--store", str(store), "--format", "parquet", "--out", str(out)
+    )
+    assert exported.returncode == 0, exported.stderr
+    table = pq.read_table(out)
+    assert table.column_names == ["id", "indices", "values"]
+    assert table.column("indices")[3].as_py() == result["indices"][96:128].tolist()
+
+
+def test_a_damaged_sparse_chunk_output_is_refused_and_the_python_api_routes_queries(
+    tmp_path: Path, splade: Path, reference_model: Any
+) -> None:
+    """A sparse chunk output whose values were changed fails verification (so it is set aside and
+    encoded again); ``chunkq.embed(..., role="query")`` equals ``encode_query``, for a sparse model
+    and for the dense default."""
+    from sentence_transformers import SparseEncoder
+
+    import chunkq
+    from chunkq.jobs.embed import embed_chunk
+    from chunkq.jobs.run_files import RunLayout, verify_output
+    from chunkq.jobs.specs import EncodeOptions
+    from tests.helpers import make_texts, write_test_run
+
+    store = tmp_path / "store"
+    spec, _ = write_test_run(store, "sparse-run", 0, 6, 9, EncodeOptions(kind="sparse"), model=str(splade))
+    embed_chunk(spec.to_dict())
+    layout = RunLayout(store, spec.run_id)
+    assert verify_output(layout, 0, 6)[1] == ""
+    values = layout.output_array(0, "values")
+    data = bytearray(values.read_bytes())
+    data[-4:] = np.float32(7.0).tobytes()
+    values.write_bytes(bytes(data))
+    assert verify_output(layout, 0, 6)[1] == "000000.values.npy checksum does not match its metadata"
+
+    _, texts = make_texts(5, seed=10)
+    model = SparseEncoder(str(splade), device="cpu")
+    got = chunkq.embed(texts, model=str(splade), role="query")
+    want = model.encode_query(texts, convert_to_sparse_tensor=True).coalesce().to_dense().numpy()
+    assert (
+        max_abs_diff(_dense_rows(got.offsets, got.arrays["indices"], got.arrays["values"], got.dim), want)
+        <= 1e-5
+    )
+    dense = chunkq.embed(texts, role="query")
+    assert max_abs_diff(dense, reference_model.encode_query(texts)) <= 1e-5
