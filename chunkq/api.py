@@ -91,7 +91,7 @@ class RunResult:
 
         manifest, parts = self._parts()
         if manifest.get("ragged") is not None:
-            raise ConfigError(f"run {self.run_id} holds sparse vectors, not a matrix: use .sparse()")
+            raise ConfigError(f"run {self.run_id} holds ragged rows, not a matrix: use .ragged()")
         if manifest.get("shards") is not None:
             dtype = storage_dtype(str(manifest.get("dtype", "float32")))
             return ShardedEmbeddings(parts, int(manifest["dim"]), dtype)
@@ -100,14 +100,15 @@ class RunResult:
         array: np.ndarray = np.load(parts[0].embeddings, allow_pickle=False)
         return array
 
-    def sparse(self) -> Ragged:
-        """A sparse run's vectors as CSR (``offsets``, ``arrays["indices"]``, ``arrays["values"]``,
-        ``dim``): row i's active dimensions are ``indices[offsets[i]:offsets[i + 1]]``."""
+    def ragged(self) -> Ragged:
+        """A ragged run's rows: a sparse run's vectors as CSR (``arrays["indices"]``,
+        ``arrays["values"]``: row i's active dimensions are ``indices[offsets[i]:offsets[i + 1]]``), a
+        multivector run's token vectors (``arrays["vectors"]``, row i's ``vectors[offsets[i]:offsets[i + 1]]``)."""
         from chunkq.supervisor import ragged_result
 
         manifest, _ = self._parts()
         if manifest.get("ragged") is None:
-            raise ConfigError(f"run {self.run_id} holds a matrix, not sparse vectors: use .embeddings()")
+            raise ConfigError(f"run {self.run_id} holds a matrix, not ragged rows: use .embeddings()")
         arrays = ragged_result.load(self.result_dir)
         return Ragged(arrays.pop("offsets"), arrays, int(manifest["dim"]))
 
@@ -211,8 +212,8 @@ def embed(
 
     A cross-encoder (``kind="cross"``, or a model whose files say so) takes (query, passage) pairs
     and returns a score per pair (a row of class scores for a classifier), as
-    ``CrossEncoder.predict`` does. A sparse model returns its vectors as CSR, a
-    ``chunkq.jobs.ragged.Ragged`` (``offsets``, ``arrays["indices"]``, ``arrays["values"]``).
+    ``CrossEncoder.predict`` does. A sparse or multivector model returns a ``chunkq.jobs.ragged.Ragged``
+    (``offsets`` and ``arrays``: CSR ``indices`` and ``values``, or token ``vectors``).
     """
     import numpy as np
 
@@ -243,7 +244,7 @@ def embed(
         if options.get("long_texts") in ("window", "late"):
             return _windowed(result)  # type: ignore[return-value]
         if read_result_manifest(RunLayout(result.store, result.run_id)).get("ragged") is not None:
-            return result.sparse()  # type: ignore[return-value]
+            return result.ragged()  # type: ignore[return-value]
         return np.array(result.embeddings(mmap=False))
 
 

@@ -15,8 +15,16 @@ import numpy as np
 from chunkq.jobs.run_files import RunLayout, atomic_write_json, file_sha256, load_npy, save_npy_atomic
 
 # A ragged kind's entry arrays and their dtypes: what a chunk output and the result hold.
-SCHEMAS: dict[str, dict[str, str]] = {"sparse": {"indices": "<i4", "values": "<f4"}}
+SCHEMAS: dict[str, dict[str, str]] = {
+    "sparse": {"indices": "<i4", "values": "<f4"},
+    "multivector": {"vectors": "<f4"},
+}
+WIDE = frozenset({"vectors"})  # entry arrays of one row of the output's width per entry; the rest are flat
 OFFSETS = "offsets"
+
+
+def entry_shape(name: str, entries: int, dim: int) -> tuple[int, ...]:
+    return (entries, dim) if name in WIDE else (entries,)
 
 
 @dataclass
@@ -39,7 +47,7 @@ class Ragged:
         arrays = {
             name: np.concatenate([row[name] for row in rows]).astype(dtype, copy=False)
             if rows
-            else np.empty(0, dtype=dtype)
+            else np.empty(entry_shape(name, 0, dim), dtype=dtype)
             for name, dtype in schema.items()
         }
         return cls(offsets, arrays, dim)
@@ -88,8 +96,9 @@ def ragged_problem(
         if file_sha256(path) != meta["arrays"][name]:
             return f"{path.name} checksum does not match its metadata"
         array = load_npy(path)
-        if array.shape != (entries,) or array.dtype != np.dtype(dtype):
-            return f"{path.name} holds {array.shape} {array.dtype}, expected ({entries},) {np.dtype(dtype)}"
+        shape = entry_shape(name, entries, int(meta.get("dim") or 0))
+        if array.shape != shape or array.dtype != np.dtype(dtype):
+            return f"{path.name} holds {array.shape} {array.dtype}, expected {shape} {np.dtype(dtype)}"
         if array.dtype.kind == "f" and not bool(np.isfinite(array).all()):
             return f"{path.name} has NaN or infinite values"
         if name == "indices" and entries and (int(array.min()) < 0 or int(array.max()) >= int(meta["dim"])):

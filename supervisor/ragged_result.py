@@ -15,7 +15,7 @@ import numpy as np
 
 from chunkq.jobs.errors import BadInputError
 from chunkq.jobs.manifest import RunManifest
-from chunkq.jobs.ragged import OFFSETS, SCHEMAS
+from chunkq.jobs.ragged import OFFSETS, SCHEMAS, entry_shape
 from chunkq.jobs.run_files import RunLayout, file_sha256, load_npy, read_chunk_input, read_json
 from chunkq.jobs.storage import private_open
 from chunkq.supervisor.result import SINGLE
@@ -33,8 +33,11 @@ def write(layout: RunLayout, manifest: RunManifest, skip: set[int], built: Path,
     metas = {i: read_json(layout.output_meta(i)) for i in chunks}
     entries = sum(int(metas[i]["entries"]) for i in chunks)
     offsets = np.lib.format.open_memmap(built / f"{OFFSETS}.npy", "w+", np.int64, (rows + 1,))
+    dim = int(next(iter(metas.values()))["dim"]) if metas else 0
     arrays = {
-        name: np.lib.format.open_memmap(built / f"{name}.npy", "w+", np.dtype(dtype), (entries,))
+        name: np.lib.format.open_memmap(
+            built / f"{name}.npy", "w+", np.dtype(dtype), entry_shape(name, entries, dim)
+        )
         for name, dtype in schema.items()
     }
     offsets[0] = 0
@@ -77,7 +80,13 @@ def problems(layout: RunLayout, result: dict[str, Any], rows: int, checksums: bo
     expected: dict[str, tuple[tuple[Any, ...], np.dtype[Any]]] = {
         f"{OFFSETS}.npy": ((rows + 1,), np.dtype(np.int64))
     }
-    expected.update({f"{n}.npy": ((entries,), np.dtype(d)) for n, d in SCHEMAS[ragged["kind"]].items()})
+    dim = int(result.get("dim") or 0)
+    expected.update(
+        {
+            f"{n}.npy": (entry_shape(n, int(entries or 0), dim), np.dtype(d))
+            for n, d in SCHEMAS[ragged["kind"]].items()
+        }
+    )
     for name, (shape, dtype) in expected.items():
         path = layout.result / name
         if not path.is_file():

@@ -350,3 +350,74 @@ def test_a_damaged_sparse_chunk_output_is_refused_and_the_python_api_routes_quer
     )
     dense = chunkq.embed(texts, role="query")
     assert max_abs_diff(dense, reference_model.encode_query(texts)) <= 1e-5
+
+
+def _colbert(folder: Path) -> Path:
+    """A ColBERT-shaped multi-vector encoder with random weights: a two-layer BERT, a 32-wide
+    projection of each token, the late-interaction mask and normalisation, saved by MultiVectorEncoder."""
+    import torch
+    from sentence_transformers import MultiVectorEncoder
+    from sentence_transformers.base.modules import Normalize, Transformer
+    from sentence_transformers.base.modules.dense import Dense
+    from sentence_transformers.multi_vector_encoder.modules import MultiVectorMask
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    torch.manual_seed(11)
+    config = BertConfig(
+        vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128
+    )
+    BertModel(config).save_pretrained(folder / "raw")
+    AutoTokenizer.from_pretrained(resolve_model(BUNDLED_MODEL)).save_pretrained(folder / "raw")
+    modules = [
+        Transformer(str(folder / "raw")),
+        Dense(
+            64, 32, bias=False, activation_function=torch.nn.Identity(), module_input_name="token_embeddings"
+        ),
+        MultiVectorMask(),
+        Normalize(module_input_name="token_embeddings"),
+    ]
+    MultiVectorEncoder(modules=modules, device="cpu").save(str(folder / "st"))
+    return folder / "st"
+
+
+@pytest.mark.slow
+def test_a_multivector_run_equals_encode_document_through_a_sigkill_and_an_oom_back_off(
+    tmp_path: Path,
+) -> None:
+    import pyarrow.parquet as pq
+    from sentence_transformers import MultiVectorEncoder
+
+    import chunkq
+    from tests.helpers import make_texts, write_corpus
+
+    model_dir = _colbert(tmp_path / "colbert")
+    ids, texts = make_texts(40, seed=12)
+    corpus = write_corpus(tmp_path / "docs.jsonl", ids, texts, "jsonl")
+    store = tmp_path / "store"
+    faults = json.dumps(
+        [
+            {"kind": "oom", "chunks": [1], "above_batch": 2},
+            {"kind": "sigkill", "chunks": [0], "attempts": [1]},
+        ]
+    )
+    args = ["--model", str(model_dir), "--role", "document", "--chunk-size", "15", "--batch-size", "8"]
+    done = run_cli("run", str(corpus), *args, "--store", str(store), CHUNKQ_FAULTS=faults)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "40 x 32 token matrices" in done.stdout, done.stdout
+    layout = only_run(store)
+    model = MultiVectorEncoder(str(model_dir), device="cpu")
+    want = model.encode_document(texts, convert_to_numpy=True)
+    got = chunkq.run(str(corpus), str(model_dir), store=store, role="document", chunk_size=15, batch_size=8)
+    rows = got.ragged()
+    assert got.ids() == ids and rows.dim == 32
+    assert [int(n) for n in np.diff(rows.offsets)] == [len(w) for w in want]
+    assert max_abs_diff(rows.arrays["vectors"], np.concatenate(want)) <= 1e-5
+    assert [b["batch_size"] for b in json.loads(layout.output_meta(1).read_text())["oom_backoffs"]] == [8, 4]
+    assert json.loads(layout.output_meta(0).read_text())["attempt"] == 2
+    out = tmp_path / "docs.parquet"
+    exported = run_cli(
+        "export", layout.run_id, "--store", str(store), "--format", "parquet", "--out", str(out)
+    )
+    assert exported.returncode == 0, exported.stderr
+    first = pq.read_table(out).column("vectors")[0].as_py()
+    assert max_abs_diff(np.array(first), want[0]) <= 1e-6

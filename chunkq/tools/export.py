@@ -274,8 +274,9 @@ def _parquet(reader: _ResultReader, out: _Target) -> None:
 
 
 def _export_ragged(layout: RunLayout, fmt: str, target: _Target) -> list[Path]:
-    """A sparse result as Parquet (``id``, ``indices`` list<int32>, ``values`` list<float32>) or JSON
-    Lines (the same fields), its files checked against their checksums first."""
+    """A ragged result as Parquet or JSON Lines: ``id`` and each entry array as a list per row
+    (sparse: ``indices`` list<int32>, ``values`` list<float32>; multivector: ``vectors``, a list of
+    fixed-size lists), its files checked against their checksums first."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -301,7 +302,13 @@ def _export_ragged(layout: RunLayout, fmt: str, target: _Target) -> list[Path]:
                 fields = {name: arrays[name][a:b].tolist() for name in names}
                 out.write(json.dumps({"id": rid, **fields}, ensure_ascii=False) + "\n")
         return [target.path]
-    types = {name: pa.from_numpy_dtype(arrays[name].dtype) for name in names}
+    # A token matrix's entries are vectors: a list of fixed-size lists, as a dense row is one.
+    types = {
+        name: pa.list_(pa.from_numpy_dtype(a.dtype), a.shape[1])
+        if a.ndim == 2
+        else pa.from_numpy_dtype(a.dtype)
+        for name, a in arrays.items()
+    }
     schema = pa.schema([("id", pa.string()), *((name, pa.list_(types[name])) for name in names)])
     with _written_whole(target) as tmp, pq.ParquetWriter(tmp, schema) as writer:
         for start in range(0, len(ids), BATCH_ROWS):
@@ -309,7 +316,12 @@ def _export_ragged(layout: RunLayout, fmt: str, target: _Target) -> list[Path]:
             cut = offsets[start : stop + 1]
             data: dict[str, Any] = {"id": pa.array(ids[start:stop], pa.string())}
             for name in names:
-                values = pa.array(arrays[name][int(cut[0]) : int(cut[-1])], type=types[name])
+                part = arrays[name][int(cut[0]) : int(cut[-1])]
+                values = (
+                    pa.FixedSizeListArray.from_arrays(pa.array(part.reshape(-1)), part.shape[1])
+                    if part.ndim == 2
+                    else pa.array(part, type=types[name])
+                )
                 data[name] = pa.ListArray.from_arrays(pa.array(cut - cut[0], pa.int32()), values)
             writer.write_table(pa.table(data, schema=schema))
     return [target.path]

@@ -7,20 +7,21 @@ kind (chunks, recycling, OOM back-off, retries, resume, the manifest, the vector
 assembly, shards, export, status) is written once and knows a kind only through ``get``. Adding a
 kind is one module and one line in ``KINDS``.
 
-Built: ``dense`` (``SentenceTransformer.encode``), ``cross`` (``CrossEncoder.predict`` over pairs)
-and ``sparse`` (``SparseEncoder``, stored as CSR through jobs.ragged). Not built yet (issue 34):
-``multivector`` (ragged token matrices) and ``image`` (rows that are not texts).
+Built: ``dense`` (``SentenceTransformer.encode``), ``cross`` (``CrossEncoder.predict`` over pairs),
+``sparse`` (``SparseEncoder``, CSR) and ``multivector`` (``MultiVectorEncoder``, a token matrix per
+text), the last two stored ragged (jobs.ragged). Not built yet (issue 34): ``image`` (rows that
+are not texts).
 """
 
 from __future__ import annotations
 
 from chunkq.jobs.errors import ConfigError
-from chunkq.jobs.kinds import cross, dense, sparse
+from chunkq.jobs.kinds import cross, dense, multivector, sparse
 from chunkq.jobs.kinds.contract import Kind
 from chunkq.jobs.specs import EncodeOptions
 
-KINDS: dict[str, Kind] = {kind.name: kind for kind in (dense.KIND, cross.KIND, sparse.KIND)}
-NOT_BUILT = ("multivector", "image")
+KINDS: dict[str, Kind] = {k.name: k for k in (dense.KIND, cross.KIND, sparse.KIND, multivector.KIND)}
+NOT_BUILT = ("image",)
 
 
 def get(name: str) -> Kind:

@@ -1,0 +1,69 @@
+"""multivector: a matrix of token vectors per text (ColBERT-style late interaction), as
+``MultiVectorEncoder.encode_document`` / ``encode_query`` / ``encode`` give it, stored ragged
+(jobs.ragged): the texts' token vectors one after another, and where each text's begin.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from chunkq.jobs import token_batches
+from chunkq.jobs.kinds.contract import Kind, OnRows
+from chunkq.jobs.kinds.sparse import encode_call
+from chunkq.jobs.ragged import SCHEMAS, Ragged
+from chunkq.jobs.specs import EncodeOptions
+
+
+def encode(model: Any, texts: list[str], options: EncodeOptions, on_rows: OnRows) -> Ragged:
+    call = encode_call(model, options.role)
+    lengths = token_batches.token_lengths(model, texts, int(model.max_seq_length))
+    by_tokens = isinstance(options.batch_tokens, int)
+    limit = options.batch_tokens if isinstance(options.batch_tokens, int) else options.batch_size
+    rows: list[dict[str, np.ndarray[Any, Any]]] = [{}] * len(texts)
+    dim = 0
+    done = 0
+    for batch in token_batches.batches(lengths, limit, by_tokens):
+        found = call(
+            [texts[i] for i in batch],
+            batch_size=len(batch),
+            prompt=options.prompt,
+            prompt_name=options.prompt_name,
+            normalize_embeddings=options.normalize_embeddings,
+            convert_to_numpy=True,
+            show_progress_bar=False,
+        )
+        for i, vectors in zip(batch, found, strict=True):
+            rows[i] = {"vectors": np.asarray(vectors, dtype=np.float32)}
+            dim = int(rows[i]["vectors"].shape[1])
+        done += len(batch)
+        if on_rows is not None:
+            on_rows(done)
+    return Ragged.of_rows(rows, SCHEMAS["multivector"], dim)
+
+
+def warm_up(model: Any, lengths: list[int]) -> None:
+    texts = [" ".join(["warm"] * max(1, n - 2)) for n in lengths]
+    model.encode(texts, batch_size=len(texts), show_progress_bar=False)
+
+
+def refuse(options: EncodeOptions) -> str | None:
+    if options.truncate_dim or options.late_chunking or options.max_active_dims:
+        return "token vectors are not truncated, late-chunked or sparse"
+    if options.output_dtype != "float32":
+        return "token vectors are stored as float32"
+    return None
+
+
+KIND = Kind(
+    name="multivector",
+    model_class="MultiVectorEncoder",
+    reference="MultiVectorEncoder.encode_document(texts) (encode_query with --role query)",
+    row="a matrix of token vectors per text (ragged)",
+    rows_are="token matrices",
+    encode=encode,
+    warm_up=warm_up,
+    refuse=refuse,
+    ragged=True,
+)
