@@ -102,8 +102,8 @@ class RunResult:
 
     def ragged(self) -> Ragged:
         """A ragged run's rows: a sparse run's vectors as CSR (``arrays["indices"]``,
-        ``arrays["values"]``: row i's active dimensions are ``indices[offsets[i]:offsets[i + 1]]``), a
-        multivector run's token vectors (``arrays["vectors"]``, row i's ``vectors[offsets[i]:offsets[i + 1]]``)."""
+        ``arrays["values"]``), a multivector run's token vectors (``arrays["vectors"]``); row i's
+        entries are ``[offsets[i]:offsets[i + 1]]`` of each."""
         from chunkq.supervisor import ragged_result
 
         manifest, _ = self._parts()

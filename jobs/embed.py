@@ -39,12 +39,14 @@ from chunkq.jobs import (
 from chunkq.jobs.errors import (
     AllocatorOutOfMemoryError,
     BadInputError,
+    BadRowsError,
     ChunkOutOfMemoryError,
     CudaFatalError,
     DeviceUnsupportedError,
     NonFiniteError,
     TamperedJobError,
 )
+from chunkq.jobs.kinds.contract import WithBadRows
 from chunkq.jobs.manifest import RunManifest, load_manifest
 from chunkq.jobs.ragged import Ragged, write_ragged_output
 from chunkq.jobs.run_files import (
@@ -105,6 +107,7 @@ class Encoded:
     embeddings: np.ndarray[Any, Any]
     limit: int  # the batch size, or token budget, that fitted
     backoffs: list[dict[str, Any]] = field(default_factory=list)
+    bad_rows: dict[int, str] = field(default_factory=dict)  # rows without a vector (--allow-missing)
 
 
 def encode_with_backoff(
@@ -207,6 +210,8 @@ def encode_finite(
     are encoded again in float32 once, or fail the chunk. Returns what fitted and, after a float32
     encode, what it was for (for the output's metadata)."""
     encoded = encode_with_backoff(loaded, texts, chunk, attempt, start_batch, ctx, on_rows)
+    if isinstance(encoded.embeddings, WithBadRows):
+        encoded.bad_rows, encoded.embeddings = encoded.embeddings.bad, encoded.embeddings.matrix
     if isinstance(encoded.embeddings, Ragged):
         values = encoded.embeddings.arrays.get("values")
         if values is not None and not bool(np.isfinite(values).all()):
@@ -315,7 +320,7 @@ def _embed(chunk: ChunkSpec) -> dict[str, Any]:
     attempt = _job_meta(
         {jobmeta.WORKER: ctx.name, jobmeta.HOST: ctx.host, jobmeta.DEVICE: ctx.device, jobmeta.GPU: ctx.gpu}
     )
-    _, texts = read_chunk_input(layout, chunk.index)
+    ids, texts = read_chunk_input(layout, chunk.index)
     if len(texts) != chunk.rows:
         raise BadInputError(
             f"chunk {chunk.job_id}: input holds {len(texts)} rows, the spec says {chunk.rows}"
@@ -332,6 +337,12 @@ def _embed(chunk: ChunkSpec) -> dict[str, Any]:
     progress(0)
     try:
         encoded, widened = encode_finite(loaded, texts, work, attempt, start, ctx, progress)
+    except BadRowsError as exc:
+        named = "; ".join(f"id {ids[i]!r}: {why}" for i, why in list(exc.rows.items())[:5])
+        raise BadInputError(
+            f"chunk {chunk.job_id}: {len(exc.rows)} row(s) cannot be read ({named}); fix or drop "
+            "them, or give --allow-missing to leave them out of the result"
+        ) from exc
     except AllocatorOutOfMemoryError as exc:
         limit = exc.retry_limit
         learned.update(layout, ctx.device_kind, lambda record: learned.lowered(record, work.options, limit))
@@ -374,6 +385,16 @@ def _embed(chunk: ChunkSpec) -> dict[str, Any]:
         "started_at": started_at.isoformat(),
         "finished_at": datetime.now(UTC).isoformat(),
         "rows_at": progress.samples,  # [seconds since started_at, rows encoded by then], for the report
+        **(
+            {
+                "bad_rows": [
+                    {"row": chunk.first_row + i, "id": ids[i], "reason": why}
+                    for i, why in sorted(encoded.bad_rows.items())
+                ]
+            }
+            if encoded.bad_rows
+            else {}
+        ),
     }
     if isinstance(encoded.embeddings, Ragged):
         published = write_ragged_output(layout, chunk.index, encoded.embeddings, meta, chunk.options.kind)

@@ -18,6 +18,15 @@ class BadInputError(ChunkqError):
     """The input cannot be encoded as given; retrying will not help."""
 
 
+class BadRowsError(BadInputError):
+    """Rows of a chunk cannot be read (an image missing or not an image): ``rows`` maps each row's
+    place in the chunk to the reason. Without --allow-missing the chunk fails, naming them."""
+
+    def __init__(self, message: str, rows: dict[int, str]) -> None:
+        super().__init__(message)
+        self.rows = rows
+
+
 class CorpusError(BadInputError):
     """A corpus file is malformed; the message names the file and line or row."""
 

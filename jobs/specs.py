@@ -89,6 +89,7 @@ _NEW_FIELD_DEFAULTS = {  # left out of to_dict when unset, so older runs keep th
     "kind": DEFAULT_KIND,
     "role": None,
     "max_active_dims": None,
+    "allow_missing": False,
 }
 
 
@@ -152,6 +153,7 @@ class EncodeOptions:
     kind: str = DEFAULT_KIND  # the model's kind (jobs.kinds): dense vectors, cross-encoder scores, ...
     role: str | None = None  # "query" or "document": the model's encode_query / encode_document
     max_active_dims: int | None = None  # sparse: keep each vector's N largest values
+    allow_missing: bool = False  # image: a row whose image cannot be read is left out, not a failure
 
     def __post_init__(self) -> None:
         if (

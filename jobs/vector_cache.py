@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from chunkq.jobs.ragged import SCHEMAS as RAGGED_KINDS
+from chunkq.jobs import kinds
 from chunkq.jobs.run_files import atomic_write_json, read_json, save_npy_atomic
 from chunkq.jobs.specs import DEFAULT_KIND, EncodeOptions, fingerprint
 from chunkq.jobs.storage import (
@@ -394,7 +394,9 @@ def _npy_data_offset(fh: Any, shape: tuple[int, int]) -> int:
 
 def cache_enabled(requested: bool | None, options: EncodeOptions) -> bool:
     """``--cache``/``--no-cache`` as given, else on for float outputs (quantized runs ask for it);
-    never for a ragged kind (sparse vectors): the cache holds rows of one width."""
-    if options.kind in RAGGED_KINDS:
+    never for a ragged kind (sparse vectors: the cache holds rows of one width), nor for images
+    (a row's text is where the image is, not what it is)."""
+    kind = kinds.KINDS.get(options.kind)
+    if kind is not None and not kind.cached:
         return False
     return requested if requested is not None else options.output_dtype in ("float32", "float16")

@@ -64,9 +64,12 @@ class Verified:
     devices: set[str] = field(default_factory=set)
     seconds: float = 0.0
     embedding_dim: int = 0  # the dimensions encoded (packed bits store 8 a column)
+    bad_rows: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # chunk: rows left out
 
     def add(self, index: int, meta: dict[str, Any]) -> None:
         self.dims[index] = dim = int(meta["dim"])
+        if meta.get("bad_rows"):
+            self.bad_rows[index] = list(meta["bad_rows"])
         self.embedding_dim = self.embedding_dim or int(meta.get("embedding_dim") or dim)
         self.workers.add(str(meta.get("worker")))
         self.devices.add(str(meta.get("device")))
@@ -142,7 +145,13 @@ def _move_remote(path: Path, target: Path) -> None:
 
 
 def _write_result(
-    layout: RunLayout, manifest: RunManifest, writer: ResultWriter, skip: set[int], dim: int, scratch: Path
+    layout: RunLayout,
+    manifest: RunManifest,
+    writer: ResultWriter,
+    skip: set[int],
+    dim: int,
+    scratch: Path,
+    bad_rows: dict[int, list[dict[str, Any]]],
 ) -> None:
     if manifest.plan is not None:
         pooler = _pooler(manifest, writer, skip)
@@ -166,6 +175,10 @@ def _write_result(
             raise BadInputError(
                 f"chunk {index}: output has shape {block.shape}, expected ({rows}, {writer.dim})"
             )
+        if index in bad_rows:  # rows whose input could not be read (--allow-missing): no vector
+            first = manifest.first_row(index)
+            keep = sorted(set(range(rows)) - {int(r["row"]) - first for r in bad_rows[index]})
+            ids, block = [ids[i] for i in keep], np.asarray(block)[keep]
         writer.write(ids, block)
 
 
@@ -216,7 +229,8 @@ def assemble(
         if manifest.plan is not None
         else {f.chunk: f.rows for f in skip.values()}
     )
-    total = manifest.corpus_rows - sum(lost.values())
+    bad_rows = [row for rows in verified.bad_rows.values() for row in rows]
+    total = manifest.corpus_rows - sum(lost.values()) - len(bad_rows)
     built = local_build_dir(layout)
     remote = not is_local(layout.root)
     dtype = storage_dtype(manifest.output_dtype)
@@ -233,7 +247,7 @@ def assemble(
         if ragged:
             files = ragged_result.write(layout, manifest, set(skip), built, total)
         else:
-            _write_result(layout, manifest, writer, set(skip), dim, built)
+            _write_result(layout, manifest, writer, set(skip), dim, built, verified.bad_rows)
             files = writer.finish()
         if writer.extra is not None:
             windows = (manifest.plan or {}).get("windows") or {}
@@ -255,6 +269,7 @@ def assemble(
             "corpus_rows": manifest.corpus_rows,
             "rows": total,
             "missing": missing_rows,
+            **({"bad_rows": bad_rows} if bad_rows else {}),  # left out under --allow-missing, each with why
             "dim": columns,  # the stored array's columns
             "dtype": manifest.output_dtype,
             "embedding_dim": embedding_dim,

@@ -38,6 +38,7 @@ RECORD_KEYS = (
     "chunk",
     "rows",
     "source",  # "cache": read from the vector cache at submit, not encoded
+    "bad_rows",  # --allow-missing: the chunk's rows left out, each with its id and why
     "started_at",
     "finished_at",
     "seconds",

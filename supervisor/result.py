@@ -108,6 +108,14 @@ class ResultPart:
     ids_sha256: str
 
 
+def describe_left_out(rows: list[dict[str, Any]], shown: int = 5) -> str:
+    """Rows left out of a result under --allow-missing, in one line: how many, and the first few by
+    id with why."""
+    named = "; ".join(f"{r.get('id')!r}: {r.get('reason')}" for r in rows[:shown])
+    more = f"; and {len(rows) - shown} more (result/manifest.json lists all)" if len(rows) > shown else ""
+    return f"{len(rows)} row(s) left out: {named}{more}"
+
+
 def result_parts(layout: RunLayout, result: dict[str, Any]) -> list[ResultPart]:
     """The files a result manifest names, in row order; ValueError when it names them wrongly (a
     manifest edited to point outside its result folder is refused, never followed)."""
@@ -187,6 +195,7 @@ def result_disagreement(layout: RunLayout, result: Any, manifest: RunManifest) -
     missing = result.get("missing") or []
     try:
         expected_rows = manifest.corpus_rows - sum(int(m["rows"]) for m in missing)
+        expected_rows -= len(result.get("bad_rows") or [])  # left out under --allow-missing
     except (TypeError, KeyError, ValueError):
         return [*problems, "result/manifest.json lists missing chunks it cannot describe"]
     if result.get("rows") != expected_rows or bool(result.get("complete")) == bool(missing):

@@ -79,6 +79,13 @@ RUN_OPTIONS: tuple[Option, ...] = (
         low=1,
     ),
     _submit(
+        "allow_missing",
+        False,
+        "--kind image: a row whose image is missing or cannot be decoded is left out of the result and "
+        "listed in it (with its reason) instead of failing its chunk.",
+        kind="switch",
+    ),
+    _submit(
         "run_id",
         None,
         "Name of the run in the store. Default: the corpus file's name and a fingerprint of the corpus "

@@ -421,3 +421,107 @@ def test_a_multivector_run_equals_encode_document_through_a_sigkill_and_an_oom_b
     assert exported.returncode == 0, exported.stderr
     first = pq.read_table(out).column("vectors")[0].as_py()
     assert max_abs_diff(np.array(first), want[0]) <= 1e-6
+
+
+def _tiny_clip(folder: Path) -> Path:
+    """A CLIP-shaped model with random weights (two-layer text and vision towers, 16-wide shared
+    space), its BPE tokenizer trained here on a few words, saved by SentenceTransformer."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor, CLIPTokenizerFast
+
+    end = "<|endoftext|>"  # CLIP's end, padding and unknown token
+    bpe = Tokenizer(models.BPE(unk_token=end, end_of_word_suffix="</w>"))
+    bpe.normalizer, bpe.pre_tokenizer = normalizers.Lowercase(), pre_tokenizers.Whitespace()
+    bpe.decoder = decoders.BPEDecoder(suffix="</w>")
+    trainer = trainers.BpeTrainer(
+        vocab_size=200, special_tokens=["<|startoftext|>", "<|endoftext|>"], end_of_word_suffix="</w>"
+    )
+    bpe.train_from_iterator([" ".join(WORDS)] * 20, trainer)
+    special = {"bos_token": "<|startoftext|>", "eos_token": end, "pad_token": end, "unk_token": end}
+    tokenizer = CLIPTokenizerFast(tokenizer_object=bpe, model_max_length=32, **special)
+    bos, eos = bpe.token_to_id("<|startoftext|>"), bpe.token_to_id("<|endoftext|>")
+    torch.manual_seed(13)
+    small = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2}
+    config = CLIPConfig(
+        text_config={
+            **small,
+            "vocab_size": bpe.get_vocab_size(),
+            "max_position_embeddings": 32,
+            "bos_token_id": bos,
+            "eos_token_id": eos,
+            "pad_token_id": eos,
+        },
+        vision_config={**small, "image_size": 32, "patch_size": 8},
+        projection_dim=16,
+    )
+    CLIPModel(config).save_pretrained(folder / "raw")
+    images = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    CLIPProcessor(image_processor=images, tokenizer=tokenizer).save_pretrained(folder / "raw")
+    SentenceTransformer(str(folder / "raw"), device="cpu").save(str(folder / "st"))
+    return folder / "st"
+
+
+@pytest.mark.slow
+def test_an_image_run_equals_encode_of_the_images_and_names_the_rows_it_cannot_read(tmp_path: Path) -> None:
+    """Images by path, two of them bad (missing; not an image). Without --allow-missing their chunk
+    fails, not retried, naming both by id; with it, through a SIGKILL and an OOM back-off, the
+    result equals ``SentenceTransformer.encode(images)`` for the others, in order, and the two are
+    listed with their reasons by ``chunkq run``, ``status``, the report and the result manifest.
+    A text run of the same model gives vectors of the same space."""
+    from PIL import Image
+    from sentence_transformers import SentenceTransformer
+
+    model_dir = _tiny_clip(tmp_path / "clip")
+    rng = np.random.default_rng(14)
+    rows, images = [], []
+    for i in range(16):
+        path = tmp_path / "img" / f"{i}.png"
+        path.parent.mkdir(exist_ok=True)
+        Image.fromarray((rng.random((24 + i, 36, 3)) * 255).astype("uint8")).save(path)
+        rows.append({"id": f"img-{i}", "text": str(path)})
+        images.append(Image.open(path))
+    (tmp_path / "img" / "bad.png").write_bytes(b"not an image")
+    rows.insert(5, {"id": "gone", "text": str(tmp_path / "img" / "missing.png")})
+    rows.insert(12, {"id": "broken", "text": str(tmp_path / "img" / "bad.png")})
+    corpus = _write_pairs(tmp_path / "images.jsonl", rows)
+    args = ["--model", str(model_dir), "--kind", "image", "--chunk-size", "6", "--batch-size", "4"]
+    refused = run_cli("run", str(corpus), *args, "--store", str(tmp_path / "s1"))
+    assert refused.returncode != 0
+    assert "id 'gone'" in refused.stderr and "no such file" in refused.stderr, refused.stderr[-3000:]
+    assert "id 'broken'" in refused.stderr and "not an image" in refused.stderr
+    assert "bad_input errors are not retried" in refused.stderr
+
+    faults = json.dumps(
+        [
+            {"kind": "oom", "chunks": [0], "above_batch": 2},
+            {"kind": "sigkill", "chunks": [2], "attempts": [1]},
+        ]
+    )
+    store = tmp_path / "s2"
+    done = run_cli("run", str(corpus), *args, "--allow-missing", "--store", str(store), CHUNKQ_FAULTS=faults)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "2 row(s) left out: 'gone'" in done.stdout and "'broken'" in done.stdout, done.stdout
+    layout = only_run(store)
+    got = np.load(layout.result / "embeddings.npy")
+    ids = [json.loads(x) for x in (layout.result / "ids.jsonl").read_text().splitlines()]
+    model = SentenceTransformer(str(model_dir), device="cpu")
+    assert ids == [f"img-{i}" for i in range(16)]
+    assert got.shape == (16, 16) and max_abs_diff(got, model.encode(images)) <= 1e-5
+    result = json.loads(layout.result_manifest.read_text())
+    assert [(r["id"], r["row"]) for r in result["bad_rows"]] == [("gone", 5), ("broken", 12)]
+    first = json.loads(layout.output_meta(0).read_text())
+    assert [b["batch_size"] for b in first["oom_backoffs"]] == [4] and first["batch_size"] == 2
+    assert json.loads(layout.output_meta(2).read_text())["attempt"] == 2
+    status = run_cli("status", layout.run_id, "--store", str(store))
+    assert "--allow-missing: 2 row(s) left out: 'gone'" in status.stdout, status.stdout
+    report = run_cli("report", layout.run_id, "--store", str(store), "--out", str(tmp_path / "report"))
+    assert report.returncode == 0, report.stderr
+    left_out = json.loads((tmp_path / "report" / "report.json").read_text())["rows_left_out"]
+    assert [r["id"] for r in left_out] == ["gone", "broken"]
+    import chunkq
+
+    texts = ["a red house", "a small dog"]
+    vectors = chunkq.embed(texts, model=str(model_dir))
+    assert vectors.shape == (2, 16) and max_abs_diff(vectors, model.encode(texts)) <= 1e-5

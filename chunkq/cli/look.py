@@ -29,7 +29,7 @@ from chunkq.supervisor.progress import Tracker, store_snapshot
 from chunkq.supervisor.request import (
     reach_redis,
 )
-from chunkq.supervisor.result import read_result_manifest, result_problems
+from chunkq.supervisor.result import describe_left_out, read_result_manifest, result_problems
 from chunkq.supervisor.supervise import failure_report
 from chunkq.tools.dashboard import DEFAULT_PORT as DEFAULT_DASHBOARD_PORT
 from chunkq.tools.dashboard import serve as serve_dashboard
@@ -136,6 +136,9 @@ def status_cmd(run_id: str, store: Path, redis_url: str | None, as_json: bool) -
                 "publishes it again from the chunk outputs"
             )
         else:
+            left_out = (read_result_manifest(layout) or {}).get("bad_rows")
+            if left_out:
+                click.echo(f"--allow-missing: {describe_left_out(left_out)}")
             click.echo(f"result published in {layout.result}")
 
 

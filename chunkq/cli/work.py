@@ -39,6 +39,7 @@ from chunkq.supervisor.request import (
     submit_request,
     watch_settings,
 )
+from chunkq.supervisor.result import describe_left_out
 from chunkq.supervisor.run_log import RunLog, log_path
 from chunkq.supervisor.submit import submit
 from chunkq.supervisor.supervise import Outcome, failure_report, supervise
@@ -68,6 +69,8 @@ def _finish(outcome: Outcome) -> int:
         f"run {result['run_id']}: {result['rows']} x {result['dim']} {_what(result)}, "
         f"{len(result['workers'])} worker process(es)" + (f", {rate:,.1f} rows/s encoded" if rate else "")
     )
+    if result.get("bad_rows"):
+        click.echo(f"--allow-missing: {describe_left_out(result['bad_rows'])}")
     saved = savings(result.get("plan"))
     if saved is not None:
         click.echo(describe_savings(saved))

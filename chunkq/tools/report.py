@@ -28,6 +28,7 @@ from chunkq.jobs.run_files import RunLayout, read_chunk_input, read_json
 from chunkq.supervisor.attempts import FailedAttempt, by_class, failed_attempts, to_json
 from chunkq.supervisor.ledger import stream_records, throughput_of
 from chunkq.supervisor.plan import describe_savings, savings
+from chunkq.supervisor.result import describe_left_out
 from chunkq.supervisor.throughput import PAUSE_SECONDS, Throughput, parse_time
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,7 @@ class RunFacts:
     done: Collection[int] = ()  # the chunks published (a failure later recovered is not quarantined)
     startup_began: float | None = None  # when the run's first workers began starting (<= 0), seconds
     cached_chunks: int = 0  # chunks read from the vector cache at submit
+    bad_rows: list[dict[str, Any]] = field(default_factory=list)  # rows left out (--allow-missing)
 
     @cached_property
     def t0(self) -> datetime:
@@ -181,6 +183,7 @@ class RunFacts:
         self.devices.add(lane.device)
         self.chunk_seconds += max(end - start, 0.0)
         self.chunks_done += 1
+        self.bad_rows += record.get("bad_rows") or []
         limit = record.get("batch_tokens") or record.get("batch_size")
         if limit is not None:  # ledgers written before the batch was recorded have none
             self.batches[int(limit)] += 1
@@ -301,6 +304,7 @@ def summary(facts: RunFacts, lengths: list[int], limit: int | None, unit: str) -
         "truncated_in_sample": truncated,
         "cache": _saved(facts),
         "windows": (facts.manifest.plan or {}).get("windows"),  # --long-texts window: texts cut, windows
+        "rows_left_out": facts.bad_rows,  # --allow-missing: rows whose input could not be read, and why
     }
 
 
@@ -510,6 +514,8 @@ def _markdown(s: dict[str, Any], png: Path) -> str:
             f"| long texts as windows | {w['windowed']} of {w['texts']} texts cut; {w['windows']} windows "
             f"of at most {w['tokens']} tokens |"
         )
+    if s["rows_left_out"]:
+        lines.append(f"| rows left out (--allow-missing) | {describe_left_out(s['rows_left_out'])} |")
     if s["cache"] is not None:
         saved = s["cache"]
         lines += [

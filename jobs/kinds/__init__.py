@@ -8,20 +8,22 @@ assembly, shards, export, status) is written once and knows a kind only through 
 kind is one module and one line in ``KINDS``.
 
 Built: ``dense`` (``SentenceTransformer.encode``), ``cross`` (``CrossEncoder.predict`` over pairs),
-``sparse`` (``SparseEncoder``, CSR) and ``multivector`` (``MultiVectorEncoder``, a token matrix per
-text), the last two stored ragged (jobs.ragged). Not built yet (issue 34): ``image`` (rows that
-are not texts).
+``sparse`` (``SparseEncoder``, CSR), ``multivector`` (``MultiVectorEncoder``, a token matrix per
+text; both stored ragged, jobs.ragged) and ``image`` (a multimodal model's ``encode`` of images
+read from paths or URLs).
 """
 
 from __future__ import annotations
 
 from chunkq.jobs.errors import ConfigError
-from chunkq.jobs.kinds import cross, dense, multivector, sparse
+from chunkq.jobs.kinds import cross, dense, image, multivector, sparse
 from chunkq.jobs.kinds.contract import Kind
 from chunkq.jobs.specs import EncodeOptions
 
-KINDS: dict[str, Kind] = {k.name: k for k in (dense.KIND, cross.KIND, sparse.KIND, multivector.KIND)}
-NOT_BUILT = ("image",)
+KINDS: dict[str, Kind] = {
+    k.name: k for k in (dense.KIND, cross.KIND, sparse.KIND, multivector.KIND, image.KIND)
+}
+NOT_BUILT: tuple[str, ...] = ()  # names a later chunkq may run, refused here in one line
 
 
 def get(name: str) -> Kind:
@@ -35,6 +37,9 @@ def get(name: str) -> Kind:
 
 def check_options(options: EncodeOptions) -> None:
     """ConfigError where ``options`` ask of the run's kind what it cannot do."""
-    why = get(options.kind).refuse(options)
+    kind = get(options.kind)
+    why = kind.refuse(options)
+    if options.allow_missing and not kind.reads_rows:
+        why = "--allow-missing is for rows that name what to read (--kind image)"
     if why:
         raise ConfigError(f"--kind {options.kind}: {why}")

@@ -23,8 +23,19 @@ class Kind:
     encode: Encoder
     warm_up: Callable[[Any, list[int]], None]  # run once in a fresh worker, on inputs of these token lengths
     refuse: Callable[[EncodeOptions], str | None]  # why these options mean nothing for it, or None
-    ragged: bool = False  # its rows vary in length (jobs.ragged): no vector cache, no windows
+    ragged: bool = False  # its rows vary in length (jobs.ragged)
+    cached: bool = True  # the vector cache may hold its rows: of one width, keyed by what the row is
+    reads_rows: bool = False  # a row names what to read (an image): it can be missing (--allow-missing)
 
     @property
     def matrix(self) -> bool:
         return not self.ragged
+
+
+@dataclass
+class WithBadRows:
+    """A matrix whose rows in ``bad`` have no vector (zeros, never published): an input that could
+    not be read, with the reason, left out of the result under ``--allow-missing``."""
+
+    matrix: Any
+    bad: dict[int, str]

@@ -66,4 +66,5 @@ KIND = Kind(
     warm_up=warm_up,
     refuse=refuse,
     ragged=True,
+    cached=False,
 )

@@ -1,0 +1,105 @@
+"""image: a vector per image, as a multimodal ``SentenceTransformer.encode`` (CLIP, SigLIP and the
+like) gives it for images. The corpus's text column holds each image's path or URL (whatever
+fsspec reads: a local path, s3://, gs://, http(s):// where the worker can reach it); the worker
+reads and decodes it. An image that is missing or cannot be decoded is a bad row, named with its
+reason, never a zero vector: the chunk fails, or under ``--allow-missing`` the row is left out of
+the result and listed there. A text run of the same model gives vectors in the same space.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import numpy as np
+
+from chunkq.jobs import token_batches
+from chunkq.jobs.errors import BadRowsError
+from chunkq.jobs.kinds.contract import Kind, OnRows, WithBadRows
+from chunkq.jobs.specs import EncodeOptions
+from chunkq.jobs.storage import open_store
+
+
+def read_image(ref: str) -> Any:
+    """The image at ``ref`` decoded (PIL); an OSError or ValueError says why it cannot be."""
+    from PIL import Image
+
+    data = open_store(ref).read_bytes()  # a local path, or any URL fsspec reads
+    image = Image.open(io.BytesIO(data))
+    image.load()  # decode now: a truncated file fails here, on this row, not inside a batch
+    return image
+
+
+def _reason(exc: Exception) -> str:
+    if isinstance(exc, FileNotFoundError):
+        return "no such file"
+    if type(exc).__name__ == "UnidentifiedImageError":  # its message names a BytesIO, not the file
+        return "not an image any decoder here recognises"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def encode(model: Any, texts: list[str], options: EncodeOptions, on_rows: OnRows) -> Any:
+    images: dict[int, Any] = {}
+    bad: dict[int, str] = {}
+    for i, ref in enumerate(texts):
+        try:
+            images[i] = read_image(ref)
+        except Exception as exc:  # any failure to read or decode is this row's, with its reason
+            bad[i] = f"{ref}: {_reason(exc)}"
+    if bad and not options.allow_missing:
+        shown = "; ".join(f"row {i}: {why}" for i, why in list(bad.items())[:5])
+        more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
+        raise BadRowsError(f"{len(bad)} image(s) cannot be read: {shown}{more}", bad)
+    good = sorted(images)
+    out: np.ndarray[Any, Any] | None = None
+    done = 0
+    for batch in token_batches.plan_fixed([1] * len(good), options.batch_size):
+        rows = np.asarray(
+            model.encode(
+                [images[good[j]] for j in batch],
+                batch_size=len(batch),
+                normalize_embeddings=options.normalize_embeddings,
+                truncate_dim=options.truncate_dim,
+                convert_to_numpy=True,
+                show_progress_bar=False,
+            ),
+            dtype=np.float32,
+        )
+        if out is None:
+            out = np.zeros((len(texts), rows.shape[1]), dtype=np.float32)
+        out[[good[j] for j in batch]] = rows
+        done += len(batch)
+        if on_rows is not None:
+            on_rows(done)
+    if out is None:  # every image bad: the width is the model's
+        out = np.zeros((len(texts), int(model.get_embedding_dimension() or 0)), dtype=np.float32)
+    return WithBadRows(out, bad) if bad else out
+
+
+def warm_up(model: Any, lengths: list[int]) -> None:
+    from PIL import Image
+
+    images = [Image.new("RGB", (224, 224), (i * 40 % 256, 90, 160)) for i in range(len(lengths))]
+    model.encode(images, batch_size=len(images), show_progress_bar=False)
+
+
+def refuse(options: EncodeOptions) -> str | None:
+    if options.late_chunking or options.max_active_dims or options.role:
+        return "an image has no windows, active dimensions or query role"
+    if options.batch_tokens is not None:
+        return "images are batched by count (--batch-size), not by tokens"
+    return None
+
+
+KIND = Kind(
+    name="image",
+    model_class="SentenceTransformer",
+    reference="SentenceTransformer.encode(images) (a multimodal model: CLIP, SigLIP)",
+    row="a vector per image (path or URL)",
+    rows_are="image embeddings",
+    encode=encode,
+    warm_up=warm_up,
+    refuse=refuse,
+    cached=False,
+    reads_rows=True,
+)
