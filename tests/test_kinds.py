@@ -313,6 +313,11 @@ def test_a_sparse_run_equals_encode_document_through_a_sigkill_and_an_oom_back_o
     table = pq.read_table(out)
     assert table.column_names == ["id", "indices", "values"]
     assert table.column("indices")[3].as_py() == result["indices"][96:128].tolist()
+    named = tmp_path / "named.jsonl"
+    args = ["--store", str(store), "--format", "jsonl", "--out", str(named), "--tokens"]
+    assert run_cli("export", layout.run_id, *args).returncode == 0
+    row = json.loads(named.read_text().splitlines()[3])
+    assert row["tokens"] == model.tokenizer.convert_ids_to_tokens(row["indices"]) and len(row["tokens"]) == 32
 
 
 def test_a_damaged_sparse_chunk_output_is_refused_and_the_python_api_routes_queries(

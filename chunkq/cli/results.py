@@ -117,15 +117,22 @@ def clean_cmd(run_id: str, outputs_only: bool, store: Path, redis_url: str | Non
     help="File to write, in an existing folder; '-', a pipe or a device is written through.",
 )
 @click.option("--force", is_flag=True, help="Replace --out if it is an existing file.")
+@click.option(
+    "--tokens",
+    is_flag=True,
+    help="A sparse run: each row's active dimensions as the model's vocabulary words too (a tokens column).",
+)
 @store_option
 @redis_option("unused")
-def export_cmd(run_id: str, fmt: str, out: Path, force: bool, store: Path, redis_url: str | None) -> None:
+def export_cmd(
+    run_id: str, fmt: str, out: Path, force: bool, tokens: bool, store: Path, redis_url: str | None
+) -> None:
     """Write RUN_ID's published result, in corpus order with its ids, to one file (streaming)."""
     del redis_url
     # Where the data itself goes to stdout, a pipe or a device, the note of what was written must not join it.
     stream = out == STDOUT or (out.exists() and not out.is_file())
     layout = RunLayout(store, run_id)
-    written = export(layout, fmt, out, force)
+    written = export(layout, fmt, out, force, tokens=tokens)
     click.echo(", ".join(str(p) for p in written), err=stream)
     result = read_json(layout.result_manifest)
     if not result.get("complete", True):

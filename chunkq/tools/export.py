@@ -213,11 +213,15 @@ def _outside_the_store(layout: RunLayout, out: Path) -> None:
         )
 
 
-def export(layout: RunLayout, fmt: str, out: Path, force: bool = False) -> list[Path]:
-    """Write the run's result to ``out`` in ``fmt``; the files written."""
+def export(layout: RunLayout, fmt: str, out: Path, force: bool = False, tokens: bool = False) -> list[Path]:
+    """Write the run's result to ``out`` in ``fmt``; the files written. ``tokens``: a sparse run's
+    active dimensions as the model's vocabulary words too."""
     _outside_the_store(layout, out)
-    if kinds.get(load_manifest(layout).kind).ragged:
-        return _export_ragged(layout, fmt, _target(out, force, fmt))
+    kind = load_manifest(layout).kind
+    if tokens and kind != "sparse":
+        raise ConfigError(f"--tokens names a sparse vector's dimensions; run {layout.run_id} is {kind}")
+    if kinds.get(kind).ragged:
+        return _export_ragged(layout, fmt, _target(out, force, fmt), tokens)
     target = _target(out, force, fmt)
     reader = _ResultReader(layout)
     if fmt == "parquet":
@@ -273,7 +277,29 @@ def _parquet(reader: _ResultReader, out: _Target) -> None:
                 writer.write_table(pa.table(data, schema=schema))
 
 
-def _export_ragged(layout: RunLayout, fmt: str, target: _Target) -> list[Path]:
+def _arrow_type(pa: Any, array: Any) -> Any:
+    """An entry's Arrow type: a word, a vector (a fixed-size list), or a number."""
+    if array.dtype == object:
+        return pa.string()
+    if array.ndim == 2:
+        return pa.list_(pa.from_numpy_dtype(array.dtype), array.shape[1])
+    return pa.from_numpy_dtype(array.dtype)
+
+
+def _vocabulary(layout: RunLayout) -> Any:
+    """The run's model's tokens by id (its tokenizer.json): a sparse vector's dimensions by name."""
+    from chunkq.jobs.model_info import describe
+    from chunkq.supervisor.windows import load_tokenizer
+
+    run = load_manifest(layout)
+    folder = describe(run.model, run.options.get("revision")).folder
+    if folder is None:
+        raise ConfigError(f"--tokens: model {run.model}'s files are not on this host")
+    tokenizer = load_tokenizer(folder)
+    return np.array([tokenizer.id_to_token(i) or "" for i in range(tokenizer.get_vocab_size())], dtype=object)
+
+
+def _export_ragged(layout: RunLayout, fmt: str, target: _Target, tokens: bool = False) -> list[Path]:
     """A ragged result as Parquet or JSON Lines: ``id`` and each entry array as a list per row
     (sparse: ``indices`` list<int32>, ``values`` list<float32>; multivector: ``vectors``, a list of
     fixed-size lists), its files checked against their checksums first."""
@@ -293,6 +319,9 @@ def _export_ragged(layout: RunLayout, fmt: str, target: _Target) -> list[Path]:
         raise ConfigError(f"a {run.kind} result has no matrix to write as .npy; export parquet or jsonl")
     arrays = ragged_result.load(layout.result)
     offsets, names = arrays.pop("offsets"), list(arrays)
+    if tokens:
+        arrays["tokens"] = _vocabulary(layout)[np.asarray(arrays["indices"])]
+        names.append("tokens")
     with open(layout.result / "ids.jsonl", encoding="utf-8") as fh:
         ids = [json.loads(line) for line in fh]
     if fmt == "jsonl":
@@ -303,12 +332,7 @@ def _export_ragged(layout: RunLayout, fmt: str, target: _Target) -> list[Path]:
                 out.write(json.dumps({"id": rid, **fields}, ensure_ascii=False) + "\n")
         return [target.path]
     # A token matrix's entries are vectors: a list of fixed-size lists, as a dense row is one.
-    types = {
-        name: pa.list_(pa.from_numpy_dtype(a.dtype), a.shape[1])
-        if a.ndim == 2
-        else pa.from_numpy_dtype(a.dtype)
-        for name, a in arrays.items()
-    }
+    types = {name: _arrow_type(pa, a) for name, a in arrays.items()}
     schema = pa.schema([("id", pa.string()), *((name, pa.list_(types[name])) for name in names)])
     with _written_whole(target) as tmp, pq.ParquetWriter(tmp, schema) as writer:
         for start in range(0, len(ids), BATCH_ROWS):
