@@ -142,7 +142,7 @@ for _name in ("sentence_transformers.base.model", "sentence_transformers.Sentenc
 _cache: dict[tuple[Any, ...], LoadedModel] = {}
 # Models loaded on the CPU in fp32 by a process that forks workers (queue_worker.fork_server): a forked
 # worker takes its copy instead of reading and building the model again.
-_templates: dict[tuple[str, str], Any] = {}  # (model, kind): loaded on the CPU before workers fork
+_templates: dict[tuple[str, str], Any] = {}  # (model, its class): loaded on the CPU before workers fork
 
 
 def _torch_dtype(precision: str) -> Any:
@@ -161,14 +161,14 @@ def get_model(ref: str, device: str, precision: str, options: EncodeOptions | No
     """Load ``ref`` on ``device`` in ``precision`` once per process; later calls reuse it.
     ``options`` say how it loads: remote code, revision, model kwargs (the defaults if None)."""
     options = options or EncodeOptions()
-    key = (ref, device, precision, options.load_key())
+    key = _key(ref, device, precision, options)
     cached = _cache.get(key)
     if cached is not None:
         return cached
     check_precision(precision, device)
     started = time.perf_counter()
     # The fork server's copy was loaded the default way: only a default load may take it.
-    template = _templates.pop((ref, options.kind), None) if options.default_load else None
+    template = _templates.pop((ref, _model_class(options.kind)), None) if options.default_load else None
     if template is not None:
         # SentenceTransformer(path, device=...) builds the model on the CPU and then moves it too.
         model = template.to(device)
@@ -186,9 +186,21 @@ def get_model(ref: str, device: str, precision: str, options: EncodeOptions | No
     return loaded
 
 
+def _model_class(kind: str) -> str:
+    """The sentence-transformers class a kind loads with: an image run and a text run of one CLIP
+    model share one loaded copy."""
+    from chunkq.jobs import kinds  # the kinds import this module's neighbours, not the other way
+
+    return kinds.get(kind).model_class
+
+
+def _key(ref: str, device: str, precision: str, options: EncodeOptions) -> tuple[Any, ...]:
+    return (ref, device, precision, options.load_key(), _model_class(options.kind))
+
+
 def forget(ref: str, device: str, precision: str, options: EncodeOptions | None = None) -> None:
     """Drop a model from this process's cache (a copy loaded for one use), freeing its memory."""
-    _cache.pop((ref, device, precision, (options or EncodeOptions()).load_key()), None)
+    _cache.pop(_key(ref, device, precision, options or EncodeOptions()), None)
     if device.startswith("cuda"):
         import gc
 
@@ -253,5 +265,5 @@ def load_template(ref: str, max_bytes: int) -> float:
         raise ConfigError(
             f"its weights take {size / 2**30:.1f} GiB, more than the {max_bytes / 2**30:.1f} GiB allowed"
         )
-    _templates[(ref, kind)] = model
+    _templates[(ref, _model_class(kind))] = model
     return time.perf_counter() - started

@@ -200,7 +200,7 @@ class EncodeOptions:
     def load_key(self) -> tuple[Any, ...]:
         """What decides how the model is loaded (beside its name, device and precision)."""
         kwargs = tuple(sorted((self.model_kwargs or {}).items()))
-        return (self.trust_remote_code, self.revision, kwargs, self.kind)
+        return (self.trust_remote_code, self.revision, kwargs)
 
     @property
     def default_load(self) -> bool:

@@ -145,6 +145,8 @@ def test_the_wheel_installs_one_top_level_name(tmp_path: Path) -> None:
     for module in (
         "chunkq/__init__.py",
         "chunkq/jobs/embed.py",
+        "chunkq/jobs/kinds/image.py",  # a subpackage: named in pyproject.toml's package list too
+        "chunkq/sinks/lance.py",
         "chunkq/queue_worker/worker.py",
         "chunkq/cli/__init__.py",
         "chunkq/supervisor/supervise.py",

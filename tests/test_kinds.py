@@ -1,5 +1,6 @@
 """Issue 34: model kinds behind one contract (jobs/kinds). Each kind's run equals the
-sentence-transformers call it names, on a small model built here offline (random weights)."""
+sentence-transformers call it names, on a small model built here offline (random weights). Every
+test that builds or runs a model is in the slow tier."""
 
 from __future__ import annotations
 
@@ -68,6 +69,7 @@ def _write_pairs(path: Path, rows: list[dict[str, str]]) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_the_kind_is_read_from_the_models_files_and_unbuilt_kinds_are_refused(
     tmp_path: Path, reranker: Path
 ) -> None:
@@ -76,8 +78,8 @@ def test_the_kind_is_read_from_the_models_files_and_unbuilt_kinds_are_refused(
     raw = _cross_encoder(tmp_path, labels=3, save_as_st=False)
     assert describe(str(raw)).kind == "cross"  # a sequence classifier without modules.json
     assert kinds.get("cross").reference == "CrossEncoder.predict(pairs)"
-    with pytest.raises(ConfigError, match="kind 'sparse' is not built yet"):
-        kinds.get("sparse")
+    with pytest.raises(ConfigError, match="kind 'audio': one of dense, cross, sparse, multivector, image"):
+        kinds.get("audio")
     shown = run_cli("model", str(reranker))
     assert "kind                cross: a score per (query, passage) pair" in shown.stdout, shown.stdout
 
@@ -111,6 +113,7 @@ def test_a_pair_corpus_is_read_from_json_lines_csv_and_parquet(tmp_path: Path) -
         )
 
 
+@pytest.mark.slow
 def test_options_a_kind_cannot_honour_are_refused_before_anything_starts(
     tmp_path: Path, reranker: Path
 ) -> None:
@@ -127,7 +130,11 @@ def test_options_a_kind_cannot_honour_are_refused_before_anything_starts(
             {**pairs, "long_texts": "window"},
             "--long-texts window is for dense models; this model's kind is cross",
         ),
-        ({**pairs, "kind": "sparse"}, "kind 'sparse' is not built yet; chunkq runs dense, cross"),
+        (
+            {"kind": "sparse", "normalize": True},
+            "--kind sparse: a sparse vector is not truncated, normalised",
+        ),
+        ({"allow_missing": True, **pairs}, "--allow-missing is for rows that name what to read"),
     ]
     for given, message in cases:
         with pytest.raises(ConfigError, match=re.escape(message)):
@@ -191,21 +198,47 @@ def test_a_cross_encoder_run_equals_predict_through_a_sigkill_and_an_oom_back_of
 
 
 @pytest.mark.slow
-def test_a_cross_encoder_with_classes_gives_a_row_of_class_scores(tmp_path: Path) -> None:
+def test_a_cross_encoder_with_classes_gives_a_row_of_class_scores(
+    tmp_path: Path, store: Path, connection: Any
+) -> None:
+    """A three-label classifier saved as sentence-transformers 2-4 saved cross-encoders (no module
+    list): its kind is read from its files, and each pair's row holds its class scores, stored as
+    float16 (in process: submit, the real job function, assembly)."""
     from sentence_transformers import CrossEncoder
+
+    from chunkq.jobs.specs import EncodeOptions
+    from chunkq.supervisor.corpus import CorpusOptions
+    from chunkq.supervisor.submit import SubmitRequest
 
     model = _cross_encoder(tmp_path, labels=3, save_as_st=False)
     rows = _pairs(12, seed=4)
     corpus = _write_pairs(tmp_path / "pairs.jsonl", rows)
-    args = ["--model", str(model), "--text-field", "query", "--pair-field", "passage", "--chunk-size", "5"]
-    done = run_cli("run", str(corpus), *args, "--output-dtype", "float16", "--store", str(tmp_path / "s"))
-    assert done.returncode == 0, done.stderr[-3000:]
-    got = np.load(only_run(tmp_path / "s").result / "embeddings.npy")
+    options = EncodeOptions(kind=describe(str(model)).kind, output_dtype="float16")
+    pairs = CorpusOptions("jsonl", "query", pair_field="passage")
+    request = SubmitRequest(corpus, store, str(model), pairs, chunk_size=5, encode=options, cache=False)
+    layout = _encode_in_process(request, connection)
+    got = np.load(layout.result / "embeddings.npy")
     want = CrossEncoder(str(model), device="cpu").predict([(r["query"], r["passage"]) for r in rows])
     assert got.dtype == np.float16 and got.shape == (12, 3)
     assert max_abs_diff(got, np.asarray(want, dtype=np.float16)) <= 1e-3  # float16's own rounding
 
 
+def _encode_in_process(request: Any, connection: Any) -> Any:
+    from chunkq.jobs.embed import embed_chunk
+    from chunkq.jobs.manifest import load_manifest
+    from chunkq.jobs.run_files import RunLayout
+    from chunkq.supervisor.assemble import assemble
+    from chunkq.supervisor.submit import submit
+
+    layout = RunLayout(request.store, submit(request, connection).run_id)
+    manifest = load_manifest(layout)
+    for index in range(manifest.chunks):
+        embed_chunk(manifest.chunk_spec(layout.store, index).to_dict())
+    assemble(layout)
+    return layout
+
+
+@pytest.mark.slow
 def test_the_python_api_scores_pairs_in_process(reranker: Path) -> None:
     from sentence_transformers import CrossEncoder
 
@@ -219,18 +252,6 @@ def test_the_python_api_scores_pairs_in_process(reranker: Path) -> None:
     with pytest.raises(ConfigError, match="a cross model takes \\(query, passage\\) pairs, given strs"):
         chunkq.embed(["a text"], model=str(reranker))
     assert chunkq.embed([], model=str(reranker)).shape == (0, 1)
-
-
-@pytest.mark.slow
-def test_the_python_api_scores_pairs_through_a_run(reranker: Path) -> None:
-    from sentence_transformers import CrossEncoder
-
-    import chunkq
-
-    pairs = [(r["query"], r["passage"]) for r in _pairs(9, seed=6)]
-    want = np.asarray(CrossEncoder(str(reranker), device="cpu").predict(pairs))
-    got = chunkq.embed(pairs, model=str(reranker), isolated=True, chunk_size=4)
-    assert got.shape == (9, 1) and max_abs_diff(got[:, 0], want) <= 1e-5
 
 
 def _splade(folder: Path) -> Path:
@@ -320,6 +341,7 @@ def test_a_sparse_run_equals_encode_document_through_a_sigkill_and_an_oom_back_o
     assert row["tokens"] == model.tokenizer.convert_ids_to_tokens(row["indices"]) and len(row["tokens"]) == 32
 
 
+@pytest.mark.slow
 def test_a_damaged_sparse_chunk_output_is_refused_and_the_python_api_routes_queries(
     tmp_path: Path, splade: Path, reference_model: Any
 ) -> None:
