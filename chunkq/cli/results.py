@@ -113,9 +113,24 @@ def clean_cmd(run_id: str, outputs_only: bool, store: Path, redis_url: str | Non
 @click.option(
     "--out",
     type=click.Path(path_type=Path, dir_okay=False, allow_dash=True),
-    required=True,
+    default=None,
     help="File to write, in an existing folder; '-', a pipe or a device is written through.",
 )
+@click.option(
+    "--to",
+    "to",
+    default=None,
+    metavar="URL",
+    help="Write into a vector store instead of a file, upserting by id: lancedb://PATH/TABLE, "
+    "faiss:PATH (an index file, --index), postgresql://USER@HOST:PORT/DB?table=T (pgvector).",
+)
+@click.option(
+    "--index",
+    default=None,
+    help="--to faiss:PATH: the FAISS index to build, as a factory string (Flat, HNSW32, 'IVF1024,PQ32'); "
+    "default Flat. Trained on a sample of the run where it must be.",
+)
+@click.option("--json", "as_json", is_flag=True, help="--to: print the summary as JSON.")
 @click.option("--force", is_flag=True, help="Replace --out if it is an existing file.")
 @click.option(
     "--tokens",
@@ -125,10 +140,25 @@ def clean_cmd(run_id: str, outputs_only: bool, store: Path, redis_url: str | Non
 @store_option
 @redis_option("unused")
 def export_cmd(
-    run_id: str, fmt: str, out: Path, force: bool, tokens: bool, store: Path, redis_url: str | None
+    run_id: str,
+    fmt: str,
+    out: Path | None,
+    to: str | None,
+    index: str | None,
+    as_json: bool,
+    force: bool,
+    tokens: bool,
+    store: Path,
+    redis_url: str | None,
 ) -> None:
-    """Write RUN_ID's published result, in corpus order with its ids, to one file (streaming)."""
+    """Write RUN_ID's published result, in corpus order with its ids, to one file (streaming), or
+    with --to into a vector store."""
     del redis_url
+    if (out is None) == (to is None):
+        raise click.UsageError("give --out FILE or --to URL")
+    if to is not None or out is None:
+        _export_to(RunLayout(store, run_id), str(to), index, as_json)
+        return
     # Where the data itself goes to stdout, a pipe or a device, the note of what was written must not join it.
     stream = out == STDOUT or (out.exists() and not out.is_file())
     layout = RunLayout(store, run_id)
@@ -138,6 +168,25 @@ def export_cmd(
     if not result.get("complete", True):
         click.echo(f"chunkq: PARTIAL: {_partial(result)}; the export holds only those rows", err=True)
         sys.exit(EXIT_PARTIAL)
+
+
+def _export_to(layout: RunLayout, url: str, index: str | None, as_json: bool) -> None:
+    from chunkq.sinks import export_to
+
+    def say(progress: Any) -> None:
+        if not as_json:
+            click.echo(f"\r{progress.written:,}/{progress.total:,} rows", nl=False, err=True)
+
+    summary = export_to(layout, url, {"index": index}, on_progress=say)
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+        return
+    click.echo("", err=True)
+    click.echo(
+        f"{summary['written']:,} rows of run {layout.run_id} written to {url} in {summary['seconds']} s "
+        f"({summary['rows_per_second']} rows/s)"
+        + (f"; the table holds {summary['table_rows']:,} rows" if "table_rows" in summary else "")
+    )
 
 
 def _partial(result: dict[str, Any]) -> str:

@@ -1,0 +1,161 @@
+"""Sinks: a published, verified result written where people search it (shared/DESIGN.md "Sinks").
+
+``chunkq export RUN --to URL`` and ``RunResult.export_to(URL)``. One module per sink, chosen by the
+URL's scheme (``SINKS``); each reads the published result and nothing else, and writes it
+idempotently by id, so an export that is killed and run again ends with exactly the run's rows:
+
+- ``lancedb://PATH/TABLE`` (``lance``): an embedded LanceDB table, rows merged by id.
+- ``faiss:PATH`` (``faiss_index``): a FAISS index file (``--index``, trained on a sample of the run)
+  and its ids beside it, built whole and put in place at once.
+- ``postgresql://.../DB?table=T`` (``pgvector``): a pgvector table, rows upserted by id a batch per
+  transaction.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from chunkq.jobs import kinds
+from chunkq.jobs.errors import AssemblyError, ConfigError, StoreError
+from chunkq.jobs.manifest import load_manifest
+from chunkq.jobs.run_files import RunLayout, read_json
+from chunkq.supervisor.result import result_problems
+
+SINK_BATCH_ROWS = 4096  # rows a sink is given at once: memory stays one batch whatever the run's size
+
+
+@dataclass(frozen=True)
+class Rows:
+    """What a sink is told of the result before its rows: their count, width and stored dtype, the
+    run's metric (cosine where its vectors are unit length), and the run it is."""
+
+    run_id: str
+    rows: int
+    dim: int
+    dtype: str  # the result's output dtype: float32, float16, int8, uint8, binary, ubinary
+    normalized: bool
+    windowed: bool  # each row a window: its id is "<text id>#<window>", with the window's columns
+
+
+class Sink(Protocol):
+    def open(self, rows: Rows) -> None: ...
+
+    def write(self, ids: list[str], vectors: np.ndarray[Any, Any], columns: dict[str, list[Any]]) -> None: ...
+
+    def close(self) -> dict[str, Any]: ...
+
+    def abort(self) -> None: ...
+
+
+@dataclass
+class Progress:
+    total: int
+    written: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+    def summary(self) -> dict[str, Any]:
+        seconds = time.monotonic() - self.started
+        return {
+            "rows": self.total,
+            "written": self.written,
+            "seconds": round(seconds, 2),
+            "rows_per_second": round(self.written / seconds, 1) if seconds > 0 else None,
+        }
+
+
+def open_sink(url: str, options: dict[str, Any]) -> Sink:
+    """The sink ``url`` names, by its scheme; ConfigError for a scheme chunkq does not write."""
+    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    if scheme == "lancedb":
+        from chunkq.sinks.lance import LanceSink
+
+        return LanceSink(url)
+    if scheme == "faiss":
+        from chunkq.sinks.faiss_index import FaissSink
+
+        return FaissSink(url, options.get("index") or "Flat")
+    if scheme in ("postgresql", "postgres"):
+        from chunkq.sinks.pgvector import PgvectorSink
+
+        return PgvectorSink(url)
+    raise ConfigError(
+        f"--to {url}: chunkq writes to lancedb://PATH/TABLE, faiss:PATH and postgresql://.../DB?table=T"
+    )
+
+
+def _row_ids(ids: list[Any], windowed: bool) -> tuple[list[str], dict[str, list[Any]]]:
+    """Each row's key in the sink and the window columns: a window's id is its text's and number."""
+    if not windowed:
+        return [str(rid) for rid in ids], {}
+    columns: dict[str, list[Any]] = {"text_id": [str(rid["id"]) for rid in ids]}
+    for name in ("window", "char_start", "char_end", "tokens"):
+        columns[name] = [int(rid[name]) for rid in ids]
+    return [f"{rid['id']}#{rid['window']}" for rid in ids], columns
+
+
+def _batches(layout: RunLayout, batch_rows: int) -> Iterator[tuple[list[Any], np.ndarray[Any, Any]]]:
+    from chunkq.tools.export import _ResultReader
+
+    reader = _ResultReader(layout)
+    held_ids: list[Any] = []
+    held: list[np.ndarray[Any, Any]] = []
+    count = 0
+    for ids, block in reader.batches():
+        held_ids += ids
+        held.append(block)
+        count += len(ids)
+        while count >= batch_rows:
+            rows = np.concatenate(held)
+            yield held_ids[:batch_rows], rows[:batch_rows]
+            held_ids, held, count = held_ids[batch_rows:], [rows[batch_rows:]], count - batch_rows
+    if held_ids:
+        yield held_ids, np.concatenate(held)
+
+
+def export_to(
+    layout: RunLayout,
+    url: str,
+    options: dict[str, Any] | None = None,
+    on_progress: Callable[[Progress], None] | None = None,
+    batch_rows: int = SINK_BATCH_ROWS,
+) -> dict[str, Any]:
+    """Write RUN's published result to ``url``; a summary (rows, written, seconds, rows/s, and what
+    the sink says of itself). The result is verified whole (every checksum) before a row is written."""
+    run = load_manifest(layout)
+    if not layout.result_manifest.is_file():
+        raise StoreError(f"run {layout.run_id} has no published result; run it to the end first")
+    result = read_json(layout.result_manifest)
+    damage = result_problems(layout, result, run, checksums=True)
+    if damage:
+        raise AssemblyError(layout.run_id, [f"the published result is damaged: {'; '.join(damage)}"])
+    if kinds.get(run.kind).ragged:
+        raise ConfigError(f"run {layout.run_id} is {run.kind}: its rows vary in length; export it as Parquet")
+    windowed = bool((run.plan or {}).get("windows"))
+    normalized = bool(run.options.get("normalize_embeddings")) or bool((run.plan or {}).get("normalize"))
+    if not normalized:
+        from chunkq.jobs.model_info import describe
+
+        normalized = describe(run.model, run.options.get("revision")).normalizes and run.kind == "dense"
+    rows = Rows(
+        layout.run_id, int(result["rows"]), int(result["dim"]), run.output_dtype, normalized, windowed
+    )
+    sink = open_sink(url, options or {})
+    progress = Progress(rows.rows)
+    sink.open(rows)
+    try:
+        for ids, block in _batches(layout, batch_rows):
+            keys, columns = _row_ids(ids, windowed)
+            sink.write(keys, block, columns)
+            progress.written += len(keys)
+            if on_progress is not None:
+                on_progress(progress)
+        told = sink.close()
+    except BaseException:
+        sink.abort()
+        raise
+    return {"url": url, "run_id": layout.run_id, **progress.summary(), **told}

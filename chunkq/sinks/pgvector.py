@@ -1,0 +1,132 @@
+"""``postgresql://USER@HOST:PORT/DB?table=T``: a PostgreSQL table with the pgvector extension. The
+table (``id text primary key``, ``embedding`` of the type the run's dtype needs: ``vector(dim)``
+for float32, ``halfvec(dim)`` for float16, ``bit(dim)`` for binary and ubinary; a windowed run's
+window columns) is created, or an existing one checked: another type or dimension is refused in one
+line. Rows are upserted by id (``INSERT ... ON CONFLICT (id) DO UPDATE``), a batch per transaction
+through a temporary table filled by COPY, so a rerun after a kill ends with exactly the run's rows.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
+
+import numpy as np
+
+from chunkq.jobs.errors import ConfigError
+from chunkq.sinks import Rows
+
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
+CONNECT_SECONDS = 10
+
+
+def _shown(url: str) -> str:
+    """``url`` without its password, for a message."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+WINDOW_COLUMNS = {
+    "text_id": "text",
+    "window": "bigint",
+    "char_start": "bigint",
+    "char_end": "bigint",
+    "tokens": "bigint",
+}
+
+
+def column_type(dtype: str, dim: int) -> str:
+    if dtype == "float32":
+        return f"vector({dim})"
+    if dtype == "float16":
+        return f"halfvec({dim})"
+    if dtype in ("binary", "ubinary"):
+        return f"bit({dim * 8})"
+    raise ConfigError(f"pgvector has no column type for {dtype} vectors; export float32, float16 or binary")
+
+
+def _literal(row: np.ndarray[Any, Any], dtype: str) -> str:
+    if dtype in ("binary", "ubinary"):
+        return "".join(np.unpackbits(row.view(np.uint8)).astype(str))
+    return "[" + ",".join(repr(float(v)) for v in row) + "]"
+
+
+class PgvectorSink:
+    def __init__(self, url: str) -> None:
+        parts = urlsplit(url)
+        query = parse_qs(parts.query)
+        table = (query.pop("table", None) or [""])[0]
+        if not _NAME.fullmatch(table):
+            raise ConfigError(f"--to {url}: name the table as ?table=NAME (letters, digits, underscores)")
+        self.table = table
+        # The rest of the query is the connection's (host=/socket/dir, sslmode=...).
+        self.dsn = urlunsplit((parts.scheme, parts.netloc, parts.path, urlencode(query, doseq=True), ""))
+        self.url = url
+        self.conn: Any = None
+
+    def open(self, rows: Rows) -> None:
+        import psycopg
+        from psycopg import sql
+
+        self.rows, self.type = rows, column_type(rows.dtype, rows.dim)
+        self.name = sql.Identifier(self.table)
+        self.columns = ["id", "embedding", *(WINDOW_COLUMNS if rows.windowed else {})]
+        try:
+            self.conn = psycopg.connect(self.dsn, autocommit=False, connect_timeout=CONNECT_SECONDS)
+        except psycopg.OperationalError as exc:
+            why = str(exc).strip().splitlines()[0]
+            raise ConfigError(f"--to {_shown(self.url)}: cannot connect to PostgreSQL: {why}") from None
+        with self.conn.cursor() as cur:
+            cur.execute("CREATE EXTENSION IF NOT EXISTS vector")
+            cur.execute(
+                "SELECT format_type(a.atttypid, a.atttypmod) FROM pg_attribute a "
+                "WHERE a.attrelid = to_regclass(%s) AND a.attname = 'embedding' AND NOT a.attisdropped",
+                (self.table,),
+            )
+            found = cur.fetchone()
+            if found is not None and found[0] != self.type:
+                raise ConfigError(
+                    f"--to {_shown(self.url)}: table {self.table} holds {found[0]} embeddings, this "
+                    f"run's are {self.type}; export to another table"
+                )
+            if found is None:
+                extra = "".join(f", {n} {t}" for n, t in WINDOW_COLUMNS.items() if rows.windowed)
+                columns = sql.SQL(f"id text PRIMARY KEY, embedding {self.type}{extra}")  # chunkq's own words
+                cur.execute(sql.SQL("CREATE TABLE IF NOT EXISTS {} ({})").format(self.name, columns))
+        self.conn.commit()
+
+    def write(self, ids: list[str], vectors: np.ndarray[Any, Any], columns: dict[str, list[Any]]) -> None:
+        from psycopg import sql
+
+        names = sql.SQL(", ").join(map(sql.Identifier, self.columns))
+        updates = sql.SQL(", ").join(
+            sql.SQL("{0} = EXCLUDED.{0}").format(sql.Identifier(n)) for n in self.columns[1:]
+        )
+        staging = sql.SQL("CREATE TEMP TABLE IF NOT EXISTS chunkq_batch (LIKE {}) ON COMMIT DELETE ROWS")
+        upsert = sql.SQL("INSERT INTO {} ({}) SELECT {} FROM chunkq_batch ON CONFLICT (id) DO UPDATE SET {}")
+        with self.conn.cursor() as cur:
+            cur.execute(staging.format(self.name))
+            with cur.copy(sql.SQL("COPY chunkq_batch ({}) FROM STDIN").format(names)) as copy:
+                for i, rid in enumerate(ids):
+                    extra = [columns[n][i] for n in self.columns[2:]]
+                    copy.write_row([rid, _literal(vectors[i], self.rows.dtype), *extra])
+            cur.execute(upsert.format(self.name, names, names, updates))
+        self.conn.commit()  # a batch is whole or absent: a rerun upserts it again
+
+    def close(self) -> dict[str, Any]:
+        from psycopg import sql
+
+        with self.conn.cursor() as cur:
+            cur.execute(sql.SQL("SELECT count(*) FROM {}").format(self.name))
+            count = int(cur.fetchone()[0])
+        self.conn.close()
+        return {"table_rows": count, "column": self.type}
+
+    def abort(self) -> None:
+        if self.conn is not None and not self.conn.closed:
+            self.conn.rollback()
+            self.conn.close()
