@@ -24,7 +24,7 @@ CONNECT_SECONDS = 10
 def _shown(url: str) -> str:
     """``url`` without its password, for a message."""
     parts = urlsplit(url)
-    if parts.password is None:
+    if not parts.password:
         return url
     netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
