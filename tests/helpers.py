@@ -238,16 +238,26 @@ def write_test_run(
     return manifest.chunk_spec(store, index), texts
 
 
-def write_encoded_run(store: Path, run_id: str, rows: int, chunk_size: int, dim: int, seed: int = 0) -> Any:
+def write_encoded_run(
+    store: Path,
+    run_id: str,
+    rows: int,
+    chunk_size: int,
+    dim: int,
+    seed: int = 0,
+    output_dtype: str = "float32",
+) -> Any:
     """A finished run as workers leave it, without a model: the manifest, each chunk's input (ids
     ``r0``, ``r1``...) and a committed output of random float32 rows that assembly accepts. Its
     RunLayout. For assembly and result tests of any size and dimension."""
     from datetime import UTC, datetime
 
     from chunkq.jobs.run_files import RunLayout, write_chunk_input, write_output
+    from chunkq.jobs.specs import EncodeOptions
 
     chunks = -(-rows // chunk_size)
-    manifest = _write_manifest(store, run_id, chunks, chunk_size, rows)
+    options = EncodeOptions(output_dtype=output_dtype)
+    manifest = _write_manifest(store, run_id, chunks, chunk_size, rows, options)
     layout = RunLayout(store, run_id)
     rng = np.random.default_rng(seed)
     for index in range(chunks):
@@ -257,7 +267,8 @@ def write_encoded_run(store: Path, run_id: str, rows: int, chunk_size: int, dim:
         meta = {"run_id": run_id, "chunk": index, "first_row": first, **manifest.producer()}
         meta |= {"worker": "w", "pid": 1, "host": "h", "device": "cpu", "seconds": 0.1}
         meta |= {"started_at": now, "finished_at": now}
-        write_output(layout, index, rng.standard_normal((n, dim), dtype=np.float32), meta)
+        vectors = rng.standard_normal((n, dim), dtype=np.float32)
+        write_output(layout, index, vectors.astype(output_dtype), meta, output_dtype)
     return layout
 
 

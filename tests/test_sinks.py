@@ -104,6 +104,14 @@ def test_pgvector_upserts_by_id_and_refuses_a_table_of_another_dimension(
     by_id = {rid: np.array(json.loads(text), dtype=np.float32) for rid, text in found}
     got = np.stack([by_id[rid] for rid in ids])
     assert np.array_equal(got.view(np.uint32), vectors.view(np.uint32))  # bitwise
+    half = write_encoded_run(tmp_path / "half", "half", 30, 10, 8, output_dtype="float16")
+    assemble(half)
+    assert export_to(half, f"{postgres}&table=half")["column"] == "halfvec(8)"
+    with psycopg.connect(postgres) as conn:
+        stored = conn.execute("SELECT embedding::text FROM half ORDER BY id").fetchall()
+    _, halves = _result(half)
+    order = np.argsort(np.array(_result(half)[0]))
+    assert np.array_equal(np.array([json.loads(t) for (t,) in stored], np.float16), halves[order])
     other = write_encoded_run(tmp_path / "other", "narrow", 10, 10, 8)
     assemble(other)
     done = run_cli("export", "narrow", "--store", str(other.store), "--to", url)
