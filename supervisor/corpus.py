@@ -33,12 +33,18 @@ class CorpusOptions:
     id_field: str = "id"
     max_text_bytes: int = MAX_TEXT_BYTES  # a longer line or text is a data bug, not a document
     pair_field: str | None = None  # --kind cross: the second text of each pair (the passage)
+    extra_fields: tuple[str, ...] = ()  # export --columns: fields copied beside each row (not read by runs)
 
 
 class Record(NamedTuple):
     id: str
     text: str
     where: str  # "file:line" or "file: row N", for error messages
+    extra: dict[str, Any] | None = None  # CorpusOptions.extra_fields: their values (None where absent)
+
+
+def _extra(record: dict[str, Any], opts: CorpusOptions) -> dict[str, Any] | None:
+    return {name: record.get(name) for name in opts.extra_fields} if opts.extra_fields else None
 
 
 def detect_format(path: Path, given: str | None = None) -> str:
@@ -201,7 +207,9 @@ def _read_jsonl(path: Path, opts: CorpusOptions, prefix: str) -> Iterator[Record
             raise CorpusError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from None
         if not isinstance(record, dict):
             raise CorpusError(f"{where}: expected a JSON object, got {type(record).__name__}")
-        yield Record(ids.pick(record, where, lineno), _text_of(record, opts, where), where)
+        yield Record(
+            ids.pick(record, where, lineno), _text_of(record, opts, where), where, _extra(record, opts)
+        )
 
 
 def _text_fields(opts: CorpusOptions) -> tuple[str, ...]:
@@ -238,7 +246,7 @@ def _read_csv(path: Path, opts: CorpusOptions, prefix: str) -> Iterator[Record]:
                 raise CorpusError(
                     f"{where}: row has {len(header)} columns expected, found a different number"
                 )
-            yield Record(ids.pick(row, where, number), _text_of(row, opts, where), where)
+            yield Record(ids.pick(row, where, number), _text_of(row, opts, where), where, _extra(row, opts))
     except csv.Error as exc:
         raise CorpusError(f"{path}:{reader.line_num}: malformed CSV: {exc}") from None
 
@@ -278,6 +286,7 @@ def _read_parquet(path: Path, opts: CorpusOptions, prefix: str) -> Iterator[Reco
         if not (pa.types.is_string(text_type) or pa.types.is_large_string(text_type)):
             raise CorpusError(f"{path}: column {name!r} has type {text_type}, expected string")
     columns = [*_text_fields(opts)] + ([opts.id_field] if opts.id_field in schema.names else [])
+    columns += [name for name in opts.extra_fields if name in schema.names and name not in columns]
     ids = _IdPolicy(path, opts.id_field, prefix)
     number = 0
     for batch in pfile.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns):
@@ -286,7 +295,9 @@ def _read_parquet(path: Path, opts: CorpusOptions, prefix: str) -> Iterator[Reco
         for record in batch.to_pylist():
             number += 1
             where = f"{path}: row {number}"
-            yield Record(ids.pick(record, where, number), _text_of(record, opts, where), where)
+            yield Record(
+                ids.pick(record, where, number), _text_of(record, opts, where), where, _extra(record, opts)
+            )
 
 
 _READERS = {"jsonl": _read_jsonl, "csv": _read_csv, "parquet": _read_parquet, "txt": _read_txt}

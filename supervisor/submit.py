@@ -21,7 +21,7 @@ import redis
 
 from chunkq.jobs import late
 from chunkq.jobs.calibrate import CALIBRATION_ROWS, ranges_for
-from chunkq.jobs.errors import ConfigError, CorpusError, RunConflictError
+from chunkq.jobs.errors import ConfigError, CorpusError, RunConflictError, StoreError
 from chunkq.jobs.manifest import RunManifest, load_manifest
 from chunkq.jobs.model_info import describe, model_identity
 from chunkq.jobs.run_files import (
@@ -32,7 +32,7 @@ from chunkq.jobs.run_files import (
     write_chunk_input,
 )
 from chunkq.jobs.specs import FORMAT_VERSION, EncodeOptions, fingerprint, validate_run_id
-from chunkq.jobs.storage import is_local, local_scratch, remove_tree
+from chunkq.jobs.storage import is_local, local_scratch, open_store, remove_tree
 from chunkq.jobs.vector_cache import VectorCache, cache_enabled, producer, producer_key
 from chunkq.queue_worker.settings import DEFAULT_QUEUE
 from chunkq.supervisor.assemble import set_aside
@@ -204,6 +204,28 @@ def read_inputs(req: SubmitRequest) -> Iterator[Record]:
     with the file's name (``a.jsonl:3``) so that they stay unique across files."""
     for path, label in zip(req.corpora, _labels(req.corpora), strict=True):
         yield from read_corpus(path, req.corpus_options, number_prefix=f"{label}:" if label else "")
+
+
+def run_corpus_fields(manifest: RunManifest, names: tuple[str, ...]) -> Iterator[Record]:
+    """The run's corpus read again, in its order, with ``names`` in each record's ``extra`` (export
+    --columns); StoreError if a file is not as the run read it (its size or version changed)."""
+    corpus = manifest.data["corpus"]
+    options = CorpusOptions(
+        format=corpus["format"],
+        text_field=corpus["text_field"],
+        id_field=corpus["id_field"],
+        pair_field=corpus.get("pair_field"),
+        extra_fields=names,
+    )
+    inputs = manifest.data.get("inputs") or [corpus]
+    paths = tuple(open_store(str(i["path"])) for i in inputs)
+    for path, described in zip(paths, inputs, strict=True):
+        if _stamp(path) != (described["size"], described["version"]):
+            raise StoreError(
+                f"{path} has changed since run {manifest.run_id} read it; --columns needs it as it was"
+            )
+    for path, label in zip(paths, _labels(paths), strict=True):
+        yield from read_corpus(path, options, number_prefix=f"{label}:" if label else "")
 
 
 def _conflict(manifest: RunManifest, identity: dict[str, Any]) -> RunConflictError:

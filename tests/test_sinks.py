@@ -159,3 +159,62 @@ def test_only_a_published_result_is_exported_and_urls_are_checked(tmp_path: Path
         export_to(layout, "qdrant://localhost:6333/c")
     with pytest.raises(ConfigError, match="name the table as \\?table=NAME"):
         export_to(layout, "postgresql://u@/db?table=drop table x")
+
+
+@pytest.mark.slow
+def test_corpus_fields_and_windows_go_beside_each_row(
+    tmp_path: Path, store: Path, connection: Any, postgres: str
+) -> None:
+    """--columns copies corpus fields (as text) beside each row; a windowed run writes a row per
+    window, keyed ``<id>#<window>``, with its text's fields and the window's span."""
+    import lancedb
+    import psycopg
+
+    from chunkq.jobs.manifest import load_manifest
+    from chunkq.jobs.models import BUNDLED_MODEL
+    from chunkq.supervisor.corpus import CorpusOptions
+    from chunkq.supervisor.submit import SubmitRequest
+    from tests.test_kinds import _encode_in_process
+    from tests.test_windows import _long_text
+
+    rows = [
+        {
+            "id": f"d{i}",
+            "text": _long_text(60 if i % 3 == 0 else 8, seed=i),
+            "title": f"Title {i}",
+            "year": 2000 + i,
+        }
+        for i in range(12)
+    ]
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    request = SubmitRequest(
+        corpus,
+        store,
+        BUNDLED_MODEL,
+        CorpusOptions("jsonl"),
+        chunk_size=8,
+        long_texts="window",
+        window_tokens=32,
+    )
+    layout = _encode_in_process(request, connection)
+    windows = load_manifest(layout).plan["windows"]["windows"]
+    assert windows > len(rows)
+
+    summary = export_to(layout, f"lancedb://{tmp_path / 'db'}/docs", columns=("title", "year"))
+    assert summary["table_rows"] == windows
+    table = lancedb.connect(str(tmp_path / "db")).open_table("docs").to_arrow().to_pylist()
+    by_text = {r["id"]: r for r in rows}
+    for row in table:
+        text = by_text[row["text_id"]]
+        assert row["id"] == f"{row['text_id']}#{row['window']}"
+        assert row["title"] == text["title"] and row["year"] == str(text["year"])  # copied as text
+        assert 0 <= row["char_start"] < row["char_end"] <= len(text["text"])
+    assert {row["text_id"] for row in table} == set(by_text)
+
+    export_to(layout, f"{postgres}&table=windows", columns=("title",))
+    with psycopg.connect(postgres) as conn:
+        found = conn.execute('SELECT id, text_id, title, "window" FROM windows').fetchall()
+    assert len(found) == windows and all(title == by_text[tid]["title"] for _, tid, title, _ in found)
+    with pytest.raises(ConfigError, match="--columns 'id': a corpus field named"):
+        export_to(layout, f"lancedb://{tmp_path / 'db'}/other", columns=("id",))

@@ -130,6 +130,11 @@ def clean_cmd(run_id: str, outputs_only: bool, store: Path, redis_url: str | Non
     help="--to faiss:PATH: the FAISS index to build, as a factory string (Flat, HNSW32, 'IVF1024,PQ32'); "
     "default Flat. Trained on a sample of the run where it must be.",
 )
+@click.option(
+    "--columns",
+    default="",
+    help="--to a table: corpus fields to copy beside each row, comma-separated (title,url), as text.",
+)
 @click.option("--json", "as_json", is_flag=True, help="--to: print the summary as JSON.")
 @click.option("--force", is_flag=True, help="Replace --out if it is an existing file.")
 @click.option(
@@ -145,6 +150,7 @@ def export_cmd(
     out: Path | None,
     to: str | None,
     index: str | None,
+    columns: str,
     as_json: bool,
     force: bool,
     tokens: bool,
@@ -157,7 +163,8 @@ def export_cmd(
     if (out is None) == (to is None):
         raise click.UsageError("give --out FILE or --to URL")
     if to is not None or out is None:
-        _export_to(RunLayout(store, run_id), str(to), index, as_json)
+        names = tuple(name.strip() for name in columns.split(",") if name.strip())
+        _export_to(RunLayout(store, run_id), str(to), index, names, as_json)
         return
     # Where the data itself goes to stdout, a pipe or a device, the note of what was written must not join it.
     stream = out == STDOUT or (out.exists() and not out.is_file())
@@ -170,14 +177,16 @@ def export_cmd(
         sys.exit(EXIT_PARTIAL)
 
 
-def _export_to(layout: RunLayout, url: str, index: str | None, as_json: bool) -> None:
+def _export_to(
+    layout: RunLayout, url: str, index: str | None, columns: tuple[str, ...], as_json: bool
+) -> None:
     from chunkq.sinks import export_to
 
     def say(progress: Any) -> None:
         if not as_json:
             click.echo(f"\r{progress.written:,}/{progress.total:,} rows", nl=False, err=True)
 
-    summary = export_to(layout, url, {"index": index}, on_progress=say)
+    summary = export_to(layout, url, {"index": index}, on_progress=say, columns=columns)
     if as_json:
         click.echo(json.dumps(summary, indent=2))
         return

@@ -13,6 +13,8 @@ idempotently by id, so an export that is killed and run again ends with exactly 
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -40,6 +42,7 @@ class Rows:
     dtype: str  # the result's output dtype: float32, float16, int8, uint8, binary, ubinary
     normalized: bool
     windowed: bool  # each row a window: its id is "<text id>#<window>", with the window's columns
+    columns: tuple[str, ...] = ()  # --columns: corpus fields copied beside each row, as text
 
 
 class Sink(Protocol):
@@ -98,6 +101,47 @@ def _row_ids(ids: list[Any], windowed: bool) -> tuple[list[str], dict[str, list[
     return [f"{rid['id']}#{rid['window']}" for rid in ids], columns
 
 
+COLUMN_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
+RESERVED = frozenset({"id", "vector", "embedding", "text_id", "window", "char_start", "char_end", "tokens"})
+
+
+def check_columns(columns: tuple[str, ...]) -> None:
+    for name in columns:
+        if not COLUMN_NAME.fullmatch(name) or name in RESERVED:
+            raise ConfigError(
+                f"--columns {name!r}: a corpus field named with letters, digits and underscores, other "
+                f"than {', '.join(sorted(RESERVED))}"
+            )
+
+
+def _as_text(value: Any) -> str | None:
+    return value if value is None or isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+class _CorpusColumns:
+    """The corpus fields of each result row, read from the run's corpus in step with the result
+    (both are in corpus order; a window's rows share their text's record)."""
+
+    def __init__(self, manifest: Any, names: tuple[str, ...], windowed: bool) -> None:
+        from chunkq.supervisor.submit import run_corpus_fields
+
+        self.names, self.windowed = names, windowed
+        self.records = run_corpus_fields(manifest, names)
+        self.current: Any = None
+
+    def of(self, ids: list[Any]) -> dict[str, list[Any]]:
+        found: dict[str, list[Any]] = {name: [] for name in self.names}
+        for rid in ids:
+            key = str(rid["id"] if self.windowed else rid)
+            while self.current is None or self.current.id != key:
+                self.current = next(self.records, None)
+                if self.current is None:
+                    raise StoreError(f"--columns: row {key!r} of the result is not in the run's corpus")
+            for name in self.names:
+                found[name].append(_as_text((self.current.extra or {}).get(name)))
+        return found
+
+
 def _batches(layout: RunLayout, batch_rows: int) -> Iterator[tuple[list[Any], np.ndarray[Any, Any]]]:
     from chunkq.tools.export import _ResultReader
 
@@ -123,6 +167,7 @@ def export_to(
     options: dict[str, Any] | None = None,
     on_progress: Callable[[Progress], None] | None = None,
     batch_rows: int = SINK_BATCH_ROWS,
+    columns: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Write RUN's published result to ``url``; a summary (rows, written, seconds, rows/s, and what
     the sink says of itself). The result is verified whole (every checksum) before a row is written."""
@@ -141,16 +186,26 @@ def export_to(
         from chunkq.jobs.model_info import describe
 
         normalized = describe(run.model, run.options.get("revision")).normalizes and run.kind == "dense"
+    check_columns(columns)
     rows = Rows(
-        layout.run_id, int(result["rows"]), int(result["dim"]), run.output_dtype, normalized, windowed
+        layout.run_id,
+        int(result["rows"]),
+        int(result["dim"]),
+        run.output_dtype,
+        normalized,
+        windowed,
+        columns,
     )
+    corpus = _CorpusColumns(run, columns, windowed) if columns else None
     sink = open_sink(url, options or {})
     progress = Progress(rows.rows)
     sink.open(rows)
     try:
         for ids, block in _batches(layout, batch_rows):
-            keys, columns = _row_ids(ids, windowed)
-            sink.write(keys, block, columns)
+            keys, extra = _row_ids(ids, windowed)
+            if corpus is not None:
+                extra.update(corpus.of(ids))
+            sink.write(keys, block, extra)
             progress.written += len(keys)
             if on_progress is not None:
                 on_progress(progress)

@@ -33,6 +33,8 @@ class FaissSink:
         self.ids: list[str] = []
 
     def open(self, rows: Rows) -> None:
+        if rows.columns:
+            raise ConfigError("an index file holds vectors only: --columns is for a table")
         if rows.dtype not in ("float32", "float16"):
             raise ConfigError(f"a FAISS index holds float vectors; this run's are {rows.dtype}")
         self.rows = rows

@@ -46,19 +46,25 @@ class LanceSink:
         fields = [pa.field("id", pa.string(), nullable=False), pa.field("vector", pa.list_(value, rows.dim))]
         if rows.windowed:
             fields += [pa.field(name, getattr(pa, kind)()) for name, kind in WINDOW_TYPES.items()]
+        fields += [pa.field(name, pa.string()) for name in rows.columns]
         self.schema = pa.schema(fields)
         db = lancedb.connect(self.where)
-        if self.name in db.table_names():
-            self.table = db.open_table(self.name)
-            found = self.table.schema.field("vector").type if "vector" in self.table.schema.names else None
-            if found != self.schema.field("vector").type:
-                raise ConfigError(
-                    f"--to {self.url}: the table's vector column is {found}, this run's rows are "
-                    f"{self.schema.field('vector').type}; export to another table"
-                )
-        else:
+        if self.name not in db.table_names():
             self.table = db.create_table(self.name, schema=self.schema)
             self.created = True
+            return
+        self.table = db.open_table(self.name)
+        found = self.table.schema.field("vector").type if "vector" in self.table.schema.names else None
+        if found != self.schema.field("vector").type:
+            raise ConfigError(
+                f"--to {self.url}: the table's vector column is {found}, this run's rows are "
+                f"{self.schema.field('vector').type}; export to another table"
+            )
+        lacking = [name for name in self.schema.names if name not in self.table.schema.names]
+        if lacking:
+            raise ConfigError(
+                f"--to {self.url}: the table has no column {', '.join(lacking)}; export to another"
+            )
 
     def write(self, ids: list[str], vectors: np.ndarray[Any, Any], columns: dict[str, list[Any]]) -> None:
         import pyarrow as pa

@@ -81,7 +81,7 @@ class PgvectorSink:
 
         self.rows, self.type = rows, column_type(rows.dtype, rows.dim)
         self.name = sql.Identifier(self.table)
-        self.columns = ["id", "embedding", *(WINDOW_COLUMNS if rows.windowed else {})]
+        self.columns = ["id", "embedding", *(WINDOW_COLUMNS if rows.windowed else {}), *rows.columns]
         try:
             self.conn = psycopg.connect(self.dsn, autocommit=False, connect_timeout=CONNECT_SECONDS)
         except psycopg.OperationalError as exc:
@@ -100,14 +100,34 @@ class PgvectorSink:
                     f"--to {_shown(self.url)}: table {self.table} holds {found[0]} embeddings, this "
                     f"run's are {self.type}; export to another table"
                 )
+            if found is not None:
+                cur.execute(
+                    "SELECT attname FROM pg_attribute WHERE attrelid = to_regclass(%s) AND attnum > 0 "
+                    "AND NOT attisdropped",
+                    (self.table,),
+                )
+                lacking = sorted(set(self.columns) - {name for (name,) in cur.fetchall()})
+                if lacking:
+                    raise ConfigError(
+                        f"--to {_shown(self.url)}: table {self.table} has no column {', '.join(lacking)}; "
+                        "export to another table"
+                    )
             if found is None:
-                extra = "".join(f", {n} {t}" for n, t in WINDOW_COLUMNS.items() if rows.windowed)
-                columns = sql.SQL(f"id text PRIMARY KEY, embedding {self.type}{extra}")  # chunkq's own words
+                types = {
+                    "id": "text PRIMARY KEY",
+                    "embedding": self.type,
+                    **WINDOW_COLUMNS,
+                }  # chunkq's own words
+                columns = sql.SQL(", ").join(
+                    sql.SQL("{} " + types.get(name, "text")).format(sql.Identifier(name))
+                    for name in self.columns
+                )  # every name quoted: "window" is a word of SQL
                 cur.execute(sql.SQL("CREATE TABLE IF NOT EXISTS {} ({})").format(self.name, columns))
         self.conn.commit()
         register_vector(self.conn)  # the extension's types, for COPY's binary format
         kind = self.type.split("(")[0]
-        self.copy_types = ["text", kind, *(WINDOW_COLUMNS.values() if rows.windowed else ())]
+        window_types = list(WINDOW_COLUMNS.values()) if rows.windowed else []
+        self.copy_types = ["text", kind, *window_types, *["text"] * len(rows.columns)]
 
     def write(self, ids: list[str], vectors: np.ndarray[Any, Any], columns: dict[str, list[Any]]) -> None:
         from psycopg import sql
