@@ -218,3 +218,21 @@ def test_corpus_fields_and_windows_go_beside_each_row(
     assert len(found) == windows and all(title == by_text[tid]["title"] for _, tid, title, _ in found)
     with pytest.raises(ConfigError, match="--columns 'id': a corpus field named"):
         export_to(layout, f"lancedb://{tmp_path / 'db'}/other", columns=("id",))
+
+
+def test_a_sharded_result_streams_shard_by_shard_into_a_table(tmp_path: Path) -> None:
+    import lancedb
+
+    layout = write_encoded_run(tmp_path / "store", "sharded", 500, 50, 16, seed=5)
+    result = assemble(layout, shard_bytes=16 * 4 * 120)  # shards of 120 rows
+    assert len(result["shards"]) == 5
+    export_to(layout, f"lancedb://{tmp_path / 'db'}/t", batch_rows=64)  # batches across shard ends
+    table = lancedb.connect(str(tmp_path / "db")).open_table("t").to_arrow().sort_by("id")
+    from chunkq.api import RunResult
+
+    whole = RunResult("sharded", layout.store, rows=500, dim=16, seconds=0, workers=0, rows_per_second=None)
+    ids, vectors = whole.ids(), np.asarray(whole.embeddings())
+    order = np.argsort(np.array(ids))
+    assert table.column("id").to_pylist() == sorted(ids)
+    got = np.array(table.column("vector").to_pylist(), dtype=np.float32)
+    assert np.array_equal(got.view(np.uint32), vectors[order].view(np.uint32))
