@@ -236,3 +236,5 @@ def test_a_sharded_result_streams_shard_by_shard_into_a_table(tmp_path: Path) ->
     assert table.column("id").to_pylist() == sorted(ids)
     got = np.array(table.column("vector").to_pylist(), dtype=np.float32)
     assert np.array_equal(got.view(np.uint32), vectors[order].view(np.uint32))
+    told = whole.export_to(f"faiss:{tmp_path / 'api.faiss'}", index="Flat")  # the Python API
+    assert told["index_rows"] == 500 and told["written"] == 500
