@@ -45,6 +45,7 @@ def _killed_after(batches: int) -> Any:
     return on_progress
 
 
+@pytest.mark.slow
 def test_lancedb_holds_exactly_the_runs_rows_after_a_killed_export_and_a_rerun(
     tmp_path: Path, published: Any
 ) -> None:
@@ -86,6 +87,7 @@ def postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         server.cleanup()
 
 
+@pytest.mark.slow
 def test_pgvector_upserts_by_id_and_refuses_a_table_of_another_dimension(
     tmp_path: Path, published: Any, postgres: str
 ) -> None:
@@ -123,6 +125,7 @@ def test_pgvector_upserts_by_id_and_refuses_a_table_of_another_dimension(
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.slow
 def test_a_flat_faiss_index_finds_the_exact_neighbours_and_ivf_pq_its_stated_recall(
     tmp_path: Path, published: Any
 ) -> None:
@@ -220,6 +223,7 @@ def test_corpus_fields_and_windows_go_beside_each_row(
         export_to(layout, f"lancedb://{tmp_path / 'db'}/other", columns=("id",))
 
 
+@pytest.mark.slow
 def test_a_sharded_result_streams_shard_by_shard_into_a_table(tmp_path: Path) -> None:
     import lancedb
 
