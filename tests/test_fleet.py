@@ -1,0 +1,144 @@
+"""Issue 36 (Kubernetes part): deploy/k8s validated against the Kubernetes schemas
+(kubernetes-validate) and KEDA's own CRD schemas (tests/data/keda, copied from KEDA's repository);
+the KEDA trigger reads the Redis list chunkq really fills, its threshold follows from the queue
+window; the pods run the commands and environment compose.yaml runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+K8S = ROOT / "deploy" / "k8s"
+KUBERNETES = "1.33"  # the schema version validated against (a recent stable release)
+
+
+def _documents(name: str) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all((K8S / name).read_text()) if doc]
+
+
+def _all() -> list[dict[str, Any]]:
+    return [
+        doc
+        for path in sorted(K8S.glob("*.yaml"))
+        if path.name != "kustomization.yaml"
+        for doc in _documents(path.name)
+    ]
+
+
+def _one(kind: str, name: str | None = None) -> dict[str, Any]:
+    (found,) = [d for d in _all() if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+    return found
+
+
+def test_every_manifest_is_valid_against_the_kubernetes_and_keda_schemas() -> None:
+    import jsonschema
+    import kubernetes_validate
+
+    kustomized = yaml.safe_load((K8S / "kustomization.yaml").read_text())["resources"]
+    assert sorted(kustomized) == sorted(
+        p.name for p in K8S.glob("*.yaml") if p.name not in ("kustomization.yaml", "secret.example.yaml")
+    )
+    crds = {}
+    for path in (ROOT / "tests" / "data" / "keda").glob("*.yaml"):
+        crd = yaml.safe_load(path.read_text())
+        (version,) = [v for v in crd["spec"]["versions"] if v["served"]]
+        crds[(crd["spec"]["group"], crd["spec"]["names"]["kind"])] = version["schema"]["openAPIV3Schema"]
+    kinds = []
+    for doc in _all():
+        group = doc["apiVersion"].split("/")[0]
+        if (group, doc["kind"]) in crds:
+            jsonschema.validate(doc, crds[(group, doc["kind"])])
+        else:
+            kubernetes_validate.validate(doc, KUBERNETES, strict=True)
+        kinds.append(doc["kind"])
+    assert sorted(kinds) == sorted(
+        [
+            "Service",
+            "StatefulSet",
+            "Secret",
+            "PersistentVolumeClaim",
+            "Deployment",
+            "PodDisruptionBudget",
+            "Job",
+            "TriggerAuthentication",
+            "ScaledObject",
+        ]
+    )
+    broken = dict(_one("ScaledObject"), spec={"triggers": "not a list"})
+    with pytest.raises(jsonschema.ValidationError):  # the schemas are really applied
+        jsonschema.validate(broken, crds[("keda.sh", "ScaledObject")])
+
+
+def test_the_keda_trigger_reads_the_list_chunkq_fills_and_its_threshold_follows_from_the_window(
+    tmp_path: Path, store: Path, connection: Any
+) -> None:
+    """Submit a run of more chunks than the Job's queue window, as run-job.yaml does: the Redis list
+    that holds its queued jobs is the trigger's listName and holds exactly the window; the trigger's
+    listLength is that window shared by the most replicas KEDA may start."""
+    from chunkq.jobs.specs import EncodeOptions
+    from chunkq.supervisor.corpus import CorpusOptions
+    from chunkq.supervisor.enqueue import chunk_queue
+    from chunkq.supervisor.submit import SubmitRequest, submit
+    from tests.helpers import make_texts, write_corpus
+
+    job_env = {
+        e["name"]: e.get("value") for e in _one("Job")["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    window, queue = int(job_env["CHUNKQ_QUEUE_WINDOW"]), job_env["CHUNKQ_QUEUE"]
+    scaled = _one("ScaledObject")
+    (trigger,) = scaled["spec"]["triggers"]
+    ids, texts = make_texts(window * 2 + 5, seed=36)
+    corpus = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")
+    request = SubmitRequest(
+        corpus,
+        store,
+        "bundled:all-MiniLM-L6-v2",
+        CorpusOptions("jsonl"),
+        chunk_size=1,
+        encode=EncodeOptions(),
+        queue=f"{queue}-{tmp_path.name}"[:60],
+        queue_window=window,
+        cache=False,
+    )
+    submit(request, connection)
+    key = chunk_queue(connection, request.queue).key
+    assert key == f"rq:queue:{request.queue}"  # RQ's list: the same form for the Job's queue name
+    assert trigger["type"] == "redis" and trigger["metadata"]["listName"] == f"rq:queue:{queue}"
+    assert connection.llen(key) == window  # the list never holds more than the window
+    replicas = scaled["spec"]["maxReplicaCount"]
+    assert int(trigger["metadata"]["listLength"]) == window // replicas >= 1
+    assert scaled["spec"]["minReplicaCount"] == 0  # to zero when idle
+    assert scaled["spec"]["scaleTargetRef"]["name"] == _one("Deployment")["metadata"]["name"]
+
+
+def test_the_pods_run_what_compose_runs_and_drain_within_their_grace_period() -> None:
+    compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    pool = _one("Deployment")["spec"]["template"]["spec"]
+    (container,) = pool["containers"]
+    assert container["args"][:3] == compose["services"]["pool"]["command"]  # pool --gpus all
+    env = {e["name"] for e in container["env"]}
+    assert {"CHUNKQ_REDIS_URL", "CHUNKQ_STORE", "CHUNKQ_QUEUE", "CHUNKQ_RECYCLE_AFTER"} <= env
+    assert env <= set(compose["services"]["pool"]["environment"]) | set(compose["x-chunkq-env"])
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    # compose lets a pool drain for 10 minutes; so does the pod before Kubernetes' SIGKILL.
+    assert compose["services"]["pool"]["stop_grace_period"] == "10m"
+    assert pool["terminationGracePeriodSeconds"] == 600
+    probe = " ".join(container["livenessProbe"]["exec"]["command"])
+    port = container["args"][container["args"].index("--metrics-port") + 1]
+    assert f"http://127.0.0.1:{port}/metrics" in probe  # the metrics listen on loopback only
+    job = _one("Job")["spec"]["template"]["spec"]["containers"][0]
+    assert "chunkq submit" in job["args"][0] and "chunkq supervise" in job["args"][0]
+    supervisor = compose["services"]["supervisor"]["command"][0]
+    assert "chunkq submit" in supervisor and "chunkq supervise" in supervisor
+    secret = _one("Secret")
+    redis = _one("StatefulSet")["spec"]["template"]["spec"]["containers"][0]
+    assert "--requirepass" in redis["args"] and "--appendonly" in redis["args"]
+    assert (
+        secret["stringData"]["url"].startswith("redis://:")
+        and "@chunkq-redis:6379/" in secret["stringData"]["url"]
+    )
+    assert _one("PodDisruptionBudget")["spec"]["maxUnavailable"] == 1
