@@ -12,7 +12,7 @@ halves it; the size that fitted after an OOM becomes a ceiling.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -59,6 +59,21 @@ def plan_fixed(lengths: list[int], size: int) -> list[list[int]]:
 def batches(lengths: list[int], limit: int, by_tokens: bool) -> list[list[int]]:
     """Batches of a chunk's rows: of at most ``limit`` padded tokens (``by_tokens``), or of ``limit`` rows."""
     return plan(lengths, limit) if by_tokens else plan_fixed(lengths, limit)
+
+
+def each_batch(
+    lengths: list[int], options: EncodeOptions, on_rows: Callable[[int], None] | None
+) -> Iterator[list[int]]:
+    """A chunk's batches by its options (a token budget or a batch size, as the back-off has it),
+    longest first; ``on_rows`` told the rows done after each batch the caller has encoded."""
+    by_tokens = isinstance(options.batch_tokens, int)
+    limit = options.batch_tokens if isinstance(options.batch_tokens, int) else options.batch_size
+    done = 0
+    for batch in batches(lengths, limit, by_tokens):
+        yield batch
+        done += len(batch)
+        if on_rows is not None:
+            on_rows(done)
 
 
 def encode(

@@ -33,8 +33,8 @@ from typing import IO, Any
 import numpy as np
 
 from chunkq.jobs import kinds
-from chunkq.jobs.errors import ConfigError, StoreError
-from chunkq.jobs.manifest import RunManifest
+from chunkq.jobs.errors import AssemblyError, ConfigError, StoreError
+from chunkq.jobs.manifest import RunManifest, load_manifest
 from chunkq.jobs.ragged import OFFSETS, SCHEMAS
 from chunkq.jobs.run_files import (
     MANIFEST_NAME,
@@ -286,6 +286,20 @@ def result_problems(
 
         return ragged_result.problems(layout, result, int(result["rows"]), checksums=True)
     return result_damage(layout, result) + texts_damage(layout, result)
+
+
+def verified_result(layout: RunLayout) -> tuple[RunManifest, dict[str, Any]]:
+    """The run's manifest and its published result manifest, every file checked against its
+    checksum first (what an export reads whole before it writes a byte); StoreError when nothing
+    is published, AssemblyError naming the damage."""
+    run = load_manifest(layout)
+    if not layout.result_manifest.is_file():
+        raise StoreError(f"run {layout.run_id} has no published result; run it to the end first")
+    result = read_json(layout.result_manifest)
+    damage = result_problems(layout, result, run, checksums=True)
+    if damage:
+        raise AssemblyError(layout.run_id, [f"the published result is damaged: {'; '.join(damage)}"])
+    return run, result
 
 
 def published_result(layout: RunLayout, manifest: RunManifest) -> dict[str, Any] | None:

@@ -131,7 +131,7 @@ def test_options_a_kind_cannot_honour_are_refused_before_anything_starts(
             "--long-texts window is for dense models; this model's kind is cross",
         ),
         (
-            {"kind": "sparse", "normalize": True},
+            {"text_field": "query", "kind": "sparse", "normalize": True},
             "--kind sparse: a sparse vector is not truncated, normalised",
         ),
         ({"allow_missing": True, **pairs}, "--allow-missing is for rows that name what to read"),

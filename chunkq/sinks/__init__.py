@@ -23,10 +23,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from chunkq.jobs import kinds
-from chunkq.jobs.errors import AssemblyError, ConfigError, StoreError
-from chunkq.jobs.manifest import load_manifest
-from chunkq.jobs.run_files import RunLayout, read_json
-from chunkq.supervisor.result import result_problems
+from chunkq.jobs.errors import ConfigError, StoreError
+from chunkq.jobs.run_files import RunLayout
+from chunkq.supervisor.result import verified_result
 
 SINK_BATCH_ROWS = 4096  # rows a sink is given at once: memory stays one batch whatever the run's size
 
@@ -171,13 +170,7 @@ def export_to(
 ) -> dict[str, Any]:
     """Write RUN's published result to ``url``; a summary (rows, written, seconds, rows/s, and what
     the sink says of itself). The result is verified whole (every checksum) before a row is written."""
-    run = load_manifest(layout)
-    if not layout.result_manifest.is_file():
-        raise StoreError(f"run {layout.run_id} has no published result; run it to the end first")
-    result = read_json(layout.result_manifest)
-    damage = result_problems(layout, result, run, checksums=True)
-    if damage:
-        raise AssemblyError(layout.run_id, [f"the published result is damaged: {'; '.join(damage)}"])
+    run, result = verified_result(layout)
     if kinds.get(run.kind).ragged:
         raise ConfigError(f"run {layout.run_id} is {run.kind}: its rows vary in length; export it as Parquet")
     windowed = bool((run.plan or {}).get("windows"))

@@ -29,7 +29,7 @@ from chunkq.jobs.manifest import load_manifest
 from chunkq.jobs.run_files import RunLayout, read_json, read_npy_header
 from chunkq.jobs.specs import storage_dtype
 from chunkq.jobs.storage import as_the_caller_would, is_local
-from chunkq.supervisor.result import ResultPart, result_parts, result_problems
+from chunkq.supervisor.result import ResultPart, result_parts, result_problems, verified_result
 
 EXPORT_FORMATS = ("parquet", "npy", "jsonl")
 WINDOW_COLUMNS = ("window", "char_start", "char_end", "tokens")  # a windowed result's, after id
@@ -308,13 +308,7 @@ def _export_ragged(layout: RunLayout, fmt: str, target: _Target, tokens: bool = 
 
     from chunkq.supervisor import ragged_result
 
-    run = load_manifest(layout)
-    if not layout.result_manifest.is_file():
-        raise StoreError(f"run {layout.run_id} has no published result; run it to the end first")
-    result = read_json(layout.result_manifest)
-    damage = result_problems(layout, result, run, checksums=True)
-    if damage:
-        raise AssemblyError(layout.run_id, [f"the published result is damaged: {'; '.join(damage)}"])
+    run, _ = verified_result(layout)
     if fmt == "npy":
         raise ConfigError(f"a {run.kind} result has no matrix to write as .npy; export parquet or jsonl")
     arrays = ragged_result.load(layout.result)

@@ -42,12 +42,8 @@ def _lengths(model: Any, pairs: list[tuple[str, str]]) -> list[int]:
 
 def encode(model: Any, texts: list[str], options: EncodeOptions, on_rows: OnRows) -> np.ndarray[Any, Any]:
     pairs = [parse_pair(t) for t in texts]
-    lengths = _lengths(model, pairs)
-    by_tokens = isinstance(options.batch_tokens, int)
-    limit = options.batch_tokens if isinstance(options.batch_tokens, int) else options.batch_size
     out: np.ndarray[Any, Any] | None = None
-    done = 0
-    for batch in token_batches.batches(lengths, limit, by_tokens):
+    for batch in token_batches.each_batch(_lengths(model, pairs), options, on_rows):
         scores = model.predict(
             [pairs[i] for i in batch],
             batch_size=len(batch),
@@ -60,9 +56,6 @@ def encode(model: Any, texts: list[str], options: EncodeOptions, on_rows: OnRows
         if out is None:
             out = np.empty((len(texts), rows.shape[1]), dtype=np.float32)
         out[batch] = rows
-        done += len(batch)
-        if on_rows is not None:
-            on_rows(done)
     return out if out is not None else np.empty((0, 0), dtype=np.float32)
 
 

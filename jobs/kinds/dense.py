@@ -27,42 +27,26 @@ def encode(model: Any, texts: list[str], options: EncodeOptions, on_rows: OnRows
             model, texts, lambda lengths: token_batches.batches(lengths, limit, by_tokens), kwargs, on_rows
         )
     if options.role:
-        return _encode_with_role(model, texts, options.role, limit, by_tokens, kwargs, on_rows)
+        return _encode_with_role(model, texts, options, kwargs, on_rows)
     return token_batches.encode(model, texts, limit, kwargs, by_tokens=by_tokens, on_rows=on_rows)
 
 
 def _encode_with_role(
-    model: Any,
-    texts: list[str],
-    role: str,
-    limit: int,
-    by_tokens: bool,
-    kwargs: dict[str, Any],
-    on_rows: OnRows,
+    model: Any, texts: list[str], options: EncodeOptions, kwargs: dict[str, Any], on_rows: OnRows
 ) -> np.ndarray[Any, Any]:
     """``encode_query``/``encode_document`` a batch at a time: the model's own routing (its "query"
     or "document" prompt, its router's task), which a named prompt alone does not set."""
-    call = getattr(model, f"encode_{role}")
+    call = getattr(model, f"encode_{options.role}")
     lengths = token_batches.token_lengths(model, texts, int(model.max_seq_length))
     out = np.empty((len(texts), 0), dtype=np.float32)
-    done = 0
-    for batch in token_batches.batches(lengths, limit, by_tokens):
+    for batch in token_batches.each_batch(lengths, options, on_rows):
         rows = np.asarray(
-            call(
-                [texts[i] for i in batch],
-                batch_size=len(batch),
-                convert_to_numpy=True,
-                show_progress_bar=False,
-                **kwargs,
-            ),
+            call([texts[i] for i in batch], batch_size=len(batch), show_progress_bar=False, **kwargs),
             dtype=np.float32,
         )
         if out.shape[1] != rows.shape[1]:
             out = np.empty((len(texts), rows.shape[1]), dtype=np.float32)
         out[batch] = rows
-        done += len(batch)
-        if on_rows is not None:
-            on_rows(done)
     return out
 
 

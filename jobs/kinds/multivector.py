@@ -19,12 +19,9 @@ from chunkq.jobs.specs import EncodeOptions
 def encode(model: Any, texts: list[str], options: EncodeOptions, on_rows: OnRows) -> Ragged:
     call = encode_call(model, options.role)
     lengths = token_batches.token_lengths(model, texts, int(model.max_seq_length))
-    by_tokens = isinstance(options.batch_tokens, int)
-    limit = options.batch_tokens if isinstance(options.batch_tokens, int) else options.batch_size
     rows: list[dict[str, np.ndarray[Any, Any]]] = [{}] * len(texts)
     dim = 0
-    done = 0
-    for batch in token_batches.batches(lengths, limit, by_tokens):
+    for batch in token_batches.each_batch(lengths, options, on_rows):
         found = call(
             [texts[i] for i in batch],
             batch_size=len(batch),
@@ -37,9 +34,6 @@ def encode(model: Any, texts: list[str], options: EncodeOptions, on_rows: OnRows
         for i, vectors in zip(batch, found, strict=True):
             rows[i] = {"vectors": np.asarray(vectors, dtype=np.float32)}
             dim = int(rows[i]["vectors"].shape[1])
-        done += len(batch)
-        if on_rows is not None:
-            on_rows(done)
     return Ragged.of_rows(rows, SCHEMAS["multivector"], dim)
 
 
