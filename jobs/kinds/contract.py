@@ -39,3 +39,9 @@ class WithBadRows:
 
     matrix: Any
     bad: dict[int, str]
+
+
+def warm_up_texts(model: Any, lengths: list[int]) -> None:
+    """A text model's warm-up: one batch of texts of these token lengths through its encode."""
+    texts = [" ".join(["warm"] * max(1, n - 2)) for n in lengths]
+    model.encode(texts, batch_size=len(texts), show_progress_bar=False)

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from chunkq.jobs import late, token_batches
-from chunkq.jobs.kinds.contract import Kind, OnRows
+from chunkq.jobs.kinds.contract import Kind, OnRows, warm_up_texts
 from chunkq.jobs.specs import EncodeOptions
 
 
@@ -50,11 +50,6 @@ def _encode_with_role(
     return out
 
 
-def warm_up(model: Any, lengths: list[int]) -> None:
-    texts = [" ".join(["warm"] * max(1, n - 2)) for n in lengths]
-    model.encode(texts, batch_size=len(texts), convert_to_numpy=True, show_progress_bar=False)
-
-
 def refuse(options: EncodeOptions) -> str | None:
     return "--max-active-dims is for sparse models" if options.max_active_dims else None
 
@@ -66,6 +61,6 @@ KIND = Kind(
     row="a vector per text",
     rows_are="embeddings",
     encode=encode,
-    warm_up=warm_up,
+    warm_up=warm_up_texts,
     refuse=refuse,
 )

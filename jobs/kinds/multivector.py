@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from chunkq.jobs import token_batches
-from chunkq.jobs.kinds.contract import Kind, OnRows
+from chunkq.jobs.kinds.contract import Kind, OnRows, warm_up_texts
 from chunkq.jobs.kinds.sparse import encode_call
 from chunkq.jobs.ragged import SCHEMAS, Ragged
 from chunkq.jobs.specs import EncodeOptions
@@ -37,11 +37,6 @@ def encode(model: Any, texts: list[str], options: EncodeOptions, on_rows: OnRows
     return Ragged.of_rows(rows, SCHEMAS["multivector"], dim)
 
 
-def warm_up(model: Any, lengths: list[int]) -> None:
-    texts = [" ".join(["warm"] * max(1, n - 2)) for n in lengths]
-    model.encode(texts, batch_size=len(texts), show_progress_bar=False)
-
-
 def refuse(options: EncodeOptions) -> str | None:
     if options.truncate_dim or options.late_chunking or options.max_active_dims:
         return "token vectors are not truncated, late-chunked or sparse"
@@ -57,7 +52,7 @@ KIND = Kind(
     row="a matrix of token vectors per text (ragged)",
     rows_are="token matrices",
     encode=encode,
-    warm_up=warm_up,
+    warm_up=warm_up_texts,
     refuse=refuse,
     ragged=True,
     cached=False,

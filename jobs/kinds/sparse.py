@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from chunkq.jobs import token_batches
-from chunkq.jobs.kinds.contract import Kind, OnRows
+from chunkq.jobs.kinds.contract import Kind, OnRows, warm_up_texts
 from chunkq.jobs.ragged import SCHEMAS, Ragged
 from chunkq.jobs.specs import EncodeOptions
 
@@ -47,11 +47,6 @@ def encode(model: Any, texts: list[str], options: EncodeOptions, on_rows: OnRows
     return Ragged.of_rows(rows, SCHEMAS["sparse"], dim)
 
 
-def warm_up(model: Any, lengths: list[int]) -> None:
-    texts = [" ".join(["warm"] * max(1, n - 2)) for n in lengths]
-    model.encode(texts, batch_size=len(texts), show_progress_bar=False)
-
-
 def refuse(options: EncodeOptions) -> str | None:
     if options.truncate_dim or options.normalize_embeddings or options.late_chunking:
         return "a sparse vector is not truncated, normalised or late-chunked"
@@ -67,7 +62,7 @@ KIND = Kind(
     row="a sparse vector per text (CSR: indices, values)",
     rows_are="sparse vectors",
     encode=encode,
-    warm_up=warm_up,
+    warm_up=warm_up_texts,
     refuse=refuse,
     ragged=True,
     cached=False,
