@@ -396,6 +396,10 @@ def _embed(chunk: ChunkSpec) -> dict[str, Any]:
             else {}
         ),
     }
+    if meta.get("bad_rows"):
+        shown = [f"{r['id']}: {r['reason']}" for r in meta["bad_rows"][: jobmeta.BAD_ROWS_SHOWN]]
+        more = len(meta["bad_rows"]) - len(shown)
+        _job_meta({jobmeta.BAD_ROWS: shown + ([f"and {more} more"] if more else [])})
     if isinstance(encoded.embeddings, Ragged):
         published = write_ragged_output(layout, chunk.index, encoded.embeddings, meta, chunk.options.kind)
     else:

@@ -25,6 +25,9 @@ RETRY_AT = "retry_at"  # epoch seconds before which the next attempt waits (back
 QUARANTINED = "quarantined"
 QUARANTINE_REASON = "quarantine_reason"
 RETRY_STATE = (QUARANTINED, QUARANTINE_REASON, RETRY_AT)  # cleared when a user submits again
+# --allow-missing: rows of the chunk left out (id and why), so the dashboard's job page names them
+BAD_ROWS = "bad_rows"
+BAD_ROWS_SHOWN = 20  # more are counted, and all are in the output's metadata and the result manifest
 
 
 def initial(run_id: str, chunk: int, rows: int, first_row: int) -> dict[str, Any]:

@@ -552,3 +552,43 @@ def test_an_image_run_equals_encode_of_the_images_and_names_the_rows_it_cannot_r
     texts = ["a red house", "a small dog"]
     vectors = chunkq.embed(texts, model=str(model_dir))
     assert vectors.shape == (2, 16) and max_abs_diff(vectors, model.encode(texts)) <= 1e-5
+
+
+@pytest.mark.slow
+def test_rows_left_out_are_named_on_the_dashboards_job_page(
+    tmp_path: Path, store: Path, connection: Any
+) -> None:
+    """Under --allow-missing the chunk succeeds, so its bad rows are in its RQ job's meta, which
+    the dashboard's job page shows a line a field (real job, real Redis, the dashboard's renderer)."""
+    import json as json_lib
+
+    from PIL import Image
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    from chunkq.jobs.embed import embed_chunk
+    from chunkq.jobs.manifest import load_manifest
+    from chunkq.jobs.run_files import RunLayout
+    from chunkq.jobs.specs import EncodeOptions
+    from chunkq.supervisor.corpus import CorpusOptions
+    from chunkq.supervisor.submit import SubmitRequest, submit
+    from chunkq.tools.dashboard import _meta_lines
+
+    model_dir = _tiny_clip(tmp_path / "clip")
+    good = tmp_path / "good.png"
+    Image.new("RGB", (40, 30), (200, 10, 10)).save(good)
+    rows = [{"id": "fine", "text": str(good)}, {"id": "gone", "text": str(tmp_path / "missing.png")}]
+    corpus = _write_pairs(tmp_path / "images.jsonl", rows)
+    options = EncodeOptions(kind="image", allow_missing=True)
+    request = SubmitRequest(
+        corpus, store, str(model_dir), CorpusOptions("jsonl"), encode=options, cache=False
+    )
+    layout = RunLayout(store, submit(request, connection).run_id)
+    spec = load_manifest(layout).chunk_spec(store, 0)
+    job = Job.create(
+        embed_chunk, args=[spec.to_dict()], connection=connection, serializer=JSONSerializer, id=spec.job_id
+    )
+    job.perform()
+    shown = Job.fetch(spec.job_id, connection=connection, serializer=JSONSerializer).meta["bad_rows"]
+    assert shown == [f"gone: {tmp_path / 'missing.png'}: no such file"]
+    assert "gone: " in _meta_lines(json_lib.dumps({"bad_rows": shown}))
