@@ -213,11 +213,12 @@ def encode_finite(
     if isinstance(encoded.embeddings, WithBadRows):
         encoded.bad_rows, encoded.embeddings = encoded.embeddings.bad, encoded.embeddings.matrix
     if isinstance(encoded.embeddings, Ragged):
-        values = encoded.embeddings.arrays.get("values")
-        if values is not None and not bool(np.isfinite(values).all()):
-            bad_entries = np.flatnonzero(~np.isfinite(values))
-            rows = np.unique(np.searchsorted(encoded.embeddings.offsets, bad_entries, side="right") - 1)
-            raise _non_finite_error(chunk, rows, f"in {chunk.options.precision}")
+        # Every float entry array: a sparse run's values, a multivector run's token vectors.
+        for values in encoded.embeddings.arrays.values():
+            if values.dtype.kind == "f" and not bool(np.isfinite(values).all()):
+                bad_entries = np.unique(np.nonzero(~np.isfinite(values))[0])
+                rows = np.unique(np.searchsorted(encoded.embeddings.offsets, bad_entries, side="right") - 1)
+                raise _non_finite_error(chunk, rows, f"in {chunk.options.precision}")
         return encoded, None
     bad = non_finite_rows(encoded.embeddings)
     if not len(bad):
