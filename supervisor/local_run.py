@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import shutil
@@ -28,7 +27,7 @@ from chunkq.jobs.errors import StoreWriteError
 from chunkq.jobs.manifest import load_manifest
 from chunkq.jobs.run_files import RunLayout
 from chunkq.jobs.runtime import POOL_FOR_RUN_ENV
-from chunkq.jobs.storage import OWNER_ONLY, is_local, no_links_below, private_open
+from chunkq.jobs.storage import OWNER_ONLY, is_local
 from chunkq.queue_worker.lifeline import die_with_parent
 from chunkq.queue_worker.settings import SETTINGS_JSON_ENV, PoolSettings, env_of
 from chunkq.supervisor.display import ProgressDisplay
@@ -36,6 +35,7 @@ from chunkq.supervisor.embedded_redis import EmbeddedRedis
 from chunkq.supervisor.result import published_result
 from chunkq.supervisor.run_log import RunLog, log_path, relay
 from chunkq.supervisor.store_lock import StoreLock
+from chunkq.supervisor.store_redis import embedded_redis_dir, local_state_dir, serve
 from chunkq.supervisor.submit import (
     SubmitRequest,
     SubmitResult,
@@ -163,47 +163,6 @@ def _release_orphans(connection: redis.Redis, previous: str) -> None:
             mark_abandoned(connection, job_id, f"its worker died with the previous chunkq run, {previous}")
 
 
-def local_state_dir(store: Path) -> Path:
-    """Where ``chunkq run`` keeps what must stay on this machine (the embedded Redis's data, logs):
-    in the store when it is a filesystem, in the user's cache when it is an object store."""
-    if is_local(store):
-        return store
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "chunkq" / hashlib.sha256(str(store).encode()).hexdigest()[:16]
-
-
-def embedded_redis_dir(store: Path) -> Path:
-    state = local_state_dir(store)
-    return no_links_below(state, state / "redis")
-
-
-@contextlib.contextmanager
-def _advertised(path: Path, url: str) -> Iterator[None]:
-    """The running server's URL (password included) in an owner-only file, for commands on this
-    host that want live state without being given --redis-url (``chunkq status``); removed when
-    the server stops. The same folder already holds the password in ``auth.conf``."""
-    try:
-        with private_open(path, "w") as fh:
-            fh.write(url + "\n")
-    except OSError as exc:
-        path.unlink(missing_ok=True)
-        exc.filename = exc.filename or str(path)  # a full disk names the file
-        raise
-    try:
-        yield
-    finally:
-        path.unlink(missing_ok=True)
-
-
-def embedded_url(store: Path) -> str | None:
-    """The URL of the store's embedded Redis while a ``chunkq run`` on this host serves it, else None."""
-    data_dir = embedded_redis_dir(store)
-    url_file = data_dir / "url"
-    if not url_file.is_file() or StoreLock(data_dir / "owner.json", "").live_holder() is None:
-        return None
-    return url_file.read_text().strip() or None
-
-
 @contextlib.contextmanager
 def _full_disk_is_a_storage_error(server: EmbeddedRedis) -> Iterator[None]:
     """The embedded server on a full disk closes connections or dies ("Connection closed by
@@ -262,18 +221,11 @@ def _start_redis(req: RunRequest, stack: contextlib.ExitStack) -> tuple[str, Cal
     callable that says why the server is gone for good, or None)."""
     if req.redis_url:
         return req.redis_url, redis_never_gone
-    # One embedded server per store: two appending to one append-only file corrupt it.
-    data_dir = embedded_redis_dir(req.submit.store)
-    server_lock = stack.enter_context(StoreLock(data_dir / "owner.json", f"the embedded Redis of {data_dir}"))
-    server_lock.acquire(req.watch.wait_for_owner)
-    server = EmbeddedRedis(data_dir)
-    stack.enter_context(_full_disk_is_a_storage_error(server))
-    stack.enter_context(server)
-    stack.enter_context(_advertised(data_dir / "url", server.url))
-    server.watch()  # restarted if it dies; the run stops with the reason if it cannot be
-    if server_lock.took_over:
-        _release_orphans(redis.Redis.from_url(server.url), server_lock.took_over)
-    return server.url, lambda: server.failure
+    served = serve(req.submit.store, stack, wait=req.watch.wait_for_owner)
+    stack.enter_context(_full_disk_is_a_storage_error(served.server))
+    if served.took_over:
+        _release_orphans(redis.Redis.from_url(served.server.url), served.took_over)
+    return served.server.url, lambda: served.server.failure
 
 
 def run(req: RunRequest, display: ProgressDisplay) -> RunOutcome:

@@ -67,7 +67,7 @@ def test_assembly_never_replaces_a_linked_result(encoded_run: Any, tmp_path: Pat
 
 def test_a_linked_runs_folder_or_redis_folder_is_refused(tmp_path: Path) -> None:
     from chunkq.jobs.run_files import RunLayout
-    from chunkq.supervisor.local_run import embedded_redis_dir
+    from chunkq.supervisor.store_redis import embedded_redis_dir
 
     store = tmp_path / "store"
     store.mkdir()

@@ -50,6 +50,7 @@ from chunkq.queue_worker.settings import DEFAULT_QUEUE, DEFAULT_STORE, env_of
 from chunkq.supervisor.request import reach_redis
 from chunkq.supervisor.run_lock import RunLockedError
 from chunkq.supervisor.run_log import QUIET, show_on_terminal
+from chunkq.supervisor.store_redis import served_url
 from chunkq.supervisor.supervise import RedisGoneError
 
 log = logging.getLogger("chunkq")
@@ -240,6 +241,7 @@ REDIS_HELP = {
     "running) to what the store records. Default: the embedded Redis of a `chunkq run` serving "
     "the store on this host, while one does.",
     "unused": "Accepted like on every command; this one reads the store alone.",
+    "serves": "Accepted like on every command; this one serves the store's own Redis instead.",
 }
 
 
@@ -248,10 +250,16 @@ def redis_option(kind: str) -> Callable[[F], F]:
     return click.option("--redis-url", envvar=env_of("redis_url"), show_envvar=True, help=REDIS_HELP[kind])
 
 
-def need_redis(url: str | None) -> str:
-    """The URL of a command that cannot work without Redis, or a usage error saying how to give one."""
+def need_redis(url: str | None, store: Path | None = None) -> str:
+    """The URL of a command that cannot work without Redis: the one given, else the store's own
+    server while ``chunkq serve-redis`` (or a ``chunkq run``) serves it; or a usage error saying
+    how to give one."""
+    url = url or (served_url(store) if store is not None else None)
     if not url:
-        raise click.UsageError(f"this command needs Redis: pass --redis-url or set {env_of('redis_url')}")
+        raise click.UsageError(
+            f"this command needs Redis: pass --redis-url, set {env_of('redis_url')}, or start "
+            "`chunkq serve-redis` on the same store"
+        )
     return url
 
 

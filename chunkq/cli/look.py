@@ -23,13 +23,13 @@ from chunkq.jobs.storage import is_local
 from chunkq.queue_worker.exit_codes import EXIT_CHUNKS_FAILED, EXIT_OK
 from chunkq.supervisor.attempts import describe_attempts, failed_attempts, to_json
 from chunkq.supervisor.display import describe
-from chunkq.supervisor.local_run import embedded_url
 from chunkq.supervisor.plan import describe_savings
 from chunkq.supervisor.progress import Tracker, store_snapshot
 from chunkq.supervisor.request import (
     reach_redis,
 )
 from chunkq.supervisor.result import describe_left_out, read_result_manifest, result_problems
+from chunkq.supervisor.store_redis import served_url
 from chunkq.supervisor.supervise import failure_report
 from chunkq.tools.dashboard import DEFAULT_PORT as DEFAULT_DASHBOARD_PORT
 from chunkq.tools.dashboard import serve as serve_dashboard
@@ -77,7 +77,7 @@ def dashboard_cmd(
     """rq-dashboard for chunkq's queues: JSON only, loopback unless credentials are set.
 
     Its front page counts finished chunks from --store: Redis forgets them once the store has them."""
-    serve_dashboard(need_redis(redis_url), bind, port, username, password, store)
+    serve_dashboard(need_redis(redis_url, store), bind, port, username, password, store)
 
 
 @command("report")
@@ -113,7 +113,7 @@ def status_cmd(run_id: str, store: Path, redis_url: str | None, as_json: bool) -
     """Print where RUN_ID stands, once: from the store, and from Redis when one is given."""
     layout = RunLayout(store, run_id)
     manifest = load_manifest(layout)
-    redis_url = redis_url or embedded_url(store)  # a `chunkq run` serving this store right now
+    redis_url = redis_url or served_url(store)  # a `chunkq run` or `serve-redis` serving it now
     if redis_url:
         snap = Tracker(reach_redis(redis_url), layout, manifest, records=False).poll()
     else:

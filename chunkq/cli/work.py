@@ -30,7 +30,7 @@ from chunkq.queue_worker import gpus as gpu_discovery
 from chunkq.queue_worker.exit_codes import EXIT_CHUNKS_FAILED, EXIT_OK, EXIT_PARTIAL, EXIT_POOL_DIED
 from chunkq.queue_worker.pool import start as start_pool
 from chunkq.supervisor.display import ProgressDisplay, describe
-from chunkq.supervisor.local_run import RunOutcome, local_state_dir, run
+from chunkq.supervisor.local_run import RunOutcome, run
 from chunkq.supervisor.plan import describe_savings, savings
 from chunkq.supervisor.request import (
     RUN_DECIDES_FOR_THE_POOL,
@@ -41,6 +41,7 @@ from chunkq.supervisor.request import (
 )
 from chunkq.supervisor.result import describe_left_out
 from chunkq.supervisor.run_log import RunLog, log_path
+from chunkq.supervisor.store_redis import local_state_dir
 from chunkq.supervisor.submit import submit
 from chunkq.supervisor.supervise import Outcome, failure_report, supervise
 
@@ -92,8 +93,9 @@ def submit_cmd(corpus: tuple[str, ...], redis_url: str | None, as_json: bool, **
     Idempotent: the same command again enqueues only what is neither done nor in flight. Prints the
     run id (for `chunkq supervise RUN`).
     """
-    connection = reach_redis(need_redis(redis_url))  # before anything is written
-    request = submit_request(corpus, kw.pop("store"), **kw)
+    store = kw.pop("store")
+    connection = reach_redis(need_redis(redis_url, store))  # before anything is written
+    request = submit_request(corpus, store, **kw)
     result = submit(request, connection)
     if not as_json:
         click.echo(result.run_id)
@@ -120,7 +122,7 @@ def submit_cmd(corpus: tuple[str, ...], redis_url: str | None, as_json: bool, **
 @redis_option("needed")
 def pool_cmd(redis_url: str | None, store: Path, queue: str, **kw: Any) -> None:
     """Run fresh worker processes on this host's GPUs (or CPU) until signalled."""
-    url = need_redis(redis_url)
+    url = need_redis(redis_url, store)
     settings = pool_settings(kw, redis_url=url, store=str(store), queue=queue, log_level=current_log_level())
     if settings.preload:  # a name people type, or one that cannot load here: before any worker
         settings = replace(settings, preload=check_model(settings.preload))
@@ -136,7 +138,7 @@ def pool_cmd(redis_url: str | None, store: Path, queue: str, **kw: Any) -> None:
 def supervise_cmd(run_id: str, store: Path, redis_url: str | None, verbose: int, **watch: Any) -> None:
     """Watch RUN_ID: retry or quarantine failed chunks, then assemble the result when all are done."""
     quiet_unless(verbose)
-    connection = reach_redis(need_redis(redis_url))
+    connection = reach_redis(need_redis(redis_url, store))
     layout = RunLayout(store, run_id)
     load_manifest(layout)  # a run that is not there is said before its log file would be made
     with RunLog(log_path(local_state_dir(store), run_id)), ProgressDisplay() as display:

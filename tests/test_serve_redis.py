@@ -1,0 +1,100 @@
+"""The store's own Redis for several hosts (``chunkq serve-redis``, ``supervisor/store_redis.py``):
+always a password, reachable beyond loopback only where told, its URL found in the store by the
+commands given none, and the same password from one start to the next."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import stat
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from chunkq.supervisor.store_redis import LOCK_FILE, URL_FILE, embedded_redis_dir, serve, served_url
+from tests.helpers import make_texts, run_cli, start_cli, stop_tree, wait_for, write_corpus
+
+
+def test_a_served_redis_wants_its_password_and_advertises_where_other_hosts_reach_it(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    with contextlib.ExitStack() as stack:
+        server = serve(store, stack, wait=False, bind="0.0.0.0", advertise="node7.cluster").server
+        url_file = embedded_redis_dir(store) / URL_FILE
+        url = url_file.read_text().strip()
+        assert url == f"redis://:{server.password}@node7.cluster:{server.port}/0"
+        assert stat.S_IMODE(url_file.stat().st_mode) == 0o600  # it holds the password
+        assert served_url(store) == url
+        # Every interface, and none without the password.
+        address = socket.gethostbyname(socket.gethostname())
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(host=address, port=server.port, socket_timeout=5).ping()
+        assert redis.Redis(host=address, port=server.port, password=server.password, socket_timeout=5).ping()
+    assert not url_file.exists()
+    assert served_url(store) is None
+
+
+def test_a_restarted_server_keeps_its_password_so_clients_holding_the_url_reconnect(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    passwords = []
+    for keep in (True, True, False):
+        with contextlib.ExitStack() as stack:
+            passwords.append(serve(store, stack, wait=False, keep_password=keep).server.password)
+    assert passwords[0] == passwords[1] != passwords[2]
+
+
+def test_a_loopback_server_of_another_host_is_not_offered(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    data = embedded_redis_dir(store)
+    data.mkdir(parents=True)
+    holder = {"pid": 1, "host": "another-host", "process_started": time.time(), "token": "t"}
+    (data / LOCK_FILE).write_text(json.dumps(holder))  # renewed just now: alive, elsewhere
+    (data / URL_FILE).write_text("redis://:pw@127.0.0.1:6379/0\n")
+    assert served_url(store) is None  # that host's loopback is not this one's
+    (data / URL_FILE).write_text("redis://:pw@another-host:6379/0\n")
+    assert served_url(store) == "redis://:pw@another-host:6379/0"
+    os.utime(data / LOCK_FILE, (time.time() - 600, time.time() - 600))
+    assert served_url(store) is None  # not renewed for ten minutes: its server is gone
+
+
+@pytest.mark.slow
+def test_commands_given_no_redis_url_use_the_served_one_and_serve_redis_stops_cleanly(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    ids, texts = make_texts(30, seed=5)
+    corpus = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")
+    refused = run_cli("submit", str(corpus), "--store", str(store))
+    assert refused.returncode == 2 and "chunkq serve-redis" in refused.stderr  # says how to get one
+    log = tmp_path / "serve.log"
+    server = start_cli(log, "serve-redis", "--store", str(store))
+    try:
+        wait_for(lambda: served_url(store) is not None, 60, "the served Redis")
+        submitted = run_cli("submit", str(corpus), "--store", str(store), "--chunk-size", "10", "--json")
+        assert submitted.returncode == 0, submitted.stderr
+        assert json.loads(submitted.stdout)["chunks"] == 3
+        url = served_url(store)
+        assert url is not None and redis.Redis.from_url(url).llen("rq:queue:chunkq") == 3
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=60) == 0, log.read_text()
+    finally:
+        if server.poll() is None:
+            stop_tree(server)
+    assert served_url(store) is None and not (embedded_redis_dir(store) / URL_FILE).exists()
+    # Its append-only data stayed in the store: served again, the queue is still there.
+    server = start_cli(log, "serve-redis", "--store", str(store))
+    try:
+        wait_for(lambda: served_url(store) is not None, 60, "the served Redis, again")
+        url = served_url(store)
+        assert url is not None and redis.Redis.from_url(url).llen("rq:queue:chunkq") == 3
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=60)
+
+
+@pytest.mark.slow
+def test_serve_redis_refuses_an_object_store(tmp_path: Path) -> None:
+    refused = run_cli("serve-redis", "--store", "s3://bucket/prefix", timeout=60)
+    assert refused.returncode != 0 and "object store" in refused.stderr
