@@ -7,8 +7,9 @@ import every time, on the same cores that were encoding. The fork server pays it
 It never touches CUDA (no ``torch.cuda`` call, no NVML), so every forked worker creates its own
 CUDA context and destroys it when it exits: recycling still cures a broken context. Each worker is
 a new process in its own session, gets its environment (``CUDA_VISIBLE_DEVICES`` and the rest)
-before it could initialise CUDA, dies with the fork server, which dies with the pool, and shows
-its worker command line in ``ps``.
+before it could initialise CUDA, stops at once when the fork server dies (which dies with the
+pool, and ignores the SIGTERM a batch system sends every process of its job), and shows its worker
+command line in ``ps``.
 
 Requests and replies are JSON over a Unix socket pair (no pickle); the worker's notify pipe
 travels as SCM_RIGHTS. The pool side, ``ForkServer`` and ``ForkedWorker``, offers what the pool
@@ -37,7 +38,12 @@ import setproctitle
 from chunkq.jobs import cuda, errors
 from chunkq.jobs.runtime import DEVICE_ENV
 from chunkq.queue_worker.exit_codes import EXIT_FORKED_NO_CUDA, EXIT_NO_CONTEXT
-from chunkq.queue_worker.lifeline import PARENT_PID_ENV, die_with_parent
+from chunkq.queue_worker.lifeline import (
+    ORPHANED_SIGNAL,
+    PARENT_PID_ENV,
+    killed_with_parent,
+    worker_dies_with_parent,
+)
 from chunkq.queue_worker.settings import WORKER_MODULE
 from chunkq.queue_worker.standby import NOTIFY_FD_ENV
 
@@ -80,8 +86,8 @@ def _receive(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
 
 def _run_worker(request: dict[str, Any], fds: list[int], server_pid: int) -> int:
     os.setsid()
-    die_with_parent()
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
+    worker_dies_with_parent()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD, ORPHANED_SIGNAL):
         signal.signal(sig, signal.SIG_DFL)
     env = {str(k): str(v) for k, v in request["env"].items()}
     if fds:
@@ -269,7 +275,11 @@ def server_main() -> NoReturn:
     # after a worker's os.environ is replaced there would be no room left for its title.
     setproctitle.setproctitle(setproctitle.getproctitle())
     sock = socket.socket(fileno=int(os.environ.pop(SOCKET_FD_ENV)))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the pool decides when workers stop
+    # The pool decides when workers stop, and this server goes when the pool hangs up or dies. A
+    # batch system signals every process of its job: had this server died of Slurm's SIGTERM, its
+    # workers would have taken their parent's death for their pool's, and dropped their chunks.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     try:
         serve(sock)
     except (BrokenPipeError, ConnectionResetError):
@@ -328,7 +338,7 @@ class ForkServer:
             env=dict(self.env, **{SOCKET_FD_ENV: str(theirs.fileno())}, **NVML_BASED_CUDA_CHECK),
             pass_fds=(theirs.fileno(),),
             start_new_session=True,
-            preexec_fn=die_with_parent,
+            preexec_fn=killed_with_parent,  # it ignores SIGTERM
         )
         theirs.close()
         self.sock = ours

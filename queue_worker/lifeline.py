@@ -15,7 +15,24 @@ _LIBC = ctypes.CDLL("libc.so.6", use_errno=True) if sys.platform.startswith("lin
 PARENT_PID_ENV = "CHUNKQ_PARENT_PID"
 
 
-def die_with_parent() -> None:
-    """In the child: SIGTERM it when its parent dies, even by SIGKILL (Linux; elsewhere a no-op)."""
+# What a worker gets when the process that started it dies: not SIGTERM, which asks it to drain, but
+# "stop now". Nobody watches it any more, and under a batch system its GPU may already be another
+# job's: a pool SIGKILLed by Slurm after KillWait left its busy workers encoding for minutes as
+# orphans, heartbeating, so their chunks were never retried (seen in tests/test_slurm.py).
+ORPHANED_SIGNAL = signal.SIGHUP
+
+
+def die_with_parent(sig: signal.Signals = signal.SIGTERM) -> None:
+    """In the child: send it ``sig`` when its parent dies, even by SIGKILL (Linux; elsewhere a no-op)."""
     if _LIBC is not None:
-        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        _LIBC.prctl(_PR_SET_PDEATHSIG, sig)
+
+
+def killed_with_parent() -> None:
+    """In a child that ignores SIGTERM (the fork server): SIGKILL when its parent dies."""
+    die_with_parent(signal.SIGKILL)
+
+
+def worker_dies_with_parent() -> None:
+    """In a worker: ORPHANED_SIGNAL when its parent (the pool, or the pool's fork server) dies."""
+    die_with_parent(ORPHANED_SIGNAL)

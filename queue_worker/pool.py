@@ -14,6 +14,7 @@ import logging
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,6 +26,7 @@ import redis
 from rq.job import Job
 from rq.queue import Queue
 from rq.serializers import JSONSerializer
+from rq.worker import SimpleWorker
 
 from chunkq.jobs.abandon import forget_worker, mark_abandoned, running_job_ids
 from chunkq.jobs.errors import ChunkqError
@@ -40,12 +42,13 @@ from chunkq.queue_worker.gpus import (
     resolve_workers_per_gpu,
     worker_environment,
 )
-from chunkq.queue_worker.lifeline import PARENT_PID_ENV, die_with_parent
+from chunkq.queue_worker.lifeline import PARENT_PID_ENV, worker_dies_with_parent
 from chunkq.queue_worker.metrics import PoolMetrics, serve
 from chunkq.queue_worker.restart import RestartPolicy
 from chunkq.queue_worker.settings import (
     LOG_FORMAT,
     SETTINGS_JSON_ENV,
+    SIGNAL_REPEAT_SECONDS,
     WORKER_MODULE,
     PoolSettings,
     env_of,
@@ -166,7 +169,7 @@ class Pool:
             except (ForkServerError, OSError) as exc:
                 self._stop_forking(str(exc))
         return subprocess.Popen(
-            cmd, env=env, start_new_session=True, preexec_fn=die_with_parent, pass_fds=(notify_fd,)
+            cmd, env=env, start_new_session=True, preexec_fn=worker_dies_with_parent, pass_fds=(notify_fd,)
         )
 
     def start_worker(self, slot: Slot) -> None:
@@ -258,6 +261,28 @@ class Pool:
             except redis.RedisError as exc:
                 log.warning("cannot release the job of %s yet (%s); will retry", worker_name, exc)
                 self._to_abandon.append((worker_name, reason))
+
+    def _release_predecessors(self) -> None:
+        """Workers of an earlier run of this pool under the same name (a requeued Slurm job, a
+        restarted service) that died with it on this host: their jobs fail now, not once their
+        heartbeat is stale, and their names are freed (RQ refuses to register a name twice)."""
+        host, prefix = socket.gethostname(), f"{self.settings.name}-"
+        namespace = SimpleWorker.redis_worker_namespace_prefix
+        queue = Queue(self.settings.queue, connection=self.connection)
+        try:
+            for key in SimpleWorker.all_keys(connection=self.connection, queue=queue):
+                name = key.removeprefix(namespace)
+                if not name.startswith(prefix):
+                    continue
+                worker = SimpleWorker.find_by_key(key, self.connection, serializer=JSONSerializer)
+                if worker is None or worker.hostname != host or worker.pid is None:
+                    continue  # on another host: its heartbeat tells the supervisor
+                if not _alive(worker.pid, name):
+                    why = f"(pid {worker.pid}) died with an earlier run of pool {self.settings.name}"
+                    self._to_abandon.append((name, why))
+        except redis.RedisError as exc:
+            log.warning("cannot look for workers of an earlier run of this pool (%s)", exc)
+        self._release_jobs()
 
     def _retire_device(self, slot: Slot, why: str) -> None:
         log.error("%s: %s; taking it out of this pool (the other devices go on)", self._where(slot), why)
@@ -356,18 +381,29 @@ class Pool:
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         handled = 0
         kill_at: float | None = None
+        drained_at = 0.0
+        stop_now_at: float | None = None
         if self.settings.metrics_port is not None:
             serve(self.metrics.registry, self.settings.metrics_port)
         try:
+            self._release_predecessors()
             self._fill(time.monotonic())
             while True:
                 now = time.monotonic()
                 if self._signals > handled:
-                    handled = self._signals
-                    log.info("pool %s: %s", self.settings.name, "stopping now" if handled > 1 else "draining")
-                    self._signal_all(signal.SIGTERM)
-                    if handled > 1:
+                    what = "stopping now" if self._signals > 1 else "draining"
+                    log.info("pool %s: %s", self.settings.name, what)
+                    if handled == 0:
+                        self._signal_all(signal.SIGTERM)
+                        drained_at = now
+                    if self._signals > 1 and kill_at is None:
+                        # Sooner, a worker would take it for the drain delivered twice.
+                        stop_now_at = max(now, drained_at + SIGNAL_REPEAT_SECONDS)
                         kill_at = now + self.settings.kill_grace
+                    handled = self._signals
+                if stop_now_at is not None and now >= stop_now_at:
+                    self._signal_all(signal.SIGTERM)
+                    stop_now_at = None
                 if kill_at is not None and now >= kill_at:
                     self._signal_all(signal.SIGKILL)
                 code = self._step(handled, now)
@@ -417,3 +453,11 @@ def main() -> int:
     except ChunkqError as exc:  # one line, as every chunkq command reports it
         log.error("%s", exc)
         return exit_codes.EXIT_CONFIG
+
+
+def _alive(pid: int, worker_name: str) -> bool:
+    """Whether ``pid`` is still that worker (its title names it), not a reused pid."""
+    try:
+        return worker_name in " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
+        return False

@@ -29,6 +29,9 @@ DEFAULT_STORE = "chunkq-store"
 # fatal error exits at once.
 DEFAULT_RECYCLE_AFTER = 600.0
 HUNG_GRACE_SECONDS = 30.0  # past the job timeout, before a busy worker is taken for hung
+# A worker takes a second stop signal this soon after the first for the same one delivered twice:
+# Slurm's scancel signals every process of the job, the worker too, and the pool relays it.
+SIGNAL_REPEAT_SECONDS = 1.0
 ENV_PREFIX = "CHUNKQ_"
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # every chunkq command and pool
 SETTINGS_JSON_ENV = "CHUNKQ_POOL_SETTINGS_JSON"  # chunkq run hands its pool every setting at once

@@ -52,8 +52,15 @@ from chunkq.queue_worker.exit_codes import (
     EXIT_REDIS,
     EXIT_STOPPED,
 )
-from chunkq.queue_worker.lifeline import PARENT_PID_ENV
-from chunkq.queue_worker.settings import DEFAULT_STORE, WORKER_MODULE, add_worker_arguments, env_of, truthy
+from chunkq.queue_worker.lifeline import ORPHANED_SIGNAL, PARENT_PID_ENV
+from chunkq.queue_worker.settings import (
+    DEFAULT_STORE,
+    SIGNAL_REPEAT_SECONDS,
+    WORKER_MODULE,
+    add_worker_arguments,
+    env_of,
+    truthy,
+)
 from chunkq.queue_worker.standby import announce_last_job, announce_model_loaded, wait_for_predecessor
 
 log = logging.getLogger(__name__)
@@ -126,6 +133,7 @@ class ChunkWorker(SimpleWorker):
         self.stopped_before_start = stopped_before_start
         self.jobs_run = 0
         self.stop_signalled = False
+        self._first_signal_at = -SIGNAL_REPEAT_SECONDS
         self.ending: str | None = None  # why a job said this process must end (runtime.ending)
         self.jobs_given_back = 0
         self._taking_job = False  # from waiting for a job until it is started: a stop only marks
@@ -225,6 +233,7 @@ class ChunkWorker(SimpleWorker):
 
     def _install_signal_handlers(self) -> None:
         super()._install_signal_handlers()  # type: ignore[no-untyped-call]
+        signal.signal(ORPHANED_SIGNAL, self._orphaned)
         # A signal that reached main()'s start-up handler after its last look would otherwise be
         # lost: a worker whose fork server or pool died then would work on as an orphan (seen in CI).
         if self.stopped_before_start():
@@ -233,12 +242,24 @@ class ChunkWorker(SimpleWorker):
 
     def request_stop(self, signum: int, frame: FrameType | None) -> None:
         self.stop_signalled = True
+        self._first_signal_at = time.monotonic()
         super().request_stop(signum, frame)  # type: ignore[no-untyped-call]
 
+    def _orphaned(self, signum: int, frame: FrameType | None) -> None:
+        self.stop_signalled = True
+        self._stop_requested = True  # RQ fails the job in hand on the raise below, then would go on
+        self.log.error(
+            "Worker %s: its pool is gone; stopping now (a chunk in hand fails, to be retried)", self.name
+        )
+        raise SystemExit(EXIT_ORPHANED)
+
     def request_force_stop(self, signum: int, frame: FrameType | None) -> None:
-        # RQ ignores a second signal within a second of the first because a terminal's Ctrl+C can
-        # reach a worker twice. Ours run in their own session and only the pool signals them, so
-        # a second signal is always a deliberate "stop now".
+        # Ours run in their own session, but a batch system signals every process of its job and
+        # the pool relays the same request: a repeat that soon is that one stop, not "stop now"
+        # (the pool sends its "stop now" no sooner than this after its drain).
+        if time.monotonic() - self._first_signal_at < SIGNAL_REPEAT_SECONDS:
+            self.log.info("Worker %s: the stop signal again (delivered twice); still draining", self.name)
+            return
         self.log.warning("Worker %s: second signal, stopping now", self.name)
         raise SystemExit(EXIT_STOPPED)
 

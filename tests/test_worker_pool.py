@@ -117,6 +117,25 @@ def test_first_signal_drains_the_chunk_in_hand(
     assert datetime.fromisoformat(meta["finished_at"]).timestamp() > signalled  # it was busy when signalled
 
 
+def test_a_stop_sent_to_every_process_twice_still_drains(
+    tmp_path: Path, store: Path, connection: redis.Redis, redis_url: str
+) -> None:
+    # Slurm's scancel signals every process of the job, the workers too: seen in tests/test_slurm.py,
+    # a worker's two SIGTERMs 17 ms apart, then the pool relaying its drain; one stop, not "stop now".
+    run = _submit(tmp_path, store, connection, rows=40, chunk=40)
+    job_id = chunk_job_id(run.run_id, 0)
+    slow = '[{"kind": "slow", "seconds": 8}]'
+    with running_pool(tmp_path, redis_url, CHUNKQ_FAULTS=slow) as (pool, log):
+        wait_for(lambda: job_statuses(connection, [job_id]) == ["started"], 120, "the chunk to start")
+        (worker,) = worker_processes(pool)
+        for proc in (pool, worker, worker):
+            proc.send_signal(signal.SIGTERM)
+        assert pool.wait(timeout=120) == 0
+        assert "stopping now" not in log.read_text()
+    assert job_statuses(connection, [job_id]) == ["finished"]
+    assert read_json(RunLayout(store, run.run_id).output_meta(0))["rows"] == 40
+
+
 def test_second_signal_stops_at_once(
     tmp_path: Path, store: Path, connection: redis.Redis, redis_url: str
 ) -> None:
@@ -145,6 +164,47 @@ def test_killed_pool_leaves_no_orphans(
         pool.wait(timeout=10)
         _gone, alive = psutil.wait_procs(workers, timeout=60)
         assert not alive, f"orphaned workers: {alive}"
+
+
+def test_a_busy_worker_whose_pool_is_killed_stops_at_once(
+    tmp_path: Path, store: Path, connection: redis.Redis, redis_url: str
+) -> None:
+    # A pool SIGKILLed alone (the OOM killer; Slurm's KillWait where its process tracking misses the
+    # workers) used to leave a busy worker draining as an orphan: encoding, beating, holding the GPU.
+    run = _submit(tmp_path, store, connection, rows=40, chunk=40)
+    job_id = chunk_job_id(run.run_id, 0)
+    slow = '[{"kind": "slow", "seconds": 600}]'
+    with running_pool(tmp_path, redis_url, CHUNKQ_FAULTS=slow) as (pool, log):
+        wait_for(lambda: job_statuses(connection, [job_id]) == ["started"], 120, "the chunk to start")
+        workers = worker_processes(pool)
+        pool.kill()
+        pool.wait(timeout=10)
+        _gone, alive = psutil.wait_procs(workers, timeout=30)
+        assert not alive, f"orphaned workers: {alive}"
+        assert "its pool is gone; stopping now" in log.read_text()
+    # Failed at once, for the supervisor to retry now rather than after the heartbeat goes stale.
+    assert job_statuses(connection, [job_id]) == ["failed"]
+
+
+def test_a_pool_restarted_under_its_name_fails_the_chunks_its_killed_predecessor_held(
+    tmp_path: Path, store: Path, connection: redis.Redis, redis_url: str
+) -> None:
+    # A requeued Slurm pool job comes back with the same name (seen in tests/test_slurm.py): its new
+    # worker could not register the name its killed predecessor still held, and crashed.
+    run = _submit(tmp_path, store, connection, rows=40, chunk=40)
+    job_id = chunk_job_id(run.run_id, 0)
+    slow = '[{"kind": "slow", "chunks": [0], "attempts": [1], "seconds": 600}]'
+    with running_pool(tmp_path, redis_url, "--name", "p1", CHUNKQ_FAULTS=slow) as (pool, _):
+        wait_for(lambda: job_statuses(connection, [job_id]) == ["started"], 120, "the chunk to start")
+        everything = [pool, *psutil.Process(pool.pid).children(recursive=True)]
+        for proc in everything:  # as Slurm kills a job after KillWait: all at once
+            proc.kill()
+        psutil.wait_procs([psutil.Process(p.pid) for p in everything[1:] if psutil.pid_exists(p.pid)], 30)
+    with running_pool(tmp_path, redis_url, "--name", "p1") as (pool, log):
+        wait_for(lambda: job_statuses(connection, [job_id]) == ["failed"], 60, "the held chunk to fail")
+        text = log.read_text()
+        assert "died with an earlier run of pool p1" in text
+        assert "exists an active worker" not in text and "crashed" not in text, text[-2000:]
 
 
 def test_worker_refuses_functions_outside_the_allow_list(
