@@ -26,11 +26,14 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 # Debian tools some tests drive: docker-compose validates compose.yaml (`config` needs no container
-# engine), headless Chromium opens the dashboard. Installed here where apt can; otherwise those
-# tests are skipped outside CI and fail under CI=true.
+# engine), headless Chromium opens the dashboard, slurm-wlm and munge make the one-node cluster the
+# Slurm recipe runs on. Installed here where apt can; otherwise those tests are skipped outside CI
+# and fail under CI=true.
 system-tools:
 	@missing=""; command -v docker-compose >/dev/null 2>&1 || missing="$$missing docker-compose"; \
 	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
+	command -v slurmctld >/dev/null 2>&1 || missing="$$missing slurm-wlm"; \
+	command -v munged >/dev/null 2>&1 || missing="$$missing munge"; \
 	[ -z "$$missing" ] || { command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] \
 		&& apt-get update -qq && apt-get install -y -qq $$missing >/dev/null; } \
 		|| echo "unavailable:$$missing; the tests that need them will be skipped (fail under CI=true)"

