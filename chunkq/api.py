@@ -103,7 +103,8 @@ class RunResult:
     def ragged(self) -> Ragged:
         """A ragged run's rows: a sparse run's vectors as CSR (``arrays["indices"]``,
         ``arrays["values"]``), a multivector run's token vectors (``arrays["vectors"]``); row i's
-        entries are ``[offsets[i]:offsets[i + 1]]`` of each."""
+        entries are ``[offsets[i]:offsets[i + 1]]`` of each. One block is memory-mapped; a sharded
+        result's shards are read and joined."""
         from chunkq.supervisor import ragged_result
 
         manifest, _ = self._parts()
@@ -124,9 +125,16 @@ class RunResult:
     def ids(self) -> list[Any]:
         """Each row's id, in order: a string, or with ``long_texts="window"`` an object (the text's
         id, the window's number, ``char_start``, ``char_end``, ``tokens``)."""
+        manifest, parts = self._parts()
+        if manifest.get("ragged") is not None:
+            from chunkq.supervisor import ragged_result
+
+            files = [block.ids_path for block in ragged_result.blocks(self.result_dir, manifest)]
+        else:
+            files = [part.ids for part in parts]
         ids: list[Any] = []
-        for part in self._parts()[1]:
-            with part.ids.open(encoding="utf-8") as fh:
+        for path in files:
+            with path.open(encoding="utf-8") as fh:
                 ids += (json.loads(line) for line in fh)
         return ids
 

@@ -245,10 +245,13 @@ def assemble(
     )
     try:
         if ragged:
-            files = ragged_result.write(layout, manifest, set(skip), built, total)
+            upload_to = layout.result if remote else None
+            files = ragged_result.write(layout, manifest, set(skip), built, total, shard_bytes, upload_to)
+            uploaded = files["ragged"].get("shard_dir")
         else:
             _write_result(layout, manifest, writer, set(skip), dim, built, verified.bad_rows)
             files = writer.finish()
+            uploaded = writer.shard_dir
         if writer.extra is not None:
             windows = (manifest.plan or {}).get("windows") or {}
             files["texts"] = {**writer.extra.close(), "pool": windows.get("pool"), "dim": columns}
@@ -282,7 +285,7 @@ def assemble(
         atomic_write_json(built / MANIFEST_NAME, result)
         if fence is not None:
             fence()
-        publish(built, layout.result, uploaded=writer.shard_dir if remote else None)
+        publish(built, layout.result, uploaded=uploaded if remote else None)
     except BaseException:
         writer.abort()
         raise

@@ -63,7 +63,7 @@ SINGLE = ("embeddings.npy", "ids.jsonl")
 # A ragged result's arrays (supervisor.ragged_result), uploaded before the manifest as SINGLE's are.
 RAGGED_FILES = tuple(f"{name}.npy" for name in (OFFSETS, *sorted({n for s in SCHEMAS.values() for n in s})))
 TEXTS = ("texts.npy", "texts.ids.jsonl")  # --long-texts window --pool: a vector per text, beside the windows
-_SHARD_DIR = re.compile(r"shards-[0-9A-Za-z]{1,64}")
+SHARD_DIR = re.compile(r"shards-[0-9A-Za-z]{1,64}")  # what a result manifest may name as its shard folder
 
 
 _UNITS = {
@@ -90,6 +90,12 @@ def shard_bytes(value: int | str) -> int:
     if size < 1024:
         raise ConfigError(f"shard size {value!r}: at least 1 KiB")
     return size
+
+
+def new_shard_dir() -> str:
+    """A shard folder's name no earlier result of the run has used (older ones are removed once
+    the new manifest is in place)."""
+    return f"shards-{datetime.now(UTC).strftime('%Y%m%dT%H%M%S%f')}{os.getpid()}"
 
 
 def shard_names(index: int) -> tuple[str, str]:
@@ -133,7 +139,7 @@ def result_parts(layout: RunLayout, result: dict[str, Any]) -> list[ResultPart]:
             )
         ]
     shard_dir = result.get("shard_dir")
-    if not isinstance(shard_dir, str) or not _SHARD_DIR.fullmatch(shard_dir):
+    if not isinstance(shard_dir, str) or not SHARD_DIR.fullmatch(shard_dir):
         raise ValueError(f"shard_dir {shard_dir!r} is not a shard folder's name")
     if not isinstance(shards, list) or not shards:
         raise ValueError("its shard list is empty or not a list")
@@ -392,8 +398,7 @@ class ResultWriter:
         self.built, self.rows, self.dim, self.dtype, self.upload_to = built, rows, dim, dtype, upload_to
         self.shard_rows = max(1, shard_bytes // (dim * dtype.itemsize))
         self.sharded = rows > self.shard_rows
-        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S%f")
-        self.shard_dir = f"shards-{stamp}{os.getpid()}" if self.sharded else None
+        self.shard_dir = new_shard_dir() if self.sharded else None
         self.done: list[dict[str, Any]] = []
         self.total = 0
         self._part: PartWriter | None = None
@@ -484,7 +489,7 @@ def _remove_unnamed(result: Path, keep: str | None) -> None:
         if folder.startswith("shards-") and folder != keep:
             remove_tree(result / folder)
     if keep is not None:
-        for name in SINGLE:
+        for name in (*SINGLE, *RAGGED_FILES):
             (result / name).unlink(missing_ok=True)
 
 

@@ -272,6 +272,40 @@ def write_encoded_run(
     return layout
 
 
+def write_ragged_run(store: Path, kind: str, rows: int = 200, chunk_size: int = 20, seed: int = 0) -> Any:
+    """A finished ragged run as workers leave it, without a model: rows of 0 to 12 random entries
+    each (sparse: over 1,000 dimensions; multivector: vectors of 8). Its RunLayout."""
+    from datetime import UTC, datetime
+
+    from chunkq.jobs.ragged import SCHEMAS, Ragged, write_ragged_output
+    from chunkq.jobs.run_files import RunLayout, write_chunk_input
+    from chunkq.jobs.specs import EncodeOptions
+
+    run_id = f"{kind}-run"
+    chunks = -(-rows // chunk_size)
+    manifest = _write_manifest(store, run_id, chunks, chunk_size, rows, EncodeOptions(kind=kind))
+    layout = RunLayout(store, run_id)
+    rng = np.random.default_rng(seed)
+    dim = {"sparse": 1000, "multivector": 8}[kind]
+    for index in range(chunks):
+        first, n = manifest.first_row(index), manifest.chunk_rows(index)
+        write_chunk_input(layout, index, [(f"r{i}", f"text {i}") for i in range(first, first + n)])
+        per_row = []
+        for _ in range(n):
+            k = int(rng.integers(0, 13))
+            if kind == "sparse":
+                per_row.append({"indices": np.sort(rng.choice(dim, k, replace=False)).astype(np.int32),
+                                "values": rng.random(k, dtype=np.float32)})  # fmt: skip
+            else:
+                per_row.append({"vectors": rng.standard_normal((k, dim), dtype=np.float32)})
+        now = datetime.now(UTC).isoformat()
+        meta = {"run_id": run_id, "chunk": index, "first_row": first, **manifest.producer()}
+        meta |= {"worker": "w", "pid": 1, "host": "h", "device": "cpu", "seconds": 0.1}
+        meta |= {"started_at": now, "finished_at": now}
+        write_ragged_output(layout, index, Ragged.of_rows(per_row, SCHEMAS[kind], dim), meta, kind)
+    return layout
+
+
 def run_in_process(
     tmp_path: Path, store: Any, connection: Any, ids: list[str], texts: list[str], name: str, **kw: Any
 ) -> tuple[Any, Any, int]:

@@ -81,6 +81,33 @@ def s3_env() -> Iterator[dict[str, str]]:
         s3fs.S3FileSystem.clear_instance_cache()
 
 
+def test_a_sharded_ragged_result_goes_to_the_object_store_and_reads_back_whole(
+    s3_env: dict[str, str], tmp_path: Path
+) -> None:
+    """A sparse result in shards on S3 (each uploaded when whole) reads back equal to the same run
+    published as one block on disk; assembled again as one block, its shard folder goes."""
+    from chunkq.api import RunResult
+    from chunkq.jobs.manifest import load_manifest
+    from chunkq.supervisor.assemble import assemble
+    from chunkq.supervisor.result import check_published
+    from tests.helpers import write_ragged_run
+
+    local = write_ragged_run(tmp_path / "store", "sparse")
+    remote = write_ragged_run(open_store(f"s3://{BUCKET}/ragged-{time.time_ns()}"), "sparse")
+    assemble(local)
+    made = assemble(remote, shard_bytes=4096)
+    assert len(made["ragged"]["shards"]) > 2
+    assert check_published(remote, load_manifest(remote)) == []
+    one, many = (RunResult(x.run_id, x.store, 200, 1000, 0.0, 1, None).ragged() for x in (local, remote))
+    assert np.array_equal(one.offsets, many.offsets)
+    assert np.array_equal(one.arrays["indices"], many.arrays["indices"])
+    assert np.array_equal(one.arrays["values"], many.arrays["values"])
+    (remote.result / "manifest.json").write_text("{")
+    assemble(remote)
+    names = {p.name for p in remote.result.iterdir()}
+    assert names == {"offsets.npy", "indices.npy", "values.npy", "ids.jsonl", "manifest.json"}, names
+
+
 def _names(layout: RunLayout) -> set[str]:
     return {p.name for p in layout.outputs.iterdir()}
 

@@ -299,47 +299,72 @@ def _vocabulary(layout: RunLayout) -> Any:
     return np.array([tokenizer.id_to_token(i) or "" for i in range(tokenizer.get_vocab_size())], dtype=object)
 
 
+def _ragged_batch(
+    pa: Any, schema: Any, ids: list[Any], cut: np.ndarray[Any, Any], arrays: dict[str, np.ndarray[Any, Any]]
+) -> Any:
+    """Rows of a ragged block as an Arrow table: each entry array's slice as a list per row."""
+    data: dict[str, Any] = {"id": pa.array(ids, pa.string())}
+    for name, array in arrays.items():
+        part = array[int(cut[0]) : int(cut[-1])]
+        values = (
+            pa.FixedSizeListArray.from_arrays(pa.array(part.reshape(-1)), part.shape[1])
+            if part.ndim == 2
+            else pa.array(part, type=schema.field(name).type.value_type)
+        )
+        data[name] = pa.ListArray.from_arrays(pa.array(cut - cut[0], pa.int32()), values)
+    return pa.table(data, schema=schema)
+
+
 def _export_ragged(layout: RunLayout, fmt: str, target: _Target, tokens: bool = False) -> list[Path]:
     """A ragged result as Parquet or JSON Lines: ``id`` and each entry array as a list per row
     (sparse: ``indices`` list<int32>, ``values`` list<float32>; multivector: ``vectors``, a list of
-    fixed-size lists), its files checked against their checksums first."""
+    fixed-size lists), its files checked against their checksums first, read a block (the result,
+    or one shard) at a time."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     from chunkq.supervisor import ragged_result
 
-    run, _ = verified_result(layout)
+    run, result = verified_result(layout)
     if fmt == "npy":
         raise ConfigError(f"a {run.kind} result has no matrix to write as .npy; export parquet or jsonl")
-    arrays = ragged_result.load(layout.result)
-    offsets, names = arrays.pop("offsets"), list(arrays)
-    if tokens:
-        arrays["tokens"] = _vocabulary(layout)[np.asarray(arrays["indices"])]
-        names.append("tokens")
-    with open(layout.result / "ids.jsonl", encoding="utf-8") as fh:
-        ids = [json.loads(line) for line in fh]
+    vocabulary = _vocabulary(layout) if tokens else None
+    kind = result["ragged"]["kind"]
+
+    def each_block() -> Iterator[tuple[list[Any], np.ndarray[Any, Any], dict[str, np.ndarray[Any, Any]]]]:
+        for block in ragged_result.blocks(layout.result, result):
+            arrays = ragged_result.block_arrays(block, kind)
+            offsets = arrays.pop("offsets")
+            if vocabulary is not None:
+                arrays["tokens"] = vocabulary[np.asarray(arrays["indices"])]
+            with open(block.ids_path, encoding="utf-8") as fh:
+                ids = [json.loads(line) for line in fh]
+            yield ids, offsets, arrays
+
     if fmt == "jsonl":
         with _written_whole(target) as tmp, open(tmp, "w", encoding="utf-8") as out:
-            for row, rid in enumerate(ids):
-                a, b = int(offsets[row]), int(offsets[row + 1])
-                fields = {name: arrays[name][a:b].tolist() for name in names}
-                out.write(json.dumps({"id": rid, **fields}, ensure_ascii=False) + "\n")
+            for ids, offsets, arrays in each_block():
+                for row, rid in enumerate(ids):
+                    a, b = int(offsets[row]), int(offsets[row + 1])
+                    fields = {name: array[a:b].tolist() for name, array in arrays.items()}
+                    out.write(json.dumps({"id": rid, **fields}, ensure_ascii=False) + "\n")
         return [target.path]
-    # A token matrix's entries are vectors: a list of fixed-size lists, as a dense row is one.
-    types = {name: _arrow_type(pa, a) for name, a in arrays.items()}
-    schema = pa.schema([("id", pa.string()), *((name, pa.list_(types[name])) for name in names)])
-    with _written_whole(target) as tmp, pq.ParquetWriter(tmp, schema) as writer:
-        for start in range(0, len(ids), BATCH_ROWS):
-            stop = min(start + BATCH_ROWS, len(ids))
-            cut = offsets[start : stop + 1]
-            data: dict[str, Any] = {"id": pa.array(ids[start:stop], pa.string())}
-            for name in names:
-                part = arrays[name][int(cut[0]) : int(cut[-1])]
-                values = (
-                    pa.FixedSizeListArray.from_arrays(pa.array(part.reshape(-1)), part.shape[1])
-                    if part.ndim == 2
-                    else pa.array(part, type=types[name])
-                )
-                data[name] = pa.ListArray.from_arrays(pa.array(cut - cut[0], pa.int32()), values)
-            writer.write_table(pa.table(data, schema=schema))
+    schema: Any = None
+    with _written_whole(target) as tmp:
+        writer: Any = None
+        try:
+            for ids, offsets, arrays in each_block():
+                if writer is None:
+                    # A token matrix's entries are vectors: a list of fixed-size lists, as a dense row is one.
+                    types = {name: _arrow_type(pa, a) for name, a in arrays.items()}
+                    schema = pa.schema([("id", pa.string()), *((n, pa.list_(t)) for n, t in types.items())])
+                    writer = pq.ParquetWriter(tmp, schema)
+                for start in range(0, len(ids), BATCH_ROWS):
+                    stop = min(start + BATCH_ROWS, len(ids))
+                    writer.write_table(
+                        _ragged_batch(pa, schema, ids[start:stop], offsets[start : stop + 1], arrays)
+                    )
+        finally:
+            if writer is not None:
+                writer.close()
     return [target.path]
