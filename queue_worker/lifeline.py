@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 import sys
 
@@ -13,13 +14,30 @@ _LIBC = ctypes.CDLL("libc.so.6", use_errno=True) if sys.platform.startswith("lin
 # The pid a worker's parent had when it was started; a worker whose parent differs was orphaned
 # before it began, and exits.
 PARENT_PID_ENV = "CHUNKQ_PARENT_PID"
+# The pool's pid, for a worker whose parent died (ORPHANED_SIGNAL) to tell whether its pool lives on.
+POOL_PID_ENV = "CHUNKQ_POOL_PID"
 
 
-# What a worker gets when the process that started it dies: not SIGTERM, which asks it to drain, but
-# "stop now". Nobody watches it any more, and under a batch system its GPU may already be another
-# job's: a pool SIGKILLed by Slurm after KillWait left its busy workers encoding for minutes as
-# orphans, heartbeating, so their chunks were never retried (seen in tests/test_slurm.py).
+# What a worker gets when the process that started it dies (its pool, or the pool's fork server).
+# With its pool gone too it stops at once: nobody watches it any more, and under a batch system its
+# GPU may already be another job's (a pool SIGKILLed alone left its busy workers encoding for minutes
+# as orphans, heartbeating, so their chunks were never retried). With its pool alive (only the fork
+# server died) it drains, as on SIGTERM, and the pool replaces it.
 ORPHANED_SIGNAL = signal.SIGHUP
+
+
+def pool_alive() -> bool:
+    """Whether the pool named in this worker's environment still runs (True when none is named)."""
+    pid = os.environ.get(POOL_PID_ENV)
+    if not pid:
+        return True
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError):
+        return True
+    return True
 
 
 def die_with_parent(sig: signal.Signals = signal.SIGTERM) -> None:

@@ -42,7 +42,7 @@ from chunkq.queue_worker.gpus import (
     resolve_workers_per_gpu,
     worker_environment,
 )
-from chunkq.queue_worker.lifeline import PARENT_PID_ENV, worker_dies_with_parent
+from chunkq.queue_worker.lifeline import PARENT_PID_ENV, POOL_PID_ENV, worker_dies_with_parent
 from chunkq.queue_worker.metrics import PoolMetrics, serve
 from chunkq.queue_worker.restart import RestartPolicy
 from chunkq.queue_worker.settings import (
@@ -143,7 +143,7 @@ class Pool:
         read_fd, write_fd = os.pipe()
         os.set_blocking(read_fd, False)
         base = dict(os.environ, **{env_of("redis_url"): self.settings.redis_url})
-        base[PARENT_PID_ENV] = str(os.getpid())
+        base[PARENT_PID_ENV] = base[POOL_PID_ENV] = str(os.getpid())
         base[POOL_STARTED_ENV] = str(self.started_at)
         base[NOTIFY_FD_ENV] = str(write_fd)
         if wait_for is not None:

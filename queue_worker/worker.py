@@ -52,7 +52,7 @@ from chunkq.queue_worker.exit_codes import (
     EXIT_REDIS,
     EXIT_STOPPED,
 )
-from chunkq.queue_worker.lifeline import ORPHANED_SIGNAL, PARENT_PID_ENV
+from chunkq.queue_worker.lifeline import ORPHANED_SIGNAL, PARENT_PID_ENV, pool_alive
 from chunkq.queue_worker.settings import (
     DEFAULT_STORE,
     SIGNAL_REPEAT_SECONDS,
@@ -246,6 +246,9 @@ class ChunkWorker(SimpleWorker):
         super().request_stop(signum, frame)  # type: ignore[no-untyped-call]
 
     def _orphaned(self, signum: int, frame: FrameType | None) -> None:
+        if pool_alive():  # only the fork server died: the pool watches on and replaces this worker
+            self.request_stop(signum, frame)
+            return
         self.stop_signalled = True
         self._stop_requested = True  # RQ fails the job in hand on the raise below, then would go on
         self.log.error(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -74,6 +75,20 @@ def running_pool(
         proc.wait(timeout=30)
 
 
+@contextmanager
+def _holding_a_slow_chunk(
+    tmp_path: Path, store: Path, connection: redis.Redis, redis_url: str, seconds: float, *args: str
+) -> Iterator[tuple[subprocess.Popen[bytes], Path, str, str]]:
+    """A pool whose worker has started the one chunk of a 40-row run, which takes ``seconds``
+    longer on its first attempt, whatever the machine's load: (pool, its log, run id, job id)."""
+    run = _submit(tmp_path, store, connection, rows=40, chunk=40)
+    job_id = chunk_job_id(run.run_id, 0)
+    slow = json.dumps([{"kind": "slow", "chunks": [0], "attempts": [1], "seconds": seconds}])
+    with running_pool(tmp_path, redis_url, *args, CHUNKQ_FAULTS=slow) as (pool, log):
+        wait_for(lambda: job_statuses(connection, [job_id]) == ["started"], 120, "the chunk to start")
+        yield pool, log, run.run_id, job_id
+
+
 def test_pool_recycles_workers_and_finishes_every_chunk(
     tmp_path: Path, store: Path, connection: redis.Redis, redis_url: str
 ) -> None:
@@ -98,58 +113,39 @@ def test_pool_recycles_workers_and_finishes_every_chunk(
     assert all(not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie" for pid in seen_workers)
 
 
+@pytest.mark.parametrize("as_slurm", [False, True], ids=["to-the-pool", "to-every-process-twice"])
 def test_first_signal_drains_the_chunk_in_hand(
-    tmp_path: Path, store: Path, connection: redis.Redis, redis_url: str
+    tmp_path: Path, store: Path, connection: redis.Redis, redis_url: str, as_slurm: bool
 ) -> None:
     # The chunk is in hand for 8 s of its own (the slow fault) whatever the machine's load: a big
-    # chunk to keep the worker busy took over 120 s to drain at load 15 (issue 37.1).
-    run = _submit(tmp_path, store, connection, rows=40, chunk=40)
-    job_id = chunk_job_id(run.run_id, 0)
-    slow = '[{"kind": "slow", "seconds": 8}]'
-    with running_pool(tmp_path, redis_url, CHUNKQ_FAULTS=slow) as (pool, _):
-        wait_for(lambda: job_statuses(connection, [job_id]) == ["started"], 120, "the chunk to start")
-        pool.send_signal(signal.SIGTERM)
+    # chunk to keep the worker busy took over 120 s to drain at load 15 (issue 37.1). Slurm's
+    # scancel signals every process of the job, the worker too, and the pool relays its drain:
+    # one stop, not "stop now" (tests/test_slurm.py).
+    with _holding_a_slow_chunk(tmp_path, store, connection, redis_url, 8) as held:
+        pool, log, run_id, job_id = held
+        (worker,) = worker_processes(pool)
+        for proc in (pool, worker, worker) if as_slurm else (pool,):
+            proc.send_signal(signal.SIGTERM)
         signalled = time.time()
         assert pool.wait(timeout=120) == 0
-    meta = read_json(RunLayout(store, run.run_id).output_meta(0))
+        assert "stopping now" not in log.read_text()
+    meta = read_json(RunLayout(store, run_id).output_meta(0))
     assert meta["rows"] == 40
     assert job_statuses(connection, [job_id]) == ["finished"]
     assert datetime.fromisoformat(meta["finished_at"]).timestamp() > signalled  # it was busy when signalled
 
 
-def test_a_stop_sent_to_every_process_twice_still_drains(
-    tmp_path: Path, store: Path, connection: redis.Redis, redis_url: str
-) -> None:
-    # Slurm's scancel signals every process of the job, the workers too: seen in tests/test_slurm.py,
-    # a worker's two SIGTERMs 17 ms apart, then the pool relaying its drain; one stop, not "stop now".
-    run = _submit(tmp_path, store, connection, rows=40, chunk=40)
-    job_id = chunk_job_id(run.run_id, 0)
-    slow = '[{"kind": "slow", "seconds": 8}]'
-    with running_pool(tmp_path, redis_url, CHUNKQ_FAULTS=slow) as (pool, log):
-        wait_for(lambda: job_statuses(connection, [job_id]) == ["started"], 120, "the chunk to start")
-        (worker,) = worker_processes(pool)
-        for proc in (pool, worker, worker):
-            proc.send_signal(signal.SIGTERM)
-        assert pool.wait(timeout=120) == 0
-        assert "stopping now" not in log.read_text()
-    assert job_statuses(connection, [job_id]) == ["finished"]
-    assert read_json(RunLayout(store, run.run_id).output_meta(0))["rows"] == 40
-
-
 def test_second_signal_stops_at_once(
     tmp_path: Path, store: Path, connection: redis.Redis, redis_url: str
 ) -> None:
-    run = _submit(tmp_path, store, connection, rows=40, chunk=40)
-    job_id = chunk_job_id(run.run_id, 0)
-    slow = '[{"kind": "slow", "seconds": 600}]'  # in hand until stopped, whatever the machine's load
-    with running_pool(tmp_path, redis_url, CHUNKQ_FAULTS=slow) as (pool, log):
-        wait_for(lambda: job_statuses(connection, [job_id]) == ["started"], 120, "the chunk to start")
+    with _holding_a_slow_chunk(tmp_path, store, connection, redis_url, 600) as held:
+        pool, log, run_id, job_id = held
         pool.send_signal(signal.SIGTERM)
         wait_for(lambda: "draining" in log.read_text(), 10, "the pool to begin draining")
         pool.send_signal(signal.SIGTERM)
         assert pool.wait(timeout=60) == 0
         assert "stopping now" in log.read_text()
-    assert not RunLayout(store, run.run_id).output_meta(0).exists()
+    assert not RunLayout(store, run_id).output_meta(0).exists()
     # Interrupted mid-chunk: the attempt is failed, for the supervisor to retry.
     assert job_statuses(connection, [job_id]) == ["failed"]
 
@@ -171,11 +167,8 @@ def test_a_busy_worker_whose_pool_is_killed_stops_at_once(
 ) -> None:
     # A pool SIGKILLed alone (the OOM killer; Slurm's KillWait where its process tracking misses the
     # workers) used to leave a busy worker draining as an orphan: encoding, beating, holding the GPU.
-    run = _submit(tmp_path, store, connection, rows=40, chunk=40)
-    job_id = chunk_job_id(run.run_id, 0)
-    slow = '[{"kind": "slow", "seconds": 600}]'
-    with running_pool(tmp_path, redis_url, CHUNKQ_FAULTS=slow) as (pool, log):
-        wait_for(lambda: job_statuses(connection, [job_id]) == ["started"], 120, "the chunk to start")
+    with _holding_a_slow_chunk(tmp_path, store, connection, redis_url, 600) as held:
+        pool, log, _, job_id = held
         workers = worker_processes(pool)
         pool.kill()
         pool.wait(timeout=10)
@@ -191,11 +184,8 @@ def test_a_pool_restarted_under_its_name_fails_the_chunks_its_killed_predecessor
 ) -> None:
     # A requeued Slurm pool job comes back with the same name (seen in tests/test_slurm.py): its new
     # worker could not register the name its killed predecessor still held, and crashed.
-    run = _submit(tmp_path, store, connection, rows=40, chunk=40)
-    job_id = chunk_job_id(run.run_id, 0)
-    slow = '[{"kind": "slow", "chunks": [0], "attempts": [1], "seconds": 600}]'
-    with running_pool(tmp_path, redis_url, "--name", "p1", CHUNKQ_FAULTS=slow) as (pool, _):
-        wait_for(lambda: job_statuses(connection, [job_id]) == ["started"], 120, "the chunk to start")
+    with _holding_a_slow_chunk(tmp_path, store, connection, redis_url, 600, "--name", "p1") as held:
+        pool, _, _, job_id = held
         everything = [pool, *psutil.Process(pool.pid).children(recursive=True)]
         for proc in everything:  # as Slurm kills a job after KillWait: all at once
             proc.kill()
