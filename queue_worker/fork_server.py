@@ -7,9 +7,10 @@ import every time, on the same cores that were encoding. The fork server pays it
 It never touches CUDA (no ``torch.cuda`` call, no NVML), so every forked worker creates its own
 CUDA context and destroys it when it exits: recycling still cures a broken context. Each worker is
 a new process in its own session, gets its environment (``CUDA_VISIBLE_DEVICES`` and the rest)
-before it could initialise CUDA, stops at once when the fork server dies (which dies with the
-pool, and ignores the SIGTERM a batch system sends every process of its job), and shows its worker
-command line in ``ps``.
+before it could initialise CUDA, gets a parent-death signal when the fork server dies (it stops
+at once if its pool is gone too, else drains; lifeline.ORPHANED_SIGNAL), and shows its worker
+command line in ``ps``. The fork server dies with the pool and ignores the SIGTERM a batch system
+sends every process of its job.
 
 Requests and replies are JSON over a Unix socket pair (no pickle); the worker's notify pipe
 travels as SCM_RIGHTS. The pool side, ``ForkServer`` and ``ForkedWorker``, offers what the pool

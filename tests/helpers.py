@@ -238,6 +238,28 @@ def write_test_run(
     return manifest.chunk_spec(store, index), texts
 
 
+def _finished_chunks(
+    store: Path, run_id: str, rows: int, chunk_size: int, options: Any
+) -> Iterator[tuple[Any, int, int, dict[str, Any]]]:
+    """A run's manifest, then each chunk's input (ids ``r0``, ``r1``...) as workers found it:
+    (RunLayout, chunk index, rows, the metadata a worker writes with its output) per chunk."""
+    from datetime import UTC, datetime
+
+    from chunkq.jobs.run_files import RunLayout, write_chunk_input
+
+    chunks = -(-rows // chunk_size)
+    manifest = _write_manifest(store, run_id, chunks, chunk_size, rows, options)
+    layout = RunLayout(store, run_id)
+    for index in range(chunks):
+        first, n = manifest.first_row(index), manifest.chunk_rows(index)
+        write_chunk_input(layout, index, [(f"r{i}", f"text {i}") for i in range(first, first + n)])
+        now = datetime.now(UTC).isoformat()
+        meta = {"run_id": run_id, "chunk": index, "first_row": first, **manifest.producer()}
+        meta |= {"worker": "w", "pid": 1, "host": "h", "device": "cpu", "seconds": 0.1}
+        meta |= {"started_at": now, "finished_at": now}
+        yield layout, index, n, meta
+
+
 def write_encoded_run(
     store: Path,
     run_id: str,
@@ -250,46 +272,28 @@ def write_encoded_run(
     """A finished run as workers leave it, without a model: the manifest, each chunk's input (ids
     ``r0``, ``r1``...) and a committed output of random float32 rows that assembly accepts. Its
     RunLayout. For assembly and result tests of any size and dimension."""
-    from datetime import UTC, datetime
-
-    from chunkq.jobs.run_files import RunLayout, write_chunk_input, write_output
+    from chunkq.jobs.run_files import RunLayout, write_output
     from chunkq.jobs.specs import EncodeOptions
 
-    chunks = -(-rows // chunk_size)
-    options = EncodeOptions(output_dtype=output_dtype)
-    manifest = _write_manifest(store, run_id, chunks, chunk_size, rows, options)
-    layout = RunLayout(store, run_id)
     rng = np.random.default_rng(seed)
-    for index in range(chunks):
-        first, n = manifest.first_row(index), manifest.chunk_rows(index)
-        write_chunk_input(layout, index, [(f"r{i}", f"text {i}") for i in range(first, first + n)])
-        now = datetime.now(UTC).isoformat()
-        meta = {"run_id": run_id, "chunk": index, "first_row": first, **manifest.producer()}
-        meta |= {"worker": "w", "pid": 1, "host": "h", "device": "cpu", "seconds": 0.1}
-        meta |= {"started_at": now, "finished_at": now}
+    options = EncodeOptions(output_dtype=output_dtype)
+    for layout, index, n, meta in _finished_chunks(store, run_id, rows, chunk_size, options):
         vectors = rng.standard_normal((n, dim), dtype=np.float32)
         write_output(layout, index, vectors.astype(output_dtype), meta, output_dtype)
-    return layout
+    return RunLayout(store, run_id)
 
 
 def write_ragged_run(store: Path, kind: str, rows: int = 200, chunk_size: int = 20, seed: int = 0) -> Any:
     """A finished ragged run as workers leave it, without a model: rows of 0 to 12 random entries
     each (sparse: over 1,000 dimensions; multivector: vectors of 8). Its RunLayout."""
-    from datetime import UTC, datetime
-
     from chunkq.jobs.ragged import SCHEMAS, Ragged, write_ragged_output
-    from chunkq.jobs.run_files import RunLayout, write_chunk_input
+    from chunkq.jobs.run_files import RunLayout
     from chunkq.jobs.specs import EncodeOptions
 
     run_id = f"{kind}-run"
-    chunks = -(-rows // chunk_size)
-    manifest = _write_manifest(store, run_id, chunks, chunk_size, rows, EncodeOptions(kind=kind))
-    layout = RunLayout(store, run_id)
     rng = np.random.default_rng(seed)
     dim = {"sparse": 1000, "multivector": 8}[kind]
-    for index in range(chunks):
-        first, n = manifest.first_row(index), manifest.chunk_rows(index)
-        write_chunk_input(layout, index, [(f"r{i}", f"text {i}") for i in range(first, first + n)])
+    for layout, index, n, meta in _finished_chunks(store, run_id, rows, chunk_size, EncodeOptions(kind=kind)):
         per_row = []
         for _ in range(n):
             k = int(rng.integers(0, 13))
@@ -298,12 +302,8 @@ def write_ragged_run(store: Path, kind: str, rows: int = 200, chunk_size: int = 
                                 "values": rng.random(k, dtype=np.float32)})  # fmt: skip
             else:
                 per_row.append({"vectors": rng.standard_normal((k, dim), dtype=np.float32)})
-        now = datetime.now(UTC).isoformat()
-        meta = {"run_id": run_id, "chunk": index, "first_row": first, **manifest.producer()}
-        meta |= {"worker": "w", "pid": 1, "host": "h", "device": "cpu", "seconds": 0.1}
-        meta |= {"started_at": now, "finished_at": now}
         write_ragged_output(layout, index, Ragged.of_rows(per_row, SCHEMAS[kind], dim), meta, kind)
-    return layout
+    return RunLayout(store, run_id)
 
 
 def run_in_process(
