@@ -7,6 +7,8 @@ import os
 import signal
 import sys
 
+import psutil
+
 _PR_SET_PDEATHSIG = 1
 # Loaded here, once: a preexec_fn runs in the child between fork and exec, where loading a library
 # could deadlock on the loader's lock if another thread (the metrics server) held it at the fork.
@@ -27,17 +29,18 @@ ORPHANED_SIGNAL = signal.SIGHUP
 
 
 def pool_alive() -> bool:
-    """Whether the pool named in this worker's environment still runs (True when none is named)."""
+    """Whether the pool named in this worker's environment still runs (True when none is named).
+    A zombie is dead: the signal that asks comes as the pool dies, before anyone has reaped it
+    (seen in CI: the worker of a SIGKILLed pool took it for alive and drained on)."""
     pid = os.environ.get(POOL_PID_ENV)
     if not pid:
         return True
     try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
+        return bool(psutil.Process(int(pid)).status() != psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
         return False
-    except (PermissionError, ValueError):
+    except (psutil.Error, ValueError):
         return True
-    return True
 
 
 def die_with_parent(sig: signal.Signals = signal.SIGTERM) -> None:
