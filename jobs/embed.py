@@ -41,6 +41,7 @@ from chunkq.jobs.errors import (
     BadInputError,
     BadRowsError,
     ChunkOutOfMemoryError,
+    ConfigError,
     CudaFatalError,
     DeviceUnsupportedError,
     NonFiniteError,
@@ -48,6 +49,7 @@ from chunkq.jobs.errors import (
 )
 from chunkq.jobs.kinds.contract import WithBadRows
 from chunkq.jobs.manifest import RunManifest, load_manifest
+from chunkq.jobs.model_identity import short
 from chunkq.jobs.ragged import Ragged, write_ragged_output
 from chunkq.jobs.run_files import (
     RunLayout,
@@ -236,6 +238,7 @@ def encode_finite(
     wide = replace(chunk, options=replace(chunk.options, precision=DEFAULT_PRECISION))
     full = models.get_model(chunk.model, ctx.device, DEFAULT_PRECISION, chunk.options)
     try:
+        check_model(chunk, _value(loaded), full)
         again = encode_with_backoff(full, [texts[int(i)] for i in bad], wide, attempt, encoded.limit, ctx)
     finally:
         models.forget(chunk.model, ctx.device, DEFAULT_PRECISION, chunk.options)  # its memory is the run's
@@ -307,6 +310,24 @@ def check_against_manifest(layout: RunLayout, chunk: ChunkSpec, job_id: str | No
     return manifest
 
 
+def _value(loaded: models.LoadedModel) -> str | None:
+    return loaded.identity.value if loaded.identity is not None else None
+
+
+def check_model(chunk: ChunkSpec, expected: str | None, loaded: models.LoadedModel) -> None:
+    """ConfigError unless ``loaded`` was built from the bytes the run was submitted with
+    (``expected``, the manifest's; None: not known at submit). A run's rows come from one model."""
+    mine = _value(loaded)
+    if expected is None or mine == expected:
+        return
+    raise ConfigError(
+        f"chunk {chunk.job_id}: model {chunk.model} on this host is {short(mine)}, but run {chunk.run_id} "
+        f"was submitted with {short(expected)}; refused rather than mix two models' rows. Give this "
+        f"host the run's files, or start the run again with the model as it is (`chunkq clean "
+        f"{chunk.run_id}`, then submit or run again)"
+    )
+
+
 def _embed(chunk: ChunkSpec) -> dict[str, Any]:
     ctx = runtime.current()
     check_spec(chunk, ctx)
@@ -327,6 +348,7 @@ def _embed(chunk: ChunkSpec) -> dict[str, Any]:
             f"chunk {chunk.job_id}: input holds {len(texts)} rows, the spec says {chunk.rows}"
         )
     loaded = models.get_model(chunk.model, ctx.device, chunk.options.precision, chunk.options)
+    check_model(chunk, manifest.model_identity, loaded)
     work = replace(chunk, options=token_batches.for_device(chunk.options, ctx.device))
     start = learned.start_limit(work.options, learned.read(layout, ctx.device_kind))
     started_at = datetime.now(UTC)
@@ -362,6 +384,7 @@ def _embed(chunk: ChunkSpec) -> dict[str, Any]:
         "chunk": chunk.index,
         "first_row": chunk.first_row,
         **manifest.producer(),
+        "model_identity": _value(loaded),  # what it was encoded by: the run's, or with none recorded, its own
         "worker": ctx.name,
         "pid": ctx.pid,
         "host": ctx.host,

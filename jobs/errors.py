@@ -35,6 +35,10 @@ class RunConflictError(ChunkqError):
     """A run id is already taken by a different corpus or different options."""
 
 
+class ModelChangedError(RunConflictError):
+    """A run's model is not the bytes it was submitted with (its files replaced since)."""
+
+
 class StoreError(ChunkqError):
     """The store holds something missing or inconsistent for a run."""
 

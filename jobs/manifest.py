@@ -159,9 +159,26 @@ class RunManifest:
         ]
         return "; ".join(diffs)
 
+    @property
+    def model_identity(self) -> str | None:
+        """The bytes of the model the run was submitted with (jobs.model_identity), fixed then: every
+        chunk must be encoded by exactly them. None: not known at submit (its files were not on the
+        submitting host, or the run is older than the record), and then its chunks must agree."""
+        identity = self.data.get("model_identity")
+        return str(identity) if identity else None
+
     def producer(self) -> dict[str, Any]:
         """What a chunk output records of what produced it; assembly compares it with the manifest."""
-        return {"run_fingerprint": self.fingerprint, "model": self.model, "options": self.chunk_options}
+        return producer_record(self.fingerprint, self.model, self.chunk_options, self.model_identity)
+
+
+def producer_record(
+    run_fingerprint: str, model: str, options: dict[str, Any], model_identity: str | None
+) -> dict[str, Any]:
+    """What an output records of what produced it (``RunManifest.producer``), for submit's writer of
+    cached outputs before the manifest exists, and for the run's own check."""
+    record = {"run_fingerprint": run_fingerprint, "model": model, "options": options}
+    return {**record, "model_identity": model_identity} if model_identity else record
 
 
 def load_manifest(layout: RunLayout) -> RunManifest:

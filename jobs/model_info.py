@@ -5,15 +5,14 @@ truncation above the model's dimension, remote code not allowed)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from chunkq.jobs.errors import ConfigError
-from chunkq.jobs.models import hub_reachable, resolve_model
+from chunkq.jobs.model_identity import model_folder
+from chunkq.jobs.models import hub_reachable
 from chunkq.jobs.specs import DEFAULT_KIND, EncodeOptions
 
 
@@ -30,6 +29,8 @@ class ModelInfo:
     normalizes: bool = False  # its module list ends in a Normalize module: its vectors are unit length
     pooling: str | None = None  # its Pooling module's mode ("mean", "cls", ...); None: it has none
     kind: str = DEFAULT_KIND  # what its files say it is (jobs.kinds): dense, cross, sparse, ...
+    kinds: tuple[str, ...] = ()  # every kind its files can be run as (kind first); () where unknown
+    positions: int | None = None  # the longest input its position embeddings take (None: not said)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -40,20 +41,6 @@ def _json(path: Path) -> Any:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-
-
-def _folder(ref: str, revision: str | None) -> tuple[Path | None, str | None]:
-    """The model's files on this host and, for the hub cache, the snapshot's commit."""
-    path = resolve_model(ref)
-    if os.path.isdir(os.path.expanduser(path)):
-        return Path(os.path.expanduser(path)), None
-    try:
-        from huggingface_hub import snapshot_download
-
-        snapshot = Path(snapshot_download(path, revision=revision, local_files_only=True))
-    except Exception:
-        return None, None
-    return snapshot, snapshot.name
 
 
 def _pooling_dimension(config: dict[str, Any]) -> int | None:
@@ -143,16 +130,75 @@ def _labels(folder: Path) -> int | None:
     return int(labels) if isinstance(labels, int) else None
 
 
+def _architectures(folder: Path) -> list[str]:
+    return [str(a) for a in (_json(folder / "config.json") or {}).get("architectures") or []]
+
+
 def _kind(folder: Path, st_config: dict[str, Any]) -> str:
     """What the model's files say it is: sentence-transformers' own "model_type" where it wrote
-    one; else a sequence classifier without a module list is a cross-encoder (as sentence-transformers
-    2-4 saved them); else a dense model."""
+    one; else, for a checkpoint transformers saved (no module list), what sentence-transformers
+    builds from it: a sequence classifier is a cross-encoder (as sentence-transformers 2-4 saved
+    them), a Stanford ColBERT or a "...ForRetrieval" model multi-vector; else a dense model."""
     model_type = st_config.get("model_type")
     if isinstance(model_type, str) and model_type in _MODEL_TYPES:
         return _MODEL_TYPES[model_type]
-    architectures = (_json(folder / "config.json") or {}).get("architectures") or []
-    classifier = any(str(a).endswith("ForSequenceClassification") for a in architectures)
-    return "cross" if classifier and not (folder / "modules.json").is_file() else DEFAULT_KIND
+    if (folder / "modules.json").is_file():
+        return DEFAULT_KIND
+    architectures = _architectures(folder)
+    if any(a.endswith("ForSequenceClassification") for a in architectures):
+        return "cross"
+    if any(a == "HF_ColBERT" or a.endswith("ForRetrieval") for a in architectures):
+        return "multivector"
+    return DEFAULT_KIND
+
+
+def _takes_images(folder: Path) -> bool:
+    """Whether the model encodes images: a module configured for the image modality (sentence-
+    transformers 6), an older CLIPModel module, or a transformers config with a vision tower."""
+    for kind, path in _modules(folder) or [("", folder)]:
+        if kind.endswith("CLIPModel"):
+            return True
+        modalities = (_json(path / "sentence_bert_config.json") or {}).get("modality_config") or {}
+        if isinstance(modalities, dict) and "image" in modalities:
+            return True
+        if "vision_config" in (_json(path / "config.json") or {}):
+            return True
+    return False
+
+
+def _kinds(folder: Path, kind: str) -> tuple[str, ...]:
+    """The kinds a run may give this model: the one its files say; a dense model that takes images
+    as image too; a masked-LM checkpoint without a module list as sparse too (sentence-transformers
+    builds SPLADE pooling on its own head, no weight made up). Any other kind would be built with
+    weights the files do not hold (jobs.load_check)."""
+    found = [kind]
+    if kind == DEFAULT_KIND and _takes_images(folder):
+        found.append("image")
+    raw = not (folder / "modules.json").is_file()
+    if kind == DEFAULT_KIND and raw and any(a.endswith("ForMaskedLM") for a in _architectures(folder)):
+        found.append("sparse")
+    return tuple(found)
+
+
+# Models that number positions from the padding index + 1 (RoBERTa and its descendants): their
+# last usable position is max_position_embeddings - pad_token_id - 1 (transformers'
+# create_position_ids_from_input_ids).
+_OFFSET_POSITIONS = ("roberta", "xlm-roberta", "camembert", "longformer", "mpnet", "bart", "mbart")
+
+
+def _positions(folder: Path) -> int | None:
+    """The most tokens the model's position embeddings take (its text tower's, for CLIP-like ones)."""
+    transformer = next((path for kind, path in _modules(folder) if kind.endswith("Transformer")), folder)
+    config: dict[str, Any] = _json(transformer / "config.json") or {}
+    text_config = config.get("text_config")
+    config = text_config if isinstance(text_config, dict) else config
+    positions = config.get("max_position_embeddings")
+    if not isinstance(positions, int) or isinstance(positions, bool):
+        return None
+    pad = config.get("pad_token_id")
+    if config.get("model_type") in _OFFSET_POSITIONS and isinstance(pad, int):
+        return positions - pad - 1
+    return positions
 
 
 def _remote_code(folder: Path) -> bool:
@@ -166,7 +212,7 @@ def _remote_code(folder: Path) -> bool:
 
 def describe(ref: str, revision: str | None = None) -> ModelInfo:
     """What chunkq can tell of ``ref`` from its files on this host (no torch, no download)."""
-    folder, found_revision = _folder(ref, revision)
+    folder, found_revision = model_folder(ref, revision)
     if folder is None:
         return ModelInfo(ref, None, None, None)
     st_config = _json(folder / "config_sentence_transformers.json") or {}
@@ -185,41 +231,26 @@ def describe(ref: str, revision: str | None = None) -> ModelInfo:
         normalizes=any(kind.endswith("Normalize") for kind, _ in _modules(folder)),
         pooling=_pooling(folder),
         kind=kind,
+        kinds=_kinds(folder, kind),
+        positions=_positions(folder),
     )
-
-
-_FOLDER_DIGESTS: dict[tuple[Any, ...], str] = {}
-
-
-def model_identity(ref: str, revision: str | None = None) -> str | None:
-    """What the model is, whatever it is called: a hub model's snapshot commit (content-addressed),
-    else the sha256 of its folder's files (names and bytes); None when its files are not on this host.
-    A folder's digest is kept per process, keyed by its files' sizes and modification times."""
-    folder, found_revision = _folder(ref, revision)
-    if folder is None:
-        return None
-    if found_revision:
-        return f"hub:{resolve_model(ref)}@{found_revision}"
-    files = sorted(
-        (path.relative_to(folder).as_posix(), path)
-        for path in folder.rglob("*")
-        if path.is_file() and not any(part.startswith(".") for part in path.relative_to(folder).parts)
-    )
-    stamp = (str(folder), *((name, path.stat().st_size, path.stat().st_mtime_ns) for name, path in files))
-    if stamp not in _FOLDER_DIGESTS:
-        digest = hashlib.sha256()
-        for name, path in files:
-            digest.update(name.encode() + b"\0")
-            with path.open("rb") as fh:
-                while block := fh.read(1 << 20):
-                    digest.update(block)
-            digest.update(b"\0")
-        _FOLDER_DIGESTS[stamp] = f"files:{digest.hexdigest()}"
-    return _FOLDER_DIGESTS[stamp]
 
 
 def check_options(info: ModelInfo, options: EncodeOptions) -> None:
     """ConfigError when ``options`` cannot work with the model: said before anything starts."""
+    if info.kinds and options.kind not in info.kinds:
+        takes = " or ".join(info.kinds)
+        raise ConfigError(
+            f"--kind {options.kind}: model {info.ref} is a {info.kind} model by its files, run as {takes}; "
+            f"as {options.kind} it would run with weights it does not have (random: other rows at every "
+            "load). Leave --kind out, or give a model of that kind"
+        )
+    if options.max_seq_length is not None and info.positions is not None:
+        if options.max_seq_length > info.positions:
+            raise ConfigError(
+                f"--max-seq-length {options.max_seq_length} is above model {info.ref}'s {info.positions} "
+                "positions: every input that long would fail; give at most that"
+            )
     if options.revision is not None:
         if info.folder is not None and info.revision is None:
             raise ConfigError(f"--revision applies to hub models; {info.ref} is a local folder")

@@ -11,10 +11,13 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from chunkq.jobs.errors import ConfigError
+from chunkq.jobs.load_check import refusing_untrained_weights
 from chunkq.jobs.specs import DEFAULT_PRECISION, EncodeOptions
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
+
+    from chunkq.jobs.model_identity import Identity
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +126,7 @@ class LoadedModel:
     default_max_seq_length: int | None
     load_seconds: float
     loaded_at: str  # ISO time the load finished, for the run report's timeline
+    identity: Identity | None = None  # the bytes it was loaded from (None: its files are not here)
 
 
 class _DefaultPromptNotice(logging.Filter):
@@ -142,7 +146,8 @@ for _name in ("sentence_transformers.base.model", "sentence_transformers.Sentenc
 _cache: dict[tuple[Any, ...], LoadedModel] = {}
 # Models loaded on the CPU in fp32 by a process that forks workers (queue_worker.fork_server): a forked
 # worker takes its copy instead of reading and building the model again.
-_templates: dict[tuple[str, str], Any] = {}  # (model, its class): loaded on the CPU before workers fork
+# (model, its class): the model loaded on the CPU before workers fork, and the files it was loaded from
+_templates: dict[tuple[str, str], tuple[Any, Identity | None]] = {}
 
 
 def _torch_dtype(precision: str) -> Any:
@@ -158,32 +163,61 @@ def check_precision(precision: str, device: str) -> None:
 
 
 def get_model(ref: str, device: str, precision: str, options: EncodeOptions | None = None) -> LoadedModel:
-    """Load ``ref`` on ``device`` in ``precision`` once per process; later calls reuse it.
+    """Load ``ref`` on ``device`` in ``precision`` once per process; later calls reuse it for as long
+    as its files are unchanged (a folder whose weights were replaced is loaded again: a process that
+    lives long, like a notebook's ``chunkq.embed``, never serves the old model under the new files).
     ``options`` say how it loads: remote code, revision, model kwargs (the defaults if None)."""
+    from chunkq.jobs.model_identity import current_stamp  # it resolves references with this module
+
     options = options or EncodeOptions()
     key = _key(ref, device, precision, options)
     cached = _cache.get(key)
     if cached is not None:
-        return cached
+        if cached.identity is None or current_stamp(ref, options.revision) == cached.identity.stamp:
+            return cached
+        log.warning("model %s: its files changed since this process loaded it; loading it again", ref)
+        forget(ref, device, precision, options)
     check_precision(precision, device)
     started = time.perf_counter()
-    # The fork server's copy was loaded the default way: only a default load may take it.
-    template = _templates.pop((ref, _model_class(options.kind)), None) if options.default_load else None
-    if template is not None:
-        # SentenceTransformer(path, device=...) builds the model on the CPU and then moves it too.
-        model = template.to(device)
-    else:
-        model = _load(ref, device, options)
+    model, identity, forked = _load_identified(ref, device, options)
     if precision != DEFAULT_PRECISION:
         model = model.to(_torch_dtype(precision))
     model.eval()
     loaded = LoadedModel(
-        model, model.max_seq_length, time.perf_counter() - started, datetime.now(UTC).isoformat()
+        model,
+        model.max_seq_length,
+        time.perf_counter() - started,
+        datetime.now(UTC).isoformat(),
+        identity,
     )
-    how = "took model %s from the fork server" if template is not None else "loaded model %s"
+    how = "took model %s from the fork server" if forked else "loaded model %s"
     log.info(how + " on %s (%s) in %.2f s", ref, device, precision, loaded.load_seconds)
     _cache[key] = loaded
     return loaded
+
+
+LOAD_TRIES = 3  # loads of a folder that kept changing while it was read, before giving up
+
+
+def _load_identified(ref: str, device: str, options: EncodeOptions) -> tuple[Any, Identity | None, bool]:
+    """The model, the identity of the files it was built from, and whether it was the fork server's
+    copy. The files are identified before the load and their stamp checked after it: a folder
+    written to meanwhile is loaded again, so the identity is always that of the bytes loaded."""
+    from chunkq.jobs.model_identity import current_stamp, identify
+
+    for _ in range(LOAD_TRIES):
+        identity = identify(ref, options.revision)
+        # The fork server's copy was loaded the default way, from files that must still be these.
+        template = _templates.pop((ref, _model_class(options.kind)), None) if options.default_load else None
+        if template is not None and identity is not None and template[1] == identity:
+            return template[0].to(device), identity, True
+        model = _load(ref, device, options)
+        if identity is None:  # fetched from the hub by this load: what it fetched
+            return model, identify(ref, options.revision), False
+        if current_stamp(ref, options.revision) == identity.stamp:
+            return model, identity, False
+        log.warning("model %s: its files changed while it loaded; loading it again", ref)
+    raise ConfigError(f"model {ref}: its files kept changing while chunkq loaded them; try again once copied")
 
 
 def _model_class(kind: str) -> str:
@@ -229,14 +263,16 @@ def _load(ref: str, device: str, options: EncodeOptions | None = None) -> Senten
             import torch
 
             kwargs[name] = getattr(torch, kwargs[name])
-    model_class = getattr(sentence_transformers, kinds.get(options.kind).model_class)
-    return model_class(  # type: ignore[no-any-return]
-        path,
-        device=device,
-        trust_remote_code=options.trust_remote_code,
-        revision=options.revision,
-        model_kwargs=kwargs or None,
-    )
+    class_name = kinds.get(options.kind).model_class
+    with refusing_untrained_weights(ref, class_name):
+        model = getattr(sentence_transformers, class_name)(
+            path,
+            device=device,
+            trust_remote_code=options.trust_remote_code,
+            revision=options.revision,
+            model_kwargs=kwargs or None,
+        )
+    return model  # type: ignore[no-any-return]
 
 
 def load_template(ref: str, max_bytes: int) -> float:
@@ -256,7 +292,7 @@ def load_template(ref: str, max_bytes: int) -> float:
         from chunkq.jobs.model_info import describe  # model_info reads this module's names
 
         kind = describe(ref).kind
-        model = _load(ref, "cpu", EncodeOptions(kind=kind))
+        model, identity, _ = _load_identified(ref, "cpu", EncodeOptions(kind=kind))
         model.eval()
     finally:
         torch.set_num_threads(threads)
@@ -265,5 +301,5 @@ def load_template(ref: str, max_bytes: int) -> float:
         raise ConfigError(
             f"its weights take {size / 2**30:.1f} GiB, more than the {max_bytes / 2**30:.1f} GiB allowed"
         )
-    _templates[(ref, _model_class(kind))] = model
+    _templates[(ref, _model_class(kind))] = (model, identity)
     return time.perf_counter() - started

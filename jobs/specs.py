@@ -133,27 +133,43 @@ def check_model_kwargs(kwargs: Any) -> dict[str, str] | None:
     return dict(sorted(kwargs.items()))
 
 
+# Every option says whether it changes a vector (a row of a result): the vector cache keys by exactly
+# those (jobs.vector_cache), so an option added later cannot be left out of the key by mistake: the
+# class below refuses to exist with a field that does not say.
+CHANGES_VECTOR = "changes_vector"
+
+
+_VECTOR = {CHANGES_VECTOR: True}
+_NOT_VECTOR = {CHANGES_VECTOR: False}
+
+
 @dataclass(frozen=True)
 class EncodeOptions:
     """How a chunk is encoded, and how its model is loaded; part of a run's identity."""
 
-    batch_size: int = 32
-    normalize_embeddings: bool = False
-    max_seq_length: int | None = None
-    precision: str = DEFAULT_PRECISION
-    batch_tokens: int | str | None = None  # token-budget batches: padded tokens per batch, or "auto"
-    prompt: str | None = None  # prepended to every text (e.g. E5's "passage: ")
-    prompt_name: str | None = None  # one of the model's named prompts (None: its default, if any)
-    truncate_dim: int | None = None  # Matryoshka: keep the first N dimensions
-    output_dtype: str = "float32"  # OUTPUT_DTYPES
-    trust_remote_code: bool = False  # the model's own Python code may run (a pool must allow it too)
-    revision: str | None = None  # the hub revision (branch, tag or commit) to load
-    model_kwargs: dict[str, str] | None = None  # MODEL_KWARGS only
-    late_chunking: bool = False  # rows are late-chunking windows (jobs.late), pooled from one pass
-    kind: str = DEFAULT_KIND  # the model's kind (jobs.kinds): dense vectors, cross-encoder scores, ...
-    role: str | None = None  # "query" or "document": the model's encode_query / encode_document
-    max_active_dims: int | None = None  # sparse: keep each vector's N largest values
-    allow_missing: bool = False  # image: a row whose image cannot be read is left out, not a failure
+    batch_size: int = field(default=32, metadata=_NOT_VECTOR)
+    normalize_embeddings: bool = field(default=False, metadata=_VECTOR)
+    max_seq_length: int | None = field(default=None, metadata=_VECTOR)
+    precision: str = field(default=DEFAULT_PRECISION, metadata=_VECTOR)
+    # token-budget batches: padded tokens per batch, or "auto"
+    batch_tokens: int | str | None = field(default=None, metadata=_NOT_VECTOR)
+    prompt: str | None = field(default=None, metadata=_VECTOR)  # prepended to every text (E5's "passage: ")
+    prompt_name: str | None = field(default=None, metadata=_VECTOR)  # a named prompt (None: its default)
+    # Matryoshka: keep the first N dimensions. Not a vector's: derived at assembly from the full one.
+    truncate_dim: int | None = field(default=None, metadata=_NOT_VECTOR)
+    output_dtype: str = field(default="float32", metadata=_NOT_VECTOR)  # OUTPUT_DTYPES, derived likewise
+    # the model's own Python code may run (a pool must allow it too)
+    trust_remote_code: bool = field(default=False, metadata=_VECTOR)
+    revision: str | None = field(default=None, metadata=_VECTOR)  # the hub revision (branch, tag, commit)
+    model_kwargs: dict[str, str] | None = field(default=None, metadata=_VECTOR)  # MODEL_KWARGS only
+    # rows are late-chunking windows (jobs.late), pooled from one pass over their segment
+    late_chunking: bool = field(default=False, metadata=_VECTOR)
+    kind: str = field(default=DEFAULT_KIND, metadata=_VECTOR)  # the model's kind (jobs.kinds)
+    # "query" or "document": the model's encode_query / encode_document (its prompts, its router's task)
+    role: str | None = field(default=None, metadata=_VECTOR)
+    max_active_dims: int | None = field(default=None, metadata=_VECTOR)  # sparse: the N largest values
+    # image: a row that cannot be read is left out rather than fail its chunk; the rows read are as ever
+    allow_missing: bool = field(default=False, metadata=_NOT_VECTOR)
 
     def __post_init__(self) -> None:
         if (
@@ -218,6 +234,18 @@ class EncodeOptions:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EncodeOptions:
         return cls(**_known_fields(cls, data, "options"))
+
+
+_UNSAID = [f.name for f in fields(EncodeOptions) if CHANGES_VECTOR not in f.metadata]
+if _UNSAID:  # pragma: no cover - fails at import, for whoever adds an option
+    raise TypeError(
+        f"EncodeOptions field(s) {_UNSAID} must say whether they change a vector (_VECTOR or _NOT_VECTOR)"
+    )
+
+
+def vector_options(options: EncodeOptions) -> dict[str, Any]:
+    """Every option that changes a vector, by name, whatever its value: the cache's key."""
+    return {f.name: getattr(options, f.name) for f in fields(EncodeOptions) if f.metadata[CHANGES_VECTOR]}
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ import numpy as np
 
 from chunkq.jobs import kinds
 from chunkq.jobs.run_files import atomic_write_json, read_json, save_npy_atomic
-from chunkq.jobs.specs import DEFAULT_KIND, EncodeOptions, fingerprint
+from chunkq.jobs.specs import EncodeOptions, fingerprint, vector_options
 from chunkq.jobs.storage import (
     is_local,
     list_dirs,
@@ -51,22 +51,13 @@ from chunkq.jobs.storage import (
 
 log = logging.getLogger(__name__)
 
-CACHE_FORMAT = 1  # part of every producer key: a change to how vectors are made or kept starts afresh
+# Part of every producer key: a change to how vectors are made or kept starts afresh. 2: every option
+# that changes a vector is in the key (format 1 left out --role).
+CACHE_FORMAT = 2
 HASH_BYTES = 16  # 128 bits: at 10^9 texts a collision has odds of about 10^-21
 BLOCK_ROWS = 1024  # vectors checked a block at a time: a hit reads and verifies one block, not the shard
 ORPHAN_SECONDS = 3600  # a shard's files without their marker this long after: a writer that died
 SHARD_BYTES = 256 << 20  # vectors a shard holds at most; a run writes as many shards as it needs
-# The options that change a text's vector; batch size, output dtype and truncation do not (outputs
-# are derived from the float32 vectors the cache keeps).
-VECTOR_OPTIONS = (
-    "normalize_embeddings",
-    "max_seq_length",
-    "precision",
-    "prompt",
-    "prompt_name",
-    "trust_remote_code",
-    "model_kwargs",
-)
 
 
 class CacheDamage(Exception):
@@ -84,16 +75,13 @@ def text_hashes(texts: Iterable[str]) -> np.ndarray[Any, Any]:
 
 def producer(model: str, model_identity: str, options: EncodeOptions) -> dict[str, Any]:
     """What decides a text's vector, beside the text: the model's identity (the hash of its files or
-    its hub commit, never only its name) and the options in VECTOR_OPTIONS."""
-    chosen = options.to_dict()
+    its hub commit, never only its name) and every option that changes a vector (the options say
+    which they are: ``specs.vector_options``)."""
     return {
         "cache_format": CACHE_FORMAT,
         "model": model,
         "model_identity": model_identity,
-        "options": {name: chosen.get(name) for name in VECTOR_OPTIONS},
-        # Only where on, so the producers written before late chunking keep their keys.
-        **({"late_chunking": True} if options.late_chunking else {}),
-        **({"kind": options.kind} if options.kind != DEFAULT_KIND else {}),
+        "options": vector_options(options),
     }
 
 

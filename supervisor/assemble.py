@@ -24,6 +24,7 @@ import numpy as np
 from chunkq.jobs import kinds
 from chunkq.jobs.errors import AssemblyError, BadInputError
 from chunkq.jobs.manifest import RunManifest, load_manifest
+from chunkq.jobs.model_identity import short
 from chunkq.jobs.quantize import convert, derived_floats, stored_columns
 from chunkq.jobs.ragged import SCHEMAS
 from chunkq.jobs.run_files import (
@@ -65,9 +66,12 @@ class Verified:
     seconds: float = 0.0
     embedding_dim: int = 0  # the dimensions encoded (packed bits store 8 a column)
     bad_rows: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # chunk: rows left out
+    models: dict[str, int] = field(default_factory=dict)  # each model identity outputs name: a chunk of it
 
     def add(self, index: int, meta: dict[str, Any]) -> None:
         self.dims[index] = dim = int(meta["dim"])
+        if meta.get("model_identity"):
+            self.models.setdefault(str(meta["model_identity"]), index)
         if meta.get("bad_rows"):
             self.bad_rows[index] = list(meta["bad_rows"])
         self.embedding_dim = self.embedding_dim or int(meta.get("embedding_dim") or dim)
@@ -102,6 +106,13 @@ def _verify_all(layout: RunLayout, manifest: RunManifest, skip: set[int]) -> tup
             why = f"dimension {verified.dims[index]}, while {dims[dim]} other chunk(s) have {dim}"
             verified.dims[index] = 0
             problems.append(_set_aside_because(layout, manifest, index, why))
+    if len(verified.models) > 1:  # a run submitted where its model's files were not: none to hold to
+        named = ", ".join(f"{short(m)} (chunk {i})" for m, i in verified.models.items())
+        problems.append(
+            f"its chunks were encoded by {len(verified.models)} different models ({named}): the model's "
+            "files differ between hosts or changed during the run; give every host the same files and "
+            "start the run again"
+        )
     return verified, problems
 
 
@@ -281,6 +292,8 @@ def assemble(
             "workers": sorted(verified.workers),
             "devices": sorted(verified.devices),
             "encode_seconds": round(verified.seconds, 3),
+            # The model every row came from: the run's, or where submit could not tell, the chunks' one
+            "model_identity": manifest.model_identity or next(iter(verified.models), None),
         }
         atomic_write_json(built / MANIFEST_NAME, result)
         if fence is not None:

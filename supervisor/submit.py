@@ -21,9 +21,10 @@ import redis
 
 from chunkq.jobs import late
 from chunkq.jobs.calibrate import CALIBRATION_ROWS, ranges_for
-from chunkq.jobs.errors import ConfigError, CorpusError, RunConflictError, StoreError
-from chunkq.jobs.manifest import RunManifest, load_manifest
-from chunkq.jobs.model_info import describe, model_identity
+from chunkq.jobs.errors import ConfigError, CorpusError, ModelChangedError, RunConflictError, StoreError
+from chunkq.jobs.manifest import RunManifest, load_manifest, producer_record
+from chunkq.jobs.model_identity import model_identity, short
+from chunkq.jobs.model_info import describe
 from chunkq.jobs.run_files import (
     RunLayout,
     atomic_write_json,
@@ -242,6 +243,20 @@ def _conflict(manifest: RunManifest, identity: dict[str, Any]) -> RunConflictErr
     )
 
 
+def _same_model(manifest: RunManifest, now: str | None) -> None:
+    """Refuse to go on with (or answer for) a run whose model's files are not the bytes it was
+    submitted with: its chunks so far and its result are the old model's."""
+    then = manifest.model_identity
+    if then is None or now is None or then == now:
+        return
+    raise ModelChangedError(
+        f"run {manifest.run_id}: model {manifest.model} has changed since the run was submitted (its "
+        f"files were {short(then)}, they are now {short(now)}); what the run holds is the old model's. "
+        f"To encode with the model as it is now: `chunkq clean {manifest.run_id}` and the same command "
+        "again, or keep that run and give this one --run-id NAME; or put the old files back to go on"
+    )
+
+
 def _write_inputs(req: SubmitRequest, layout: RunLayout) -> int:
     """Stream the corpus into chunk files; return the row count. Only one chunk is ever in memory."""
     rows, index, buffer = 0, 0, list[Record]()
@@ -281,11 +296,12 @@ def chunk_options(req: SubmitRequest) -> dict[str, Any]:
     return replace(req.encode, truncate_dim=None, output_dtype="float32").to_dict()
 
 
-def _vector_cache(req: SubmitRequest) -> tuple[VectorCache | None, dict[str, Any] | None]:
+def _vector_cache(
+    req: SubmitRequest, identity: str | None
+) -> tuple[VectorCache | None, dict[str, Any] | None]:
     """The store's cache for this run's model and options, and what they are; (None, None) when the
     model's files are not on this host, so its identity cannot be known (duplicates are still
     encoded once)."""
-    identity = model_identity(req.model, req.encode.revision)
     if identity is None:
         log.warning("model %s: its files are not on this host; the vector cache is not used", req.model)
         return None, None
@@ -323,11 +339,13 @@ def _window_plan(req: SubmitRequest) -> tuple[Any, int, int | None, bool, int | 
     return tokenizer, size, req.window_stride, req.encode.normalize_embeddings or info.normalizes, None
 
 
-def _write_planned(req: SubmitRequest, layout: RunLayout, run_fingerprint: str) -> dict[str, Any]:
+def _write_planned(
+    req: SubmitRequest, layout: RunLayout, run_fingerprint: str, identity: str | None
+) -> dict[str, Any]:
     """The chunk inputs by plan (supervisor.plan), and the manifest's fields that describe it."""
-    cache, described = _vector_cache(req) if req.cached else (None, None)
+    cache, described = _vector_cache(req, identity) if req.cached else (None, None)
     options = chunk_options(req)
-    output_producer = {"run_fingerprint": run_fingerprint, "model": req.model, "options": options}
+    output_producer = producer_record(run_fingerprint, req.model, options, identity)
     counts = WindowCounts()
     with local_scratch(layout.root) as scratch, IdRegistry(scratch / ".ids.sqlite") as seen:
         rows: Any = read_inputs(req)
@@ -379,13 +397,12 @@ def _write_planned(req: SubmitRequest, layout: RunLayout, run_fingerprint: str) 
     }
 
 
-def _create_run(
-    req: SubmitRequest, layout: RunLayout, identity: dict[str, Any], inputs: list[dict[str, Any]]
-) -> RunManifest:
+def _create_run(req: SubmitRequest, layout: RunLayout, identified: Identified) -> RunManifest:
+    identity, inputs = identified.identity, identified.inputs
     run_fingerprint = fingerprint(identity)
     try:
         if req.planned:
-            chunking = _write_planned(req, layout, run_fingerprint)
+            chunking = _write_planned(req, layout, run_fingerprint, identified.model_identity)
         else:
             rows = _write_inputs(req, layout)
             chunking = {"rows": rows, "chunks": -(-rows // req.chunk_size)}
@@ -412,6 +429,8 @@ def _create_run(
         },
         "inputs": inputs,  # every corpus file, in the order its rows were read
         "model": req.model,
+        # What the model is as bytes, fixed now: a worker that loads other bytes refuses the chunk.
+        "model_identity": identified.model_identity,
         "options": req.encode.to_dict(),
         "chunk_size": req.chunk_size,
         **chunking,
@@ -474,6 +493,7 @@ class Identified:
     inputs: list[dict[str, Any]]
     identity: dict[str, Any]
     fingerprint: str
+    model_identity: str | None  # the model's bytes (jobs.model_identity); None: not on this host
 
 
 def identify(req: SubmitRequest) -> Identified:
@@ -486,13 +506,14 @@ def identify(req: SubmitRequest) -> Identified:
     identity = _identity(req, inputs)
     run_fingerprint = fingerprint(identity)
     run_id = validate_run_id(req.run_id) if req.run_id else default_run_id(req.corpora[0], run_fingerprint)
-    return _begun_without_cache(req, inputs, identity) or Identified(
-        run_id, inputs, identity, run_fingerprint
+    model = model_identity(req.model, req.encode.revision)
+    return _begun_without_cache(req, inputs, identity, model) or Identified(
+        run_id, inputs, identity, run_fingerprint, model
     )
 
 
 def _begun_without_cache(
-    req: SubmitRequest, inputs: list[dict[str, Any]], identity: dict[str, Any]
+    req: SubmitRequest, inputs: list[dict[str, Any]], identity: dict[str, Any], model: str | None
 ) -> Identified | None:
     """The same corpus and options submitted before the vector cache existed: that run, so the same
     command resumes it (without the cache) rather than start again. Only where the cache was not
@@ -506,7 +527,7 @@ def _begun_without_cache(
     if not layout.manifest.is_file() or load_manifest(layout).fingerprint != before_fingerprint:
         return None
     log.info("run %s was submitted before the vector cache; it goes on without it", run_id)
-    return Identified(run_id, inputs, before, before_fingerprint)
+    return Identified(run_id, inputs, before, before_fingerprint, model)
 
 
 @dataclass(frozen=True)
@@ -527,7 +548,7 @@ def prepare(req: SubmitRequest, identified: Identified | None = None) -> Prepare
     layout = RunLayout(req.store, identified.run_id)
     if not layout.manifest.is_file():
         with removed_on_failure(req.store, req.store / "runs"):
-            manifest = _create_run(req, layout, identified.identity, identified.inputs)
+            manifest = _create_run(req, layout, identified)
         log.info(
             "run %s: %d rows in %d chunks written to %s",
             layout.run_id,
@@ -539,6 +560,7 @@ def prepare(req: SubmitRequest, identified: Identified | None = None) -> Prepare
     manifest = load_manifest(layout)
     if manifest.fingerprint != identified.fingerprint:
         raise _conflict(manifest, identified.identity)
+    _same_model(manifest, identified.model_identity)
     # Whole and intact: nothing to encode, even where `chunkq clean --outputs-only` freed the chunk
     # outputs it was assembled from.
     return Prepared(manifest, created=False, published=published_result(layout, manifest) is not None)

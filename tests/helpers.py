@@ -324,8 +324,9 @@ def run_in_process(
     corpus = write_corpus(tmp_path / f"{name}.jsonl", ids, texts, "jsonl")
     encode = kw.pop("encode", EncodeOptions())
     chunk_size = kw.pop("chunk_size", 10)
+    model = kw.pop("model", BUNDLED_MODEL)
     request = SubmitRequest(
-        corpus, store, BUNDLED_MODEL, CorpusOptions("jsonl"), chunk_size=chunk_size, encode=encode, **kw
+        corpus, store, model, CorpusOptions("jsonl"), chunk_size=chunk_size, encode=encode, **kw
     )
     layout = RunLayout(store, submit(request, connection).run_id)
     manifest = load_manifest(layout)

@@ -16,40 +16,14 @@ import pytest
 from chunkq.jobs import kinds
 from chunkq.jobs.errors import ConfigError
 from chunkq.jobs.model_info import describe
-from chunkq.jobs.models import BUNDLED_MODEL, resolve_model
+from chunkq.jobs.models import BUNDLED_MODEL
 from tests.helpers import WORDS, max_abs_diff, only_run, run_cli
-
-
-def _cross_encoder(folder: Path, labels: int, save_as_st: bool) -> Path:
-    """A two-layer BERT sequence classifier with random weights and the bundled model's tokenizer:
-    as transformers saves it (how sentence-transformers 2-4 cross-encoders look), or re-saved by
-    CrossEncoder (sentence-transformers 5+: modules.json, model_type "CrossEncoder")."""
-    import torch
-    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
-
-    torch.manual_seed(labels)
-    config = BertConfig(
-        vocab_size=30522,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=128,
-        num_labels=labels,
-    )
-    raw = folder / "raw"
-    BertForSequenceClassification(config).save_pretrained(raw)
-    AutoTokenizer.from_pretrained(resolve_model(BUNDLED_MODEL)).save_pretrained(raw)
-    if not save_as_st:
-        return raw
-    from sentence_transformers import CrossEncoder
-
-    CrossEncoder(str(raw), device="cpu").save(str(folder / "st"))
-    return folder / "st"
+from tests.tiny_models import colbert_encoder, cross_encoder, splade_encoder, tiny_clip
 
 
 @pytest.fixture(scope="module")
 def reranker(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _cross_encoder(tmp_path_factory.mktemp("reranker"), labels=1, save_as_st=True)
+    return cross_encoder(tmp_path_factory.mktemp("reranker"), labels=1, save_as_st=True)
 
 
 def _pairs(n: int, seed: int) -> list[dict[str, str]]:
@@ -75,7 +49,7 @@ def test_the_kind_is_read_from_the_models_files_and_unbuilt_kinds_are_refused(
 ) -> None:
     assert describe(BUNDLED_MODEL).kind == "dense"
     assert describe(str(reranker)).kind == "cross"  # model_type "CrossEncoder"
-    raw = _cross_encoder(tmp_path, labels=3, save_as_st=False)
+    raw = cross_encoder(tmp_path, labels=3, save_as_st=False)
     assert describe(str(raw)).kind == "cross"  # a sequence classifier without modules.json
     assert kinds.get("cross").reference == "CrossEncoder.predict(pairs)"
     with pytest.raises(ConfigError, match="kind 'audio': one of dense, cross, sparse, multivector, image"):
@@ -210,7 +184,7 @@ def test_a_cross_encoder_with_classes_gives_a_row_of_class_scores(
     from chunkq.supervisor.corpus import CorpusOptions
     from chunkq.supervisor.submit import SubmitRequest
 
-    model = _cross_encoder(tmp_path, labels=3, save_as_st=False)
+    model = cross_encoder(tmp_path, labels=3, save_as_st=False)
     rows = _pairs(12, seed=4)
     corpus = _write_pairs(tmp_path / "pairs.jsonl", rows)
     options = EncodeOptions(kind=describe(str(model)).kind, output_dtype="float16")
@@ -254,28 +228,9 @@ def test_the_python_api_scores_pairs_in_process(reranker: Path) -> None:
     assert chunkq.embed([], model=str(reranker)).shape == (0, 1)
 
 
-def _splade(folder: Path) -> Path:
-    """A SPLADE-shaped sparse encoder with random weights: a two-layer BERT masked-LM head over the
-    bundled model's vocabulary, max-pooled by SpladePooling, saved by SparseEncoder."""
-    import torch
-    from sentence_transformers import SparseEncoder
-    from sentence_transformers.sparse_encoder.models import MLMTransformer, SpladePooling
-    from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
-
-    torch.manual_seed(7)
-    config = BertConfig(
-        vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128
-    )
-    BertForMaskedLM(config).save_pretrained(folder / "raw")
-    AutoTokenizer.from_pretrained(resolve_model(BUNDLED_MODEL)).save_pretrained(folder / "raw")
-    model = SparseEncoder(modules=[MLMTransformer(str(folder / "raw")), SpladePooling("max")], device="cpu")
-    model.save(str(folder / "st"))
-    return folder / "st"
-
-
 @pytest.fixture(scope="module")
 def splade(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _splade(tmp_path_factory.mktemp("splade"))
+    return splade_encoder(tmp_path_factory.mktemp("splade"))
 
 
 def _dense_rows(offsets: Any, indices: Any, values: Any, dim: int) -> np.ndarray:
@@ -379,34 +334,6 @@ def test_a_damaged_sparse_chunk_output_is_refused_and_the_python_api_routes_quer
     assert max_abs_diff(dense, reference_model.encode_query(texts)) <= 1e-5
 
 
-def _colbert(folder: Path) -> Path:
-    """A ColBERT-shaped multi-vector encoder with random weights: a two-layer BERT, a 32-wide
-    projection of each token, the late-interaction mask and normalisation, saved by MultiVectorEncoder."""
-    import torch
-    from sentence_transformers import MultiVectorEncoder
-    from sentence_transformers.base.modules import Normalize, Transformer
-    from sentence_transformers.base.modules.dense import Dense
-    from sentence_transformers.multi_vector_encoder.modules import MultiVectorMask
-    from transformers import AutoTokenizer, BertConfig, BertModel
-
-    torch.manual_seed(11)
-    config = BertConfig(
-        vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128
-    )
-    BertModel(config).save_pretrained(folder / "raw")
-    AutoTokenizer.from_pretrained(resolve_model(BUNDLED_MODEL)).save_pretrained(folder / "raw")
-    modules = [
-        Transformer(str(folder / "raw")),
-        Dense(
-            64, 32, bias=False, activation_function=torch.nn.Identity(), module_input_name="token_embeddings"
-        ),
-        MultiVectorMask(),
-        Normalize(module_input_name="token_embeddings"),
-    ]
-    MultiVectorEncoder(modules=modules, device="cpu").save(str(folder / "st"))
-    return folder / "st"
-
-
 @pytest.mark.slow
 def test_a_multivector_run_equals_encode_document_through_a_sigkill_and_an_oom_back_off(
     tmp_path: Path,
@@ -417,7 +344,7 @@ def test_a_multivector_run_equals_encode_document_through_a_sigkill_and_an_oom_b
     import chunkq
     from tests.helpers import make_texts, write_corpus
 
-    model_dir = _colbert(tmp_path / "colbert")
+    model_dir = colbert_encoder(tmp_path / "colbert")
     ids, texts = make_texts(40, seed=12)
     corpus = write_corpus(tmp_path / "docs.jsonl", ids, texts, "jsonl")
     store = tmp_path / "store"
@@ -450,46 +377,6 @@ def test_a_multivector_run_equals_encode_document_through_a_sigkill_and_an_oom_b
     assert max_abs_diff(np.array(first), want[0]) <= 1e-6
 
 
-def _tiny_clip(folder: Path) -> Path:
-    """A CLIP-shaped model with random weights (two-layer text and vision towers, 16-wide shared
-    space), its BPE tokenizer trained here on a few words, saved by SentenceTransformer."""
-    import torch
-    from sentence_transformers import SentenceTransformer
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor, CLIPTokenizerFast
-
-    end = "<|endoftext|>"  # CLIP's end, padding and unknown token
-    bpe = Tokenizer(models.BPE(unk_token=end, end_of_word_suffix="</w>"))
-    bpe.normalizer, bpe.pre_tokenizer = normalizers.Lowercase(), pre_tokenizers.Whitespace()
-    bpe.decoder = decoders.BPEDecoder(suffix="</w>")
-    trainer = trainers.BpeTrainer(
-        vocab_size=200, special_tokens=["<|startoftext|>", "<|endoftext|>"], end_of_word_suffix="</w>"
-    )
-    bpe.train_from_iterator([" ".join(WORDS)] * 20, trainer)
-    special = {"bos_token": "<|startoftext|>", "eos_token": end, "pad_token": end, "unk_token": end}
-    tokenizer = CLIPTokenizerFast(tokenizer_object=bpe, model_max_length=32, **special)
-    bos, eos = bpe.token_to_id("<|startoftext|>"), bpe.token_to_id("<|endoftext|>")
-    torch.manual_seed(13)
-    small = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2}
-    config = CLIPConfig(
-        text_config={
-            **small,
-            "vocab_size": bpe.get_vocab_size(),
-            "max_position_embeddings": 32,
-            "bos_token_id": bos,
-            "eos_token_id": eos,
-            "pad_token_id": eos,
-        },
-        vision_config={**small, "image_size": 32, "patch_size": 8},
-        projection_dim=16,
-    )
-    CLIPModel(config).save_pretrained(folder / "raw")
-    images = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-    CLIPProcessor(image_processor=images, tokenizer=tokenizer).save_pretrained(folder / "raw")
-    SentenceTransformer(str(folder / "raw"), device="cpu").save(str(folder / "st"))
-    return folder / "st"
-
-
 @pytest.mark.slow
 def test_an_image_run_equals_encode_of_the_images_and_names_the_rows_it_cannot_read(tmp_path: Path) -> None:
     """Images by path, two of them bad (missing; not an image). Without --allow-missing their chunk
@@ -500,7 +387,7 @@ def test_an_image_run_equals_encode_of_the_images_and_names_the_rows_it_cannot_r
     from PIL import Image
     from sentence_transformers import SentenceTransformer
 
-    model_dir = _tiny_clip(tmp_path / "clip")
+    model_dir = tiny_clip(tmp_path / "clip")
     rng = np.random.default_rng(14)
     rows, images = [], []
     for i in range(16):
@@ -574,7 +461,7 @@ def test_rows_left_out_are_named_on_the_dashboards_job_page(
     from chunkq.supervisor.submit import SubmitRequest, submit
     from chunkq.tools.dashboard import _meta_lines
 
-    model_dir = _tiny_clip(tmp_path / "clip")
+    model_dir = tiny_clip(tmp_path / "clip")
     good = tmp_path / "good.png"
     Image.new("RGB", (40, 30), (200, 10, 10)).save(good)
     rows = [{"id": "fine", "text": str(good)}, {"id": "gone", "text": str(tmp_path / "missing.png")}]

@@ -35,6 +35,7 @@ from chunkq.supervisor.result import check_published
 from chunkq.supervisor.submit import SubmitRequest, submit
 from chunkq.tools.export import export
 from tests.helpers import make_texts, max_abs_diff, run_cli, write_corpus
+from tests.tiny_models import bundled_copy
 
 ROWS = 37
 
@@ -137,21 +138,14 @@ def test_a_job_asking_for_another_dtype_than_its_run_is_refused(
         embed_chunk(forged)
 
 
-def _model_with_prompts(tmp_path: Path, **config: Any) -> Path:
-    """A copy of the bundled model whose config_sentence_transformers.json says ``config``."""
-    folder = tmp_path / "model"
-    shutil.copytree(resolve_model(BUNDLED_MODEL), folder)
-    path = folder / "config_sentence_transformers.json"
-    path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
-    return folder
-
-
 @pytest.mark.slow
 def test_named_prompts_the_default_prompt_and_refusals_before_anything_starts(
     tmp_path: Path, connection: redis.Redis, reference_model: Any
 ) -> None:
-    model = _model_with_prompts(
-        tmp_path, prompts={"query": "query: ", "document": "passage: "}, default_prompt_name="document"
+    model = bundled_copy(
+        tmp_path / "model",
+        prompts={"query": "query: ", "document": "passage: "},
+        default_prompt_name="document",
     )
     info = describe(str(model))
     assert (
@@ -181,7 +175,7 @@ def test_named_prompts_the_default_prompt_and_refusals_before_anything_starts(
 
 
 def test_remote_code_is_refused_unless_the_run_and_the_pool_both_allow_it(tmp_path: Path) -> None:
-    model = _model_with_prompts(tmp_path)
+    model = bundled_copy(tmp_path / "model")
     config = model / "config.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), "auto_map": {"AutoModel": "x.Model"}}))
     assert describe(str(model)).remote_code
@@ -248,7 +242,7 @@ def test_a_cached_hub_model_shows_its_revision(tmp_path: Path) -> None:
 def test_chunkq_run_with_a_named_prompt_truncation_and_int8(tmp_path: Path, reference_model: Any) -> None:
     from sentence_transformers import quantize_embeddings
 
-    model = _model_with_prompts(tmp_path, prompts={"query": "query: "})
+    model = bundled_copy(tmp_path / "model", prompts={"query": "query: "})
     ids, texts = make_texts(45, seed=9)
     corpus = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")
     store = tmp_path / "store"
@@ -338,7 +332,7 @@ def test_sentence_transformers_default_prompt_notice_stays_out_of_a_warning_log(
 
     from tests.helpers import cli_env
 
-    folder = _model_with_prompts(tmp_path, prompts={"query": "query: "}, default_prompt_name="query")
+    folder = bundled_copy(tmp_path / "model", prompts={"query": "query: "}, default_prompt_name="query")
     # One process: chunkq's load (filtered), then records as sentence-transformers' own logger writes
     # them (its warning_once would not repeat the load's): the notice stays out, another warning not.
     code = (
