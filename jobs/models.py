@@ -159,7 +159,10 @@ def _torch_dtype(precision: str) -> Any:
 def check_precision(precision: str, device: str) -> None:
     """Half precisions run on GPUs only: on a CPU they are slower than fp32 and round worse."""
     if precision != DEFAULT_PRECISION and not device.startswith("cuda"):
-        raise ConfigError(f"precision {precision} needs a GPU; this worker runs on {device}")
+        raise ConfigError(
+            f"--precision {precision} needs a GPU, and these workers run on the {device}: "
+            f"leave --precision out (it is {DEFAULT_PRECISION}), or run where a GPU is"
+        )
 
 
 def get_model(ref: str, device: str, precision: str, options: EncodeOptions | None = None) -> LoadedModel:

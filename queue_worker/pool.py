@@ -30,6 +30,7 @@ from rq.worker import SimpleWorker
 
 from chunkq.jobs.abandon import forget_worker, mark_abandoned, running_job_ids
 from chunkq.jobs.errors import ChunkqError
+from chunkq.jobs.models import check_precision
 from chunkq.jobs.nopickle import forbid_pickle
 from chunkq.jobs.runtime import POOL_STARTED_ENV
 from chunkq.queue_worker import exit_codes
@@ -433,6 +434,7 @@ def start(settings: PoolSettings) -> int:
     """Run a pool with ``settings`` on the devices they choose, until signalled: its exit code."""
     chosen = choose(settings.gpus, settings.min_free_memory, settings.busy_gpus)
     if not chosen:
+        check_precision(settings.precision, "cpu")  # every chunk would be refused: say it once, now
         log.info("no GPU in use; running %d CPU worker(s)", settings.cpu_workers)
     return Pool(settings, chosen).run()
 

@@ -20,10 +20,11 @@ import redis
 from chunkq.jobs import kinds
 from chunkq.jobs.errors import ChunksFailedError, ConfigError, CorpusError
 from chunkq.jobs.model_info import check_options, describe
-from chunkq.jobs.models import check_model, default_model
+from chunkq.jobs.models import check_model, check_precision, default_model
 from chunkq.jobs.run_files import RunLayout, read_json
-from chunkq.jobs.specs import DEFAULT_KIND, EncodeOptions
+from chunkq.jobs.specs import DEFAULT_KIND, DEFAULT_PRECISION, EncodeOptions
 from chunkq.jobs.storage import is_local, open_store
+from chunkq.queue_worker.gpus import selected
 from chunkq.queue_worker.settings import DEFAULT_QUEUE, PoolSettings
 from chunkq.supervisor.corpus import CorpusOptions, check_readable, detect_format, read_corpus
 from chunkq.supervisor.local_run import RunOutcome, RunRequest
@@ -174,6 +175,10 @@ def submit_request(
         raise ConfigError(
             f"pool {pool!r}: one of {', '.join(POOLS)}, and only with --long-texts window or late"
         )
+    for name, value in (("window_tokens", window_tokens), ("window_stride", window_stride)):
+        if value is not None and long_texts == LONG_TEXTS[0]:
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"{flag} is for --long-texts window or late; without it texts are truncated")
     model = check_model(model) if model else default_model()
     encode_options = encode_options_for(model, encode)
     check_kind(encode_options, options, long_texts)
@@ -251,6 +256,9 @@ def build_run_request(
         submit["fmt"] = submit.pop("format")
     settings = watch_settings(**watch)
     request = replace(submit_request(corpora, store, **submit), queue_window=settings.window)
+    pool_settings = replace(PoolSettings(), **{k: v for k, v in pool.items() if v is not None})
+    if request.encode.precision != DEFAULT_PRECISION and not selected(pool_settings.gpus):
+        check_precision(request.encode.precision, "cpu")  # its pool would have no GPU: said now
     if redis_url:
         reach_redis(redis_url)
     metrics_port = watch.get("metrics_port")
@@ -258,7 +266,7 @@ def build_run_request(
     return RunRequest(
         submit=request,
         redis_url=redis_url,
-        pool=replace(PoolSettings(), **{k: v for k, v in pool.items() if v is not None}),
+        pool=pool_settings,
         watch=settings,
     )
 
