@@ -12,6 +12,7 @@ import click
 from chunkq.cli.common import log_level_option, redis_option, reports_errors, store_option
 from chunkq.cli.group import cli
 from chunkq.jobs.errors import ConfigError
+from chunkq.jobs.units import size_text
 from chunkq.jobs.vector_cache import VectorCache
 
 _AGE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(s|min|h|d|w)?\s*", re.IGNORECASE)
@@ -24,14 +25,6 @@ def age_seconds(text: str) -> float:
     if match is None:
         raise ConfigError(f"--older-than {text!r}: give seconds or a number with s, min, h, d or w (30d)")
     return float(match.group(1)) * _AGE_UNITS[(match.group(2) or "").lower()]
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return ""
 
 
 def _options(options: Any) -> str:
@@ -48,7 +41,7 @@ def _table(entries: list[dict[str, Any]]) -> str:
             _options(e["options"]),
             str(e["shards"]),
             f"{e['rows']:,}",
-            _size(e["bytes"]),
+            size_text(e["bytes"]),
             f"{e['hits']:,}",
             str(e["runs"]),
             (e["last_used"] or "-")[:19],

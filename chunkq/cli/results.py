@@ -19,19 +19,12 @@ from chunkq.cli.group import command
 from chunkq.jobs.errors import AssemblyError
 from chunkq.jobs.manifest import load_manifest
 from chunkq.jobs.run_files import RunLayout, read_json
+from chunkq.jobs.units import size_text
 from chunkq.queue_worker.exit_codes import EXIT_PARTIAL
 from chunkq.supervisor.assemble import assemble
 from chunkq.supervisor.result import check_published, shard_bytes
 from chunkq.tools.export import EXPORT_FORMATS, STDOUT, export
 from chunkq.tools.run_list import RunInfo, clean, list_runs
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def _age(seconds: float | None) -> str:
@@ -54,7 +47,7 @@ def _table(runs: list[RunInfo]) -> str:
             r.model,
             r.options or "-",
             _age(r.age_seconds),
-            _size(r.bytes),
+            size_text(r.bytes),
         )
         for r in runs
     ]
@@ -96,7 +89,7 @@ def clean_cmd(run_id: str, outputs_only: bool, store: Path, redis_url: str | Non
     layout = RunLayout(store, run_id)
     freed = clean(layout, outputs_only, reach_redis_if(redis_url))
     what = "chunk outputs of run" if outputs_only else "run"
-    click.echo(f"freed {_size(freed)}: {what} {run_id}")
+    click.echo(f"freed {size_text(freed)}: {what} {run_id}")
 
 
 @command("export")

@@ -1,14 +1,16 @@
 """image: a vector per image, as a multimodal ``SentenceTransformer.encode`` (CLIP, SigLIP and the
-like) gives it for images. The corpus's text column holds each image's path or URL (whatever
-fsspec reads: a local path, s3://, gs://, http(s):// where the worker can reach it); the worker
-reads and decodes it. An image that is missing or cannot be decoded is a bad row, named with its
-reason, never a zero vector: the chunk fails, or under ``--allow-missing`` the row is left out of
-the result and listed there. A text run of the same model gives vectors in the same space.
+like) gives it for images. The corpus's text column holds each image's path or URL (a local
+path, http(s)://, or an object store's s3://, gs://, az:// where the worker can reach it); the
+worker reads it, bounded in size and time (jobs.row_files), and decodes it. An image that is
+missing, too large or cannot be decoded is a bad row, named with its reason, never a zero vector:
+the chunk fails, or under ``--allow-missing`` the row is left out of the result and listed there.
+A text run of the same model gives vectors in the same space.
 """
 
 from __future__ import annotations
 
 import io
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -16,36 +18,53 @@ import numpy as np
 from chunkq.jobs import token_batches
 from chunkq.jobs.errors import BadRowsError
 from chunkq.jobs.kinds.contract import Kind, OnRows, WithBadRows
+from chunkq.jobs.row_files import RowReadError, read_row_file
 from chunkq.jobs.specs import EncodeOptions
-from chunkq.jobs.storage import open_store
 
 
 def read_image(ref: str) -> Any:
-    """The image at ``ref`` decoded (PIL); an OSError or ValueError says why it cannot be."""
+    """The image at ``ref`` decoded (PIL); an OSError or ValueError says why it cannot be. The read
+    is bounded in size and time, and only a regular file or a URL is read (jobs.row_files)."""
     from PIL import Image
 
-    data = open_store(ref).read_bytes()  # a local path, or any URL fsspec reads
-    image = Image.open(io.BytesIO(data))
+    image = Image.open(io.BytesIO(read_row_file(ref)))
     image.load()  # decode now: a truncated file fails here, on this row, not inside a batch
     return image
 
 
 def _reason(exc: Exception) -> str:
-    if isinstance(exc, FileNotFoundError):
-        return "no such file"
+    if isinstance(exc, RowReadError):
+        return str(exc)
     if type(exc).__name__ == "UnidentifiedImageError":  # its message names a BytesIO, not the file
         return "not an image any decoder here recognises"
     return f"{type(exc).__name__}: {exc}"
 
 
-def encode(model: Any, texts: list[str], options: EncodeOptions, on_rows: OnRows) -> Any:
+READERS = 16  # rows read at once: a URL waits on its server, so a slow one holds up only itself
+
+
+def _read_all(refs: list[str]) -> tuple[dict[int, Any], dict[int, str]]:
+    """Each row's image, or why it has none; read in threads, each read bounded (jobs.row_files)."""
+
+    def one(ref: str) -> tuple[Any, str | None]:
+        try:
+            return read_image(ref), None
+        except Exception as exc:  # any failure to read or decode is this row's, with its reason
+            return None, f"{ref}: {_reason(exc)}"
+
     images: dict[int, Any] = {}
     bad: dict[int, str] = {}
-    for i, ref in enumerate(texts):
-        try:
-            images[i] = read_image(ref)
-        except Exception as exc:  # any failure to read or decode is this row's, with its reason
-            bad[i] = f"{ref}: {_reason(exc)}"
+    with ThreadPoolExecutor(max_workers=READERS, thread_name_prefix="chunkq-image") as pool:
+        for i, (image, why) in enumerate(pool.map(one, refs)):
+            if why is None:
+                images[i] = image
+            else:
+                bad[i] = why
+    return images, bad
+
+
+def encode(model: Any, texts: list[str], options: EncodeOptions, on_rows: OnRows) -> Any:
+    images, bad = _read_all(texts)
     if bad and not options.allow_missing:
         shown = "; ".join(f"row {i}: {why}" for i, why in list(bad.items())[:5])
         more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
