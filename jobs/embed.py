@@ -310,6 +310,13 @@ def check_against_manifest(layout: RunLayout, chunk: ChunkSpec, job_id: str | No
     return manifest
 
 
+def _shown(rid: Any) -> str:
+    """A row's id in a message: a text's id quoted, a window as its text's id and window number."""
+    if isinstance(rid, dict):
+        return f"{rid.get('id')!r} window {rid.get('window')}"
+    return repr(rid)
+
+
 def _value(loaded: models.LoadedModel) -> str | None:
     return loaded.identity.value if loaded.identity is not None else None
 
@@ -361,9 +368,9 @@ def _embed(chunk: ChunkSpec) -> dict[str, Any]:
     try:
         encoded, widened = encode_finite(loaded, texts, work, attempt, start, ctx, progress)
     except BadRowsError as exc:
-        named = "; ".join(f"id {ids[i]!r}: {why}" for i, why in list(exc.rows.items())[:5])
+        named = "; ".join(f"id {_shown(ids[i])}: {why}" for i, why in list(exc.rows.items())[:5])
         raise BadInputError(
-            f"chunk {chunk.job_id}: {len(exc.rows)} row(s) cannot be read ({named}); fix or drop "
+            f"chunk {chunk.job_id}: {len(exc.rows)} row(s) have no vector ({named}); fix or drop "
             "them, or give --allow-missing to leave them out of the result"
         ) from exc
     except AllocatorOutOfMemoryError as exc:

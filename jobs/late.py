@@ -66,18 +66,23 @@ def _normalizes(model: Any) -> bool:
     return any(type(module).__name__ == "Normalize" for module in model)
 
 
+EMPTY_WINDOW = "its window holds no token (its characters tokenize to nothing): no vector can be pooled"
+
+
 def encode(
     model: Any,
     texts: list[str],
     plan_batches: Callable[[list[int]], list[list[int]]],
     encode_kwargs: dict[str, Any],
     on_rows: Callable[[int], None] | None = None,
-) -> np.ndarray[Any, Any]:
-    """Late rows in, a float32 vector per row out (input order). ``plan_batches``: the segments'
-    token lengths to batches of segment indices (a token budget or a batch size, as the chunk's
-    back-off has it). ``encode_kwargs`` as for a plain encode: the prompt is read before each
-    segment (its tokens are in the pass, not in any window); normalisation is applied to the
-    pooled vectors, since sentence-transformers normalises sentence embeddings only."""
+) -> tuple[np.ndarray[Any, Any], dict[int, str]]:
+    """Late rows in, a float32 vector per row out (input order), and the rows that have none (a
+    window whose characters tokenize to nothing), each with why: their vectors are zeros, never
+    published (the chunk fails naming them, or under --allow-missing they are left out).
+    ``plan_batches``: the segments' token lengths to batches of segment indices (a token budget or a
+    batch size, as the chunk's back-off has it). ``encode_kwargs`` as for a plain encode: the prompt
+    is read before each segment (its tokens are in the pass, not in any window); normalisation is
+    applied to the pooled vectors, since sentence-transformers normalises sentence embeddings only."""
     check_pooling(_model_pooling(model), "this")
     rows = [parse_row(text) for text in texts]
     segments = list(dict.fromkeys(segment for segment, _, _ in rows))
@@ -107,14 +112,16 @@ def encode(
         )
         for i, embeddings in zip(batch, found, strict=True):
             tokens[i] = embeddings.float().cpu().numpy()
-    out = np.empty((len(rows), tokens[0].shape[1] if tokens else 0), dtype=np.float32)
+    out = np.zeros((len(rows), tokens[0].shape[1] if tokens else 0), dtype=np.float32)
+    empty: dict[int, str] = {}
     for r, (segment, start, end) in enumerate(rows):
         s = where[segment]
         offsets = tokenized["offset_mapping"][s]
         first, last = len(prompt) + start, len(prompt) + end
         mine = [t for t, (a, b) in enumerate(offsets) if b > a and first <= a < last]
         if not mine:
-            raise BadInputError(f"late-chunking window {start}:{end} of a segment holds no token")
+            empty[r] = EMPTY_WINDOW
+            continue
         out[r] = tokens[s][mine].mean(axis=0)
     # In sentence-transformers' order: the model's Normalize module acts on the pooled vector, then
     # encode truncates (truncate_dim), then normalises if asked (normalize_embeddings).
@@ -126,7 +133,8 @@ def encode(
         out = _unit(out)
     if on_rows is not None:
         on_rows(len(rows))
-    return out
+    out[list(empty)] = 0.0  # normalising a zero row keeps it zero; it is never published
+    return out, empty
 
 
 def _unit(rows: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:

@@ -221,12 +221,13 @@ def write_chunk_input(layout: RunLayout, index: int, rows: list[tuple[str, str]]
     atomic_write_bytes(layout.input_path(index), ("\n".join(lines) + "\n").encode())
 
 
-def read_chunk_input(layout: RunLayout, index: int) -> tuple[list[str], list[str]]:
-    """Return (ids, texts) of one chunk; a malformed row raises BadInputError naming it."""
+def read_chunk_input(layout: RunLayout, index: int) -> tuple[list[Any], list[str]]:
+    """Return (ids, texts) of one chunk; a malformed row raises BadInputError naming it. An id is a
+    string, or a window's object (its text's id, window number and span) as submit wrote it."""
     path = layout.input_path(index)
     if not path.is_file():
         raise StoreError(f"chunk input {path} is missing")
-    ids: list[str] = []
+    ids: list[Any] = []
     texts: list[str] = []
     with path.open("r", encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, 1):
@@ -237,7 +238,8 @@ def read_chunk_input(layout: RunLayout, index: int) -> tuple[list[str], list[str
             text = row.get("text") if isinstance(row, dict) else None
             if not isinstance(text, str):
                 raise BadInputError(f"{path}:{lineno}: text is {type(text).__name__}, not a string")
-            ids.append(str(row.get("id")))
+            rid = row.get("id")
+            ids.append(rid if isinstance(rid, dict) else str(rid))
             texts.append(text)
     return ids, texts
 

@@ -163,10 +163,11 @@ def _write_result(
     dim: int,
     scratch: Path,
     bad_rows: dict[int, list[dict[str, Any]]],
+    bad: np.ndarray[Any, Any],
 ) -> None:
     if manifest.plan is not None:
         pooler = _pooler(manifest, writer, skip)
-        for ids, block in plan.result_rows(layout, manifest, skip, dim, scratch):
+        for ids, block in plan.result_rows(layout, manifest, skip, dim, scratch, bad):
             floats = derived_floats(block, manifest.options)
             writer.write(ids, convert(floats, manifest.output_dtype, manifest.ranges))
             if pooler is not None:
@@ -241,7 +242,9 @@ def assemble(
         else {f.chunk: f.rows for f in skip.values()}
     )
     bad_rows = [row for rows in verified.bad_rows.values() for row in rows]
-    total = manifest.corpus_rows - sum(lost.values()) - len(bad_rows)
+    bad = np.array(sorted(int(row["row"]) for row in bad_rows), dtype=np.int64)  # as chunks number rows
+    left_out = plan.rows_without_vector(layout, manifest, bad) if manifest.plan is not None else len(bad)
+    total = manifest.corpus_rows - sum(lost.values()) - left_out
     built = local_build_dir(layout)
     remote = not is_local(layout.root)
     dtype = storage_dtype(manifest.output_dtype)
@@ -260,7 +263,7 @@ def assemble(
             files = ragged_result.write(layout, manifest, set(skip), built, total, shard_bytes, upload_to)
             uploaded = files["ragged"].get("shard_dir")
         else:
-            _write_result(layout, manifest, writer, set(skip), dim, built, verified.bad_rows)
+            _write_result(layout, manifest, writer, set(skip), dim, built, verified.bad_rows, bad)
             files = writer.finish()
             uploaded = writer.shard_dir
         if writer.extra is not None:

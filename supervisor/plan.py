@@ -557,16 +557,37 @@ def lost_rows(layout: RunLayout, manifest: RunManifest, skip: set[int]) -> dict[
     return {index: int(counts[index]) for index in skip}
 
 
+def rows_without_vector(layout: RunLayout, manifest: RunManifest, bad: np.ndarray[Any, Any]) -> int:
+    """Corpus rows whose chunk row is one of ``bad`` (rows left out under --allow-missing, numbered
+    as the chunks number them): every row whose text it holds."""
+    if not len(bad):
+        return 0
+    if (manifest.plan or {}).get("identity", True):
+        return len(bad)
+    return sum(int(np.isin(rows, bad).sum()) for rows, _ in _row_map_parts(layout, manifest))
+
+
 def result_rows(
-    layout: RunLayout, manifest: RunManifest, skip: set[int], dim: int, scratch: Path
+    layout: RunLayout,
+    manifest: RunManifest,
+    skip: set[int],
+    dim: int,
+    scratch: Path,
+    bad: np.ndarray[Any, Any] | None = None,
 ) -> Iterator[tuple[list[Any], np.ndarray[Any, Any]]]:
     """(ids, float32 rows) of the result in corpus order, from the verified chunk outputs, rows of
-    ``skip``'s chunks left out."""
+    ``skip``'s chunks, and chunk rows in ``bad`` (no vector: --allow-missing), left out."""
+    bad = np.zeros(0, dtype=np.int64) if bad is None else bad
     if (manifest.plan or {}).get("identity", True):
         for index in range(manifest.chunks):
             if index not in skip:
                 ids, _ = read_chunk_input(layout, index)
-                yield ids, np.asarray(load_npy(layout.output_npy(index)))
+                block = np.asarray(load_npy(layout.output_npy(index)))
+                first = manifest.first_row(index)
+                keep = ~np.isin(np.arange(first, first + len(ids)), bad)
+                if not keep.all():
+                    ids, block = [i for i, k in zip(ids, keep, strict=True) if k], block[keep]
+                yield ids, block
         return
     # The distinct texts' vectors, gathered into one local file the row map picks from.
     vectors = np.memmap(
@@ -579,6 +600,7 @@ def result_rows(
         first, count = manifest.first_row(index), manifest.chunk_rows(index)
         vectors[first : first + count] = load_npy(layout.output_npy(index))
         have[first : first + count] = True
+    have[bad] = False
     for rows, ids in _row_map_parts(layout, manifest):
         keep = have[rows]
         if not keep.all():
@@ -599,8 +621,10 @@ def encoded_chunks(
         if meta.get("source") == "cache":
             continue
         _, texts = read_chunk_input(layout, index)
-        yield (
-            text_hashes(texts),
-            np.asarray(load_npy(layout.output_npy(index)), dtype=np.float32),
-            float(meta.get("seconds") or 0),
-        )
+        vectors = np.asarray(load_npy(layout.output_npy(index)), dtype=np.float32)
+        hashes = text_hashes(texts)
+        if meta.get("bad_rows"):  # rows without a vector (--allow-missing): zeros, never cached
+            first = manifest.first_row(index)
+            keep = ~np.isin(np.arange(first, first + len(texts)), [int(r["row"]) for r in meta["bad_rows"]])
+            hashes, vectors = hashes[keep], vectors[keep]
+        yield hashes, vectors, float(meta.get("seconds") or 0)

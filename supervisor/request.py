@@ -182,6 +182,11 @@ def submit_request(
     model = check_model(model) if model else default_model()
     encode_options = encode_options_for(model, encode)
     check_kind(encode_options, options, long_texts)
+    if encode_options.allow_missing and pool != POOLS[0]:
+        raise ConfigError(
+            f"--allow-missing with --pool {pool}: a text whose windows are all left out would have no "
+            "vector of its own; leave --pool out, or drop the rows a run without --allow-missing names"
+        )
     return SubmitRequest(
         corpus=paths[0] if len(paths) == 1 else paths,
         store=store,

@@ -320,3 +320,55 @@ def test_late_chunking_is_refused_for_a_model_that_cannot(  # type: ignore[no-un
     config.write_text(json.dumps(pooling))
     with pytest.raises(ConfigError, match="pools its tokens by cls, late chunking needs mean pooling"):
         submit(submit_request([corpus], store, model=str(folder), long_texts="late"), None)
+
+
+@pytest.mark.slow
+def test_a_late_window_without_a_token_is_named_and_left_out_under_allow_missing(  # type: ignore[no-untyped-def]
+    tmp_path, store, connection
+) -> None:
+    """Issue 43.11: one text whose characters tokenize to nothing (zero-width spaces) quarantined its
+    whole chunk as "a segment holds no token", naming no row. Now the chunk's error names the row by
+    id; under --allow-missing its rows are left out and listed, every other row as a run without it
+    gives, and the vector cache takes none of its zeros."""
+    import json
+
+    import numpy as np
+
+    from chunkq.jobs.embed import embed_chunk
+    from chunkq.jobs.errors import BadInputError
+    from chunkq.jobs.manifest import load_manifest
+    from chunkq.jobs.run_files import RunLayout
+    from chunkq.jobs.specs import EncodeOptions
+    from chunkq.supervisor.corpus import CorpusOptions
+    from chunkq.supervisor.submit import SubmitRequest, submit
+    from tests.helpers import max_abs_diff, result_of, run_in_process, write_corpus
+
+    texts = [_long_text(120, seed=21), "\u200b\u200b\u200b", _long_text(60, seed=22)]
+    ids = ["long", "blank", "other"]
+    corpus = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")
+    request = SubmitRequest(corpus, store, BUNDLED_MODEL, CorpusOptions("jsonl"), long_texts="late")
+    layout = RunLayout(store, submit(request, connection).run_id)
+    with pytest.raises(BadInputError) as refused:
+        embed_chunk(load_manifest(layout).chunk_spec(store, 0).to_dict())
+    said = str(refused.value)
+    assert "1 row(s) have no vector (id 'blank' window 0: its window holds no token" in said, said
+    assert "its window holds no token" in said and "--allow-missing" in said
+    kept, _, _ = run_in_process(
+        tmp_path, store, connection, ids, texts, "kept", long_texts="late",
+        encode=EncodeOptions(allow_missing=True),
+    )  # fmt: skip
+    without, _, _ = run_in_process(
+        tmp_path, store, connection, [ids[0], ids[2]], [texts[0], texts[2]], "without", long_texts="late",
+        cache=False,
+    )  # fmt: skip
+    got, got_ids = result_of(kept)
+    want, want_ids = result_of(without)
+    assert got_ids == want_ids and {r["id"] for r in got_ids} == {"long", "other"}
+    assert max_abs_diff(got, want) <= 1e-6
+    listed = json.loads(kept.result_manifest.read_text())["bad_rows"]
+    assert [r["id"]["id"] for r in listed] == ["blank"]
+    assert all(np.abs(v).sum() > 0 for v in got)
+    from chunkq.jobs.vector_cache import VectorCache
+
+    cached = sum(s.rows for key in VectorCache(store).producers() for s in VectorCache(store, key).shards())
+    assert cached == len(got_ids)  # the blank window's zeros never entered the cache

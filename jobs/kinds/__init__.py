@@ -39,7 +39,7 @@ def check_options(options: EncodeOptions) -> None:
     """ConfigError where ``options`` ask of the run's kind what it cannot do."""
     kind = get(options.kind)
     why = kind.refuse(options)
-    if options.allow_missing and not kind.reads_rows:
-        why = "--allow-missing is for rows that name what to read (--kind image)"
+    if options.allow_missing and not (kind.reads_rows or options.late_chunking):
+        why = "--allow-missing is for rows that name what to read (--kind image) or late-chunking windows"
     if why:
         raise ConfigError(f"--kind {options.kind}: {why}")

@@ -41,6 +41,20 @@ class WithBadRows:
     bad: dict[int, str]
 
 
+def with_bad_rows(matrix: Any, bad: dict[int, str], options: EncodeOptions, what: str) -> Any:
+    """``matrix`` as a kind returns it when rows in ``bad`` have no vector: refused (BadRowsError,
+    naming them), or under --allow-missing a WithBadRows whose rows are left out of the result."""
+    if not bad:
+        return matrix
+    if not options.allow_missing:
+        from chunkq.jobs.errors import BadRowsError
+
+        shown = "; ".join(f"row {i}: {why}" for i, why in list(bad.items())[:5])
+        more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
+        raise BadRowsError(f"{len(bad)} {what}: {shown}{more}", bad)
+    return WithBadRows(matrix, bad)
+
+
 def warm_up_texts(model: Any, lengths: list[int]) -> None:
     """A text model's warm-up: one batch of texts of these token lengths through its encode."""
     texts = [" ".join(["warm"] * max(1, n - 2)) for n in lengths]

@@ -7,11 +7,11 @@ from typing import Any
 import numpy as np
 
 from chunkq.jobs import late, token_batches
-from chunkq.jobs.kinds.contract import Kind, OnRows, warm_up_texts
+from chunkq.jobs.kinds.contract import Kind, OnRows, warm_up_texts, with_bad_rows
 from chunkq.jobs.specs import EncodeOptions
 
 
-def encode(model: Any, texts: list[str], options: EncodeOptions, on_rows: OnRows) -> np.ndarray[Any, Any]:
+def encode(model: Any, texts: list[str], options: EncodeOptions, on_rows: OnRows) -> Any:
     """Texts in, float32 rows out, in input order (prompt, truncation and normalisation applied as
     sentence-transformers applies them); late-chunking rows pooled from their segment's pass."""
     kwargs: dict[str, Any] = {
@@ -23,9 +23,10 @@ def encode(model: Any, texts: list[str], options: EncodeOptions, on_rows: OnRows
     by_tokens = isinstance(options.batch_tokens, int)
     limit = options.batch_tokens if isinstance(options.batch_tokens, int) else options.batch_size
     if options.late_chunking:
-        return late.encode(
+        rows, empty = late.encode(
             model, texts, lambda lengths: token_batches.batches(lengths, limit, by_tokens), kwargs, on_rows
         )
+        return with_bad_rows(rows, empty, options, "late-chunking window(s) have no vector")
     if options.role:
         return _encode_with_role(model, texts, options, kwargs, on_rows)
     return token_batches.encode(model, texts, limit, kwargs, by_tokens=by_tokens, on_rows=on_rows)

@@ -16,8 +16,7 @@ from typing import Any
 import numpy as np
 
 from chunkq.jobs import token_batches
-from chunkq.jobs.errors import BadRowsError
-from chunkq.jobs.kinds.contract import Kind, OnRows, WithBadRows
+from chunkq.jobs.kinds.contract import Kind, OnRows, with_bad_rows
 from chunkq.jobs.row_files import RowReadError, read_row_file
 from chunkq.jobs.specs import EncodeOptions
 
@@ -65,10 +64,8 @@ def _read_all(refs: list[str]) -> tuple[dict[int, Any], dict[int, str]]:
 
 def encode(model: Any, texts: list[str], options: EncodeOptions, on_rows: OnRows) -> Any:
     images, bad = _read_all(texts)
-    if bad and not options.allow_missing:
-        shown = "; ".join(f"row {i}: {why}" for i, why in list(bad.items())[:5])
-        more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
-        raise BadRowsError(f"{len(bad)} image(s) cannot be read: {shown}{more}", bad)
+    if bad and not options.allow_missing:  # refused now, before any image is encoded
+        with_bad_rows(None, bad, options, "image(s) cannot be read")
     good = sorted(images)
     out: np.ndarray[Any, Any] | None = None
     done = 0
@@ -92,7 +89,7 @@ def encode(model: Any, texts: list[str], options: EncodeOptions, on_rows: OnRows
             on_rows(done)
     if out is None:  # every image bad: the width is the model's
         out = np.zeros((len(texts), int(model.get_embedding_dimension() or 0)), dtype=np.float32)
-    return WithBadRows(out, bad) if bad else out
+    return with_bad_rows(out, bad, options, "image(s) cannot be read")
 
 
 def warm_up(model: Any, lengths: list[int]) -> None:
