@@ -449,7 +449,9 @@ def _record_cache_use(layout: RunLayout, manifest: RunManifest) -> None:
     """What the run took from the cache, for ``chunkq cache`` (once the run exists: a failed submit
     leaves no trace in the store)."""
     plan = manifest.plan or {}
-    if plan.get("producer"):
+    if not plan.get("producer"):
+        return
+    try:
         VectorCache(layout.store, str(plan["producer"])).record_use(
             manifest.run_id,
             rows=int(plan["corpus_rows"]),
@@ -457,6 +459,8 @@ def _record_cache_use(layout: RunLayout, manifest: RunManifest) -> None:
             hits=int(plan["cached_rows"]),
             damaged=int(plan["cache_damaged_rows"]),
         )
+    except OSError as exc:  # derived data: a cache that cannot be written costs time, not the run
+        log.warning("the vector cache cannot be written (%s); the run goes on without adding to it", exc)
 
 
 def _calibration(req: SubmitRequest, layout: RunLayout, chunks: int) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
 import shutil
 import threading
@@ -368,3 +369,51 @@ def test_a_run_begun_before_the_cache_resumes_as_it_was(
         connection,
     )
     assert asked.run_id != old.run_id and asked.created
+
+
+def _read_only_mounts_work() -> bool:
+    """Whether this host lets a test mount a folder read-only in a namespace of its own."""
+    import subprocess
+
+    probe = "mount --bind /tmp /tmp && mount -o remount,bind,ro /tmp"
+    try:
+        return (
+            subprocess.run(["unshare", "-rm", "sh", "-c", probe], capture_output=True, timeout=30).returncode
+            == 0
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not os.environ.get("CI") and not _read_only_mounts_work(),
+    reason="unshare cannot mount a folder read-only here (CI must)",
+)
+def test_a_read_only_cache_costs_time_not_the_run(tmp_path: Path, reference_model: Any) -> None:
+    """Issue 43.12: the cache on a read-only mount made a new run exit 11 after its run folder
+    existed. The cache is derived data: the run reads what it can, says it cannot add, and
+    publishes the right result. The mount is real (EROFS, as a read-only volume gives), made with
+    unshare so a root test user is refused too."""
+    import subprocess
+
+    from chunkq.jobs.run_files import RunLayout
+    from tests.helpers import CLI, cli_env
+
+    store = tmp_path / "store"
+    ids, texts = make_texts(30, seed=12)
+    first = write_corpus(tmp_path / "a.jsonl", ids, texts[:15] * 2, "jsonl")
+    assert run_cli("run", str(first), "--store", str(store), "--chunk-size", "10").returncode == 0
+    second = write_corpus(tmp_path / "b.jsonl", ids, texts, "jsonl")
+    cache = store / "cache"
+    mount = f"mount --bind {cache} {cache} && mount -o remount,bind,ro {cache} && exec"
+    command = " ".join([mount, *CLI, "run", str(second), "--store", str(store), "--chunk-size", "10"])
+    done = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", command], env=cli_env(), capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "15 encoded, 15 from the vector cache" in done.stdout + done.stderr
+    assert "the vector cache cannot be written" in done.stderr and "Read-only file system" in done.stderr
+    layout = RunLayout(store, next(p.name for p in (store / "runs").iterdir() if p.name.startswith("b-")))
+    got, got_ids = result_of(layout)
+    assert got_ids == ids and max_abs_diff(got, reference_model.encode(texts)) <= 1e-5
