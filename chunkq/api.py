@@ -113,14 +113,18 @@ class RunResult:
         arrays = ragged_result.load(self.result_dir)
         return Ragged(arrays.pop("offsets"), arrays, int(manifest["dim"]))
 
-    def export_to(self, url: str, index: str | None = None, columns: tuple[str, ...] = ()) -> dict[str, Any]:
+    def export_to(
+        self, url: str, index: str | None = None, columns: tuple[str, ...] = (), force: bool = False
+    ) -> dict[str, Any]:
         """Write the result into a vector store, upserting by id (``chunkq export --to``):
-        ``lancedb://PATH/TABLE``, ``faiss:PATH`` (``index``: a FAISS factory string, default Flat),
-        ``postgresql://USER@HOST:PORT/DB?table=T``; ``columns``: corpus fields copied beside each
-        row. A summary: rows, written, seconds, rows/s."""
+        ``lancedb://PATH/TABLE``, ``faiss:PATH`` (``index``: a FAISS factory string, default Flat;
+        ``force``: replace a file there that chunkq did not write), ``postgresql://USER@HOST:PORT/DB?
+        table=T``; ``columns``: corpus fields copied beside each row. A summary: rows, written,
+        seconds, rows/s."""
         from chunkq.sinks import export_to
 
-        return export_to(RunLayout(self.store, self.run_id), url, {"index": index}, columns=tuple(columns))
+        options = {"index": index, "force": force}
+        return export_to(RunLayout(self.store, self.run_id), url, options, columns=tuple(columns))
 
     def ids(self) -> list[Any]:
         """Each row's id, in order: a string, or with ``long_texts="window"`` an object (the text's

@@ -280,3 +280,44 @@ def list_dirs(directory: Path) -> list[str]:
     except FileNotFoundError:
         return []
     return [info["name"].rstrip("/").rsplit("/", 1)[-1] for info in infos if info.get("type") == "directory"]
+
+
+def temp_beside(path: Path) -> Path:
+    """Where a file or folder for ``path`` is built before it is renamed into place: hidden beside
+    it, named by this process (``remove_leftovers_beside`` knows a dead writer's by that)."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def remove_leftovers_beside(path: Path) -> int:
+    """Remove what a killed writer left building ``path`` (``temp_beside``: a FAISS index, a result,
+    an export of hundreds of MB), where its process is gone from this host; how many were removed.
+    A live writer's stays: two exports to one place at once are that user's to sort out."""
+    prefix = f".{path.name}.tmp-"
+    removed = 0
+    try:
+        names = os.listdir(path.parent)
+    except OSError:
+        return 0
+    for name in names:
+        pid = name[len(prefix) :]
+        if not name.startswith(prefix) or not pid.isdigit() or _alive(int(pid)):
+            continue
+        leftover = path.parent / name
+        if leftover.is_dir() and not leftover.is_symlink():
+            shutil.rmtree(leftover, ignore_errors=True)
+        else:
+            leftover.unlink(missing_ok=True)
+        removed += 1
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True

@@ -53,7 +53,9 @@ from chunkq.jobs.storage import (
     private_dirs,
     private_open,
     publish_file,
+    remove_leftovers_beside,
     remove_tree,
+    temp_beside,
 )
 
 log = logging.getLogger(__name__)
@@ -497,7 +499,10 @@ def local_build_dir(layout: RunLayout) -> Path:
     """Where a result is made: beside ``result/`` on a filesystem store (renamed into place), a
     private temporary folder otherwise."""
     if is_local(layout.root):
-        built = layout.root / f".result.tmp-{os.getpid()}"
+        removed = remove_leftovers_beside(layout.result)  # a killed assembly's, hundreds of MB
+        if removed:
+            log.info("run %s: removed %d result(s) a killed assembly left unfinished", layout.run_id, removed)
+        built = temp_beside(layout.result)
         shutil.rmtree(built, ignore_errors=True)
         private_dirs(built)
         return built

@@ -6,6 +6,7 @@ written without a model (random float32 rows, ``write_encoded_run``): the sinks 
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -242,3 +243,156 @@ def test_a_sharded_result_streams_shard_by_shard_into_a_table(tmp_path: Path) ->
     assert np.array_equal(got.view(np.uint32), vectors[order].view(np.uint32))
     told = whole.export_to(f"faiss:{tmp_path / 'api.faiss'}", index="Flat")  # the Python API
     assert told["index_rows"] == 500 and told["written"] == 500
+
+
+def _said(done: Any) -> str:
+    """A command's error, which must be one line (beside the progress count) and no traceback."""
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    lines = [line for line in done.stderr.splitlines() if line.strip() and not line.endswith(" rows")]
+    assert len(lines) == 1, done.stderr
+    return lines[0]
+
+
+def _export(layout: Any, *args: str) -> Any:
+    """``chunkq export`` at its own log level, as a user sees it."""
+    return run_cli("export", layout.run_id, "--store", str(layout.store), *args, CHUNKQ_LOG_LEVEL="")
+
+
+@pytest.mark.slow
+def test_a_faiss_export_writes_only_its_own_files_and_clears_what_a_killed_one_left(tmp_path: Path) -> None:
+    """Issue 43.5-7: faiss:PATH replaced whatever was there (the store's own embeddings.npy, any file,
+    a folder with exit 70). Now: never inside the store, an existing file only if it is an index
+    chunkq wrote (or --force), a folder refused; a killed export's half-written files (27-307 MB)
+    are removed by the next one; an index too large for the run says how many rows it needs."""
+    layout = write_encoded_run(tmp_path / "store", "faiss", 300, 100, 8, seed=1)
+    assemble(layout)
+    result = layout.result / "embeddings.npy"
+    before = result.read_bytes()
+    said = _said(_export(layout, "--to", f"faiss:{result}"))
+    assert said == (
+        f"chunkq: error: --to faiss:{result} is inside the store {layout.store}, which is chunkq's; "
+        "export elsewhere"
+    )
+    linked = tmp_path / "linked"
+    linked.symlink_to(layout.result, target_is_directory=True)  # the store reached through a link
+    assert "inside the store" in _said(_export(layout, "--to", f"faiss:{linked / 'embeddings.npy'}"))
+    assert result.read_bytes() == before
+    assert run_cli("assemble", "faiss", "--store", str(layout.store), "--verify").returncode == 0
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    said = _said(_export(layout, "--to", f"faiss:{notes}"))
+    assert "exists and is not an index chunkq wrote" in said and "--force" in said
+    assert notes.read_text() == "mine" and not (tmp_path / "notes.txt.ids.jsonl").exists()
+    folder = tmp_path / "a-folder"
+    folder.mkdir()
+    assert f"{folder} is a folder; give the index file's path in it" in _said(
+        _export(layout, "--to", f"faiss:{folder}")
+    )
+    index = tmp_path / "idx.faiss"
+    dead = tmp_path / ".idx.faiss.tmp-999999999"  # what an export killed before its rename left
+    dead.write_bytes(b"\0" * (1 << 20))
+    for _ in range(2):  # the second replaces the first: its own index
+        done = _export(layout, "--to", f"faiss:{index}")
+        assert done.returncode == 0, done.stderr
+    assert not dead.exists()
+    assert _export(layout, "--to", f"faiss:{notes}", "--force").returncode == 0
+    assert _export(layout, "--to", f"faiss:{tmp_path / 'ivf.faiss'}", "--index", "IVF256,PQ8").returncode == 0
+    small = write_encoded_run(tmp_path / "small", "small", 100, 50, 8, seed=2)
+    assemble(small)
+    said = _said(_export(small, "--to", f"faiss:{tmp_path / 'ivf.faiss'}", "--index", "IVF256,PQ8"))
+    assert "--index 'IVF256,PQ8' needs at least 256 rows to train, and run small has 100" in said
+
+
+def test_a_killed_assemblys_leftovers_go_at_the_next_assembly_and_with_clean(tmp_path: Path) -> None:
+    """Issue 43.6: `.result.tmp-PID` folders of killed assemblies stayed, counted by `runs`."""
+    from chunkq.tools.run_list import clean
+
+    layout = write_encoded_run(tmp_path / "store", "left", 40, 10, 4)
+    left = layout.root / ".result.tmp-999999999"
+    left.mkdir()
+    (left / "embeddings.npy").write_bytes(b"\0" * 4096)
+    assemble(layout)
+    assert not left.exists()
+    left.mkdir()
+    (left / "embeddings.npy").write_bytes(b"\0" * 4096)
+    assert clean(layout, outputs_only=True) >= 4096 and not left.exists()
+
+
+@pytest.mark.slow
+def test_lancedb_refuses_the_store_and_tables_it_cannot_merge_into(tmp_path: Path) -> None:
+    import lancedb
+    import pyarrow as pa
+
+    layout = write_encoded_run(tmp_path / "store", "lance", 30, 10, 4)
+    assemble(layout)
+    assert "inside the store" in _said(_export(layout, "--to", f"lancedb://{layout.store}/t"))
+    db = lancedb.connect(str(tmp_path / "db"))
+    vector = pa.list_(pa.float32(), 4)
+    db.create_table("ints", schema=pa.schema([pa.field("id", pa.int64()), pa.field("vector", vector)]))
+    said = _said(_export(layout, "--to", f"lancedb://{tmp_path / 'db'}/ints"))
+    assert said.endswith(
+        "the table's id column is int64, chunkq's ids are text (a corpus's ids, or TEXT#WINDOW); "
+        "export to another table"
+    )
+    strict = pa.schema(
+        [
+            pa.field("id", pa.string()),
+            pa.field("vector", vector),
+            pa.field("owner", pa.string(), nullable=False),
+        ]
+    )
+    db.create_table("strict", schema=strict)
+    said = _said(_export(layout, "--to", f"lancedb://{tmp_path / 'db'}/strict"))
+    assert "the table requires column(s) owner, which this export does not fill" in said
+
+
+@pytest.mark.slow
+def test_pgvector_names_tables_as_given_checks_existing_ones_and_never_shows_a_password(
+    tmp_path: Path, postgres: str
+) -> None:
+    """Issue 43.7-8: ?table=Docs beside docs, a table without a primary key, with a bigint id or an
+    extra NOT NULL column, and the libpq URL form each ended in exit 70; a password was printed by
+    the success line, --json and connection errors."""
+    import psycopg
+
+    layout = write_encoded_run(tmp_path / "store", "pg", 30, 10, 4)
+    assemble(layout)
+    with psycopg.connect(postgres, autocommit=True) as conn:
+        conn.execute("CREATE EXTENSION IF NOT EXISTS vector")
+        conn.execute("CREATE TABLE lower_docs (id text PRIMARY KEY, embedding vector(4))")
+        conn.execute("CREATE TABLE nokey (id text, embedding vector(4))")
+        conn.execute("CREATE TABLE bigid (id bigint PRIMARY KEY, embedding vector(4))")
+        conn.execute("CREATE TABLE strict (id text PRIMARY KEY, embedding vector(4), owner text NOT NULL)")
+    upper = _export(layout, "--to", f"{postgres}&table=Lower_Docs")  # another table than lower_docs
+    assert upper.returncode == 0, upper.stderr
+    with psycopg.connect(postgres) as conn:
+        assert conn.execute('SELECT count(*) FROM "Lower_Docs"').fetchone() == (30,)
+        assert conn.execute("SELECT count(*) FROM lower_docs").fetchone() == (0,)
+    assert "has no primary key or unique constraint on id" in _said(
+        _export(layout, "--to", f"{postgres}&table=nokey")
+    )
+    assert "table bigid's id column is bigint, chunkq's ids are text" in _said(
+        _export(layout, "--to", f"{postgres}&table=bigid")
+    )
+    assert "table strict requires column(s) owner" in _said(
+        _export(layout, "--to", f"{postgres}&table=strict")
+    )
+    socket_folder = postgres.split("host=", 1)[1]
+    libpq = f"postgresql:///postgres?host={socket_folder}&user=postgres&table=libpq"
+    done = _export(layout, "--to", libpq)
+    assert done.returncode == 0, done.stderr
+    secret = "S3cr3t-pw"  # noqa: S105 - the password a URL carries, to be found nowhere in the output
+    with_password = (
+        f"postgresql://postgres:{secret}@/postgres?host={socket_folder}&password={secret}x&table=pw"
+    )
+    for args in ([], ["--json"]):
+        done = _export(layout, "--to", with_password, *args)
+        assert done.returncode == 0, done.stderr
+        assert secret not in done.stdout + done.stderr and "postgres:***@" in done.stdout
+    with socket.socket() as probe:  # a port nothing listens on: the connection error
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    refused = _said(
+        _export(layout, "--to", f"postgresql://u:{secret}@127.0.0.1:{port}/db?password={secret}&table=t")
+    )
+    assert "cannot connect to PostgreSQL" in refused and secret not in refused

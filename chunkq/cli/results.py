@@ -129,7 +129,11 @@ def clean_cmd(run_id: str, outputs_only: bool, store: Path, redis_url: str | Non
     help="--to a table: corpus fields to copy beside each row, comma-separated (title,url), as text.",
 )
 @click.option("--json", "as_json", is_flag=True, help="--to: print the summary as JSON.")
-@click.option("--force", is_flag=True, help="Replace --out if it is an existing file.")
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Replace --out if it is an existing file; with --to faiss:PATH, a file there chunkq did not write.",
+)
 @click.option(
     "--tokens",
     is_flag=True,
@@ -157,7 +161,7 @@ def export_cmd(
         raise click.UsageError("give --out FILE or --to URL")
     if to is not None or out is None:
         names = tuple(name.strip() for name in columns.split(",") if name.strip())
-        _export_to(RunLayout(store, run_id), str(to), index, names, as_json)
+        _export_to(RunLayout(store, run_id), str(to), {"index": index, "force": force}, names, as_json)
         return
     # Where the data itself goes to stdout, a pipe or a device, the note of what was written must not join it.
     stream = out == STDOUT or (out.exists() and not out.is_file())
@@ -171,22 +175,31 @@ def export_cmd(
 
 
 def _export_to(
-    layout: RunLayout, url: str, index: str | None, columns: tuple[str, ...], as_json: bool
+    layout: RunLayout, url: str, options: dict[str, Any], columns: tuple[str, ...], as_json: bool
 ) -> None:
     from chunkq.sinks import export_to
 
+    shown = False
+
     def say(progress: Any) -> None:
+        nonlocal shown
         if not as_json:
             click.echo(f"\r{progress.written:,}/{progress.total:,} rows", nl=False, err=True)
+            shown = True
 
-    summary = export_to(layout, url, {"index": index}, on_progress=say, columns=columns)
+    try:
+        summary = export_to(layout, url, options, on_progress=say, columns=columns)
+    except BaseException:
+        if shown:
+            click.echo("", err=True)  # the error on a line of its own, not after the count
+        raise
     if as_json:
         click.echo(json.dumps(summary, indent=2))
         return
     click.echo("", err=True)
     click.echo(
-        f"{summary['written']:,} rows of run {layout.run_id} written to {url} in {summary['seconds']} s "
-        f"({summary['rows_per_second']} rows/s)"
+        f"{summary['written']:,} rows of run {layout.run_id} written to {summary['url']} in "
+        f"{summary['seconds']} s ({summary['rows_per_second']} rows/s)"
         + (f"; the table holds {summary['table_rows']:,} rows" if "table_rows" in summary else "")
     )
 

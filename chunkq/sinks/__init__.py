@@ -14,6 +14,7 @@ idempotently by id, so an export that is killed and run again ends with exactly 
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -25,6 +26,7 @@ import numpy as np
 from chunkq.jobs import kinds
 from chunkq.jobs.errors import ConfigError, StoreError
 from chunkq.jobs.run_files import RunLayout
+from chunkq.jobs.storage import is_local
 from chunkq.supervisor.result import verified_result
 
 SINK_BATCH_ROWS = 4096  # rows a sink is given at once: memory stays one batch whatever the run's size
@@ -45,6 +47,10 @@ class Rows:
 
 
 class Sink(Protocol):
+    def writes_to(self) -> list[str]:
+        """The local paths it writes (checked to lie outside the store); [] for a server."""
+        ...
+
     def open(self, rows: Rows) -> None: ...
 
     def write(self, ids: list[str], vectors: np.ndarray[Any, Any], columns: dict[str, list[Any]]) -> None: ...
@@ -70,6 +76,23 @@ class Progress:
         }
 
 
+_PASSWORD_IN_QUERY = re.compile(r"(?i)((?:^|[?&;])password=)[^&;]*")
+
+
+def redacted(url: str) -> str:
+    """``url`` as every message, summary and log line shows it: no password, neither the one in its
+    user part (``postgresql://u:SECRET@h/db``) nor one in its query (``?password=SECRET``)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    where, slash, tail = rest.partition("/")
+    user, at, host = where.rpartition("@")
+    name, _, password = user.partition(":")
+    if at and password:
+        where = f"{name}:***@{host}"
+    return _PASSWORD_IN_QUERY.sub(r"\1***", f"{scheme}://{where}{slash}{tail}")
+
+
 def open_sink(url: str, options: dict[str, Any]) -> Sink:
     """The sink ``url`` names, by its scheme; ConfigError for a scheme chunkq does not write."""
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
@@ -80,14 +103,61 @@ def open_sink(url: str, options: dict[str, Any]) -> Sink:
     if scheme == "faiss":
         from chunkq.sinks.faiss_index import FaissSink
 
-        return FaissSink(url, options.get("index") or "Flat")
+        return FaissSink(url, options.get("index") or "Flat", force=bool(options.get("force")))
     if scheme in ("postgresql", "postgres"):
         from chunkq.sinks.pgvector import PgvectorSink
 
         return PgvectorSink(url)
     raise ConfigError(
-        f"--to {url}: chunkq writes to lancedb://PATH/TABLE, faiss:PATH and postgresql://.../DB?table=T"
+        f"--to {redacted(url)}: chunkq writes to lancedb://PATH/TABLE, faiss:PATH and "
+        "postgresql://.../DB?table=T"
     )
+
+
+def _outside_the_store(layout: RunLayout, sink: Sink, url: str) -> None:
+    """No sink writes into the store (a FAISS index over ``result/embeddings.npy`` lost the result)."""
+    if not is_local(layout.store):
+        return
+    store = os.path.realpath(layout.store)
+    for path in sink.writes_to():
+        where = os.path.realpath(path)
+        if where == store or where.startswith(store + os.sep):
+            where_said = f"--to {redacted(url)}"
+            raise ConfigError(
+                f"{where_said} is inside the store {layout.store}, which is chunkq's; export elsewhere"
+            )
+
+
+# Errors of the stores' own clients (FAISS's C++ ones arrive as a plain RuntimeError): a sink turns
+# what it can foresee into a line of its own; whatever else they raise is still said in one line.
+CLIENT_MODULES = frozenset({"psycopg", "lancedb", "lance", "pyarrow", "faiss"})
+
+
+def _one_line(exc: BaseException, url: str) -> BaseException:
+    module = type(exc).__module__.split(".")[0]
+    if module not in CLIENT_MODULES and type(exc) is not RuntimeError:
+        return exc
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return StoreError(f"--to {redacted(url)}: {type(exc).__name__}: {redacted_text(first, url)}")
+
+
+def redacted_text(text: str, url: str) -> str:
+    """``text`` with ``url``'s password taken out wherever a client's message repeated it."""
+    for secret in _secrets(url):
+        text = text.replace(secret, "***")
+    return text
+
+
+def _secrets(url: str) -> list[str]:
+    from urllib.parse import parse_qs, unquote, urlsplit
+
+    try:
+        parts = urlsplit(url)
+        found = [parts.password] if parts.password else []
+        found += parse_qs(parts.query).get("password", [])
+    except ValueError:
+        return []
+    return [s for s in found + [unquote(s) for s in found] if s]
 
 
 def _row_ids(ids: list[Any], windowed: bool) -> tuple[list[str], dict[str, list[Any]]]:
@@ -191,9 +261,10 @@ def export_to(
     )
     corpus = _CorpusColumns(run, columns, windowed) if columns else None
     sink = open_sink(url, options or {})
+    _outside_the_store(layout, sink, url)
     progress = Progress(rows.rows)
-    sink.open(rows)
     try:
+        sink.open(rows)
         for ids, block in _batches(layout, batch_rows):
             keys, extra = _row_ids(ids, windowed)
             if corpus is not None:
@@ -203,7 +274,10 @@ def export_to(
             if on_progress is not None:
                 on_progress(progress)
         told = sink.close()
+    except Exception as exc:
+        sink.abort()
+        raise _one_line(exc, url) from exc
     except BaseException:
         sink.abort()
         raise
-    return {"url": url, "run_id": layout.run_id, **progress.summary(), **told}
+    return {"url": redacted(url), "run_id": layout.run_id, **progress.summary(), **told}

@@ -38,6 +38,9 @@ class LanceSink:
         self.table: Any = None
         self.created = False
 
+    def writes_to(self) -> list[str]:
+        return [] if "://" in self.where else [f"{self.where}/{self.name}.lance"]
+
     def open(self, rows: Rows) -> None:
         import lancedb
         import pyarrow as pa
@@ -64,6 +67,24 @@ class LanceSink:
         if lacking:
             raise ConfigError(
                 f"--to {self.url}: the table has no column {', '.join(lacking)}; export to another"
+            )
+        self._check_existing(self.table.schema)
+
+    def _check_existing(self, schema: Any) -> None:
+        """An existing table rows can be merged into: ids of text, every other column it requires
+        one this export fills."""
+        import pyarrow as pa
+
+        if schema.field("id").type not in (pa.string(), pa.large_string()):
+            raise ConfigError(
+                f"--to {self.url}: the table's id column is {schema.field('id').type}, chunkq's ids are "
+                "text (a corpus's ids, or TEXT#WINDOW); export to another table"
+            )
+        required = [f.name for f in schema if not f.nullable and f.name not in self.schema.names]
+        if required:
+            raise ConfigError(
+                f"--to {self.url}: the table requires column(s) {', '.join(required)}, which this export "
+                "does not fill (--columns copies corpus fields); export to another table"
             )
 
     def write(self, ids: list[str], vectors: np.ndarray[Any, Any], columns: dict[str, list[Any]]) -> None:

@@ -11,24 +11,15 @@ from __future__ import annotations
 
 import re
 from typing import Any
-from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qs, urlencode, urlsplit
 
 import numpy as np
 
 from chunkq.jobs.errors import ConfigError
-from chunkq.sinks import Rows
+from chunkq.sinks import Rows, redacted, redacted_text
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
 CONNECT_SECONDS = 10
-
-
-def _shown(url: str) -> str:
-    """``url`` without its password, for a message."""
-    parts = urlsplit(url)
-    if not parts.password:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
 WINDOW_COLUMNS = {
@@ -69,10 +60,15 @@ class PgvectorSink:
         if not _NAME.fullmatch(table):
             raise ConfigError(f"--to {url}: name the table as ?table=NAME (letters, digits, underscores)")
         self.table = table
-        # The rest of the query is the connection's (host=/socket/dir, sslmode=...).
-        self.dsn = urlunsplit((parts.scheme, parts.netloc, parts.path, urlencode(query, doseq=True), ""))
+        # The rest of the query is the connection's (host=/socket/dir, sslmode=...). Joined by hand:
+        # urlunsplit drops the "//" of an empty host (postgresql:///db?host=/socket, libpq's own form).
+        rest = urlencode(query, doseq=True)
+        self.dsn = f"{parts.scheme}://{parts.netloc}{parts.path}" + (f"?{rest}" if rest else "")
         self.url = url
         self.conn: Any = None
+
+    def writes_to(self) -> list[str]:
+        return []  # a server
 
     def open(self, rows: Rows) -> None:
         import psycopg
@@ -84,34 +80,26 @@ class PgvectorSink:
         self.columns = ["id", "embedding", *(WINDOW_COLUMNS if rows.windowed else {}), *rows.columns]
         try:
             self.conn = psycopg.connect(self.dsn, autocommit=False, connect_timeout=CONNECT_SECONDS)
-        except psycopg.OperationalError as exc:
-            why = str(exc).strip().splitlines()[0]
-            raise ConfigError(f"--to {_shown(self.url)}: cannot connect to PostgreSQL: {why}") from None
+        except psycopg.Error as exc:
+            why = redacted_text(str(exc).strip().splitlines()[0], self.url)
+            raise ConfigError(f"--to {redacted(self.url)}: cannot connect to PostgreSQL: {why}") from None
+        # The table as every statement names it: quoted, so ?table=Docs is "Docs", never docs.
+        self.regclass = self.name.as_string(self.conn)
         with self.conn.cursor() as cur:
             cur.execute("CREATE EXTENSION IF NOT EXISTS vector")
             cur.execute(
                 "SELECT format_type(a.atttypid, a.atttypmod) FROM pg_attribute a "
                 "WHERE a.attrelid = to_regclass(%s) AND a.attname = 'embedding' AND NOT a.attisdropped",
-                (self.table,),
+                (self.regclass,),
             )
             found = cur.fetchone()
             if found is not None and found[0] != self.type:
                 raise ConfigError(
-                    f"--to {_shown(self.url)}: table {self.table} holds {found[0]} embeddings, this "
+                    f"--to {redacted(self.url)}: table {self.table} holds {found[0]} embeddings, this "
                     f"run's are {self.type}; export to another table"
                 )
             if found is not None:
-                cur.execute(
-                    "SELECT attname FROM pg_attribute WHERE attrelid = to_regclass(%s) AND attnum > 0 "
-                    "AND NOT attisdropped",
-                    (self.table,),
-                )
-                lacking = sorted(set(self.columns) - {name for (name,) in cur.fetchall()})
-                if lacking:
-                    raise ConfigError(
-                        f"--to {_shown(self.url)}: table {self.table} has no column {', '.join(lacking)}; "
-                        "export to another table"
-                    )
+                self._check_existing(cur)
             if found is None:
                 types = {
                     "id": "text PRIMARY KEY",
@@ -128,6 +116,42 @@ class PgvectorSink:
         kind = self.type.split("(")[0]
         window_types = list(WINDOW_COLUMNS.values()) if rows.windowed else []
         self.copy_types = ["text", kind, *window_types, *["text"] * len(rows.columns)]
+
+    def _check_existing(self, cur: Any) -> None:
+        """An existing table rows can be upserted into: every column this export writes, an id of
+        text with a primary key or unique constraint (ON CONFLICT needs one), and no other column
+        that must be filled and has no default."""
+        cur.execute(
+            "SELECT a.attname, format_type(a.atttypid, a.atttypmod), a.attnotnull AND NOT a.atthasdef "
+            "FROM pg_attribute a WHERE a.attrelid = to_regclass(%s) AND a.attnum > 0 AND NOT a.attisdropped",
+            (self.regclass,),
+        )
+        found = {name: (kind, required) for name, kind, required in cur.fetchall()}
+        where = f"--to {redacted(self.url)}: table {self.table}"
+        lacking = sorted(set(self.columns) - set(found))
+        if lacking:
+            raise ConfigError(f"{where} has no column {', '.join(lacking)}; export to another table")
+        if found["id"][0] != "text":
+            raise ConfigError(
+                f"{where}'s id column is {found['id'][0]}, chunkq's ids are text; export to another table"
+            )
+        cur.execute(
+            "SELECT 1 FROM pg_index i JOIN pg_attribute a "
+            "ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey) "
+            "WHERE i.indrelid = to_regclass(%s) AND i.indisunique AND i.indnkeyatts = 1 AND a.attname = 'id'",
+            (self.regclass,),
+        )
+        if cur.fetchone() is None:
+            raise ConfigError(
+                f"{where} has no primary key or unique constraint on id, which an upsert by id needs; "
+                "export to another table (chunkq creates it with one)"
+            )
+        required = sorted(name for name, (_, needed) in found.items() if needed and name not in self.columns)
+        if required:
+            raise ConfigError(
+                f"{where} requires column(s) {', '.join(required)}, which this export does not fill "
+                "(--columns copies corpus fields); export to another table"
+            )
 
     def write(self, ids: list[str], vectors: np.ndarray[Any, Any], columns: dict[str, list[Any]]) -> None:
         from psycopg import sql

@@ -28,7 +28,7 @@ from chunkq.jobs.errors import AssemblyError, ConfigError, StoreError
 from chunkq.jobs.manifest import load_manifest
 from chunkq.jobs.run_files import RunLayout, read_json, read_npy_header
 from chunkq.jobs.specs import storage_dtype
-from chunkq.jobs.storage import as_the_caller_would, is_local
+from chunkq.jobs.storage import as_the_caller_would, is_local, remove_leftovers_beside, temp_beside
 from chunkq.supervisor.result import ResultPart, result_parts, result_problems, verified_result
 
 EXPORT_FORMATS = ("parquet", "npy", "jsonl")
@@ -192,7 +192,8 @@ def _written_whole(target: _Target) -> Iterator[Path]:
         yield target.path
         return
     out = target.path
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    remove_leftovers_beside(out)  # a killed export's
+    tmp = temp_beside(out)
     try:
         yield tmp
         as_the_caller_would(tmp)  # a result is for sharing; the store stays owner-only

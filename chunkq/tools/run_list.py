@@ -20,7 +20,7 @@ from chunkq.jobs.errors import ChunkqError, ConfigError, StoreError
 from chunkq.jobs.manifest import RunManifest, load_manifest
 from chunkq.jobs.run_files import MANIFEST_NAME, RunLayout
 from chunkq.jobs.specs import EncodeOptions, chunk_job_id
-from chunkq.jobs.storage import is_local, list_with_mtime, remove_tree
+from chunkq.jobs.storage import is_local, list_with_mtime, remove_leftovers_beside, remove_tree
 from chunkq.supervisor.attempts import failed_attempts
 from chunkq.supervisor.enqueue import LIVE_STATUSES, job_statuses
 from chunkq.supervisor.plan import savings
@@ -213,8 +213,13 @@ def clean(layout: RunLayout, outputs_only: bool, connection: redis.Redis | None 
 
 def _free_outputs(layout: RunLayout) -> int:
     """Delete the chunk embeddings (.npy); their metadata stays, so ``report`` and ``status`` still
-    tell the run's story, and a rerun sees the published result and does nothing."""
+    tell the run's story, and a rerun sees the published result and does nothing. What a killed
+    assembly left half-built goes too."""
     freed = 0
+    if is_local(layout.root):
+        before = folder_bytes(layout.root)
+        remove_leftovers_beside(layout.result)
+        freed += before - folder_bytes(layout.root)
     for name, _ in list(list_with_mtime(layout.outputs)):
         if name.endswith(".npy"):
             path = layout.outputs / name
