@@ -60,6 +60,7 @@ from chunkq.jobs.run_files import (
 )
 from chunkq.jobs.scope import check_spec
 from chunkq.jobs.specs import DEFAULT_KIND, DEFAULT_PRECISION, ChunkSpec, EncodeOptions
+from chunkq.jobs.vector_cache import library_versions
 
 log = logging.getLogger(__name__)
 
@@ -392,6 +393,7 @@ def _embed(chunk: ChunkSpec) -> dict[str, Any]:
         "first_row": chunk.first_row,
         **manifest.producer(),
         "model_identity": _value(loaded),  # what it was encoded by: the run's, or with none recorded, its own
+        "libraries": library_versions(),  # the vector cache takes the rows only if its key's are these
         "worker": ctx.name,
         "pid": ctx.pid,
         "host": ctx.host,

@@ -73,15 +73,35 @@ def text_hashes(texts: Iterable[str]) -> np.ndarray[Any, Any]:
     return np.frombuffer(digests, dtype=f"S{HASH_BYTES}").copy()
 
 
+# The libraries that turn a model's files into vectors, by release (major.minor): their releases
+# have changed what a model computes (sentence-transformers 6 reads a model's maximum length from
+# its tokenizer's config, where 5 read sentence_bert_config.json).
+VECTOR_LIBRARIES = ("sentence-transformers", "transformers")
+
+
+def library_versions() -> dict[str, str]:
+    """This process's releases of VECTOR_LIBRARIES, as major.minor ("absent" where not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for name in VECTOR_LIBRARIES:
+        try:
+            found[name] = ".".join(version(name).split(".")[:2])
+        except PackageNotFoundError:
+            found[name] = "absent"
+    return found
+
+
 def producer(model: str, model_identity: str, options: EncodeOptions) -> dict[str, Any]:
     """What decides a text's vector, beside the text: the model's identity (the hash of its files or
-    its hub commit, never only its name) and every option that changes a vector (the options say
-    which they are: ``specs.vector_options``)."""
+    its hub commit, never only its name), every option that changes a vector (the options say which
+    they are: ``specs.vector_options``) and the releases of the libraries that compute it."""
     return {
         "cache_format": CACHE_FORMAT,
         "model": model,
         "model_identity": model_identity,
         "options": vector_options(options),
+        "libraries": library_versions(),
     }
 
 

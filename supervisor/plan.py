@@ -615,10 +615,20 @@ def encoded_chunks(
     layout: RunLayout, manifest: RunManifest
 ) -> Iterator[tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], float]]:
     """(text hashes, float32 vectors, encode seconds) of each chunk a worker encoded (not read from
-    the cache): what assembly adds to the cache."""
+    the cache) with the libraries of the cache's key: what assembly adds to the cache."""
+    libraries = (manifest.plan or {}).get("libraries")
     for index in range(manifest.chunks):
         meta = read_json(layout.output_meta(index))
         if meta.get("source") == "cache":
+            continue
+        if libraries and meta.get("libraries") != libraries:
+            log.info(
+                "run %s: chunk %d was encoded with %s, the cache's key says %s; not added to the cache",
+                layout.run_id,
+                index,
+                meta.get("libraries"),
+                libraries,
+            )
             continue
         _, texts = read_chunk_input(layout, index)
         vectors = np.asarray(load_npy(layout.output_npy(index)), dtype=np.float32)

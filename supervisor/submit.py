@@ -379,6 +379,7 @@ def _write_planned(
         }
     plan["producer"] = cache.key if cache is not None else None
     plan["model_identity"] = described["model_identity"] if described is not None else None
+    plan["libraries"] = described["libraries"] if described is not None else None
     encode_rows, cached_rows = plan["encode_rows"], plan["cached_rows"]
     size = req.chunk_size
     log.info(

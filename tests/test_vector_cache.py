@@ -417,3 +417,35 @@ def test_a_read_only_cache_costs_time_not_the_run(tmp_path: Path, reference_mode
     layout = RunLayout(store, next(p.name for p in (store / "runs").iterdir() if p.name.startswith("b-")))
     got, got_ids = result_of(layout)
     assert got_ids == ids and max_abs_diff(got, reference_model.encode(texts)) <= 1e-5
+
+
+def test_rows_encoded_by_other_library_releases_stay_out_of_the_cache(
+    tmp_path: Path, store: Path, connection: redis.Redis
+) -> None:
+    """The cache's key holds the releases of sentence-transformers and transformers (a release has
+    changed what a model computes); a chunk a worker of other releases encoded is not added under it."""
+    import json
+
+    from chunkq.jobs.embed import embed_chunk
+    from chunkq.jobs.manifest import load_manifest
+    from chunkq.jobs.run_files import RunLayout
+    from chunkq.jobs.vector_cache import VectorCache, library_versions
+    from chunkq.supervisor.assemble import assemble
+    from chunkq.supervisor.corpus import CorpusOptions
+    from chunkq.supervisor.submit import SubmitRequest, submit
+
+    assert producer(BUNDLED_MODEL, "files:x", EncodeOptions())["libraries"] == library_versions()
+    ids, texts = make_texts(30, seed=31)
+    corpus = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")
+    request = SubmitRequest(corpus, store, BUNDLED_MODEL, CorpusOptions("jsonl"), chunk_size=10)
+    layout = RunLayout(store, submit(request, connection).run_id)
+    manifest = load_manifest(layout)
+    for index in range(manifest.chunks):
+        embed_chunk(manifest.chunk_spec(store, index).to_dict())
+    meta = json.loads(layout.output_meta(1).read_text())
+    assert meta["libraries"] == library_versions()
+    meta["libraries"] = {**meta["libraries"], "transformers": "4.9"}  # as an older worker records it
+    layout.output_meta(1).write_text(json.dumps(meta))
+    assemble(layout)
+    cache = VectorCache(store, manifest.plan["producer"])
+    assert sum(s.rows for s in cache.shards()) == 20
