@@ -13,7 +13,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from importlib.metadata import version
 from pathlib import Path
 from types import TracebackType
 
@@ -25,6 +24,7 @@ from rq.serializers import JSONSerializer
 from chunkq.jobs.abandon import mark_abandoned
 from chunkq.jobs.errors import StoreWriteError
 from chunkq.jobs.manifest import load_manifest
+from chunkq.jobs.release import chunkq_version
 from chunkq.jobs.run_files import RunLayout
 from chunkq.jobs.runtime import POOL_FOR_RUN_ENV
 from chunkq.jobs.storage import OWNER_ONLY, is_local
@@ -209,7 +209,7 @@ def _run_log(req: RunRequest, layout: RunLayout, stack: contextlib.ExitStack) ->
     log.info(
         "run %s: chunkq %s (pid %d); this log: %s",
         layout.run_id,
-        version("chunkq"),
+        chunkq_version(),
         os.getpid(),
         run_log.path,
     )

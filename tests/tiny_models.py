@@ -45,7 +45,7 @@ def splade_encoder(folder: Path) -> Path:
     bundled model's vocabulary, max-pooled by SpladePooling, saved by SparseEncoder."""
     import torch
     from sentence_transformers import SparseEncoder
-    from sentence_transformers.sparse_encoder.models import MLMTransformer, SpladePooling
+    from sentence_transformers.sparse_encoder.modules import MLMTransformer, SpladePooling
     from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
 
     torch.manual_seed(7)

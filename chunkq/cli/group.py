@@ -13,6 +13,7 @@ from chunkq.cli.common import (
     reports_errors,
 )
 from chunkq.cli.settings_options import F
+from chunkq.jobs.release import chunkq_version
 from chunkq.queue_worker.settings import PoolSettings
 
 
@@ -22,7 +23,7 @@ def current_log_level() -> str:
 
 @click.group()
 @log_level_option
-@click.version_option(package_name="chunkq")
+@click.version_option(version=chunkq_version(), prog_name="chunkq")
 def cli() -> None:
     """chunkq: embed large corpora with sentence-transformers; nothing is lost when a process dies.
 

@@ -96,6 +96,15 @@ def test_a_device_side_assert_an_oom_and_a_killed_worker_in_one_run(
     assert "hit a fatal CUDA error" in done.stderr  # the worker exited; a fresh process took the chunk
 
 
+def oversized_corpus(rows: int) -> tuple[list[str], list[str]]:
+    """``rows`` texts of more than 512 tokens, every one distinct: the vector cache encodes each
+    distinct text once, so ten texts repeated (what this test first used) made one small batch and
+    no OOM (tests/test_gpu_corpora.py checks every corpus of this tier on the CPU)."""
+    words = "alpha beta gamma delta river mountain queue worker chunk embed".split()
+    texts = [f"row {i}: " + " ".join(words[(i + j) % len(words)] for j in range(600)) for i in range(rows)]
+    return [f"long-{i}" for i in range(rows)], texts
+
+
 def test_a_real_oom_from_an_oversized_batch_backs_off_and_finishes(
     tmp_path: Path, gpu_model: str, gpu: Any, cuda_device: str
 ) -> None:
@@ -104,9 +113,7 @@ def test_a_real_oom_from_an_oversized_batch_backs_off_and_finishes(
     # MiniLM at 512 tokens: the feed-forward block alone holds 512 x 1536 fp32 values (3 MiB) per
     # row, twice over around its activation; rows for about twice the GPU's memory.
     rows = int(2 * total / (2 * 512 * 1536 * 4)) + 1
-    ids = [f"long-{i}" for i in range(rows)]
-    words = "alpha beta gamma delta river mountain queue worker chunk embed".split()
-    texts = [" ".join(words[(i + j) % len(words)] for j in range(600)) for i in range(rows)]
+    ids, texts = oversized_corpus(rows)
     corpus = write_corpus(tmp_path / "long.jsonl", ids, texts, "jsonl")
     store = tmp_path / "store"
     args = ["--model", gpu_model, "--chunk-size", str(rows), "--batch-size", str(rows)]
