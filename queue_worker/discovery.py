@@ -11,8 +11,15 @@ GPU and why:
 - **Compute mode.** ``PROHIBITED`` takes no context: skipped. ``EXCLUSIVE_PROCESS`` takes one
   process's: the pool runs one worker there and no standby (``GpuInfo.exclusive``).
 
+- **NVML that cannot initialise.** Where ``nvmlInit`` fails (a driver updated under a running host:
+  NVML_ERROR_LIB_RM_VERSION_MISMATCH; WSL2; some containers) CUDA may still work: the devices are
+  then asked of CUDA in a child process (``cuda_devices``), and what only NVML tells (free memory,
+  processes, compute mode, MIG) is unknown, with NVML's error as the reason (``Survey``). Never "no
+  GPU" because a reporting library failed.
+
 ``CHUNKQ_SIMULATED_GPUS`` names a JSON file that stands in for NVML (``simulated_nvml``), for tests
-and drills on hosts without GPUs, like ``CHUNKQ_FAULTS``.
+and drills on hosts without GPUs, like ``CHUNKQ_FAULTS``; ``CHUNKQ_SIMULATED_CUDA`` stands in for
+the CUDA driver's answer.
 """
 
 from __future__ import annotations
@@ -37,16 +44,21 @@ class GpuProcess:
     used_memory: int | None
 
 
+FROM_NVML = "nvml"
+FROM_CUDA = "cuda"  # NVML could not say: found through CUDA, free memory and processes unknown
+
+
 @dataclass(frozen=True)
 class GpuInfo:
     index: int  # NVML's index of the physical GPU (PCI bus order), as nvidia-smi shows it
     name: str
     uuid: str  # what CUDA_VISIBLE_DEVICES pins: GPU-... or, for a MIG instance, MIG-...
     memory_total: int
-    memory_free: int
-    processes: tuple[GpuProcess, ...] = ()
+    memory_free: int | None  # None: unknown (NVML could not say; each worker reads its own)
+    processes: tuple[GpuProcess, ...] = ()  # those NVML listed; () where it could not say
     mig: int | None = None  # the MIG instance's index on its GPU; None for a whole GPU
-    compute_mode: str = "default"
+    compute_mode: str = "default"  # "unknown" where NVML could not say
+    source: str = FROM_NVML  # who listed it: NVML, or CUDA where NVML failed
 
     @property
     def key(self) -> str:
@@ -103,13 +115,18 @@ def _mig_enabled(nvml: Any, handle: Any) -> bool:
 
 def _device(nvml: Any, handle: Any, index: int, name: str, mode: str, mig: int | None = None) -> GpuInfo:
     """What a worker pinned to ``handle`` (a whole GPU, or MIG instance ``mig`` of GPU ``index``) gets."""
-    memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+    try:
+        memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+        total, free = int(memory.total), int(memory.free)
+    except nvml.NVMLError as exc:  # the GPU is there; how full it is is unknown
+        log.warning("GPU %d (%s): NVML cannot read its memory (%s); free memory unknown", index, name, exc)
+        total, free = 0, None
     return GpuInfo(
         index=index,
         name=name,
         uuid=_text(nvml.nvmlDeviceGetUUID(handle)),
-        memory_total=int(memory.total),
-        memory_free=int(memory.free),
+        memory_total=total,
+        memory_free=free,
         processes=_processes(nvml, handle),
         mig=mig,
         compute_mode=mode,
@@ -159,20 +176,92 @@ def _nvml() -> Any:
     return pynvml
 
 
-def read_all(nvml: Any = None) -> list[GpuInfo]:
-    """Every device of this host a worker could be pinned to, in PCI bus order; [] without a driver."""
+# NVML's errors that mean there is no NVIDIA driver at all (a CPU host), not a broken one.
+NO_DRIVER = ("LIBRARY_NOT_FOUND", "DRIVER_NOT_LOADED")
+
+
+@dataclass(frozen=True)
+class Survey:
+    """What this host has: its devices, and where NVML failed, its error and CUDA's answer."""
+
+    gpus: list[GpuInfo]
+    nvml_error: str | None = None  # nvmlInit's error, in NVML's words
+    nvml_error_name: str | None = None  # its nvml.h name: LIB_RM_VERSION_MISMATCH, LIBRARY_NOT_FOUND...
+    cuda_error: str | None = None  # why CUDA listed none, where it was asked
+
+    @property
+    def driver_broken(self) -> bool:
+        """NVML failed on a host with a driver (not a CPU host without one)."""
+        return self.nvml_error is not None and self.nvml_error_name not in NO_DRIVER
+
+
+def _error_name(exc: Any) -> str | None:
+    """An NVML error's nvml.h name (LIB_RM_VERSION_MISMATCH), from its code."""
+    import pynvml
+
+    value = getattr(exc, "value", None)
+    for name in dir(pynvml):
+        if name.startswith("NVML_ERROR_") and getattr(pynvml, name) == value:
+            return name[len("NVML_ERROR_") :]
+    return None
+
+
+def _from_cuda(devices: list[dict[str, Any]]) -> list[GpuInfo]:
+    return [
+        GpuInfo(
+            index=int(d["index"]),
+            name=str(d["name"]),
+            uuid=str(d["uuid"]),
+            memory_total=int(d["memory_total"]),
+            memory_free=None,
+            compute_mode="unknown",
+            source=FROM_CUDA,
+        )
+        for d in devices
+    ]
+
+
+def survey(nvml: Any = None) -> Survey:
+    """Every device of this host a worker could be pinned to, in PCI bus order: NVML's, or where NVML
+    cannot initialise, CUDA's (asked in a child process); none without a driver."""
     nvml = nvml or _nvml()
     if nvml is None:
-        return []
+        return Survey([])
     try:
         nvml.nvmlInit()
     except nvml.NVMLError as exc:
-        log.debug("NVML unavailable (%s): no GPUs", exc)
-        return []
+        return _without_nvml(str(exc), _error_name(exc))
     try:
-        return [gpu for index in range(int(nvml.nvmlDeviceGetCount())) for gpu in _read_gpu(nvml, index)]
+        return Survey(
+            [gpu for index in range(int(nvml.nvmlDeviceGetCount())) for gpu in _read_gpu(nvml, index)]
+        )
     finally:
         nvml.nvmlShutdown()
+
+
+def _without_nvml(error: str, name: str | None) -> Survey:
+    from chunkq.queue_worker import cuda_devices
+
+    answer = cuda_devices.ask()
+    gpus = _from_cuda(answer.devices)
+    found = Survey(gpus, error, name, answer.error)
+    if gpus:
+        log.warning(
+            "NVML cannot initialise (%s): %d GPU(s) found through CUDA instead; their free memory, "
+            "processes and compute mode are unknown",
+            error,
+            len(gpus),
+        )
+    elif found.driver_broken:
+        log.warning("NVML cannot initialise (%s), and CUDA lists no GPU (%s)", error, answer.error)
+    else:
+        log.debug("NVML unavailable (%s), CUDA lists no GPU (%s): no GPUs", error, answer.error)
+    return found
+
+
+def read_all(nvml: Any = None) -> list[GpuInfo]:
+    """Every device of this host a worker could be pinned to, in PCI bus order; [] without a driver."""
+    return survey(nvml).gpus
 
 
 def visible(gpus: list[GpuInfo], value: str | None) -> list[GpuInfo]:

@@ -8,7 +8,7 @@ import os
 
 from chunkq.jobs.errors import ConfigError
 from chunkq.jobs.runtime import DEVICE_ENV, GPU_ENV
-from chunkq.queue_worker.discovery import VISIBLE_ENV, GpuInfo, read_all, visible
+from chunkq.queue_worker.discovery import VISIBLE_ENV, GpuInfo, read_all, survey, visible
 
 log = logging.getLogger(__name__)
 
@@ -61,25 +61,40 @@ def _physical(gpus: list[GpuInfo]) -> list[GpuInfo]:
     return list(seen.values())
 
 
-def usable(gpus: list[GpuInfo], min_free_memory: int, skip_busy: bool) -> list[GpuInfo]:
-    """Report GPUs short of free memory or busy with other processes; skip them as configured."""
+def usable(
+    gpus: list[GpuInfo],
+    min_free_memory: int,
+    skip_busy: bool,
+    skipped: list[str] | None = None,
+    report: bool = True,
+) -> list[GpuInfo]:
+    """Report GPUs short of free memory or busy with other processes; skip them as configured (and
+    say why in ``skipped``, where given). ``report=False``: say it only there (a check before the
+    pool starts, which reports them itself)."""
     kept = []
+    skipped = [] if skipped is None else skipped
+    say = log.warning if report else log.debug
     for gpu in gpus:
-        if gpu.memory_free < min_free_memory:
-            log.warning(
-                "%s (%s): %.1f GiB free, below --min-free-memory %.1f GiB; skipped",
-                gpu.label,
-                gpu.name,
-                gpu.memory_free / 2**30,
-                min_free_memory / 2**30,
+        if gpu.memory_free is None:
+            if min_free_memory:
+                say(
+                    "%s (%s): free memory unknown (NVML could not say); --min-free-memory not checked",
+                    gpu.label,
+                    gpu.name,
+                )
+        elif gpu.memory_free < min_free_memory:
+            why = (
+                f"{gpu.label} ({gpu.name}): {gpu.memory_free / 2**30:.1f} GiB free, below --min-free-memory "
+                f"{min_free_memory / 2**30:.1f} GiB"
             )
+            say("%s; skipped", why)
+            skipped.append(why)
             continue
         if gpu.processes:
             names = ", ".join(f"{p.name} (pid {p.pid})" for p in gpu.processes)
-            log.warning(
-                "%s (%s) is busy with: %s%s", gpu.label, gpu.name, names, "; skipped" if skip_busy else ""
-            )
+            say("%s (%s) is busy with: %s%s", gpu.label, gpu.name, names, "; skipped" if skip_busy else "")
             if skip_busy:
+                skipped.append(f"{gpu.label} ({gpu.name}) is busy with {names} (--busy-gpus skip)")
                 continue
         kept.append(gpu)
     return kept
@@ -197,7 +212,9 @@ def auto_workers_per_gpu(
     model = weights if weights is not None else UNKNOWN_MODEL_BYTES
     standby_bytes = model + CONTEXT_BYTES if standby else 0
     per_worker = model + CONTEXT_BYTES + ACTIVATION_BYTES + standby_bytes
-    free = min(gpu.memory_free for gpu in gpus)
+    # Free memory NVML could not say: the total, less what the others use is unknown; each worker
+    # then reads its own free memory for its batches (jobs.token_batches).
+    free = min(gpu.memory_free if gpu.memory_free is not None else gpu.memory_total for gpu in gpus)
     by_memory = max(1, int(0.9 * free // per_worker))
     n = min(by_cpu, by_memory, AUTO_MAX_WORKERS)
     weights_text = f"{weights / 2**20:.0f} MiB of weights" if weights is not None else "weights unknown"
@@ -228,6 +245,9 @@ def resolve_workers_per_gpu(
     return workers
 
 
+CPU_SPECS = ("none", "cpu")  # --gpus in so many words: the CPU, even where GPUs are
+
+
 def selected(spec: str) -> list[GpuInfo]:
     """``--gpus`` resolved on this host for this process: refused if it names a GPU that is not
     there or not this process's to use."""
@@ -235,11 +255,34 @@ def selected(spec: str) -> list[GpuInfo]:
     return select(spec, host, visible(host, os.environ.get(VISIBLE_ENV)))
 
 
-def choose(spec: str, min_free_memory: str, busy: str) -> list[GpuInfo]:
+def choose(spec: str, min_free_memory: str, busy: str, report: bool = True) -> list[GpuInfo]:
     """The GPUs a pool uses: ``--gpus`` among those this process may use, less those short of
-    memory or (with ``skip``) busy."""
-    chosen = selected(spec)
+    memory or (with ``skip``) busy. [] means CPU workers, and is only given where the user asked for
+    the CPU (``--gpus none``), this process may use no GPU (``CUDA_VISIBLE_DEVICES=""``), or the host
+    has no NVIDIA driver: a host where CUDA sees a device, or whose driver is broken, never falls
+    back to the CPU silently (ConfigError, one line, saying why and what to do)."""
+    host = survey()
+    inherited = os.environ.get(VISIBLE_ENV)
+    allowed = visible(host.gpus, inherited)
+    chosen = select(spec, host.gpus, allowed)
     for gpu in chosen:
-        if gpu.exclusive:
+        if gpu.exclusive and report:
             log.info("%s (%s): compute mode EXCLUSIVE_PROCESS: one worker, no standby", gpu.label, gpu.name)
-    return usable(chosen, parse_size(min_free_memory), skip_busy=busy == "skip")
+    skipped: list[str] = []
+    kept = usable(chosen, parse_size(min_free_memory), busy == "skip", skipped, report)
+    if kept or spec.strip().lower() in CPU_SPECS or inherited == "":
+        return kept
+    cpu = "give --gpus none to run on the CPU instead"
+    if skipped:
+        raise ConfigError(f"--gpus {spec}: no GPU left to use ({'; '.join(skipped)}); free one, or {cpu}")
+    if host.gpus:
+        raise ConfigError(
+            f"{VISIBLE_ENV}={inherited!r} leaves this process none of the host's {len(host.gpus)} GPU(s) "
+            f"({', '.join(g.uuid for g in host.gpus)}); name one of them there, or {cpu}"
+        )
+    if host.driver_broken:
+        raise ConfigError(
+            f"NVML cannot initialise ({host.nvml_error}) and CUDA lists no GPU ({host.cuda_error}): the "
+            f"NVIDIA driver is broken (`chunkq doctor` says more); fix it, or {cpu}"
+        )
+    return kept

@@ -51,7 +51,8 @@ class _GpuMemory(Collector):
         )
         for gpu in discover():
             if gpu.key in self.keys:
-                used.add_metric([gpu.key, gpu.name], float(gpu.memory_total - gpu.memory_free))
+                if gpu.memory_free is not None:  # unknown where NVML cannot say: no sample, not 0
+                    used.add_metric([gpu.key, gpu.name], float(gpu.memory_total - gpu.memory_free))
                 total.add_metric([gpu.key, gpu.name], float(gpu.memory_total))
         yield used
         yield total

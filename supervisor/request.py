@@ -24,7 +24,7 @@ from chunkq.jobs.models import check_model, check_precision, default_model
 from chunkq.jobs.run_files import RunLayout, read_json
 from chunkq.jobs.specs import DEFAULT_KIND, DEFAULT_PRECISION, EncodeOptions
 from chunkq.jobs.storage import is_local, open_store
-from chunkq.queue_worker.gpus import selected
+from chunkq.queue_worker.gpus import choose
 from chunkq.queue_worker.settings import DEFAULT_QUEUE, PoolSettings
 from chunkq.supervisor.corpus import CorpusOptions, check_readable, detect_format, read_corpus
 from chunkq.supervisor.local_run import RunOutcome, RunRequest
@@ -262,8 +262,10 @@ def build_run_request(
     settings = watch_settings(**watch)
     request = replace(submit_request(corpora, store, **submit), queue_window=settings.window)
     pool_settings = replace(PoolSettings(), **{k: v for k, v in pool.items() if v is not None})
-    if request.encode.precision != DEFAULT_PRECISION and not selected(pool_settings.gpus):
-        check_precision(request.encode.precision, "cpu")  # its pool would have no GPU: said now
+    # The devices its pool will use, or why it cannot use the host's GPUs: said now, not by the pool.
+    devices = choose(pool_settings.gpus, pool_settings.min_free_memory, pool_settings.busy_gpus, report=False)
+    if request.encode.precision != DEFAULT_PRECISION and not devices:
+        check_precision(request.encode.precision, "cpu")
     if redis_url:
         reach_redis(redis_url)
     metrics_port = watch.get("metrics_port")

@@ -26,7 +26,6 @@ from chunkq.jobs.manifest import load_manifest
 from chunkq.jobs.models import check_model
 from chunkq.jobs.run_files import RunLayout
 from chunkq.jobs.specs import DEFAULT_KIND
-from chunkq.queue_worker import gpus as gpu_discovery
 from chunkq.queue_worker.exit_codes import EXIT_CHUNKS_FAILED, EXIT_OK, EXIT_PARTIAL, EXIT_POOL_DIED
 from chunkq.queue_worker.pool import start as start_pool
 from chunkq.supervisor.display import ProgressDisplay, describe
@@ -160,8 +159,6 @@ def run_cmd(corpus: tuple[str, ...], redis_url: str | None, verbose: int, **kw: 
     """
     quiet_unless(verbose)
     pool_values = pop_pool_values(kw, exclude=RUN_DECIDES_FOR_THE_POOL)
-    if pool_values.get("gpus") not in (None, "all", "none", "cpu"):
-        gpu_discovery.selected(pool_values["gpus"])  # refuse a missing GPU, or another process's, up front
     req = build_run_request(corpus, store=kw.pop("store"), redis_url=redis_url, **kw, **pool_values)
     req = replace(req, log_file=True)
     with ProgressDisplay() as display:

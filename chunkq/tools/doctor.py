@@ -1,7 +1,9 @@
 """``chunkq doctor``: what this host offers chunkq, and advice where something is wrong.
 
-GPUs come from NVML (no CUDA context is created for them); torch is asked separately, so a
-CPU-only torch on a GPU host (the silent-CPU-fallback trap) is called out.
+GPUs come from NVML (no CUDA context is created for them), or where NVML cannot initialise, from
+CUDA asked in a child process (queue_worker.discovery); a failing NVML on a host with a driver is a
+problem, named with its error and what still works. torch is asked separately, so a CPU-only torch
+on a GPU host (the silent-CPU-fallback trap) is called out.
 """
 
 from __future__ import annotations
@@ -103,10 +105,36 @@ def _store(path: Path) -> dict[str, Any]:
         return {"path": str(path), "writable": False, "error": f"{type(exc).__name__}: {exc}"}
 
 
+# What to do about a failing NVML, by its nvml.h name.
+NVML_ADVICE = {
+    "LIB_RM_VERSION_MISMATCH": "the driver was updated under the running system: reboot, or reload the "
+    "nvidia kernel modules, so that the library and the kernel module agree",
+    "NO_PERMISSION": "this process may not open /dev/nvidia*: check the container's device access",
+}
+
+
+def _nvml_problem(found: discovery.Survey, gpus: list[discovery.GpuInfo]) -> str:
+    said = f"NVML cannot initialise ({found.nvml_error})"
+    advice = NVML_ADVICE.get(
+        found.nvml_error_name or "", "check the NVIDIA driver (nvidia-smi says the same)"
+    )
+    if gpus:
+        names = ", ".join(f"{gpu.label} {gpu.uuid}" for gpu in gpus)
+        return (
+            f"{said}: {len(gpus)} GPU(s) found through CUDA instead ({names}); runs use them as ever "
+            "(--gpus, CUDA_VISIBLE_DEVICES, pinning by UUID; each worker reads its own free memory), but "
+            f"free memory, processes, compute mode and MIG are unknown until NVML works: {advice}"
+        )
+    return f"{said}, and CUDA lists no GPU ({found.cuda_error}): {advice}"
+
+
 def examine(store: Path, redis_url: str | None) -> Report:
     report = Report(nvml=_nvml(), torch=_torch(), redis=_redis(redis_url), store=_store(store))
-    found = discovery.discover()
+    host = discovery.survey()
+    found = discovery.visible(host.gpus, os.environ.get(discovery.VISIBLE_ENV))
     report.gpus = [{**asdict(gpu), "label": gpu.label, "exclusive": gpu.exclusive} for gpu in found]
+    if host.driver_broken:
+        report.problems.append(_nvml_problem(host, found))
     visible = os.environ.get(discovery.VISIBLE_ENV)
     if visible is not None:
         report.notes.append(
@@ -119,7 +147,7 @@ def examine(store: Path, redis_url: str | None) -> Report:
             "PYTORCH_NO_NVML is set: no PyTorch code reads it; it does not prevent the NVML assert of the "
             "caching allocator, which is an out-of-memory (chunkq retries it smaller, in a fresh process)"
         )
-    if not found:
+    if not found and not host.driver_broken:
         report.notes.append(
             "no NVIDIA GPU found"
             + (f" ({report.nvml['error']})" if "error" in report.nvml else "")
@@ -156,10 +184,14 @@ def render(report: Report) -> str:
     if nvml.get("available"):
         lines.append(f"NVIDIA driver {nvml['driver']}, CUDA driver {nvml['cuda_driver']}")
     for gpu in report.gpus:
-        lines.append(
-            f"{gpu['label']}: {gpu['name']} ({gpu['uuid']}), {gpu['memory_free'] / 2**30:.1f} of "
-            f"{gpu['memory_total'] / 2**30:.1f} GiB free, {len(gpu['processes'])} process(es)"
-        )
+        total, processes = gpu["memory_total"] / 2**30, len(gpu["processes"])
+        if gpu["source"] == discovery.FROM_CUDA:
+            state = f"{total:.1f} GiB, found through CUDA (NVML failed: free memory and processes unknown)"
+        elif gpu["memory_free"] is None:
+            state = f"free memory unknown, {processes} process(es)"
+        else:
+            state = f"{gpu['memory_free'] / 2**30:.1f} of {total:.1f} GiB free, {processes} process(es)"
+        lines.append(f"{gpu['label']}: {gpu['name']} ({gpu['uuid']}), {state}")
         lines += [f"    pid {p['pid']} {p['name']}" for p in gpu["processes"]]
     t = report.torch
     lines.append(
