@@ -2,8 +2,8 @@
 
 Out of memory: free what can be freed, halve the batch and try again, down to 1; the size that
 fitted is recorded for the run's later chunks on the same kind of device (``learned``). The caching
-allocator's NVML assert is an out-of-memory too: the chunk fails with the halved size recorded, and
-the worker leaves so the next attempt starts in a fresh process. A broken CUDA context: fail with
+allocator's NVML assert is an out-of-memory too, halved in the same process (its context survives
+it); the process leaves only if a CUDA call after it fails. A broken CUDA context: fail with
 CudaFatalError and tell the worker to exit, since no in-process reset exists. A GPU that cannot run
 the model at all: DeviceUnsupportedError, and the worker leaves that GPU. NaN or Inf rows are never
 published: encoded again in float32 when the run's precision is lower, else the chunk fails.
@@ -37,7 +37,6 @@ from chunkq.jobs import (
     token_batches,
 )
 from chunkq.jobs.errors import (
-    AllocatorOutOfMemoryError,
     BadInputError,
     BadRowsError,
     ChunkOutOfMemoryError,
@@ -156,19 +155,14 @@ def encode_with_backoff(
             if kind not in (errors.OOM, errors.UNSUPPORTED):
                 raise
             detail = str(exc)
-            allocator_failure = exc if errors.allocator_assert(exc) else None
+            # torch's out-of-memory report asserted (NVML cannot work in this process): an OOM all
+            # the same, and the context survives it (seen on an H100: the same process allocated and
+            # computed after it, and the next oversized allocation asserted again). The probe below
+            # decides, as after any OOM, whether this process may go on.
+            report_failed = errors.allocator_assert(exc)
             # The failed forward pass's frames hold its activations; whoever still holds the
             # exception (a log handler, a debugger) would keep that memory from the next attempt.
             traceback.clear_frames(exc.__traceback__)
-        if allocator_failure is not None:
-            # The allocator failed inside its own out-of-memory path: the next attempt, smaller,
-            # starts in a fresh process rather than trust this one's allocator.
-            raise AllocatorOutOfMemoryError(
-                f"chunk {chunk.job_id}: out of memory at {what} {batch} (torch's out-of-memory report "
-                f"failed: {errors.first_sentence_of(detail)}); the next attempt starts at "
-                f"{max(floor, batch // 2)} in a fresh process",
-                retry_limit=max(floor, batch // 2),
-            ) from allocator_failure
         # Out of the except block, so nothing refers to the failed attempt any more: only now can
         # empty_cache() hand its memory back for the smaller batch.
         cuda.free_cached_memory(device)
@@ -178,7 +172,13 @@ def encode_with_backoff(
             raise ChunkOutOfMemoryError(
                 f"chunk {chunk.job_id}: out of memory even at {what} {batch}: {detail}"
             )
-        backoffs.append({unit: batch, "error": errors.first_sentence_of(detail)})
+        backoffs.append(
+            {
+                unit: batch,
+                "error": errors.first_sentence_of(detail),
+                **({"report_failed": True} if report_failed else {}),
+            }
+        )
         batch = max(floor, batch // 2)
         log.warning("chunk %s: %s; retrying with %s %d", chunk.job_id, backoffs[-1]["error"], what, batch)
 
@@ -269,9 +269,7 @@ _ENDS_THE_PROCESS = {
 
 def _record_failure(exc: BaseException) -> None:
     kind = errors.classify(exc)
-    if isinstance(exc, AllocatorOutOfMemoryError):
-        runtime.end_after_job(runtime.FRESH_ALLOCATOR, str(exc))
-    elif kind in _ENDS_THE_PROCESS:
+    if kind in _ENDS_THE_PROCESS:
         runtime.end_after_job(_ENDS_THE_PROCESS[kind], str(exc))
     job = get_current_job()
     if job is not None:
@@ -374,10 +372,6 @@ def _embed(chunk: ChunkSpec) -> dict[str, Any]:
             f"chunk {chunk.job_id}: {len(exc.rows)} row(s) have no vector ({named}); fix or drop "
             "them, or give --allow-missing to leave them out of the result"
         ) from exc
-    except AllocatorOutOfMemoryError as exc:
-        limit = exc.retry_limit
-        learned.update(layout, ctx.device_kind, lambda record: learned.lowered(record, work.options, limit))
-        raise
     seconds = time.perf_counter() - t0
     speed = sum(map(len, texts)) / max(seconds, 1e-9)
     fitted, backed_off = encoded.limit, bool(encoded.backoffs)

@@ -77,15 +77,6 @@ class ChunkOutOfMemoryError(ChunkqError):
     """Out of memory even at the smallest batch size; another worker or GPU may still manage."""
 
 
-class AllocatorOutOfMemoryError(ChunkOutOfMemoryError):
-    """Out of memory, reported by a failed assert in the caching allocator (its NVML report could not
-    run): the next attempt starts smaller, in a fresh process."""
-
-    def __init__(self, message: str, retry_limit: int) -> None:
-        super().__init__(message)
-        self.retry_limit = retry_limit  # the batch size or token budget the next attempt starts from
-
-
 class CudaFatalError(ChunkqError):
     """The CUDA context is broken (sticky error); only a fresh process can use the GPU again."""
 

@@ -17,8 +17,8 @@ Kinds:
 - ``cuda_fatal``: the illegal-memory-access error in torch's wording (AcceleratorError where torch
   has it, a RuntimeError before 2.8), on any device; torch offers no way to cause one for real.
 - ``nvml_assert`` while the batch size is above ``above_batch``: the caching allocator's assert
-  that replaces an out-of-memory where NVML cannot work in the process (``variant``: ``init``,
-  ``handle`` or ``processes``, each the wording and line number of a real report; see
+  that replaces an out-of-memory where NVML cannot work in the process (``variant``: ``init_2_11``,
+  ``init``, ``handle`` or ``processes``, each the wording and line number of a real report; see
   ``NVML_ASSERTS``), raised as torch raises it (a RuntimeError from c10::Error). On a GPU a real
   oversized allocation fails first, so the allocator has really released its cache as it would.
 - ``unsupported``: this GPU cannot run this model (``variant``: ``no_kernel_image``, ``cublas``;
@@ -85,6 +85,10 @@ _OOM_TEXT = (
 # (``if (!block_found)``) before it raises OutOfMemoryError. TORCH_INTERNAL_ASSERT's text ends in
 # "please report a bug to PyTorch. " (trailing space included); line numbers vary by release.
 NVML_ASSERTS = {
+    # torch 2.11.0+cu130 on an H100 whose libnvidia-ml.so.1 failed nvmlInit_v2 with
+    # NVML_ERROR_LIB_RM_VERSION_MISMATCH, raised by the allocator itself (shared/DESIGN.md 6b, 2026-11-25).
+    "init_2_11": "NVML_SUCCESS == DriverAPI::get()->nvmlInit_v2_() INTERNAL ASSERT FAILED at "
+    '"/pytorch/c10/cuda/CUDACachingAllocator.cpp":1135, please report a bug to PyTorch. ',
     # pytorch/pytorch#112950 (torch 2.1): nvmlInit_v2_ failed in the process.
     "init": 'NVML_SUCCESS == DriverAPI::get()->nvmlInit_v2_() INTERNAL ASSERT FAILED at "../c10/cuda/'
     'CUDACachingAllocator.cpp":1123, please report a bug to PyTorch. ',

@@ -126,13 +126,3 @@ def _after_auto_chunk(
         return {**new, CLEAN: clean}
     step = max(1, int(ceiling) // GROW_STEPS)
     return {**new, "ceiling": int(ceiling) + step, "batch_tokens": int(new["batch_tokens"]) + step, CLEAN: 0}
-
-
-def lowered(record: dict[str, Any], options: EncodeOptions, limit: int) -> dict[str, Any]:
-    """The record after an out-of-memory that a fresh process must retry: start at ``limit``."""
-    key = unit(options)
-    known = record.get(key)
-    new = {**record, key: min(limit, int(known or limit)), CLEAN: 0}
-    if options.batch_tokens == BATCH_TOKENS_AUTO:
-        new["ceiling"] = new[key]
-    return new

@@ -58,7 +58,6 @@ class WorkerContext:
 # Why a worker must end after the job in hand (jobs/ cannot name the worker's exit codes; the
 # worker maps each to one): the first reason given holds.
 BROKEN_CONTEXT = "broken_context"  # a sticky CUDA error: no in-process reset exists
-FRESH_ALLOCATOR = "fresh_allocator"  # the caching allocator asserted in its OOM path: start clean
 DEVICE_UNSUPPORTED = "device_unsupported"  # this GPU cannot run this model at all
 
 _context: WorkerContext | None = None

@@ -37,7 +37,6 @@ EXIT_STOPPED = EXIT_OK
 EXIT_ERROR = 1
 EXIT_MAX_JOBS = 10
 EXIT_CUDA_FATAL = 11
-EXIT_FRESH_ALLOCATOR = 12
 EXIT_ORPHANED = 14
 EXIT_FORKED_NO_CUDA = 15
 EXIT_NO_CONTEXT = 16
@@ -66,14 +65,6 @@ CODES = {
     ),
     # Only a fresh process can use the GPU again.
     EXIT_CUDA_FATAL: ExitCode("hit a fatal CUDA error", "cuda_fatal"),
-    # The caching allocator's NVML assert is an out-of-memory (its job failed as one, with a smaller
-    # batch recorded); the retry starts in a fresh process rather than trust this allocator.
-    EXIT_FRESH_ALLOCATOR: ExitCode(
-        "left after an out-of-memory its allocator reported by a failed assert",
-        "fresh_allocator",
-        clean=True,
-        gpus_fault=False,
-    ),
     # Out of memory or busy while creating its context: this worker, not the fork server, failed.
     EXIT_NO_CONTEXT: ExitCode("could not create its CUDA context (out of memory or busy)", "no_context"),
     # No kernels for this GPU's architecture, an unsupported cuBLAS call: its job goes elsewhere.

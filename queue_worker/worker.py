@@ -45,7 +45,6 @@ from chunkq.queue_worker.exit_codes import (
     EXIT_CUDA_FATAL,
     EXIT_DEVICE_UNSUPPORTED,
     EXIT_ERROR,
-    EXIT_FRESH_ALLOCATOR,
     EXIT_MAX_JOBS,
     EXIT_NO_CONTEXT,
     EXIT_ORPHANED,
@@ -68,12 +67,10 @@ log = logging.getLogger(__name__)
 # What a job's verdict on this process (runtime.end_after_job) makes the worker exit with.
 ENDING_CODES = {
     runtime.BROKEN_CONTEXT: EXIT_CUDA_FATAL,
-    runtime.FRESH_ALLOCATOR: EXIT_FRESH_ALLOCATOR,
     runtime.DEVICE_UNSUPPORTED: EXIT_DEVICE_UNSUPPORTED,
 }
 ENDING_WORDS = {
     runtime.BROKEN_CONTEXT: "CUDA context broken",
-    runtime.FRESH_ALLOCATOR: "the allocator asserted in its out-of-memory path",
     runtime.DEVICE_UNSUPPORTED: "this GPU cannot run the model",
 }
 

@@ -52,6 +52,7 @@ RECORD_KEYS = (
     "model_load_seconds",
     "batch_size",
     "batch_tokens",
+    "oom_backoffs",  # each halving the chunk's attempt made after an out-of-memory: size, error
     "startup",
     "rows_at",
 )

@@ -42,32 +42,37 @@ def _check_exact(layout: RunLayout, ids: list[str], texts: list[str], reference_
     assert got_ids == ids  # each row once, in order
 
 
-def test_the_allocators_nvml_assert_on_every_first_attempt_and_a_nan_row_finish_exact(
+def test_the_allocators_nvml_assert_is_halved_in_process_and_a_nan_row_retried_and_both_finish_exact(
     tmp_path: Path, reference_model: Any
 ) -> None:
-    """Issue 31's two must-shows in one run: chunks 0-2 raise the NVML assert on their first attempt,
-    chunk 3 comes out with a NaN row on its first."""
+    """Issue 31's two must-shows in one run, with issue 44.2's cure: chunks 0-2 raise torch 2.11's
+    NVML assert above batch 8 and halve in the same process, on their first attempt (before, each
+    halving was an attempt in a fresh process); chunk 3 comes out with a NaN row on its first
+    attempt. The report says how many halvings each chunk took and where."""
     faults = [
-        {"kind": "nvml_assert", "variant": "init", "chunks": [0, 1, 2], "attempts": [1]},
+        {"kind": "nvml_assert", "variant": "init_2_11", "chunks": [0, 1, 2], "above_batch": 8},
         {"kind": "non_finite", "chunks": [3], "attempts": [1], "rows": [4]},
     ]
     layout, ids, texts, log = _run(tmp_path, faults)
     _check_exact(layout, ids, texts, reference_model)  # nothing wrong published, each row once
     metas = [read_json(layout.output_meta(i)) for i in range(ROWS // CHUNK)]
-    assert all(m["attempt"] == 2 for m in metas)
-    assert all(m["batch_size"] < 32 for m in metas[:3])  # each chunk once, on a smaller batch
-    assert "left after an out-of-memory its allocator reported by a failed assert" in log  # a fresh process
+    assert [m["attempt"] for m in metas] == [1, 1, 1, 2]
+    assert [m["batch_size"] for m in metas[:3]] == [8, 8, 8]
+    assert [b["report_failed"] for b in metas[0]["oom_backoffs"]] == [True, True]
+    assert [m["batch_start"] for m in metas[1:3]] == [8, 8]  # what chunk 0 learned: no halving again
     assert "hit a fatal CUDA error" not in log and "taking it out of this pool" not in log  # nothing retired
     numbers = _report(layout, tmp_path / "report")
-    assert numbers["failures_by_class"] == {"oom": 3, "non_finite": 1}
-    oom = [f for f in numbers["failures"] if f["error_class"] == "oom"]
-    assert all(f["error"].startswith(f"chunk review__c{f['chunk']:06d}: out of memory") for f in oom)
-    (nan,) = [f for f in numbers["failures"] if f["error_class"] == "non_finite"]
+    assert numbers["failures_by_class"] == {"non_finite": 1}
+    (nan,) = numbers["failures"]
     assert "NaN or infinite values in fp32 (corpus rows 94)" in nan["error"]
+    (halving,) = numbers["oom_halvings"]
+    assert halving["chunk"] == 0 and halving["sizes"] == [32, 16, 8] and halving["by_nvml_assert"] == 2
     batches = numbers["batches"]
     assert batches["requested"] == 32 and sum(batches["chunks_at"].values()) == ROWS // CHUNK
-    assert any(int(size) < 32 for size in batches["chunks_at"])
-    assert "| batch size | requested 32; chunks ran at" in (tmp_path / "report" / "report.md").read_text()
+    shown = (tmp_path / "report" / "report.md").read_text()
+    assert "| batch size | requested 32; chunks ran at" in shown
+    assert "| out-of-memory halvings (in the process) | 2 in 1 chunk(s): chunk 0 on cpu, " in shown
+    assert "(32 -> 16 -> 8; 2 by the NVML assert)" in shown
 
 
 def test_a_device_that_cannot_run_the_model_stops_the_run_in_one_line(tmp_path: Path) -> None:

@@ -58,11 +58,9 @@ def test_a_forked_worker_without_cuda_stops_the_forking_not_the_device() -> None
 
 
 def test_the_allocators_oom_a_gpu_that_cannot_run_the_model_and_a_context_that_will_not_open() -> None:
-    """Issue 31: the NVML assert is an OOM (a clean end, its job already failed as one); a GPU
-    without kernels for the model is retired at once; a context out of memory is that worker's end."""
-    fresh = POLICY.judge(exit_codes.EXIT_FRESH_ALLOCATOR, 0, (1.0, 2.0), 3.0)
-    assert fresh.may_restart and fresh.delay == 0.0
-    assert not (fresh.abandon_job or fresh.counts_as_crash or fresh.retire_device or fresh.stop_forking)
+    """Issue 31: a GPU without kernels for the model is retired at once; a context out of memory is
+    that worker's end. (The allocator's NVML assert ends no process since issue 44: it is backed
+    off in the process, jobs/embed.py.)"""
     unsupported = POLICY.judge(exit_codes.EXIT_DEVICE_UNSUPPORTED, 0, (), 3.0)
     assert unsupported.retire_device and not unsupported.may_restart and not unsupported.counts_as_crash
     no_context = POLICY.judge(exit_codes.EXIT_NO_CONTEXT, 0, (1.0, 2.0), 3.0)

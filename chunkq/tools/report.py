@@ -93,6 +93,7 @@ class RunFacts:
     startup_began: float | None = None  # when the run's first workers began starting (<= 0), seconds
     cached_chunks: int = 0  # chunks read from the vector cache at submit
     bad_rows: list[dict[str, Any]] = field(default_factory=list)  # rows left out (--allow-missing)
+    halvings: list[dict[str, Any]] = field(default_factory=list)  # per chunk that backed off: where, sizes
 
     @cached_property
     def t0(self) -> datetime:
@@ -184,6 +185,8 @@ class RunFacts:
         self.chunk_seconds += max(end - start, 0.0)
         self.chunks_done += 1
         self.bad_rows += record.get("bad_rows") or []
+        if record.get("oom_backoffs"):
+            self.halvings.append(_halving(record))
         limit = record.get("batch_tokens") or record.get("batch_size")
         if limit is not None:  # ledgers written before the batch was recorded have none
             self.batches[int(limit)] += 1
@@ -305,6 +308,7 @@ def summary(facts: RunFacts, lengths: list[int], limit: int | None, unit: str) -
         "cache": _saved(facts),
         "windows": (facts.manifest.plan or {}).get("windows"),  # --long-texts window: texts cut, windows
         "rows_left_out": facts.bad_rows,  # --allow-missing: rows whose input could not be read, and why
+        "oom_halvings": facts.halvings,  # each chunk that halved its batch after an out-of-memory
     }
 
 
@@ -334,6 +338,34 @@ def _batches(facts: RunFacts) -> dict[str, Any]:
         "requested": options.get(unit),
         "chunks_at": {str(size): count for size, count in sorted(facts.batches.items(), reverse=True)},
     }
+
+
+def _halving(record: dict[str, Any]) -> dict[str, Any]:
+    """A chunk's out-of-memory back-off, as the report shows it: where, from which sizes, and how
+    many of them torch's allocator reported by its NVML assert (halved in the process all the same)."""
+    steps = record["oom_backoffs"]
+    fitted = record.get("batch_tokens") or record.get("batch_size")
+    return {
+        "chunk": record["chunk"],
+        "where": f"{_device(record)}, {record.get('worker')}",
+        "sizes": [
+            int(next(v for k, v in step.items() if k in ("batch_size", "batch_tokens"))) for step in steps
+        ]
+        + ([int(fitted)] if fitted is not None else []),
+        "halvings": len(steps),
+        "by_nvml_assert": sum(1 for step in steps if step.get("report_failed")),
+    }
+
+
+def describe_halvings(halvings: list[dict[str, Any]], shown: int = 5) -> str:
+    """'3 in 2 chunk(s): chunk 4 on GPU 0, w1 (32 -> 16 -> 8; 2 by the NVML assert), ...'"""
+    total = sum(h["halvings"] for h in halvings)
+    parts = []
+    for h in halvings[:shown]:
+        assert_note = f"; {h['by_nvml_assert']} by the NVML assert" if h["by_nvml_assert"] else ""
+        parts.append(f"chunk {h['chunk']} on {h['where']} ({' -> '.join(map(str, h['sizes']))}{assert_note})")
+    more = f", and {len(halvings) - shown} more chunk(s)" if len(halvings) > shown else ""
+    return f"{total} in {len(halvings)} chunk(s): {', '.join(parts)}{more}"
 
 
 def _device(meta: dict[str, Any]) -> str:
@@ -516,6 +548,8 @@ def _markdown(s: dict[str, Any], png: Path) -> str:
         )
     if s["rows_left_out"]:
         lines.append(f"| rows left out (--allow-missing) | {describe_left_out(s['rows_left_out'])} |")
+    if s["oom_halvings"]:
+        lines.append(f"| out-of-memory halvings (in the process) | {describe_halvings(s['oom_halvings'])} |")
     if s["cache"] is not None:
         saved = s["cache"]
         lines += [
