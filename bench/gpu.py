@@ -93,12 +93,14 @@ def docstring_corpus(path: Path, rows: int) -> Path:
     return path
 
 
-def large_model(work: Path) -> str:
-    """A random-weight BERT of bge-large's shape with the bundled model's tokenizer (same vocabulary)."""
+def large_model(work: Path, tokenizer_of: str) -> str:
+    """A random-weight BERT of bge-large's shape with the tokenizer of ``tokenizer_of`` (``--model``:
+    a BERT vocabulary of 30,522; the bundled package need not be installed, as on a GPU host that
+    carries the model's folder alone)."""
     from sentence_transformers import SentenceTransformer, models
     from transformers import AutoTokenizer, BertConfig, BertModel
 
-    from chunkq.jobs.models import BUNDLED_MODEL, resolve_model
+    from chunkq.jobs.models import resolve_model
 
     target = work / "bert-large-random"
     config = BertConfig(
@@ -110,7 +112,7 @@ def large_model(work: Path) -> str:
         max_position_embeddings=512,
     )
     BertModel(config).save_pretrained(target / "hf")
-    AutoTokenizer.from_pretrained(resolve_model(BUNDLED_MODEL)).save_pretrained(target / "hf")
+    AutoTokenizer.from_pretrained(resolve_model(tokenizer_of)).save_pretrained(target / "hf")
     word = models.Transformer(str(target / "hf"), max_seq_length=512)
     pooling = models.Pooling(word.get_word_embedding_dimension(), pooling_mode="mean")
     SentenceTransformer(modules=[word, pooling], device="cpu").save(str(target / "st"))
@@ -314,7 +316,7 @@ def main() -> None:
                 work, "all-MiniLM-L6-v2", args.model, "fp32", args.rows, args, gpu
             )
             if args.large_rows:
-                large = args.large or large_model(work)
+                large = args.large or large_model(work, args.model)
                 figures["large"] = bench_model(
                     work, "bge-large shape", large, "fp16", args.large_rows, args, gpu
                 )

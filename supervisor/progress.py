@@ -308,6 +308,7 @@ class Tracker:
         if snap.chunks_queued:
             snap.stranded = self._stranded()
             snap.unlisted = self._unlisted(queued)
+            snap.chunks_queued -= len(snap.stranded)  # each chunk in one state: stranded, not queued
         return running, failed
 
     def _unlisted(self, queued: list[int]) -> list[int]:
@@ -345,6 +346,7 @@ class Tracker:
         snap.chunks_queued = len(self.in_redis - running - self._failed)
         if snap.chunks_queued:
             snap.stranded = self._stranded()
+            snap.chunks_queued -= len(snap.stranded)  # each chunk in one state: stranded, not queued
         return running, set(self._failed)
 
     def _pending_statuses(self) -> Iterator[tuple[int, str | None]]:

@@ -115,3 +115,31 @@ def test_a_started_chunk_whose_job_has_an_empty_heartbeat_is_neither_stale_nor_a
     connection.hset(Job.key_for(chunk_job_id(run.run_id, 1)), "last_heartbeat", "")
     assert connection.hget(Job.key_for(chunk_job_id(run.run_id, 0)), "last_heartbeat") is not None
     assert tracker._stale([0, 1, 2]) == []
+
+
+def test_a_stranded_chunk_is_counted_once_not_also_as_queued(
+    tmp_path: Path, store: Path, connection: redis.Redis
+) -> None:
+    """Issue 44.8: after a worker took a chunk and died before starting it (its id left in RQ's
+    intermediate list), `status` said `1 queued` and `1 stranded` for that one chunk."""
+    from datetime import timedelta
+
+    from rq.intermediate_queue import IntermediateQueue
+
+    from chunkq.supervisor.display import describe
+    from chunkq.supervisor.enqueue import chunk_queue
+    from chunkq.supervisor.progress import STRANDED_SECONDS
+
+    run = _submit(tmp_path, store, connection, rows=6, chunk=2, queue="strand")
+    layout = RunLayout(store, run.run_id)
+    queue = chunk_queue(connection, "strand")
+    taken = connection.lmove(queue.key, queue.intermediate_queue_key, "LEFT", "RIGHT")  # as a worker takes it
+    intermediate = IntermediateQueue(queue.key, connection)
+    seen = datetime.now(UTC) - timedelta(seconds=STRANDED_SECONDS + 5)  # taken, then its worker died
+    connection.set(intermediate.get_first_seen_key(taken.decode()), seen.timestamp())
+    tracker = Tracker(connection, layout, load_manifest(layout), min_reconcile_seconds=3600)
+    for look in (tracker.poll(), tracker.poll()):  # a full look, then an incremental one
+        assert look.stranded == [0] and look.chunks_queued == 2
+        assert "2 queued" in describe(look) and "1 stranded (taken by a worker that died) (chunk 0)" in describe(
+            look
+        )
