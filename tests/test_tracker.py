@@ -140,6 +140,5 @@ def test_a_stranded_chunk_is_counted_once_not_also_as_queued(
     tracker = Tracker(connection, layout, load_manifest(layout), min_reconcile_seconds=3600)
     for look in (tracker.poll(), tracker.poll()):  # a full look, then an incremental one
         assert look.stranded == [0] and look.chunks_queued == 2
-        assert "2 queued" in describe(look) and "1 stranded (taken by a worker that died) (chunk 0)" in describe(
-            look
-        )
+        said = describe(look)
+        assert "2 queued" in said and "1 stranded (taken by a worker that died) (chunk 0)" in said

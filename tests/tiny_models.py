@@ -5,12 +5,22 @@ the model-identity tests and the kind checks run on."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 from chunkq.jobs.models import BUNDLED_MODEL, resolve_model
 from tests.helpers import WORDS
+
+# A GPU host may carry all-MiniLM-L6-v2's folder without the bundled package (tests/gpu/conftest.py):
+# the tokenizer the small models share is then that folder's.
+GPU_TEST_MODEL_ENV = "CHUNKQ_GPU_TEST_MODEL"
+
+
+def tokenizer_source() -> str:
+    """Where the BERT tokenizer of the small models comes from: the bundled model's folder."""
+    return os.environ.get(GPU_TEST_MODEL_ENV) or resolve_model(BUNDLED_MODEL)
 
 
 def cross_encoder(folder: Path, labels: int, save_as_st: bool) -> Path:
@@ -31,7 +41,7 @@ def cross_encoder(folder: Path, labels: int, save_as_st: bool) -> Path:
     )
     raw = folder / "raw"
     BertForSequenceClassification(config).save_pretrained(raw)
-    AutoTokenizer.from_pretrained(resolve_model(BUNDLED_MODEL)).save_pretrained(raw)
+    AutoTokenizer.from_pretrained(tokenizer_source()).save_pretrained(raw)
     if not save_as_st:
         return raw
     from sentence_transformers import CrossEncoder
@@ -53,7 +63,7 @@ def splade_encoder(folder: Path) -> Path:
         vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128
     )
     BertForMaskedLM(config).save_pretrained(folder / "raw")
-    AutoTokenizer.from_pretrained(resolve_model(BUNDLED_MODEL)).save_pretrained(folder / "raw")
+    AutoTokenizer.from_pretrained(tokenizer_source()).save_pretrained(folder / "raw")
     model = SparseEncoder(modules=[MLMTransformer(str(folder / "raw")), SpladePooling("max")], device="cpu")
     model.save(str(folder / "st"))
     return folder / "st"
@@ -74,7 +84,7 @@ def colbert_encoder(folder: Path) -> Path:
         vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128
     )
     BertModel(config).save_pretrained(folder / "raw")
-    AutoTokenizer.from_pretrained(resolve_model(BUNDLED_MODEL)).save_pretrained(folder / "raw")
+    AutoTokenizer.from_pretrained(tokenizer_source()).save_pretrained(folder / "raw")
     modules = [
         Transformer(str(folder / "raw")),
         Dense(
@@ -130,7 +140,7 @@ def tiny_clip(folder: Path) -> Path:
 def bundled_copy(folder: Path, **config: Any) -> Path:
     """A copy of the bundled model whose config_sentence_transformers.json also says ``config``
     (``prompts``, ``default_prompt_name``...)."""
-    shutil.copytree(resolve_model(BUNDLED_MODEL), folder)
+    shutil.copytree(tokenizer_source(), folder)
     path = folder / "config_sentence_transformers.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
     return folder
@@ -166,5 +176,5 @@ def bare_bert(folder: Path) -> Path:
         vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128
     )
     BertModel(config).save_pretrained(folder)
-    AutoTokenizer.from_pretrained(resolve_model(BUNDLED_MODEL)).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tokenizer_source()).save_pretrained(folder)
     return folder

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-MODEL_ENV = "CHUNKQ_GPU_TEST_MODEL"
+from tests.tiny_models import GPU_TEST_MODEL_ENV as MODEL_ENV
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
