@@ -231,8 +231,15 @@ def _late_reference(model, text: str, segment: tuple[int, int], span: tuple[int,
     piece = text[segment[0] : segment[1]]
     enc = tokenizer(piece, return_offsets_mapping=True, return_tensors="pt")
     offsets = enc.pop("offset_mapping")[0].tolist()
+    device = next(transformer.parameters()).device  # the GPU tier runs it on the GPU
     with torch.no_grad():
-        hidden = transformer(**enc).last_hidden_state[0].numpy()
+        hidden = (
+            transformer(**{k: v.to(device) for k, v in enc.items()})
+            .last_hidden_state[0]
+            .float()
+            .cpu()
+            .numpy()
+        )
     start, end = span[0] - segment[0], span[1] - segment[0]
     mine = [i for i, (a, b) in enumerate(offsets) if b > a and start <= a < end]
     vector = hidden[mine].mean(axis=0)
