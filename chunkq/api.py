@@ -114,16 +114,23 @@ class RunResult:
         return Ragged(arrays.pop("offsets"), arrays, int(manifest["dim"]))
 
     def export_to(
-        self, url: str, index: str | None = None, columns: tuple[str, ...] = (), force: bool = False
+        self,
+        url: str,
+        index: str | None = None,
+        columns: tuple[str, ...] = (),
+        force: bool = False,
+        column: str | None = None,
+        level: str = "window",
     ) -> dict[str, Any]:
         """Write the result into a vector store, upserting by id (``chunkq export --to``):
         ``lancedb://PATH/TABLE``, ``faiss:PATH`` (``index``: a FAISS factory string, default Flat;
         ``force``: replace a file there that chunkq did not write), ``postgresql://USER@HOST:PORT/DB?
-        table=T``; ``columns``: corpus fields copied beside each row. A summary: rows, written,
-        seconds, rows/s."""
+        table=T``; ``columns``: corpus fields copied beside each row; ``column``: the vector column's
+        name (a second run of the corpus adds its own to the same table); ``level="document"``: a
+        windowed run's vectors per text. A summary: rows, written, seconds, rows/s."""
         from chunkq.sinks import export_to
 
-        options = {"index": index, "force": force}
+        options = {"index": index, "force": force, "column": column, "level": level}
         return export_to(RunLayout(self.store, self.run_id), url, options, columns=tuple(columns))
 
     def ids(self) -> list[Any]:

@@ -157,11 +157,11 @@ def test_an_export_whose_result_is_published_again_meanwhile_stops_in_one_line(t
     """Issue 37.14: `FileNotFoundError` on the old shard folder after 8,192 rows were written, and a
     `JSONDecodeError` for a truncated result/manifest.json."""
     from chunkq.jobs.errors import StoreError
-    from chunkq.tools.export import BATCH_ROWS, _ResultReader
+    from chunkq.tools.export import BATCH_ROWS, ResultReader
 
     layout = write_encoded_run(tmp_path / "store", "moving", rows=3 * BATCH_ROWS, chunk_size=4096, dim=DIM)
     first = assemble(layout, shard_bytes=BATCH_ROWS * ROW_BYTES)
-    reading = _ResultReader(layout).batches()
+    reading = ResultReader(layout).batches()
     next(reading)  # the first shard is read; then its last shard is damaged and a rerun publishes again
     last = layout.result / first["shard_dir"] / "000002.npy"
     data = bytearray(last.read_bytes())

@@ -128,6 +128,21 @@ def clean_cmd(run_id: str, outputs_only: bool, store: Path, redis_url: str | Non
     default="",
     help="--to a table: corpus fields to copy beside each row, comma-separated (title,url), as text.",
 )
+@click.option(
+    "--column",
+    "vector_column",
+    default=None,
+    metavar="NAME",
+    help="--to a table: the vector column's name (default: vector for LanceDB, embedding for pgvector; "
+    "a sparse run's: sparse). A second run of the same corpus adds its column to the same table.",
+)
+@click.option(
+    "--level",
+    type=click.Choice(("window", "document")),
+    default="window",
+    show_default=True,
+    help="A windowed run (--long-texts window|late): a row per window, or per text (its --pool vector).",
+)
 @click.option("--json", "as_json", is_flag=True, help="--to: print the summary as JSON.")
 @click.option(
     "--force",
@@ -148,6 +163,8 @@ def export_cmd(
     to: str | None,
     index: str | None,
     columns: str,
+    vector_column: str | None,
+    level: str,
     as_json: bool,
     force: bool,
     tokens: bool,
@@ -161,12 +178,13 @@ def export_cmd(
         raise click.UsageError("give --out FILE or --to URL")
     if to is not None or out is None:
         names = tuple(name.strip() for name in columns.split(",") if name.strip())
-        _export_to(RunLayout(store, run_id), str(to), {"index": index, "force": force}, names, as_json)
+        options = {"index": index, "force": force, "column": vector_column, "level": level}
+        _export_to(RunLayout(store, run_id), str(to), options, names, as_json)
         return
     # Where the data itself goes to stdout, a pipe or a device, the note of what was written must not join it.
     stream = out == STDOUT or (out.exists() and not out.is_file())
     layout = RunLayout(store, run_id)
-    written = export(layout, fmt, out, force, tokens=tokens)
+    written = export(layout, fmt, out, force, tokens=tokens, level=level)
     click.echo(", ".join(str(p) for p in written), err=stream)
     result = read_json(layout.result_manifest)
     if not result.get("complete", True):

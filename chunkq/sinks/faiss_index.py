@@ -22,7 +22,7 @@ import numpy as np
 
 from chunkq.jobs.errors import ConfigError
 from chunkq.jobs.storage import private_open, remove_leftovers_beside, temp_beside
-from chunkq.sinks import Rows
+from chunkq.sinks.rows import Rows
 
 # FAISS says at INFO, at every import, which CPU builds it tried ("Could not load library with AVX512
 # support due to: ModuleNotFoundError..."): six lines of noise before an export's own.
@@ -74,6 +74,11 @@ class FaissSink:
                 )
         if rows.columns:
             raise ConfigError("an index file holds vectors only: --columns is for a table")
+        if rows.kind != "dense":
+            raise ConfigError(
+                f"a FAISS index holds dense vectors; run {rows.run_id} is {rows.kind}: export it to "
+                "lancedb:// or postgresql:// (or as Parquet)"
+            )
         if rows.dtype not in ("float32", "float16"):
             raise ConfigError(f"a FAISS index holds float vectors; this run's are {rows.dtype}")
         self.rows = rows

@@ -1,8 +1,13 @@
 """``lancedb://PATH/TABLE``: an embedded LanceDB table (a folder, local or on an object store LanceDB
-reads: ``lancedb://s3://bucket/db/TABLE``). Columns ``id`` (the key), ``vector`` (a fixed-size list
-of the result's dtype; binary results as their packed bytes), and a windowed run's window columns.
+reads: ``lancedb://s3://bucket/db/TABLE``). Columns ``id`` (the key), and this run's rows: a dense
+run's ``vector`` (a fixed-size list of the result's dtype; binary results as their packed bytes), a
+sparse run's ``sparse_indices`` and ``sparse_values`` (lists: LanceDB has no sparse vector type),
+named otherwise with ``--column NAME``; a windowed run's window columns; ``--columns`` fields.
+
 Rows are merged by id (``merge_insert``): a second export, or one after a kill, updates the rows it
-finds and adds the others, so the table ends with exactly the run's rows.
+finds and adds the others, so the table ends with exactly the run's rows. A table that lacks this
+export's columns gains them (schema evolution, ``add_columns``), and the merge fills them by id and
+leaves the others as they are: a dense and a sparse run of one corpus make one row per id with both.
 """
 
 from __future__ import annotations
@@ -12,15 +17,9 @@ from typing import Any
 import numpy as np
 
 from chunkq.jobs.errors import ConfigError
-from chunkq.sinks import Rows
+from chunkq.sinks.rows import SPARSE, WINDOW_FIELDS, Rows, SparseRows
 
-WINDOW_TYPES = {
-    "text_id": "string",
-    "window": "int64",
-    "char_start": "int64",
-    "char_end": "int64",
-    "tokens": "int64",
-}
+DENSE_COLUMN, SPARSE_COLUMN = "vector", "sparse"  # LanceDB's search reads "vector" by default
 
 
 def _split(url: str) -> tuple[str, str]:
@@ -31,80 +30,110 @@ def _split(url: str) -> tuple[str, str]:
     return where, table
 
 
+def sparse_columns(base: str) -> tuple[str, str]:
+    """The two columns a sparse vector named ``base`` is stored in: its dimensions, its values."""
+    return f"{base}_indices", f"{base}_values"
+
+
 class LanceSink:
     def __init__(self, url: str) -> None:
         self.url = url
         self.where, self.name = _split(url)
         self.table: Any = None
         self.created = False
+        self.added: list[str] = []
 
     def writes_to(self) -> list[str]:
         return [] if "://" in self.where else [f"{self.where}/{self.name}.lance"]
 
-    def open(self, rows: Rows) -> None:
-        import lancedb
+    def _schema(self, rows: Rows) -> Any:
+        """The columns this export writes, the id first."""
         import pyarrow as pa
 
-        value = pa.from_numpy_dtype(np.dtype("uint8" if rows.dtype in ("binary", "ubinary") else rows.dtype))
-        fields = [pa.field("id", pa.string(), nullable=False), pa.field("vector", pa.list_(value, rows.dim))]
+        fields = [pa.field("id", pa.string(), nullable=False)]
+        if rows.kind == SPARSE:
+            indices, values = sparse_columns(rows.column or SPARSE_COLUMN)
+            fields += [pa.field(indices, pa.list_(pa.int32())), pa.field(values, pa.list_(pa.float32()))]
+        else:
+            dtype = np.dtype("uint8" if rows.dtype in ("binary", "ubinary") else rows.dtype)
+            fields.append(
+                pa.field(rows.column or DENSE_COLUMN, pa.list_(pa.from_numpy_dtype(dtype), rows.dim))
+            )
         if rows.windowed:
-            fields += [pa.field(name, getattr(pa, kind)()) for name, kind in WINDOW_TYPES.items()]
+            fields.append(pa.field("text_id", pa.string()))
+            fields += [pa.field(name, pa.int64()) for name in WINDOW_FIELDS]
         fields += [pa.field(name, pa.string()) for name in rows.columns]
-        self.schema = pa.schema(fields)
+        return pa.schema(fields)
+
+    def open(self, rows: Rows) -> None:
+        import lancedb
+
+        self.rows = rows
+        self.schema = self._schema(rows)
         db = lancedb.connect(self.where)
         if self.name not in db.table_names():
             self.table = db.create_table(self.name, schema=self.schema)
             self.created = True
             return
         self.table = db.open_table(self.name)
-        found = self.table.schema.field("vector").type if "vector" in self.table.schema.names else None
-        if found != self.schema.field("vector").type:
-            raise ConfigError(
-                f"--to {self.url}: the table's vector column is {found}, this run's rows are "
-                f"{self.schema.field('vector').type}; export to another table"
-            )
-        lacking = [name for name in self.schema.names if name not in self.table.schema.names]
-        if lacking:
-            raise ConfigError(
-                f"--to {self.url}: the table has no column {', '.join(lacking)}; export to another"
-            )
-        self._check_existing(self.table.schema)
+        self._fit(self.table.schema)
 
-    def _check_existing(self, schema: Any) -> None:
-        """An existing table rows can be merged into: ids of text, every other column it requires
-        one this export fills."""
+    def _fit(self, schema: Any) -> None:
+        """An existing table rows can be merged into: ids of text, this export's columns of the
+        same types (those it lacks are added), every column it requires filled by this export."""
         import pyarrow as pa
 
-        if schema.field("id").type not in (pa.string(), pa.large_string()):
+        if "id" not in schema.names or schema.field("id").type not in (pa.string(), pa.large_string()):
+            found = schema.field("id").type if "id" in schema.names else "missing"
             raise ConfigError(
-                f"--to {self.url}: the table's id column is {schema.field('id').type}, chunkq's ids are "
-                "text (a corpus's ids, or TEXT#WINDOW); export to another table"
+                f"--to {self.url}: the table's id column is {found}, chunkq's ids are text (a corpus's "
+                "ids, or TEXT#WINDOW); export to another table"
             )
+        for wanted in self.schema:
+            if wanted.name in schema.names and schema.field(wanted.name).type != wanted.type:
+                raise ConfigError(
+                    f"--to {self.url}: the table's {wanted.name} column is {schema.field(wanted.name).type}, "
+                    f"this run's is {wanted.type}; export to another table, or name another column "
+                    "with --column"
+                )
         required = [f.name for f in schema if not f.nullable and f.name not in self.schema.names]
         if required:
             raise ConfigError(
                 f"--to {self.url}: the table requires column(s) {', '.join(required)}, which this export "
                 "does not fill (--columns copies corpus fields); export to another table"
             )
+        missing = [f.with_nullable(True) for f in self.schema if f.name not in schema.names]
+        if missing:
+            self.table.add_columns(missing)  # all null until the merge fills this run's rows
+            self.added = [f.name for f in missing]
 
-    def write(self, ids: list[str], vectors: np.ndarray[Any, Any], columns: dict[str, list[Any]]) -> None:
+    def write(self, ids: list[str], vectors: Any, columns: dict[str, list[Any]]) -> None:
         import pyarrow as pa
 
-        flat = pa.array(
-            np.ascontiguousarray(vectors)
-            .reshape(-1)
-            .view(self.schema.field("vector").type.value_type.to_pandas_dtype())
-        )
-        data = {
-            "id": pa.array(ids, pa.string()),
-            "vector": pa.FixedSizeListArray.from_arrays(flat, vectors.shape[1]),
-        }
+        data: dict[str, Any] = {"id": pa.array(ids, pa.string())}
+        if isinstance(vectors, SparseRows):
+            indices, values = sparse_columns(self.rows.column or SPARSE_COLUMN)
+            cut = pa.array(vectors.offsets.astype(np.int32))
+            data[indices] = pa.ListArray.from_arrays(cut, pa.array(vectors.indices, pa.int32()))
+            data[values] = pa.ListArray.from_arrays(cut, pa.array(vectors.values, pa.float32()))
+        else:
+            name = self.rows.column or DENSE_COLUMN
+            flat = pa.array(
+                np.ascontiguousarray(vectors)
+                .reshape(-1)
+                .view(self.schema.field(name).type.value_type.to_pandas_dtype())
+            )
+            data[name] = pa.FixedSizeListArray.from_arrays(flat, vectors.shape[1])
         data.update({name: pa.array(values) for name, values in columns.items()})
         batch = pa.table(data, schema=self.schema)
         self.table.merge_insert("id").when_matched_update_all().when_not_matched_insert_all().execute(batch)
 
     def close(self) -> dict[str, Any]:
-        return {"table_rows": int(self.table.count_rows()), "created": self.created}
+        return {
+            "table_rows": int(self.table.count_rows()),
+            "created": self.created,
+            "columns_added": self.added,
+        }
 
     def abort(self) -> None:
         pass  # every batch is a whole merge: what was merged stays, a rerun merges the rest

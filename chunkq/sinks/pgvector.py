@@ -1,10 +1,13 @@
 """``postgresql://USER@HOST:PORT/DB?table=T``: a PostgreSQL table with the pgvector extension. The
-table (``id text primary key``, ``embedding`` of the type the run's dtype needs: ``vector(dim)``
-for float32, ``halfvec(dim)`` for float16, ``bit(dim)`` for binary and ubinary; a windowed run's
-window columns) is created, or an existing one checked: another type or dimension is refused in one
-line. Rows are upserted by id (``INSERT ... ON CONFLICT (id) DO UPDATE``), a batch per transaction
-through a temporary table filled by a binary COPY (pgvector's own Python adapters: text literals of
-384 floats ran at 3,000 rows/s), so a rerun after a kill ends with exactly the run's rows.
+table (``id text primary key``; a dense run's ``embedding`` of the type its dtype needs:
+``vector(dim)`` for float32, ``halfvec(dim)`` for float16, ``bit(dim)`` for binary and ubinary; a
+sparse run's ``sparse sparsevec(dim)``; ``--column NAME`` names it otherwise; a windowed run's window
+columns) is created, or an existing one checked: a column of another type or dimension is refused
+in one line, a column it lacks is added, so a dense and a sparse run of one corpus make one row per
+id with both (the hybrid query of docs/hybrid.md). Rows are upserted by id (``INSERT ... ON
+CONFLICT (id) DO UPDATE`` of this export's columns), a batch per transaction through a temporary
+table filled by a binary COPY (pgvector's own Python adapters: text literals of 384 floats ran at
+3,000 rows/s), so a rerun after a kill ends with exactly the run's rows.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from urllib.parse import parse_qs, urlencode, urlsplit
 import numpy as np
 
 from chunkq.jobs.errors import ConfigError
-from chunkq.sinks import Rows, redacted, redacted_text
+from chunkq.sinks.redact import redacted, redacted_text
+from chunkq.sinks.rows import SPARSE, Rows, SparseRows
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
 CONNECT_SECONDS = 10
@@ -41,10 +45,17 @@ def column_type(dtype: str, dim: int) -> str:
     raise ConfigError(f"pgvector has no column type for {dtype} vectors; export float32, float16 or binary")
 
 
-def _value(row: np.ndarray[Any, Any], dtype: str) -> Any:
-    """A row as pgvector's Python adapters send it in COPY's binary format."""
-    from pgvector import Bit, HalfVector
+DENSE_COLUMN, SPARSE_COLUMN = "embedding", "sparse"
 
+
+def _value(row: Any, dtype: str, dim: int) -> Any:
+    """A row as pgvector's Python adapters send it in COPY's binary format: a dense row, or a sparse
+    one as (indices, values)."""
+    from pgvector import Bit, HalfVector, SparseVector
+
+    if isinstance(row, tuple):
+        indices, values = row
+        return SparseVector(dict(zip(indices.tolist(), values.tolist(), strict=True)), dim)
     if dtype in ("binary", "ubinary"):
         return Bit(np.ascontiguousarray(row).view(np.uint8).tobytes())
     if dtype == "float16":
@@ -75,9 +86,14 @@ class PgvectorSink:
         from pgvector.psycopg import register_vector
         from psycopg import sql
 
-        self.rows, self.type = rows, column_type(rows.dtype, rows.dim)
+        sparse = rows.kind == SPARSE
+        self.rows = rows
+        self.type = f"sparsevec({rows.dim})" if sparse else column_type(rows.dtype, rows.dim)
+        self.vector = rows.column or (SPARSE_COLUMN if sparse else DENSE_COLUMN)
         self.name = sql.Identifier(self.table)
-        self.columns = ["id", "embedding", *(WINDOW_COLUMNS if rows.windowed else {}), *rows.columns]
+        self.columns = ["id", self.vector, *(WINDOW_COLUMNS if rows.windowed else {}), *rows.columns]
+        # chunkq's own column types; a corpus field is text
+        self.types = {"id": "text PRIMARY KEY", self.vector: self.type, **WINDOW_COLUMNS}
         try:
             self.conn = psycopg.connect(self.dsn, autocommit=False, connect_timeout=CONNECT_SECONDS)
         except psycopg.Error as exc:
@@ -85,42 +101,26 @@ class PgvectorSink:
             raise ConfigError(f"--to {redacted(self.url)}: cannot connect to PostgreSQL: {why}") from None
         # The table as every statement names it: quoted, so ?table=Docs is "Docs", never docs.
         self.regclass = self.name.as_string(self.conn)
+        self.added: list[str] = []
         with self.conn.cursor() as cur:
             cur.execute("CREATE EXTENSION IF NOT EXISTS vector")
-            cur.execute(
-                "SELECT format_type(a.atttypid, a.atttypmod) FROM pg_attribute a "
-                "WHERE a.attrelid = to_regclass(%s) AND a.attname = 'embedding' AND NOT a.attisdropped",
-                (self.regclass,),
-            )
-            found = cur.fetchone()
-            if found is not None and found[0] != self.type:
-                raise ConfigError(
-                    f"--to {redacted(self.url)}: table {self.table} holds {found[0]} embeddings, this "
-                    f"run's are {self.type}; export to another table"
-                )
-            if found is not None:
-                self._check_existing(cur)
-            if found is None:
-                types = {
-                    "id": "text PRIMARY KEY",
-                    "embedding": self.type,
-                    **WINDOW_COLUMNS,
-                }  # chunkq's own words
+            cur.execute("SELECT to_regclass(%s)", (self.regclass,))
+            if cur.fetchone()[0] is not None:
+                self._fit(cur)
+            else:
                 columns = sql.SQL(", ").join(
-                    sql.SQL("{} " + types.get(name, "text")).format(sql.Identifier(name))
+                    sql.SQL("{} " + self.types.get(name, "text")).format(sql.Identifier(name))
                     for name in self.columns
                 )  # every name quoted: "window" is a word of SQL
                 cur.execute(sql.SQL("CREATE TABLE IF NOT EXISTS {} ({})").format(self.name, columns))
         self.conn.commit()
         register_vector(self.conn)  # the extension's types, for COPY's binary format
-        kind = self.type.split("(")[0]
-        window_types = list(WINDOW_COLUMNS.values()) if rows.windowed else []
-        self.copy_types = ["text", kind, *window_types, *["text"] * len(rows.columns)]
+        self.copy_types = [self.types.get(name, "text").split("(")[0].split()[0] for name in self.columns]
 
-    def _check_existing(self, cur: Any) -> None:
-        """An existing table rows can be upserted into: every column this export writes, an id of
-        text with a primary key or unique constraint (ON CONFLICT needs one), and no other column
-        that must be filled and has no default."""
+    def _fit(self, cur: Any) -> None:
+        """An existing table rows can be upserted into: an id of text with a primary key or unique
+        constraint (ON CONFLICT needs one), this export's columns of the same types (those it lacks
+        are added), and no other column that must be filled and has no default."""
         cur.execute(
             "SELECT a.attname, format_type(a.atttypid, a.atttypmod), a.attnotnull AND NOT a.atthasdef "
             "FROM pg_attribute a WHERE a.attrelid = to_regclass(%s) AND a.attnum > 0 AND NOT a.attisdropped",
@@ -128,9 +128,8 @@ class PgvectorSink:
         )
         found = {name: (kind, required) for name, kind, required in cur.fetchall()}
         where = f"--to {redacted(self.url)}: table {self.table}"
-        lacking = sorted(set(self.columns) - set(found))
-        if lacking:
-            raise ConfigError(f"{where} has no column {', '.join(lacking)}; export to another table")
+        if "id" not in found:
+            raise ConfigError(f"{where} has no id column; export to another table")
         if found["id"][0] != "text":
             raise ConfigError(
                 f"{where}'s id column is {found['id'][0]}, chunkq's ids are text; export to another table"
@@ -152,8 +151,21 @@ class PgvectorSink:
                 f"{where} requires column(s) {', '.join(required)}, which this export does not fill "
                 "(--columns copies corpus fields); export to another table"
             )
+        for name in self.columns[1:]:
+            wanted = self.types.get(name, "text")
+            if name in found and found[name][0] != wanted:
+                raise ConfigError(
+                    f"{where} holds {found[name][0]} in {name}, this run's are {wanted}; export to another "
+                    "table, or name another column with --column"
+                )
+        from psycopg import sql
 
-    def write(self, ids: list[str], vectors: np.ndarray[Any, Any], columns: dict[str, list[Any]]) -> None:
+        for name in (n for n in self.columns[1:] if n not in found):
+            column = sql.SQL("ALTER TABLE {} ADD COLUMN {} " + self.types.get(name, "text"))
+            cur.execute(column.format(self.name, sql.Identifier(name)))  # null until this export fills it
+            self.added.append(name)
+
+    def write(self, ids: list[str], vectors: Any, columns: dict[str, list[Any]]) -> None:
         from psycopg import sql
 
         names = sql.SQL(", ").join(map(sql.Identifier, self.columns))
@@ -169,7 +181,8 @@ class PgvectorSink:
                 copy.set_types(self.copy_types)
                 for i, rid in enumerate(ids):
                     extra = [columns[n][i] for n in self.columns[2:]]
-                    copy.write_row([rid, _value(vectors[i], self.rows.dtype), *extra])
+                    row = vectors.row(i) if isinstance(vectors, SparseRows) else vectors[i]
+                    copy.write_row([rid, _value(row, self.rows.dtype, self.rows.dim), *extra])
             cur.execute(upsert.format(self.name, names, names, updates))
         self.conn.commit()  # a batch is whole or absent: a rerun upserts it again
 
@@ -180,7 +193,7 @@ class PgvectorSink:
             cur.execute(sql.SQL("SELECT count(*) FROM {}").format(self.name))
             count = int(cur.fetchone()[0])
         self.conn.close()
-        return {"table_rows": count, "column": self.type}
+        return {"table_rows": count, "column": self.type, "columns_added": self.added}
 
     def abort(self) -> None:
         if self.conn is not None and not self.conn.closed:

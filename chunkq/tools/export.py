@@ -25,11 +25,11 @@ import numpy as np
 
 from chunkq.jobs import kinds
 from chunkq.jobs.errors import AssemblyError, ConfigError, StoreError
-from chunkq.jobs.manifest import load_manifest
+from chunkq.jobs.manifest import RunManifest, load_manifest
 from chunkq.jobs.run_files import RunLayout, read_json, read_npy_header
 from chunkq.jobs.specs import storage_dtype
 from chunkq.jobs.storage import as_the_caller_would, is_local, remove_leftovers_beside, temp_beside
-from chunkq.supervisor.result import ResultPart, result_parts, result_problems, verified_result
+from chunkq.supervisor.result import TEXTS, ResultPart, result_parts, result_problems, verified_result
 
 EXPORT_FORMATS = ("parquet", "npy", "jsonl")
 WINDOW_COLUMNS = ("window", "char_start", "char_end", "tokens")  # a windowed result's, after id
@@ -41,11 +41,34 @@ def ids_path_beside(out: Path) -> Path:
     return out.with_name(out.stem + ".ids.jsonl")
 
 
-class _ResultReader:
-    """The published result's files (one, or its shards in order), read a batch at a time, each
-    file's checksum verified as it is read."""
+EMBEDDING, SCORE, SCORES = "embedding", "score", "scores"
 
-    def __init__(self, layout: RunLayout) -> None:
+
+def value_column(kind: str, dim: int) -> str:
+    """What a Parquet or JSON Lines export calls a row's value: a cross-encoder's score (a row of
+    class scores), else its embedding."""
+    if kind == "cross":
+        return SCORE if dim == 1 else SCORES
+    return EMBEDDING
+
+
+def texts_of(run: RunManifest, result: dict[str, Any]) -> dict[str, Any]:
+    """A windowed run's vectors per text as its result manifest records them (``--level document``)."""
+    texts = result.get("texts")
+    if not isinstance(texts, dict):
+        raise ConfigError(
+            f"--level document: run {run.run_id} has no vector per text (a windowed run with --pool "
+            "mean or weighted has one); export its rows"
+        )
+    return texts
+
+
+class ResultReader:
+    """The published result's files (one, or its shards in order), read a batch at a time, each
+    file's checksum verified as it is read; at ``level`` document, a windowed run's vectors per
+    text (``texts.npy``, written with --pool) instead of its rows."""
+
+    def __init__(self, layout: RunLayout, level: str = "window") -> None:
         run = load_manifest(layout)  # no such run: RunNotFoundError, before "no result"
         manifest_path = layout.result_manifest
         if not manifest_path.is_file():
@@ -62,6 +85,23 @@ class _ResultReader:
         self.dtype = storage_dtype(run.output_dtype)
         self.parts = result_parts(layout, self.manifest)
         self.windowed = bool((run.plan or {}).get("windows"))  # each row's id an object: the window's
+        if level == "document":
+            self._texts(run)
+        self.value_column = value_column(run.kind, self.dim)
+
+    def _texts(self, run: RunManifest) -> None:
+        texts = texts_of(run, self.manifest)
+        embeddings, ids = TEXTS
+        self.rows, self.dim, self.windowed = int(texts["rows"]), int(texts["dim"]), False
+        self.parts = [
+            ResultPart(
+                self.layout.result / embeddings,
+                self.layout.result / ids,
+                self.rows,
+                str(texts.get("embeddings_sha256")),
+                str(texts.get("ids_sha256")),
+            )
+        ]
 
     def batches(self) -> Iterator[tuple[list[Any], np.ndarray]]:
         """BATCH_ROWS rows at a time (the last batch fewer) whatever the shard ends: an export's
@@ -214,9 +254,12 @@ def _outside_the_store(layout: RunLayout, out: Path) -> None:
         )
 
 
-def export(layout: RunLayout, fmt: str, out: Path, force: bool = False, tokens: bool = False) -> list[Path]:
+def export(
+    layout: RunLayout, fmt: str, out: Path, force: bool = False, tokens: bool = False, level: str = "window"
+) -> list[Path]:
     """Write the run's result to ``out`` in ``fmt``; the files written. ``tokens``: a sparse run's
-    active dimensions as the model's vocabulary words too."""
+    active dimensions as the model's vocabulary words too. ``level`` document: a windowed run's
+    vectors per text instead of its windows."""
     _outside_the_store(layout, out)
     kind = load_manifest(layout).kind
     if tokens and kind != "sparse":
@@ -224,7 +267,7 @@ def export(layout: RunLayout, fmt: str, out: Path, force: bool = False, tokens: 
     if kinds.get(kind).ragged:
         return _export_ragged(layout, fmt, _target(out, force, fmt), tokens)
     target = _target(out, force, fmt)
-    reader = _ResultReader(layout)
+    reader = ResultReader(layout, level)
     if fmt == "parquet":
         _parquet(reader, target)
         return [target.path]
@@ -234,7 +277,8 @@ def export(layout: RunLayout, fmt: str, out: Path, force: bool = False, tokens: 
                 for rid, row in zip(ids, block.tolist(), strict=True):
                     # A window's id is an object: its fields become the line's (id, window, span, tokens).
                     fields = rid if isinstance(rid, dict) else {"id": rid}
-                    fh.write(json.dumps({**fields, "embedding": row}, ensure_ascii=False) + "\n")
+                    value = row[0] if reader.value_column == SCORE else row
+                    fh.write(json.dumps({**fields, reader.value_column: value}, ensure_ascii=False) + "\n")
         return [target.path]
     ids_target = _target(ids_path_beside(target.path), force, fmt)
     with _written_whole(target) as tmp, _written_whole(ids_target) as ids_tmp:
@@ -248,7 +292,7 @@ def export(layout: RunLayout, fmt: str, out: Path, force: bool = False, tokens: 
     return [target.path, ids_target.path]
 
 
-def _parquet(reader: _ResultReader, out: _Target) -> None:
+def _parquet(reader: ResultReader, out: _Target) -> None:
     if out.through:
         # Arrow's Parquet writer seeks, which a pipe cannot: build the file privately, then stream it.
         with tempfile.TemporaryDirectory(prefix="chunkq-export-") as scratch:
@@ -263,12 +307,16 @@ def _parquet(reader: _ResultReader, out: _Target) -> None:
     value_type = pa.from_numpy_dtype(reader.dtype)
     windows = reader.windowed
     columns = [("id", pa.string())] + [(name, pa.int64()) for name in WINDOW_COLUMNS if windows]
-    schema = pa.schema([*columns, ("embedding", pa.list_(value_type, reader.dim))])
+    name = reader.value_column
+    stored = value_type if name == SCORE else pa.list_(value_type, reader.dim)
+    schema = pa.schema([*columns, (name, stored)])
     with _written_whole(out) as tmp:
         with pq.ParquetWriter(tmp, schema) as writer:
             for ids, block in reader.batches():
                 values = pa.array(block.reshape(-1), type=value_type)
-                data: dict[str, Any] = {"embedding": pa.FixedSizeListArray.from_arrays(values, reader.dim)}
+                data: dict[str, Any] = {
+                    name: values if name == SCORE else pa.FixedSizeListArray.from_arrays(values, reader.dim)
+                }
                 if windows:
                     data["id"] = pa.array([str(rid["id"]) for rid in ids], pa.string())
                     for name in WINDOW_COLUMNS:

@@ -1,0 +1,68 @@
+"""``--columns``: corpus fields copied beside each exported row, read from the run's corpus in step
+with the result (both are in corpus order; a window's rows share their text's record, and the text
+field of a window is the window's own span, not its whole document)."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from chunkq.jobs.errors import ConfigError, StoreError
+from chunkq.sinks.rows import WINDOW_FIELDS
+
+COLUMN_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
+KEYS = frozenset({"id", "text_id", *WINDOW_FIELDS})  # chunkq's own columns: a row's key and window
+RESERVED = KEYS | {"vector", "embedding"}  # and the vector columns' default names
+
+
+def _check(name: str, flag: str, described: str, reserved: frozenset[str]) -> None:
+    if not COLUMN_NAME.fullmatch(name) or name in reserved:
+        raise ConfigError(
+            f"{flag} {name!r}: {described} with letters, digits and underscores, other than "
+            f"{', '.join(sorted(reserved))}"
+        )
+
+
+def check_columns(columns: tuple[str, ...], vector_column: str | None = None) -> None:
+    """``--columns`` names and ``--column``'s: valid, and none of them chunkq's own."""
+    if vector_column is not None:
+        _check(vector_column, "--column", "a name", KEYS)
+    for name in columns:
+        _check(
+            name,
+            "--columns",
+            "a corpus field named",
+            RESERVED | ({vector_column} if vector_column else set()),
+        )
+
+
+def _as_text(value: Any) -> str | None:
+    return value if value is None or isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+class CorpusColumns:
+    """The corpus fields of each result row."""
+
+    def __init__(self, manifest: Any, names: tuple[str, ...], windowed: bool) -> None:
+        from chunkq.supervisor.submit import run_corpus_fields
+
+        self.names, self.windowed = names, windowed
+        self.text_field = str(manifest.data["corpus"]["text_field"])
+        self.records = run_corpus_fields(manifest, names)
+        self.current: Any = None
+
+    def of(self, ids: list[Any]) -> dict[str, list[Any]]:
+        found: dict[str, list[Any]] = {name: [] for name in self.names}
+        for rid in ids:
+            key = str(rid["id"] if self.windowed else rid)
+            while self.current is None or self.current.id != key:
+                self.current = next(self.records, None)
+                if self.current is None:
+                    raise StoreError(f"--columns: row {key!r} of the result is not in the run's corpus")
+            for name in self.names:
+                value = (self.current.extra or {}).get(name)
+                if self.windowed and name == self.text_field and isinstance(value, str):
+                    value = value[int(rid["char_start"]) : int(rid["char_end"])]  # the window's own text
+                found[name].append(_as_text(value))
+        return found
