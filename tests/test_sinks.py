@@ -396,3 +396,46 @@ def test_pgvector_names_tables_as_given_checks_existing_ones_and_never_shows_a_p
         _export(layout, "--to", f"postgresql://u:{secret}@127.0.0.1:{port}/db?password={secret}&table=t")
     )
     assert "cannot connect to PostgreSQL" in refused and secret not in refused
+
+
+@pytest.mark.slow
+def test_a_table_gains_the_columns_a_later_export_writes_and_windows_carry_their_own_text(
+    tmp_path: Path, store: Path, connection: Any, postgres: str
+) -> None:
+    """Issue 45.4-5: a LanceDB table made without --columns could not gain one (`the table has no
+    column text; export to another`), and --columns text on a windowed run wrote the whole document
+    beside each window. Now the column is added and filled by id, each window carries its own span,
+    and --level document writes the run's pooled vector per text."""
+    import lancedb
+    import psycopg
+
+    from chunkq.jobs.models import BUNDLED_MODEL
+    from chunkq.supervisor.corpus import CorpusOptions
+    from chunkq.supervisor.submit import SubmitRequest
+    from tests.test_kinds import _encode_in_process
+    from tests.test_windows import _long_text
+
+    rows = [{"id": f"d{i}", "text": _long_text(70 if i % 2 else 10, seed=i)} for i in range(8)]
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    request = SubmitRequest(
+        corpus, store, BUNDLED_MODEL, CorpusOptions("jsonl"), chunk_size=8,
+        long_texts="window", window_tokens=32, pool="mean",
+    )  # fmt: skip
+    layout = _encode_in_process(request, connection)
+    url = f"lancedb://{tmp_path / 'db'}/docs"
+    first = export_to(layout, url)
+    later = export_to(layout, url, columns=("text",))
+    assert later["columns_added"] == ["text"] and later["table_rows"] == first["table_rows"]
+    by_text = {r["id"]: r["text"] for r in rows}
+    for row in lancedb.connect(str(tmp_path / "db")).open_table("docs").to_arrow().to_pylist():
+        assert row["text"] == by_text[row["text_id"]][row["char_start"] : row["char_end"]]  # its own span
+        assert len(row["text"]) < len(by_text[row["text_id"]]) or row["window"] == 0
+    pooled = export_to(layout, f"{postgres}&table=texts", {"level": "document"})
+    assert pooled["level"] == "document" and pooled["table_rows"] == len(rows)
+    want = np.load(layout.result / "texts.npy")
+    with psycopg.connect(postgres) as conn:
+        got = dict(conn.execute("SELECT id, embedding::text FROM texts").fetchall())
+    ids = [json.loads(line) for line in (layout.result / "texts.ids.jsonl").read_text().splitlines()]
+    assert sorted(got) == sorted(by_text) == sorted(ids)
+    assert np.allclose(np.array([json.loads(got[i]) for i in ids], dtype=np.float32), want, atol=1e-6)
