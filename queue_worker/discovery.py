@@ -301,10 +301,10 @@ def _match(gpus: list[GpuInfo], token: str) -> list[GpuInfo]:
     return []
 
 
-def discover(nvml: Any = None, environ: dict[str, str] | None = None) -> list[GpuInfo]:
-    """The devices this process may use: NVML's, less those its ``CUDA_VISIBLE_DEVICES`` hides."""
+def allowed(host: Survey, environ: dict[str, str] | None = None) -> list[GpuInfo]:
+    """The devices of ``host`` this process may use: less those its ``CUDA_VISIBLE_DEVICES`` hides."""
     env = os.environ if environ is None else environ
-    found = visible(read_all(nvml), env.get(VISIBLE_ENV))
+    found = visible(host.gpus, env.get(VISIBLE_ENV))
     if env.get(VISIBLE_ENV) is not None:
         log.info(
             "%s=%s: this process may use %s",
@@ -313,3 +313,9 @@ def discover(nvml: Any = None, environ: dict[str, str] | None = None) -> list[Gp
             ", ".join(gpu.label for gpu in found) or "no GPU",
         )
     return found
+
+
+def discover(nvml: Any = None, environ: dict[str, str] | None = None) -> list[GpuInfo]:
+    """The devices this process may use: the host's (NVML's, or CUDA's where NVML fails), less those
+    its ``CUDA_VISIBLE_DEVICES`` hides."""
+    return allowed(survey(nvml), environ)

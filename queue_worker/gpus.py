@@ -8,7 +8,7 @@ import os
 
 from chunkq.jobs.errors import ConfigError
 from chunkq.jobs.runtime import DEVICE_ENV, GPU_ENV
-from chunkq.queue_worker.discovery import VISIBLE_ENV, GpuInfo, read_all, survey, visible
+from chunkq.queue_worker.discovery import VISIBLE_ENV, GpuInfo, allowed, read_all, survey, visible
 
 log = logging.getLogger(__name__)
 
@@ -263,8 +263,7 @@ def choose(spec: str, min_free_memory: str, busy: str, report: bool = True) -> l
     back to the CPU silently (ConfigError, one line, saying why and what to do)."""
     host = survey()
     inherited = os.environ.get(VISIBLE_ENV)
-    allowed = visible(host.gpus, inherited)
-    chosen = select(spec, host.gpus, allowed)
+    chosen = select(spec, host.gpus, allowed(host))
     for gpu in chosen:
         if gpu.exclusive and report:
             log.info("%s (%s): compute mode EXCLUSIVE_PROCESS: one worker, no standby", gpu.label, gpu.name)

@@ -105,9 +105,18 @@ class Heartbeat:
         self._thread.join(timeout=5)
 
 
+class RedisGoneWhileStopping(Exception):
+    """Redis cannot be reached and this idle worker was asked to stop: it stops, not waits."""
+
+
 class ChunkWorker(SimpleWorker):
     """SimpleWorker (no fork: the model stays loaded) that counts jobs, beats while busy, exits at
     once when the CUDA context broke, and honours a second signal."""
+
+    # RQ retries a lost Redis with a back-off that grows to a minute; a stop that comes meanwhile is
+    # only seen between tries, so a short cap keeps a drain short (Kubernetes deletes Redis and the
+    # pools together; Slurm's supervisor job stops its Redis before the pools' jobs end).
+    max_connection_wait_time = 5.0
 
     def procline(self, message: str) -> None:
         # RQ's title drops the command line; ps and the pool's tools look for the module and name.
@@ -145,15 +154,31 @@ class ChunkWorker(SimpleWorker):
             return
         super()._shutdown()  # type: ignore[no-untyped-call]
 
+    def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
+        try:
+            super().heartbeat(timeout, pipeline)
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+            # RQ's wait for a job retries a lost Redis forever; asked to stop, with nothing in hand,
+            # there is nothing to wait for (a chunk in hand finishes without Redis: its output is in
+            # the store, and the next supervisor reads it there).
+            # (The state, not the current job: RQ reads that from Redis.)
+            if self._stop_requested and self.get_state() != WorkerStatus.BUSY:
+                raise RedisGoneWhileStopping(str(exc)) from exc
+            raise
+
     def dequeue_job_and_maintain_ttl(self, timeout: int | None, max_idle_time: int | None = None) -> Any:
         self._taking_job = True
-        if timeout is None or max_idle_time is not None:  # burst: one look, no wait
-            result = super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
-        else:
-            # Short waits, since a signal no longer interrupts one: a stop is seen within a wait.
+        try:
+            if timeout is None or max_idle_time is not None:  # burst: one look, no wait
+                result = super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
+            else:
+                # Short waits, since a signal no longer interrupts one: a stop is seen within a wait.
+                result = None
+                while result is None and not self._stop_requested:
+                    result = super().dequeue_job_and_maintain_ttl(STOP_POLL_SECONDS, STOP_POLL_SECONDS)
+        except RedisGoneWhileStopping as exc:
+            self.log.warning("Worker %s: stopping as asked; Redis cannot be reached (%s)", self.name, exc)
             result = None
-            while result is None and not self._stop_requested:
-                result = super().dequeue_job_and_maintain_ttl(STOP_POLL_SECONDS, STOP_POLL_SECONDS)
         if result is None:
             self._taking_job = False
             if self._stop_requested:

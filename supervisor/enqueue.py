@@ -23,11 +23,11 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 from rq.worker import Worker
 
-from chunkq.jobs import jobmeta
+from chunkq.jobs import errors, jobmeta
 from chunkq.jobs.allowlist import EMBED_CHUNK, AllowListedJob
 from chunkq.jobs.manifest import RunManifest
 from chunkq.jobs.run_files import RunLayout
-from chunkq.jobs.specs import chunk_job_id
+from chunkq.jobs.specs import chunk_job_id, chunk_job_prefix
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,39 @@ def job_statuses(connection: redis.Redis, job_ids: list[str]) -> list[str | None
     return statuses
 
 
+def try_again(
+    job: Job, failed: FailedJobRegistry, layout: RunLayout, manifest: RunManifest, index: int
+) -> None:
+    """A failed (or quarantined) chunk's job queued again at the front with fresh attempts, its call
+    restored from the manifest."""
+    for key in jobmeta.RETRY_STATE:
+        job.meta.pop(key, None)
+    job.meta[jobmeta.ATTEMPT] = 1
+    job.save_meta()  # type: ignore[no-untyped-call]
+    restore_from_manifest(job, layout, manifest, index)
+    failed.requeue(job.id, at_front=True)
+
+
+def retry_quarantined(connection: redis.Redis, layout: RunLayout, manifest: RunManifest) -> list[int]:
+    """Give every chunk of the run quarantined for a reason the operator can fix outside the run (a
+    model a pool did not allow, a GPU too small, a broken device, the store) new attempts; the
+    chunks. Bad input is the corpus's own: the same rows fail the same way, and stay quarantined."""
+    queue = chunk_queue(connection, manifest.queue)
+    failed = FailedJobRegistry(queue=queue)
+    prefix = chunk_job_prefix(manifest.run_id)
+    retried = []
+    for job_id in failed.get_job_ids():
+        if not job_id.startswith(prefix):
+            continue
+        job = Job.fetch(job_id, connection=connection, serializer=JSONSerializer)
+        if not jobmeta.quarantined(job.meta) or jobmeta.error_class(job.meta) == errors.BAD_INPUT:
+            continue
+        index = int(job_id[len(prefix) :])
+        try_again(job, failed, layout, manifest, index)
+        retried.append(index)
+    return sorted(retried)
+
+
 def enqueue_chunks(
     connection: redis.Redis,
     layout: RunLayout,
@@ -107,12 +140,7 @@ def enqueue_chunks(
             elif status == "failed":
                 # Submitting again is the user's "try these again": fresh attempts, no quarantine.
                 job = Job.fetch(job_id, connection=connection, serializer=JSONSerializer)
-                for key in jobmeta.RETRY_STATE:
-                    job.meta.pop(key, None)
-                job.meta[jobmeta.ATTEMPT] = 1
-                job.save_meta()  # type: ignore[no-untyped-call]
-                restore_from_manifest(job, layout, manifest, index)
-                failed.requeue(job_id, at_front=True)
+                try_again(job, failed, layout, manifest, index)
                 counts.requeued += 1
             else:
                 if status is not None:  # finished, stopped or canceled, yet its output is not in the store

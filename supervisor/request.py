@@ -293,7 +293,7 @@ def finished_result(outcome: RunOutcome, request: RunRequest) -> dict[str, Any]:
         return dict(read_json(layout.result_manifest))
     watched = outcome.outcome
     if watched.quarantined and not watched.partial:
-        raise ChunksFailedError(failure_report(watched.quarantined))
+        raise ChunksFailedError(failure_report(watched.quarantined, watched.snapshot.run_id))
     if watched.result is None:
         why = "the worker pool exited" if outcome.pool_died else "it stopped"
         raise ChunksFailedError(f"run {outcome.submitted.run_id}: {why} before the run finished")

@@ -35,6 +35,7 @@ from chunkq.supervisor.enqueue import (
     enqueue_chunks,
     forget_finished,
     restore_from_manifest,
+    retry_quarantined,
     window_size,
 )
 from chunkq.supervisor.metrics import RunMetrics
@@ -87,13 +88,22 @@ class Outcome:
         return self.result is not None and not self.result.get("complete", True)
 
 
-def failure_report(failures: list[Failure]) -> str:
+def failure_report(failures: list[Failure], run_id: str | None = None) -> str:
     lines = [f"{len(failures)} chunk(s) quarantined:"]
     lines += [
         f"  chunk {f.chunk} (rows {f.first_row}-{f.first_row + f.rows - 1}, job {f.job_id}, {f.error_class}, "
         f"attempt {f.attempt}{', ' + f.reason if f.reason else ''}): {errors.first_line(f.error)}"
         for f in failures
     ]
+    fixable = [f.chunk for f in failures if f.error_class != errors.BAD_INPUT]
+    if fixable:
+        again = f"`chunkq supervise {run_id}`" if run_id else "`chunkq supervise RUN`"
+        lines.append(
+            f"Fix the cause above (a pool's --allow-model, a GPU, the store...), then {again} or the "
+            "same `chunkq run` command: a new supervisor tries chunks quarantined so again"
+        )
+    if len(fixable) < len(failures):
+        lines.append("Bad input stays quarantined: fix the corpus rows named above and submit it again")
     return "\n".join(lines)
 
 
@@ -335,6 +345,14 @@ def _supervise(
         serve_metrics(metrics.registry, settings.metrics_port)
     watch = Supervisor(connection, layout, manifest, settings, lock, owner, metrics)
     _patiently(lock.acquire, settings, redis_gone)
+    retried = _patiently(lambda: retry_quarantined(connection, layout, manifest), settings, redis_gone)
+    if retried:
+        log.warning(
+            "run %s: chunk(s) %s were quarantined by an earlier supervisor for a reason that may have "
+            "been fixed since (not their input); they get new attempts",
+            manifest.run_id,
+            retried,
+        )
     wakeup = Wakeup(connection, manifest.queue)
     try:
         while True:

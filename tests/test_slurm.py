@@ -24,6 +24,7 @@ import pytest
 from chunkq.jobs.run_files import RunLayout
 from chunkq.supervisor.embedded_redis import free_port
 from tests.helpers import make_texts, result_matches, wait_for, write_corpus
+from tests.tiny_models import bundled_copy
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "examples" / "slurm"
@@ -195,6 +196,8 @@ def test_the_recipe_runs_on_slurm_and_cancelled_or_preempted_pools_lose_nothing(
         "CHUNKQ_RUN_ID": run_id,
         "CHUNKQ_SUBMIT_OPTIONS": "--chunk-size 10 --queue-window 4",
         "CHUNKQ_POOL_OPTIONS": "--cpu-workers 1",
+        # Issue 45.2: the model named once; the pools preload and allow it (a copy: not the bundled)
+        "CHUNKQ_MODEL": str(bundled_copy(tmp_path / "model")),
         "CHUNKQ_REDIS_WAIT": "120",
         "CHUNKQ_LOG_LEVEL": "INFO",
         "HF_HUB_OFFLINE": "1",

@@ -34,6 +34,8 @@ from tests.helpers import (
     cli_env,
     make_texts,
     signal_handlers_restored,
+    start_cli,
+    stop_tree,
     wait_for,
     worker_processes,
     write_corpus,
@@ -333,3 +335,27 @@ def test_a_worker_log_line_that_cannot_be_written_costs_one_line(capsys: pytest.
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err, err
     assert "a worker log line was lost (ValueError" in err and "found an unhandled exception" in err, err
+
+
+@pytest.mark.slow
+def test_a_pool_told_to_stop_while_redis_is_gone_stops(tmp_path: Path) -> None:
+    """Issue 45.3: `kubectl delete -k` removes Redis and the pools together, and Slurm's supervisor
+    job stops the served Redis: a pool's idle workers then retried Redis forever (RQ's wait for a
+    job), and one SIGTERM never ended the pool. A worker with nothing in hand now stops."""
+    from chunkq.supervisor.embedded_redis import EmbeddedRedis
+
+    server = EmbeddedRedis(tmp_path / "redis").start()
+    env = {"CHUNKQ_REDIS_URL": server.url, "CHUNKQ_STORE": str(tmp_path / "store"), "CHUNKQ_QUEUE": "gone"}
+    log = tmp_path / "pool.log"
+    pool = start_cli(log, "pool", "--gpus", "none", **env)
+    try:
+        wait_for(lambda: "Listening on gone" in log.read_text(errors="replace"), 120, "the worker to listen")
+        server.stop()
+        pool.send_signal(signal.SIGTERM)
+        pool.wait(timeout=60)  # before: still retrying Redis after minutes
+    finally:
+        server.stop()
+        if pool.poll() is None:
+            stop_tree(pool)
+    said = log.read_text(errors="replace")
+    assert "stopping as asked; Redis cannot be reached" in said, said[-3000:]

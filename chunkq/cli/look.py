@@ -127,7 +127,7 @@ def status_cmd(run_id: str, store: Path, redis_url: str | None, as_json: bool) -
         click.echo(f"vector cache: {describe_savings(snap.cache)}")
     click.echo(describe_attempts(attempts))
     if snap.failures:
-        click.echo(failure_report(snap.quarantined or snap.failures))
+        click.echo(failure_report(snap.quarantined or snap.failures, snap.run_id))
     if snap.result_published:
         damage = result_problems(layout, read_result_manifest(layout), manifest, checksums=False)
         if damage:

@@ -48,7 +48,7 @@ from chunkq.supervisor.supervise import Outcome, failure_report, supervise
 def _finish(outcome: Outcome) -> int:
     """Print the end of a watched run and pick the exit code."""
     if outcome.quarantined:
-        click.echo(failure_report(outcome.quarantined), err=True)
+        click.echo(failure_report(outcome.quarantined, outcome.snapshot.run_id), err=True)
         if outcome.partial and outcome.result is not None:
             result = outcome.result
             click.echo(

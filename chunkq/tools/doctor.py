@@ -131,7 +131,7 @@ def _nvml_problem(found: discovery.Survey, gpus: list[discovery.GpuInfo]) -> str
 def examine(store: Path, redis_url: str | None) -> Report:
     report = Report(nvml=_nvml(), torch=_torch(), redis=_redis(redis_url), store=_store(store))
     host = discovery.survey()
-    found = discovery.visible(host.gpus, os.environ.get(discovery.VISIBLE_ENV))
+    found = discovery.allowed(host)
     report.gpus = [{**asdict(gpu), "label": gpu.label, "exclusive": gpu.exclusive} for gpu in found]
     if host.driver_broken:
         report.problems.append(_nvml_problem(host, found))
