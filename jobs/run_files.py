@@ -120,6 +120,11 @@ class RunLayout:
         return self._path("plan", f"ids-{chunk_name(part)}.jsonl")
 
     @property
+    def plan_chunk_rows(self) -> Path:
+        """The corpus rows each chunk gives the result (int64 a chunk): a run's rows, counted as done."""
+        return self._path("plan", "corpus-rows-per-chunk.npy")
+
+    @property
     def queue_window(self) -> Path:
         """The ``--queue-window`` the run was submitted with, for the supervisor that watches it."""
         return self._path("queue_window.json")

@@ -62,7 +62,7 @@ def describe(snap: Snapshot) -> str:
     return (
         f"run {snap.run_id}: chunks {snap.chunks_done}/{snap.chunks} done, {states}"
         f"{snap.chunks_retrying} retrying, {snap.chunks_quarantined} quarantined{trouble}; "
-        f"rows {snap.rows_done:,}/{snap.rows:,}{encoding}; {rate}{eta}"
+        f"rows {snap.corpus_rows_done:,}/{snap.corpus_rows:,}{encoding}; {rate}{eta}"
     )
 
 

@@ -57,9 +57,9 @@ class RunMetrics:
         }
         for state in STATES:
             self.chunks.labels(self.run_id, state).set(counts[state])
-        self.rows_done.labels(self.run_id).set(snap.rows_done)
+        self.rows_done.labels(self.run_id).set(snap.corpus_rows_done)
         self.rows_encoding.labels(self.run_id).set(snap.rows_encoding)
-        self.rows_total.labels(self.run_id).set(snap.rows)
+        self.rows_total.labels(self.run_id).set(snap.corpus_rows)
         self.rate.labels(self.run_id).set(snap.rows_per_second or 0.0)
         if snap.cache is not None:
             for source in ("encoded", "from_cache", "deduplicated"):

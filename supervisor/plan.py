@@ -25,7 +25,7 @@ import logging
 import os
 import socket
 import tempfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -356,6 +356,8 @@ def _write(
             encode.flush()
         identity = identity and not row_map
         parts = [] if identity else _write_row_map(layout, chunk_row, spooled.path("ids.jsonl"), n)
+        if not identity:
+            _write_corpus_rows_per_chunk(layout, chunk_row, chunk_size, encode_rows, next_hit)
         cached = _write_cached_chunks(
             layout,
             chunk_size,
@@ -382,6 +384,47 @@ def _write(
         "part_rows": PART_ROWS,
         "parts": parts,
     }
+
+
+def _chunk_of_row(rows: np.ndarray[Any, Any], chunk_size: int, encode_rows: int) -> np.ndarray[Any, Any]:
+    """The chunk that holds each chunk row: those to encode first, those from the cache after them."""
+    after = -(-encode_rows // chunk_size) + (rows - encode_rows) // chunk_size
+    return np.where(rows < encode_rows, rows // chunk_size, after)
+
+
+def _write_corpus_rows_per_chunk(
+    layout: RunLayout, chunk_row: np.ndarray[Any, Any], chunk_size: int, encode_rows: int, cached_rows: int
+) -> None:
+    """How many corpus rows each chunk gives the result (a duplicate text's rows all count to the
+    chunk that holds it): what progress counts as a run's rows done."""
+    chunks = -(-encode_rows // chunk_size) + -(-cached_rows // chunk_size)
+    counts = np.zeros(chunks, dtype=np.int64)
+    for start in range(0, len(chunk_row), ROW_BLOCK):
+        block = np.asarray(chunk_row[start : start + ROW_BLOCK])
+        counts += np.bincount(_chunk_of_row(block, chunk_size, encode_rows), minlength=chunks)
+    save_npy_atomic(layout.plan_chunk_rows, counts)
+
+
+def corpus_rows_per_chunk(layout: RunLayout, manifest: RunManifest) -> np.ndarray[Any, Any] | None:
+    """Each chunk's corpus rows where they are not its own rows (duplicates, windows), else None."""
+    if (manifest.plan or {}).get("identity", True):
+        return None
+    try:
+        counts = np.asarray(load_npy(layout.plan_chunk_rows), dtype=np.int64)
+    except (OSError, ValueError):  # a run planned before the count was kept: count it from the map
+        counts = np.zeros(manifest.chunks, dtype=np.int64)
+        for rows, _ in _row_map_parts(layout, manifest):
+            counts += np.bincount(chunk_of(manifest, rows), minlength=manifest.chunks)
+    return counts if counts.shape == (manifest.chunks,) else None
+
+
+def corpus_rows_of(layout: RunLayout, manifest: RunManifest, chunks: Collection[int]) -> int:
+    """The result rows ``chunks`` give: a run's rows (its corpus's, or its windows), counted the
+    same by status, runs, the metrics and the summary of a finished run."""
+    counts = corpus_rows_per_chunk(layout, manifest)
+    if counts is None:
+        return manifest.rows_of(chunks)
+    return int(counts[sorted(chunks)].sum()) if chunks else 0
 
 
 def _pairs(path: Path) -> np.ndarray[Any, Any]:
@@ -517,8 +560,8 @@ def describe_savings(saved: dict[str, Any]) -> str:
 
 def chunk_of(manifest: RunManifest, rows: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     """The chunk that holds each chunk row."""
-    size, encode_rows = manifest.chunk_size, int((manifest.plan or {}).get("encode_rows", manifest.rows))
-    return np.where(rows < encode_rows, rows // size, manifest.encode_chunks + (rows - encode_rows) // size)
+    encode_rows = int((manifest.plan or {}).get("encode_rows", manifest.rows))
+    return _chunk_of_row(rows, manifest.chunk_size, encode_rows)
 
 
 def _row_map_parts(
@@ -546,14 +589,11 @@ def _row_map_parts(
 
 def lost_rows(layout: RunLayout, manifest: RunManifest, skip: set[int]) -> dict[int, int]:
     """Corpus rows each left-out chunk takes from a partial result (every row whose text it holds)."""
-    plan = manifest.plan or {}
     if not skip:
         return {}
-    if plan.get("identity", True):
+    counts = corpus_rows_per_chunk(layout, manifest)
+    if counts is None:
         return {index: manifest.chunk_rows(index) for index in skip}
-    counts = np.zeros(manifest.chunks, dtype=np.int64)
-    for rows, _ in _row_map_parts(layout, manifest):
-        counts += np.bincount(chunk_of(manifest, rows), minlength=manifest.chunks)
     return {index: int(counts[index]) for index in skip}
 
 

@@ -23,7 +23,7 @@ from chunkq.supervisor.attempts import FailedAttempt, failed_attempts
 from chunkq.supervisor.chunk_set import ChunkSet
 from chunkq.supervisor.enqueue import QUEUED_STATUSES, chunk_queue, job_statuses
 from chunkq.supervisor.ledger import Ledger, throughput_of
-from chunkq.supervisor.plan import savings
+from chunkq.supervisor.plan import corpus_rows_of, corpus_rows_per_chunk, savings
 from chunkq.supervisor.store_lock import StoreLock
 from chunkq.supervisor.throughput import Throughput
 
@@ -56,7 +56,7 @@ class Snapshot:
 
     run_id: str
     chunks: int
-    rows: int
+    rows: int  # the rows its chunks hold (distinct texts): what is encoded, what the rate counts
     chunks_done: int = 0
     rows_done: int = 0  # in published chunk outputs
     rows_encoding: int = 0  # encoded by running chunks, not yet published (their workers' reports)
@@ -77,6 +77,13 @@ class Snapshot:
     eta_seconds: float | None = None
     result_published: bool = False
     live: bool = True  # False: read from the store alone, so what runs and what waits is unknown
+    # The run's rows as every command shows them: its result's (its corpus's, or its windows),
+    # duplicates and texts from the vector cache included; done: those its finished chunks give.
+    corpus_rows: int = 0  # 0: as its chunks' rows (a run without duplicates, cache hits or windows)
+    corpus_rows_done: int = 0
+
+    def __post_init__(self) -> None:
+        self.corpus_rows = self.corpus_rows or self.rows
     queue: str = ""
     idle_seconds: float | None = None  # chunks wait and no worker has taken one for this long (warn_idle+)
     starting: bool = False  # chunks wait, none has started yet, and it is not yet worth a warning
@@ -146,6 +153,8 @@ class Tracker:
         self.min_reconcile_seconds = min_reconcile_seconds
         self.pending = ChunkSet(manifest.chunks, full=True)
         self.rows_done = 0
+        self.corpus_rows_done = 0
+        self._corpus_counts = corpus_rows_per_chunk(layout, manifest)  # None: a chunk's rows are its own
         # What earlier looks recorded: their outputs are not read again.
         self.ledger = Ledger.open(layout) if records else None
         self.failed_jobs: dict[int, Job] = {}
@@ -177,6 +186,10 @@ class Tracker:
             self.pending.discard(index)
             self.in_redis.discard(index)
             self.rows_done += self.manifest.chunk_rows(index)
+            counts = self._corpus_counts
+            self.corpus_rows_done += (
+                int(counts[index]) if counts is not None else self.manifest.chunk_rows(index)
+            )
             if self.ledger is not None and index not in self.ledger.recorded:
                 try:
                     self.ledger.add(read_json(self.layout.output_meta(index)))
@@ -248,6 +261,7 @@ class Tracker:
         snap.chunks_done = self.manifest.chunks - len(self.pending)
         snap.chunks_waiting = len(self.waiting)
         snap.rows_done = self.rows_done
+        snap.corpus_rows, snap.corpus_rows_done = self.manifest.corpus_rows, self.corpus_rows_done
         snap.result_published = self.layout.result_manifest.is_file()
         set_rate(snap, self.throughput)
         return snap
@@ -431,6 +445,7 @@ def store_snapshot(layout: RunLayout, manifest: RunManifest) -> Snapshot:
     snap.owned = StoreLock(layout.owner, "").live_holder() is not None
     done = layout.done_chunks(manifest.chunks)
     snap.rows_done = manifest.rows_of(done)
+    snap.corpus_rows, snap.corpus_rows_done = manifest.corpus_rows, corpus_rows_of(layout, manifest, done)
     throughput = throughput_of(layout, done)
     snap.chunks_done = len(done)
     last: dict[int, FailedAttempt] = {}

@@ -23,7 +23,7 @@ from chunkq.jobs.specs import EncodeOptions, chunk_job_id
 from chunkq.jobs.storage import is_local, list_with_mtime, remove_leftovers_beside, remove_tree
 from chunkq.supervisor.attempts import failed_attempts
 from chunkq.supervisor.enqueue import LIVE_STATUSES, job_statuses
-from chunkq.supervisor.plan import savings
+from chunkq.supervisor.plan import corpus_rows_of, savings
 from chunkq.supervisor.result import read_result_manifest, result_problems
 from chunkq.supervisor.store_lock import StoreLock
 from chunkq.supervisor.submit import DEFAULT_CHUNK_SIZE
@@ -106,7 +106,7 @@ def state_of(layout: RunLayout, manifest: RunManifest, checksums: bool = False) 
     if result is not None and not damaged:
         return (PUBLISHED if result.get("complete", True) else PARTIAL), int(result["rows"])
     done = layout.done_chunks(manifest.chunks)
-    rows_done = manifest.rows_of(done)
+    rows_done = corpus_rows_of(layout, manifest, done)
     if damaged:
         return DAMAGED, rows_done
     if owner_of(layout) is not None:
@@ -122,8 +122,7 @@ def describe_run(store: Path, run_id: str) -> RunInfo:
     return RunInfo(
         run_id=run_id,
         state=state,
-        # Until its result is published a run with the cache counts its chunks' rows (distinct texts).
-        rows=manifest.corpus_rows if state in (PUBLISHED, PARTIAL) else manifest.rows,
+        rows=manifest.corpus_rows,  # the run's rows, as every command counts them
         rows_done=rows_done,
         chunks=manifest.chunks,
         model=str(manifest.data.get("model", "?")),

@@ -1,0 +1,48 @@
+"""Issue 45.6: one definition of a run's rows, shown the same by every command. Before, the demo's run
+said `500 x 384`, `status` `rows 494/494` (its distinct texts) and `runs` 500/500; a windowed run
+1,586 / 1,520 / 1,586. A run's rows are its result's (the corpus's rows, or its windows); what the
+vector cache and deduplication saved is said beside them."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import make_texts, run_cli, write_corpus
+from tests.test_windows import _long_text
+
+
+def _counts(store: Path, run_id: str) -> tuple[str, str]:
+    status = run_cli("status", run_id, "--store", str(store))
+    runs = run_cli("runs", "--store", str(store), "--json")
+    assert status.returncode == 0 and runs.returncode == 0, status.stderr + runs.stderr
+    (row,) = [r for r in json.loads(runs.stdout) if r["run_id"] == run_id]
+    done = re.search(r"rows ([\d,]+)/([\d,]+)", status.stdout)
+    assert done, status.stdout
+    return f"{done.group(1)}/{done.group(2)}", f"{row['rows_done']:,}/{row['rows']:,}"
+
+
+@pytest.mark.slow
+def test_a_runs_rows_are_counted_the_same_by_run_status_and_runs(tmp_path: Path) -> None:
+    ids, texts = make_texts(40, seed=61)
+    texts += texts[:10]  # 10 duplicates: 50 rows, 40 distinct texts
+    ids += [f"dup-{i}" for i in range(10)]
+    corpus = write_corpus(tmp_path / "dups.jsonl", ids, texts, "jsonl")
+    store = tmp_path / "store"
+    done = run_cli("run", str(corpus), "--store", str(store), "--chunk-size", "15", "--run-id", "dups")
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = done.stdout + done.stderr
+    assert "run dups: 50 x 384 embeddings" in said and "50 rows: 40 encoded" in said, said[-2000:]
+    assert _counts(store, "dups") == ("50/50", "50/50")
+
+    long = [_long_text(300, seed=s) for s in range(4)] + ["short text"] * 2
+    corpus = write_corpus(tmp_path / "long.jsonl", [f"l{i}" for i in range(6)], long, "jsonl")
+    args = ["--store", str(store), "--run-id", "windows", "--long-texts", "window", "--window-tokens", "40"]
+    done = run_cli("run", str(corpus), *args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    windows = int(re.search(r"run windows: (\d+) x 384", done.stdout + done.stderr).group(1))  # type: ignore[union-attr]
+    assert windows > 6
+    assert _counts(store, "windows") == (f"{windows:,}/{windows:,}",) * 2
