@@ -32,6 +32,7 @@ from chunkq.queue_worker.lifeline import die_with_parent
 from chunkq.queue_worker.settings import SETTINGS_JSON_ENV, PoolSettings, env_of
 from chunkq.supervisor.display import ProgressDisplay
 from chunkq.supervisor.embedded_redis import EmbeddedRedis
+from chunkq.supervisor.plan import corpus_rows_of
 from chunkq.supervisor.result import published_result
 from chunkq.supervisor.run_log import RunLog, log_path, relay
 from chunkq.supervisor.store_lock import StoreLock
@@ -216,6 +217,22 @@ def _run_log(req: RunRequest, layout: RunLayout, stack: contextlib.ExitStack) ->
     return run_log
 
 
+def _say_resumed(layout: RunLayout, submitted: SubmitResult) -> None:
+    """A rerun of an interrupted run says what it found, on the terminal (a warning's level: the
+    terminal shows warnings and the progress by default)."""
+    manifest = load_manifest(layout)
+    done = corpus_rows_of(layout, manifest, layout.done_chunks(manifest.chunks))
+    log.warning(
+        "resuming run %s: %d of %d chunk(s) were done (%d of %d rows); encoding the other %d",
+        layout.run_id,
+        submitted.done,
+        submitted.chunks,
+        done,
+        manifest.corpus_rows,
+        submitted.chunks - submitted.done,
+    )
+
+
 def _start_redis(req: RunRequest, stack: contextlib.ExitStack) -> tuple[str, Callable[[], str | None]]:
     """The run's Redis: the user's, or the store's embedded server started under its lock; (URL, a
     callable that says why the server is gone for good, or None)."""
@@ -270,6 +287,8 @@ def run(req: RunRequest, display: ProgressDisplay) -> RunOutcome:
         if submitted.published or published_result(layout, load_manifest(layout)) is not None:
             log.info("run %s: result already published in %s", submitted.run_id, layout.result)
             return RunOutcome(submitted, None)
+        if not prepared.created:
+            _say_resumed(layout, submitted)
         if pool is None and submitted.done < submitted.chunks:  # resumed with chunks left to encode
             pool = stack.enter_context(PoolProcess(req, url, layout.run_id, run_log))
         keep_going = _always if pool is None else pool.alive

@@ -84,6 +84,7 @@ class Snapshot:
 
     def __post_init__(self) -> None:
         self.corpus_rows = self.corpus_rows or self.rows
+
     queue: str = ""
     idle_seconds: float | None = None  # chunks wait and no worker has taken one for this long (warn_idle+)
     starting: bool = False  # chunks wait, none has started yet, and it is not yet worth a warning

@@ -46,3 +46,39 @@ def test_a_runs_rows_are_counted_the_same_by_run_status_and_runs(tmp_path: Path)
     windows = int(re.search(r"run windows: (\d+) x 384", done.stdout + done.stderr).group(1))  # type: ignore[union-attr]
     assert windows > 6
     assert _counts(store, "windows") == (f"{windows:,}/{windows:,}",) * 2
+
+
+@pytest.mark.slow
+def test_a_resumed_run_says_what_it_found_and_status_of_a_stopped_run_reads_as_no_damage(
+    tmp_path: Path,
+) -> None:
+    """Issue 45.8: the rerun of a stopped run printed no "resuming"; `status` of the stopped run said
+    `the ledger lacked 3 finished chunk(s); rebuilt it from their outputs`, which reads as damage."""
+    import signal
+
+    from tests.helpers import start_run_with_a_slow_chunk, wait_for
+
+    proc, log, args, _ = start_run_with_a_slow_chunk(tmp_path, seed=62, seconds=600, chunk=2, rows=100)
+    try:
+        wait_for(lambda: len(list((tmp_path / "store").rglob("outputs/*.json"))) >= 2, 180, "two chunks done")
+        proc.send_signal(signal.SIGINT)  # the drain: chunk 2 would take 600 s more
+        wait_for(lambda: "Ctrl+C again" in log.read_text(errors="replace"), 60, "the drain's notice")
+        proc.send_signal(signal.SIGINT)  # stop now: chunk 2 goes back to the queue
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    (run_dir,) = (tmp_path / "store" / "runs").iterdir()
+    import shutil
+
+    shutil.rmtree(run_dir / "ledger", ignore_errors=True)  # stopped before its owner recorded them
+    status = run_cli("status", run_dir.name, "--store", str(tmp_path / "store"))
+    assert "lacked" not in status.stdout + status.stderr and "rebuilt" not in status.stdout + status.stderr
+    assert list((run_dir / "ledger").glob("*.jsonl")), "status recorded the finished chunks"
+    done = len(list((run_dir / "outputs").glob("*.json")))
+    resumed = run_cli(*args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rows = done * 20
+    said = f"resuming run {run_dir.name}: {done} of 5 chunk(s) were done ({rows} of 100 rows)"
+    assert f"{said}; encoding the other {5 - done}" in resumed.stderr, resumed.stderr[-3000:]
+    assert "Traceback" not in log.read_text(errors="replace")
