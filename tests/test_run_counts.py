@@ -46,6 +46,16 @@ def test_a_runs_rows_are_counted_the_same_by_run_status_and_runs(tmp_path: Path)
     windows = int(re.search(r"run windows: (\d+) x 384", done.stdout + done.stderr).group(1))  # type: ignore[union-attr]
     assert windows > 6
     assert _counts(store, "windows") == (f"{windows:,}/{windows:,}",) * 2
+    # Issue 45.7: the runs and the cache's producers are told apart by what set them apart.
+    late = run_cli("run", str(corpus), *args[:2], "--run-id", "late", "--long-texts", "late")
+    assert late.returncode == 0, late.stderr[-3000:]
+    listed = {
+        r["run_id"]: r["options"] for r in json.loads(run_cli("runs", "--store", str(store), "--json").stdout)
+    }
+    assert 'long_texts="window"' in listed["windows"] and "long_texts.tokens=40" in listed["windows"]
+    assert 'long_texts="late"' in listed["late"] and listed["dups"] == "chunk_size=15"
+    producers = run_cli("cache", "--store", str(store)).stdout
+    assert "late_chunking=True" in producers, producers
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ import click
 from chunkq.cli.common import log_level_option, redis_option, reports_errors, store_option
 from chunkq.cli.group import cli
 from chunkq.jobs.errors import ConfigError
+from chunkq.jobs.specs import EncodeOptions, vector_options
 from chunkq.jobs.units import size_text
 from chunkq.jobs.vector_cache import VectorCache
 
@@ -28,7 +29,9 @@ def age_seconds(text: str) -> float:
 
 
 def _options(options: Any) -> str:
-    chosen = {k: v for k, v in (options or {}).items() if v not in (None, False, "fp32")}
+    """A producer's options that differ from the defaults (its kind, role, prompt, late chunking...)."""
+    defaults = vector_options(EncodeOptions())
+    chosen = {k: v for k, v in (options or {}).items() if defaults.get(k) != v and v is not None}
     return ", ".join(f"{k}={v}" for k, v in chosen.items()) or "-"
 
 

@@ -148,6 +148,12 @@ def _options(manifest: RunManifest) -> str:
     differ = {k: v for k, v in manifest.options.items() if defaults.get(k, None) != v}
     if manifest.chunk_size != DEFAULT_CHUNK_SIZE:
         differ["chunk_size"] = manifest.chunk_size
+    long_texts = (manifest.data.get("identity") or {}).get("long_texts")
+    if isinstance(long_texts, dict):  # --long-texts window|late, and how the windows were cut
+        differ.pop("late_chunking", None)  # said by long_texts=late
+        differ.update(
+            {f"long_texts.{k}" if k != "mode" else "long_texts": v for k, v in long_texts.items() if v}
+        )
     return " ".join(f"{k}={json.dumps(v, separators=(',', ':'))}" for k, v in sorted(differ.items()))
 
 
