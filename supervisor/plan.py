@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 PART_ROWS = 1 << 20  # corpus rows a file of the row map (and of its ids) holds
 BUCKET_ROWS = 1 << 22  # corpus rows a partition of the join holds at most: about 100 MB sorted in memory
 MAX_BUCKETS = 1 << 16  # the partition is chosen by a hash's first 16 bits
+CACHE_WORKER = "cache"  # who "encoded" a chunk read from the vector cache at submit (its output's worker)
 ROW_BLOCK = 1 << 16  # rows read, hashed and written at a time
 _KEY = np.dtype(f"S{HASH_BYTES}")
 
@@ -489,7 +490,7 @@ def _write_cached_chunks(
                 "first_row": encode_rows + offset,
                 **output_producer,
                 "source": "cache",
-                "worker": "cache",
+                "worker": CACHE_WORKER,
                 "pid": os.getpid(),
                 "host": socket.gethostname(),
                 "device": "cache",
@@ -548,10 +549,11 @@ def savings(plan: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def describe_savings(saved: dict[str, Any]) -> str:
-    """One line: ``700 rows: 120 encoded, 500 from the vector cache, 80 duplicates encoded once``."""
+    """One line: ``700 rows: 120 encoded, 500 from the vector cache, 80 repeating a text of the run``
+    (each distinct text is encoded or read from the cache once, whatever its copies)."""
     return (
         f"{saved['rows']:,} rows: {saved['encoded']:,} encoded, {saved['from_cache']:,} from the vector "
-        f"cache, {saved['deduplicated']:,} duplicate(s) encoded once"
+        f"cache, {saved['deduplicated']:,} repeating another row's text (each text encoded or read once)"
     )
 
 

@@ -35,8 +35,18 @@ def test_a_runs_rows_are_counted_the_same_by_run_status_and_runs(tmp_path: Path)
     done = run_cli("run", str(corpus), "--store", str(store), "--chunk-size", "15", "--run-id", "dups")
     assert done.returncode == 0, done.stderr[-3000:]
     said = done.stdout + done.stderr
-    assert "run dups: 50 x 384 embeddings" in said and "50 rows: 40 encoded" in said, said[-2000:]
+    assert "run dups: 50 x 384 embeddings, 40 row(s) encoded by 1 worker process(es) at " in said, said[
+        -2000:
+    ]
+    assert "50 rows: 40 encoded, 0 from the vector cache, 10 repeating another row's text" in said
     assert _counts(store, "dups") == ("50/50", "50/50")
+    # Issue 45.9: a run whose every text is cached encoded nothing, and says so.
+    again = write_corpus(tmp_path / "again.jsonl", [f"a{i}" for i in range(50)], texts, "jsonl")
+    cached = run_cli("run", str(again), "--store", str(store), "--chunk-size", "15", "--run-id", "again")
+    said = cached.stdout + cached.stderr
+    assert "run again: 50 x 384 embeddings, no row encoded: every text came from the vector cache" in said, (
+        said
+    )
 
     long = [_long_text(300, seed=s) for s in range(4)] + ["short text"] * 2
     corpus = write_corpus(tmp_path / "long.jsonl", [f"l{i}" for i in range(6)], long, "jsonl")

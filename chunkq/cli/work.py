@@ -30,7 +30,7 @@ from chunkq.queue_worker.exit_codes import EXIT_CHUNKS_FAILED, EXIT_OK, EXIT_PAR
 from chunkq.queue_worker.pool import start as start_pool
 from chunkq.supervisor.display import ProgressDisplay, describe
 from chunkq.supervisor.local_run import RunOutcome, run
-from chunkq.supervisor.plan import describe_savings, savings
+from chunkq.supervisor.plan import CACHE_WORKER, describe_savings, savings
 from chunkq.supervisor.request import (
     RUN_DECIDES_FOR_THE_POOL,
     build_run_request,
@@ -64,10 +64,8 @@ def _finish(outcome: Outcome) -> int:
         )
         return EXIT_CHUNKS_FAILED
     result = outcome.result
-    rate = outcome.snapshot.rows_per_second
     click.echo(
-        f"run {result['run_id']}: {result['rows']} x {result['dim']} {_what(result)}, "
-        f"{len(result['workers'])} worker process(es)" + (f", {rate:,.1f} rows/s encoded" if rate else "")
+        f"run {result['run_id']}: {result['rows']} x {result['dim']} {_what(result)}, {_work(outcome)}"
     )
     if result.get("bad_rows"):
         click.echo(f"--allow-missing: {describe_left_out(result['bad_rows'])}")
@@ -75,6 +73,19 @@ def _finish(outcome: Outcome) -> int:
     if saved is not None:
         click.echo(describe_savings(saved))
     return EXIT_OK
+
+
+def _work(outcome: Outcome) -> str:
+    """What the workers did, in the words that are true of it: none, when the vector cache held
+    every text; else how many processes encoded how many rows at what rate."""
+    workers = [w for w in outcome.result["workers"] if w != CACHE_WORKER] if outcome.result else []
+    if not workers:
+        return "no row encoded: every text came from the vector cache"
+    snap = outcome.snapshot
+    saved = savings(outcome.result.get("plan")) if outcome.result else None
+    encoded = saved["encoded"] if saved is not None else snap.rows_done
+    rate = f" at {snap.rows_per_second:,.1f} rows/s" if snap.rows_per_second else ""
+    return f"{encoded:,} row(s) encoded by {len(workers)} worker process(es){rate}"
 
 
 def _what(result: dict[str, Any]) -> str:
