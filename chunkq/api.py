@@ -214,7 +214,7 @@ IN_PROCESS_TEXTS = 1000  # up to this many texts (one chunk's worth), embed enco
 
 
 def embed(
-    texts_or_path: Iterable[str] | str | Path,
+    texts_or_path: Iterable[str | tuple[str, str]] | str | Path,
     model: str | None = None,
     *,
     store: str | Path | None = None,
@@ -251,7 +251,7 @@ def embed(
             "file nor a pattern that matches one (for one text, pass [text])"
         )
     if not isinstance(texts_or_path, str | Path) and store is None and isolated is not True:
-        texts = list(texts_or_path)
+        texts: list[str | tuple[str, str]] = list(texts_or_path)
         others = sorted(set(options) - ENCODE_NAMES)  # pool or watch settings: a run's
         if isolated is False or (not others and len(texts) <= IN_PROCESS_TEXTS):
             if others:

@@ -479,3 +479,24 @@ def test_rows_left_out_are_named_on_the_dashboards_job_page(
     shown = Job.fetch(spec.job_id, connection=connection, serializer=JSONSerializer).meta["bad_rows"]
     assert shown == [f"gone: {tmp_path / 'missing.png'}: no such file"]
     assert "gone: " in _meta_lines(json_lib.dumps({"bad_rows": shown}))
+
+
+@pytest.mark.slow
+def test_chunkq_rerank_scores_a_query_against_passages_in_process(tmp_path: Path, reranker: Path) -> None:
+    """Issue 45.10: reranking through the command line was a run per query (8.9 s for 20 pairs, a new
+    entry in `runs` each time). `chunkq rerank` is CrossEncoder.predict in the command's process,
+    best first, and leaves no run behind."""
+    from sentence_transformers import CrossEncoder
+
+    passages = [{"id": f"p{i}", "text": " ".join(WORDS[i : i + 8])} for i in range(12)]
+    path = _write_pairs(tmp_path / "passages.jsonl", passages)
+    done = run_cli("rerank", "river mountain", str(path), "--model", str(reranker), "--json", "--top", "5")
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout)
+    want = CrossEncoder(str(reranker), device="cpu").predict(
+        [("river mountain", p["text"]) for p in passages]
+    )
+    best = sorted(zip(want.tolist(), [p["id"] for p in passages], strict=True), reverse=True)[:5]
+    assert [g["id"] for g in got] == [rid for _, rid in best]
+    assert max_abs_diff(np.array([g["score"] for g in got]), np.array([s for s, _ in best])) <= 1e-5
+    assert not (tmp_path / "chunkq-store").exists()

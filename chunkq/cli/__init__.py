@@ -1,13 +1,13 @@
 """The ``chunkq`` command line, a module per group of commands: ``work`` (run, submit, pool,
 supervise), ``look`` (status, report, model, doctor, dashboard), ``results`` (runs, assemble,
-export, clean), ``cache``, ``serve`` (serve-redis). Options that read an environment variable show
+export, clean), ``cache``, ``serve`` (serve-redis), ``rerank``. Options that read an environment variable show
 it in ``--help``."""
 
 from __future__ import annotations
 
 import os
 
-from chunkq.cli import cache, look, results, serve, work
+from chunkq.cli import cache, look, rerank, results, serve, work
 from chunkq.cli.common import interrupt_on_sigterm
 from chunkq.cli.group import cli
 from chunkq.jobs import storage
@@ -16,7 +16,14 @@ from chunkq.jobs.nopickle import forbid_pickle
 from chunkq.jobs.storage import OWNER_ONLY
 
 __all__ = ["cli", "main"]
-COMMAND_MODULES = (work, look, results, cache, serve)  # imported for their commands, which join the group
+COMMAND_MODULES = (
+    work,
+    look,
+    results,
+    cache,
+    serve,
+    rerank,
+)  # imported for their commands, which join the group
 
 
 def main() -> None:
