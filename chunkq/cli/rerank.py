@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 
+from chunkq.cli.common import redis_option
 from chunkq.cli.group import command
 from chunkq.jobs.errors import ConfigError
 from chunkq.supervisor.corpus import CorpusOptions, detect_format, read_corpus
@@ -29,13 +30,22 @@ RERANK_MOST = 10_000  # passages scored at once in this process: a reranker's to
 @click.option("--id-field", default=CorpusOptions.id_field, show_default=True, help="The passage's id field.")
 @click.option("--top", type=click.IntRange(min=1), default=None, help="Show the best N only.")
 @click.option("--json", "as_json", is_flag=True, help="Print [{id, score, text}] as JSON.")
+@redis_option("unused")
 def rerank_cmd(
-    query: str, passages: Path, model: str, text_field: str, id_field: str, top: int | None, as_json: bool
+    query: str,
+    passages: Path,
+    model: str,
+    text_field: str,
+    id_field: str,
+    top: int | None,
+    as_json: bool,
+    redis_url: str | None,
 ) -> None:
     """Score QUERY against each passage of PASSAGES (JSON Lines, CSV or Parquet; a row number is the
     id where the field is absent) with a cross-encoder, best first."""
     import chunkq
 
+    del redis_url
     options = CorpusOptions(detect_format(passages, None), text_field=text_field, id_field=id_field)
     rows = list(read_corpus(passages, options))
     if len(rows) > RERANK_MOST:
