@@ -152,6 +152,13 @@ def _kind(folder: Path, st_config: dict[str, Any]) -> str:
     return DEFAULT_KIND
 
 
+def _vocabulary(folder: Path) -> int | None:
+    """A sparse model's space: its transformer's vocabulary (one dimension a token)."""
+    transformer = next((path for kind, path in _modules(folder) if "Transformer" in kind), folder)
+    size = (_json(transformer / "config.json") or {}).get("vocab_size")
+    return int(size) if isinstance(size, int) and not isinstance(size, bool) else None
+
+
 def _takes_images(folder: Path) -> bool:
     """Whether the model encodes images: a module configured for the image modality (sentence-
     transformers 6), an older CLIPModel module, or a transformers config with a vision tower."""
@@ -222,7 +229,11 @@ def describe(ref: str, revision: str | None = None) -> ModelInfo:
     return ModelInfo(
         ref=ref,
         folder=str(folder),
-        dim=_labels(folder) if kind == "cross" else _dimension(folder),
+        dim=_labels(folder)
+        if kind == "cross"
+        else _vocabulary(folder)
+        if kind == "sparse"
+        else _dimension(folder),
         max_seq_length=_max_seq_length(folder),
         prompts={str(k): str(v) for k, v in prompts.items()},
         default_prompt_name=st_config.get("default_prompt_name") or None,

@@ -58,8 +58,10 @@ RUN_OPTIONS: tuple[Option, ...] = (
     _submit(
         "kind",
         None,
-        "What the model is: dense (a vector per text, SentenceTransformer.encode) or cross (a score per "
-        "pair, CrossEncoder.predict; with --pair-field). Default: what the model's files say.",
+        "What the model is: dense (a vector per text, SentenceTransformer.encode), cross (a score per "
+        "pair, CrossEncoder.predict; with --pair-field), sparse (SparseEncoder: CSR rows), multivector "
+        "(MultiVectorEncoder: token vectors) or image (a multimodal model's encode of images by path or "
+        "URL). Default: what the model's files say; a kind they contradict is refused.",
         kind="choice",
         choices=(*KINDS, *NOT_BUILT),
     ),

@@ -125,6 +125,7 @@ def test_out_is_never_replaced_unasked_and_streams_are_written_through(tmp_path:
             check=False,
         )
         assert piped.returncode == 0, piped.stderr
+        assert b"/dev/stdout" not in piped.stderr  # issue 45.12: no file to name, so none is named
         rows = [json.loads(line) for line in piped.stdout.splitlines()]
         assert [r["id"] for r in rows] == ids and np.allclose([r["embedding"] for r in rows], embeddings)
     assert not Path("/dev/stdout").is_file() or Path("/dev/stdout").is_symlink()

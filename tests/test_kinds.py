@@ -500,3 +500,12 @@ def test_chunkq_rerank_scores_a_query_against_passages_in_process(tmp_path: Path
     assert [g["id"] for g in got] == [rid for _, rid in best]
     assert max_abs_diff(np.array([g["score"] for g in got]), np.array([s for s, _ in best])) <= 1e-5
     assert not (tmp_path / "chunkq-store").exists()
+
+
+@pytest.mark.slow
+def test_chunkq_model_of_a_sparse_model_gives_its_space_and_its_call(splade: Path) -> None:
+    """Issue 45.12: it said `dimension unknown (--truncate-dim may keep fewer)`, an option a sparse run
+    refuses, and named encode_document where a run without --role calls encode."""
+    shown = run_cli("model", str(splade)).stdout
+    assert "dimension           30522 (the vocabulary: a sparse vector's space)" in shown, shown
+    assert "SparseEncoder.encode(texts) (encode_query / encode_document with --role)" in shown

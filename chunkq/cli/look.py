@@ -183,7 +183,13 @@ def _kind_line(kind: str) -> str:
 
 
 def _dim_note(kind: str) -> str:
-    return " score(s) per pair" if kind == "cross" else " (--truncate-dim may keep fewer)"
+    """What the dimension is, by kind: only a dense vector may be cut (--truncate-dim)."""
+    notes = {
+        "cross": " score(s) per pair",
+        "sparse": " (the vocabulary: a sparse vector's space)",
+        "multivector": " per token vector",
+    }
+    return notes.get(kind, " (--truncate-dim may keep fewer)")
 
 
 @command("doctor")

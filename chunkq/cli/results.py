@@ -185,7 +185,8 @@ def export_cmd(
     stream = out == STDOUT or (out.exists() and not out.is_file())
     layout = RunLayout(store, run_id)
     written = export(layout, fmt, out, force, tokens=tokens, level=level)
-    click.echo(", ".join(str(p) for p in written), err=stream)
+    if not stream:  # to stdout or a pipe there is no file to name: the data is what was written
+        click.echo(", ".join(str(p) for p in written))
     result = read_json(layout.result_manifest)
     if not result.get("complete", True):
         click.echo(f"chunkq: PARTIAL: {_partial(result)}; the export holds only those rows", err=True)

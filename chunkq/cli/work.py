@@ -26,6 +26,8 @@ from chunkq.jobs.manifest import load_manifest
 from chunkq.jobs.models import check_model
 from chunkq.jobs.run_files import RunLayout
 from chunkq.jobs.specs import DEFAULT_KIND
+from chunkq.jobs.storage import is_local
+from chunkq.jobs.units import size_text
 from chunkq.queue_worker.exit_codes import EXIT_CHUNKS_FAILED, EXIT_OK, EXIT_PARTIAL, EXIT_POOL_DIED
 from chunkq.queue_worker.pool import start as start_pool
 from chunkq.supervisor.display import ProgressDisplay, describe
@@ -73,6 +75,20 @@ def _finish(outcome: Outcome) -> int:
     if saved is not None:
         click.echo(describe_savings(saved))
     return EXIT_OK
+
+
+def _outputs_kept(layout: RunLayout) -> None:
+    """Say what the chunk outputs beside a published result take: the same rows again (a sparse
+    run's, hundreds of MB), kept until the user frees them (a later change of the run reassembles
+    from them; `clean --outputs-only` frees them once the result is verified)."""
+    if not is_local(layout.outputs):
+        return
+    kept = sum(p.stat().st_size for p in layout.outputs.glob("*.npy"))
+    if kept:
+        click.echo(
+            f"its chunk outputs ({size_text(kept)}) stay beside the result; `chunkq clean {layout.run_id} "
+            "--outputs-only` frees them"
+        )
 
 
 def _work(outcome: Outcome) -> str:
@@ -187,4 +203,5 @@ def run_cmd(corpus: tuple[str, ...], redis_url: str | None, verbose: int, **kw: 
     code = _finish(outcome.outcome)
     if code == EXIT_OK:
         click.echo(f"result in {layout.result}")
+        _outputs_kept(layout)
     sys.exit(code)

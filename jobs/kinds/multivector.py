@@ -48,7 +48,7 @@ def refuse(options: EncodeOptions) -> str | None:
 KIND = Kind(
     name="multivector",
     model_class="MultiVectorEncoder",
-    reference="MultiVectorEncoder.encode_document(texts) (encode_query with --role query)",
+    reference="MultiVectorEncoder.encode(texts) (encode_query / encode_document with --role)",
     row="a matrix of token vectors per text (ragged)",
     rows_are="token matrices",
     encode=encode,

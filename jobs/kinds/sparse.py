@@ -58,7 +58,7 @@ def refuse(options: EncodeOptions) -> str | None:
 KIND = Kind(
     name="sparse",
     model_class="SparseEncoder",
-    reference="SparseEncoder.encode_document(texts) (encode_query with --role query)",
+    reference="SparseEncoder.encode(texts) (encode_query / encode_document with --role)",
     row="a sparse vector per text (CSR: indices, values)",
     rows_are="sparse vectors",
     encode=encode,
