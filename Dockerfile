@@ -11,7 +11,8 @@ COPY queue_worker ./queue_worker
 COPY supervisor ./supervisor
 COPY chunkq ./chunkq
 RUN pip install --no-cache-dir '.[bundled-model]'
-RUN useradd --create-home chunkq && mkdir -p /store && chown chunkq /store
+# uid 1000: what deploy/k8s's pods run as (runAsUser, fsGroup), so a volume they mount is theirs.
+RUN useradd --uid 1000 --create-home chunkq && mkdir -p /store && chown chunkq /store
 USER chunkq
 ENTRYPOINT ["chunkq"]
 CMD ["doctor"]

@@ -36,6 +36,15 @@ def _one(kind: str, name: str | None = None) -> dict[str, Any]:
     return found
 
 
+def _environment(container: dict[str, Any]) -> dict[str, Any]:
+    """A container's environment: its ConfigMaps' (envFrom) and its own (env), by name."""
+    found: dict[str, Any] = {}
+    for source in container.get("envFrom", []):
+        found.update(_one("ConfigMap", source["configMapRef"]["name"])["data"])
+    found.update({e["name"]: e.get("value") for e in container.get("env", [])})
+    return found
+
+
 def test_every_manifest_is_valid_against_the_kubernetes_and_keda_schemas() -> None:
     import jsonschema
     import kubernetes_validate
@@ -59,6 +68,10 @@ def test_every_manifest_is_valid_against_the_kubernetes_and_keda_schemas() -> No
         kinds.append(doc["kind"])
     assert sorted(kinds) == sorted(
         [
+            "Namespace",
+            "ConfigMap",
+            "ConfigMap",
+            "Pod",
             "Service",
             "StatefulSet",
             "Secret",
@@ -87,9 +100,7 @@ def test_the_keda_trigger_reads_the_list_chunkq_fills_and_its_threshold_follows_
     from chunkq.supervisor.submit import SubmitRequest, submit
     from tests.helpers import make_texts, write_corpus
 
-    job_env = {
-        e["name"]: e.get("value") for e in _one("Job")["spec"]["template"]["spec"]["containers"][0]["env"]
-    }
+    job_env = _environment(_one("Job")["spec"]["template"]["spec"]["containers"][0])
     window, queue = int(job_env["CHUNKQ_QUEUE_WINDOW"]), job_env["CHUNKQ_QUEUE"]
     scaled = _one("ScaledObject")
     (trigger,) = scaled["spec"]["triggers"]
@@ -121,9 +132,13 @@ def test_the_pods_run_what_compose_runs_and_drain_within_their_grace_period() ->
     compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
     pool = _one("Deployment")["spec"]["template"]["spec"]
     (container,) = pool["containers"]
-    assert container["args"][:3] == compose["services"]["pool"]["command"]  # pool --gpus all
-    env = {e["name"] for e in container["env"]}
-    assert {"CHUNKQ_REDIS_URL", "CHUNKQ_STORE", "CHUNKQ_QUEUE", "CHUNKQ_RECYCLE_AFTER"} <= env
+    command = compose["services"]["pool"]["command"]
+    assert container["args"][:3] == command[:3]  # pool --gpus all
+    # ... and each allows the run's model, named once (compose's variable, the ConfigMap's)
+    assert command[3:] == ["--allow-model", "${CHUNKQ_MODEL:-}"]
+    assert container["args"][-2:] == ["--allow-model", "$(CHUNKQ_MODEL)"]
+    env = set(_environment(container))
+    assert {"CHUNKQ_REDIS_URL", "CHUNKQ_STORE", "CHUNKQ_QUEUE", "CHUNKQ_RECYCLE_AFTER", "CHUNKQ_MODEL"} <= env
     assert env <= set(compose["services"]["pool"]["environment"]) | set(compose["x-chunkq-env"])
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
     # compose lets a pool drain for 10 minutes; so does the pod before Kubernetes' SIGKILL.

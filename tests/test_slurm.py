@@ -190,7 +190,8 @@ def test_the_recipe_runs_on_slurm_and_cancelled_or_preempted_pools_lose_nothing(
     ]
     env = {
         **slurm,
-        "PATH": f"{Path(sys.executable).parent}:{slurm['PATH']}",  # chunkq, as a user's venv on PATH
+        # Issue 45.11: chunkq from the venv chunkq.env names, not from the submitting shell's PATH
+        "CHUNKQ_VENV": sys.prefix,
         "CHUNKQ_STORE": str(store),
         "CHUNKQ_CORPUS": str(corpus),
         "CHUNKQ_RUN_ID": run_id,

@@ -3,6 +3,16 @@
 chunkq_load_settings() {
     # shellcheck disable=SC1090
     source "${CHUNKQ_SLURM_ENV:?run.sh sets CHUNKQ_SLURM_ENV: the chunkq.env every job reads}"
+    if [ -n "${CHUNKQ_VENV:-}" ]; then
+        # shellcheck disable=SC1091
+        source "${CHUNKQ_VENV}/bin/activate"
+    fi
+    # A batch job starts with the cluster's login environment, not the submitting shell's.
+    command -v chunkq >/dev/null || {
+        echo "chunkq: not on PATH in this job on $(hostname); set CHUNKQ_VENV in chunkq.env to the" \
+            "environment it is installed in (a path every node mounts)" >&2
+        return 1
+    }
 }
 
 chunkq_pool_job_name() {
