@@ -295,7 +295,7 @@ def _embed_in_process(texts: list[Any], model: str | None, given: dict[str, Any]
     import numpy as np
     import torch
 
-    from chunkq.jobs import models, quantize, token_batches
+    from chunkq.jobs import kinds, models, quantize, token_batches
     from chunkq.jobs.calibrate import ranges_here
     from chunkq.jobs.embed import encode_texts
     from chunkq.jobs.run_files import non_finite_rows
@@ -306,7 +306,7 @@ def _embed_in_process(texts: list[Any], model: str | None, given: dict[str, Any]
         return _empty(name, options.to_dict())
     texts = _row_texts(texts, options.kind)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    work = token_batches.for_device(options, device)
+    work = token_batches.for_device(options, device, kinds.get(options.kind).by_tokens)
     if work.batch_tokens == "auto":
         work = replace(work, batch_tokens=token_batches.AUTO_START_TOKENS)
     loaded = models.get_model(name, device, options.precision, options)

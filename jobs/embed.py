@@ -355,7 +355,8 @@ def _embed(chunk: ChunkSpec) -> dict[str, Any]:
         )
     loaded = models.get_model(chunk.model, ctx.device, chunk.options.precision, chunk.options)
     check_model(chunk, manifest.model_identity, loaded)
-    work = replace(chunk, options=token_batches.for_device(chunk.options, ctx.device))
+    tokens_apply = kinds.get(chunk.options.kind).by_tokens
+    work = replace(chunk, options=token_batches.for_device(chunk.options, ctx.device, tokens_apply))
     start = learned.start_limit(work.options, learned.read(layout, ctx.device_kind))
     started_at = datetime.now(UTC)
     cuda.reset_peak_memory(ctx.device)

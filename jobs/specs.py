@@ -16,6 +16,8 @@ FORMAT_VERSION = 1
 DEFAULT_PRECISION = "fp32"
 PRECISIONS = (DEFAULT_PRECISION, "fp16", "bf16")
 BATCH_TOKENS_AUTO = "auto"  # --batch-tokens auto: the budget tunes itself (jobs.token_batches)
+BATCH_TOKENS_OFF = "off"  # --batch-tokens off: --batch-size batches, on a GPU too
+BATCH_TOKENS_WORDS = (BATCH_TOKENS_AUTO, BATCH_TOKENS_OFF)
 # RQ job ids allow letters, digits, '_' and '-'; '__' is kept free to separate run and chunk.
 _RUN_ID_RE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]|_(?!_)){0,79}")  # fullmatch: `$` would let "ab\n" in
 
@@ -99,12 +101,12 @@ def _positive(name: str, value: Any) -> None:
 
 
 def batch_tokens_value(value: str) -> int | str:
-    """--batch-tokens as given: a number of tokens (1 or more) or 'auto'."""
-    if value == BATCH_TOKENS_AUTO:
+    """--batch-tokens as given: a number of tokens (1 or more), 'auto' or 'off'."""
+    if value in BATCH_TOKENS_WORDS:
         return value
     if value.isdigit() and int(value) >= 1:
         return int(value)
-    raise ConfigError(f"{value!r}: give a number of tokens (1 or more) or 'auto'")
+    raise ConfigError(f"{value!r}: give a number of tokens (1 or more), 'auto' or 'off'")
 
 
 def model_kwargs_value(text: str) -> dict[str, str] | None:
@@ -151,7 +153,8 @@ class EncodeOptions:
     normalize_embeddings: bool = field(default=False, metadata=_VECTOR)
     max_seq_length: int | None = field(default=None, metadata=_VECTOR)
     precision: str = field(default=DEFAULT_PRECISION, metadata=_VECTOR)
-    # token-budget batches: padded tokens per batch, or "auto"
+    # token-budget batches: padded tokens per batch, "auto", "off" (--batch-size batches); None: the
+    # device decides (jobs.token_batches.for_device: auto on a GPU, --batch-size batches on the CPU)
     batch_tokens: int | str | None = field(default=None, metadata=_NOT_VECTOR)
     prompt: str | None = field(default=None, metadata=_VECTOR)  # prepended to every text (E5's "passage: ")
     prompt_name: str | None = field(default=None, metadata=_VECTOR)  # a named prompt (None: its default)
@@ -174,14 +177,16 @@ class EncodeOptions:
     def __post_init__(self) -> None:
         if (
             self.batch_tokens is not None
-            and self.batch_tokens != BATCH_TOKENS_AUTO
+            and self.batch_tokens not in BATCH_TOKENS_WORDS
             and (
                 not isinstance(self.batch_tokens, int)
                 or isinstance(self.batch_tokens, bool)
                 or self.batch_tokens < 1
             )
         ):
-            raise ConfigError(f"batch tokens must be a positive integer or 'auto', got {self.batch_tokens!r}")
+            raise ConfigError(
+                f"batch tokens must be a positive integer, 'auto' or 'off', got {self.batch_tokens!r}"
+            )
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise ConfigError(f"batch size must be a positive integer, got {self.batch_size!r}")
         _positive("max_seq_length", self.max_seq_length)

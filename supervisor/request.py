@@ -22,7 +22,7 @@ from chunkq.jobs.errors import ChunksFailedError, ConfigError, CorpusError
 from chunkq.jobs.model_info import check_options, describe
 from chunkq.jobs.models import check_model, check_precision, default_model
 from chunkq.jobs.run_files import RunLayout, read_json
-from chunkq.jobs.specs import DEFAULT_KIND, DEFAULT_PRECISION, EncodeOptions
+from chunkq.jobs.specs import BATCH_TOKENS_OFF, DEFAULT_KIND, DEFAULT_PRECISION, EncodeOptions
 from chunkq.jobs.storage import is_local, open_store
 from chunkq.queue_worker.gpus import choose
 from chunkq.queue_worker.settings import DEFAULT_QUEUE, PoolSettings
@@ -109,8 +109,13 @@ ENCODE_NAMES = frozenset({f.name for f in fields(EncodeOptions)} | set(_ENCODE_N
 
 
 def encode_options_of(encode: dict[str, Any]) -> EncodeOptions:
-    """EncodeOptions from keywords as the API and submit take them (``normalize`` too; None: default)."""
-    return EncodeOptions(**{_ENCODE_NAMES.get(k, k): v for k, v in encode.items() if v is not None})
+    """EncodeOptions from keywords as the API and submit take them (``normalize`` too; None: default).
+    A batch size given without a token budget is what the user wants on a GPU too: batches by count
+    (``--batch-tokens off``), where the GPU's default is a budget (``jobs.token_batches.for_device``)."""
+    given = {_ENCODE_NAMES.get(k, k): v for k, v in encode.items() if v is not None}
+    if "batch_size" in given and "batch_tokens" not in given:
+        given["batch_tokens"] = BATCH_TOKENS_OFF
+    return EncodeOptions(**given)
 
 
 def encode_options_for(model: str, encode: dict[str, Any]) -> EncodeOptions:

@@ -126,8 +126,9 @@ RUN_OPTIONS: tuple[Option, ...] = (
     ),
     _submit(
         "batch_size",
-        EncodeOptions.batch_size,
-        "Texts per encode batch (halved for the chunk after an out-of-memory error).",
+        None,
+        f"Texts per encode batch (halved for the chunk after an out-of-memory error). Default: "
+        f"{EncodeOptions.batch_size}; given without --batch-tokens, a GPU runs batches of this size too.",
         kind="int",
         low=1,
     ),
@@ -135,7 +136,8 @@ RUN_OPTIONS: tuple[Option, ...] = (
         "batch_tokens",
         None,
         "Batches by a budget of padded tokens over length-sorted texts instead of --batch-size texts: a "
-        "number, or 'auto' (grows while it pays, learns from OOM).",
+        "number, 'auto' (grows while it pays, learns from OOM) or 'off'. Default: auto on a GPU, "
+        "--batch-size batches on the CPU (measured faster there).",
         parse=batch_tokens_value,
     ),
     _submit(

@@ -202,7 +202,8 @@ def test_token_budget_batches_give_the_embeddings_of_fixed_batches(
 
     tuned = budget == "auto as on a GPU"
     if tuned:  # the GPU's rule on this CPU: the budget tunes itself
-        monkeypatch.setattr(token_batches, "for_device", lambda options, device: options)
+        gpu_rule = token_batches.for_device
+        monkeypatch.setattr(token_batches, "for_device", lambda options, _, by: gpu_rule(options, "cuda", by))
         budget = "auto"
     layout = RunLayout(store, "faulty")
     outputs = []

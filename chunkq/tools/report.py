@@ -25,6 +25,7 @@ import numpy as np
 from chunkq.jobs.manifest import RunManifest, load_manifest
 from chunkq.jobs.models import resolve_model
 from chunkq.jobs.run_files import RunLayout, read_chunk_input, read_json
+from chunkq.jobs.specs import BATCH_TOKENS_AUTO, BATCH_TOKENS_OFF
 from chunkq.supervisor.attempts import FailedAttempt, by_class, failed_attempts, to_json
 from chunkq.supervisor.ledger import stream_records, throughput_of
 from chunkq.supervisor.plan import describe_savings, savings
@@ -89,6 +90,7 @@ class RunFacts:
     sample_seconds: float = 0.0  # summed gaps between the row samples of each chunk, for the same
     samples: int = 0
     batches: Counter[int] = field(default_factory=Counter)  # chunks per batch size (or token budget) used
+    by_tokens: bool = False  # a chunk ran by a token budget (asked, or a GPU's default)
     done: Collection[int] = ()  # the chunks published (a failure later recovered is not quarantined)
     startup_began: float | None = None  # when the run's first workers began starting (<= 0), seconds
     cached_chunks: int = 0  # chunks read from the vector cache at submit
@@ -190,6 +192,7 @@ class RunFacts:
         limit = record.get("batch_tokens") or record.get("batch_size")
         if limit is not None:  # ledgers written before the batch was recorded have none
             self.batches[int(limit)] += 1
+        self.by_tokens = self.by_tokens or record.get("batch_tokens") is not None
 
     def rate_curve(self) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], float]:
         """(times, rows per second over the window ending at each, the window in seconds): the window
@@ -332,10 +335,13 @@ def _batches(facts: RunFacts) -> dict[str, Any]:
     """What the run asked for and what its chunks ran at: below the request after out-of-memory
     back-offs (in the chunk, or learned from earlier chunks)."""
     options = facts.manifest.options
-    unit = "batch_tokens" if options.get("batch_tokens") is not None else "batch_size"
+    asked = options.get("batch_tokens")
+    tokens = facts.by_tokens or asked not in (None, BATCH_TOKENS_OFF)
+    unit = "batch_tokens" if tokens else "batch_size"
+    requested = (asked or f"{BATCH_TOKENS_AUTO} (the GPU's default)") if tokens else options.get("batch_size")
     return {
         "unit": unit,
-        "requested": options.get(unit),
+        "requested": requested,
         "chunks_at": {str(size): count for size, count in sorted(facts.batches.items(), reverse=True)},
     }
 

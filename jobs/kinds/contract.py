@@ -26,6 +26,7 @@ class Kind:
     ragged: bool = False  # its rows vary in length (jobs.ragged)
     cached: bool = True  # the vector cache may hold its rows: of one width, keyed by what the row is
     reads_rows: bool = False  # a row names what to read (an image): it can be missing (--allow-missing)
+    by_tokens: bool = True  # its inputs have tokens, so a token budget can batch them (an image has none)
 
     @property
     def matrix(self) -> bool:

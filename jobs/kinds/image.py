@@ -18,7 +18,7 @@ import numpy as np
 from chunkq.jobs import token_batches
 from chunkq.jobs.kinds.contract import Kind, OnRows, with_bad_rows
 from chunkq.jobs.row_files import RowReadError, read_row_file
-from chunkq.jobs.specs import EncodeOptions
+from chunkq.jobs.specs import BATCH_TOKENS_OFF, EncodeOptions
 
 
 def read_image(ref: str) -> Any:
@@ -102,7 +102,7 @@ def warm_up(model: Any, lengths: list[int]) -> None:
 def refuse(options: EncodeOptions) -> str | None:
     if options.late_chunking or options.max_active_dims or options.role:
         return "an image has no windows, active dimensions or query role"
-    if options.batch_tokens is not None:
+    if options.batch_tokens not in (None, BATCH_TOKENS_OFF):
         return "images are batched by count (--batch-size), not by tokens"
     return None
 
@@ -118,4 +118,5 @@ KIND = Kind(
     refuse=refuse,
     cached=False,
     reads_rows=True,
+    by_tokens=False,
 )
