@@ -97,7 +97,9 @@ class RowsReporter:
         if rows < self.rows:  # an out-of-memory back-off encodes the chunk again from its first row
             self.samples = [s for s in self.samples if s[1] <= rows]
         step = max(1, self.total // SAMPLES)
-        if not self.samples or rows >= self.samples[-1][1] + step or rows == self.total:
+        # The first rows always: when a run's first rows came out is a start-up figure (report)
+        first = bool(self.samples) and self.samples[-1][1] == 0 < rows
+        if not self.samples or first or rows >= self.samples[-1][1] + step or rows == self.total:
             self.samples.append([round(now - self._started_mono, 3), rows])
         self.rows = rows
         if self.connection is not None and (now - self._last_report >= REPORT_SECONDS or rows == self.total):

@@ -26,6 +26,7 @@ from rq import get_current_job
 from chunkq.jobs import (
     chunk_progress,
     cuda,
+    device_busy,
     errors,
     faults,
     jobmeta,
@@ -366,7 +367,8 @@ def _embed(chunk: ChunkSpec) -> dict[str, Any]:
     )
     progress(0)
     try:
-        encoded, widened = encode_finite(loaded, texts, work, attempt, start, ctx, progress)
+        with device_busy.measured(loaded.model, ctx.device, ctx.utilisation) as busy:
+            encoded, widened = encode_finite(loaded, texts, work, attempt, start, ctx, progress)
     except BadRowsError as exc:
         named = "; ".join(f"id {_shown(ids[i])}: {why}" for i, why in list(exc.rows.items())[:5])
         raise BadInputError(
@@ -413,6 +415,7 @@ def _embed(chunk: ChunkSpec) -> dict[str, Any]:
         "started_at": started_at.isoformat(),
         "finished_at": datetime.now(UTC).isoformat(),
         "rows_at": progress.samples,  # [seconds since started_at, rows encoded by then], for the report
+        "busy": busy.to_dict(),  # how busy the device was over the chunk, and who said (jobs.device_busy)
         **(
             {
                 "bad_rows": [

@@ -129,6 +129,11 @@ class RunLayout:
         """The ``--queue-window`` the run was submitted with, for the supervisor that watches it."""
         return self._path("queue_window.json")
 
+    @property
+    def start_marks(self) -> Path:
+        """When the ``chunkq run`` that created the run reached each step before its first chunk."""
+        return self._path("start.json")
+
     def learned_batch(self, device_kind: str) -> Path:
         """Where the batch size that fitted on this kind of device is kept for the run's later chunks."""
         safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in device_kind)[:80] or "device"

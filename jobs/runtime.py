@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
+
+from chunkq.jobs.device_busy import UtilisationSince
 
 # How the pool tells a worker its device: set in its environment before torch is imported.
 DEVICE_ENV = "CHUNKQ_DEVICE"  # "cpu" or "cuda"
@@ -38,6 +40,10 @@ class WorkerContext:
     pool_for_run: str | None = None
     process_started_at: float | None = None
     ready_at: float | None = None
+    warm_up_seconds: float | None = None  # the warm-up encode before ready_at (None: none ran)
+    # The GPU's utilisation samples since a time (jobs.device_busy), from the worker's NVML; None
+    # on the CPU or where NVML cannot say (a busy share then comes from CUDA events).
+    utilisation: UtilisationSince | None = field(default=None, compare=False, repr=False)
 
     def startup(self) -> dict[str, Any] | None:
         """What a chunk's output records of its worker's start-up (ISO times), or None."""
@@ -52,6 +58,7 @@ class WorkerContext:
             "pool_for_run": self.pool_for_run,
             "process_started_at": iso(self.process_started_at),
             "ready_at": iso(self.ready_at),
+            "warm_up_seconds": None if self.warm_up_seconds is None else round(self.warm_up_seconds, 3),
         }
 
 

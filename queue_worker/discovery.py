@@ -59,6 +59,7 @@ class GpuInfo:
     mig: int | None = None  # the MIG instance's index on its GPU; None for a whole GPU
     compute_mode: str = "default"  # "unknown" where NVML could not say
     source: str = FROM_NVML  # who listed it: NVML, or CUDA where NVML failed
+    utilisation: int | None = None  # percent busy in NVML's last sample period; None: unknown
 
     @property
     def key(self) -> str:
@@ -130,7 +131,17 @@ def _device(nvml: Any, handle: Any, index: int, name: str, mode: str, mig: int |
         processes=_processes(nvml, handle),
         mig=mig,
         compute_mode=mode,
+        utilisation=_utilisation(nvml, handle),
     )
+
+
+def _utilisation(nvml: Any, handle: Any) -> int | None:
+    """The percent of NVML's last sample period in which a kernel ran; None for a MIG instance or
+    where NVML cannot say (NOT_SUPPORTED)."""
+    try:
+        return int(nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+    except nvml.NVMLError:
+        return None
 
 
 def _mig_instances(nvml: Any, index: int, handle: Any, name: str, mode: str) -> list[GpuInfo]:
@@ -163,7 +174,8 @@ def _read_gpu(nvml: Any, index: int) -> list[GpuInfo]:
         return []
 
 
-def _nvml() -> Any:
+def nvml_library() -> Any:
+    """NVML as this process sees it: the stand-in under CHUNKQ_SIMULATED_GPUS, else pynvml."""
     path = os.environ.get(SIMULATED_ENV)
     if path:
         from chunkq.queue_worker import simulated_nvml
@@ -224,7 +236,7 @@ def _from_cuda(devices: list[dict[str, Any]]) -> list[GpuInfo]:
 def survey(nvml: Any = None) -> Survey:
     """Every device of this host a worker could be pinned to, in PCI bus order: NVML's, or where NVML
     cannot initialise, CUDA's (asked in a child process); none without a driver."""
-    nvml = nvml or _nvml()
+    nvml = nvml or nvml_library()
     if nvml is None:
         return Survey([])
     try:

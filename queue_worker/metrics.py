@@ -49,13 +49,21 @@ class _GpuMemory(Collector):
         total = GaugeMetricFamily(
             "chunkq_gpu_memory_total_bytes", "GPU memory in all", labels=["gpu", "name"]
         )
+        busy = GaugeMetricFamily(
+            "chunkq_gpu_busy_ratio",
+            "Share of NVML's last sample period in which a kernel ran on the GPU (an idle GPU reads 0)",
+            labels=["gpu", "name"],
+        )
         for gpu in discover():
             if gpu.key in self.keys:
                 if gpu.memory_free is not None:  # unknown where NVML cannot say: no sample, not 0
                     used.add_metric([gpu.key, gpu.name], float(gpu.memory_total - gpu.memory_free))
                 total.add_metric([gpu.key, gpu.name], float(gpu.memory_total))
+                if gpu.utilisation is not None:
+                    busy.add_metric([gpu.key, gpu.name], gpu.utilisation / 100.0)
         yield used
         yield total
+        yield busy
 
 
 class PoolMetrics:

@@ -10,6 +10,7 @@ still runs real torch, which finds no CUDA device and refuses to fall back to th
          "processes": [{"pid": 4242, "used_memory": 1073741824}],
          "compute_mode": 3,                 # nvml.h: 0 default, 2 prohibited, 3 exclusive process
          "error": "NO_PERMISSION",           # every call on this GPU fails so (GPU_IS_LOST, ...)
+         "utilization": 85,                  # percent in every utilisation sample (a sample per 1/6 s)
          "mig": [{"memory_total": 21474836480, "memory_free": 20000000000}]}
      ],
      "init_error": "DRIVER_NOT_LOADED"}      # nvmlInit fails so
@@ -18,6 +19,7 @@ still runs real torch, which finds no CUDA device and refuses to fall back to th
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,6 +28,8 @@ from typing import Any
 import pynvml
 
 from chunkq.jobs.errors import ConfigError
+
+SAMPLE_US = 166_667  # a utilisation sample per 1/6 s, as recent GPUs take them
 
 
 def _error(name: str) -> pynvml.NVMLError:
@@ -90,6 +94,27 @@ class SimulatedNvml:
             raise _error(spec["processes_error"])
         running = spec.get("processes", [])
         return [SimpleNamespace(pid=int(p["pid"]), usedGpuMemory=p.get("used_memory")) for p in running]
+
+    def nvmlDeviceGetUtilizationRates(self, handle: _Handle) -> Any:
+        spec = self._checked(handle)
+        if "utilization" not in spec:
+            raise _error("NOT_SUPPORTED")
+        return SimpleNamespace(gpu=int(spec["utilization"]), memory=0)
+
+    def nvmlDeviceGetSamples(self, handle: _Handle, kind: int, since_us: int) -> tuple[int, list[Any]]:
+        """The driver's utilisation samples since ``since_us``: one per 1/6 s up to now, each at the
+        file's ``utilization`` percent; NOT_FOUND when there are none, as NVML says it."""
+        spec = self._checked(handle)
+        if "utilization" not in spec:
+            raise _error("NOT_SUPPORTED")
+        now = int(time.time() * 1e6)
+        times = range(since_us + SAMPLE_US, now + 1, SAMPLE_US)
+        if not times:
+            raise _error("NOT_FOUND")
+        value = SimpleNamespace(uiVal=int(spec["utilization"]))
+        return pynvml.NVML_VALUE_TYPE_UNSIGNED_INT, [
+            SimpleNamespace(timeStamp=t, sampleValue=value) for t in times
+        ]
 
     def nvmlDeviceGetComputeMode(self, handle: _Handle) -> int:
         return int(self._checked(handle).get("compute_mode", 0))

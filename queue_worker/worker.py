@@ -40,6 +40,7 @@ from chunkq.jobs.nopickle import forbid_pickle
 from chunkq.jobs.queueing import give_back
 from chunkq.jobs.specs import DEFAULT_KIND, EncodeOptions
 from chunkq.jobs.storage import open_store
+from chunkq.queue_worker import utilisation
 from chunkq.queue_worker.exit_codes import (
     EXIT_CONFIG,
     EXIT_CUDA_FATAL,
@@ -331,6 +332,7 @@ def _context(name: str, args: argparse.Namespace) -> runtime.WorkerContext:
         pool_started_at=_float_env(runtime.POOL_STARTED_ENV),
         pool_for_run=os.environ.get(runtime.POOL_FOR_RUN_ENV) or None,
         process_started_at=psutil.Process().create_time(),
+        utilisation=utilisation.reader(gpu) if device != "cpu" else None,
     )
 
 
@@ -442,6 +444,7 @@ def main(argv: list[str] | None = None) -> int:
             announce_model_loaded(loaded.load_seconds)
             lengths, seconds = warm_up(loaded, ctx.device, kind)
             log.info("warm-up encode at %s tokens on %s in %.2f s", lengths, ctx.device, seconds)
+            ctx = replace(ctx, warm_up_seconds=seconds)
     except ConfigError as exc:
         log.error("%s", exc)
         return EXIT_CONFIG

@@ -10,6 +10,7 @@ from types import TracebackType
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
+from chunkq.jobs.device_busy import GPU_SOURCES
 from chunkq.supervisor.progress import Snapshot
 from chunkq.supervisor.run_log import PROGRESS_LOGGER, TerminalLog
 
@@ -59,6 +60,9 @@ def describe(snap: Snapshot) -> str:
     if not snap.settled and not snap.owned:
         eta = "; not running: no process supervises it (`chunkq run` with the same corpus resumes it)"
     encoding = f" (+{snap.rows_encoding:,} encoding)" if snap.rows_encoding else ""
+    busy = snap.device_busy
+    if busy and busy["source"] in GPU_SOURCES:  # an idle GPU is the thing to see; a CPU is always busy
+        rate += f", GPU busy {100 * busy['share']:.0f} %"
     return (
         f"run {snap.run_id}: chunks {snap.chunks_done}/{snap.chunks} done, {states}"
         f"{snap.chunks_retrying} retrying, {snap.chunks_quarantined} quarantined{trouble}; "

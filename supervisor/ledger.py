@@ -23,6 +23,7 @@ from datetime import UTC, datetime
 from itertools import islice
 from typing import Any
 
+from chunkq.jobs.device_busy import Tally
 from chunkq.jobs.manifest import RunManifest, load_manifest
 from chunkq.jobs.run_files import RunLayout, atomic_write_bytes, atomic_write_json, read_json
 from chunkq.jobs.storage import list_with_mtime
@@ -55,6 +56,7 @@ RECORD_KEYS = (
     "oom_backoffs",  # each halving the chunk's attempt made after an out-of-memory: size, error
     "startup",
     "rows_at",
+    "busy",  # how busy the device was over the chunk (jobs.device_busy)
 )
 
 
@@ -164,6 +166,7 @@ class Ledger:
                 "first_start": t.first_start.isoformat() if t.first_start else None,
                 "last_end": t.last_end.isoformat() if t.last_end else None,
                 "spans": None if t.spans is None else [[a.isoformat(), b.isoformat()] for a, b in t.spans],
+                "busy": t.busy.by_source,
                 "ledger_batches": self._next,
                 "updated_at": datetime.now(UTC).isoformat(),
             },
@@ -184,6 +187,7 @@ def summarised(layout: RunLayout, done: int) -> Throughput | None:
             last_end=parse_time(summary["last_end"]),
             # A summary from before spans were kept: the whole span, as it was counted then.
             spans=[[parse_time(a), parse_time(b)] for a, b in spans] if isinstance(spans, list) else None,
+            busy=Tally({str(k): [float(v[0]), float(v[1])] for k, v in (summary.get("busy") or {}).items()}),
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None

@@ -35,6 +35,7 @@ from chunkq.supervisor.embedded_redis import EmbeddedRedis
 from chunkq.supervisor.plan import corpus_rows_of
 from chunkq.supervisor.result import published_result
 from chunkq.supervisor.run_log import RunLog, log_path, relay
+from chunkq.supervisor.start_marks import CHUNKS_QUEUED, POOL_STARTED, REDIS_READY, StartMarks
 from chunkq.supervisor.store_lock import StoreLock
 from chunkq.supervisor.store_redis import embedded_redis_dir, local_state_dir, serve
 from chunkq.supervisor.submit import (
@@ -253,6 +254,7 @@ def run(req: RunRequest, display: ProgressDisplay) -> RunOutcome:
     both. If the corpus turns out bad (a bad row far into it, no row at all), the pool is killed
     before it took anything and every file and folder this command created is removed.
     """
+    marks = StartMarks()
     store = req.submit.store
     identified = identify(req.submit)
     layout = RunLayout(store, identified.run_id)
@@ -271,9 +273,11 @@ def run(req: RunRequest, display: ProgressDisplay) -> RunOutcome:
             log.info("run %s: result already published in %s", layout.run_id, layout.result)
             return RunOutcome(SubmitResult.already_published(prepared.manifest), None)
         url, redis_gone = _start_redis(req, stack)
+        marks.mark(REDIS_READY)
         pool = None
         if prepared is None:  # a new run: its corpus is split while the pool loads the model
             pool = stack.enter_context(PoolProcess(req, url, layout.run_id, run_log))
+            marks.mark(POOL_STARTED)
             try:
                 prepared = prepare(req.submit, identified)
             except BaseException:
@@ -282,6 +286,9 @@ def run(req: RunRequest, display: ProgressDisplay) -> RunOutcome:
                 raise
         connection = redis.Redis.from_url(url)
         submitted = submit(req.submit, connection, identified, prepared)
+        if prepared.created:  # a resumed run's first rows were a first command's
+            marks.mark(CHUNKS_QUEUED)
+            marks.write(layout)
         # Submit has checked the result's checksums; look again only if another run may have
         # published it while this one waited for the lock.
         if submitted.published or published_result(layout, load_manifest(layout)) is not None:

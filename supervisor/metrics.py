@@ -34,6 +34,13 @@ class RunMetrics:
             ["run", "source"],
             registry=self.registry,
         )
+        self.busy = Gauge(
+            "chunkq_device_busy_ratio",
+            "Share of the finished chunks' time their device was busy (source: nvml, the GPU's own "
+            "utilisation; cuda-events, each worker's forward calls; cpu-forward, time in the model)",
+            ["run", "source"],
+            registry=self.registry,
+        )
         self.retries = Counter(
             "chunkq_chunk_retries",
             "Failed chunk attempts queued again, by error class",
@@ -61,6 +68,8 @@ class RunMetrics:
         self.rows_encoding.labels(self.run_id).set(snap.rows_encoding)
         self.rows_total.labels(self.run_id).set(snap.corpus_rows)
         self.rate.labels(self.run_id).set(snap.rows_per_second or 0.0)
+        if snap.device_busy is not None:
+            self.busy.labels(self.run_id, snap.device_busy["source"]).set(snap.device_busy["share"])
         if snap.cache is not None:
             for source in ("encoded", "from_cache", "deduplicated"):
                 self.corpus_rows.labels(self.run_id, source).set(snap.cache[source])

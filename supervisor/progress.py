@@ -75,6 +75,7 @@ class Snapshot:
     failures: list[Failure] = field(default_factory=list)
     rows_per_second: float | None = None
     eta_seconds: float | None = None
+    device_busy: dict[str, Any] | None = None  # how busy the chunks kept their devices (jobs.device_busy)
     result_published: bool = False
     live: bool = True  # False: read from the store alone, so what runs and what waits is unknown
     # The run's rows as every command shows them: its result's (its corpus's, or its windows),
@@ -434,6 +435,7 @@ def set_rate(snap: Snapshot, throughput: Throughput) -> None:
     snap.rows_per_second = throughput.rows_per_second(
         running=going, encoding=snap.rows_encoding if going else 0, resumed_at=since
     )
+    snap.device_busy = throughput.busy.figure()
     if snap.rows_per_second and going:
         left = max(snap.rows - snap.rows_done - snap.rows_encoding, 0)
         snap.eta_seconds = left / snap.rows_per_second

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from chunkq.jobs.device_busy import Tally
+
 
 def parse_time(value: Any) -> datetime:
     """A chunk output's ISO time; one written without a zone is UTC (as workers write them)."""
@@ -35,6 +37,7 @@ class Throughput:
     # Merged [start, end] spans of chunk work, in time order: one per stretch the run ran (a few
     # entries, whatever the chunk count). None: not known (a summary written before they were kept).
     spans: list[list[datetime]] | None = field(default_factory=list)
+    busy: Tally = field(default_factory=Tally)  # how busy the chunks kept their devices (jobs.device_busy)
 
     def add(self, meta: Mapping[str, Any]) -> None:
         """Count one committed chunk output (its metadata as written by the worker); a chunk read
@@ -47,6 +50,7 @@ class Throughput:
         self.last_end = ended if self.last_end is None else max(self.last_end, ended)
         if self.spans is not None:
             _merge(self.spans, started, max(started, ended))
+        self.busy.add(meta.get("busy"), meta.get("seconds"))
 
     def ran_seconds(self) -> float | None:
         """The time spent in the run's spans; the whole span where they are unknown."""

@@ -66,6 +66,8 @@ def test_metrics_during_a_run_and_the_report_after_it(
         assert sup['chunkq_chunk_retries_total{error_class="cuda_fatal",run="obs"}'] == 1
         assert sup['chunkq_chunks{run="obs",state="done"}'] >= 4
         assert sup['chunkq_chunks{run="obs",state="quarantined"}'] == 0
+        # a CPU worker's share of each chunk in the model's forward (jobs.device_busy)
+        assert 0.0 < sup['chunkq_device_busy_ratio{run="obs",source="cpu-forward"}'] <= 1.0, sup
         assert pool_metrics['chunkq_worker_exits_total{device="cpu",pool="obspool",reason="cuda_fatal"}'] == 1
         assert pool_metrics['chunkq_workers{pool="obspool"}'] >= 1
         assert sum(v for k, v in pool_metrics.items() if k.startswith("chunkq_model_load_seconds_count")) >= 2
@@ -86,7 +88,15 @@ def test_metrics_during_a_run_and_the_report_after_it(
     assert numbers["worker_processes"] == len({m["pid"] for m in metas})
     assert numbers["failed_attempts"] == 1 and numbers["failures_by_class"] == {"cuda_fatal": 1}
     assert numbers["quarantined_chunks"] == []
+    # The slow chunk sleeps inside its job, so its device was idle; the others spend most of their
+    # time in the model. The run's figure weighs each chunk by its seconds.
+    shares = {m["chunk"]: m["busy"]["share"] for m in metas}
+    assert shares[5] < 0.2 < min(v for k, v in shares.items() if k != 5), shares
+    busy = numbers["device_busy"]
+    weighted = sum(m["busy"]["share"] * m["seconds"] for m in metas) / sum(m["seconds"] for m in metas)
+    assert busy["source"] == "cpu-forward" and busy["share"] == pytest.approx(weighted, abs=1e-3), busy
     assert numbers["length_unit"] == "tokens" and numbers["truncation_point"] == 256
     md = (out / "report.md").read_text()
+    assert "| device busy over the chunks | " in md and "(time in the model's forward, CPU) |" in md
     assert "| rows done | 60 of 60 |" in md and "| failed attempts | 1 (cuda_fatal: 1) |" in md
     assert f"| worker processes | {numbers['worker_processes']} |" in md

@@ -227,7 +227,9 @@ def test_a_quiet_run_counts_rows_within_its_chunk_and_logs_everything_to_its_fil
     )
     meta = read_json(layout.output_meta(0))
     samples = meta["rows_at"]
-    assert 2 <= len(samples) <= chunk_progress.SAMPLES + 1 and samples[-1][1] == 600
+    # the start, the first batch (a start-up figure), then one every 1/SAMPLES of the rows
+    assert 2 <= len(samples) <= chunk_progress.SAMPLES + 2 and samples[-1][1] == 600
+    assert samples[0][1] == 0 and 0 < samples[1][1] <= 32, samples  # the first batch of 32 on its own
     assert [s[1] for s in samples] == sorted(s[1] for s in samples)
     started = meta["startup"]
     assert started["pool_for_run"] == "prog"
@@ -239,7 +241,25 @@ def test_a_quiet_run_counts_rows_within_its_chunk_and_logs_everything_to_its_fil
     )
     drawn = run_cli("report", "prog", "--store", str(store))
     assert drawn.returncode == 0, drawn.stderr
-    assert json.loads((layout.root / "report" / "report.json").read_text())["startup_seconds"] > 0
+    reported = json.loads((layout.root / "report" / "report.json").read_text())
+    assert reported["startup_seconds"] > 0
+    # Where the seconds before the first row went: the command's steps, then its first worker's
+    before = reported["first_row"]
+    steps = [name for name, _ in before["marks"]]
+    assert before["from"] == "command started" and before["marks"][0] == ["command started", 0.0], before
+    for earlier, later in [
+        ("imports done, options checked", "Redis up"),
+        ("Redis up", "pool started"),
+        ("first worker process started", "its warm-up done, ready for a chunk"),
+        ("its warm-up done, ready for a chunk", "first chunk started"),
+        ("corpus split, chunks queued", "first chunk started"),
+        ("first chunk started", "first rows encoded"),
+    ]:
+        assert steps.index(earlier) < steps.index(later), before
+    assert before["first_row_seconds"] == before["marks"][-1][1] > 0
+    assert before["warm_up_seconds"] > 0 and 0 <= before["last_chunk_to_result_seconds"] < 60
+    shown = (layout.root / "report" / "report.md").read_text()
+    assert "| before the first row (seconds since command started) | command started 0.00 s; " in shown
     verbose = run_cli(*args, "-v", CHUNKQ_LOG_LEVEL="")
     assert (
         verbose.returncode == 0

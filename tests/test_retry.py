@@ -92,4 +92,6 @@ def test_a_quarantine_line_is_the_errors_first_line_not_torchs_advice() -> None:
     )
     report = failure_report([failure])
     assert report.splitlines()[1].endswith("CUDA error: an illegal memory access was encountered")
-    assert "CUDA_LAUNCH_BLOCKING" not in report and len(report.splitlines()) == 2
+    # torch's advice is left out; what follows is chunkq's own: how to try the chunk again
+    assert "CUDA_LAUNCH_BLOCKING" not in report and len(report.splitlines()) == 3
+    assert report.splitlines()[2].startswith("Fix the cause above")

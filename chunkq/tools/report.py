@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from chunkq.jobs import device_busy
 from chunkq.jobs.manifest import RunManifest, load_manifest
 from chunkq.jobs.models import resolve_model
 from chunkq.jobs.run_files import RunLayout, read_chunk_input, read_json
@@ -31,6 +32,7 @@ from chunkq.supervisor.ledger import stream_records, throughput_of
 from chunkq.supervisor.plan import describe_savings, savings
 from chunkq.supervisor.result import describe_left_out
 from chunkq.supervisor.throughput import PAUSE_SECONDS, Throughput, parse_time
+from chunkq.tools import first_row
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +98,8 @@ class RunFacts:
     cached_chunks: int = 0  # chunks read from the vector cache at submit
     bad_rows: list[dict[str, Any]] = field(default_factory=list)  # rows left out (--allow-missing)
     halvings: list[dict[str, Any]] = field(default_factory=list)  # per chunk that backed off: where, sizes
+    first: dict[str, Any] | None = None  # the record of the chunk that started first (tools.first_row)
+    first_start: float = math.inf
 
     @cached_property
     def t0(self) -> datetime:
@@ -178,6 +182,8 @@ class RunFacts:
             lane.load = (loaded, float(record["model_load_seconds"]))
         lane.last_end = max(lane.last_end, end)
         self._startup(record, lane, start)
+        if start < self.first_start:
+            self.first, self.first_start = record, start
         if labelled:
             lane.chunks.append((start, end, int(record["chunk"])))
         lo, hi = (min(int(t / span * TIMELINE_BINS), TIMELINE_BINS - 1) for t in (max(start, 0.0), end))
@@ -278,7 +284,9 @@ def _model_max_seq_length(path: Path) -> int | None:
     return None
 
 
-def summary(facts: RunFacts, lengths: list[int], limit: int | None, unit: str) -> dict[str, Any]:
+def summary(
+    facts: RunFacts, lengths: list[int], limit: int | None, unit: str, layout: RunLayout | None = None
+) -> dict[str, Any]:
     m = facts.manifest
     running = facts.chunks_done + len(facts.quarantined) < m.chunks
     ran = facts.throughput.seconds(running) or 0.0  # pauses of a stopped run not counted
@@ -296,6 +304,7 @@ def summary(facts: RunFacts, lengths: list[int], limit: int | None, unit: str) -
         "wall_seconds": round(facts.span, 2),
         "ran_seconds": round(ran, 2),
         "rows_per_second": round(rate, 1) if rate else None,
+        "device_busy": facts.throughput.busy.figure(),  # jobs.device_busy: share, source, seconds
         "failed_attempts": len(facts.failures),
         "failures_by_class": by_class(facts.failures),
         "batches": _batches(facts),
@@ -303,6 +312,10 @@ def summary(facts: RunFacts, lengths: list[int], limit: int | None, unit: str) -
         "quarantined_chunks": facts.quarantined,
         "model_load_seconds_mean": round(sum(loads) / len(loads), 2) if loads else None,
         "startup_seconds": None if facts.startup_began is None else round(-facts.startup_began, 2),
+        # where the seconds before the first row went, and after the last chunk (tools.first_row)
+        "first_row": None
+        if layout is None
+        else first_row.breakdown(layout, facts.first, facts.throughput.last_end),
         "model_loads": len(loads),
         "length_unit": unit,
         "length_sample": len(lengths),
@@ -537,11 +550,21 @@ def _markdown(s: dict[str, Any], png: Path) -> str:
         f"| wall time (first chunk start to last chunk end) | {s['wall_seconds']} s |",
         f"| time it ran (pauses over {PAUSE_SECONDS:.0f} s left out) | {s['ran_seconds']} s |",
         f"| throughput | {s['rows_per_second']} rows/s |",
+        f"| device busy over the chunks | {device_busy.describe(s['device_busy'])} |",
         f"| failed attempts | {s['failed_attempts']} ({classes}) |",
         f"| {batches['unit'].replace('_', ' ')} | requested {batches['requested']}; chunks ran at "
         f"{', '.join(f'{size} ({n})' for size, n in batches['chunks_at'].items()) or '-'} |",
         f"| quarantined chunks | {len(s['quarantined_chunks'])} {s['quarantined_chunks'] or ''} |",
         f"| start-up before the first chunk | {s['startup_seconds']} s |",
+        *(
+            [
+                f"| before the first row (seconds since {s['first_row']['from']}) | "
+                f"{first_row.describe(s['first_row'])} |",
+                f"| last chunk done to result written | {s['first_row']['last_chunk_to_result_seconds']} s |",
+            ]
+            if s.get("first_row") and s["first_row"]["marks"]
+            else []
+        ),
         f"| model loads | {s['model_loads']} (mean {s['model_load_seconds_mean']} s) |",
         f"| truncated texts (sample of {s['length_sample']}) | {s['truncated_in_sample']} "
         f"longer than {s['truncation_point']} {s['length_unit']} |",
@@ -577,7 +600,7 @@ def write_report(layout: RunLayout, out: Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     png = out / "report.png"
     _plot(facts, lengths, limit, unit, png)
-    numbers = summary(facts, lengths, limit, unit)
+    numbers = summary(facts, lengths, limit, unit, layout)
     (out / "report.md").write_text(_markdown(numbers, png), encoding="utf-8")
     (out / "report.json").write_text(json.dumps(numbers, indent=2) + "\n", encoding="utf-8")
     return numbers
