@@ -1,28 +1,37 @@
 """chunkq against a plain ``SentenceTransformer.encode`` on a GPU host without network.
 
     python bench/gpu.py [--rows 20000] [--large-rows 8000] [--large PATH] [--chunk-size 1000]
-                        [--configs one,auto,recycled,tokens] [--device cuda] [--out results.json]
+                        [--configs one,auto,recycled,fixed] [--device cuda] [--out results.json]
+                        [--baselines/--no-baselines]
 
 Models: the bundled all-MiniLM-L6-v2 in fp32, and a larger local model in fp16 (``--large PATH``;
 without one, a random-weight BERT of bge-large's shape, 335M parameters, built here with
 transformers: fine for speed, meaningless for quality). The corpus: docstring paragraphs of
-Python's standard library (no network needed). For each model, in one run and on one GPU:
-- plain: a fresh process loads the model and calls ``encode(texts, batch_size=32)``: what users write;
+Python's standard library (no network needed; past its size each copy of a paragraph is made
+distinct, so the vector cache saves nothing). For each model, in one run and on one GPU:
+- plain: a fresh process loads the model and calls ``encode(texts, batch_size=32)`` once per
+  100,000 rows, saving each slice: what users write for a corpus of any size (10^6 rows included);
+- with ``--baselines`` (the default on a GPU): plain tuned (fp16, batch 256), sentence-transformers'
+  own multi-process pool (4 processes on the one GPU, batch 32), and the ceiling: the model's
+  forward alone over the corpus tokenised beforehand, sorted by length, batch 256 (fp32) or 1,024;
 - chunkq ``run`` configurations: ``one`` (1 worker per GPU, never recycled), ``auto`` (the
-  defaults: --workers-per-gpu auto, recycled after 600 s of work), ``recycled`` (the defaults with
-  --recycle-after 20, so recycling shows), ``tokens`` (the defaults with --batch-tokens auto).
+  defaults: --workers-per-gpu auto, token-budget batches on a GPU, recycled after 600 s of work),
+  ``recycled`` (the defaults with --recycle-after 20, so recycling shows), ``fixed`` (the defaults
+  with --batch-tokens off: batches of 32, the GPU's defaults before issue 46).
 Printed: rows/s of each, its ratio to plain (steady state: the encode call against the span from
-the first chunk's start to the last chunk's end; end to end: whole commands), and the GPU's
-utilisation sampled through NVML every 0.2 s over that span. Then, in this process, a chunk's
-encode with the chunk tokenised once (``jobs/tokenized.py``) against tokenised twice (its lengths
-first, then ``model.encode`` per batch), alternated, medians of ``--repeats``.
+the first chunk's start to the last chunk's end; end to end: whole commands) and to the tuned plain
+and the ceiling; the GPU's utilisation sampled through NVML every 0.2 s over that span, and the busy
+share the chunks recorded; the seconds from the command's start to its first rows and from its last
+chunk to the result. Then, in this process, a chunk's encode with the chunk tokenised once
+(``jobs/tokenized.py``) against tokenised twice (its lengths first, then ``model.encode`` per
+batch), alternated, medians of ``--repeats``. ``--out`` writes every figure as JSON.
 
 One GPU throughout: the first this process may use (an inherited ``CUDA_VISIBLE_DEVICES`` is
 honoured). chunkq is given it by NVML index (``--gpus``), the plain script and the in-process
 encode by its UUID in ``CUDA_VISIBLE_DEVICES``, and utilisation is read from NVML by that UUID.
 ``--device cpu`` runs the same on the CPU with small defaults (to test the script itself).
-Goals (issue 15): >= 2x plain for MiniLM, >= 1.5x for bge-large size, recycling overhead <= 2 %,
-utilisation >= 80 %.
+Goals (issue 46): MiniLM at 10^6 rows (``--rows 1000000``) end to end >= 4x plain and >= 1.5x the
+tuned plain, at 10^5 >= 3x; steady state >= 90 % of the ceiling with the defaults; GPU busy >= 85 %.
 """
 
 from __future__ import annotations
@@ -41,13 +50,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+from chunkq.jobs.run_files import RunLayout
 from chunkq.supervisor.throughput import of_run
+from chunkq.tools import first_row
+from chunkq.tools.report import gather
 
 CONFIGS = {
     "one": ["--workers-per-gpu", "1", "--recycle-after", "0"],
-    "auto": [],
+    "auto": [],  # the defaults: on a GPU, token-budget batches that tune themselves (issue 46.1)
     "recycled": ["--recycle-after", "20"],
-    "tokens": ["--batch-tokens", "auto"],
+    "fixed": ["--batch-tokens", "off"],  # batches of 32 texts: the defaults before issue 46
 }
 
 PLAIN = """
@@ -55,20 +67,46 @@ import json, sys, time
 import numpy as np, torch
 from sentence_transformers import SentenceTransformer
 from chunkq.jobs.models import resolve_model
-model = SentenceTransformer(resolve_model(sys.argv[2]), device=sys.argv[4])
-if sys.argv[5] != "fp32":
-    model = model.to({"fp16": torch.float16, "bf16": torch.bfloat16}[sys.argv[5]])
-texts = [json.loads(line)["text"] for line in open(sys.argv[1], encoding="utf-8")]
+corpus, model_ref, out, device, precision, batch, piece = sys.argv[1:8]
+model = SentenceTransformer(resolve_model(model_ref), device=device)
+if precision != "fp32":
+    model = model.to({"fp16": torch.float16, "bf16": torch.bfloat16}[precision])
 print("ready", flush=True)
-t1 = time.perf_counter()
-started = time.time()
-matrix = model.encode(texts, batch_size=32, convert_to_numpy=True)
-if sys.argv[4] == "cuda":
-    torch.cuda.synchronize()
-t2 = time.perf_counter()
-np.save(sys.argv[3], matrix.astype(np.float32))
-print(json.dumps({"encode_seconds": t2 - t1, "rows": len(texts), "start": started, "end": time.time()}))
+encode_seconds, rows, started, part = 0.0, 0, time.time(), 0
+with open(corpus, encoding="utf-8") as lines:
+    while True:  # a slice of the corpus at a time, each one encode call, saved as it comes
+        texts = [json.loads(line)["text"] for _, line in zip(range(int(piece)), lines)]
+        if not texts:
+            break
+        t1 = time.perf_counter()
+        matrix = model.encode(texts, batch_size=int(batch), convert_to_numpy=True)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        encode_seconds += time.perf_counter() - t1
+        np.save(f"{out}-{part:04d}.npy", matrix.astype(np.float32))
+        rows, part = rows + len(texts), part + 1
+print(json.dumps({"encode_seconds": encode_seconds, "rows": rows, "start": started, "end": time.time()}))
 """
+
+# sentence-transformers' own multi-process pool: N processes on the one GPU, each a model copy.
+POOL = """
+import json, sys, time
+import torch
+from sentence_transformers import SentenceTransformer
+from chunkq.jobs.models import resolve_model
+corpus, model_ref, device, precision, processes = sys.argv[1:6]
+model = SentenceTransformer(resolve_model(model_ref), device="cpu")
+texts = [json.loads(line)["text"] for line in open(corpus, encoding="utf-8")]
+if __name__ == "__main__":
+    pool = model.start_multi_process_pool([device] * int(processes))
+    t1, started = time.perf_counter(), time.time()
+    matrix = model.encode(texts, batch_size=32, pool=pool)
+    seconds = time.perf_counter() - t1
+    model.stop_multi_process_pool(pool)
+    print(json.dumps({"encode_seconds": seconds, "rows": len(matrix), "start": started, "end": time.time()}))
+"""
+PLAIN_SLICE = 100_000  # rows per plain encode call: a user's loop over a corpus too large for one
+TUNED = {"cuda": ("fp16", 256), "cpu": ("fp32", 32)}  # plain, tuned: the precision and batch it runs
 
 
 def docstring_corpus(path: Path, rows: int) -> Path:
@@ -85,8 +123,10 @@ def docstring_corpus(path: Path, rows: int) -> Path:
                 found += [" ".join(p.split()) for p in (doc or "").split("\n\n") if len(p.split()) >= 4]
         if len(found) >= rows:
             break
-    while len(found) < rows:  # a small stdlib: repeat it
-        found += found[: rows - len(found)]
+    copies, unique = 1, list(found)
+    while len(found) < rows:  # a small stdlib: repeat it, each copy distinct (the cache must not help)
+        found += [f"{text} (copy {copies})" for text in unique[: rows - len(found)]]
+        copies += 1
     with open(path, "w", encoding="utf-8") as fh:
         for i, text in enumerate(found[:rows]):
             fh.write(json.dumps({"id": i, "text": text}) + "\n")
@@ -146,21 +186,61 @@ class Utilisation:
         self._stop.set()
 
 
-def plain(work: Path, corpus: Path, model: str, device: str, precision: str, gpu: Any) -> dict[str, Any]:
+def _script(script: str, args: list[str], gpu: Any) -> dict[str, Any]:
+    """A fresh Python process running ``script``; its last line's figures and its wall time."""
     started = time.perf_counter()
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpu.uuid  # the GPU chunkq is given, whatever CUDA's order
     out = subprocess.run(
-        [sys.executable, "-c", PLAIN, str(corpus), model, str(work / "plain.npy"), device, precision],
-        check=True,
-        capture_output=True,
-        text=True,
-        env=env,
+        [sys.executable, "-c", script, *args], check=True, capture_output=True, text=True, env=env
     )
     figures: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     figures["wall"] = time.perf_counter() - started
     return figures
+
+
+def plain(
+    work: Path, corpus: Path, model: str, device: str, precision: str, gpu: Any, batch: int = 32
+) -> dict[str, Any]:
+    """A user's script: load, then one ``encode`` call per PLAIN_SLICE rows, each slice saved."""
+    out = str(work / f"plain-{precision}-{batch}")
+    return _script(PLAIN, [str(corpus), model, out, device, precision, str(batch), str(PLAIN_SLICE)], gpu)
+
+
+def st_pool(work: Path, corpus: Path, model: str, device: str, precision: str, gpu: Any) -> dict[str, Any]:
+    """sentence-transformers' multi-process pool, as many processes on the GPU as chunkq's auto
+    gives workers (4 at most), fp32 batch 32 as its users call it."""
+    processes = "4" if device == "cuda" else "2"
+    return {**_script(POOL, [str(corpus), model, device, precision, processes], gpu), "processes": processes}
+
+
+def ceiling(corpus: Path, model: str, precision: str, device: str) -> dict[str, Any]:
+    """The model's forward alone, in this process: the corpus tokenised first (not timed), sorted by
+    length, in batches of 256 (fp32) or 1,024 (fp16/bf16) texts; what no queue can beat."""
+    import torch
+
+    from chunkq.jobs import models
+
+    texts = [json.loads(line)["text"] for line in corpus.read_text(encoding="utf-8").splitlines()]
+    loaded = models.get_model(model, "cuda:0" if device == "cuda" else "cpu", precision)
+    st = loaded.model
+    size = 256 if precision == "fp32" else 1024
+    order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+    batches = [[texts[i] for i in order[k : k + size]] for k in range(0, len(order), size)]
+    features = [st.tokenize(batch) for batch in batches]
+    target = st.device
+    with torch.inference_mode():
+        st({k: v.to(target) for k, v in features[0].items()})  # warm-up
+        if device == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        for feature in features:
+            st({k: v.to(target, non_blocking=True) for k, v in feature.items()})
+        if device == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - started
+    return {"seconds": seconds, "rows": len(texts), "rows_per_s": len(texts) / seconds, "batch": size}
 
 
 def chunkq(
@@ -180,6 +260,9 @@ def chunkq(
     first, last = throughput.first_start, throughput.last_end
     assert first is not None and last is not None
     young = [m["seconds"] for m in metas if m.get("attempt", 1) == 1]
+    layout = RunLayout(store, run_dir.name)
+    facts = gather(layout)
+    before = first_row.breakdown(layout, facts.first, facts.throughput.last_end)
     return {
         "wall": wall,
         "span": (last - first).total_seconds(),
@@ -187,6 +270,11 @@ def chunkq(
         "end": last.timestamp(),
         "processes": len({m["pid"] for m in metas}),
         "chunk_seconds_median": statistics.median(young) if young else None,
+        "busy": throughput.busy.figure(),  # what the chunks recorded (jobs.device_busy)
+        "first_rows_seconds": before["first_row_seconds"],  # from the command's start
+        "last_chunk_to_result_seconds": before["last_chunk_to_result_seconds"],
+        "steps_before_first_row": before["marks"],
+        "batch_tokens": sorted({m.get("batch_tokens") or 0 for m in metas}),  # 0: batches by count
     }
 
 
@@ -240,9 +328,24 @@ def bench_model(
     }
     print(f"\n{label} ({precision}), {rows} rows on {args.device}")
     print(
-        f"  plain encode, batch 32: {rows / base['encode_seconds']:.0f} rows/s"
-        f"{f', GPU {util:.0f} %' if util is not None else ''}"
+        f"  plain encode, batch 32, {PLAIN_SLICE} rows a call: {rows / base['encode_seconds']:.0f} rows/s"
+        f" ({base['wall']:.1f} s end to end){f', GPU {util:.0f} %' if util is not None else ''}"
     )
+    tuned_precision, tuned_batch = TUNED[args.device]
+    if args.baselines:
+        tuned = plain(work, corpus, model, args.device, tuned_precision, args.gpu, tuned_batch)
+        results["plain_tuned"] = {**tuned, "rows_per_s": rows / tuned["encode_seconds"]}
+        tuned_rate = rows / tuned["encode_seconds"]
+        print(f"  plain, tuned ({tuned_precision}, batch {tuned_batch}): {tuned_rate:.0f} rows/s")
+        pooled = st_pool(work, corpus, model, args.device, precision, args.gpu)
+        results["st_pool"] = {**pooled, "rows_per_s": rows / pooled["encode_seconds"]}
+        print(
+            f"  sentence-transformers' pool, {pooled['processes']} processes: "
+            f"{rows / pooled['encode_seconds']:.0f} rows/s"
+        )
+        top = ceiling(corpus, model, precision, args.device)
+        results["ceiling"] = top
+        print(f"  the forward alone, pre-tokenised, batch {top['batch']}: {top['rows_per_s']:.0f} rows/s")
     for name in args.configs:
         run = chunkq(work, corpus, model, precision, CONFIGS[name], args.chunk_size, args.gpu)
         util = gpu.mean(run["start"], run["end"])
@@ -254,10 +357,17 @@ def bench_model(
             "e2e_ratio": e2e,
             "gpu_util": util,
         }
+        if "plain_tuned" in results:
+            results[name]["e2e_ratio_to_tuned"] = results["plain_tuned"]["wall"] / run["wall"]
+            results[name]["share_of_ceiling"] = rows / run["span"] / results["ceiling"]["rows_per_s"]
         gpu_text = f", GPU {util:.0f} %" if util is not None else ""
+        busy = run["busy"]
+        busy_text = f", busy {100 * busy['share']:.0f} % ({busy['source']})" if busy else ""
         print(
             f"  chunkq {name:9s}: {rows / run['span']:.0f} rows/s, {steady:.2f}x plain "
-            f"(end to end {e2e:.2f}x), {run['processes']} worker process(es){gpu_text}"
+            f"(end to end {e2e:.2f}x, {run['wall']:.1f} s), {run['processes']} worker process(es)"
+            f"{gpu_text}{busy_text}; first rows at {run['first_rows_seconds']} s, last chunk to "
+            f"result {run['last_chunk_to_result_seconds']} s"
         )
     if args.repeats:
         tok = tokenisation(corpus, model, precision, args.device, args)
@@ -287,11 +397,19 @@ def main() -> None:
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"out of {', '.join(CONFIGS)}")
     parser.add_argument("--out", type=Path, default=None, help="write every figure as JSON here")
     parser.add_argument("--repeats", type=int, default=3, help="tokenised once/twice rounds (0: skip)")
+    parser.add_argument(
+        "--baselines",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also plain tuned (fp16, batch 256), sentence-transformers' multi-process pool and the "
+        "forward alone (default: on a GPU)",
+    )
     args = parser.parse_args()
     cpu = args.device == "cpu"
     args.rows = args.rows or (300 if cpu else 20_000)
     args.large_rows = args.large_rows if args.large_rows is not None else (0 if cpu else 8000)
     args.chunk_size = args.chunk_size or (100 if cpu else 1000)
+    args.baselines = (not cpu) if args.baselines is None else args.baselines
     args.configs = [c for c in args.configs.split(",") if c]
     unknown = set(args.configs) - set(CONFIGS)
     if unknown:

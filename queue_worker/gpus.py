@@ -143,7 +143,11 @@ def worker_environment(base: dict[str, str], gpu: GpuInfo | None, cpu_threads: i
     threads = str(max(1, cpu_threads))
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         env.setdefault(var, threads)
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # A chunk is tokenised in one call (jobs/tokenized.py); the Rust tokenizers split it over the
+    # worker's share of the cores (2 cores: 4,864 -> 6,826 docstrings/s, BENCHMARKS.md, issue 46).
+    # Nothing tokenises before a fork (the fork server only loads), so no child inherits a used pool.
+    env.setdefault("TOKENIZERS_PARALLELISM", "true")
+    env.setdefault("RAYON_NUM_THREADS", threads)
     # Per-worker download/loading bars would interleave in the pool's log.
     env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     return env

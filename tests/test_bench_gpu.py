@@ -32,13 +32,19 @@ def test_on_a_host_without_cuda_it_says_so_unless_asked_for_the_cpu() -> None:
 def test_its_cpu_path_measures_plain_and_chunkq_on_one_corpus(tmp_path: Path) -> None:
     out = tmp_path / "figures.json"
     # One configuration: each is a chunkq run of its own (~30 s here), and they share the script's path.
-    cmd = [sys.executable, str(SCRIPT), "--device", "cpu", "--rows", "60", "--configs", "one"]
+    cmd = [sys.executable, str(SCRIPT), "--device", "cpu", "--rows", "60", "--configs", "one", "--baselines"]
     done = subprocess.run(
         [*cmd, "--out", str(out)], capture_output=True, text=True, timeout=560, env=cli_env()
     )
     assert done.returncode == 0, done.stderr[-3000:]
     figures = json.loads(out.read_text())["minilm"]
-    assert set(figures) == {"plain", "one", "tokenisation"}
+    assert set(figures) == {"plain", "plain_tuned", "st_pool", "ceiling", "one", "tokenisation"}
     assert figures["tokenisation"]["rows"] == 60 and figures["tokenisation"]["once_seconds"] > 0
-    assert all(figures[name]["rows_per_s"] > 0 and figures[name]["steady_ratio"] > 0 for name in ("one",))
-    assert "chunkq one" in done.stdout and "x plain" in done.stdout
+    for baseline in ("plain", "plain_tuned", "st_pool", "ceiling"):
+        assert figures[baseline]["rows"] == 60 and figures[baseline]["rows_per_s"] > 0, baseline
+    one = figures["one"]
+    assert one["rows_per_s"] > 0 and one["steady_ratio"] > 0 and 0 < one["share_of_ceiling"]
+    # what the run's own records say: how busy the device was, when the first rows came, no token budget
+    assert one["busy"]["source"] == "cpu-forward" and one["batch_tokens"] == [0]
+    assert 0 < one["first_rows_seconds"] < one["wall"] and one["last_chunk_to_result_seconds"] >= 0
+    assert "chunkq one" in done.stdout and "x plain" in done.stdout and "forward alone" in done.stdout

@@ -38,6 +38,8 @@ def test_worker_environment_pins_one_gpu_before_torch() -> None:
     assert env["CHUNKQ_DEVICE"] == "cuda" and env["CHUNKQ_GPU"] == "1"
     assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     assert env["OMP_NUM_THREADS"] == "4"
+    # its chunk tokenised on its share of the cores, and no more
+    assert env["TOKENIZERS_PARALLELISM"] == "true" and env["RAYON_NUM_THREADS"] == "4"
     user = worker_environment({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}, GPUS[0], 1)
     assert user["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
     cpu = worker_environment({"CHUNKQ_GPU": "0"}, None, 2)
