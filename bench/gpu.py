@@ -230,13 +230,17 @@ def ceiling(corpus: Path, model: str, precision: str, device: str) -> dict[str, 
     batches = [[texts[i] for i in order[k : k + size]] for k in range(0, len(order), size)]
     features = [st.tokenize(batch) for batch in batches]
     target = st.device
+
+    def moved(feature: dict[str, Any]) -> dict[str, Any]:  # tensors to the device; the rest as it is
+        return {k: v.to(target, non_blocking=True) if torch.is_tensor(v) else v for k, v in feature.items()}
+
     with torch.inference_mode():
-        st({k: v.to(target) for k, v in features[0].items()})  # warm-up
+        st(moved(features[0]))  # warm-up
         if device == "cuda":
             torch.cuda.synchronize()
         started = time.perf_counter()
         for feature in features:
-            st({k: v.to(target, non_blocking=True) for k, v in feature.items()})
+            st(moved(feature))
         if device == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - started
