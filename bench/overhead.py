@@ -4,7 +4,8 @@
                              [--chunk-size 1000] [--max-jobs 3] [--model REF] [--precision fp16]
 
 The corpus (``--corpus``): by default real text of varied length, the Python standard library's
-docstrings (840 of them, from one line to several KB, each 4 times with unique ids: 3,360 rows),
+docstrings (840 of them, from one line to several KB, each 4 times with unique ids and each copy
+made distinct, so the vector cache saves nothing: 3,360 rows),
 built at run time; ``synthetic`` (8,000 rows of 10-120 random words); or a JSON Lines file with a
 ``text`` field. Each measurement is a fresh process on the same corpus and model:
 - plain: a script that imports sentence-transformers, loads the model, reads the corpus, encodes it
@@ -99,7 +100,9 @@ def write_corpus(kind: str, path: Path, rows: int) -> None:
             texts = stdlib_texts()
             for copy in range(STDLIB_COPIES):
                 for i, text in enumerate(texts):
-                    fh.write(json.dumps({"id": f"{copy}-{i}", "text": text}) + "\n")
+                    # each copy distinct: the vector cache would encode a repeated text once
+                    shown = f"{text} (copy {copy})" if copy else text
+                    fh.write(json.dumps({"id": f"{copy}-{i}", "text": shown}) + "\n")
             return
         for i in range(rows):
             fh.write(

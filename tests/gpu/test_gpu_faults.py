@@ -79,7 +79,9 @@ def test_a_device_side_assert_an_oom_and_a_killed_worker_in_one_run(
             {"kind": "sigkill", "chunks": [3], "attempts": [1]},
         ]
     )
-    args = ["--model", gpu_model, "--chunk-size", "40", "--gpus", str(gpu.index), "--store", str(store)]
+    # batches of 32 texts (a GPU's default is a token budget): the faults count texts
+    args = ["--model", gpu_model, "--chunk-size", "40", "--batch-size", "32", "--gpus", str(gpu.index)]
+    args += ["--store", str(store)]
     done = run_cli("run", str(corpus), *args, timeout=600, CHUNKQ_FAULTS=faults)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "fork server unusable" not in done.stderr
@@ -169,7 +171,9 @@ def test_the_allocators_nvml_assert_is_halved_in_the_same_process(
     corpus = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")
     store = tmp_path / "store"
     faults = json.dumps([{"kind": "nvml_assert", "variant": "init_2_11", "above_batch": 8}])
-    args = ["--model", gpu_model, "--chunk-size", "40", "--gpus", str(gpu.index), "--store", str(store)]
+    # batches of 32 texts (a GPU's default is a token budget): the faults count texts
+    args = ["--model", gpu_model, "--chunk-size", "40", "--batch-size", "32", "--gpus", str(gpu.index)]
+    args += ["--store", str(store)]
     done = run_cli("run", str(corpus), *args, timeout=600, CHUNKQ_FAULTS=faults)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "hit a fatal CUDA error" not in done.stderr and "taking it out of this pool" not in done.stderr
