@@ -168,7 +168,7 @@ def test_a_cross_encoder_run_equals_predict_through_a_sigkill_and_an_oom_back_of
     assert json.loads(layout.output_meta(1).read_text())["attempt"] == 2
     again = run_cli("run", str(corpus), *args, "--store", str(tmp_path / "store"), "--run-id", "again")
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "0 encoded, 59 from the vector cache, 1 duplicate" in again.stdout, again.stdout
+    assert "0 encoded, 59 from the vector cache, 1 repeating another row's text" in again.stdout, again.stdout
 
 
 @pytest.mark.slow
