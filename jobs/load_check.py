@@ -45,7 +45,8 @@ class _Collect(logging.Handler):
 
 def _weights_named(message: str) -> str:
     listed = ",".join(_LISTED.findall(message)).split(",")
-    names = [n for n in _MISSING.findall(message) or [n.strip(" '\"") for n in listed] if n]
+    found = _MISSING.findall(message) or [n.strip(" '\"") for n in listed]
+    names = sorted({n for n in found if n})  # transformers' versions list them in different orders
     return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
 
 

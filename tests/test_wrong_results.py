@@ -245,7 +245,9 @@ def test_a_load_that_builds_weights_the_files_lack_is_refused(tiny: dict[str, Pa
     from chunkq.jobs import models
     from chunkq.jobs.specs import EncodeOptions
 
-    with pytest.raises(ConfigError, match=r"lacks weights a CrossEncoder needs \(classifier\.weight"):
+    with pytest.raises(
+        ConfigError, match=r"lacks weights a CrossEncoder needs \(classifier\.bias, classifier\.weight\)"
+    ):
         models.get_model(str(tiny["bert"]), "cpu", "fp32", EncodeOptions(kind="cross"))
     with pytest.raises(ConfigError, match="lacks weights a MultiVectorEncoder needs"):
         models.get_model(str(tiny["bert"]), "cpu", "fp32", EncodeOptions(kind="multivector"))
