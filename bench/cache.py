@@ -9,7 +9,7 @@ Three measurements, each `chunkq run` a fresh process into a fresh store unless 
 - a new version: version 1 of a corpus (``--rows`` texts) is run to fill the cache; version 2 (2 % of
   texts changed, 1 % added) is run in the same store, and with --no-cache in another: rows encoded
   and wall time;
-- look-up: the submit's hash join alone (supervisor.plan: spool the corpus, read the cache's hashes,
+- look-up: the submit's hash join alone (supervisor.submit.plan: spool the corpus, read the cache's hashes,
   join) for corpora and caches of 10^5 and 10^6 texts, each in its own process: seconds and peak
   resident memory.
 Texts are paragraphs of 40-120 words drawn from a fixed vocabulary (real corpora cannot be downloaded
@@ -129,9 +129,9 @@ LOOKUP = """
 import json, resource, sys, tempfile, time
 from pathlib import Path
 import numpy as np
-from chunkq.jobs.vector_cache import VectorCache, text_hashes
+from chunkq.jobs.compute.vector_cache import VectorCache, text_hashes
 from chunkq.supervisor import plan
-from chunkq.supervisor.corpus import Record
+from chunkq.supervisor.submit.corpus import Record
 corpus_rows, cache_rows = int(sys.argv[1]), int(sys.argv[2])
 root = Path(tempfile.mkdtemp())
 cache = VectorCache(root / "store", "b" * 32)

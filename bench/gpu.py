@@ -23,7 +23,7 @@ the first chunk's start to the last chunk's end; end to end: whole commands) and
 and the ceiling; the GPU's utilisation sampled through NVML every 0.2 s over that span, and the busy
 share the chunks recorded; the seconds from the command's start to its first rows and from its last
 chunk to the result. Then, in this process, a chunk's encode with the chunk tokenised once
-(``jobs/tokenized.py``) against tokenised twice (its lengths first, then ``model.encode`` per
+(``jobs/compute/tokenized.py``) against tokenised twice (its lengths first, then ``model.encode`` per
 batch), alternated, medians of ``--repeats``. ``--out`` writes every figure as JSON.
 
 One GPU throughout: the first this process may use (an inherited ``CUDA_VISIBLE_DEVICES`` is
@@ -50,8 +50,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from chunkq.jobs.run_files import RunLayout
-from chunkq.supervisor.throughput import of_run
+from chunkq.jobs.contract.run_files import RunLayout
+from chunkq.supervisor.store.throughput import of_run
 from chunkq.tools import first_row
 from chunkq.tools.report import gather
 
@@ -66,7 +66,7 @@ PLAIN = """
 import json, sys, time
 import numpy as np, torch
 from sentence_transformers import SentenceTransformer
-from chunkq.jobs.models import resolve_model
+from chunkq.jobs.compute.models import resolve_model
 corpus, model_ref, out, device, precision, batch, piece = sys.argv[1:8]
 model = SentenceTransformer(resolve_model(model_ref), device=device)
 if precision != "fp32":
@@ -93,7 +93,7 @@ POOL = """
 import json, sys, time
 import torch
 from sentence_transformers import SentenceTransformer
-from chunkq.jobs.models import resolve_model
+from chunkq.jobs.compute.models import resolve_model
 corpus, model_ref, device, precision, processes = sys.argv[1:6]
 model = SentenceTransformer(resolve_model(model_ref), device="cpu")
 texts = [json.loads(line)["text"] for line in open(corpus, encoding="utf-8")]
@@ -140,7 +140,7 @@ def large_model(work: Path, tokenizer_of: str) -> str:
     from sentence_transformers import SentenceTransformer, models
     from transformers import AutoTokenizer, BertConfig, BertModel
 
-    from chunkq.jobs.models import resolve_model
+    from chunkq.jobs.compute.models import resolve_model
 
     target = work / "bert-large-random"
     config = BertConfig(
@@ -220,7 +220,7 @@ def ceiling(corpus: Path, model: str, precision: str, device: str) -> dict[str, 
     length, in batches of 256 (fp32) or 1,024 (fp16/bf16) texts; what no queue can beat."""
     import torch
 
-    from chunkq.jobs import models
+    from chunkq.jobs.compute import models
 
     texts = [json.loads(line)["text"] for line in corpus.read_text(encoding="utf-8").splitlines()]
     loaded = models.get_model(model, "cuda:0" if device == "cuda" else "cpu", precision)
@@ -274,7 +274,7 @@ def chunkq(
         "end": last.timestamp(),
         "processes": len({m["pid"] for m in metas}),
         "chunk_seconds_median": statistics.median(young) if young else None,
-        "busy": throughput.busy.figure(),  # what the chunks recorded (jobs.device_busy)
+        "busy": throughput.busy.figure(),  # what the chunks recorded (jobs.compute.device_busy)
         "first_rows_seconds": before["first_row_seconds"],  # from the command's start
         "last_chunk_to_result_seconds": before["last_chunk_to_result_seconds"],
         "steps_before_first_row": before["marks"],
@@ -289,7 +289,7 @@ def tokenisation(
     process, alternated ``--repeats`` times (medians)."""
     import torch
 
-    from chunkq.jobs import models, token_batches, tokenized
+    from chunkq.jobs.compute import models, token_batches, tokenized
 
     texts = [json.loads(line)["text"] for line in corpus.read_text(encoding="utf-8").splitlines()]
     chunks = [texts[i : i + args.chunk_size] for i in range(0, len(texts), args.chunk_size)]

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from chunkq.jobs.manifest import load_manifest
-from chunkq.jobs.run_files import RunLayout, write_output
-from chunkq.supervisor.embedded_redis import EmbeddedRedis
+from chunkq.jobs.contract.manifest import load_manifest
+from chunkq.jobs.contract.run_files import RunLayout, write_output
+from chunkq.supervisor.store.embedded_redis import EmbeddedRedis
 
 MEASURE = """
 import resource, runpy, sys

@@ -34,8 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from chunkq.supervisor.submit import DEFAULT_CHUNK_SIZE
-from chunkq.supervisor.throughput import of_run
+from chunkq.supervisor.store.throughput import of_run
+from chunkq.supervisor.submit.identity import DEFAULT_CHUNK_SIZE
 
 NEVER = 1_000_000  # --max-jobs for the run without recycling, which isolates the per-chunk cost
 WORDS = "alpha beta gamma delta river mountain queue worker chunk embed vector model sentence graph".split()
@@ -45,7 +45,7 @@ import json, sys, time
 t0 = time.perf_counter()
 import numpy as np
 from sentence_transformers import SentenceTransformer
-from chunkq.jobs.models import resolve_model
+from chunkq.jobs.compute.models import resolve_model
 model = SentenceTransformer(resolve_model(sys.argv[2]), device=sys.argv[4])
 if sys.argv[5] != "fp32":
     import torch

@@ -29,12 +29,12 @@ from rq import Queue
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from chunkq.jobs.allowlist import AllowListedJob
-from chunkq.jobs.manifest import load_manifest
-from chunkq.jobs.run_files import RunLayout
+from chunkq.jobs.contract.allowlist import AllowListedJob
+from chunkq.jobs.contract.manifest import load_manifest
+from chunkq.jobs.contract.run_files import RunLayout
 from chunkq.queue_worker.settings import WORKER_MODULE
-from chunkq.supervisor.embedded_redis import EmbeddedRedis
-from chunkq.supervisor.progress import Tracker
+from chunkq.supervisor.store.embedded_redis import EmbeddedRedis
+from chunkq.supervisor.watch.progress import Tracker
 
 
 def _noop_rate(

@@ -34,10 +34,10 @@ import redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from chunkq.jobs.models import BUNDLED_MODEL
-from chunkq.jobs.specs import chunk_job_id
+from chunkq.jobs.compute.models import BUNDLED_MODEL
+from chunkq.jobs.contract.specs import chunk_job_id
 from chunkq.queue_worker.settings import WORKER_MODULE
-from chunkq.supervisor.embedded_redis import EmbeddedRedis
+from chunkq.supervisor.store.embedded_redis import EmbeddedRedis
 
 # One chunk: after a crash the fresh worker has nothing else to take first, so the figures measure
 # recovery, not the queue order of the retried chunk.

@@ -31,9 +31,9 @@ from typing import Any
 import psutil
 import redis
 
-from chunkq.jobs.run_files import RunLayout
-from chunkq.supervisor.embedded_redis import EmbeddedRedis
-from chunkq.supervisor.throughput import of_run
+from chunkq.jobs.contract.run_files import RunLayout
+from chunkq.supervisor.store.embedded_redis import EmbeddedRedis
+from chunkq.supervisor.store.throughput import of_run
 
 CLI = [sys.executable, "-m", "chunkq.cli"]
 WORDS = "alpha beta gamma delta river mountain queue worker chunk embed vector model".split()

@@ -119,10 +119,10 @@ def main() -> None:
     moto = _start_moto()
     try:
         from chunkq.api import RunResult
-        from chunkq.jobs.manifest import load_manifest
-        from chunkq.jobs.storage import open_store
-        from chunkq.supervisor.assemble import assemble
-        from chunkq.supervisor.result import check_published, shard_bytes
+        from chunkq.jobs.contract.manifest import load_manifest
+        from chunkq.jobs.contract.storage import open_store
+        from chunkq.supervisor.result.assemble import assemble
+        from chunkq.supervisor.result.published import check_published, shard_bytes
         from tests.helpers import write_encoded_run
 
         started = time.perf_counter()

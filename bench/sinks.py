@@ -26,10 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from chunkq.jobs.models import BUNDLED_MODEL
-from chunkq.jobs.run_files import RunLayout, atomic_write_json, write_chunk_input, write_output
-from chunkq.jobs.specs import EncodeOptions, fingerprint
-from chunkq.supervisor.assemble import assemble
+from chunkq.jobs.compute.models import BUNDLED_MODEL
+from chunkq.jobs.contract.run_files import RunLayout, atomic_write_json, write_chunk_input, write_output
+from chunkq.jobs.contract.specs import EncodeOptions, fingerprint
+from chunkq.supervisor.result.assemble import assemble
 
 CHUNKQ = str(Path(sys.executable).parent / "chunkq")
 CHUNK_ROWS = 5_000
@@ -37,7 +37,7 @@ CHUNK_ROWS = 5_000
 
 def published_run(store: Path, rows: int, dim: int) -> RunLayout:
     """A finished run of random float32 rows, assembled and verified as a real one is."""
-    from chunkq.jobs.manifest import RunManifest
+    from chunkq.jobs.contract.manifest import RunManifest
 
     run_id = "bench-sinks"
     chunks = -(-rows // CHUNK_ROWS)

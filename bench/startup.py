@@ -31,9 +31,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from chunkq.jobs.models import BUNDLED_MODEL, resolve_model
-from chunkq.jobs.run_files import RunLayout
-from chunkq.supervisor.throughput import of_run
+from chunkq.jobs.compute.models import BUNDLED_MODEL, resolve_model
+from chunkq.jobs.contract.run_files import RunLayout
+from chunkq.supervisor.store.throughput import of_run
 from chunkq.tools import first_row
 from chunkq.tools.report import gather
 

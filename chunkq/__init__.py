@@ -9,6 +9,6 @@ The command line is ``chunkq`` (or ``python -m chunkq``).
 """
 
 from chunkq.api import RunResult, embed, run
-from chunkq.jobs.errors import ChunkqError, ChunksFailedError, ConfigError, CorpusError
+from chunkq.jobs.contract.errors import ChunkqError, ChunksFailedError, ConfigError, CorpusError
 
 __all__ = ["ChunkqError", "ChunksFailedError", "ConfigError", "CorpusError", "RunResult", "embed", "run"]

@@ -18,27 +18,27 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from chunkq.jobs.errors import ConfigError, NonFiniteError, StoreError
+from chunkq.jobs.compute.model_info import describe
+from chunkq.jobs.compute.models import check_model, default_model, resolve_model
+from chunkq.jobs.compute.quantize import stored_columns
+from chunkq.jobs.contract.errors import ConfigError, NonFiniteError, StoreError
+from chunkq.jobs.contract.manifest import load_manifest
+from chunkq.jobs.contract.ragged import Ragged
+from chunkq.jobs.contract.run_files import RunLayout, load_npy
+from chunkq.jobs.contract.specs import CALIBRATED_DTYPES, EncodeOptions, storage_dtype
+from chunkq.jobs.contract.storage import is_local, open_store, private_open
 from chunkq.jobs.kinds.cross import pair_text
-from chunkq.jobs.manifest import load_manifest
-from chunkq.jobs.model_info import describe
-from chunkq.jobs.models import check_model, default_model, resolve_model
-from chunkq.jobs.quantize import stored_columns
-from chunkq.jobs.ragged import Ragged
-from chunkq.jobs.run_files import RunLayout, load_npy
-from chunkq.jobs.specs import CALIBRATED_DTYPES, EncodeOptions, storage_dtype
-from chunkq.jobs.storage import is_local, open_store, private_open
 from chunkq.queue_worker.settings import DEFAULT_STORE
-from chunkq.supervisor.display import ProgressDisplay
-from chunkq.supervisor.progress import store_snapshot
 from chunkq.supervisor.request import ENCODE_NAMES, build_run_request, encode_options_for, finished_result
-from chunkq.supervisor.result import (
+from chunkq.supervisor.result.published import (
     ResultPart,
     ShardedEmbeddings,
     read_result_manifest,
     result_parts,
     result_problems,
 )
+from chunkq.supervisor.watch.display import ProgressDisplay
+from chunkq.supervisor.watch.progress import store_snapshot
 
 if TYPE_CHECKING:
     import numpy as np
@@ -54,7 +54,7 @@ class RunResult:
     dim: int
     seconds: float  # this call, start to end (model loads and start-up included)
     workers: int
-    rows_per_second: float | None  # the run's rate as status and report give it (supervisor.throughput)
+    rows_per_second: float | None  # the run's rate as status and report give it (supervisor.store.throughput)
 
     @property
     def result_dir(self) -> Path:
@@ -105,7 +105,7 @@ class RunResult:
         ``arrays["values"]``), a multivector run's token vectors (``arrays["vectors"]``); row i's
         entries are ``[offsets[i]:offsets[i + 1]]`` of each. One block is memory-mapped; a sharded
         result's shards are read and joined."""
-        from chunkq.supervisor import ragged_result
+        from chunkq.supervisor.result import ragged as ragged_result
 
         manifest, _ = self._parts()
         if manifest.get("ragged") is None:
@@ -138,7 +138,7 @@ class RunResult:
         id, the window's number, ``char_start``, ``char_end``, ``tokens``)."""
         manifest, parts = self._parts()
         if manifest.get("ragged") is not None:
-            from chunkq.supervisor import ragged_result
+            from chunkq.supervisor.result import ragged as ragged_result
 
             files = [block.ids_path for block in ragged_result.blocks(self.result_dir, manifest)]
         else:
@@ -240,8 +240,9 @@ def embed(
 
     A cross-encoder (``kind="cross"``, or a model whose files say so) takes (query, passage) pairs
     and returns a score per pair (a row of class scores for a classifier), as
-    ``CrossEncoder.predict`` does. A sparse or multivector model returns a ``chunkq.jobs.ragged.Ragged``
-    (``offsets`` and ``arrays``: CSR ``indices`` and ``values``, or token ``vectors``).
+    ``CrossEncoder.predict`` does. A sparse or multivector model returns a
+    ``chunkq.jobs.contract.ragged.Ragged`` (``offsets`` and ``arrays``: CSR ``indices`` and
+    ``values``, or token ``vectors``).
     """
     import numpy as np
 
@@ -295,10 +296,11 @@ def _embed_in_process(texts: list[Any], model: str | None, given: dict[str, Any]
     import numpy as np
     import torch
 
-    from chunkq.jobs import kinds, models, quantize, token_batches
+    from chunkq.jobs import kinds
     from chunkq.jobs.calibrate import ranges_here
+    from chunkq.jobs.compute import models, quantize, token_batches
+    from chunkq.jobs.contract.run_files import non_finite_rows
     from chunkq.jobs.embed import encode_texts
-    from chunkq.jobs.run_files import non_finite_rows
 
     name = check_model(model) if model else default_model()
     options = encode_options_for(name, given)

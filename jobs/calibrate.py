@@ -15,8 +15,8 @@ import sys
 from dataclasses import replace
 from typing import Any
 
-from chunkq.jobs.errors import ConfigError
-from chunkq.jobs.specs import EncodeOptions
+from chunkq.jobs.contract.errors import ConfigError
+from chunkq.jobs.contract.specs import EncodeOptions
 
 CALIBRATION_ROWS = 1000  # texts encoded for the ranges (sentence-transformers suggests 100s or more)
 CALIBRATION_TIMEOUT = 1800.0
@@ -40,7 +40,7 @@ def ranges_for(model: str, options: EncodeOptions, texts: list[str]) -> dict[str
 
 def ranges_here(model: str, options: EncodeOptions, texts: list[str], device: str) -> list[list[float]]:
     """The ranges of ``texts`` encoded in this process in fp32, as a run's calibration encodes them."""
-    from chunkq.jobs import models, quantize
+    from chunkq.jobs.compute import models, quantize
     from chunkq.jobs.embed import encode_texts
 
     wide = replace(options, batch_tokens=None)
@@ -49,7 +49,7 @@ def ranges_here(model: str, options: EncodeOptions, texts: list[str], device: st
 
 
 def _main() -> None:
-    from chunkq.jobs import models
+    from chunkq.jobs.compute import models
 
     request = json.loads(sys.stdin.buffer.read())
     options = EncodeOptions.from_dict(request["options"])

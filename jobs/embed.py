@@ -23,21 +23,23 @@ import numpy as np
 import redis
 from rq import get_current_job
 
-from chunkq.jobs import (
+from chunkq.jobs import kinds
+from chunkq.jobs.compute import (
     chunk_progress,
     cuda,
     device_busy,
-    errors,
     faults,
-    jobmeta,
-    kinds,
     learned,
     models,
     quantize,
     runtime,
     token_batches,
 )
-from chunkq.jobs.errors import (
+from chunkq.jobs.compute.model_identity import short
+from chunkq.jobs.compute.scope import check_spec
+from chunkq.jobs.compute.vector_cache import library_versions
+from chunkq.jobs.contract import errors, jobmeta
+from chunkq.jobs.contract.errors import (
     BadInputError,
     BadRowsError,
     ChunkOutOfMemoryError,
@@ -47,20 +49,17 @@ from chunkq.jobs.errors import (
     NonFiniteError,
     TamperedJobError,
 )
-from chunkq.jobs.kinds.contract import WithBadRows
-from chunkq.jobs.manifest import RunManifest, load_manifest
-from chunkq.jobs.model_identity import short
-from chunkq.jobs.ragged import Ragged, write_ragged_output
-from chunkq.jobs.run_files import (
+from chunkq.jobs.contract.manifest import RunManifest, load_manifest
+from chunkq.jobs.contract.ragged import Ragged, write_ragged_output
+from chunkq.jobs.contract.run_files import (
     RunLayout,
     non_finite_rows,
     read_chunk_input,
     verify_output,
     write_output,
 )
-from chunkq.jobs.scope import check_spec
-from chunkq.jobs.specs import DEFAULT_KIND, DEFAULT_PRECISION, ChunkSpec, EncodeOptions
-from chunkq.jobs.vector_cache import library_versions
+from chunkq.jobs.contract.specs import DEFAULT_KIND, DEFAULT_PRECISION, ChunkSpec, EncodeOptions
+from chunkq.jobs.kinds.contract import WithBadRows
 
 log = logging.getLogger(__name__)
 
@@ -415,7 +414,7 @@ def _embed(chunk: ChunkSpec) -> dict[str, Any]:
         "started_at": started_at.isoformat(),
         "finished_at": datetime.now(UTC).isoformat(),
         "rows_at": progress.samples,  # [seconds since started_at, rows encoded by then], for the report
-        "busy": busy.to_dict(),  # how busy the device was over the chunk, and who said (jobs.device_busy)
+        "busy": busy.to_dict(),  # how busy the device was over the chunk, and who said (compute/device_busy)
         **(
             {
                 "bad_rows": [

@@ -36,8 +36,9 @@ from typing import Any, NoReturn
 import psutil
 import setproctitle
 
-from chunkq.jobs import cuda, errors
-from chunkq.jobs.runtime import DEVICE_ENV
+from chunkq.jobs.compute import cuda
+from chunkq.jobs.compute.runtime import DEVICE_ENV
+from chunkq.jobs.contract import errors
 from chunkq.queue_worker.exit_codes import EXIT_FORKED_NO_CUDA, EXIT_NO_CONTEXT
 from chunkq.queue_worker.lifeline import (
     ORPHANED_SIGNAL,
@@ -101,7 +102,7 @@ def _run_worker(request: dict[str, Any], fds: list[int], server_pid: int) -> int
     args = [str(a) for a in request["args"]]
     import torch
 
-    from chunkq.jobs import faults
+    from chunkq.jobs.compute import faults
     from chunkq.queue_worker.worker import main
 
     setproctitle.setproctitle(" ".join([sys.executable, "-m", WORKER_MODULE, *args]))
@@ -228,7 +229,7 @@ def _load_model_template(ref: str) -> dict[str, Any]:
     """Load the workers' model once: a forked worker then only moves it to its device (about 0.3 s
     of CPU less per worker on a small model, and no read of the weights per worker on a large one).
     A model that fails here is left to each worker, which reports why in its chunk's failure."""
-    from chunkq.jobs import models
+    from chunkq.jobs.compute import models
 
     try:
         limit = int(psutil.virtual_memory().total * TEMPLATE_MEMORY_SHARE)

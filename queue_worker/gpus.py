@@ -6,8 +6,8 @@ from __future__ import annotations
 import logging
 import os
 
-from chunkq.jobs.errors import ConfigError
-from chunkq.jobs.runtime import DEVICE_ENV, GPU_ENV
+from chunkq.jobs.compute.runtime import DEVICE_ENV, GPU_ENV
+from chunkq.jobs.contract.errors import ConfigError
 from chunkq.queue_worker.discovery import VISIBLE_ENV, GpuInfo, allowed, read_all, survey, visible
 
 log = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ def worker_environment(base: dict[str, str], gpu: GpuInfo | None, cpu_threads: i
     threads = str(max(1, cpu_threads))
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         env.setdefault(var, threads)
-    # A chunk is tokenised in one call (jobs/tokenized.py); the Rust tokenizers split it over the
+    # A chunk is tokenised in one call (jobs/compute/tokenized.py); the Rust tokenizers split it over the
     # worker's share of the cores (2 cores: 4,864 -> 6,826 docstrings/s, BENCHMARKS.md, issue 46).
     # Nothing tokenises before a fork (the fork server only loads), so no child inherits a used pool.
     env.setdefault("TOKENIZERS_PARALLELISM", "true")
@@ -217,7 +217,7 @@ def auto_workers_per_gpu(
     standby_bytes = model + CONTEXT_BYTES if standby else 0
     per_worker = model + CONTEXT_BYTES + ACTIVATION_BYTES + standby_bytes
     # Free memory NVML could not say: the total, less what the others use is unknown; each worker
-    # then reads its own free memory for its batches (jobs.token_batches).
+    # then reads its own free memory for its batches (jobs.compute.token_batches).
     free = min(gpu.memory_free if gpu.memory_free is not None else gpu.memory_total for gpu in gpus)
     by_memory = max(1, int(0.9 * free // per_worker))
     n = min(by_cpu, by_memory, AUTO_MAX_WORKERS)
@@ -238,7 +238,7 @@ def resolve_workers_per_gpu(
     """``--workers-per-gpu``: a number as given, or ``auto`` worked out for these GPUs and this model."""
     if value != WORKERS_AUTO:
         return int(value)
-    from chunkq.jobs.models import default_model, resolve_model
+    from chunkq.jobs.compute.models import default_model, resolve_model
 
     try:
         path: str | None = resolve_model(preload or default_model())

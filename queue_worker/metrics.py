@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from chunkq.jobs.errors import ConfigError
+from chunkq.jobs.contract.errors import ConfigError
 from chunkq.queue_worker import exit_codes
 from chunkq.queue_worker.discovery import discover
 

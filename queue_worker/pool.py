@@ -28,11 +28,11 @@ from rq.queue import Queue
 from rq.serializers import JSONSerializer
 from rq.worker import SimpleWorker
 
-from chunkq.jobs.abandon import forget_worker, mark_abandoned, running_job_ids
-from chunkq.jobs.errors import ChunkqError
-from chunkq.jobs.models import check_precision
-from chunkq.jobs.nopickle import forbid_pickle
-from chunkq.jobs.runtime import POOL_STARTED_ENV
+from chunkq.jobs.compute.models import check_precision
+from chunkq.jobs.compute.runtime import POOL_STARTED_ENV
+from chunkq.jobs.contract.abandon import forget_worker, mark_abandoned, running_job_ids
+from chunkq.jobs.contract.errors import ChunkqError
+from chunkq.jobs.contract.nopickle import forbid_pickle
 from chunkq.queue_worker import exit_codes
 from chunkq.queue_worker.discovery import GpuInfo
 from chunkq.queue_worker.fork_server import MODEL_ENV as FORK_SERVER_MODEL_ENV

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
-from chunkq.jobs.specs import DEFAULT_PRECISION, PRECISIONS
+from chunkq.jobs.contract.specs import DEFAULT_PRECISION, PRECISIONS
 from chunkq.queue_worker.gpus import WORKERS_AUTO, workers_per_gpu_value
 
 DEFAULT_QUEUE = "chunkq"

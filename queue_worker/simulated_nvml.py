@@ -27,7 +27,7 @@ from typing import Any
 
 import pynvml
 
-from chunkq.jobs.errors import ConfigError
+from chunkq.jobs.contract.errors import ConfigError
 
 SAMPLE_US = 166_667  # a utilisation sample per 1/6 s, as recent GPUs take them
 

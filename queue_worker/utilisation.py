@@ -1,4 +1,4 @@
-"""A GPU worker's reader of its GPU's utilisation samples (``jobs.device_busy``'s ``nvml`` source),
+"""A GPU worker's reader of its GPU's utilisation samples (``jobs.compute.device_busy``'s ``nvml`` source),
 from NVML as the pool sees it (the real library, or the stand-in under CHUNKQ_SIMULATED_GPUS).
 
 None where NVML cannot say: it does not initialise (the seeds' host), the GPU is a MIG slice
@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from chunkq.jobs.device_busy import UtilisationSince
+from chunkq.jobs.compute.device_busy import UtilisationSince
 from chunkq.queue_worker import discovery
 
 log = logging.getLogger(__name__)

@@ -30,16 +30,18 @@ from rq.exceptions import StopRequested
 from rq.serializers import JSONSerializer
 from rq.worker import SimpleWorker, WorkerStatus
 
-from chunkq.jobs import cuda, errors, faults, kinds, models, runtime
-from chunkq.jobs.allowlist import AllowListedJob
+from chunkq.jobs import kinds
+from chunkq.jobs.compute import cuda, faults, models, runtime
+from chunkq.jobs.compute.model_info import describe
+from chunkq.jobs.contract import errors
+from chunkq.jobs.contract.allowlist import AllowListedJob
+from chunkq.jobs.contract.errors import ConfigError
+from chunkq.jobs.contract.events import announce_settled
+from chunkq.jobs.contract.nopickle import forbid_pickle
+from chunkq.jobs.contract.queueing import give_back
+from chunkq.jobs.contract.specs import DEFAULT_KIND, EncodeOptions
+from chunkq.jobs.contract.storage import open_store
 from chunkq.jobs.embed import warm_up
-from chunkq.jobs.errors import ConfigError
-from chunkq.jobs.events import announce_settled
-from chunkq.jobs.model_info import describe
-from chunkq.jobs.nopickle import forbid_pickle
-from chunkq.jobs.queueing import give_back
-from chunkq.jobs.specs import DEFAULT_KIND, EncodeOptions
-from chunkq.jobs.storage import open_store
 from chunkq.queue_worker import utilisation
 from chunkq.queue_worker.exit_codes import (
     EXIT_CONFIG,

@@ -21,32 +21,32 @@ from rq import Queue
 from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 
-from chunkq.jobs.abandon import mark_abandoned
-from chunkq.jobs.errors import StoreWriteError
-from chunkq.jobs.manifest import load_manifest
-from chunkq.jobs.release import chunkq_version
-from chunkq.jobs.run_files import RunLayout
-from chunkq.jobs.runtime import POOL_FOR_RUN_ENV
-from chunkq.jobs.storage import OWNER_ONLY, is_local
+from chunkq.jobs.compute.runtime import POOL_FOR_RUN_ENV
+from chunkq.jobs.contract.abandon import mark_abandoned
+from chunkq.jobs.contract.errors import StoreWriteError
+from chunkq.jobs.contract.manifest import load_manifest
+from chunkq.jobs.contract.release import chunkq_version
+from chunkq.jobs.contract.run_files import RunLayout
+from chunkq.jobs.contract.storage import OWNER_ONLY, is_local
 from chunkq.queue_worker.lifeline import die_with_parent
 from chunkq.queue_worker.settings import SETTINGS_JSON_ENV, PoolSettings, env_of
-from chunkq.supervisor.display import ProgressDisplay
-from chunkq.supervisor.embedded_redis import EmbeddedRedis
-from chunkq.supervisor.plan import corpus_rows_of
-from chunkq.supervisor.result import published_result
-from chunkq.supervisor.run_log import RunLog, log_path, relay
-from chunkq.supervisor.start_marks import CHUNKS_QUEUED, POOL_STARTED, REDIS_READY, StartMarks
-from chunkq.supervisor.store_lock import StoreLock
-from chunkq.supervisor.store_redis import embedded_redis_dir, local_state_dir, serve
-from chunkq.supervisor.submit import (
-    SubmitRequest,
-    SubmitResult,
-    identify,
-    prepare,
-    removed_on_failure,
-    submit,
+from chunkq.supervisor.result.planned_rows import corpus_rows_of
+from chunkq.supervisor.result.published import published_result
+from chunkq.supervisor.store.embedded_redis import EmbeddedRedis
+from chunkq.supervisor.store.run_log import RunLog, log_path, relay
+from chunkq.supervisor.store.start_marks import CHUNKS_QUEUED, POOL_STARTED, REDIS_READY, StartMarks
+from chunkq.supervisor.store.store_lock import StoreLock
+from chunkq.supervisor.store.store_redis import embedded_redis_dir, local_state_dir, serve
+from chunkq.supervisor.submit.identity import SubmitRequest, identify
+from chunkq.supervisor.submit.submission import SubmitResult, prepare, removed_on_failure, submit
+from chunkq.supervisor.watch.display import ProgressDisplay
+from chunkq.supervisor.watch.supervise import (
+    Outcome,
+    RedisGoneError,
+    WatchSettings,
+    redis_never_gone,
+    supervise,
 )
-from chunkq.supervisor.supervise import Outcome, RedisGoneError, WatchSettings, redis_never_gone, supervise
 
 log = logging.getLogger(__name__)
 

@@ -18,22 +18,22 @@ from typing import Any
 import redis
 
 from chunkq.jobs import kinds
-from chunkq.jobs.errors import ChunksFailedError, ConfigError, CorpusError
-from chunkq.jobs.model_info import check_options, describe
-from chunkq.jobs.models import check_model, check_precision, default_model
-from chunkq.jobs.run_files import RunLayout, read_json
-from chunkq.jobs.specs import BATCH_TOKENS_OFF, DEFAULT_KIND, DEFAULT_PRECISION, EncodeOptions
-from chunkq.jobs.storage import is_local, open_store
+from chunkq.jobs.compute.model_info import check_options, describe
+from chunkq.jobs.compute.models import check_model, check_precision, default_model
+from chunkq.jobs.contract.errors import ChunksFailedError, ConfigError, CorpusError
+from chunkq.jobs.contract.run_files import RunLayout, read_json
+from chunkq.jobs.contract.specs import BATCH_TOKENS_OFF, DEFAULT_KIND, DEFAULT_PRECISION, EncodeOptions
+from chunkq.jobs.contract.storage import is_local, open_store
 from chunkq.queue_worker.gpus import choose
 from chunkq.queue_worker.settings import DEFAULT_QUEUE, PoolSettings
-from chunkq.supervisor.corpus import CorpusOptions, check_readable, detect_format, read_corpus
 from chunkq.supervisor.local_run import RunOutcome, RunRequest
-from chunkq.supervisor.result import DEFAULT_SHARD_BYTES, shard_bytes
-from chunkq.supervisor.retry import RetryPolicy
+from chunkq.supervisor.result.published import DEFAULT_SHARD_BYTES, shard_bytes
 from chunkq.supervisor.run_options import SUBMIT, WATCH, run_option_names
-from chunkq.supervisor.submit import DEFAULT_CHUNK_SIZE, SubmitRequest
-from chunkq.supervisor.supervise import WARN_IDLE_SECONDS, WatchSettings, failure_report
-from chunkq.supervisor.windows import LONG_TEXTS, POOLS
+from chunkq.supervisor.submit.corpus import CorpusOptions, check_readable, detect_format, read_corpus
+from chunkq.supervisor.submit.identity import DEFAULT_CHUNK_SIZE, SubmitRequest
+from chunkq.supervisor.submit.windows import LONG_TEXTS, POOLS
+from chunkq.supervisor.watch.retry import RetryPolicy
+from chunkq.supervisor.watch.supervise import WARN_IDLE_SECONDS, WatchSettings, failure_report
 
 _GLOB_CHARS = frozenset("*?[")
 _ENCODE_NAMES = {"normalize": "normalize_embeddings"}  # the CLI's short name for a field
@@ -111,7 +111,7 @@ ENCODE_NAMES = frozenset({f.name for f in fields(EncodeOptions)} | set(_ENCODE_N
 def encode_options_of(encode: dict[str, Any]) -> EncodeOptions:
     """EncodeOptions from keywords as the API and submit take them (``normalize`` too; None: default).
     A batch size given without a token budget is what the user wants on a GPU too: batches by count
-    (``--batch-tokens off``), where the GPU's default is a budget (``jobs.token_batches.for_device``)."""
+    (``--batch-tokens off``), where the GPU's default is a budget (``token_batches.for_device``)."""
     given = {_ENCODE_NAMES.get(k, k): v for k, v in encode.items() if v is not None}
     if "batch_size" in given and "batch_tokens" not in given:
         given["batch_tokens"] = BATCH_TOKENS_OFF

@@ -13,9 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from chunkq.jobs.kinds import KINDS, NOT_BUILT
-from chunkq.jobs.models import BUNDLED_MODEL
-from chunkq.jobs.specs import (
+from chunkq.jobs.compute.models import BUNDLED_MODEL
+from chunkq.jobs.contract.specs import (
     DEFAULT_PRECISION,
     MODEL_KWARGS,
     OUTPUT_DTYPES,
@@ -25,14 +24,15 @@ from chunkq.jobs.specs import (
     batch_tokens_value,
     model_kwargs_value,
 )
+from chunkq.jobs.kinds import KINDS, NOT_BUILT
 from chunkq.queue_worker.settings import Meta
-from chunkq.supervisor.corpus import FORMATS, CorpusOptions
-from chunkq.supervisor.enqueue import DEFAULT_WINDOW, WINDOW_PER_WORKER
-from chunkq.supervisor.result import DEFAULT_SHARD_BYTES
-from chunkq.supervisor.retry import RetryPolicy
-from chunkq.supervisor.submit import DEFAULT_CHUNK_SIZE
-from chunkq.supervisor.supervise import WARN_IDLE_SECONDS, WatchSettings
-from chunkq.supervisor.windows import LONG_TEXTS, POOLS
+from chunkq.supervisor.result.published import DEFAULT_SHARD_BYTES
+from chunkq.supervisor.submit.corpus import FORMATS, CorpusOptions
+from chunkq.supervisor.submit.enqueue import DEFAULT_WINDOW, WINDOW_PER_WORKER
+from chunkq.supervisor.submit.identity import DEFAULT_CHUNK_SIZE
+from chunkq.supervisor.submit.windows import LONG_TEXTS, POOLS
+from chunkq.supervisor.watch.retry import RetryPolicy
+from chunkq.supervisor.watch.supervise import WARN_IDLE_SECONDS, WatchSettings
 
 SUBMIT, WATCH = "submit", "watch"
 Option = tuple[str, Meta, Any]

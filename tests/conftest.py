@@ -10,13 +10,14 @@ from typing import Any
 import pytest
 import redis
 
+from chunkq.jobs.compute.models import BUNDLED_MODEL, resolve_model
+from chunkq.jobs.contract.manifest import load_manifest
+from chunkq.jobs.contract.run_files import RunLayout
 from chunkq.jobs.embed import embed_chunk
-from chunkq.jobs.manifest import load_manifest
-from chunkq.jobs.models import BUNDLED_MODEL, resolve_model
-from chunkq.jobs.run_files import RunLayout
-from chunkq.supervisor.corpus import CorpusOptions
-from chunkq.supervisor.embedded_redis import EmbeddedRedis
-from chunkq.supervisor.submit import SubmitRequest, submit
+from chunkq.supervisor.store.embedded_redis import EmbeddedRedis
+from chunkq.supervisor.submit.corpus import CorpusOptions
+from chunkq.supervisor.submit.identity import SubmitRequest
+from chunkq.supervisor.submit.submission import submit
 from tests.helpers import make_texts, write_corpus
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

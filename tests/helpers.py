@@ -153,7 +153,7 @@ def signal_handlers_restored() -> Iterator[None]:
 
 def only_run(store: Path) -> Any:
     """The RunLayout of the one run in ``store``."""
-    from chunkq.jobs.run_files import RunLayout
+    from chunkq.jobs.contract.run_files import RunLayout
 
     (run_dir,) = (store / "runs").iterdir()
     return RunLayout(store, run_dir.name)
@@ -194,10 +194,10 @@ def _write_manifest(
     model: str | None = None,
 ) -> Any:
     """A run manifest as submit writes it (without Redis); the RunManifest."""
-    from chunkq.jobs.manifest import RunManifest
-    from chunkq.jobs.models import BUNDLED_MODEL
-    from chunkq.jobs.run_files import RunLayout, atomic_write_json
-    from chunkq.jobs.specs import EncodeOptions, fingerprint
+    from chunkq.jobs.compute.models import BUNDLED_MODEL
+    from chunkq.jobs.contract.manifest import RunManifest
+    from chunkq.jobs.contract.run_files import RunLayout, atomic_write_json
+    from chunkq.jobs.contract.specs import EncodeOptions, fingerprint
 
     options = (options or EncodeOptions()).to_dict()
     model = model or BUNDLED_MODEL
@@ -225,8 +225,8 @@ def write_test_run(
     """Chunk ``index`` of a run of ``rows``-row chunks, its input and a run manifest written as
     submit writes them (without Redis): (its ChunkSpec as the manifest says, its texts). The job
     refuses a spec that differs from the manifest, so job tests need one."""
-    from chunkq.jobs.manifest import load_manifest
-    from chunkq.jobs.run_files import RunLayout, write_chunk_input
+    from chunkq.jobs.contract.manifest import load_manifest
+    from chunkq.jobs.contract.run_files import RunLayout, write_chunk_input
 
     ids, texts = make_texts(rows, seed=seed)
     layout = RunLayout(store, run_id)
@@ -245,7 +245,7 @@ def _finished_chunks(
     (RunLayout, chunk index, rows, the metadata a worker writes with its output) per chunk."""
     from datetime import UTC, datetime
 
-    from chunkq.jobs.run_files import RunLayout, write_chunk_input
+    from chunkq.jobs.contract.run_files import RunLayout, write_chunk_input
 
     chunks = -(-rows // chunk_size)
     manifest = _write_manifest(store, run_id, chunks, chunk_size, rows, options)
@@ -272,8 +272,8 @@ def write_encoded_run(
     """A finished run as workers leave it, without a model: the manifest, each chunk's input (ids
     ``r0``, ``r1``...) and a committed output of random float32 rows that assembly accepts. Its
     RunLayout. For assembly and result tests of any size and dimension."""
-    from chunkq.jobs.run_files import RunLayout, write_output
-    from chunkq.jobs.specs import EncodeOptions
+    from chunkq.jobs.contract.run_files import RunLayout, write_output
+    from chunkq.jobs.contract.specs import EncodeOptions
 
     rng = np.random.default_rng(seed)
     options = EncodeOptions(output_dtype=output_dtype)
@@ -286,9 +286,9 @@ def write_encoded_run(
 def write_ragged_run(store: Path, kind: str, rows: int = 200, chunk_size: int = 20, seed: int = 0) -> Any:
     """A finished ragged run as workers leave it, without a model: rows of 0 to 12 random entries
     each (sparse: over 1,000 dimensions; multivector: vectors of 8). Its RunLayout."""
-    from chunkq.jobs.ragged import SCHEMAS, Ragged, write_ragged_output
-    from chunkq.jobs.run_files import RunLayout
-    from chunkq.jobs.specs import EncodeOptions
+    from chunkq.jobs.contract.ragged import SCHEMAS, Ragged, write_ragged_output
+    from chunkq.jobs.contract.run_files import RunLayout
+    from chunkq.jobs.contract.specs import EncodeOptions
 
     run_id = f"{kind}-run"
     rng = np.random.default_rng(seed)
@@ -311,15 +311,16 @@ def run_in_process(
 ) -> tuple[Any, Any, int]:
     """Submit ``texts`` as ``name``.jsonl, encode every chunk in this process with the real job
     function, assemble: (layout, manifest, rows a worker encoded, not read from the vector cache)."""
+    from chunkq.jobs.compute.models import BUNDLED_MODEL
+    from chunkq.jobs.contract.manifest import load_manifest
+    from chunkq.jobs.contract.run_files import RunLayout
+    from chunkq.jobs.contract.specs import EncodeOptions
     from chunkq.jobs.embed import embed_chunk
-    from chunkq.jobs.manifest import load_manifest
-    from chunkq.jobs.models import BUNDLED_MODEL
-    from chunkq.jobs.run_files import RunLayout
-    from chunkq.jobs.specs import EncodeOptions
-    from chunkq.supervisor.assemble import assemble
-    from chunkq.supervisor.corpus import CorpusOptions
-    from chunkq.supervisor.result import check_published
-    from chunkq.supervisor.submit import SubmitRequest, submit
+    from chunkq.supervisor.result.assemble import assemble
+    from chunkq.supervisor.result.published import check_published
+    from chunkq.supervisor.submit.corpus import CorpusOptions
+    from chunkq.supervisor.submit.identity import SubmitRequest
+    from chunkq.supervisor.submit.submission import submit
 
     corpus = write_corpus(tmp_path / f"{name}.jsonl", ids, texts, "jsonl")
     encode = kw.pop("encode", EncodeOptions())

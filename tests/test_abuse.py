@@ -18,7 +18,7 @@ import psutil
 import pytest
 import redis
 
-from chunkq.jobs.run_files import RunLayout
+from chunkq.jobs.contract.run_files import RunLayout
 from tests.helpers import (
     make_texts,
     max_abs_diff,

@@ -8,12 +8,12 @@ from typing import Any
 import numpy as np
 import pytest
 
+from chunkq.jobs.compute.models import BUNDLED_MODEL
+from chunkq.jobs.contract.errors import AssemblyError
+from chunkq.jobs.contract.manifest import load_manifest
+from chunkq.jobs.contract.run_files import RunLayout, file_sha256
 from chunkq.jobs.embed import embed_chunk
-from chunkq.jobs.errors import AssemblyError
-from chunkq.jobs.manifest import load_manifest
-from chunkq.jobs.models import BUNDLED_MODEL
-from chunkq.jobs.run_files import RunLayout, file_sha256
-from chunkq.supervisor.assemble import assemble
+from chunkq.supervisor.result.assemble import assemble
 from tests.helpers import max_abs_diff, run_cli
 
 
@@ -131,7 +131,7 @@ def test_verify_checks_the_result_manifest_against_the_runs(encoded_run: Any) ->
 
 def test_a_supervisor_that_lost_its_lock_publishes_nothing(encoded_run: Any) -> None:
     """Issue 21.3: the fencing check runs after the result is built, just before it is put in place."""
-    from chunkq.supervisor.store_lock import LockLostError
+    from chunkq.supervisor.store.store_lock import LockLostError
 
     layout, _, _ = encoded_run
 

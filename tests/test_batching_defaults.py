@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 from chunkq.jobs import kinds
-from chunkq.jobs.errors import ConfigError
-from chunkq.jobs.specs import EncodeOptions, batch_tokens_value
-from chunkq.jobs.token_batches import for_device
+from chunkq.jobs.compute.token_batches import for_device
+from chunkq.jobs.contract.errors import ConfigError
+from chunkq.jobs.contract.specs import EncodeOptions, batch_tokens_value
 from chunkq.supervisor.request import encode_options_of
 
 GPU, CPU = "cuda", "cpu"

@@ -15,10 +15,10 @@ import redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from chunkq.jobs.run_files import RunLayout, read_json
-from chunkq.jobs.specs import chunk_job_id
-from chunkq.supervisor.embedded_redis import EmbeddedRedis
-from chunkq.supervisor.enqueue import job_statuses
+from chunkq.jobs.contract.run_files import RunLayout, read_json
+from chunkq.jobs.contract.specs import chunk_job_id
+from chunkq.supervisor.store.embedded_redis import EmbeddedRedis
+from chunkq.supervisor.submit.enqueue import job_statuses
 from tests.helpers import (
     make_texts,
     max_abs_diff,

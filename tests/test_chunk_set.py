@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 import tracemalloc
 
-from chunkq.supervisor.chunk_set import ChunkSet
+from chunkq.supervisor.store.chunk_set import ChunkSet
 
 
 def test_a_chunk_set_behaves_as_a_set_of_indices() -> None:

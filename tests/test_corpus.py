@@ -12,8 +12,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from chunkq.jobs.errors import CorpusError
-from chunkq.supervisor.corpus import CorpusOptions, check_readable, detect_format, read_corpus
+from chunkq.jobs.contract.errors import CorpusError
+from chunkq.supervisor.submit.corpus import CorpusOptions, check_readable, detect_format, read_corpus
 from tests.helpers import make_texts, write_corpus
 
 

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import redis
 
-from chunkq.jobs.nopickle import PickleRefusedError, forbid_pickle
-from chunkq.jobs.run_files import RunLayout
-from chunkq.jobs.specs import chunk_job_id
-from chunkq.supervisor.embedded_redis import free_port
+from chunkq.jobs.contract.nopickle import PickleRefusedError, forbid_pickle
+from chunkq.jobs.contract.run_files import RunLayout
+from chunkq.jobs.contract.specs import chunk_job_id
+from chunkq.supervisor.store.embedded_redis import free_port
 from chunkq.tools.dashboard import check_bind, create_app, is_loopback
 from tests.helpers import WORKER, cli_env, make_texts, run_cli, start_cli, stop_tree, wait_for, write_corpus
 from tests.test_security import Exploit

@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 
-from chunkq.jobs import device_busy, models
+from chunkq.jobs.compute import device_busy, models
+from chunkq.jobs.contract.specs import EncodeOptions
 from chunkq.jobs.embed import encode_texts
-from chunkq.jobs.specs import EncodeOptions
 from chunkq.queue_worker import metrics, utilisation
 from chunkq.queue_worker.discovery import SIMULATED_ENV
-from chunkq.supervisor.display import describe
-from chunkq.supervisor.progress import Snapshot
+from chunkq.supervisor.watch.display import describe
+from chunkq.supervisor.watch.progress import Snapshot
 from tests.helpers import make_texts
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import redis
 
-from chunkq.jobs.errors import ConfigError
+from chunkq.jobs.contract.errors import ConfigError
 from chunkq.queue_worker import discovery, exit_codes
 from chunkq.queue_worker.discovery import SIMULATED_ENV, read_all, visible
 from chunkq.queue_worker.gpus import select, worker_environment

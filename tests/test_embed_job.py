@@ -8,10 +8,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from chunkq.jobs.contract.errors import BadInputError, ConfigError
+from chunkq.jobs.contract.run_files import RunLayout, verify_output, write_chunk_input
+from chunkq.jobs.contract.specs import ChunkSpec, EncodeOptions
 from chunkq.jobs.embed import embed_chunk
-from chunkq.jobs.errors import BadInputError, ConfigError
-from chunkq.jobs.run_files import RunLayout, verify_output, write_chunk_input
-from chunkq.jobs.specs import ChunkSpec, EncodeOptions
 from tests.helpers import make_texts, max_abs_diff, write_test_run
 
 
@@ -102,7 +102,7 @@ def test_a_chunk_whose_redis_dies_under_it_fails_with_its_own_error(
     from rq.serializers import JSONSerializer
 
     import chunkq.jobs.embed as embed
-    from chunkq.supervisor.embedded_redis import EmbeddedRedis
+    from chunkq.supervisor.store.embedded_redis import EmbeddedRedis
 
     spec, _ = _chunk(store)
     server = EmbeddedRedis(tmp_path / "redis").start()

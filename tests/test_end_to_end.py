@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from chunkq.jobs.run_files import RunLayout, read_json
+from chunkq.jobs.contract.run_files import RunLayout, read_json
 from tests.helpers import CLI, cli_env, make_texts, max_abs_diff, only_run, run_cli, write_corpus
 
 # Real pools, workers and CLI runs as subprocesses: the slow tier.

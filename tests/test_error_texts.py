@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from chunkq.jobs import errors
-from chunkq.jobs.errors import ConfigError, CorpusError
+from chunkq.jobs.contract import errors
+from chunkq.jobs.contract.errors import ConfigError, CorpusError
 
 # torch >= 2.8 raises CUDA runtime errors as torch.AcceleratorError (a RuntimeError subclass);
 # older builds raise a plain RuntimeError with the same text.

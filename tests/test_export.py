@@ -11,8 +11,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from chunkq.jobs.errors import AssemblyError
-from chunkq.jobs.run_files import RunLayout, atomic_write_json, file_sha256
+from chunkq.jobs.contract.errors import AssemblyError
+from chunkq.jobs.contract.run_files import RunLayout, atomic_write_json, file_sha256
 from chunkq.tools.export import BATCH_ROWS, export
 
 ROWS, DIM = 200_000, 64  # 51 MB: more than Arrow's Parquet writer buffers (~27 MB, whatever the rows)
@@ -88,7 +88,7 @@ def test_out_is_never_replaced_unasked_and_streams_are_written_through(tmp_path:
     import os
     import subprocess
 
-    from chunkq.jobs.errors import ConfigError
+    from chunkq.jobs.contract.errors import ConfigError
     from tests.helpers import CLI, cli_env
 
     layout, embeddings, ids = _published(tmp_path / "store", rows=50)
@@ -169,7 +169,7 @@ def test_an_export_is_written_with_the_callers_umask_and_the_store_stays_owner_o
 def test_an_export_into_the_store_is_refused_even_with_force(tmp_path: Path) -> None:
     """Issue 37.16: `export --force --out <store>/runs/<run>/result/embeddings.npy` replaced the published
     file."""
-    from chunkq.jobs.errors import ConfigError
+    from chunkq.jobs.contract.errors import ConfigError
 
     layout, _, _ = _published(tmp_path / "store", rows=20)
     published = layout.result / "embeddings.npy"

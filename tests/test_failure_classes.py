@@ -13,13 +13,15 @@ import numpy as np
 import pytest
 import torch
 
-from chunkq.jobs import embed, errors, faults, runtime
+from chunkq.jobs import embed
+from chunkq.jobs.compute import faults, runtime
+from chunkq.jobs.contract import errors
+from chunkq.jobs.contract.errors import ChunkOutOfMemoryError, ConfigError, CudaFatalError
+from chunkq.jobs.contract.run_files import RunLayout, read_json
+from chunkq.jobs.contract.specs import ChunkSpec, EncodeOptions
 from chunkq.jobs.embed import embed_chunk
-from chunkq.jobs.errors import ChunkOutOfMemoryError, ConfigError, CudaFatalError
-from chunkq.jobs.run_files import RunLayout, read_json
-from chunkq.jobs.specs import ChunkSpec, EncodeOptions
 from chunkq.queue_worker.pool import jittered_max_jobs
-from chunkq.supervisor.retry import RetryPolicy
+from chunkq.supervisor.watch.retry import RetryPolicy
 from tests.helpers import max_abs_diff, write_test_run
 
 
@@ -183,7 +185,7 @@ def test_recycle_jitter_spreads_max_jobs() -> None:
 
 
 def test_token_budget_batches_are_cut_longest_first_within_the_budget() -> None:
-    from chunkq.jobs.token_batches import plan
+    from chunkq.jobs.compute.token_batches import plan
 
     assert plan([5, 50, 10, 3], 60) == [[1], [2, 0, 3]]
     lengths = [random.Random(7).randint(1, 300) for _ in range(500)]
@@ -198,7 +200,7 @@ def test_token_budget_batches_are_cut_longest_first_within_the_budget() -> None:
 def test_token_budget_batches_give_the_embeddings_of_fixed_batches(
     store: Path, reference_model: Any, budget: int | str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from chunkq.jobs import token_batches
+    from chunkq.jobs.compute import token_batches
 
     tuned = budget == "auto as on a GPU"
     if tuned:  # the GPU's rule on this CPU: the budget tunes itself
@@ -235,7 +237,7 @@ def test_token_budget_batches_give_the_embeddings_of_fixed_batches(
 
 
 def test_auto_token_budget_grows_while_it_pays_and_never_past_what_fitted() -> None:
-    from chunkq.jobs.token_batches import next_auto_budget
+    from chunkq.jobs.compute.token_batches import next_auto_budget
 
     first = next_auto_budget({}, 8192, 1000.0, backed_off=False)
     assert first["batch_tokens"] == 16384 and not first["settled"]
@@ -255,7 +257,7 @@ def test_a_prompt_counts_toward_the_token_budget(
     reference_model: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A long prompt is put before every text: the planner must count it, or its batches overrun."""
-    from chunkq.jobs import token_batches
+    from chunkq.jobs.compute import token_batches
 
     texts = ["short", "a somewhat longer text here", "mid length text"]
     prompt = "Represent this sentence for searching relevant passages: "

@@ -94,10 +94,11 @@ def test_the_keda_trigger_reads_the_list_chunkq_fills_and_its_threshold_follows_
     """Submit a run of more chunks than the Job's queue window, as run-job.yaml does: the Redis list
     that holds its queued jobs is the trigger's listName and holds exactly the window; the trigger's
     listLength is that window shared by the most replicas KEDA may start."""
-    from chunkq.jobs.specs import EncodeOptions
-    from chunkq.supervisor.corpus import CorpusOptions
-    from chunkq.supervisor.enqueue import chunk_queue
-    from chunkq.supervisor.submit import SubmitRequest, submit
+    from chunkq.jobs.contract.specs import EncodeOptions
+    from chunkq.supervisor.submit.corpus import CorpusOptions
+    from chunkq.supervisor.submit.enqueue import chunk_queue
+    from chunkq.supervisor.submit.identity import SubmitRequest
+    from chunkq.supervisor.submit.submission import submit
     from tests.helpers import make_texts, write_corpus
 
     job_env = _environment(_one("Job")["spec"]["template"]["spec"]["containers"][0])

@@ -1,5 +1,5 @@
 """The GPU failures a review against PyTorch's source found misread (issue 31), in-process with the
-real model on the CPU: each fault raised with torch's real type and text (``jobs/faults.py`` names
+real model on the CPU: each fault raised with torch's real type and text (``jobs/compute/faults.py`` names
 the report each comes from) where torch raises it, and what the job then does."""
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from chunkq.jobs import errors, faults, learned, models, runtime
+from chunkq.jobs.compute import faults, learned, models, runtime
+from chunkq.jobs.contract import errors
+from chunkq.jobs.contract.errors import CudaFatalError, DeviceUnsupportedError, NonFiniteError
+from chunkq.jobs.contract.run_files import RunLayout, non_finite_rows, read_json, verify_output
+from chunkq.jobs.contract.specs import EncodeOptions
 from chunkq.jobs.embed import embed_chunk
-from chunkq.jobs.errors import CudaFatalError, DeviceUnsupportedError, NonFiniteError
-from chunkq.jobs.run_files import RunLayout, non_finite_rows, read_json, verify_output
-from chunkq.jobs.specs import EncodeOptions
 from tests.helpers import max_abs_diff, write_test_run
 
 RUN = "gpufaults"
@@ -124,8 +125,8 @@ def test_rows_that_overflow_in_half_precision_are_encoded_again_in_float32(
 
 
 def test_assembly_refuses_a_chunk_output_holding_nan(store: Path) -> None:
-    from chunkq.jobs.manifest import load_manifest
-    from chunkq.jobs.run_files import write_output
+    from chunkq.jobs.contract.manifest import load_manifest
+    from chunkq.jobs.contract.run_files import write_output
 
     _chunk(store, rows=4)
     layout = RunLayout(store, RUN)
@@ -188,7 +189,7 @@ def test_concurrent_updates_of_the_learned_record_lose_nothing(store: Path) -> N
 
 
 def test_a_context_probe_that_runs_out_of_memory_finds_the_context_working(inject: Any) -> None:
-    from chunkq.jobs import cuda
+    from chunkq.jobs.compute import cuda
 
     assert not cuda.context_usable("cuda")  # this CPU build of torch has no CUDA: a real failure
     inject([{"kind": "probe_oom"}])

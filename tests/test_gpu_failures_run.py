@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from chunkq.jobs.run_files import RunLayout, non_finite_rows, read_json
+from chunkq.jobs.contract.run_files import RunLayout, non_finite_rows, read_json
 from tests.helpers import make_texts, max_abs_diff, run_cli, write_corpus
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from chunkq.jobs.errors import ConfigError
+from chunkq.jobs.contract.errors import ConfigError
 from chunkq.queue_worker.discovery import GpuInfo, discover
 from chunkq.queue_worker.gpus import select, worker_environment
 
@@ -104,7 +104,7 @@ def test_doctor_on_a_machine_without_gpus(tmp_path: Path, redis_url: str) -> Non
 
 
 def test_workers_per_gpu_auto_resolves_to_a_number_and_says_why(caplog: pytest.LogCaptureFixture) -> None:
-    from chunkq.jobs.models import BUNDLED_MODEL, resolve_model
+    from chunkq.jobs.compute.models import BUNDLED_MODEL, resolve_model
     from chunkq.queue_worker.gpus import (
         AUTO_MAX_WORKERS,
         auto_workers_per_gpu,

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from chunkq.jobs.run_files import read_json
-from chunkq.supervisor.result import publish
+from chunkq.jobs.contract.run_files import read_json
+from chunkq.supervisor.result.writer import publish
 from tests.helpers import make_texts, only_run, result_matches, run_cli, write_corpus
 
 # Real pools, workers and CLI runs as subprocesses: the slow tier.
@@ -108,7 +108,7 @@ def test_a_result_is_replaced_in_one_step(tmp_path: Path) -> None:
 def test_a_damaged_result_is_never_called_published_nor_its_chunk_outputs_freed(tmp_path: Path) -> None:
     """Issue 37.13: a truncated shard was "published" to `runs`, and `clean --outputs-only` freed
     every chunk output, the only good copy; `assemble` then failed."""
-    from chunkq.supervisor.assemble import assemble
+    from chunkq.supervisor.result.assemble import assemble
     from tests.helpers import write_encoded_run
 
     store = tmp_path / "store"

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from chunkq.jobs import kinds
-from chunkq.jobs.errors import ConfigError
-from chunkq.jobs.model_info import describe
-from chunkq.jobs.models import BUNDLED_MODEL
+from chunkq.jobs.compute.model_info import describe
+from chunkq.jobs.compute.models import BUNDLED_MODEL
+from chunkq.jobs.contract.errors import ConfigError
 from tests.helpers import WORDS, max_abs_diff, only_run, run_cli
 from tests.tiny_models import colbert_encoder, cross_encoder, splade_encoder, tiny_clip
 
@@ -62,9 +62,9 @@ def test_a_pair_corpus_is_read_from_json_lines_csv_and_parquet(tmp_path: Path) -
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from chunkq.jobs.errors import CorpusError
+    from chunkq.jobs.contract.errors import CorpusError
     from chunkq.jobs.kinds.cross import parse_pair
-    from chunkq.supervisor.corpus import CorpusOptions, read_corpus
+    from chunkq.supervisor.submit.corpus import CorpusOptions, read_corpus
 
     rows = _pairs(5, seed=1)
     jsonl = _write_pairs(tmp_path / "p.jsonl", rows)
@@ -180,9 +180,9 @@ def test_a_cross_encoder_with_classes_gives_a_row_of_class_scores(
     float16 (in process: submit, the real job function, assembly)."""
     from sentence_transformers import CrossEncoder
 
-    from chunkq.jobs.specs import EncodeOptions
-    from chunkq.supervisor.corpus import CorpusOptions
-    from chunkq.supervisor.submit import SubmitRequest
+    from chunkq.jobs.contract.specs import EncodeOptions
+    from chunkq.supervisor.submit.corpus import CorpusOptions
+    from chunkq.supervisor.submit.identity import SubmitRequest
 
     model = cross_encoder(tmp_path, labels=3, save_as_st=False)
     rows = _pairs(12, seed=4)
@@ -198,11 +198,11 @@ def test_a_cross_encoder_with_classes_gives_a_row_of_class_scores(
 
 
 def _encode_in_process(request: Any, connection: Any) -> Any:
+    from chunkq.jobs.contract.manifest import load_manifest
+    from chunkq.jobs.contract.run_files import RunLayout
     from chunkq.jobs.embed import embed_chunk
-    from chunkq.jobs.manifest import load_manifest
-    from chunkq.jobs.run_files import RunLayout
-    from chunkq.supervisor.assemble import assemble
-    from chunkq.supervisor.submit import submit
+    from chunkq.supervisor.result.assemble import assemble
+    from chunkq.supervisor.submit.submission import submit
 
     layout = RunLayout(request.store, submit(request, connection).run_id)
     manifest = load_manifest(layout)
@@ -306,9 +306,9 @@ def test_a_damaged_sparse_chunk_output_is_refused_and_the_python_api_routes_quer
     from sentence_transformers import SparseEncoder
 
     import chunkq
+    from chunkq.jobs.contract.run_files import RunLayout, verify_output
+    from chunkq.jobs.contract.specs import EncodeOptions
     from chunkq.jobs.embed import embed_chunk
-    from chunkq.jobs.run_files import RunLayout, verify_output
-    from chunkq.jobs.specs import EncodeOptions
     from tests.helpers import make_texts, write_test_run
 
     store = tmp_path / "store"
@@ -453,12 +453,13 @@ def test_rows_left_out_are_named_on_the_dashboards_job_page(
     from rq.job import Job
     from rq.serializers import JSONSerializer
 
+    from chunkq.jobs.contract.manifest import load_manifest
+    from chunkq.jobs.contract.run_files import RunLayout
+    from chunkq.jobs.contract.specs import EncodeOptions
     from chunkq.jobs.embed import embed_chunk
-    from chunkq.jobs.manifest import load_manifest
-    from chunkq.jobs.run_files import RunLayout
-    from chunkq.jobs.specs import EncodeOptions
-    from chunkq.supervisor.corpus import CorpusOptions
-    from chunkq.supervisor.submit import SubmitRequest, submit
+    from chunkq.supervisor.submit.corpus import CorpusOptions
+    from chunkq.supervisor.submit.identity import SubmitRequest
+    from chunkq.supervisor.submit.submission import submit
     from chunkq.tools.dashboard import _meta_lines
 
     model_dir = tiny_clip(tmp_path / "clip")

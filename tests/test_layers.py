@@ -44,3 +44,69 @@ def test_each_module_imports_only_its_own_layer_and_those_before_it() -> None:
             if target is not None and target > LAYERS[layer]:
                 upward.append(f"{path.relative_to(ROOT)} imports {name}")
     assert upward == []
+
+
+# The rooms inside supervisor/ and jobs/ (ARCHITECTURE.md, "The rooms"). A supervisor module imports
+# only its own room and those before it; the modules beside the rooms (what the commands ask for,
+# and `chunkq run`) may use all four.
+SUPERVISOR_ROOMS = {"store": 0, "result": 1, "submit": 2, "watch": 3}
+BESIDE_THE_ROOMS = len(SUPERVISOR_ROOMS)
+LONG_MODULE_LINES = 450
+TORCH = ("torch", "transformers", "sentence_transformers")
+
+
+def _supervisor_rank(parts: list[str]) -> int:
+    return SUPERVISOR_ROOMS.get(parts[0], BESIDE_THE_ROOMS) if parts else BESIDE_THE_ROOMS
+
+
+def test_each_supervisor_room_imports_only_itself_and_the_rooms_before_it() -> None:
+    folder = FOLDERS["supervisor"]
+    modules = list(folder.rglob("*.py"))
+    assert {p.parent.name for p in modules} >= set(SUPERVISOR_ROOMS)
+    backward = []
+    for path in modules:
+        own = _supervisor_rank(list(path.relative_to(folder).parts[:-1]))
+        for name in _imports(path):
+            parts = name.split(".")
+            if parts[:2] != ["chunkq", "supervisor"] or len(parts) < 3:
+                continue
+            if _supervisor_rank(parts[2:3] if parts[2] in SUPERVISOR_ROOMS else []) > own:
+                backward.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert backward == []
+
+
+def test_the_jobs_contract_imports_only_itself_and_never_torch() -> None:
+    folder = FOLDERS["jobs"]
+    contract = list((folder / "contract").glob("*.py"))
+    assert len(contract) > 10
+    wrong = []
+    for path in contract:
+        for name in _imports(path):
+            parts = name.split(".")
+            outside = parts[:2] == ["chunkq", "jobs"] and len(parts) > 2 and parts[2] != "contract"
+            if outside or parts[0] in TORCH:
+                wrong.append(f"{path.relative_to(ROOT)} imports {name}")
+    # the computation and the kinds never reach up to the job function that uses them
+    for path in [*(folder / "compute").glob("*.py"), *(folder / "kinds").glob("*.py")]:
+        wrong += [f"{path.relative_to(ROOT)} imports {n}" for n in _imports(path) if n == "chunkq.jobs.embed"]
+    assert wrong == []
+
+
+def test_every_room_says_what_it_owns_and_what_it_may_import() -> None:
+    rooms = [ROOT / "jobs" / r for r in ("contract", "compute", "kinds")]
+    rooms += [ROOT / "supervisor" / r for r in SUPERVISOR_ROOMS]
+    for room in rooms:
+        doc = ast.get_docstring(ast.parse((room / "__init__.py").read_text())) or ""
+        assert len(doc) > 150 and "import" in doc.lower(), room
+
+
+def test_no_module_is_longer_than_the_house_allows_unless_architecture_names_it() -> None:
+    """ARCHITECTURE.md's "Modules over 450 lines" names each longer one and the seam to split it."""
+    text = (ROOT / "ARCHITECTURE.md").read_text()
+    listed = text[text.index("### Modules over 450 lines") :]
+    listed = listed[: listed.index("\n## ")]
+    folders = [ROOT / d for d in ("jobs", "queue_worker", "supervisor")]
+    folders += [ROOT / "chunkq" / d for d in ("cli", "tools", "sinks")]
+    paths = [p for f in folders for p in f.rglob("*.py")] + [ROOT / "chunkq" / "api.py"]
+    long = {str(p.relative_to(ROOT)) for p in paths if len(p.read_text().splitlines()) > LONG_MODULE_LINES}
+    assert sorted(m for m in long if f"`{m}`" not in listed) == []

@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 
-from chunkq.jobs.manifest import load_manifest
-from chunkq.jobs.run_files import read_json
-from chunkq.supervisor import ledger as ledger_module
-from chunkq.supervisor.ledger import Ledger, read_ledger
-from chunkq.supervisor.progress import store_snapshot
-from chunkq.supervisor.throughput import of_outputs
+from chunkq.jobs.contract.manifest import load_manifest
+from chunkq.jobs.contract.run_files import read_json
+from chunkq.supervisor.store import ledger as ledger_module
+from chunkq.supervisor.store.ledger import Ledger, read_ledger
+from chunkq.supervisor.store.throughput import of_outputs
+from chunkq.supervisor.watch.progress import store_snapshot
 from tests.helpers import write_test_run
 
 
@@ -92,7 +92,7 @@ def _synthetic_run(store: Path, run_id: str, chunks: int, processes: int) -> Any
     Four hours of made-up work across ``processes`` worker processes."""
     from datetime import UTC, datetime, timedelta
 
-    from chunkq.jobs.run_files import RunLayout
+    from chunkq.jobs.contract.run_files import RunLayout
 
     write_test_run(store, run_id, chunks - 1, 1, seed=0)
     layout = RunLayout(store, run_id)
@@ -181,8 +181,8 @@ def test_the_report_of_a_run_numbers_each_chunk_when_few_and_bins_them_when_many
 def test_a_stopped_run_says_so_with_the_rate_it_ran_at_and_no_eta(encoded_run: Any) -> None:
     """Issue 24.7: ``chunkq status`` of an interrupted run (no process owns it) must not show an
     ETA, nor a rate that keeps falling while nothing runs."""
-    from chunkq.supervisor.assemble import set_aside
-    from chunkq.supervisor.display import describe
+    from chunkq.supervisor.result.assemble import set_aside
+    from chunkq.supervisor.watch.display import describe
 
     layout, _, _ = encoded_run
     manifest = load_manifest(layout)
@@ -202,9 +202,9 @@ def test_start_up_is_not_an_alarm_until_warn_idle(monkeypatch: pytest.MonkeyPatc
     import time
     from types import SimpleNamespace
 
-    from chunkq.supervisor.display import describe
-    from chunkq.supervisor.progress import Snapshot
-    from chunkq.supervisor.supervise import Supervisor, WatchSettings
+    from chunkq.supervisor.watch.display import describe
+    from chunkq.supervisor.watch.progress import Snapshot
+    from chunkq.supervisor.watch.supervise import Supervisor, WatchSettings
 
     watcher: Any = SimpleNamespace(
         settings=WatchSettings(warn_idle=30.0), idle_since=None, idle_warned=time.monotonic()
@@ -228,10 +228,10 @@ def test_when_chunkq_started_the_pool_it_never_asks_for_another(
     import time
     from types import SimpleNamespace
 
-    from chunkq.supervisor import supervise as supervise_module
-    from chunkq.supervisor.display import describe
-    from chunkq.supervisor.progress import Snapshot
-    from chunkq.supervisor.supervise import Supervisor, WatchSettings
+    from chunkq.supervisor.watch import supervise as supervise_module
+    from chunkq.supervisor.watch.display import describe
+    from chunkq.supervisor.watch.progress import Snapshot
+    from chunkq.supervisor.watch.supervise import Supervisor, WatchSettings
 
     monkeypatch.setattr(supervise_module.Worker, "count", lambda **kw: 0)
     monkeypatch.setattr(supervise_module, "chunk_queue", lambda connection, name: name)
@@ -253,7 +253,7 @@ def test_when_chunkq_started_the_pool_it_never_asks_for_another(
 
 def test_a_damaged_ledger_line_costs_only_that_record(tmp_path: Path) -> None:
     """A batch is parsed whole; a torn line (a disk filled mid-write) falls back to line by line."""
-    from chunkq.jobs.run_files import RunLayout
+    from chunkq.jobs.contract.run_files import RunLayout
     from tests.helpers import _write_manifest
 
     layout = RunLayout(tmp_path, "damaged")
@@ -272,7 +272,7 @@ def test_a_one_off_look_with_redis_reads_the_summary_not_the_ledger(
     encoded_run: Any, connection: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`chunkq status RUN` with Redis at 10^5 chunks read the whole ledger to record nothing (0.87 s)."""
-    from chunkq.supervisor.progress import Tracker
+    from chunkq.supervisor.watch.progress import Tracker
 
     layout, _, _ = encoded_run
     manifest = load_manifest(layout)
@@ -292,7 +292,7 @@ def test_a_rebuilt_ledger_of_one_file_is_read_a_batch_at_a_time(tmp_path: Path) 
     (138 MB at 10^5 chunks)."""
     import tracemalloc
 
-    from chunkq.jobs.run_files import RunLayout
+    from chunkq.jobs.contract.run_files import RunLayout
     from tests.helpers import _write_manifest
 
     layout = RunLayout(tmp_path, "rebuilt")
@@ -319,7 +319,7 @@ def test_a_ledger_record_outside_the_run_is_skipped_and_sizes_nothing(
 ) -> None:
     """Issue 37.11: a record of chunk -1 stopped every resume (`chunk index -1 is negative`), one of
     chunk 10^12 asked for 931 GiB. Records with rows their chunk does not hold are not this run's."""
-    from chunkq.jobs.run_files import RunLayout
+    from chunkq.jobs.contract.run_files import RunLayout
     from tests.helpers import _write_manifest
 
     layout = RunLayout(tmp_path, "forged")
@@ -344,8 +344,8 @@ def test_a_ledger_record_outside_the_run_is_skipped_and_sizes_nothing(
 def test_a_stray_output_or_an_inflated_summary_never_shows_as_done(tmp_path: Path) -> None:
     """Issue 37.15: a stray outputs/000000000099.json made status say "11/10 done, -1 not done"; an
     inflated summary.json made it show 2,000,000 of 200 rows."""
-    from chunkq.jobs.run_files import RunLayout, atomic_write_json
-    from chunkq.supervisor.progress import store_snapshot
+    from chunkq.jobs.contract.run_files import RunLayout, atomic_write_json
+    from chunkq.supervisor.watch.progress import store_snapshot
     from tests.helpers import write_encoded_run
 
     layout = write_encoded_run(tmp_path, "stray", rows=200, chunk_size=20, dim=8)

@@ -19,9 +19,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from chunkq.supervisor import store_lock as owner_module
-from chunkq.supervisor.run_lock import RunLockedError
-from chunkq.supervisor.store_lock import LockLostError, StoreLock
+from chunkq.supervisor.store import store_lock as owner_module
+from chunkq.supervisor.store.run_lock import RunLockedError
+from chunkq.supervisor.store.store_lock import LockLostError, StoreLock
 from tests.helpers import wait_for
 
 THEIRS = "theirs"

@@ -18,21 +18,22 @@ import pyarrow.parquet as pq
 import pytest
 import redis
 
+from chunkq.jobs.compute.model_info import describe
+from chunkq.jobs.compute.models import BUNDLED_MODEL, resolve_model
+from chunkq.jobs.compute.runtime import WorkerContext
+from chunkq.jobs.compute.scope import check_spec
+from chunkq.jobs.contract.errors import ConfigError, TamperedJobError
+from chunkq.jobs.contract.manifest import load_manifest
+from chunkq.jobs.contract.run_files import RunLayout
+from chunkq.jobs.contract.specs import EncodeOptions
 from chunkq.jobs.embed import embed_chunk
-from chunkq.jobs.errors import ConfigError, TamperedJobError
-from chunkq.jobs.manifest import load_manifest
-from chunkq.jobs.model_info import describe
-from chunkq.jobs.models import BUNDLED_MODEL, resolve_model
-from chunkq.jobs.run_files import RunLayout
-from chunkq.jobs.runtime import WorkerContext
-from chunkq.jobs.scope import check_spec
-from chunkq.jobs.specs import EncodeOptions
 from chunkq.queue_worker.settings import PoolSettings, worker_argv
-from chunkq.supervisor.assemble import assemble
-from chunkq.supervisor.corpus import CorpusOptions
 from chunkq.supervisor.request import submit_request
-from chunkq.supervisor.result import check_published
-from chunkq.supervisor.submit import SubmitRequest, submit
+from chunkq.supervisor.result.assemble import assemble
+from chunkq.supervisor.result.published import check_published
+from chunkq.supervisor.submit.corpus import CorpusOptions
+from chunkq.supervisor.submit.identity import SubmitRequest
+from chunkq.supervisor.submit.submission import submit
 from chunkq.tools.export import export
 from tests.helpers import make_texts, max_abs_diff, run_cli, write_corpus
 from tests.tiny_models import bundled_copy
@@ -187,7 +188,7 @@ def test_remote_code_is_refused_unless_the_run_and_the_pool_both_allow_it(tmp_pa
 
     # A worker refuses such a job unless its pool was started allowing it: a Redis writer could
     # otherwise make every worker import a model's code.
-    from chunkq.jobs.specs import ChunkSpec
+    from chunkq.jobs.contract.specs import ChunkSpec
 
     spec = ChunkSpec("r", 0, 0, 3, str(model), str(tmp_path / "s"), EncodeOptions(trust_remote_code=True))
     strict = WorkerContext("w", "h", 1, "cpu", store=str(tmp_path / "s"), models=frozenset({str(model)}))

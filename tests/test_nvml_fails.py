@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from chunkq.jobs.errors import ConfigError
+from chunkq.jobs.contract.errors import ConfigError
 from chunkq.queue_worker import cuda_devices, discovery
 from chunkq.queue_worker.discovery import SIMULATED_ENV
 from chunkq.queue_worker.exit_codes import EXIT_CONFIG

@@ -21,8 +21,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from chunkq.jobs.run_files import RunLayout, save_npy_atomic, verify_output, write_output
-from chunkq.jobs.storage import open_store
+from chunkq.jobs.contract.run_files import RunLayout, save_npy_atomic, verify_output, write_output
+from chunkq.jobs.contract.storage import open_store
 from tests.helpers import make_texts, max_abs_diff, result_of, run_cli, run_in_process, wait_for, write_corpus
 
 # Real pools, workers and CLI runs as subprocesses: the slow tier.
@@ -87,9 +87,9 @@ def test_a_sharded_ragged_result_goes_to_the_object_store_and_reads_back_whole(
     """A sparse result in shards on S3 (each uploaded when whole) reads back equal to the same run
     published as one block on disk; assembled again as one block, its shard folder goes."""
     from chunkq.api import RunResult
-    from chunkq.jobs.manifest import load_manifest
-    from chunkq.supervisor.assemble import assemble
-    from chunkq.supervisor.result import check_published
+    from chunkq.jobs.contract.manifest import load_manifest
+    from chunkq.supervisor.result.assemble import assemble
+    from chunkq.supervisor.result.published import check_published
     from tests.helpers import write_ragged_run
 
     local = write_ragged_run(tmp_path / "store", "sparse")
@@ -231,10 +231,11 @@ def test_a_sharded_result_goes_to_the_object_store_a_shard_at_a_time(
     import tempfile
 
     from chunkq.api import RunResult
-    from chunkq.jobs.manifest import load_manifest
-    from chunkq.jobs.run_files import load_npy
-    from chunkq.supervisor import result as result_module
-    from chunkq.supervisor.assemble import assemble
+    from chunkq.jobs.contract.manifest import load_manifest
+    from chunkq.jobs.contract.run_files import load_npy
+    from chunkq.supervisor.result import published as result_module
+    from chunkq.supervisor.result import writer
+    from chunkq.supervisor.result.assemble import assemble
     from tests.helpers import write_encoded_run
 
     dim, shard_rows = 16, 300
@@ -244,13 +245,13 @@ def test_a_sharded_result_goes_to_the_object_store_a_shard_at_a_time(
     scratch.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     held: list[int] = []
-    upload = result_module.publish_file
+    upload = writer.publish_file
 
     def measured(local: Path, remote: Any) -> None:
         held.append(sum(p.stat().st_size for p in scratch.rglob("*") if p.is_file()))
         upload(local, remote)
 
-    monkeypatch.setattr(result_module, "publish_file", measured)
+    monkeypatch.setattr(writer, "publish_file", measured)
     made = assemble(layout, shard_bytes=shard_rows * dim * 4)
 
     assert [s["rows"] for s in made["shards"]] == [300] * 6 + [200]
@@ -283,7 +284,7 @@ def test_every_corpus_format_reads_from_the_object_store_as_from_disk(
     (fsspec's buffered files take no size); only Parquet had been tried."""
     import s3fs
 
-    from chunkq.supervisor.corpus import CorpusOptions, read_corpus
+    from chunkq.supervisor.submit.corpus import CorpusOptions, read_corpus
 
     ids, texts = make_texts(30, seed=9)
     local = write_corpus(tmp_path / f"c.{fmt}", ids, texts, fmt)
@@ -318,7 +319,7 @@ def test_the_vector_cache_on_an_object_store(
 ) -> None:
     """Issue 32: the cache's shards are objects; a look-up reads their hashes, a hit its vectors'
     blocks by range; a tampered object is set aside and its texts encoded again."""
-    from chunkq.jobs.vector_cache import VectorCache
+    from chunkq.jobs.compute.vector_cache import VectorCache
 
     store = open_store(f"s3://{BUCKET}/cache-{time.time_ns()}")
     ids, texts = make_texts(40, seed=11)

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from chunkq.jobs.run_files import RunLayout, read_json
-from chunkq.supervisor.embedded_redis import free_port
+from chunkq.jobs.contract.run_files import RunLayout, read_json
+from chunkq.supervisor.store.embedded_redis import free_port
 from tests.helpers import make_texts, run_cli, start_cli, stop_tree, wait_for, write_corpus
 
 # Real pools, workers and CLI runs as subprocesses: the slow tier.
@@ -66,7 +66,7 @@ def test_metrics_during_a_run_and_the_report_after_it(
         assert sup['chunkq_chunk_retries_total{error_class="cuda_fatal",run="obs"}'] == 1
         assert sup['chunkq_chunks{run="obs",state="done"}'] >= 4
         assert sup['chunkq_chunks{run="obs",state="quarantined"}'] == 0
-        # a CPU worker's share of each chunk in the model's forward (jobs.device_busy)
+        # a CPU worker's share of each chunk in the model's forward (jobs.compute.device_busy)
         assert 0.0 < sup['chunkq_device_busy_ratio{run="obs",source="cpu-forward"}'] <= 1.0, sup
         assert pool_metrics['chunkq_worker_exits_total{device="cpu",pool="obspool",reason="cuda_fatal"}'] == 1
         assert pool_metrics['chunkq_workers{pool="obspool"}'] >= 1

@@ -15,14 +15,14 @@ from typing import Any
 import pytest
 import redis
 
-from chunkq.jobs import chunk_progress
-from chunkq.jobs.manifest import RunManifest, load_manifest
-from chunkq.jobs.run_files import RunLayout, read_json
-from chunkq.supervisor import run_log
-from chunkq.supervisor.attempts import FailedAttempt
-from chunkq.supervisor.display import describe
-from chunkq.supervisor.progress import Snapshot, Tracker, set_rate
-from chunkq.supervisor.throughput import Throughput
+from chunkq.jobs.compute import chunk_progress
+from chunkq.jobs.contract.manifest import RunManifest, load_manifest
+from chunkq.jobs.contract.run_files import RunLayout, read_json
+from chunkq.supervisor.store import run_log
+from chunkq.supervisor.store.throughput import Throughput
+from chunkq.supervisor.watch.attempts import FailedAttempt
+from chunkq.supervisor.watch.display import describe
+from chunkq.supervisor.watch.progress import Snapshot, Tracker, set_rate
 from chunkq.tools import report
 from tests.helpers import CLI, cli_env, make_texts, run_cli, wait_for, write_corpus
 
@@ -60,7 +60,7 @@ def test_the_terminal_shows_progress_and_warnings_and_pool_lines_keep_their_leve
     lines = [
         b"2026-11-24 20:37:01,990 ERROR [w gpu=-] rq.worker: job failed\n",
         b"CUDA kernel errors might be asynchronously reported\n",  # the ERROR record's next line
-        b"2026-11-24 20:37:02,036 INFO chunkq.supervisor.retry: retrying\n",
+        b"2026-11-24 20:37:02,036 INFO chunkq.supervisor.watch.retry: retrying\n",
     ]
     levels, level = [], logging.INFO
     for line in lines:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import redis
 
-from chunkq.jobs.run_files import RunLayout
+from chunkq.jobs.contract.run_files import RunLayout
 from chunkq.queue_worker.exit_codes import EXIT_CHUNKS_FAILED
 from tests.helpers import make_texts, max_abs_diff, result_of, run_cli, start_cli, stop_tree, write_corpus
 from tests.tiny_models import bundled_copy

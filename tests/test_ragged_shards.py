@@ -14,12 +14,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from chunkq.api import RunResult
-from chunkq.jobs.errors import AssemblyError
-from chunkq.jobs.manifest import load_manifest
-from chunkq.jobs.ragged import SCHEMAS, WIDE
-from chunkq.jobs.run_files import RunLayout, read_json
-from chunkq.supervisor.assemble import assemble
-from chunkq.supervisor.result import check_published, verified_result
+from chunkq.jobs.contract.errors import AssemblyError
+from chunkq.jobs.contract.manifest import load_manifest
+from chunkq.jobs.contract.ragged import SCHEMAS, WIDE
+from chunkq.jobs.contract.run_files import RunLayout, read_json
+from chunkq.supervisor.result.assemble import assemble
+from chunkq.supervisor.result.published import check_published, verified_result
 from chunkq.tools.export import export
 from tests.helpers import write_ragged_run
 

@@ -18,14 +18,15 @@ import redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from chunkq.jobs.models import BUNDLED_MODEL
-from chunkq.jobs.run_files import RunLayout, read_json
-from chunkq.jobs.specs import chunk_job_id
+from chunkq.jobs.compute.models import BUNDLED_MODEL
+from chunkq.jobs.contract.run_files import RunLayout, read_json
+from chunkq.jobs.contract.specs import chunk_job_id
 from chunkq.queue_worker import exit_codes
-from chunkq.supervisor.corpus import CorpusOptions
-from chunkq.supervisor.enqueue import job_statuses
-from chunkq.supervisor.run_lock import RunLock, RunLockedError
-from chunkq.supervisor.submit import SubmitRequest, SubmitResult, submit
+from chunkq.supervisor.store.run_lock import RunLock, RunLockedError
+from chunkq.supervisor.submit.corpus import CorpusOptions
+from chunkq.supervisor.submit.enqueue import job_statuses
+from chunkq.supervisor.submit.identity import SubmitRequest
+from chunkq.supervisor.submit.submission import SubmitResult, submit
 from tests.helpers import (
     make_texts,
     max_abs_diff,

@@ -11,13 +11,14 @@ from rq.job import Job
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
-from chunkq.jobs import jobmeta
-from chunkq.jobs.models import BUNDLED_MODEL
-from chunkq.jobs.specs import chunk_job_id
-from chunkq.supervisor.corpus import CorpusOptions
-from chunkq.supervisor.enqueue import chunk_queue
-from chunkq.supervisor.retry import RetryPolicy, settle_failure
-from chunkq.supervisor.submit import SubmitRequest, submit
+from chunkq.jobs.compute.models import BUNDLED_MODEL
+from chunkq.jobs.contract import jobmeta
+from chunkq.jobs.contract.specs import chunk_job_id
+from chunkq.supervisor.submit.corpus import CorpusOptions
+from chunkq.supervisor.submit.enqueue import chunk_queue
+from chunkq.supervisor.submit.identity import SubmitRequest
+from chunkq.supervisor.submit.submission import submit
+from chunkq.supervisor.watch.retry import RetryPolicy, settle_failure
 from tests.helpers import make_texts, write_corpus
 
 
@@ -71,8 +72,8 @@ def test_a_retried_chunk_goes_to_the_front_of_the_queue(
 
 def test_a_quarantine_line_is_the_errors_first_line_not_torchs_advice() -> None:
     """Issue 37.17: each quarantine line repeated torch's four lines of CUDA advice."""
-    from chunkq.supervisor.progress import Failure
-    from chunkq.supervisor.supervise import failure_report
+    from chunkq.supervisor.result.assemble import Failure
+    from chunkq.supervisor.watch.supervise import failure_report
 
     advice = (
         "\nCUDA kernel errors might be asynchronously reported at some other API call, so the stacktrace "

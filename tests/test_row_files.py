@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from chunkq.jobs.row_files import RowReadError, read_row_file
+from chunkq.jobs.contract.row_files import RowReadError, read_row_file
 
 
 def _reason(ref: str, **bounds: float) -> str:
@@ -112,7 +112,7 @@ def test_an_image_run_with_fifos_and_endless_files_keeps_its_good_rows(
     from PIL import Image
     from sentence_transformers import SentenceTransformer
 
-    from chunkq.jobs.specs import EncodeOptions
+    from chunkq.jobs.contract.specs import EncodeOptions
     from tests.helpers import max_abs_diff, result_of, run_in_process
     from tests.tiny_models import tiny_clip
 

@@ -1,7 +1,7 @@
 """Every RQ internal chunkq relies on still exists with the signature chunkq uses.
 
 chunkq subclasses RQ's worker and job and reads RQ's keys below its public API (worker.py's stop
-handling, jobs/abandon.py's failing of a dead worker's job, the tracker's intermediate list). An RQ
+handling, jobs/contract/abandon.py's failing of a dead worker's job, the tracker's intermediate list). An RQ
 upgrade that renames or reshapes one of them fails here, in the fast tier, not in a user's run.
 pyproject.toml bounds rq below its next major version for the same reason.
 """
@@ -76,7 +76,7 @@ def test_the_rq_attributes_and_keys_chunkq_reads_exist(connection: redis.Redis) 
     assert isinstance(queue.intermediate_queue_key, str)
     job = Job.create(print, connection=connection)
     for attribute in ("_success_callback_name", "_failure_callback_name", "_stopped_callback_name"):
-        assert hasattr(job, attribute), f"Job lost {attribute} (jobs/allowlist.py refuses callbacks)"
+        assert hasattr(job, attribute), f"Job lost {attribute} (jobs/contract/allowlist.py refuses callbacks)"
     assert hasattr(Job, "send_webhooks") and hasattr(Job, "func")
 
 

@@ -31,8 +31,8 @@ from rq.job import Job
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
-from chunkq.jobs.models import BUNDLED_MODEL
-from chunkq.jobs.nopickle import PickleRefusedError, forbid_pickle
+from chunkq.jobs.compute.models import BUNDLED_MODEL
+from chunkq.jobs.contract.nopickle import PickleRefusedError, forbid_pickle
 from chunkq.queue_worker import exit_codes
 from tests.helpers import WORKER, cli_env, make_texts, max_abs_diff, run_cli, write_corpus
 
@@ -365,7 +365,7 @@ def test_rediss_urls_reach_redis_over_tls(tmp_path: Path, store: Path, connectio
 def test_embedded_redis_is_loopback_only_and_needs_its_password(tmp_path: Path) -> None:
     import psutil
 
-    from chunkq.supervisor.embedded_redis import EmbeddedRedis
+    from chunkq.supervisor.store.embedded_redis import EmbeddedRedis
 
     with EmbeddedRedis(tmp_path / "redis") as server:
         client = redis.Redis.from_url(server.url)
@@ -387,9 +387,9 @@ def test_a_job_that_differs_from_its_runs_manifest_is_refused_and_restored(
 ) -> None:
     """Issue 21.1: an allow-listed embed_chunk for a real run and chunk, planted with other options
     (the reported attack: max_seq_length 3, normalized), other rows, or under another chunk's id."""
-    from chunkq.jobs.manifest import load_manifest
-    from chunkq.jobs.run_files import RunLayout
-    from chunkq.supervisor.enqueue import restore_from_manifest
+    from chunkq.jobs.contract.manifest import load_manifest
+    from chunkq.jobs.contract.run_files import RunLayout
+    from chunkq.supervisor.submit.enqueue import restore_from_manifest
     from tests.helpers import write_test_run
 
     spec, texts = write_test_run(store, "victim", 0, 20, 5)

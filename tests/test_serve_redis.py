@@ -1,4 +1,4 @@
-"""The store's own Redis for several hosts (``chunkq serve-redis``, ``supervisor/store_redis.py``):
+"""The store's own Redis for several hosts (``chunkq serve-redis``, ``supervisor/store/store_redis.py``):
 always a password, reachable beyond loopback only where told, its URL found in the store by the
 commands given none, and the same password from one start to the next."""
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from chunkq.supervisor.store_redis import LOCK_FILE, URL_FILE, embedded_redis_dir, serve, served_url
+from chunkq.supervisor.store.store_redis import LOCK_FILE, URL_FILE, embedded_redis_dir, serve, served_url
 from tests.helpers import make_texts, run_cli, start_cli, stop_tree, wait_for, write_corpus
 
 

@@ -57,7 +57,7 @@ def test_the_python_api_takes_every_option_by_its_schema_name() -> None:
     # EncodeOptions' field names.
     from dataclasses import fields
 
-    from chunkq.jobs.specs import EncodeOptions
+    from chunkq.jobs.contract.specs import EncodeOptions
 
     assert RUN_NAMES - run_names == {"queue", "format"} | (
         {f.name for f in fields(EncodeOptions)} - run_names

@@ -13,11 +13,16 @@ import numpy as np
 import pytest
 
 from chunkq.api import RunResult
-from chunkq.jobs.errors import AssemblyError, ConfigError
-from chunkq.jobs.manifest import load_manifest
-from chunkq.jobs.run_files import RunLayout, read_json
-from chunkq.supervisor.assemble import assemble
-from chunkq.supervisor.result import ShardedEmbeddings, check_published, published_result, shard_bytes
+from chunkq.jobs.contract.errors import AssemblyError, ConfigError
+from chunkq.jobs.contract.manifest import load_manifest
+from chunkq.jobs.contract.run_files import RunLayout, read_json
+from chunkq.supervisor.result.assemble import assemble
+from chunkq.supervisor.result.published import (
+    ShardedEmbeddings,
+    check_published,
+    published_result,
+    shard_bytes,
+)
 from chunkq.tools.export import EXPORT_FORMATS, export
 from tests.helpers import run_cli, write_encoded_run
 
@@ -128,7 +133,7 @@ def test_assemble_shard_size_verify_and_export_through_the_cli(tmp_path: Path) -
 def test_the_python_api_refuses_a_damaged_result_instead_of_returning_its_rows(tmp_path: Path) -> None:
     """Issue 37.15: RunResult.embeddings() returned swapped shards' rows silently (max diff 0.15) and
     raised raw FileNotFoundError or mmap errors for missing or short files."""
-    from chunkq.jobs.errors import StoreError
+    from chunkq.jobs.contract.errors import StoreError
 
     layout = write_encoded_run(tmp_path / "store", "dmg", rows=600, chunk_size=64, dim=DIM)
     result = assemble(layout, shard_bytes=200 * ROW_BYTES)
@@ -156,7 +161,7 @@ def test_the_python_api_refuses_a_damaged_result_instead_of_returning_its_rows(t
 def test_an_export_whose_result_is_published_again_meanwhile_stops_in_one_line(tmp_path: Path) -> None:
     """Issue 37.14: `FileNotFoundError` on the old shard folder after 8,192 rows were written, and a
     `JSONDecodeError` for a truncated result/manifest.json."""
-    from chunkq.jobs.errors import StoreError
+    from chunkq.jobs.contract.errors import StoreError
     from chunkq.tools.export import BATCH_ROWS, ResultReader
 
     layout = write_encoded_run(tmp_path / "store", "moving", rows=3 * BATCH_ROWS, chunk_size=4096, dim=DIM)

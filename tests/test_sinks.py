@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from chunkq.jobs.errors import ConfigError, StoreError
+from chunkq.jobs.contract.errors import ConfigError, StoreError
 from chunkq.sinks import export_to
-from chunkq.supervisor.assemble import assemble
+from chunkq.supervisor.result.assemble import assemble
 from tests.helpers import run_cli, write_encoded_run
 
 ROWS, DIM = 2_000, 32
@@ -174,10 +174,10 @@ def test_corpus_fields_and_windows_go_beside_each_row(
     import lancedb
     import psycopg
 
-    from chunkq.jobs.manifest import load_manifest
-    from chunkq.jobs.models import BUNDLED_MODEL
-    from chunkq.supervisor.corpus import CorpusOptions
-    from chunkq.supervisor.submit import SubmitRequest
+    from chunkq.jobs.compute.models import BUNDLED_MODEL
+    from chunkq.jobs.contract.manifest import load_manifest
+    from chunkq.supervisor.submit.corpus import CorpusOptions
+    from chunkq.supervisor.submit.identity import SubmitRequest
     from tests.test_kinds import _encode_in_process
     from tests.test_windows import _long_text
 
@@ -409,9 +409,9 @@ def test_a_table_gains_the_columns_a_later_export_writes_and_windows_carry_their
     import lancedb
     import psycopg
 
-    from chunkq.jobs.models import BUNDLED_MODEL
-    from chunkq.supervisor.corpus import CorpusOptions
-    from chunkq.supervisor.submit import SubmitRequest
+    from chunkq.jobs.compute.models import BUNDLED_MODEL
+    from chunkq.supervisor.submit.corpus import CorpusOptions
+    from chunkq.supervisor.submit.identity import SubmitRequest
     from tests.test_kinds import _encode_in_process
     from tests.test_windows import _long_text
 

@@ -21,8 +21,8 @@ from typing import Any
 import psutil
 import pytest
 
-from chunkq.jobs.run_files import RunLayout
-from chunkq.supervisor.embedded_redis import free_port
+from chunkq.jobs.contract.run_files import RunLayout
+from chunkq.supervisor.store.embedded_redis import free_port
 from tests.helpers import make_texts, result_matches, wait_for, write_corpus
 from tests.tiny_models import bundled_copy
 

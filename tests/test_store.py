@@ -8,10 +8,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from chunkq.jobs.errors import ConfigError, TamperedJobError
-from chunkq.jobs.run_files import RunLayout, atomic_write_json, read_json, verify_output, write_output
-from chunkq.jobs.specs import ChunkSpec, EncodeOptions, chunk_job_id, validate_run_id
-from chunkq.jobs.storage import list_with_mtime
+from chunkq.jobs.contract.errors import ConfigError, TamperedJobError
+from chunkq.jobs.contract.run_files import (
+    RunLayout,
+    atomic_write_json,
+    read_json,
+    verify_output,
+    write_output,
+)
+from chunkq.jobs.contract.specs import ChunkSpec, EncodeOptions, chunk_job_id, validate_run_id
+from chunkq.jobs.contract.storage import list_with_mtime
 
 
 @pytest.mark.parametrize(

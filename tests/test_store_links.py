@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from chunkq.jobs.storage import StoreLinkError
-from chunkq.supervisor.assemble import assemble
+from chunkq.jobs.contract.storage import StoreLinkError
+from chunkq.supervisor.result.assemble import assemble
 from chunkq.tools.run_list import clean
 from tests.helpers import run_cli
 
@@ -66,8 +66,8 @@ def test_assembly_never_replaces_a_linked_result(encoded_run: Any, tmp_path: Pat
 
 
 def test_a_linked_runs_folder_or_redis_folder_is_refused(tmp_path: Path) -> None:
-    from chunkq.jobs.run_files import RunLayout
-    from chunkq.supervisor.store_redis import embedded_redis_dir
+    from chunkq.jobs.contract.run_files import RunLayout
+    from chunkq.supervisor.store.store_redis import embedded_redis_dir
 
     store = tmp_path / "store"
     store.mkdir()

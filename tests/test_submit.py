@@ -12,14 +12,15 @@ import pytest
 import redis
 from rq.job import Job
 
-from chunkq.jobs.allowlist import EMBED_CHUNK
-from chunkq.jobs.errors import CorpusError, RunConflictError
-from chunkq.jobs.models import BUNDLED_MODEL
-from chunkq.jobs.run_files import RunLayout, read_chunk_input, read_json
-from chunkq.jobs.specs import EncodeOptions, chunk_job_id
-from chunkq.supervisor.corpus import CorpusOptions
-from chunkq.supervisor.enqueue import chunk_queue
-from chunkq.supervisor.submit import SubmitRequest, submit
+from chunkq.jobs.compute.models import BUNDLED_MODEL
+from chunkq.jobs.contract.allowlist import EMBED_CHUNK
+from chunkq.jobs.contract.errors import CorpusError, RunConflictError
+from chunkq.jobs.contract.run_files import RunLayout, read_chunk_input, read_json
+from chunkq.jobs.contract.specs import EncodeOptions, chunk_job_id
+from chunkq.supervisor.submit.corpus import CorpusOptions
+from chunkq.supervisor.submit.enqueue import chunk_queue
+from chunkq.supervisor.submit.identity import SubmitRequest
+from chunkq.supervisor.submit.submission import submit
 from tests.helpers import make_texts, write_corpus
 
 
@@ -135,7 +136,7 @@ def test_a_corpus_appended_while_submit_reads_it_is_refused(
 ) -> None:
     """Issue 21.4: the checksum is taken in one pass and the rows copied in another; a writer that
     appends between the two must not leave a manifest whose checksum does not cover its rows."""
-    from chunkq.supervisor import submit as submit_module
+    from chunkq.supervisor.submit import submission as submit_module
 
     ids, texts = make_texts(30)
     corpus = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")

@@ -7,8 +7,8 @@ import random
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from chunkq.supervisor.ledger import Ledger, summarised
-from chunkq.supervisor.throughput import PAUSE_SECONDS, Throughput
+from chunkq.supervisor.store.ledger import Ledger, summarised
+from chunkq.supervisor.store.throughput import PAUSE_SECONDS, Throughput
 
 T0 = datetime(2026, 11, 24, 9, 0, tzinfo=UTC)
 
@@ -54,7 +54,7 @@ def test_while_running_the_time_since_the_last_chunk_counts_up_to_a_pause() -> N
 
 
 def test_the_summary_keeps_the_spans_and_an_old_summary_still_reads(tmp_path: Path) -> None:
-    from chunkq.jobs.run_files import RunLayout, atomic_write_json, read_json
+    from chunkq.jobs.contract.run_files import RunLayout, atomic_write_json, read_json
     from tests.helpers import _write_manifest
 
     _write_manifest(tmp_path, "paused", 20, 100, 2000)

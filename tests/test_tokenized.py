@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from chunkq.jobs import models, token_batches
-from chunkq.jobs.models import BUNDLED_MODEL
+from chunkq.jobs.compute import models, token_batches
+from chunkq.jobs.compute.models import BUNDLED_MODEL
 from tests.helpers import make_texts, max_abs_diff
 
 
@@ -71,7 +71,7 @@ def test_a_left_padding_tokenizer_is_trimmed_from_the_left(
 def test_features_that_cannot_be_cut_fall_back_to_encode_per_batch(
     counted: tuple[Any, list[int]], reference_model: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from chunkq.jobs import tokenized
+    from chunkq.jobs.compute import tokenized
 
     model, calls = counted
     monkeypatch.setattr(tokenized, "features", lambda model, texts, prompt: None)  # e.g. flattened inputs

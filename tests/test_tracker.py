@@ -14,15 +14,16 @@ import pytest
 import redis
 from rq.job import Job
 
-from chunkq.jobs.manifest import load_manifest
-from chunkq.jobs.models import BUNDLED_MODEL
-from chunkq.jobs.run_files import RunLayout, read_json
-from chunkq.jobs.specs import chunk_job_id
+from chunkq.jobs.compute.models import BUNDLED_MODEL
+from chunkq.jobs.contract.manifest import load_manifest
+from chunkq.jobs.contract.run_files import RunLayout, read_json
+from chunkq.jobs.contract.specs import chunk_job_id
 from chunkq.queue_worker import exit_codes
-from chunkq.supervisor.corpus import CorpusOptions
-from chunkq.supervisor.progress import Tracker, store_snapshot
-from chunkq.supervisor.submit import SubmitRequest, SubmitResult, submit
-from chunkq.supervisor.throughput import of_outputs
+from chunkq.supervisor.store.throughput import of_outputs
+from chunkq.supervisor.submit.corpus import CorpusOptions
+from chunkq.supervisor.submit.identity import SubmitRequest
+from chunkq.supervisor.submit.submission import SubmitResult, submit
+from chunkq.supervisor.watch.progress import Tracker, store_snapshot
 from tests.helpers import WORKER, cli_env, make_texts, write_corpus
 
 
@@ -126,9 +127,9 @@ def test_a_stranded_chunk_is_counted_once_not_also_as_queued(
 
     from rq.intermediate_queue import IntermediateQueue
 
-    from chunkq.supervisor.display import describe
-    from chunkq.supervisor.enqueue import chunk_queue
-    from chunkq.supervisor.progress import STRANDED_SECONDS
+    from chunkq.supervisor.submit.enqueue import chunk_queue
+    from chunkq.supervisor.watch.display import describe
+    from chunkq.supervisor.watch.progress import STRANDED_SECONDS
 
     run = _submit(tmp_path, store, connection, rows=6, chunk=2, queue="strand")
     layout = RunLayout(store, run.run_id)

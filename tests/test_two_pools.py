@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import redis
 
-from chunkq.jobs.run_files import RunLayout, read_json
+from chunkq.jobs.contract.run_files import RunLayout, read_json
 from tests.helpers import make_texts, max_abs_diff, run_cli, start_cli, stop_tree, wait_for, write_corpus
 
 # Real pools, workers and CLI runs as subprocesses: the slow tier.

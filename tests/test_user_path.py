@@ -20,8 +20,8 @@ import pyarrow.parquet as pq
 import pytest
 import redis
 
-from chunkq.jobs.run_files import RunLayout, read_json
-from chunkq.supervisor.embedded_redis import free_port
+from chunkq.jobs.contract.run_files import RunLayout, read_json
+from chunkq.supervisor.store.embedded_redis import free_port
 from tests.helpers import (
     cli_env,
     make_texts,
@@ -419,7 +419,7 @@ def test_a_few_texts_are_embedded_in_process_with_a_runs_own_results(
     # (test_models' int8 run holds a run to this same definition).
     from sentence_transformers import quantize_embeddings
 
-    from chunkq.jobs.quantize import ranges_of
+    from chunkq.jobs.compute.quantize import ranges_of
 
     wide = reference_model.encode(queries)
     expected = quantize_embeddings(

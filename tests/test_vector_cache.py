@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 import redis
 
-from chunkq.jobs.model_identity import model_identity
-from chunkq.jobs.models import BUNDLED_MODEL, resolve_model
-from chunkq.jobs.run_files import read_json
-from chunkq.jobs.specs import EncodeOptions
-from chunkq.jobs.vector_cache import VectorCache, producer, producer_key, text_hashes
+from chunkq.jobs.compute.model_identity import model_identity
+from chunkq.jobs.compute.models import BUNDLED_MODEL, resolve_model
+from chunkq.jobs.compute.vector_cache import VectorCache, producer, producer_key, text_hashes
+from chunkq.jobs.contract.run_files import read_json
+from chunkq.jobs.contract.specs import EncodeOptions
 from tests.helpers import make_texts, max_abs_diff, result_of, run_cli, run_in_process, write_corpus
 
 
@@ -237,10 +237,11 @@ def test_the_partitioned_join_and_a_row_map_in_parts_give_the_same_result(
 ) -> None:
     """At 10^8 rows the join spills to partition files and the row map is cut into parts: the same
     code paths, driven here by small sizes."""
-    from chunkq.supervisor import plan
+    from chunkq.supervisor.submit import hash_join, plan
 
-    monkeypatch.setattr(plan, "BUCKET_ROWS", 8)  # 64 rows: 8 partitions
+    monkeypatch.setattr(hash_join, "BUCKET_ROWS", 8)  # 64 rows: 8 partitions
     monkeypatch.setattr(plan, "PART_ROWS", 9)
+    monkeypatch.setattr(hash_join, "ROW_BLOCK", 5)
     monkeypatch.setattr(plan, "ROW_BLOCK", 5)
     ids, texts = _with_duplicates(40, 24, seed=8)
     run_in_process(tmp_path, store, connection, ids[:30], texts[:30], "half")
@@ -255,8 +256,8 @@ def test_the_partitioned_join_and_a_row_map_in_parts_give_the_same_result(
 def test_status_runs_report_metrics_and_the_cache_command_say_what_was_saved(
     tmp_path: Path, store: Path, connection: redis.Redis
 ) -> None:
-    from chunkq.supervisor.metrics import RunMetrics
-    from chunkq.supervisor.progress import store_snapshot
+    from chunkq.supervisor.watch.metrics import RunMetrics
+    from chunkq.supervisor.watch.progress import store_snapshot
     from chunkq.tools.report import gather
     from chunkq.tools.report import summary as report_summary
     from chunkq.tools.run_list import describe_run
@@ -295,14 +296,14 @@ def test_status_runs_report_metrics_and_the_cache_command_say_what_was_saved(
 def test_a_partial_result_leaves_out_every_row_of_a_missing_chunks_texts(
     tmp_path: Path, store: Path, connection: redis.Redis, reference_model: Any
 ) -> None:
+    from chunkq.jobs.contract.manifest import load_manifest
+    from chunkq.jobs.contract.run_files import RunLayout
     from chunkq.jobs.embed import embed_chunk
-    from chunkq.jobs.manifest import load_manifest
-    from chunkq.jobs.run_files import RunLayout
-    from chunkq.supervisor.assemble import assemble
-    from chunkq.supervisor.corpus import CorpusOptions
-    from chunkq.supervisor.progress import Failure
-    from chunkq.supervisor.result import check_published
-    from chunkq.supervisor.submit import SubmitRequest, submit
+    from chunkq.supervisor.result.assemble import Failure, assemble
+    from chunkq.supervisor.result.published import check_published
+    from chunkq.supervisor.submit.corpus import CorpusOptions
+    from chunkq.supervisor.submit.identity import SubmitRequest
+    from chunkq.supervisor.submit.submission import submit
 
     ids, texts = _with_duplicates(30, 20, seed=10)
     corpus = write_corpus(tmp_path / "p.jsonl", ids, texts, "jsonl")
@@ -345,10 +346,11 @@ def test_a_run_begun_before_the_cache_resumes_as_it_was(
 ) -> None:
     """The same command after an upgrade finds the run it began, not a new one (its identity had
     no cache); it finishes without the cache. Asking for the cache by name makes a new run."""
-    from chunkq.jobs.manifest import load_manifest
-    from chunkq.jobs.run_files import RunLayout
-    from chunkq.supervisor.corpus import CorpusOptions
-    from chunkq.supervisor.submit import SubmitRequest, submit
+    from chunkq.jobs.contract.manifest import load_manifest
+    from chunkq.jobs.contract.run_files import RunLayout
+    from chunkq.supervisor.submit.corpus import CorpusOptions
+    from chunkq.supervisor.submit.identity import SubmitRequest
+    from chunkq.supervisor.submit.submission import submit
 
     ids, texts = make_texts(20, seed=12)
     corpus = write_corpus(tmp_path / "old.jsonl", ids, texts, "jsonl")
@@ -397,7 +399,7 @@ def test_a_read_only_cache_costs_time_not_the_run(tmp_path: Path, reference_mode
     unshare so a root test user is refused too."""
     import subprocess
 
-    from chunkq.jobs.run_files import RunLayout
+    from chunkq.jobs.contract.run_files import RunLayout
     from tests.helpers import CLI, cli_env
 
     store = tmp_path / "store"
@@ -426,13 +428,14 @@ def test_rows_encoded_by_other_library_releases_stay_out_of_the_cache(
     changed what a model computes); a chunk a worker of other releases encoded is not added under it."""
     import json
 
+    from chunkq.jobs.compute.vector_cache import VectorCache, library_versions
+    from chunkq.jobs.contract.manifest import load_manifest
+    from chunkq.jobs.contract.run_files import RunLayout
     from chunkq.jobs.embed import embed_chunk
-    from chunkq.jobs.manifest import load_manifest
-    from chunkq.jobs.run_files import RunLayout
-    from chunkq.jobs.vector_cache import VectorCache, library_versions
-    from chunkq.supervisor.assemble import assemble
-    from chunkq.supervisor.corpus import CorpusOptions
-    from chunkq.supervisor.submit import SubmitRequest, submit
+    from chunkq.supervisor.result.assemble import assemble
+    from chunkq.supervisor.submit.corpus import CorpusOptions
+    from chunkq.supervisor.submit.identity import SubmitRequest
+    from chunkq.supervisor.submit.submission import submit
 
     assert producer(BUNDLED_MODEL, "files:x", EncodeOptions())["libraries"] == library_versions()
     ids, texts = make_texts(30, seed=31)

@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 import redis
 
-from chunkq.jobs.events import announce_settled
-from chunkq.jobs.models import BUNDLED_MODEL
-from chunkq.jobs.run_files import RunLayout
-from chunkq.supervisor.corpus import CorpusOptions
-from chunkq.supervisor.submit import SubmitRequest, submit
-from chunkq.supervisor.wakeup import Wakeup
+from chunkq.jobs.compute.models import BUNDLED_MODEL
+from chunkq.jobs.contract.events import announce_settled
+from chunkq.jobs.contract.run_files import RunLayout
+from chunkq.supervisor.submit.corpus import CorpusOptions
+from chunkq.supervisor.submit.identity import SubmitRequest
+from chunkq.supervisor.submit.submission import submit
+from chunkq.supervisor.watch.wakeup import Wakeup
 from tests.helpers import WORKER, cli_env, make_texts, start_cli, stop_tree, write_corpus
 
 

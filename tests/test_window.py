@@ -12,11 +12,12 @@ import pytest
 import redis
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 
-from chunkq.jobs.models import BUNDLED_MODEL
-from chunkq.supervisor.corpus import CorpusOptions
-from chunkq.supervisor.enqueue import chunk_queue
-from chunkq.supervisor.ledger import read_ledger
-from chunkq.supervisor.submit import SubmitRequest, submit
+from chunkq.jobs.compute.models import BUNDLED_MODEL
+from chunkq.supervisor.store.ledger import read_ledger
+from chunkq.supervisor.submit.corpus import CorpusOptions
+from chunkq.supervisor.submit.enqueue import chunk_queue
+from chunkq.supervisor.submit.identity import SubmitRequest
+from chunkq.supervisor.submit.submission import submit
 from tests.helpers import make_texts, only_run, result_matches, run_cli, write_corpus
 
 
@@ -36,8 +37,8 @@ def test_submit_queues_at_most_the_window_and_says_how_many_wait(
     assert (again.counts.in_flight, again.counts.enqueued, again.counts.waiting) == (5, 0, 25)
     assert queue.count == 5
     # Issue 37.16: a later `chunkq supervise` without --queue-window keeps the one submit was given.
-    from chunkq.jobs.run_files import RunLayout
-    from chunkq.supervisor.supervise import submitted_window
+    from chunkq.jobs.contract.run_files import RunLayout
+    from chunkq.supervisor.watch.supervise import submitted_window
 
     layout = RunLayout(store, first.run_id)
     assert submitted_window(layout) == 5
@@ -92,9 +93,9 @@ def test_queued_jobs_in_no_queue_list_are_queued_again(
 ) -> None:
     """Issue 37.12: `DEL rq:queue:chunkq` mid-run left 4 chunks "queued" for ever, a restarted
     supervisor too: their jobs said queued, but no list held them for a worker to take."""
-    from chunkq.jobs.manifest import load_manifest
-    from chunkq.jobs.run_files import RunLayout
-    from chunkq.supervisor.progress import Tracker
+    from chunkq.jobs.contract.manifest import load_manifest
+    from chunkq.jobs.contract.run_files import RunLayout
+    from chunkq.supervisor.watch.progress import Tracker
 
     ids, texts = make_texts(8)
     corpus = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")
@@ -108,9 +109,9 @@ def test_queued_jobs_in_no_queue_list_are_queued_again(
     look = Tracker(connection, layout, manifest).poll()  # a restarted supervisor's first look
     assert look.unlisted == [0, 1, 2, 3] and look.chunks_queued == 4
     from chunkq.queue_worker.worker import ChunkWorker  # noqa: F401 - the job class's functions import
-    from chunkq.supervisor.run_lock import RunLock
-    from chunkq.supervisor.store_lock import StoreLock
-    from chunkq.supervisor.supervise import Supervisor, WatchSettings
+    from chunkq.supervisor.store.run_lock import RunLock
+    from chunkq.supervisor.store.store_lock import StoreLock
+    from chunkq.supervisor.watch.supervise import Supervisor, WatchSettings
 
     with StoreLock(layout.owner, "run") as owner:
         owner.acquire()

@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from chunkq.jobs.errors import ConfigError
-from chunkq.jobs.models import BUNDLED_MODEL, resolve_model
-from chunkq.supervisor.windows import default_size, load_tokenizer, windows
+from chunkq.jobs.compute.models import BUNDLED_MODEL, resolve_model
+from chunkq.jobs.contract.errors import ConfigError
+from chunkq.supervisor.submit.windows import default_size, load_tokenizer, windows
 from tests.helpers import WORDS
 
 
@@ -135,7 +135,7 @@ def test_a_windowed_run_killed_midway_resumes_and_equals_an_uninterrupted_one(  
 
     import psutil
 
-    from chunkq.jobs.run_files import RunLayout
+    from chunkq.jobs.contract.run_files import RunLayout
     from tests.helpers import max_abs_diff, only_run, result_of, run_cli, start_cli, wait_for, write_corpus
 
     texts = [_long_text(80, seed=20 + i) for i in range(5)]
@@ -176,8 +176,8 @@ def test_pooled_vectors_per_text_are_the_token_weighted_mean_of_its_windows(  # 
 
     import numpy as np
 
-    from chunkq.jobs.manifest import load_manifest
-    from chunkq.supervisor.result import check_published
+    from chunkq.jobs.contract.manifest import load_manifest
+    from chunkq.supervisor.result.published import check_published
     from tests.helpers import result_of, run_in_process
 
     texts, ids = [_long_text(100, seed=4), "short text", _long_text(60, seed=5)], ["a", "b", "c"]
@@ -247,7 +247,7 @@ def _late_reference(model, text: str, segment: tuple[int, int], span: tuple[int,
 
 
 def test_late_windows_tile_segments_of_the_context_and_windows_within_them(tokenizer) -> None:  # type: ignore[no-untyped-def]
-    from chunkq.supervisor.windows import late_windows
+    from chunkq.supervisor.submit.windows import late_windows
 
     text = _long_text(700, seed=8)
     pairs = list(late_windows(text, tokenizer, 100, 30, 5))
@@ -270,7 +270,7 @@ def test_late_chunking_equals_a_reference_from_the_models_token_embeddings(  # t
 ) -> None:
     import numpy as np
 
-    from chunkq.supervisor.windows import late_windows
+    from chunkq.supervisor.submit.windows import late_windows
     from tests.helpers import max_abs_diff, result_of, run_in_process
 
     tok = load_tokenizer(resolve_model(BUNDLED_MODEL))
@@ -312,7 +312,7 @@ def test_late_chunking_is_refused_for_a_model_that_cannot(  # type: ignore[no-un
     import shutil
 
     from chunkq.supervisor.request import submit_request
-    from chunkq.supervisor.submit import submit
+    from chunkq.supervisor.submit.submission import submit
     from tests.helpers import make_texts, write_corpus
 
     ids, texts = make_texts(4, seed=1)
@@ -341,13 +341,14 @@ def test_a_late_window_without_a_token_is_named_and_left_out_under_allow_missing
 
     import numpy as np
 
+    from chunkq.jobs.contract.errors import BadInputError
+    from chunkq.jobs.contract.manifest import load_manifest
+    from chunkq.jobs.contract.run_files import RunLayout
+    from chunkq.jobs.contract.specs import EncodeOptions
     from chunkq.jobs.embed import embed_chunk
-    from chunkq.jobs.errors import BadInputError
-    from chunkq.jobs.manifest import load_manifest
-    from chunkq.jobs.run_files import RunLayout
-    from chunkq.jobs.specs import EncodeOptions
-    from chunkq.supervisor.corpus import CorpusOptions
-    from chunkq.supervisor.submit import SubmitRequest, submit
+    from chunkq.supervisor.submit.corpus import CorpusOptions
+    from chunkq.supervisor.submit.identity import SubmitRequest
+    from chunkq.supervisor.submit.submission import submit
     from tests.helpers import max_abs_diff, result_of, run_in_process, write_corpus
 
     texts = [_long_text(120, seed=21), "\u200b\u200b\u200b", _long_text(60, seed=22)]
@@ -375,7 +376,7 @@ def test_a_late_window_without_a_token_is_named_and_left_out_under_allow_missing
     listed = json.loads(kept.result_manifest.read_text())["bad_rows"]
     assert [r["id"]["id"] for r in listed] == ["blank"]
     assert all(np.abs(v).sum() > 0 for v in got)
-    from chunkq.jobs.vector_cache import VectorCache
+    from chunkq.jobs.compute.vector_cache import VectorCache
 
     cached = sum(s.rows for key in VectorCache(store).producers() for s in VectorCache(store, key).shards())
     assert cached == len(got_ids)  # the blank window's zeros never entered the cache

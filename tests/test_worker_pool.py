@@ -21,13 +21,14 @@ from rq import Queue
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
-from chunkq.jobs.models import BUNDLED_MODEL
-from chunkq.jobs.run_files import RunLayout, read_json
-from chunkq.jobs.specs import chunk_job_id
+from chunkq.jobs.compute.models import BUNDLED_MODEL
+from chunkq.jobs.contract.run_files import RunLayout, read_json
+from chunkq.jobs.contract.specs import chunk_job_id
 from chunkq.queue_worker import exit_codes
-from chunkq.supervisor.corpus import CorpusOptions
-from chunkq.supervisor.enqueue import job_statuses
-from chunkq.supervisor.submit import SubmitRequest, SubmitResult, submit
+from chunkq.supervisor.submit.corpus import CorpusOptions
+from chunkq.supervisor.submit.enqueue import job_statuses
+from chunkq.supervisor.submit.identity import SubmitRequest
+from chunkq.supervisor.submit.submission import SubmitResult, submit
 from tests.helpers import (
     CLI,
     WORKER,
@@ -342,7 +343,7 @@ def test_a_pool_told_to_stop_while_redis_is_gone_stops(tmp_path: Path) -> None:
     """Issue 45.3: `kubectl delete -k` removes Redis and the pools together, and Slurm's supervisor
     job stops the served Redis: a pool's idle workers then retried Redis forever (RQ's wait for a
     job), and one SIGTERM never ended the pool. A worker with nothing in hand now stops."""
-    from chunkq.supervisor.embedded_redis import EmbeddedRedis
+    from chunkq.supervisor.store.embedded_redis import EmbeddedRedis
 
     server = EmbeddedRedis(tmp_path / "redis").start()
     env = {"CHUNKQ_REDIS_URL": server.url, "CHUNKQ_STORE": str(tmp_path / "store"), "CHUNKQ_QUEUE": "gone"}

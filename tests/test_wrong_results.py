@@ -13,14 +13,15 @@ import numpy as np
 import pytest
 import redis
 
+from chunkq.jobs.compute.model_identity import model_identity
+from chunkq.jobs.contract.errors import ConfigError, ModelChangedError
+from chunkq.jobs.contract.manifest import load_manifest
+from chunkq.jobs.contract.run_files import RunLayout
 from chunkq.jobs.embed import embed_chunk
-from chunkq.jobs.errors import ConfigError, ModelChangedError
-from chunkq.jobs.manifest import load_manifest
-from chunkq.jobs.model_identity import model_identity
-from chunkq.jobs.run_files import RunLayout
 from chunkq.queue_worker.exit_codes import EXIT_CONFIG, EXIT_CONFLICT
-from chunkq.supervisor.corpus import CorpusOptions
-from chunkq.supervisor.submit import SubmitRequest, prepare, submit
+from chunkq.supervisor.submit.corpus import CorpusOptions
+from chunkq.supervisor.submit.identity import SubmitRequest
+from chunkq.supervisor.submit.submission import prepare, submit
 from tests.helpers import make_texts, max_abs_diff, result_of, run_cli, write_corpus
 from tests.tiny_models import bundled_copy, perturb_weights
 
@@ -226,7 +227,7 @@ def test_a_kind_the_models_files_contradict_is_refused_before_the_run_starts(
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from chunkq.jobs.models import BUNDLED_MODEL, resolve_model
+    from chunkq.jobs.compute.models import BUNDLED_MODEL, resolve_model
     from tests.tiny_models import bare_bert, splade_encoder, tiny_clip
 
     folder = tmp_path_factory.mktemp("tiny")
@@ -242,8 +243,8 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def test_a_load_that_builds_weights_the_files_lack_is_refused(tiny: dict[str, Path]) -> None:
     """43.4, what the files cannot show: transformers' report of newly initialised weights, and
     sentence-transformers' conversion of one kind into another, refuse the load in the worker."""
-    from chunkq.jobs import models
-    from chunkq.jobs.specs import EncodeOptions
+    from chunkq.jobs.compute import models
+    from chunkq.jobs.contract.specs import EncodeOptions
 
     with pytest.raises(
         ConfigError, match=r"lacks weights a CrossEncoder needs \(classifier\.bias, classifier\.weight\)"

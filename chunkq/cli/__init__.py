@@ -10,10 +10,10 @@ import os
 from chunkq.cli import cache, look, rerank, results, serve, work
 from chunkq.cli.common import interrupt_on_sigterm
 from chunkq.cli.group import cli
-from chunkq.jobs import storage
-from chunkq.jobs.models import assume_offline
-from chunkq.jobs.nopickle import forbid_pickle
-from chunkq.jobs.storage import OWNER_ONLY
+from chunkq.jobs.compute.models import assume_offline
+from chunkq.jobs.contract import storage
+from chunkq.jobs.contract.nopickle import forbid_pickle
+from chunkq.jobs.contract.storage import OWNER_ONLY
 
 __all__ = ["cli", "main"]
 COMMAND_MODULES = (

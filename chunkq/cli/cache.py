@@ -1,4 +1,5 @@
-"""``chunkq cache`` and ``chunkq cache clean``: the store's vector cache, through jobs.vector_cache."""
+"""``chunkq cache`` and ``chunkq cache clean``: the store's vector cache, through
+jobs/compute/vector_cache.py."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ import click
 
 from chunkq.cli.common import log_level_option, redis_option, reports_errors, store_option
 from chunkq.cli.group import cli
-from chunkq.jobs.errors import ConfigError
-from chunkq.jobs.specs import EncodeOptions, vector_options
-from chunkq.jobs.units import size_text
-from chunkq.jobs.vector_cache import VectorCache
+from chunkq.jobs.compute.vector_cache import VectorCache
+from chunkq.jobs.contract.errors import ConfigError
+from chunkq.jobs.contract.specs import EncodeOptions, vector_options
+from chunkq.jobs.contract.units import size_text
 
 _AGE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(s|min|h|d|w)?\s*", re.IGNORECASE)
 _AGE_UNITS = {"": 1, "s": 1, "min": 60, "h": 3600, "d": 86400, "w": 7 * 86400}

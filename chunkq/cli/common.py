@@ -20,8 +20,8 @@ import click
 import redis
 from click.core import ParameterSource
 
-from chunkq.jobs import errors
-from chunkq.jobs.errors import (
+from chunkq.jobs.contract import errors
+from chunkq.jobs.contract.errors import (
     AssemblyError,
     BadInputError,
     ChunkqError,
@@ -31,7 +31,7 @@ from chunkq.jobs.errors import (
     RunNotFoundError,
     StoreWriteError,
 )
-from chunkq.jobs.storage import open_store
+from chunkq.jobs.contract.storage import open_store
 from chunkq.queue_worker.exit_codes import (
     EXIT_ASSEMBLY,
     EXIT_BAD_INPUT,
@@ -48,10 +48,10 @@ from chunkq.queue_worker.exit_codes import (
 )
 from chunkq.queue_worker.settings import DEFAULT_QUEUE, DEFAULT_STORE, env_of
 from chunkq.supervisor.request import reach_redis
-from chunkq.supervisor.run_lock import RunLockedError
-from chunkq.supervisor.run_log import QUIET, show_on_terminal
-from chunkq.supervisor.store_redis import served_url
-from chunkq.supervisor.supervise import RedisGoneError
+from chunkq.supervisor.store.run_lock import RunLockedError
+from chunkq.supervisor.store.run_log import QUIET, show_on_terminal
+from chunkq.supervisor.store.store_redis import served_url
+from chunkq.supervisor.watch.supervise import RedisGoneError
 
 log = logging.getLogger("chunkq")
 
@@ -291,7 +291,7 @@ def configure_logging(level: str) -> None:
 def quiet_unless(verbose: int) -> None:
     """``run`` and ``supervise``: the terminal shows the progress and warnings; ``-v`` INFO lines
     too, ``-vv`` DEBUG. A --log-level given (or CHUNKQ_LOG_LEVEL) sets the terminal's level itself.
-    The run's log file gets INFO and up either way (supervisor.run_log)."""
+    The run's log file gets INFO and up either way (supervisor.store.run_log)."""
     if _level_given and not verbose:
         return
     show_on_terminal({0: QUIET, 1: logging.INFO}.get(verbose, logging.DEBUG))

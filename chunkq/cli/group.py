@@ -13,7 +13,7 @@ from chunkq.cli.common import (
     reports_errors,
 )
 from chunkq.cli.settings_options import F
-from chunkq.jobs.release import chunkq_version
+from chunkq.jobs.contract.release import chunkq_version
 from chunkq.queue_worker.settings import PoolSettings
 
 

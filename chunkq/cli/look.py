@@ -15,22 +15,23 @@ from chunkq.cli.common import (
     store_option,
 )
 from chunkq.cli.group import command
-from chunkq.jobs import kinds, model_info
-from chunkq.jobs.manifest import load_manifest
-from chunkq.jobs.models import check_model, default_model
-from chunkq.jobs.run_files import RunLayout
-from chunkq.jobs.storage import is_local
+from chunkq.jobs import kinds
+from chunkq.jobs.compute import model_info
+from chunkq.jobs.compute.models import check_model, default_model
+from chunkq.jobs.contract.manifest import load_manifest
+from chunkq.jobs.contract.run_files import RunLayout
+from chunkq.jobs.contract.storage import is_local
 from chunkq.queue_worker.exit_codes import EXIT_CHUNKS_FAILED, EXIT_OK
-from chunkq.supervisor.attempts import describe_attempts, failed_attempts, to_json
-from chunkq.supervisor.display import describe
-from chunkq.supervisor.plan import describe_savings
-from chunkq.supervisor.progress import Tracker, store_snapshot
 from chunkq.supervisor.request import (
     reach_redis,
 )
-from chunkq.supervisor.result import describe_left_out, read_result_manifest, result_problems
-from chunkq.supervisor.store_redis import served_url
-from chunkq.supervisor.supervise import failure_report
+from chunkq.supervisor.result.planned_rows import describe_savings
+from chunkq.supervisor.result.published import describe_left_out, read_result_manifest, result_problems
+from chunkq.supervisor.store.store_redis import served_url
+from chunkq.supervisor.watch.attempts import describe_attempts, failed_attempts, to_json
+from chunkq.supervisor.watch.display import describe
+from chunkq.supervisor.watch.progress import Tracker, store_snapshot
+from chunkq.supervisor.watch.supervise import failure_report
 from chunkq.tools.dashboard import DEFAULT_PORT as DEFAULT_DASHBOARD_PORT
 from chunkq.tools.dashboard import serve as serve_dashboard
 from chunkq.tools.doctor import examine, render

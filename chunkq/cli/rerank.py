@@ -12,8 +12,8 @@ import click
 
 from chunkq.cli.common import redis_option
 from chunkq.cli.group import command
-from chunkq.jobs.errors import ConfigError
-from chunkq.supervisor.corpus import CorpusOptions, detect_format, read_corpus
+from chunkq.jobs.contract.errors import ConfigError
+from chunkq.supervisor.submit.corpus import CorpusOptions, detect_format, read_corpus
 
 RERANK_MOST = 10_000  # passages scored at once in this process: a reranker's top k, not a corpus
 

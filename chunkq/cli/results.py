@@ -16,13 +16,13 @@ from chunkq.cli.common import (
 )
 from chunkq.cli.encode_options import SHARD_SIZE_OPTION
 from chunkq.cli.group import command
-from chunkq.jobs.errors import AssemblyError
-from chunkq.jobs.manifest import load_manifest
-from chunkq.jobs.run_files import RunLayout, read_json
-from chunkq.jobs.units import size_text
+from chunkq.jobs.contract.errors import AssemblyError
+from chunkq.jobs.contract.manifest import load_manifest
+from chunkq.jobs.contract.run_files import RunLayout, read_json
+from chunkq.jobs.contract.units import size_text
 from chunkq.queue_worker.exit_codes import EXIT_PARTIAL
-from chunkq.supervisor.assemble import assemble
-from chunkq.supervisor.result import check_published, shard_bytes
+from chunkq.supervisor.result.assemble import assemble
+from chunkq.supervisor.result.published import check_published, shard_bytes
 from chunkq.tools.export import EXPORT_FORMATS, STDOUT, export
 from chunkq.tools.run_list import RunInfo, clean, list_runs
 

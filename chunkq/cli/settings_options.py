@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 import click
 
-from chunkq.jobs.errors import ConfigError
+from chunkq.jobs.contract.errors import ConfigError
 from chunkq.queue_worker.settings import Meta, PoolSettings, flag, schema
 from chunkq.supervisor.run_options import RUN_OPTIONS, run_option
 

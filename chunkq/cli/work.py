@@ -22,17 +22,15 @@ from chunkq.cli.encode_options import QUEUE_WINDOW_OPTION, submit_options, watch
 from chunkq.cli.group import command, current_log_level
 from chunkq.cli.settings_options import pool_setting_options, pool_settings, pop_pool_values
 from chunkq.jobs import kinds
-from chunkq.jobs.manifest import load_manifest
-from chunkq.jobs.models import check_model
-from chunkq.jobs.run_files import RunLayout
-from chunkq.jobs.specs import DEFAULT_KIND
-from chunkq.jobs.storage import is_local
-from chunkq.jobs.units import size_text
+from chunkq.jobs.compute.models import check_model
+from chunkq.jobs.contract.manifest import load_manifest
+from chunkq.jobs.contract.run_files import RunLayout
+from chunkq.jobs.contract.specs import DEFAULT_KIND
+from chunkq.jobs.contract.storage import is_local
+from chunkq.jobs.contract.units import size_text
 from chunkq.queue_worker.exit_codes import EXIT_CHUNKS_FAILED, EXIT_OK, EXIT_PARTIAL, EXIT_POOL_DIED
 from chunkq.queue_worker.pool import start as start_pool
-from chunkq.supervisor.display import ProgressDisplay, describe
 from chunkq.supervisor.local_run import RunOutcome, run
-from chunkq.supervisor.plan import CACHE_WORKER, describe_savings, savings
 from chunkq.supervisor.request import (
     RUN_DECIDES_FOR_THE_POOL,
     build_run_request,
@@ -40,11 +38,14 @@ from chunkq.supervisor.request import (
     submit_request,
     watch_settings,
 )
-from chunkq.supervisor.result import describe_left_out
-from chunkq.supervisor.run_log import RunLog, log_path
-from chunkq.supervisor.store_redis import local_state_dir
-from chunkq.supervisor.submit import submit
-from chunkq.supervisor.supervise import Outcome, failure_report, supervise
+from chunkq.supervisor.result.planned_rows import describe_savings, savings
+from chunkq.supervisor.result.published import describe_left_out
+from chunkq.supervisor.store.run_log import RunLog, log_path
+from chunkq.supervisor.store.store_redis import local_state_dir
+from chunkq.supervisor.submit.plan import CACHE_WORKER
+from chunkq.supervisor.submit.submission import submit
+from chunkq.supervisor.watch.display import ProgressDisplay, describe
+from chunkq.supervisor.watch.supervise import Outcome, failure_report, supervise
 
 
 def _finish(outcome: Outcome) -> int:

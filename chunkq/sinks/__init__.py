@@ -23,9 +23,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from chunkq.jobs.errors import ConfigError, StoreError
-from chunkq.jobs.run_files import RunLayout
-from chunkq.jobs.storage import is_local
+from chunkq.jobs.contract.errors import ConfigError, StoreError
+from chunkq.jobs.contract.run_files import RunLayout
+from chunkq.jobs.contract.storage import is_local
 from chunkq.sinks.corpus_columns import CorpusColumns, check_columns
 from chunkq.sinks.redact import redacted, redacted_text
 from chunkq.sinks.rows import (
@@ -38,7 +38,7 @@ from chunkq.sinks.rows import (
     row_kind,
     sparse_batches,
 )
-from chunkq.supervisor.result import verified_result
+from chunkq.supervisor.result.published import verified_result
 from chunkq.tools.export import texts_of
 
 SINK_BATCH_ROWS = 4096  # rows a sink is given at once: memory stays one batch whatever the run's size
@@ -137,7 +137,7 @@ def _shape(
     windowed = bool(windows) and level == "window"
     normalized = bool(run.options.get("normalize_embeddings")) or bool((run.plan or {}).get("normalize"))
     if not normalized and kind == DENSE:
-        from chunkq.jobs.model_info import describe
+        from chunkq.jobs.compute.model_info import describe
 
         normalized = describe(run.model, run.options.get("revision")).normalizes and run.kind == "dense"
     if level == "document":

@@ -8,7 +8,7 @@ import json
 import re
 from typing import Any
 
-from chunkq.jobs.errors import ConfigError, StoreError
+from chunkq.jobs.contract.errors import ConfigError, StoreError
 from chunkq.sinks.rows import WINDOW_FIELDS
 
 COLUMN_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
@@ -45,7 +45,7 @@ class CorpusColumns:
     """The corpus fields of each result row."""
 
     def __init__(self, manifest: Any, names: tuple[str, ...], windowed: bool) -> None:
-        from chunkq.supervisor.submit import run_corpus_fields
+        from chunkq.supervisor.submit.identity import run_corpus_fields
 
         self.names, self.windowed = names, windowed
         self.text_field = str(manifest.data["corpus"]["text_field"])

@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from chunkq.jobs.errors import ConfigError
-from chunkq.jobs.storage import private_open, remove_leftovers_beside, temp_beside
+from chunkq.jobs.contract.errors import ConfigError
+from chunkq.jobs.contract.storage import private_open, remove_leftovers_beside, temp_beside
 from chunkq.sinks.rows import Rows
 
 # FAISS says at INFO, at every import, which CPU builds it tried ("Could not load library with AVX512

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from chunkq.jobs.errors import ConfigError
+from chunkq.jobs.contract.errors import ConfigError
 from chunkq.sinks.rows import SPARSE, WINDOW_FIELDS, Rows, SparseRows
 
 DENSE_COLUMN, SPARSE_COLUMN = "vector", "sparse"  # LanceDB's search reads "vector" by default

@@ -18,7 +18,7 @@ from urllib.parse import parse_qs, urlencode, urlsplit
 
 import numpy as np
 
-from chunkq.jobs.errors import ConfigError
+from chunkq.jobs.contract.errors import ConfigError
 from chunkq.sinks.redact import redacted, redacted_text
 from chunkq.sinks.rows import SPARSE, Rows, SparseRows
 

@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from chunkq.jobs.errors import ConfigError
-from chunkq.jobs.manifest import RunManifest
-from chunkq.jobs.run_files import RunLayout
+from chunkq.jobs.contract.errors import ConfigError
+from chunkq.jobs.contract.manifest import RunManifest
+from chunkq.jobs.contract.run_files import RunLayout
 from chunkq.tools.export import WINDOW_COLUMNS, ResultReader
 
 DENSE, SPARSE = "dense", "sparse"  # the row kinds a sink writes (a cross run's scores are dense rows)
@@ -101,7 +101,7 @@ def sparse_batches(
 ) -> Iterator[tuple[list[Any], SparseRows]]:
     """A sparse result's rows ``batch_rows`` at a time, a block (the result, or a shard) read at once
     (its checksums were verified with the whole result's before the export began)."""
-    from chunkq.supervisor import ragged_result
+    from chunkq.supervisor.result import ragged as ragged_result
 
     for block in ragged_result.blocks(layout.result, result):
         arrays = ragged_result.block_arrays(block, SPARSE)

@@ -4,7 +4,7 @@ As shipped, rq-dashboard 0.9 binds 0.0.0.0, reads jobs with pickle unless told `
 its workers endpoint unpickles each worker's current job even then (``Worker.all()`` is called
 without a serializer). Here:
 - every endpoint reads JSON, the workers endpoint is replaced by one that passes the serializer,
-  and RQ's pickle loader is disabled in the process (``jobs.nopickle``), so a path we missed fails
+  and RQ's pickle loader is disabled in the process (``jobs.contract.nopickle``), so a path we missed fails
   instead of running a planted payload;
 - it binds to loopback unless credentials are set; credentials are checked in constant time on
   every request, static files included;
@@ -37,9 +37,9 @@ from rq.exceptions import InvalidJobOperation, InvalidJobOperationError, NoSuchJ
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
-from chunkq.jobs import errors
-from chunkq.jobs.errors import ChunkqError, ConfigError
-from chunkq.jobs.nopickle import PickleRefusedError, forbid_pickle
+from chunkq.jobs.contract import errors
+from chunkq.jobs.contract.errors import ChunkqError, ConfigError
+from chunkq.jobs.contract.nopickle import PickleRefusedError, forbid_pickle
 from chunkq.queue_worker.settings import DEFAULT_QUEUE
 
 log = logging.getLogger(__name__)

@@ -16,10 +16,10 @@ from typing import Any
 
 import redis
 
-from chunkq.jobs.run_files import atomic_write_bytes
-from chunkq.jobs.storage import is_local
+from chunkq.jobs.contract.run_files import atomic_write_bytes
+from chunkq.jobs.contract.storage import is_local
 from chunkq.queue_worker import discovery
-from chunkq.supervisor.embedded_redis import server_binary
+from chunkq.supervisor.store.embedded_redis import server_binary
 
 
 @dataclass

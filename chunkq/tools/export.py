@@ -24,12 +24,18 @@ from typing import IO, Any
 import numpy as np
 
 from chunkq.jobs import kinds
-from chunkq.jobs.errors import AssemblyError, ConfigError, StoreError
-from chunkq.jobs.manifest import RunManifest, load_manifest
-from chunkq.jobs.run_files import RunLayout, read_json, read_npy_header
-from chunkq.jobs.specs import storage_dtype
-from chunkq.jobs.storage import as_the_caller_would, is_local, remove_leftovers_beside, temp_beside
-from chunkq.supervisor.result import TEXTS, ResultPart, result_parts, result_problems, verified_result
+from chunkq.jobs.contract.errors import AssemblyError, ConfigError, StoreError
+from chunkq.jobs.contract.manifest import RunManifest, load_manifest
+from chunkq.jobs.contract.run_files import RunLayout, read_json, read_npy_header
+from chunkq.jobs.contract.specs import storage_dtype
+from chunkq.jobs.contract.storage import as_the_caller_would, is_local, remove_leftovers_beside, temp_beside
+from chunkq.supervisor.result.published import (
+    TEXTS,
+    ResultPart,
+    result_parts,
+    result_problems,
+    verified_result,
+)
 
 EXPORT_FORMATS = ("parquet", "npy", "jsonl")
 WINDOW_COLUMNS = ("window", "char_start", "char_end", "tokens")  # a windowed result's, after id
@@ -337,8 +343,8 @@ def _arrow_type(pa: Any, array: Any) -> Any:
 
 def _vocabulary(layout: RunLayout) -> Any:
     """The run's model's tokens by id (its tokenizer.json): a sparse vector's dimensions by name."""
-    from chunkq.jobs.model_info import describe
-    from chunkq.supervisor.windows import load_tokenizer
+    from chunkq.jobs.compute.model_info import describe
+    from chunkq.supervisor.submit.windows import load_tokenizer
 
     run = load_manifest(layout)
     folder = describe(run.model, run.options.get("revision")).folder
@@ -372,7 +378,7 @@ def _export_ragged(layout: RunLayout, fmt: str, target: _Target, tokens: bool = 
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from chunkq.supervisor import ragged_result
+    from chunkq.supervisor.result import ragged as ragged_result
 
     run, result = verified_result(layout)
     if fmt == "npy":

@@ -1,6 +1,6 @@
 """Where a run's seconds before its first row went, and after its last chunk (issue 46.4).
 
-From the store alone: the command's marks (``supervisor/start_marks.py``: its process start, imports
+From the store alone: the command's marks (``supervisor/store/start_marks.py``: its process start, imports
 and options, Redis, the pool, the chunks queued), then the first chunk's worker (its process start,
 model loaded, warmed up and ready), the first chunk's start and its first batch's rows (the chunk's
 first ``rows_at`` sample); after the last chunk, the result's ``assembled_at``. Each mark is seconds
@@ -12,9 +12,9 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from chunkq.jobs.run_files import RunLayout, read_json
-from chunkq.supervisor import start_marks
-from chunkq.supervisor.throughput import parse_time
+from chunkq.jobs.contract.run_files import RunLayout, read_json
+from chunkq.supervisor.store import start_marks
+from chunkq.supervisor.store.throughput import parse_time
 
 COMMAND_STEPS = {  # the command's marks, as the report names them
     start_marks.COMMAND_STARTED: "command started",

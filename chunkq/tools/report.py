@@ -22,16 +22,16 @@ from typing import Any
 
 import numpy as np
 
-from chunkq.jobs import device_busy
-from chunkq.jobs.manifest import RunManifest, load_manifest
-from chunkq.jobs.models import resolve_model
-from chunkq.jobs.run_files import RunLayout, read_chunk_input, read_json
-from chunkq.jobs.specs import BATCH_TOKENS_AUTO, BATCH_TOKENS_OFF
-from chunkq.supervisor.attempts import FailedAttempt, by_class, failed_attempts, to_json
-from chunkq.supervisor.ledger import stream_records, throughput_of
-from chunkq.supervisor.plan import describe_savings, savings
-from chunkq.supervisor.result import describe_left_out
-from chunkq.supervisor.throughput import PAUSE_SECONDS, Throughput, parse_time
+from chunkq.jobs.compute import device_busy
+from chunkq.jobs.compute.models import resolve_model
+from chunkq.jobs.contract.manifest import RunManifest, load_manifest
+from chunkq.jobs.contract.run_files import RunLayout, read_chunk_input, read_json
+from chunkq.jobs.contract.specs import BATCH_TOKENS_AUTO, BATCH_TOKENS_OFF
+from chunkq.supervisor.result.planned_rows import describe_savings, savings
+from chunkq.supervisor.result.published import describe_left_out
+from chunkq.supervisor.store.ledger import stream_records, throughput_of
+from chunkq.supervisor.store.throughput import PAUSE_SECONDS, Throughput, parse_time
+from chunkq.supervisor.watch.attempts import FailedAttempt, by_class, failed_attempts, to_json
 from chunkq.tools import first_row
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ LABELLED_CHUNKS = 300  # up to this many chunks, each is drawn and numbered; abo
 TIMELINE_BINS = 1500  # columns of a binned lane: about a pixel each in the figure, at any chunk count
 RATE_BINS = 200  # rows encoded per slice of the run's span, before the rate's window smooths them
 RATE_WINDOW_SAMPLES = 2.0  # the rate is taken over at least this many gaps between a chunk's row
-# samples (jobs.chunk_progress: rows arrive a batch at a time, a shorter window shows each as a spike)
+# samples (jobs.compute.chunk_progress: rows arrive a batch at a time, a shorter window shows each as a spike)
 RATE_WINDOW_SHARE = 1 / 30  # and over at least this share of the run
 MIN_BAR_SHARE = 0.004  # a bar this share of the timeline at least: a 0.01 s model load stays visible
 LENGTH_AXIS_QUANTILE = 0.995  # a long tail past this is cut from the length histogram's axis
@@ -304,7 +304,7 @@ def summary(
         "wall_seconds": round(facts.span, 2),
         "ran_seconds": round(ran, 2),
         "rows_per_second": round(rate, 1) if rate else None,
-        "device_busy": facts.throughput.busy.figure(),  # jobs.device_busy: share, source, seconds
+        "device_busy": facts.throughput.busy.figure(),  # jobs.compute.device_busy: share, source, seconds
         "failed_attempts": len(facts.failures),
         "failures_by_class": by_class(facts.failures),
         "batches": _batches(facts),

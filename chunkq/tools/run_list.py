@@ -16,17 +16,17 @@ from typing import Any
 
 import redis
 
-from chunkq.jobs.errors import ChunkqError, ConfigError, StoreError
-from chunkq.jobs.manifest import RunManifest, load_manifest
-from chunkq.jobs.run_files import MANIFEST_NAME, RunLayout
-from chunkq.jobs.specs import EncodeOptions, chunk_job_id
-from chunkq.jobs.storage import is_local, list_with_mtime, remove_leftovers_beside, remove_tree
-from chunkq.supervisor.attempts import failed_attempts
-from chunkq.supervisor.enqueue import LIVE_STATUSES, job_statuses
-from chunkq.supervisor.plan import corpus_rows_of, savings
-from chunkq.supervisor.result import read_result_manifest, result_problems
-from chunkq.supervisor.store_lock import StoreLock
-from chunkq.supervisor.submit import DEFAULT_CHUNK_SIZE
+from chunkq.jobs.contract.errors import ChunkqError, ConfigError, StoreError
+from chunkq.jobs.contract.manifest import RunManifest, load_manifest
+from chunkq.jobs.contract.run_files import MANIFEST_NAME, RunLayout
+from chunkq.jobs.contract.specs import EncodeOptions, chunk_job_id
+from chunkq.jobs.contract.storage import is_local, list_with_mtime, remove_leftovers_beside, remove_tree
+from chunkq.supervisor.result.planned_rows import corpus_rows_of, savings
+from chunkq.supervisor.result.published import read_result_manifest, result_problems
+from chunkq.supervisor.store.store_lock import StoreLock
+from chunkq.supervisor.submit.enqueue import LIVE_STATUSES, job_statuses
+from chunkq.supervisor.submit.identity import DEFAULT_CHUNK_SIZE
+from chunkq.supervisor.watch.attempts import failed_attempts
 
 PUBLISHED, PARTIAL, DAMAGED, IN_FLIGHT, FAILED, INCOMPLETE = (
     "published",
@@ -50,7 +50,7 @@ class RunInfo:
     bytes: int  # what the run's folder takes in the store
     corpus: str = ""  # the first corpus file (its name), "+N" for more, and its format
     options: str = ""  # the encode options that differ from the defaults, "key=value" each
-    cache: dict[str, Any] | None = None  # what the vector cache saved (supervisor.plan.savings)
+    cache: dict[str, Any] | None = None  # what the vector cache saved (planned_rows.savings)
 
     @property
     def age_seconds(self) -> float | None:

@@ -9,16 +9,18 @@ kind is one module and one line in ``KINDS``.
 
 Built: ``dense`` (``SentenceTransformer.encode``), ``cross`` (``CrossEncoder.predict`` over pairs),
 ``sparse`` (``SparseEncoder``, CSR), ``multivector`` (``MultiVectorEncoder``, a token matrix per
-text; both stored ragged, jobs.ragged) and ``image`` (a multimodal model's ``encode`` of images
-read from paths or URLs).
+text; both stored ragged, ``contract/ragged.py``) and ``image`` (a multimodal model's ``encode``
+of images read from paths or URLs).
+
+Imports ``contract/`` and, for batches and late chunking, ``compute/``; never the job function.
 """
 
 from __future__ import annotations
 
-from chunkq.jobs.errors import ConfigError
+from chunkq.jobs.contract.errors import ConfigError
+from chunkq.jobs.contract.specs import EncodeOptions
 from chunkq.jobs.kinds import cross, dense, image, multivector, sparse
 from chunkq.jobs.kinds.contract import Kind
-from chunkq.jobs.specs import EncodeOptions
 
 KINDS: dict[str, Kind] = {
     k.name: k for k in (dense.KIND, cross.KIND, sparse.KIND, multivector.KIND, image.KIND)

@@ -6,10 +6,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from chunkq.jobs.specs import EncodeOptions
+from chunkq.jobs.contract.specs import EncodeOptions
 
 OnRows = Callable[[int], None] | None
-# A chunk's row texts to a float32 matrix, row for row, or for a ragged kind a jobs.ragged.Ragged.
+# A chunk's row texts to a float32 matrix, row for row, or for a ragged kind a jobs.contract.ragged.Ragged.
 Encoder = Callable[[Any, list[str], EncodeOptions, OnRows], Any]
 
 
@@ -23,7 +23,7 @@ class Kind:
     encode: Encoder
     warm_up: Callable[[Any, list[int]], None]  # run once in a fresh worker, on inputs of these token lengths
     refuse: Callable[[EncodeOptions], str | None]  # why these options mean nothing for it, or None
-    ragged: bool = False  # its rows vary in length (jobs.ragged)
+    ragged: bool = False  # its rows vary in length (jobs.contract.ragged)
     cached: bool = True  # the vector cache may hold its rows: of one width, keyed by what the row is
     reads_rows: bool = False  # a row names what to read (an image): it can be missing (--allow-missing)
     by_tokens: bool = True  # its inputs have tokens, so a token budget can batch them (an image has none)
@@ -48,7 +48,7 @@ def with_bad_rows(matrix: Any, bad: dict[int, str], options: EncodeOptions, what
     if not bad:
         return matrix
     if not options.allow_missing:
-        from chunkq.jobs.errors import BadRowsError
+        from chunkq.jobs.contract.errors import BadRowsError
 
         shown = "; ".join(f"row {i}: {why}" for i, why in list(bad.items())[:5])
         more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""

@@ -12,10 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from chunkq.jobs import token_batches
-from chunkq.jobs.errors import BadInputError
+from chunkq.jobs.compute import token_batches
+from chunkq.jobs.contract.errors import BadInputError
+from chunkq.jobs.contract.specs import EncodeOptions, canonical_json
 from chunkq.jobs.kinds.contract import Kind, OnRows
-from chunkq.jobs.specs import EncodeOptions, canonical_json
 
 SCORE_DTYPES = ("float32", "float16")  # scores are not embeddings: no calibrated or packed outputs
 

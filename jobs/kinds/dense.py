@@ -6,9 +6,9 @@ from typing import Any
 
 import numpy as np
 
-from chunkq.jobs import late, token_batches
+from chunkq.jobs.compute import late, token_batches
+from chunkq.jobs.contract.specs import EncodeOptions
 from chunkq.jobs.kinds.contract import Kind, OnRows, warm_up_texts, with_bad_rows
-from chunkq.jobs.specs import EncodeOptions
 
 
 def encode(model: Any, texts: list[str], options: EncodeOptions, on_rows: OnRows) -> Any:

@@ -1,7 +1,7 @@
 """image: a vector per image, as a multimodal ``SentenceTransformer.encode`` (CLIP, SigLIP and the
 like) gives it for images. The corpus's text column holds each image's path or URL (a local
 path, http(s)://, or an object store's s3://, gs://, az:// where the worker can reach it); the
-worker reads it, bounded in size and time (jobs.row_files), and decodes it. An image that is
+worker reads it, bounded in size and time (jobs.contract.row_files), and decodes it. An image that is
 missing, too large or cannot be decoded is a bad row, named with its reason, never a zero vector:
 the chunk fails, or under ``--allow-missing`` the row is left out of the result and listed there.
 A text run of the same model gives vectors in the same space.
@@ -15,15 +15,15 @@ from typing import Any
 
 import numpy as np
 
-from chunkq.jobs import token_batches
+from chunkq.jobs.compute import token_batches
+from chunkq.jobs.contract.row_files import RowReadError, read_row_file
+from chunkq.jobs.contract.specs import BATCH_TOKENS_OFF, EncodeOptions
 from chunkq.jobs.kinds.contract import Kind, OnRows, with_bad_rows
-from chunkq.jobs.row_files import RowReadError, read_row_file
-from chunkq.jobs.specs import BATCH_TOKENS_OFF, EncodeOptions
 
 
 def read_image(ref: str) -> Any:
     """The image at ``ref`` decoded (PIL); an OSError or ValueError says why it cannot be. The read
-    is bounded in size and time, and only a regular file or a URL is read (jobs.row_files)."""
+    is bounded in size and time, and only a regular file or a URL is read (jobs.contract.row_files)."""
     from PIL import Image
 
     image = Image.open(io.BytesIO(read_row_file(ref)))
@@ -43,7 +43,7 @@ READERS = 16  # rows read at once: a URL waits on its server, so a slow one hold
 
 
 def _read_all(refs: list[str]) -> tuple[dict[int, Any], dict[int, str]]:
-    """Each row's image, or why it has none; read in threads, each read bounded (jobs.row_files)."""
+    """Each row's image, or why it has none; read in threads, each read bounded (jobs.contract.row_files)."""
 
     def one(ref: str) -> tuple[Any, str | None]:
         try:

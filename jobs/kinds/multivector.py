@@ -1,6 +1,6 @@
 """multivector: a matrix of token vectors per text (ColBERT-style late interaction), as
 ``MultiVectorEncoder.encode_document`` / ``encode_query`` / ``encode`` give it, stored ragged
-(jobs.ragged): the texts' token vectors one after another, and where each text's begin.
+(jobs.contract.ragged): the texts' token vectors one after another, and where each text's begin.
 """
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ from typing import Any
 
 import numpy as np
 
-from chunkq.jobs import token_batches
+from chunkq.jobs.compute import token_batches
+from chunkq.jobs.contract.ragged import SCHEMAS, Ragged
+from chunkq.jobs.contract.specs import EncodeOptions
 from chunkq.jobs.kinds.contract import Kind, OnRows, warm_up_texts
 from chunkq.jobs.kinds.sparse import encode_call
-from chunkq.jobs.ragged import SCHEMAS, Ragged
-from chunkq.jobs.specs import EncodeOptions
 
 
 def encode(model: Any, texts: list[str], options: EncodeOptions, on_rows: OnRows) -> Ragged:

@@ -1,6 +1,6 @@
 """sparse: a sparse vector per text over the model's vocabulary (SPLADE and the like), as
 ``SparseEncoder.encode_document`` / ``encode_query`` / ``encode`` give it, stored as CSR
-(jobs.ragged): each row's active indices in rising order and their values.
+(jobs.contract.ragged): each row's active indices in rising order and their values.
 """
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from typing import Any
 
 import numpy as np
 
-from chunkq.jobs import token_batches
+from chunkq.jobs.compute import token_batches
+from chunkq.jobs.contract.ragged import SCHEMAS, Ragged
+from chunkq.jobs.contract.specs import EncodeOptions
 from chunkq.jobs.kinds.contract import Kind, OnRows, warm_up_texts
-from chunkq.jobs.ragged import SCHEMAS, Ragged
-from chunkq.jobs.specs import EncodeOptions
 
 
 def encode_call(model: Any, role: str | None) -> Any:

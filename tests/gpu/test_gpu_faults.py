@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from chunkq.jobs.models import resolve_model
-from chunkq.jobs.run_files import RunLayout, read_json
+from chunkq.jobs.compute.models import resolve_model
+from chunkq.jobs.contract.run_files import RunLayout, read_json
 from tests.helpers import make_texts, run_cli, write_corpus
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
@@ -164,7 +164,7 @@ def test_the_allocators_nvml_assert_is_halved_in_the_same_process(
     tmp_path: Path, gpu_model: str, gpu: Any, cuda_device: str
 ) -> None:
     """A real allocation larger than the GPU fails first (the allocator releases its cache), then
-    the assert torch raises where NVML cannot work (jobs/faults.py's NVML_ASSERTS), above batch 8:
+    the assert torch raises where NVML cannot work (jobs/compute/faults.py's NVML_ASSERTS), above batch 8:
     the chunk halves in the same process, whose context stays usable (issue 44.2), and the chunks
     after it start at what it learned."""
     ids, texts = make_texts(120, seed=13)

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from chunkq.jobs.models import resolve_model
-from chunkq.jobs.run_files import RunLayout
+from chunkq.jobs.compute.models import resolve_model
+from chunkq.jobs.contract.run_files import RunLayout
 from tests.gpu.test_gpu_faults import MIN_COSINE, _min_cosine, _only_run
 from tests.helpers import make_texts, run_cli, write_corpus
 
@@ -143,7 +143,7 @@ def test_windows_late_chunking_and_the_vector_cache_on_the_gpu(
     assert _min_cosine(np.load(layout.result / "embeddings.npy"), plain.encode(spans)) >= MIN_COSINE
     layout = _run(tmp_path / "l", gpu, corpus, "--model", gpu_model, "--long-texts", "late")
     plan = json.loads((layout.root / "manifest.json").read_text())["plan"]["windows"]
-    from chunkq.supervisor.windows import late_windows, load_tokenizer
+    from chunkq.supervisor.submit.windows import late_windows, load_tokenizer
 
     tokenizer = load_tokenizer(resolve_model(gpu_model))
     want = []

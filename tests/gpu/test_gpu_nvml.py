@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from chunkq.jobs.run_files import read_json
+from chunkq.jobs.contract.run_files import read_json
 from tests.gpu.test_gpu_faults import (
     MIN_COSINE,
     _check_result,

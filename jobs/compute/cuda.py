@@ -1,0 +1,85 @@
+"""What can be done about CUDA from inside a job: free cached memory, and probe the context."""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+from chunkq.jobs.compute import faults
+from chunkq.jobs.contract import errors
+
+log = logging.getLogger(__name__)
+
+
+def free_cached_memory(device: str) -> None:
+    """Release what the failed attempt held, so a smaller batch has room."""
+    gc.collect()
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+def open_context(device: str) -> Exception | None:
+    """Create this process's CUDA context with a first allocation: the error if it cannot, else None
+    (always None on the CPU)."""
+    if not device.startswith("cuda"):
+        return None
+    try:
+        faults.inject_context()
+        import torch
+
+        torch.ones(1, device=device).item()
+    except Exception as exc:  # any failure: the caller decides what it means
+        return exc
+    return None
+
+
+def context_usable(device: str) -> bool:
+    """A tiny allocation and a synchronise: a broken (sticky-error) context fails this for good.
+
+    PyTorch has no in-process reset for such a context, so a False here means: exit the process.
+    A probe that itself runs out of memory (workers and a standby share the GPU) proves the context
+    works: an out-of-memory is an out-of-memory wherever it happens.
+    """
+    if not device.startswith("cuda"):
+        return True
+    import torch
+
+    try:
+        faults.inject_probe()
+        probe = torch.ones(1, device=device)
+        torch.cuda.synchronize()
+        return bool(probe.item() == 1.0)
+    except Exception as exc:
+        if errors.classify(exc) == errors.OOM:
+            log.warning("context probe out of memory (%s): the context works", errors.first_sentence(exc))
+            return True
+        log.error("CUDA context probe failed: %s", exc)
+        return False
+
+
+def reset_peak_memory(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_memory(device: str) -> dict[str, int]:
+    """Peak GPU memory allocated and reserved since the reset (on the CPU: the process's RSS)."""
+    if device.startswith("cuda"):
+        import torch
+
+        return {
+            "peak_allocated_bytes": int(torch.cuda.max_memory_allocated()),
+            "peak_reserved_bytes": int(torch.cuda.max_memory_reserved()),
+        }
+    import resource
+
+    import psutil
+
+    rss = int(psutil.Process().memory_info().rss)
+    # The kernel updates its high-water mark lazily, so it can trail the RSS just read.
+    high_water = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # KiB on Linux
+    return {"rss_bytes": rss, "peak_rss_bytes": max(rss, high_water)}

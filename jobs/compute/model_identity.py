@@ -1,0 +1,134 @@
+"""What a model is, as bytes: the identity a run records at submit, that every worker checks the model
+it loaded against, and that keys the vector cache. Never the model's name: a folder's weights can be
+replaced under the same path, and two paths can hold the same files.
+
+- A local folder: the sha256 of every file's relative name and bytes, the folder walked through
+  links (a linked file or subfolder is read where it points, as a load reads it), files and folders
+  whose names start with a dot left out (``.git``, ``.cache``: never loaded).
+- A model in the Hugging Face cache: its snapshot's commit, which the hub derives from the files.
+
+A folder is hashed once per process for as long as its files are unchanged; "unchanged" is each
+file's device, inode, size, modification and change time (``FolderStamp``). The change time cannot
+be set back by a user, and a file replaced under its name has another inode, so a copy that keeps
+the old size and modification time (``cp -p``, ``rsync -t``) is still seen.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from chunkq.jobs.compute.models import resolve_model
+from chunkq.jobs.contract.errors import ConfigError
+
+# (relative name, device, inode, size, mtime ns, ctime ns) of every file, and the folder's real path.
+FolderStamp = tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class Identity:
+    """A model's identity and the stamp of the files it was read from (to notice a change later)."""
+
+    value: str  # "files:<sha256>" or "hub:<repo>@<commit>"
+    stamp: FolderStamp
+
+
+def model_folder(ref: str, revision: str | None = None) -> tuple[Path | None, str | None]:
+    """The model's files on this host and, for the Hugging Face cache, the snapshot's commit."""
+    path = resolve_model(ref)
+    if os.path.isdir(os.path.expanduser(path)):
+        return Path(os.path.expanduser(path)), None
+    try:
+        from huggingface_hub import snapshot_download
+
+        snapshot = Path(snapshot_download(path, revision=revision, local_files_only=True))
+    except Exception:
+        return None, None
+    return snapshot, snapshot.name
+
+
+def model_files(folder: Path) -> list[tuple[str, Path]]:
+    """Every file a load may read, by name relative to ``folder``, sorted; linked folders followed
+    (each real folder once, so a link back up cannot loop), dot-named entries left out."""
+    found: list[tuple[str, Path]] = []
+    seen: set[str] = set()
+    for top, dirs, files in os.walk(folder, followlinks=True):
+        real = os.path.realpath(top)
+        if real in seen:
+            dirs[:] = []
+            continue
+        seen.add(real)
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in files:
+            path = Path(top) / name
+            if not name.startswith(".") and path.is_file():
+                found.append((path.relative_to(folder).as_posix(), path))
+    return sorted(found)
+
+
+def folder_stamp(folder: Path, files: list[tuple[str, Path]]) -> FolderStamp:
+    """What changes whenever any byte of ``files`` can have changed (see the module's docstring)."""
+    stamps = []
+    for name, path in files:
+        st = path.stat()  # through links: the file a load reads
+        stamps.append((name, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+    return (os.path.realpath(folder), *stamps)
+
+
+_DIGESTS: dict[FolderStamp, str] = {}  # a folder's digest, for as long as its stamp holds
+
+
+def _digest(files: list[tuple[str, Path]]) -> str:
+    digest = hashlib.sha256()
+    for name, path in files:
+        digest.update(name.encode("utf-8", "surrogateescape") + b"\0")
+        with path.open("rb") as fh:
+            while block := fh.read(1 << 20):
+                digest.update(block)
+        digest.update(b"\0")
+    return f"files:{digest.hexdigest()}"
+
+
+def identify(ref: str, revision: str | None = None) -> Identity | None:
+    """``ref``'s identity on this host, or None when its files are not here (a hub model not in the
+    cache: the workers fetch it, and each records what it loaded)."""
+    folder, commit = model_folder(ref, revision)
+    if folder is None:
+        return None
+    files = model_files(folder)
+    stamp = folder_stamp(folder, files)
+    if commit:
+        return Identity(f"hub:{resolve_model(ref)}@{commit}", stamp)
+    if stamp not in _DIGESTS:
+        digest = _digest(files)
+        if folder_stamp(folder, model_files(folder)) != stamp:
+            # Written to while it was read: neither the old bytes nor the new. A run must not be
+            # fixed to a half-copied folder.
+            raise ConfigError(f"model {ref}: its files changed while chunkq read them; try again")
+        _DIGESTS[stamp] = digest
+    return Identity(_DIGESTS[stamp], stamp)
+
+
+def current_stamp(ref: str, revision: str | None = None) -> FolderStamp | None:
+    """The stamp ``ref``'s files have now (None: not on this host); cheap: a stat per file."""
+    folder, _ = model_folder(ref, revision)
+    return None if folder is None else folder_stamp(folder, model_files(folder))
+
+
+def model_identity(ref: str, revision: str | None = None) -> str | None:
+    """``identify``'s value alone: what a manifest and the cache record."""
+    found = identify(ref, revision)
+    return None if found is None else found.value
+
+
+def short(identity: str | None) -> str:
+    """An identity as a message shows it: its kind and 12 characters of its hash or commit."""
+    if identity is None:
+        return "unknown (its files were not on the submitting host)"
+    if identity.startswith("files:"):
+        return identity[: len("files:") + 12]
+    name, _, commit = identity.partition("@")
+    return f"{name}@{commit[:12]}"

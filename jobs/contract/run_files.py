@@ -1,0 +1,353 @@
+"""The store layout and its atomic writes.
+
+    <store>/runs/<run>/manifest.json           run manifest (written last by submit)
+    <store>/runs/<run>/inputs/<chunk>.jsonl    {"id": ..., "text": ...} per row
+    <store>/runs/<run>/outputs/<chunk>.npy     float32 rows x dim
+    <store>/runs/<run>/outputs/<chunk>.json    output metadata; its presence commits the .npy
+    <store>/runs/<run>/failures/<chunk>-a<N>.json  each failed attempt, recorded by the supervisor
+    <store>/runs/<run>/owner.json              the process that supervises the run (supervisor.owner)
+    <store>/runs/<run>/result/                 embeddings.npy, ids.jsonl, manifest.json (published by rename),
+                                               or shards-<tag>/ (supervisor.result.published)
+
+Every file is published whole (see jobs.contract.storage): a reader sees either the whole file or none of it,
+and a chunk output counts only once its metadata, written after the .npy, exists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from chunkq.jobs.contract.errors import BadInputError, StoreError
+from chunkq.jobs.contract.specs import OUTPUT_DTYPES, chunk_name, storage_dtype, validate_run_id
+from chunkq.jobs.contract.storage import (
+    atomic_path,
+    is_local,
+    list_names,
+    list_with_mtime,
+    no_links_below,
+    open_store,
+)
+
+MANIFEST_NAME = "manifest.json"  # a run's manifest in its folder; a result's in result/ (or a build)
+
+
+class RunLayout:
+    """Paths of one run under a store root. The run id is validated and every path is checked to be
+    reached through no symbolic link below the store root, so none leads out of the store."""
+
+    def __init__(self, store: str | os.PathLike[str], run_id: str) -> None:
+        self.store = open_store(store)
+        self.run_id = validate_run_id(run_id)
+        self._root = self.store / "runs" / self.run_id
+
+    def _path(self, *parts: str) -> Path:
+        """``<root>/<parts>``, refused if a link below the store root leads there."""
+        return no_links_below(self.store, self._root.joinpath(*parts))
+
+    @property
+    def root(self) -> Path:
+        return self._path()
+
+    @property
+    def manifest(self) -> Path:
+        return self._path(MANIFEST_NAME)
+
+    @property
+    def inputs(self) -> Path:
+        return self._path("inputs")
+
+    @property
+    def outputs(self) -> Path:
+        return self._path("outputs")
+
+    @property
+    def damaged_outputs(self) -> Path:
+        """Chunk outputs that failed verification, kept for a look; never read again."""
+        return self._path("outputs", "damaged")
+
+    @property
+    def result(self) -> Path:
+        return self._path("result")
+
+    @property
+    def result_manifest(self) -> Path:
+        """The published result's manifest: written last, so its presence commits the result."""
+        return self._path("result", MANIFEST_NAME)
+
+    def input_path(self, index: int) -> Path:
+        return self._path("inputs", f"{chunk_name(index)}.jsonl")
+
+    def output_npy(self, index: int) -> Path:
+        return self._path("outputs", f"{chunk_name(index)}.npy")
+
+    def output_array(self, index: int, name: str) -> Path:
+        """One of a ragged output's entry arrays (``ragged.py``), beside its offsets (``output_npy``)."""
+        return self._path("outputs", f"{chunk_name(index)}.{name}.npy")
+
+    def output_meta(self, index: int) -> Path:
+        return self._path("outputs", f"{chunk_name(index)}.json")
+
+    @property
+    def owner(self) -> Path:
+        return self._path("owner.json")
+
+    @property
+    def ledger(self) -> Path:
+        """Batches of one short record per finished chunk (supervisor.store.ledger)."""
+        return self._path("ledger")
+
+    @property
+    def summary(self) -> Path:
+        return self._path("summary.json")
+
+    @property
+    def failures(self) -> Path:
+        return self._path("failures")
+
+    def failure_path(self, index: int, attempt: int) -> Path:
+        return self._path("failures", f"{chunk_name(index)}-a{attempt}.json")
+
+    @property
+    def plan(self) -> Path:
+        """The row map of a run with the vector cache on: each corpus row's id and chunk row."""
+        return self._path("plan")
+
+    def plan_map(self, part: int) -> Path:
+        return self._path("plan", f"rows-{chunk_name(part)}.npy")
+
+    def plan_ids(self, part: int) -> Path:
+        return self._path("plan", f"ids-{chunk_name(part)}.jsonl")
+
+    @property
+    def plan_chunk_rows(self) -> Path:
+        """The corpus rows each chunk gives the result (int64 a chunk): a run's rows, counted as done."""
+        return self._path("plan", "corpus-rows-per-chunk.npy")
+
+    @property
+    def queue_window(self) -> Path:
+        """The ``--queue-window`` the run was submitted with, for the supervisor that watches it."""
+        return self._path("queue_window.json")
+
+    @property
+    def start_marks(self) -> Path:
+        """When the ``chunkq run`` that created the run reached each step before its first chunk."""
+        return self._path("start.json")
+
+    def learned_batch(self, device_kind: str) -> Path:
+        """Where the batch size that fitted on this kind of device is kept for the run's later chunks."""
+        safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in device_kind)[:80] or "device"
+        return self._path("learned", f"{safe}.json")
+
+    def committed_outputs(self) -> Iterator[tuple[int, float]]:
+        """(index, commit time) of each chunk whose output metadata (the commit marker) exists."""
+        for name, mtime in list_with_mtime(self.outputs):
+            stem, dot, ext = name.partition(".")
+            if ext == "json" and dot and stem.isdigit():
+                yield int(stem), mtime
+
+    def done_indices(self, chunks: int | None = None) -> Iterator[int]:
+        """Indices whose output metadata (the commit marker) exists, as the listing yields them:
+        names only, no stat of each (200,000 of them at 10^5 chunks). Only a chunk's own name counts,
+        and given the run's ``chunks``, only its chunks: a stray file is no chunk done."""
+        for name in list_names(self.outputs):
+            stem, dot, ext = name.partition(".")
+            if ext == "json" and dot and stem.isdigit():
+                index = int(stem)
+                if stem == chunk_name(index) and (chunks is None or index < chunks):
+                    yield index
+
+    def done_chunks(self, chunks: int | None = None) -> set[int]:
+        return set(self.done_indices(chunks))
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+
+
+def atomic_write_json(path: Path, data: Any) -> None:
+    atomic_write_bytes(path, (json.dumps(data, indent=2, ensure_ascii=False) + "\n").encode())
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(path.read_bytes())
+
+
+def file_sha256(path: Path, block: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        while chunk := fh.read(block):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def save_npy_atomic(path: Path, array: np.ndarray[Any, Any]) -> str:
+    """Write ``array`` as .npy atomically and return the file's sha256."""
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as fh:
+            np.save(fh, array, allow_pickle=False)
+        digest = file_sha256(tmp)
+    return digest
+
+
+def read_npy_header(fh: Any) -> tuple[tuple[int, ...], bool, np.dtype[Any]]:
+    """(shape, Fortran order, dtype) from an open .npy file's header, the array left unread."""
+    version = np.lib.format.read_magic(fh)
+    read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    shape, fortran, dtype = read(fh)
+    return tuple(shape), bool(fortran), dtype
+
+
+def load_npy(path: Path) -> np.ndarray[Any, Any]:
+    """A chunk output: memory-mapped from a local file, read whole (it is one chunk) from an object store."""
+    array: np.ndarray[Any, Any]
+    if is_local(path):
+        array = np.load(path, mmap_mode="r", allow_pickle=False)
+    else:
+        array = np.load(io.BytesIO(path.read_bytes()), allow_pickle=False)
+    return array
+
+
+FINITE_CHECK_ROWS = 65536  # rows checked at a time, so a memory-mapped result is never read whole
+
+
+def non_finite_rows(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """The indices of the rows of a stored float matrix that hold NaN or an infinity (none for
+    integer or bit dtypes, which cannot), read a block at a time so a memory-mapped result is
+    never read whole."""
+    if array.dtype.kind != "f" or array.ndim != 2:
+        return np.empty(0, dtype=np.int64)
+    found = [
+        start + np.flatnonzero(~np.isfinite(array[start : start + FINITE_CHECK_ROWS]).all(axis=1))
+        for start in range(0, array.shape[0], FINITE_CHECK_ROWS)
+    ]
+    return np.concatenate(found) if found else np.empty(0, dtype=np.int64)
+
+
+def write_chunk_input(layout: RunLayout, index: int, rows: list[tuple[str, str]]) -> None:
+    """Write one chunk's (id, text) rows as JSON lines."""
+    lines = [json.dumps({"id": rid, "text": text}, ensure_ascii=False) for rid, text in rows]
+    atomic_write_bytes(layout.input_path(index), ("\n".join(lines) + "\n").encode())
+
+
+def read_chunk_input(layout: RunLayout, index: int) -> tuple[list[Any], list[str]]:
+    """Return (ids, texts) of one chunk; a malformed row raises BadInputError naming it. An id is a
+    string, or a window's object (its text's id, window number and span) as submit wrote it."""
+    path = layout.input_path(index)
+    if not path.is_file():
+        raise StoreError(f"chunk input {path} is missing")
+    ids: list[Any] = []
+    texts: list[str] = []
+    with path.open("r", encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise BadInputError(f"{path}:{lineno}: invalid JSON: {exc.msg}") from exc
+            text = row.get("text") if isinstance(row, dict) else None
+            if not isinstance(text, str):
+                raise BadInputError(f"{path}:{lineno}: text is {type(text).__name__}, not a string")
+            rid = row.get("id")
+            ids.append(rid if isinstance(rid, dict) else str(rid))
+            texts.append(text)
+    return ids, texts
+
+
+def producer_mismatch(meta: dict[str, Any], producer: dict[str, Any]) -> str:
+    """How a chunk output's record of what produced it differs from the run's, or "" if it agrees."""
+    diffs = [key for key, value in producer.items() if meta.get(key) != value]
+    if not diffs:
+        return ""
+    if "run_fingerprint" not in meta:
+        return "it records no run fingerprint (written by an older chunkq, or not by chunkq)"
+    return f"it was produced with {' and '.join(diffs)} other than the run manifest's"
+
+
+def verify_output(
+    layout: RunLayout, index: int, expected_rows: int, producer: dict[str, Any] | None = None
+) -> tuple[dict[str, Any] | None, str]:
+    """Check a chunk output against its metadata and, given ``producer`` (``RunManifest.producer()``),
+    against the run: return (meta, "") if whole and the run's, else (None, reason)."""
+    meta_path, npy_path = layout.output_meta(index), layout.output_npy(index)
+    if not meta_path.is_file():
+        return None, "output metadata missing"
+    try:
+        meta = read_json(meta_path)
+    except (OSError, ValueError) as exc:
+        return None, f"output metadata unreadable: {exc}"
+    if not isinstance(meta, dict):
+        return None, "output metadata is not a JSON object"
+    if not npy_path.is_file():
+        return None, f"{npy_path.name} missing"
+    if file_sha256(npy_path) != meta.get("sha256"):
+        return None, f"{npy_path.name} checksum does not match its metadata"
+    try:
+        array = load_npy(npy_path)
+    except (OSError, ValueError) as exc:
+        return None, f"{npy_path.name} unreadable: {exc}"
+    if "arrays" in meta:  # a ragged output: npy_path holds its row offsets
+        from chunkq.jobs.contract.ragged import ragged_problem  # it writes with this module's helpers
+
+        why = ragged_problem(layout, index, array, meta, expected_rows)
+    else:
+        why = _array_problem(npy_path.name, array, meta, expected_rows, producer)
+    if why:
+        return None, why
+    if meta.get("run_id") != layout.run_id or meta.get("chunk") != index:
+        return None, f"{npy_path.name} belongs to run {meta.get('run_id')} chunk {meta.get('chunk')}"
+    why = producer_mismatch(meta, producer) if producer is not None else ""
+    if why:
+        return None, f"{npy_path.name}: {why}"
+    return meta, ""
+
+
+def _array_problem(
+    name: str,
+    array: np.ndarray[Any, Any],
+    meta: dict[str, Any],
+    expected_rows: int,
+    producer: dict[str, Any] | None,
+) -> str:
+    """What is wrong with a chunk output's array (its dtype, shape or values), or ""."""
+    output_dtype = str(((producer or {}).get("options") or {}).get("output_dtype", "float32"))
+    expected = np.dtype(OUTPUT_DTYPES.get(output_dtype, "<f4"))
+    if array.ndim != 2 or array.dtype != expected:
+        shape = f"{name} has shape {array.shape} and dtype {array.dtype}"
+        return f"{shape}, expected 2-D {expected} ({output_dtype})"
+    if array.shape[0] != expected_rows or meta.get("rows") != expected_rows:
+        return f"{name} has {array.shape[0]} rows, expected {expected_rows}"
+    if meta.get("dim") != array.shape[1]:
+        return f"{name} has dimension {array.shape[1]}, metadata says {meta.get('dim')}"
+    if bad := len(non_finite_rows(array)):
+        return f"{name} has {bad} row(s) of NaN or infinite values"
+    return ""
+
+
+def write_output(
+    layout: RunLayout,
+    index: int,
+    embeddings: np.ndarray[Any, Any],
+    meta: dict[str, Any],
+    output_dtype: str = "float32",
+) -> dict[str, Any]:
+    """Publish a chunk output: the .npy first, then its metadata, which commits it. ``embeddings``
+    are already in ``output_dtype``'s stored form (jobs.compute.quantize); ``dim`` is the stored columns."""
+    array = np.ascontiguousarray(embeddings, dtype=storage_dtype(output_dtype))
+    digest = save_npy_atomic(layout.output_npy(index), array)
+    full = {
+        **meta,
+        "rows": int(array.shape[0]),
+        "dim": int(array.shape[1]),
+        "dtype": output_dtype,
+        "sha256": digest,
+    }
+    atomic_write_json(layout.output_meta(index), full)
+    return full

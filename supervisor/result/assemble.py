@@ -1,0 +1,371 @@
+"""Assembly: verify every chunk output and publish the ordered embedding matrix, whole or not at all.
+
+The matrix is appended to one chunk at a time, so memory stays flat in the corpus size, and
+written as one file or as ordered shards (``writer.py``). It is built under a temporary name; on
+a filesystem store it is renamed into place only when whole, on an object store its files are
+uploaded and its manifest, the commit marker that readers look for, is uploaded last.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+from array import array
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from chunkq.jobs import kinds
+from chunkq.jobs.compute.model_identity import short
+from chunkq.jobs.compute.quantize import convert, derived_floats, stored_columns
+from chunkq.jobs.compute.vector_cache import VectorCache, producer
+from chunkq.jobs.contract.errors import AssemblyError, BadInputError
+from chunkq.jobs.contract.manifest import RunManifest, load_manifest
+from chunkq.jobs.contract.ragged import SCHEMAS
+from chunkq.jobs.contract.run_files import (
+    MANIFEST_NAME,
+    RunLayout,
+    atomic_write_json,
+    load_npy,
+    read_chunk_input,
+    verify_output,
+)
+from chunkq.jobs.contract.specs import PACKED_DTYPES, EncodeOptions, storage_dtype
+from chunkq.jobs.contract.storage import is_local, publish_file
+from chunkq.supervisor.result import planned_rows
+from chunkq.supervisor.result import ragged as ragged_result
+from chunkq.supervisor.result.published import DEFAULT_SHARD_BYTES, TEXTS, published_result
+from chunkq.supervisor.result.text_pooling import TextPooler
+from chunkq.supervisor.result.writer import PartWriter, ResultWriter, local_build_dir, publish
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Verified:
+    """What the result needs of the verified chunk outputs, in a few bytes a chunk: each one's
+    stored columns (an array: a run of 10^5 chunks must not hold 10^5 records), and the rest as
+    totals (who did the work, on which devices, for how long)."""
+
+    dims: array[int] = field(default_factory=lambda: array("i"))  # per chunk; 0: none verified
+    workers: set[str] = field(default_factory=set)
+    devices: set[str] = field(default_factory=set)
+    seconds: float = 0.0
+    embedding_dim: int = 0  # the dimensions encoded (packed bits store 8 a column)
+    bad_rows: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # chunk: rows left out
+    models: dict[str, int] = field(default_factory=dict)  # each model identity outputs name: a chunk of it
+
+    def add(self, index: int, meta: dict[str, Any]) -> None:
+        self.dims[index] = dim = int(meta["dim"])
+        if meta.get("model_identity"):
+            self.models.setdefault(str(meta["model_identity"]), index)
+        if meta.get("bad_rows"):
+            self.bad_rows[index] = list(meta["bad_rows"])
+        self.embedding_dim = self.embedding_dim or int(meta.get("embedding_dim") or dim)
+        self.workers.add(str(meta.get("worker")))
+        self.devices.add(str(meta.get("device")))
+        try:
+            self.seconds += float(meta.get("seconds") or 0.0)
+        except (TypeError, ValueError):
+            pass
+
+
+@dataclass
+class Failure:
+    """A chunk whose last attempt failed: waiting for its next attempt, or quarantined (what a result
+    left out, in a partial one; the watch reads it from the chunk's job)."""
+
+    chunk: int
+    first_row: int
+    rows: int
+    job_id: str
+    error_class: str
+    attempt: int
+    error: str
+    traceback: str
+    quarantined: bool
+    reason: str = ""
+
+
+def _verify_all(layout: RunLayout, manifest: RunManifest, skip: set[int]) -> tuple[Verified, list[str]]:
+    """Each chunk output whole and the run's, all of one dimension. A bad output is set aside, so
+    the next run encodes it again; its problem is listed either way."""
+    verified = Verified(array("i", [0]) * manifest.chunks)
+    problems = []
+    producer = manifest.producer()
+    for index in range(manifest.chunks):
+        if index in skip:
+            continue
+        meta, why = verify_output(layout, index, manifest.chunk_rows(index), producer)
+        if meta is None:
+            problems.append(_set_aside_because(layout, manifest, index, why))
+        else:
+            verified.add(index, meta)
+    # The dimension the model gives is the one most chunks have: a lone output of another dimension
+    # is the odd one out, not the healthy chunks around it.
+    dims = Counter(d for d in verified.dims if d)
+    if len(dims) > 1:
+        dim, _ = dims.most_common(1)[0]
+        for index in [i for i, d in enumerate(verified.dims) if d and d != dim]:
+            why = f"dimension {verified.dims[index]}, while {dims[dim]} other chunk(s) have {dim}"
+            verified.dims[index] = 0
+            problems.append(_set_aside_because(layout, manifest, index, why))
+    if len(verified.models) > 1:  # a run submitted where its model's files were not: none to hold to
+        named = ", ".join(f"{short(m)} (chunk {i})" for m, i in verified.models.items())
+        problems.append(
+            f"its chunks were encoded by {len(verified.models)} different models ({named}): the model's "
+            "files differ between hosts or changed during the run; give every host the same files and "
+            "start the run again"
+        )
+    return verified, problems
+
+
+def _set_aside_because(layout: RunLayout, manifest: RunManifest, index: int, why: str) -> str:
+    first, rows = manifest.first_row(index), manifest.chunk_rows(index)
+    aside = set_aside(layout, index)
+    again = f"; moved to {aside}, the next run encodes it again" if aside else ""
+    return f"chunk {index} (rows {first}-{first + rows - 1}): {why}{again}"
+
+
+def set_aside(layout: RunLayout, index: int) -> str:
+    """Move a chunk's damaged output out of the way (kept for a look, never read again), so the
+    next run counts the chunk as not done and encodes it again; where it went, or "" if nothing."""
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S%f")
+    moved = ""
+    arrays = [layout.output_array(index, name) for names in SCHEMAS.values() for name in names]
+    for path in (layout.output_meta(index), layout.output_npy(index), *arrays):  # the commit marker first
+        if path.exists():
+            target = layout.damaged_outputs / f"{path.stem}-{stamp}{path.suffix}"
+            if is_local(path):
+                publish_file(path, target)
+            else:
+                _move_remote(path, target)
+            moved = str(layout.damaged_outputs)
+    if moved:
+        log.warning(
+            "run %s: chunk %d's output is damaged; moved to %s, to be encoded again",
+            layout.run_id,
+            index,
+            moved,
+        )
+    return moved
+
+
+def _move_remote(path: Path, target: Path) -> None:
+    with tempfile.TemporaryDirectory() as scratch:
+        local = Path(scratch) / path.name
+        local.write_bytes(path.read_bytes())
+        publish_file(local, target)
+    path.unlink()
+
+
+def _write_result(
+    layout: RunLayout,
+    manifest: RunManifest,
+    writer: ResultWriter,
+    skip: set[int],
+    dim: int,
+    scratch: Path,
+    bad_rows: dict[int, list[dict[str, Any]]],
+    bad: np.ndarray[Any, Any],
+) -> None:
+    if manifest.plan is not None:
+        pooler = _pooler(manifest, writer, skip)
+        for ids, block in planned_rows.result_rows(layout, manifest, skip, dim, scratch, bad):
+            floats = derived_floats(block, manifest.options)
+            writer.write(ids, convert(floats, manifest.output_dtype, manifest.ranges))
+            if pooler is not None:
+                pooler.add(ids, floats)
+        if pooler is not None:
+            pooler.finish()
+        return
+    for index in range(manifest.chunks):
+        if index in skip:
+            continue
+        rows = manifest.chunk_rows(index)
+        ids, _ = read_chunk_input(layout, index)
+        if len(ids) != rows:
+            raise BadInputError(f"chunk {index}: input holds {len(ids)} rows, the manifest says {rows}")
+        block = load_npy(layout.output_npy(index))
+        if block.shape != (rows, writer.dim):
+            raise BadInputError(
+                f"chunk {index}: output has shape {block.shape}, expected ({rows}, {writer.dim})"
+            )
+        if index in bad_rows:  # rows whose input could not be read (--allow-missing): no vector
+            first = manifest.first_row(index)
+            keep = sorted(set(range(rows)) - {int(r["row"]) - first for r in bad_rows[index]})
+            ids, block = [ids[i] for i in keep], np.asarray(block)[keep]
+        writer.write(ids, block)
+
+
+def _pooler(manifest: RunManifest, writer: ResultWriter, skip: set[int]) -> TextPooler | None:
+    """--pool: a vector per text, written beside the windows' rows as texts.npy (a whole result's
+    only: a partial one lacks some texts' windows)."""
+    windows = (manifest.plan or {}).get("windows") or {}
+    if windows.get("pool", "none") == "none" or skip:
+        return None
+    texts = PartWriter(
+        writer.built / TEXTS[0], writer.built / TEXTS[1], int(windows["texts"]), writer.dim, writer.dtype
+    )
+    writer.extra = texts
+
+    def write(ids: list[Any], vectors: Any) -> None:
+        texts.write(ids, convert(vectors, manifest.output_dtype, manifest.ranges))
+
+    return TextPooler(str(windows["pool"]), bool(windows.get("normalize")), write)
+
+
+def assemble(
+    layout: RunLayout,
+    missing: list[Failure] | None = None,
+    fence: Callable[[], None] | None = None,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> dict[str, Any]:
+    """Verify every chunk and publish ``result/``; raise AssemblyError naming every problem.
+
+    ``missing`` (``--allow-partial``) leaves those chunks out; the result manifest then says
+    ``complete: false`` and lists their row ranges and errors, so a partial result is never silent.
+    ``fence`` raises if this process no longer owns the run (``StoreLock.check``): it is called
+    just before the result is put in place, so a supervisor that lost its lock never publishes.
+    A result of more than ``shard_bytes`` of embeddings is published as shards (``writer.py``).
+    """
+    manifest = load_manifest(layout)
+    existing = published_result(layout, manifest)
+    if existing is not None:
+        return existing
+    skip = {f.chunk: f for f in missing or []}
+    verified, problems = _verify_all(layout, manifest, set(skip))
+    if problems:
+        raise AssemblyError(manifest.run_id, problems)
+    dim = next((d for d in verified.dims if d), 0)
+    if not dim:
+        raise AssemblyError(manifest.run_id, ["no chunk of the run has an output"])
+    lost = (
+        planned_rows.lost_rows(layout, manifest, set(skip))
+        if manifest.plan is not None
+        else {f.chunk: f.rows for f in skip.values()}
+    )
+    bad_rows = [row for rows in verified.bad_rows.values() for row in rows]
+    bad = np.array(sorted(int(row["row"]) for row in bad_rows), dtype=np.int64)  # as chunks number rows
+    left_out = (
+        planned_rows.rows_without_vector(layout, manifest, bad) if manifest.plan is not None else len(bad)
+    )
+    total = manifest.corpus_rows - sum(lost.values()) - left_out
+    built = local_build_dir(layout)
+    remote = not is_local(layout.root)
+    dtype = storage_dtype(manifest.output_dtype)
+    embedding_dim = verified.embedding_dim
+    columns = dim
+    if manifest.plan is not None:  # the chunks hold full float32 vectors; the result is derived
+        embedding_dim = int(manifest.options.get("truncate_dim") or dim)
+        columns = stored_columns(embedding_dim, manifest.output_dtype)
+    ragged = kinds.get(manifest.kind).ragged
+    writer = ResultWriter(
+        built, total, columns, dtype, shard_bytes, upload_to=layout.result if remote else None
+    )
+    try:
+        if ragged:
+            upload_to = layout.result if remote else None
+            files = ragged_result.write(layout, manifest, set(skip), built, total, shard_bytes, upload_to)
+            uploaded = files["ragged"].get("shard_dir")
+        else:
+            _write_result(layout, manifest, writer, set(skip), dim, built, verified.bad_rows, bad)
+            files = writer.finish()
+            uploaded = writer.shard_dir
+        if writer.extra is not None:
+            windows = (manifest.plan or {}).get("windows") or {}
+            files["texts"] = {**writer.extra.close(), "pool": windows.get("pool"), "dim": columns}
+        missing_rows = [
+            {
+                "chunk": f.chunk,
+                "first_row": f.first_row,
+                "rows": lost[f.chunk],
+                "error_class": f.error_class,
+                "error": f.error,
+            }
+            for f in skip.values()
+        ]
+        result = {
+            **manifest.data,
+            **files,
+            "complete": not skip,
+            "corpus_rows": manifest.corpus_rows,
+            "rows": total,
+            "missing": missing_rows,
+            **({"bad_rows": bad_rows} if bad_rows else {}),  # left out under --allow-missing, each with why
+            "dim": columns,  # the stored array's columns
+            "dtype": manifest.output_dtype,
+            "embedding_dim": embedding_dim,
+            "packed_bits": manifest.output_dtype in PACKED_DTYPES,  # binary/ubinary: 8 dimensions a byte
+            "assembled_at": datetime.now(UTC).isoformat(),
+            "workers": sorted(verified.workers),
+            "devices": sorted(verified.devices),
+            "encode_seconds": round(verified.seconds, 3),
+            # The model every row came from: the run's, or where submit could not tell, the chunks' one
+            "model_identity": manifest.model_identity or next(iter(verified.models), None),
+        }
+        atomic_write_json(built / MANIFEST_NAME, result)
+        if fence is not None:
+            fence()
+        publish(built, layout.result, uploaded=uploaded if remote else None)
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        shutil.rmtree(built, ignore_errors=True)
+    if skip:
+        log.warning(
+            "run %s: published a PARTIAL result: %d of %d rows; %d chunk(s) missing",
+            manifest.run_id,
+            total,
+            manifest.corpus_rows,
+            len(skip),
+        )
+    log.info("run %s: published %d x %d embeddings in %s", manifest.run_id, total, columns, layout.result)
+    _add_to_cache(layout, manifest, skip)
+    return result
+
+
+CACHE_WRITE_ROWS = 1 << 18  # encoded rows gathered before they are written to the cache as a shard
+
+
+def _add_to_cache(layout: RunLayout, manifest: RunManifest, skip: dict[int, Failure]) -> None:
+    """Add the vectors the run's workers encoded to the store's cache (derived data: a failure here
+    is said and costs only a later run's time)."""
+    key = (manifest.plan or {}).get("producer")
+    if not key or skip:
+        return
+    cache = VectorCache(layout.store, str(key))
+    identity = (manifest.plan or {}).get("model_identity")
+    hashes: list[np.ndarray[Any, Any]] = []
+    vectors: list[np.ndarray[Any, Any]] = []
+    seconds, written = 0.0, 0
+
+    def flush() -> None:
+        nonlocal hashes, vectors, seconds, written
+        if hashes:
+            cache.write(np.concatenate(hashes), np.concatenate(vectors), manifest.run_id, seconds)
+            written += sum(len(h) for h in hashes)
+        hashes, vectors, seconds = [], [], 0.0
+
+    try:
+        if identity:
+            cache.describe(producer(manifest.model, str(identity), EncodeOptions.from_dict(manifest.options)))
+        for chunk_hashes, chunk_vectors, chunk_seconds in planned_rows.encoded_chunks(layout, manifest):
+            hashes.append(chunk_hashes)
+            vectors.append(chunk_vectors)
+            seconds += chunk_seconds
+            if sum(len(h) for h in hashes) >= CACHE_WRITE_ROWS:
+                flush()
+        flush()
+    except (OSError, ValueError) as exc:
+        log.warning("run %s: the vector cache was not updated: %s", manifest.run_id, exc)
+        return
+    if written:
+        log.info("run %s: %d encoded vectors added to the vector cache", manifest.run_id, written)

@@ -1,0 +1,125 @@
+"""Rows per second, defined once for status, supervise, report and metrics alike.
+
+rows done ÷ the time the run ran: the spans during which some chunk was being encoded, from the
+chunk outputs in the store (their ``started_at`` and ``finished_at``), so every command that reads
+the store gives the same figure for the same run. Chunk spans closer than PAUSE_SECONDS are one
+span (the moments between chunks are the run's own cost); a longer pause, a run stopped and
+resumed the next day, is not counted. While the run goes on, the time since its last chunk ended
+counts, up to PAUSE_SECONDS.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from chunkq.jobs.compute.device_busy import Tally
+
+
+def parse_time(value: Any) -> datetime:
+    """A chunk output's ISO time; one written without a zone is UTC (as workers write them)."""
+    moment = datetime.fromisoformat(str(value))
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+
+
+PAUSE_SECONDS = 300.0  # a gap between chunk spans longer than this is a stopped run, not its work
+_PAUSE = timedelta(seconds=PAUSE_SECONDS)
+
+
+@dataclass
+class Throughput:
+    rows: int = 0
+    first_start: datetime | None = None
+    last_end: datetime | None = None
+    # Merged [start, end] spans of chunk work, in time order: one per stretch the run ran (a few
+    # entries, whatever the chunk count). None: not known (a summary written before they were kept).
+    spans: list[list[datetime]] | None = field(default_factory=list)
+    busy: Tally = field(default_factory=Tally)  # how busy the chunks kept their devices (compute/device_busy)
+
+    def add(self, meta: Mapping[str, Any]) -> None:
+        """Count one committed chunk output (its metadata as written by the worker); a chunk read
+        from the vector cache was not encoded and is no part of the rate."""
+        if meta.get("source") == "cache":
+            return
+        self.rows += int(meta["rows"])
+        started, ended = parse_time(meta["started_at"]), parse_time(meta["finished_at"])
+        self.first_start = started if self.first_start is None else min(self.first_start, started)
+        self.last_end = ended if self.last_end is None else max(self.last_end, ended)
+        if self.spans is not None:
+            _merge(self.spans, started, max(started, ended))
+        self.busy.add(meta.get("busy"), meta.get("seconds"))
+
+    def ran_seconds(self) -> float | None:
+        """The time spent in the run's spans; the whole span where they are unknown."""
+        if self.first_start is None or self.last_end is None:
+            return None
+        if self.spans is None:
+            return max((self.last_end - self.first_start).total_seconds(), 0.0)
+        return sum((end - start).total_seconds() for start, end in self.spans)
+
+    def seconds(
+        self, running: bool, now: datetime | None = None, resumed_at: datetime | None = None
+    ) -> float | None:
+        """The time the run ran. ``resumed_at``: when the encoding now in progress started (the
+        earliest running chunk's), which counts while nothing is published yet, and replaces the
+        PAUSE_SECONDS allowance after a longer stop."""
+        now = now or datetime.now(UTC)
+        ran = self.ran_seconds()
+        if ran is None or self.last_end is None:
+            if running and resumed_at is not None:
+                return max((now - resumed_at).total_seconds(), 0.0)
+            return None
+        if running:
+            since = (now - self.last_end).total_seconds()
+            if since > PAUSE_SECONDS and resumed_at is not None and resumed_at > self.last_end:
+                ran += (now - resumed_at).total_seconds()
+            else:
+                ran += min(max(since, 0.0), PAUSE_SECONDS)
+        return ran
+
+    def rows_per_second(
+        self,
+        running: bool,
+        now: datetime | None = None,
+        encoding: int = 0,
+        resumed_at: datetime | None = None,
+    ) -> float | None:
+        """Rows per second; ``encoding``: rows running chunks have encoded and not yet published."""
+        seconds = self.seconds(running, now, resumed_at)
+        return (self.rows + encoding) / seconds if seconds else None
+
+
+def _merge(spans: list[list[datetime]], start: datetime, end: datetime) -> None:
+    """Add [start, end] to sorted, merged ``spans``: a span within PAUSE_SECONDS of another joins it."""
+    at = bisect.bisect_left([s for s, _ in spans], start)
+    spans.insert(at, [start, end])
+    # Merge around the new span: its left neighbour, then every span it now reaches.
+    i = max(at - 1, 0)
+    while i + 1 < len(spans):
+        if spans[i + 1][0] - spans[i][1] <= _PAUSE:
+            spans[i][1] = max(spans[i][1], spans[i + 1][1])
+            del spans[i + 1]
+        elif i + 1 > at:
+            break
+        else:
+            i += 1
+
+
+def of_run(store: Any, run_id: str) -> Throughput:
+    """A run's throughput from its committed chunk outputs (the ledger's summary where it covers
+    them): for tools and benches that measure a run the way ``status`` reports it."""
+    from chunkq.jobs.contract.run_files import RunLayout
+    from chunkq.supervisor.store.ledger import throughput_of
+
+    layout = RunLayout(store, run_id)
+    return throughput_of(layout, layout.done_chunks())
+
+
+def of_outputs(metas: Iterable[Mapping[str, Any]]) -> Throughput:
+    throughput = Throughput()
+    for meta in metas:
+        throughput.add(meta)
+    return throughput

@@ -1,0 +1,309 @@
+"""Streaming corpus readers: JSON Lines, CSV, Parquet and plain text, one (id, text) at a time.
+
+Memory stays flat in the corpus size. Every error names the file and the line (or row). When a
+corpus has no id field, ids are line numbers (row numbers for CSV and Parquet), counted from 1.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from chunkq.jobs.contract.errors import CorpusError
+from chunkq.jobs.contract.storage import is_local
+from chunkq.jobs.kinds.cross import pair_text
+
+FORMATS = ("jsonl", "csv", "parquet", "txt")
+_SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".parquet": "parquet", ".txt": "txt"}
+
+
+MAX_TEXT_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class CorpusOptions:
+    """How to read a corpus; part of a run's identity."""
+
+    format: str
+    text_field: str = "text"
+    id_field: str = "id"
+    max_text_bytes: int = MAX_TEXT_BYTES  # a longer line or text is a data bug, not a document
+    pair_field: str | None = None  # --kind cross: the second text of each pair (the passage)
+    extra_fields: tuple[str, ...] = ()  # export --columns: fields copied beside each row (not read by runs)
+
+
+class Record(NamedTuple):
+    id: str
+    text: str
+    where: str  # "file:line" or "file: row N", for error messages
+    extra: dict[str, Any] | None = None  # CorpusOptions.extra_fields: their values (None where absent)
+
+
+def _extra(record: dict[str, Any], opts: CorpusOptions) -> dict[str, Any] | None:
+    return {name: record.get(name) for name in opts.extra_fields} if opts.extra_fields else None
+
+
+def detect_format(path: Path, given: str | None = None) -> str:
+    if given:
+        if given not in FORMATS:
+            raise CorpusError(f"{path}: unknown format {given!r}; use one of {', '.join(FORMATS)}")
+        return given
+    fmt = _SUFFIXES.get(path.suffix.lower())
+    if fmt is None:
+        raise CorpusError(
+            f"{path}: cannot tell the format from the suffix {path.suffix!r}; "
+            f"pass --format ({', '.join(FORMATS)})"
+        )
+    return fmt
+
+
+def check_readable(path: Path) -> None:
+    if not path.exists():
+        raise CorpusError(f"{path}: no such file")
+    if path.is_dir():
+        raise CorpusError(f"{path}: is a directory, not a corpus file")
+    if not path.is_file():
+        # A pipe (`<(cat c.jsonl)`), FIFO or device would hang, or lose what one pass read: chunkq
+        # reads a corpus twice (its checksum, then its rows).
+        raise CorpusError(
+            f"{path}: not a regular file (a pipe, FIFO or device); chunkq reads a corpus twice "
+            "(checksum, then rows): save it to a file first"
+        )
+    try:
+        with path.open("rb") as fh:
+            fh.read(1)
+    except OSError as exc:
+        raise CorpusError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+
+
+class _IdPolicy:
+    """Ids from the id field if the first record has one (then every record needs it), else row
+    numbers (after ``prefix``, which tells the files of a run apart)."""
+
+    def __init__(self, path: Path, field: str, prefix: str = "") -> None:
+        self.path, self.field, self.prefix = path, field, prefix
+        self.from_field: bool | None = None
+
+    def pick(self, record: dict[str, Any], where: str, number: int) -> str:
+        # The field's presence decides, not its value: a first record with a null id must not turn
+        # every later id into a line number.
+        present = self.field in record
+        if self.from_field is None:
+            self.from_field = present
+        if not self.from_field:
+            return f"{self.prefix}{number}"
+        if not present:
+            raise CorpusError(f"{where}: missing id field {self.field!r} (earlier records have one)")
+        value = record[self.field]
+        if value is None:
+            raise CorpusError(f"{where}: id {self.field!r} is null")
+        if isinstance(value, bool) or not isinstance(value, str | int):
+            raise CorpusError(
+                f"{where}: id {self.field!r} is {type(value).__name__}, expected a string or integer"
+            )
+        return _unicode(str(value), f"id {self.field!r}", where)
+
+
+def _unicode(value: str, what: str, where: str) -> str:
+    """``value`` if it can be written as UTF-8; JSON's ``"\\ud800"`` decodes to a lone surrogate,
+    which cannot be, and would fail far from here (in the store, or in the tokenizer)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = value[exc.start]
+        raise CorpusError(
+            f"{where}: {what} holds a lone surrogate (\\u{ord(bad):04x} at character {exc.start}), "
+            "which is not valid Unicode; fix or drop that escape"
+        ) from None
+    return value
+
+
+def _text_of(record: dict[str, Any], opts: CorpusOptions, where: str) -> str:
+    """The row's text; with a pair field, the pair as one row text (jobs.kinds.cross.pair_text)."""
+    text = _field_text(record, opts.text_field, opts, where)
+    if opts.pair_field is None:
+        return text
+    return pair_text(text, _field_text(record, opts.pair_field, opts, where))
+
+
+def _field_text(record: dict[str, Any], field: str, opts: CorpusOptions, where: str) -> str:
+    if field not in record:
+        raise CorpusError(f"{where}: missing text field {field!r}")
+    text = record[field]
+    if not isinstance(text, str):
+        kind = "null" if text is None else type(text).__name__
+        raise CorpusError(f"{where}: text field {field!r} is {kind}, not a string")
+    if not text.strip():
+        raise CorpusError(f"{where}: text field {field!r} is empty")
+    if _utf8_length_over(text, opts.max_text_bytes):
+        raise CorpusError(f"{where}: text is over the limit of {opts.max_text_bytes} bytes")
+    return _unicode(text, f"text field {field!r}", where)
+
+
+def _utf8_length_over(text: str, limit: int) -> bool:
+    """Whether ``text`` takes more than ``limit`` bytes in UTF-8 (encoded only when its characters,
+    1 to 4 bytes each, leave it in doubt)."""
+    if len(text) > limit:
+        return True
+    return len(text) * 4 > limit and len(text.encode("utf-8", "surrogatepass")) > limit
+
+
+_BOM = "\ufeff".encode()
+CSV_LINE_SLACK = 1 << 16  # a CSV line holds its id and other columns beside a text at the limit
+
+
+READ_BLOCK = 1 << 20
+
+
+def _raw_lines(fh: Any, limit: int) -> Iterator[bytes]:
+    """A binary file's lines, each cut at ``limit + 2`` bytes as ``readline(limit + 2)`` cuts it,
+    from any file object: fsspec's buffered files (s3://, gs://) take no size in ``readline``. A
+    line over the limit is never held whole: its first ``limit + 2`` bytes end the stream."""
+    pending = b""
+    while block := fh.read(READ_BLOCK):
+        pending += block
+        start = 0
+        while (cut := pending.find(b"\n", start, start + limit + 2)) >= 0:
+            yield pending[start : cut + 1]
+            start = cut + 1
+        if len(pending) - start >= limit + 2:
+            yield pending[start : start + limit + 2]
+            return
+        pending = pending[start:]
+    if pending:
+        yield pending
+
+
+def _lines(path: Path, limit: int) -> Iterator[tuple[int, str]]:
+    with path.open("rb") as fh:
+        lineno = 0
+        for raw in _raw_lines(fh, limit):  # never more of a line than the limit allows
+            lineno += 1
+            if lineno == 1 and raw.startswith(_BOM):  # written by Excel and Windows tools
+                raw = raw[len(_BOM) :]
+            if len(raw.rstrip(b"\r\n")) > limit:
+                raise CorpusError(f"{path}:{lineno}: line is over the limit of {limit} bytes")
+            try:
+                yield lineno, raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise CorpusError(
+                    f"{path}:{lineno}: not valid UTF-8 ({exc.reason} at byte {exc.start})"
+                ) from None
+
+
+def _read_jsonl(path: Path, opts: CorpusOptions, prefix: str) -> Iterator[Record]:
+    ids = _IdPolicy(path, opts.id_field, prefix)
+    for lineno, line in _lines(path, opts.max_text_bytes):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise CorpusError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+        if not isinstance(record, dict):
+            raise CorpusError(f"{where}: expected a JSON object, got {type(record).__name__}")
+        yield Record(
+            ids.pick(record, where, lineno), _text_of(record, opts, where), where, _extra(record, opts)
+        )
+
+
+def _text_fields(opts: CorpusOptions) -> tuple[str, ...]:
+    return (opts.text_field,) if opts.pair_field is None else (opts.text_field, opts.pair_field)
+
+
+def _read_txt(path: Path, opts: CorpusOptions, prefix: str) -> Iterator[Record]:
+    if opts.pair_field is not None:
+        raise CorpusError(
+            f"{path}: a text file holds one text a line, not pairs; use JSON Lines, CSV or Parquet"
+        )
+    for lineno, line in _lines(path, opts.max_text_bytes):
+        text = line.rstrip("\r\n")
+        if text.strip():
+            yield Record(f"{prefix}{lineno}", text, f"{path}:{lineno}")
+
+
+def _read_csv(path: Path, opts: CorpusOptions, prefix: str) -> Iterator[Record]:
+    ids = _IdPolicy(path, opts.id_field, prefix)
+    # The csv module refuses fields over 131,072 characters by default; the limit is chunkq's own.
+    csv.field_size_limit(max(csv.field_size_limit(), opts.max_text_bytes + 1))
+    # Physical lines bounded as every reader's are: a huge line is refused by number, never read
+    # whole by the csv module (a 1 GB line peaked at 2.17 GB before).
+    lines = (line for _, line in _lines(path, opts.max_text_bytes + CSV_LINE_SLACK))
+    reader = csv.DictReader(lines)
+    try:
+        header = reader.fieldnames or []
+        for name in _text_fields(opts):
+            if name not in header:
+                raise CorpusError(f"{path}:1: header has no column {name!r} (columns: {', '.join(header)})")
+        for number, row in enumerate(reader, 1):
+            where = f"{path}:{reader.line_num}"
+            if None in row or any(value is None for value in row.values()):
+                raise CorpusError(
+                    f"{where}: row has {len(header)} columns expected, found a different number"
+                )
+            yield Record(ids.pick(row, where, number), _text_of(row, opts, where), where, _extra(row, opts))
+    except csv.Error as exc:
+        raise CorpusError(f"{path}:{reader.line_num}: malformed CSV: {exc}") from None
+
+
+PARQUET_BATCH_ROWS = 1024
+
+
+def _refuse_long_texts(column: Any, limit: int, path: Path, before: int) -> None:
+    """Refuse a text over the limit from Arrow's byte lengths, before it is copied into Python."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if pa.types.is_dictionary(column.type):
+        column = column.dictionary_decode()
+    if len(column) == 0 or pc.max(pc.binary_length(column)).as_py() <= limit:
+        return
+    over = pc.indices_nonzero(pc.greater(pc.binary_length(column), limit))[0].as_py()
+    raise CorpusError(f"{path}: row {before + over + 1}: text is over the limit of {limit} bytes")
+
+
+def _read_parquet(path: Path, opts: CorpusOptions, prefix: str) -> Iterator[Record]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        # A local file by name; an object (s3://, gs://) through fsspec, read in ranges as Arrow asks.
+        pfile = pq.ParquetFile(str(path) if is_local(path) else path.open("rb"))
+    except (pa.ArrowException, OSError) as exc:
+        raise CorpusError(f"{path}: not a readable Parquet file: {exc}") from None
+    schema = pfile.schema_arrow
+    for name in _text_fields(opts):
+        if name not in schema.names:
+            raise CorpusError(f"{path}: no column {name!r} (columns: {', '.join(schema.names)})")
+        text_type = schema.field(name).type
+        if pa.types.is_dictionary(text_type):  # how pyarrow and pandas write repetitive string columns
+            text_type = text_type.value_type
+        if not (pa.types.is_string(text_type) or pa.types.is_large_string(text_type)):
+            raise CorpusError(f"{path}: column {name!r} has type {text_type}, expected string")
+    columns = [*_text_fields(opts)] + ([opts.id_field] if opts.id_field in schema.names else [])
+    columns += [name for name in opts.extra_fields if name in schema.names and name not in columns]
+    ids = _IdPolicy(path, opts.id_field, prefix)
+    number = 0
+    for batch in pfile.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns):
+        for name in _text_fields(opts):
+            _refuse_long_texts(batch.column(name), opts.max_text_bytes, path, number)
+        for record in batch.to_pylist():
+            number += 1
+            where = f"{path}: row {number}"
+            yield Record(
+                ids.pick(record, where, number), _text_of(record, opts, where), where, _extra(record, opts)
+            )
+
+
+_READERS = {"jsonl": _read_jsonl, "csv": _read_csv, "parquet": _read_parquet, "txt": _read_txt}
+
+
+def read_corpus(path: Path, opts: CorpusOptions, number_prefix: str = "") -> Iterator[Record]:
+    """Yield (id, text) in corpus order; raise CorpusError naming the file and line on bad input."""
+    check_readable(path)
+    return _READERS[opts.format](path, opts, number_prefix)

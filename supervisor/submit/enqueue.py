@@ -1,0 +1,200 @@
+"""Enqueue chunk jobs idempotently: a chunk that is done or in flight is never queued twice.
+
+Redis holds a window of a run's jobs, not all of them: every chunk's input is in the store, and
+the supervisor queues the next chunks, in order, as the window frees (``window_size``). A finished
+job is forgotten once its output is counted: the store is its record. So a run's memory in Redis
+grows with its window and workers, not with its chunk count.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from itertools import islice
+from typing import Any
+
+import redis
+from rq import Queue
+from rq.job import Job
+from rq.queue import EnqueueData
+from rq.registry import FailedJobRegistry, FinishedJobRegistry
+from rq.results import Result
+from rq.serializers import JSONSerializer
+from rq.worker import Worker
+
+from chunkq.jobs.contract import errors, jobmeta
+from chunkq.jobs.contract.allowlist import EMBED_CHUNK, AllowListedJob
+from chunkq.jobs.contract.manifest import RunManifest
+from chunkq.jobs.contract.run_files import RunLayout
+from chunkq.jobs.contract.specs import chunk_job_id, chunk_job_prefix
+
+log = logging.getLogger(__name__)
+
+BATCH = 1000
+# A finished job is deleted by the supervisor once it has counted the chunk's output; this is the
+# fallback when no supervisor runs (submit and pools alone), short because the store is the record.
+RESULT_TTL = 3600
+DEFAULT_WINDOW = 1000  # jobs of a run in Redis at once: ~1.5 MB, and work for 250 workers
+WINDOW_PER_WORKER = 4  # with more workers than DEFAULT_WINDOW / 4 listening, the window grows with them
+FAILURE_TTL = 30 * 24 * 3600
+# RQ job statuses of a job that will still run: waiting for a worker, or running now.
+QUEUED_STATUSES = frozenset({"queued", "deferred", "scheduled"})
+LIVE_STATUSES = QUEUED_STATUSES | {"started"}
+
+
+@dataclass
+class EnqueueCounts:
+    enqueued: int = 0
+    requeued: int = 0
+    in_flight: int = 0
+    waiting: int = 0  # chunks left in the store for the supervisor to queue as the window frees
+
+    @property
+    def in_redis(self) -> int:
+        return self.enqueued + self.requeued + self.in_flight
+
+
+def window_size(connection: redis.Redis, queue_name: str, fixed: int | None = None) -> int:
+    """How many of a run's jobs Redis may hold: ``fixed`` (``--queue-window``), or enough to keep
+    every worker listening on the queue busy, and at least DEFAULT_WINDOW."""
+    if fixed is not None:
+        return fixed
+    listening = Worker.count(connection=connection, queue=chunk_queue(connection, queue_name))
+    return max(DEFAULT_WINDOW, WINDOW_PER_WORKER * listening)
+
+
+def chunk_queue(connection: redis.Redis, name: str) -> Queue:
+    return Queue(name, connection=connection, serializer=JSONSerializer, job_class=AllowListedJob)
+
+
+def job_statuses(connection: redis.Redis, job_ids: list[str]) -> list[str | None]:
+    """Each job's status straight from its hash (None where the job is gone), BATCH a round trip:
+    one pipeline of 10^5 commands held ~60 MB of the supervisor at once."""
+    statuses: list[str | None] = []
+    for start in range(0, len(job_ids), BATCH):
+        with connection.pipeline(transaction=False) as pipe:
+            for job_id in job_ids[start : start + BATCH]:
+                pipe.hget(Job.key_for(job_id), "status")
+            raw = pipe.execute()
+        statuses += [value.decode() if isinstance(value, bytes) else value for value in raw]
+    return statuses
+
+
+def try_again(
+    job: Job, failed: FailedJobRegistry, layout: RunLayout, manifest: RunManifest, index: int
+) -> None:
+    """A failed (or quarantined) chunk's job queued again at the front with fresh attempts, its call
+    restored from the manifest."""
+    for key in jobmeta.RETRY_STATE:
+        job.meta.pop(key, None)
+    job.meta[jobmeta.ATTEMPT] = 1
+    job.save_meta()  # type: ignore[no-untyped-call]
+    restore_from_manifest(job, layout, manifest, index)
+    failed.requeue(job.id, at_front=True)
+
+
+def retry_quarantined(connection: redis.Redis, layout: RunLayout, manifest: RunManifest) -> list[int]:
+    """Give every chunk of the run quarantined for a reason the operator can fix outside the run (a
+    model a pool did not allow, a GPU too small, a broken device, the store) new attempts; the
+    chunks. Bad input is the corpus's own: the same rows fail the same way, and stay quarantined."""
+    queue = chunk_queue(connection, manifest.queue)
+    failed = FailedJobRegistry(queue=queue)
+    prefix = chunk_job_prefix(manifest.run_id)
+    retried = []
+    for job_id in failed.get_job_ids():
+        if not job_id.startswith(prefix):
+            continue
+        job = Job.fetch(job_id, connection=connection, serializer=JSONSerializer)
+        if not jobmeta.quarantined(job.meta) or jobmeta.error_class(job.meta) == errors.BAD_INPUT:
+            continue
+        index = int(job_id[len(prefix) :])
+        try_again(job, failed, layout, manifest, index)
+        retried.append(index)
+    return sorted(retried)
+
+
+def enqueue_chunks(
+    connection: redis.Redis,
+    layout: RunLayout,
+    manifest: RunManifest,
+    indices: Iterable[int],
+    limit: int | None = None,
+) -> EnqueueCounts:
+    """Queue each chunk in ``indices`` (in order) unless its job is already queued or running;
+    with ``limit``, stop once that many of them are in Redis and count the rest as waiting."""
+    queue = chunk_queue(connection, manifest.queue)
+    failed = FailedJobRegistry(queue=queue)
+    counts = EnqueueCounts()
+    it = iter(indices)
+    while True:
+        room = BATCH if limit is None else min(BATCH, limit - counts.in_redis)
+        batch = list(islice(it, room)) if room > 0 else []
+        if not batch:
+            break
+        ids = [chunk_job_id(manifest.run_id, i) for i in batch]
+        fresh = []
+        for index, job_id, status in zip(batch, ids, job_statuses(connection, ids), strict=True):
+            if status in LIVE_STATUSES:
+                counts.in_flight += 1
+            elif status == "failed":
+                # Submitting again is the user's "try these again": fresh attempts, no quarantine.
+                job = Job.fetch(job_id, connection=connection, serializer=JSONSerializer)
+                try_again(job, failed, layout, manifest, index)
+                counts.requeued += 1
+            else:
+                if status is not None:  # finished, stopped or canceled, yet its output is not in the store
+                    Job(job_id, connection=connection, serializer=JSONSerializer).delete()
+                fresh.append(_job_data(layout, manifest, index, job_id))
+        if fresh:
+            with connection.pipeline() as pipe:
+                queue.enqueue_many(fresh, pipeline=pipe)
+                pipe.execute()
+            counts.enqueued += len(fresh)
+    counts.waiting = sum(1 for _ in it)
+    return counts
+
+
+def forget_finished(connection: redis.Redis, queue_name: str, job_ids: list[str]) -> None:
+    """Delete finished jobs whose outputs the supervisor has counted: the job hash, its results
+    stream and its entry in the finished registry (what RQ's own ``Job.delete`` removes for them)."""
+    if not job_ids:
+        return
+    finished_key = FinishedJobRegistry(queue_name, connection=connection, serializer=JSONSerializer).key
+    with connection.pipeline(transaction=False) as pipe:
+        for job_id in job_ids:
+            pipe.delete(Job.key_for(job_id), Result.get_key(job_id))  # type: ignore[no-untyped-call]
+        pipe.zrem(finished_key, *job_ids)
+        pipe.execute()
+
+
+def restore_from_manifest(job: Job, layout: RunLayout, manifest: RunManifest, index: int) -> bool:
+    """Make a failed chunk job call what the manifest says before it is queued again; True if it
+    had been changed. A Redis writer may have rewritten the job (the worker refused it as
+    tampered); requeueing it as it stands would only be refused again."""
+    wanted: tuple[str, list[dict[str, Any]], dict[str, Any], int] = (
+        EMBED_CHUNK,
+        [manifest.chunk_spec(layout.store, index).to_dict()],
+        {},
+        manifest.job_timeout,
+    )
+    if (job.func_name, list(job.args), job.kwargs, job.timeout) == wanted:
+        return False
+    job.func_name, job.args, job.kwargs, job.timeout = wanted
+    job.save()
+    log.warning("chunk job %s did not call what the run's manifest says; restored from the manifest", job.id)
+    return True
+
+
+def _job_data(layout: RunLayout, manifest: RunManifest, index: int, job_id: str) -> EnqueueData:
+    spec = manifest.chunk_spec(layout.store, index)
+    return Queue.prepare_data(
+        EMBED_CHUNK,
+        args=(spec.to_dict(),),
+        job_id=job_id,
+        timeout=manifest.job_timeout,
+        result_ttl=RESULT_TTL,
+        failure_ttl=FAILURE_TTL,
+        description=f"chunkq run {manifest.run_id} chunk {index} ({spec.rows} rows)",
+        meta=jobmeta.initial(manifest.run_id, index, spec.rows, spec.first_row),
+    )

@@ -1,0 +1,268 @@
+"""Which run a submission is: the request, its corpus files read once for their checksums (refused
+if written to meanwhile), the identity and fingerprint that name the run, and the model's bytes it
+is fixed to. Nothing is written here; ``submit/submission.py`` creates the run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from chunkq.jobs.compute.model_identity import model_identity, short
+from chunkq.jobs.compute.vector_cache import cache_enabled
+from chunkq.jobs.contract.errors import (
+    ConfigError,
+    CorpusError,
+    ModelChangedError,
+    RunConflictError,
+    StoreError,
+)
+from chunkq.jobs.contract.manifest import RunManifest, load_manifest
+from chunkq.jobs.contract.run_files import (
+    RunLayout,
+    file_sha256,
+)
+from chunkq.jobs.contract.specs import EncodeOptions, fingerprint, validate_run_id
+from chunkq.jobs.contract.storage import is_local, open_store
+from chunkq.queue_worker.settings import DEFAULT_QUEUE
+from chunkq.supervisor.submit.corpus import CorpusOptions, Record, check_readable, read_corpus
+from chunkq.supervisor.submit.windows import (
+    LONG_TEXTS,
+    POOLS,
+)
+
+log = logging.getLogger(__name__)
+
+
+DEFAULT_CHUNK_SIZE = 1000
+
+
+@dataclass(frozen=True)
+class SubmitRequest:
+    """What the user asked for; the identity fields decide the run id."""
+
+    corpus: Path | tuple[Path, ...]  # one file, or several read in this order as one corpus
+    store: Path
+    model: str
+    corpus_options: CorpusOptions
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    encode: EncodeOptions = field(default_factory=EncodeOptions)
+    run_id: str | None = None
+    queue: str = DEFAULT_QUEUE
+    job_timeout: int | None = None  # seconds per chunk; default scales with the chunk size
+    queue_window: int | None = None  # jobs in Redis at once (enqueue.window_size); the rest wait in the store
+    cache: bool | None = None  # the vector cache and in-run deduplication; None: on for float outputs
+    long_texts: str = LONG_TEXTS[0]  # "window"/"late": long texts cut into windows, a result row each
+    window_tokens: int | None = None  # None: the model's maximum length less special tokens and prompt
+    window_stride: int | None = None  # None: a quarter of a window
+    pool: str = POOLS[0]  # with windows: a vector per text as well (mean, or weighted by tokens)
+
+    def __post_init__(self) -> None:
+        # A late run's rows are late rows (jobs.compute.late): its workers must encode them so.
+        if self.encode.late_chunking != (self.long_texts == "late"):
+            object.__setattr__(self, "encode", replace(self.encode, late_chunking=self.long_texts == "late"))
+
+    @property
+    def cached(self) -> bool:
+        return cache_enabled(self.cache, self.encode)
+
+    @property
+    def windowed(self) -> bool:
+        return self.long_texts in ("window", "late")
+
+    @property
+    def planned(self) -> bool:
+        """The run's chunks are planned (supervisor.submit.plan): with the cache, or with windows."""
+        return self.cached or self.windowed
+
+    def timeout(self) -> int:
+        return self.job_timeout or max(600, 2 * self.chunk_size)
+
+    @property
+    def corpora(self) -> tuple[Path, ...]:
+        return self.corpus if isinstance(self.corpus, tuple) else (self.corpus,)
+
+
+def describe_inputs(paths: tuple[Path, ...]) -> list[dict[str, Any]]:
+    """Each corpus file with its checksum and size, for the manifest and the run's identity."""
+    described = []
+    for path in paths:
+        before = _stamp(path)
+        sha256 = file_sha256(path)
+        unchanged(path, before)
+        where = str(path.resolve()) if is_local(path) else str(path)
+        described.append({"path": where, "sha256": sha256, "size": before[0], "version": before[1]})
+    return described
+
+
+def _stamp(path: Path) -> tuple[int, str]:
+    """(size, version): the modification time in ns here; an object's ETag (or time) as its store gives it."""
+    if is_local(path):
+        st = path.stat()
+        return st.st_size, str(st.st_mtime_ns)
+    remote: Any = path
+    remote.fs.invalidate_cache(remote.path)
+    info = remote.fs.info(remote.path)
+    version = info.get("ETag") or info.get("etag") or info.get("LastModified") or info.get("mtime") or ""
+    return int(info.get("size") or 0), str(version)
+
+
+def unchanged(path: Path, before: tuple[int, str]) -> None:
+    """Refuse a corpus file written to while chunkq read it: its checksum would not cover its rows."""
+    if _stamp(path) != before:
+        raise CorpusError(
+            f"{path}: the file changed while chunkq read it (size or modification time); "
+            "submit it again once whatever writes it has finished"
+        )
+
+
+def _identity(req: SubmitRequest, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+    """What makes two submissions the same run: the files' contents and order, not their names."""
+    checksums = [i["sha256"] for i in inputs]
+    return {
+        "corpus_sha256": checksums[0] if len(checksums) == 1 else checksums,
+        "format": req.corpus_options.format,
+        "text_field": req.corpus_options.text_field,
+        "id_field": req.corpus_options.id_field,
+        **({"pair_field": req.corpus_options.pair_field} if req.corpus_options.pair_field else {}),
+        "chunk_size": req.chunk_size,
+        "model": req.model,
+        "options": req.encode.to_dict(),
+        # Only where they are on, so runs without them keep the fingerprint they had before.
+        **({"vector_cache": True} if req.cached else {}),
+        **(
+            {
+                "long_texts": {
+                    "mode": req.long_texts,
+                    "tokens": req.window_tokens,
+                    "overlap": req.window_stride,
+                    "pool": req.pool,
+                }
+            }
+            if req.windowed
+            else {}
+        ),
+    }
+
+
+def default_run_id(corpus: Path, run_fingerprint: str) -> str:
+    """The corpus file's name and a short fingerprint: ``notes-3fa2c1d0e9b4``; runs of different
+    files are told apart at a glance, runs of one file with other options by the fingerprint."""
+    stem = re.sub(r"[^A-Za-z0-9-]+", "-", corpus.stem).strip("-")[:40] or "run"
+    return f"{stem}-{run_fingerprint[:12]}"
+
+
+def _labels(paths: tuple[Path, ...]) -> list[str]:
+    """Names that tell several corpus files apart: their paths below the deepest common folder."""
+    if len(paths) == 1:
+        return [""]
+    names = [str(p.resolve()) if is_local(p) else str(p).partition("://")[2] for p in paths]
+    common = os.path.commonpath([os.path.dirname(n) for n in names])
+    return [os.path.relpath(n, common) for n in names]
+
+
+def read_inputs(req: SubmitRequest) -> Iterator[Record]:
+    """The records of every corpus file in order. Row-number ids of several files are prefixed
+    with the file's name (``a.jsonl:3``) so that they stay unique across files."""
+    for path, label in zip(req.corpora, _labels(req.corpora), strict=True):
+        yield from read_corpus(path, req.corpus_options, number_prefix=f"{label}:" if label else "")
+
+
+def run_corpus_fields(manifest: RunManifest, names: tuple[str, ...]) -> Iterator[Record]:
+    """The run's corpus read again, in its order, with ``names`` in each record's ``extra`` (export
+    --columns); StoreError if a file is not as the run read it (its size or version changed)."""
+    corpus = manifest.data["corpus"]
+    options = CorpusOptions(
+        format=corpus["format"],
+        text_field=corpus["text_field"],
+        id_field=corpus["id_field"],
+        pair_field=corpus.get("pair_field"),
+        extra_fields=names,
+    )
+    inputs = manifest.data.get("inputs") or [corpus]
+    paths = tuple(open_store(str(i["path"])) for i in inputs)
+    for path, described in zip(paths, inputs, strict=True):
+        if _stamp(path) != (described["size"], described["version"]):
+            raise StoreError(
+                f"{path} has changed since run {manifest.run_id} read it; --columns needs it as it was"
+            )
+    for path, label in zip(paths, _labels(paths), strict=True):
+        yield from read_corpus(path, options, number_prefix=f"{label}:" if label else "")
+
+
+def conflict(manifest: RunManifest, identity: dict[str, Any]) -> RunConflictError:
+    theirs = manifest.data.get("identity", {})
+    diffs = [
+        f"{key}: stored {theirs.get(key)!r}, given {value!r}"
+        for key, value in identity.items()
+        if theirs.get(key) != value
+    ]
+    return RunConflictError(
+        f"run {manifest.run_id} already exists with a different corpus or options ("
+        + "; ".join(diffs)
+        + "); choose another --run-id or omit it to get one derived from the corpus and options"
+    )
+
+
+def same_model(manifest: RunManifest, now: str | None) -> None:
+    """Refuse to go on with (or answer for) a run whose model's files are not the bytes it was
+    submitted with: its chunks so far and its result are the old model's."""
+    then = manifest.model_identity
+    if then is None or now is None or then == now:
+        return
+    raise ModelChangedError(
+        f"run {manifest.run_id}: model {manifest.model} has changed since the run was submitted (its "
+        f"files were {short(then)}, they are now {short(now)}); what the run holds is the old model's. "
+        f"To encode with the model as it is now: `chunkq clean {manifest.run_id}` and the same command "
+        "again, or keep that run and give this one --run-id NAME; or put the old files back to go on"
+    )
+
+
+@dataclass(frozen=True)
+class Identified:
+    """A request's corpus read once for its checksums: which run it is, and why."""
+
+    run_id: str
+    inputs: list[dict[str, Any]]
+    identity: dict[str, Any]
+    fingerprint: str
+    model_identity: str | None  # the model's bytes (jobs.compute.model_identity); None: not on this host
+
+
+def identify(req: SubmitRequest) -> Identified:
+    """Check the corpus files and hash them: the run id, before anything is written or locked."""
+    if req.chunk_size < 1:
+        raise ConfigError(f"--chunk-size must be at least 1, got {req.chunk_size}")
+    for path in req.corpora:
+        check_readable(path)
+    inputs = describe_inputs(req.corpora)
+    identity = _identity(req, inputs)
+    run_fingerprint = fingerprint(identity)
+    run_id = validate_run_id(req.run_id) if req.run_id else default_run_id(req.corpora[0], run_fingerprint)
+    model = model_identity(req.model, req.encode.revision)
+    return _begun_without_cache(req, inputs, identity, model) or Identified(
+        run_id, inputs, identity, run_fingerprint, model
+    )
+
+
+def _begun_without_cache(
+    req: SubmitRequest, inputs: list[dict[str, Any]], identity: dict[str, Any], model: str | None
+) -> Identified | None:
+    """The same corpus and options submitted before the vector cache existed: that run, so the same
+    command resumes it (without the cache) rather than start again. Only where the cache was not
+    asked for by name: ``--cache`` means a run that uses it."""
+    if req.cache is not None or "vector_cache" not in identity or req.windowed:
+        return None
+    before = {k: v for k, v in identity.items() if k != "vector_cache"}
+    before_fingerprint = fingerprint(before)
+    run_id = validate_run_id(req.run_id) if req.run_id else default_run_id(req.corpora[0], before_fingerprint)
+    layout = RunLayout(req.store, run_id)
+    if not layout.manifest.is_file() or load_manifest(layout).fingerprint != before_fingerprint:
+        return None
+    log.info("run %s was submitted before the vector cache; it goes on without it", run_id)
+    return Identified(run_id, inputs, before, before_fingerprint, model)

@@ -1,0 +1,400 @@
+"""``chunkq submit``: split a corpus into chunks in the store, write the run manifest, enqueue jobs.
+
+Submitting is idempotent: the same corpus and options map to the same run, chunks already done or
+in flight are left alone, and a different corpus or different options under a taken run id are
+refused. Chunk inputs are written before the manifest, so a run with a manifest has whole inputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from chunkq.jobs.calibrate import CALIBRATION_ROWS, ranges_for
+from chunkq.jobs.compute import late
+from chunkq.jobs.compute.model_info import describe
+from chunkq.jobs.compute.vector_cache import VectorCache, producer, producer_key
+from chunkq.jobs.contract.errors import (
+    ConfigError,
+    CorpusError,
+)
+from chunkq.jobs.contract.manifest import RunManifest, load_manifest, producer_record
+from chunkq.jobs.contract.run_files import (
+    RunLayout,
+    atomic_write_json,
+    read_chunk_input,
+    write_chunk_input,
+)
+from chunkq.jobs.contract.specs import FORMAT_VERSION, fingerprint
+from chunkq.jobs.contract.storage import is_local, local_scratch, remove_tree
+from chunkq.supervisor.result.assemble import set_aside
+from chunkq.supervisor.result.published import published_result
+from chunkq.supervisor.submit.corpus import Record
+from chunkq.supervisor.submit.dupes import IdRegistry
+from chunkq.supervisor.submit.enqueue import EnqueueCounts, enqueue_chunks, window_size
+from chunkq.supervisor.submit.identity import (
+    Identified,
+    SubmitRequest,
+    conflict,
+    identify,
+    read_inputs,
+    same_model,
+    unchanged,
+)
+from chunkq.supervisor.submit.plan import write_planned_inputs
+from chunkq.supervisor.submit.windows import (
+    LATE_WINDOWS_PER_SEGMENT,
+    WindowCounts,
+    default_size,
+    late_rows,
+    load_tokenizer,
+    window_rows,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SubmitResult:
+    run_id: str
+    rows: int
+    chunks: int
+    done: int
+    counts: EnqueueCounts
+    created: bool
+    published: bool = False  # a whole, intact result is published: nothing was enqueued
+
+    @classmethod
+    def already_published(cls, manifest: RunManifest) -> SubmitResult:
+        chunks = manifest.chunks
+        return cls(
+            manifest.run_id, manifest.corpus_rows, chunks, chunks, EnqueueCounts(), False, published=True
+        )
+
+
+def _write_inputs(req: SubmitRequest, layout: RunLayout) -> int:
+    """Stream the corpus into chunk files; return the row count. Only one chunk is ever in memory."""
+    rows, index, buffer = 0, 0, list[Record]()
+    with local_scratch(layout.root) as scratch, IdRegistry(scratch / ".ids.sqlite") as seen:
+
+        def flush() -> None:
+            seen.add(buffer)
+            write_chunk_input(layout, index, [(r.id, r.text) for r in buffer])
+
+        for record in read_inputs(req):
+            buffer.append(record)
+            if len(buffer) == req.chunk_size:
+                flush()
+                rows, index, buffer = rows + len(buffer), index + 1, []
+        if buffer:
+            flush()
+            rows += len(buffer)
+    _not_empty(req, rows)
+    return rows
+
+
+def _not_empty(req: SubmitRequest, rows: int) -> None:
+    if rows == 0:
+        names = ", ".join(str(p) for p in req.corpora)
+        raise CorpusError(f"{names}: the corpus holds no texts")
+
+
+def _nothing(rows: list[Any]) -> None:
+    del rows
+
+
+def chunk_options(req: SubmitRequest) -> dict[str, Any]:
+    """What a run's chunks are encoded and stored with: with the plan, float32 vectors at the model's
+    full dimension, as the cache keeps them (the result is derived from them at assembly)."""
+    if not req.cached:
+        return req.encode.to_dict()
+    return replace(req.encode, truncate_dim=None, output_dtype="float32").to_dict()
+
+
+def _vector_cache(
+    req: SubmitRequest, identity: str | None
+) -> tuple[VectorCache | None, dict[str, Any] | None]:
+    """The store's cache for this run's model and options, and what they are; (None, None) when the
+    model's files are not on this host, so its identity cannot be known (duplicates are still
+    encoded once)."""
+    if identity is None:
+        log.warning("model %s: its files are not on this host; the vector cache is not used", req.model)
+        return None, None
+    described = producer(req.model, identity, req.encode)
+    return VectorCache(req.store, producer_key(described)), described
+
+
+def _window_plan(req: SubmitRequest) -> tuple[Any, int, int | None, bool, int | None]:
+    """(tokenizer, window tokens, overlap, whether pooled vectors are normalised, late chunking's
+    context or None). --long-texts window: by default the model's maximum length less its special
+    tokens and prompt; a larger window would be truncated, so it is refused. late: segments of that
+    many tokens, windows of a quarter of it by default; a model that does not mean-pool is refused."""
+    info = describe(req.model, req.encode.revision)
+    if info.folder is None:
+        raise ConfigError(
+            f"model {req.model}: its files are not on this host; texts cannot be cut into windows"
+        )
+    tokenizer = load_tokenizer(info.folder)
+    longest = req.encode.max_seq_length or info.max_seq_length
+    if longest is None:
+        raise ConfigError(f"model {req.model}: no maximum sequence length found; give --max-seq-length")
+    name = req.encode.prompt_name or info.default_prompt_name
+    prompt = req.encode.prompt or (info.prompts.get(name) if name else None)
+    room = default_size(tokenizer, longest, prompt)
+    if req.long_texts == "late":
+        late.check_pooling(info.pooling, req.model)
+        size = req.window_tokens or room // LATE_WINDOWS_PER_SEGMENT
+        return tokenizer, size, req.window_stride, req.encode.normalize_embeddings or info.normalizes, room
+    size = req.window_tokens or room
+    if size > room:
+        raise ConfigError(
+            f"--window-tokens {size}: the model reads {room} tokens of text at most (its maximum length "
+            f"{longest} less its special tokens and prompt); a larger window would be truncated"
+        )
+    return tokenizer, size, req.window_stride, req.encode.normalize_embeddings or info.normalizes, None
+
+
+def _write_planned(
+    req: SubmitRequest, layout: RunLayout, run_fingerprint: str, identity: str | None
+) -> dict[str, Any]:
+    """The chunk inputs by plan (``plan.py``), and the manifest's fields that describe it."""
+    cache, described = _vector_cache(req, identity) if req.cached else (None, None)
+    options = chunk_options(req)
+    output_producer = producer_record(run_fingerprint, req.model, options, identity)
+    counts = WindowCounts()
+    with local_scratch(layout.root) as scratch, IdRegistry(scratch / ".ids.sqlite") as seen:
+        rows: Any = read_inputs(req)
+        check: Any = seen.add
+        if req.windowed:
+            tokenizer, size, overlap, normalize, context = _window_plan(req)
+            if context is None:
+                rows = window_rows(rows, tokenizer, size, overlap, seen.add, counts)
+            else:
+                rows = late_rows(rows, tokenizer, context, size, overlap, seen.add, counts)
+            check = _nothing
+        plan = write_planned_inputs(
+            rows,
+            layout,
+            req.chunk_size,
+            cache,
+            output_producer,
+            check,
+            dedup=req.cached,
+            row_map=req.windowed,
+        )
+    _not_empty(req, plan["corpus_rows"])
+    if req.windowed:
+        plan["windows"] = {
+            "tokens": size,
+            "overlap": overlap,
+            "pool": req.pool,
+            **({"late": True, "context": context} if context is not None else {}),
+            "normalize": normalize,  # what a pooled vector is scaled to: unit length where windows are
+            **asdict(counts),
+        }
+    plan["producer"] = cache.key if cache is not None else None
+    plan["model_identity"] = described["model_identity"] if described is not None else None
+    plan["libraries"] = described["libraries"] if described is not None else None
+    encode_rows, cached_rows = plan["encode_rows"], plan["cached_rows"]
+    size = req.chunk_size
+    log.info(
+        "run %s: %d rows, %d distinct texts: %d to encode, %d from the vector cache",
+        layout.run_id,
+        plan["corpus_rows"],
+        encode_rows + cached_rows,
+        encode_rows,
+        cached_rows,
+    )
+    return {
+        "rows": encode_rows + cached_rows,
+        "chunks": -(-encode_rows // size) + -(-cached_rows // size),
+        "plan": plan,
+        "chunk_options": options,
+    }
+
+
+def _create_run(req: SubmitRequest, layout: RunLayout, identified: Identified) -> RunManifest:
+    identity, inputs = identified.identity, identified.inputs
+    run_fingerprint = fingerprint(identity)
+    try:
+        if req.planned:
+            chunking = _write_planned(req, layout, run_fingerprint, identified.model_identity)
+        else:
+            rows = _write_inputs(req, layout)
+            chunking = {"rows": rows, "chunks": -(-rows // req.chunk_size)}
+        # The checksums were taken in an earlier pass: the rows just copied must be of those bytes.
+        for path, described in zip(req.corpora, inputs, strict=True):
+            unchanged(path, (described["size"], described["version"]))
+        calibration = _calibration(req, layout, chunking["chunks"]) if req.encode.calibrated else None
+    except BaseException:
+        # No manifest was written, so nothing refers to these inputs: leave the store as it was.
+        remove_tree(layout.root)
+        raise
+    data = {
+        "format_version": FORMAT_VERSION,
+        "run_id": layout.run_id,
+        "created_at": datetime.now(UTC).isoformat(),
+        "fingerprint": run_fingerprint,
+        "identity": identity,
+        "corpus": {
+            **inputs[0],
+            "format": req.corpus_options.format,
+            "text_field": req.corpus_options.text_field,
+            "id_field": req.corpus_options.id_field,
+            **({"pair_field": req.corpus_options.pair_field} if req.corpus_options.pair_field else {}),
+        },
+        "inputs": inputs,  # every corpus file, in the order its rows were read
+        "model": req.model,
+        # What the model is as bytes, fixed now: a worker that loads other bytes refuses the chunk.
+        "model_identity": identified.model_identity,
+        "options": req.encode.to_dict(),
+        "chunk_size": req.chunk_size,
+        **chunking,
+        "queue": req.queue,
+        "job_timeout": req.timeout(),
+    }
+    if calibration is not None:
+        data["calibration"] = calibration
+    atomic_write_json(layout.manifest, data)
+    manifest = RunManifest(data)
+    _record_cache_use(layout, manifest)
+    return manifest
+
+
+def _record_cache_use(layout: RunLayout, manifest: RunManifest) -> None:
+    """What the run took from the cache, for ``chunkq cache`` (once the run exists: a failed submit
+    leaves no trace in the store)."""
+    plan = manifest.plan or {}
+    if not plan.get("producer"):
+        return
+    try:
+        VectorCache(layout.store, str(plan["producer"])).record_use(
+            manifest.run_id,
+            rows=int(plan["corpus_rows"]),
+            distinct=int(plan["distinct_rows"]),
+            hits=int(plan["cached_rows"]),
+            damaged=int(plan["cache_damaged_rows"]),
+        )
+    except OSError as exc:  # derived data: a cache that cannot be written costs time, not the run
+        log.warning("the vector cache cannot be written (%s); the run goes on without adding to it", exc)
+
+
+def _calibration(req: SubmitRequest, layout: RunLayout, chunks: int) -> dict[str, Any]:
+    """The run's one set of int8/uint8 ranges (jobs.calibrate), from up to CALIBRATION_ROWS texts
+    taken evenly across its chunks, before any chunk runs."""
+    picked = sorted({round(i * (chunks - 1) / max(1, CALIBRATION_ROWS - 1)) for i in range(CALIBRATION_ROWS)})
+    per_chunk = -(-CALIBRATION_ROWS // len(picked))
+    texts: list[str] = []
+    for index in picked:
+        texts += read_chunk_input(layout, index)[1][:per_chunk]
+    log.info("run %s: computing %s ranges from %d texts", layout.run_id, req.encode.output_dtype, len(texts))
+    return ranges_for(req.model, req.encode, texts[:CALIBRATION_ROWS])
+
+
+@contextlib.contextmanager
+def removed_on_failure(*folders: Path) -> Iterator[None]:
+    """Folders a first submit (or run) is about to create: if it fails (bad input on line 9,000, a
+    run owned by another process), the ones it created go too, so it leaves the disk as it found it."""
+    fresh = [p for p in folders if is_local(p) and not p.exists()]
+    try:
+        yield
+    except BaseException:
+        for folder in reversed(fresh):
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only if empty: never anything another process wrote meanwhile
+        raise
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A run in the store, made from its corpus or found there, before anything is queued."""
+
+    manifest: RunManifest
+    created: bool
+    published: bool  # a whole, intact result exists: nothing to encode
+
+
+def prepare(req: SubmitRequest, identified: Identified | None = None) -> Prepared:
+    """Create the run for ``req`` in the store (the whole corpus read and split into chunk inputs),
+    or find it there; no Redis. ``chunkq run`` does this before it starts any server or process, so
+    a bad line on row 9,000 leaves nothing behind. ``identified``: ``identify(req)``, when the caller
+    needed the run id first (to lock the run)."""
+    identified = identified or identify(req)
+    layout = RunLayout(req.store, identified.run_id)
+    if not layout.manifest.is_file():
+        with removed_on_failure(req.store, req.store / "runs"):
+            manifest = _create_run(req, layout, identified)
+        log.info(
+            "run %s: %d rows in %d chunks written to %s",
+            layout.run_id,
+            manifest.corpus_rows,
+            manifest.chunks,
+            layout.root,
+        )
+        return Prepared(manifest, created=True, published=False)
+    manifest = load_manifest(layout)
+    if manifest.fingerprint != identified.fingerprint:
+        raise conflict(manifest, identified.identity)
+    same_model(manifest, identified.model_identity)
+    # Whole and intact: nothing to encode, even where `chunkq clean --outputs-only` freed the chunk
+    # outputs it was assembled from.
+    return Prepared(manifest, created=False, published=published_result(layout, manifest) is not None)
+
+
+def submit(
+    req: SubmitRequest,
+    connection: redis.Redis,
+    identified: Identified | None = None,
+    prepared: Prepared | None = None,
+) -> SubmitResult:
+    """Create (or find) the run for ``req`` and enqueue every chunk not yet done or in flight
+    (``prepared``: ``prepare(req, identified)``, when the caller made the run first)."""
+    identified = identified or identify(req)
+    run_id = identified.run_id
+    layout = RunLayout(req.store, run_id)
+    prepared = prepared or prepare(req, identified)
+    manifest, created = prepared.manifest, prepared.created
+    if prepared.published:
+        log.info("run %s: result already published in %s", run_id, layout.result)
+        return SubmitResult.already_published(manifest)
+    done = layout.done_chunks(manifest.chunks)
+    for index in sorted(i for i in done if not layout.output_npy(i).exists()):
+        set_aside(layout, index)  # committed, then its .npy was lost: encode it again
+        done.discard(index)
+    if req.queue_window is not None:  # kept for a later `chunkq supervise` that is not told again
+        atomic_write_json(layout.queue_window, {"queue_window": req.queue_window})
+    counts = enqueue_chunks(
+        connection,
+        layout,
+        manifest,
+        (i for i in range(manifest.chunks) if i not in done),
+        limit=window_size(connection, req.queue, req.queue_window),
+    )
+    log.info(
+        # "in flight" read as running: after a stop these are jobs left queued (or taken by workers now
+        # gone, which the supervisor gives back), not work going on.
+        "run %s: %d chunk(s) done, %d already had a job in Redis, %d enqueued, %d requeued, %d waiting "
+        "in the store",
+        run_id,
+        len(done),
+        counts.in_flight,
+        counts.enqueued,
+        counts.requeued,
+        counts.waiting,
+    )
+    if counts.waiting:
+        log.info(
+            "run %s: the supervisor (chunkq run, or chunkq supervise %s) queues the %d waiting chunk(s) "
+            "in order as the queue's window frees",
+            run_id,
+            run_id,
+            counts.waiting,
+        )
+    return SubmitResult(run_id, manifest.corpus_rows, manifest.chunks, len(done), counts, created)

@@ -1,0 +1,134 @@
+"""Progress display: a live rich bar on a terminal, plain log lines anywhere else."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from types import TracebackType
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+
+from chunkq.jobs.compute.device_busy import GPU_SOURCES
+from chunkq.supervisor.store.run_log import PROGRESS_LOGGER, TerminalLog
+from chunkq.supervisor.watch.progress import Snapshot
+
+log = logging.getLogger(PROGRESS_LOGGER)  # reaches the terminal at any log level (run_log)
+
+PLAIN_EVERY_SECONDS = 5.0
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    seconds = int(seconds)
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+
+
+def describe(snap: Snapshot) -> str:
+    """One line: chunks and rows done, rows/s, ETA, failures, and every chunk that needs attention."""
+    rate = f"{snap.rows_per_second:,.0f} rows/s" if snap.rows_per_second else "- rows/s"
+    if snap.live:
+        states = f"{snap.chunks_running} running, {snap.chunks_queued} queued, "
+        if snap.chunks_waiting:
+            states += f"{snap.chunks_waiting} waiting in the store, "
+    else:
+        waiting = snap.chunks - snap.chunks_done - snap.chunks_quarantined - snap.chunks_retrying
+        states = f"{waiting} not done (from the store alone: give --redis-url for what runs and waits), "
+    trouble = "".join(
+        f", {len(chunks)} {what} ({_chunk_list(chunks)})"
+        for what, chunks in (
+            ("lost from Redis (queued again)", snap.lost),
+            ("stale (their worker stopped beating)", snap.stale),
+            ("stranded (taken by a worker that died)", snap.stranded),
+        )
+        if chunks
+    )
+    eta = "" if snap.settled else f"; ETA {_duration(snap.eta_seconds)}"
+    if snap.starting:
+        eta = "; starting: workers are loading the model"
+    if snap.idle_seconds and snap.own_pool_seconds is not None:
+        eta = (
+            f"; its pool is starting ({snap.own_pool_seconds:.0f} s)"
+            if snap.chunks_done == 0
+            else f"; its pool has taken no job for {snap.idle_seconds:.0f} s"
+        )
+    elif snap.idle_seconds:
+        eta = f"; no worker has taken a job from queue {snap.queue!r} for {snap.idle_seconds:.0f} s"
+    if not snap.settled and not snap.owned:
+        eta = "; not running: no process supervises it (`chunkq run` with the same corpus resumes it)"
+    encoding = f" (+{snap.rows_encoding:,} encoding)" if snap.rows_encoding else ""
+    busy = snap.device_busy
+    if busy and busy["source"] in GPU_SOURCES:  # an idle GPU is the thing to see; a CPU is always busy
+        rate += f", GPU busy {100 * busy['share']:.0f} %"
+    return (
+        f"run {snap.run_id}: chunks {snap.chunks_done}/{snap.chunks} done, {states}"
+        f"{snap.chunks_retrying} retrying, {snap.chunks_quarantined} quarantined{trouble}; "
+        f"rows {snap.corpus_rows_done:,}/{snap.corpus_rows:,}{encoding}; {rate}{eta}"
+    )
+
+
+def _chunk_list(chunks: list[int], shown: int = 10) -> str:
+    more = f" and {len(chunks) - shown} more" if len(chunks) > shown else ""
+    return "chunk " + ", ".join(str(i) for i in chunks[:shown]) + more
+
+
+class ProgressDisplay:
+    """``update()`` with each snapshot; a context manager so the live bar is always closed."""
+
+    def __init__(self, live: bool | None = None) -> None:
+        self.live = sys.stderr.isatty() if live is None else live
+        self._last_plain = 0.0
+        self._last_line = ""
+        self._progress: Progress | None = None
+        self._task: TaskID | None = None
+
+    def __enter__(self) -> ProgressDisplay:
+        if self.live:
+            self._progress = Progress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                TextColumn(
+                    "rows {task.fields[rows]}  chunks {task.fields[chunks]}  {task.fields[rate]}  "
+                    "ETA {task.fields[eta]}  [red]{task.fields[failed]} failed"
+                ),
+                TimeElapsedColumn(),
+                console=Console(stderr=True),
+            )
+            self._progress.start()
+            TerminalLog.live = self._progress.console  # log lines print above the bar
+        return self
+
+    def update(self, snap: Snapshot) -> None:
+        if self._progress is not None:
+            if self._task is None:
+                self._task = self._progress.add_task(
+                    f"run {snap.run_id}", total=snap.rows, rows="", chunks="", rate="", eta="", failed=0
+                )
+            # The bar moves with the rows running chunks have encoded, not only when a chunk is published.
+            self._progress.update(
+                self._task,
+                completed=snap.rows_done + snap.rows_encoding,
+                rows=f"{snap.rows_done + snap.rows_encoding:,}/{snap.rows:,}",
+                chunks=f"{snap.chunks_done}/{snap.chunks}",
+                rate=f"{snap.rows_per_second:,.0f}/s" if snap.rows_per_second else "-/s",
+                eta="no worker"
+                if snap.idle_seconds
+                else ("starting" if snap.starting else _duration(snap.eta_seconds)),
+                failed=snap.chunks_retrying + snap.chunks_quarantined,
+            )
+            return
+        line = describe(snap)
+        now = time.monotonic()
+        if snap.settled or (line != self._last_line and now - self._last_plain >= PLAIN_EVERY_SECONDS):
+            log.info("%s", line)
+            self._last_plain, self._last_line = now, line
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._progress is not None:
+            TerminalLog.live = None
+            self._progress.stop()

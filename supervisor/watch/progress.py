@@ -1,0 +1,463 @@
+"""Where a run stands: chunk states from the store (the truth) and from Redis (the queue)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any, cast
+
+import redis
+from rq.intermediate_queue import IntermediateQueue
+from rq.job import Job
+from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
+from rq.serializers import JSONSerializer
+from rq.utils import str_to_date
+
+from chunkq.jobs.compute import chunk_progress
+from chunkq.jobs.contract import jobmeta
+from chunkq.jobs.contract.manifest import RunManifest
+from chunkq.jobs.contract.run_files import RunLayout, read_json
+from chunkq.jobs.contract.specs import chunk_job_id, chunk_job_prefix
+from chunkq.supervisor.result.assemble import Failure
+from chunkq.supervisor.result.planned_rows import corpus_rows_of, corpus_rows_per_chunk, savings
+from chunkq.supervisor.store.chunk_set import ChunkSet
+from chunkq.supervisor.store.ledger import Ledger, throughput_of
+from chunkq.supervisor.store.store_lock import StoreLock
+from chunkq.supervisor.store.throughput import Throughput
+from chunkq.supervisor.submit.enqueue import QUEUED_STATUSES, chunk_queue, job_statuses
+from chunkq.supervisor.watch.attempts import FailedAttempt, failed_attempts
+
+STALE_HEARTBEAT_SECONDS = 60.0  # workers beat every 5 s while a chunk runs
+STRANDED_SECONDS = 10.0  # a live worker starts what it dequeued within milliseconds
+CURSOR_MARGIN_SECONDS = 300.0
+MIN_RECONCILE_SECONDS = 0.0  # small runs reconcile on every look: it costs a millisecond
+RECONCILE_COST_FACTOR = 50.0  # a full reconcile takes at most ~2% of the supervisor's time
+
+
+@dataclass
+class Snapshot:
+    """One look at a run; ``to_json`` is what ``chunkq status --json`` prints."""
+
+    run_id: str
+    chunks: int
+    rows: int  # the rows its chunks hold (distinct texts): what is encoded, what the rate counts
+    chunks_done: int = 0
+    rows_done: int = 0  # in published chunk outputs
+    rows_encoding: int = 0  # encoded by running chunks, not yet published (their workers' reports)
+    encoding_since: float | None = None  # epoch seconds the earliest running chunk started encoding
+    chunks_queued: int = 0
+    chunks_running: int = 0
+    chunks_retrying: int = 0
+    chunks_quarantined: int = 0
+    chunks_waiting: int = 0  # in the store, not yet in Redis: queued in order as the window frees
+    lost: list[int] = field(default_factory=list)  # had a job in Redis, now neither a job nor an output
+    stale: list[int] = field(default_factory=list)
+    stranded: list[int] = field(default_factory=list)  # dequeued by a worker that died before starting it
+    unlisted: list[int] = field(
+        default_factory=list
+    )  # queued by their job, in no queue list (a deleted list)
+    failures: list[Failure] = field(default_factory=list)
+    rows_per_second: float | None = None
+    eta_seconds: float | None = None
+    device_busy: dict[str, Any] | None = None  # how busy the chunks kept their devices (compute/device_busy)
+    result_published: bool = False
+    live: bool = True  # False: read from the store alone, so what runs and what waits is unknown
+    # The run's rows as every command shows them: its result's (its corpus's, or its windows),
+    # duplicates and texts from the vector cache included; done: those its finished chunks give.
+    corpus_rows: int = 0  # 0: as its chunks' rows (a run without duplicates, cache hits or windows)
+    corpus_rows_done: int = 0
+
+    def __post_init__(self) -> None:
+        self.corpus_rows = self.corpus_rows or self.rows
+
+    queue: str = ""
+    idle_seconds: float | None = None  # chunks wait and no worker has taken one for this long (warn_idle+)
+    starting: bool = False  # chunks wait, none has started yet, and it is not yet worth a warning
+    own_pool_seconds: float | None = None  # chunkq started the pool itself, this long ago (run, the API)
+    owned: bool = True  # a process supervises the run (False: stopped; nothing happens until resumed)
+    cache: dict[str, Any] | None = None  # what the vector cache saved (planned_rows.savings); None: not used
+
+    @property
+    def settled(self) -> bool:
+        """Every chunk is either done or quarantined: nothing more will happen by itself."""
+        return self.chunks_done + self.chunks_quarantined == self.chunks
+
+    @property
+    def quarantined(self) -> list[Failure]:
+        return [f for f in self.failures if f.quarantined]
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["settled"] = self.settled
+        return data
+
+
+def _failure(job: Job, index: int, manifest: RunManifest) -> Failure:
+    meta = job.meta
+    try:
+        result = job.latest_result()
+        text = str((result.exc_string if result is not None else None) or job.exc_info or "")
+    except Exception as exc:  # a job we cannot fully read still counts as failed
+        text = f"(traceback unavailable: {exc})"
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return Failure(
+        chunk=index,
+        first_row=manifest.first_row(index),
+        rows=manifest.chunk_rows(index),
+        job_id=job.id,
+        error_class=jobmeta.error_class(meta),
+        attempt=jobmeta.attempt(meta),
+        error=str(meta.get(jobmeta.ERROR) or (lines[-1] if lines else "(no traceback recorded)")),
+        traceback=text,
+        quarantined=jobmeta.quarantined(meta),
+        reason=str(meta.get(jobmeta.QUARANTINE_REASON, "")),
+    )
+
+
+class Tracker:
+    """Polls a run; a look costs what changed since the last one, not the run's size.
+
+    Most looks are incremental: they read what RQ's finished and failed registries gained since the
+    last look, the started registry and the intermediate list (bounded by the workers), and the
+    statuses of chunks already known to have failed. A full reconcile (the store's listing and the
+    status of every pending chunk) catches what no registry records, such as a job whose hash
+    vanished; it runs on the first look and then at an interval that grows with its own measured
+    cost, so its amortised share of a look stays flat at any run size.
+    """
+
+    def __init__(
+        self,
+        connection: redis.Redis,
+        layout: RunLayout,
+        manifest: RunManifest,
+        min_reconcile_seconds: float = MIN_RECONCILE_SECONDS,
+        records: bool = True,
+    ) -> None:
+        """``records``: the run's owner records finished chunks in the ledger; a one-off look
+        (``chunkq status``) does not, and reads the rate from the summary instead of the ledger."""
+        self.connection, self.layout, self.manifest = connection, layout, manifest
+        self.min_reconcile_seconds = min_reconcile_seconds
+        self.pending = ChunkSet(manifest.chunks, full=True)
+        self.rows_done = 0
+        self.corpus_rows_done = 0
+        self._corpus_counts = corpus_rows_per_chunk(layout, manifest)  # None: a chunk's rows are its own
+        # What earlier looks recorded: their outputs are not read again.
+        self.ledger = Ledger.open(layout) if records else None
+        self.failed_jobs: dict[int, Job] = {}
+        self.in_redis: set[int] = set()  # pending chunks with a job in Redis, as far as the looks know
+        self.waiting = ChunkSet()  # pending chunks with no job: the window queues the lowest next
+        self.finished_jobs: list[str] = []  # jobs whose outputs this look counted: Redis may forget them
+        self.full_looks = 0
+        self._prefix = chunk_job_prefix(manifest.run_id)
+        queue = chunk_queue(connection, manifest.queue)
+        self._finished_key = FinishedJobRegistry(queue=queue).key
+        self._failed_key = FailedJobRegistry(queue=queue).key
+        self._started = StartedJobRegistry(queue=queue)
+        self._intermediate = IntermediateQueue(queue.key, connection)
+        self._queue = queue
+        self._cursors: dict[str, float] = {}
+        self._failed: set[int] = set()
+        self._next_full = 0.0
+        self._counted: list[int] = []  # chunks counted done since the last look: their reports go
+
+    @property
+    def throughput(self) -> Throughput:
+        if self.ledger is None:
+            return throughput_of(self.layout, _DoneChunks(self.pending, self.manifest.chunks))
+        return self.ledger.throughput
+
+    def _mark_done(self, indices: Iterable[int]) -> None:
+        for index in indices:
+            self._counted.append(index)
+            self.pending.discard(index)
+            self.in_redis.discard(index)
+            self.rows_done += self.manifest.chunk_rows(index)
+            counts = self._corpus_counts
+            self.corpus_rows_done += (
+                int(counts[index]) if counts is not None else self.manifest.chunk_rows(index)
+            )
+            if self.ledger is not None and index not in self.ledger.recorded:
+                try:
+                    self.ledger.add(read_json(self.layout.output_meta(index)))
+                except (OSError, ValueError):
+                    pass  # a damaged output is the assembler's to name; the rate does without it
+
+    def _job_id(self, index: int) -> str:
+        return chunk_job_id(self.manifest.run_id, index)
+
+    def _index(self, job_id: str) -> int | None:
+        """The chunk index of one of this run's job ids, else None (queues may be shared by runs)."""
+        tail = job_id[len(self._prefix) :]
+        return int(tail) if job_id.startswith(self._prefix) and tail.isdigit() else None
+
+    def _run_indices(self, job_ids: Iterable[bytes | str]) -> set[int]:
+        found = set()
+        for raw in job_ids:
+            index = self._index(raw.decode() if isinstance(raw, bytes) else raw)
+            if index is not None:
+                found.add(index)
+        return found
+
+    def _pending_indices(self, job_ids: Iterable[bytes | str]) -> set[int]:
+        return {i for i in self._run_indices(job_ids) if i in self.pending}
+
+    def _forget(self, finished: set[int]) -> None:
+        """Finished jobs whose outputs are counted: the supervisor deletes them from Redis."""
+        self.finished_jobs += [self._job_id(i) for i in sorted(finished) if i not in self.pending]
+
+    def take_finished(self) -> list[str]:
+        """The finished jobs counted since the last call, for the supervisor to delete from Redis."""
+        taken, self.finished_jobs = self.finished_jobs, []
+        return taken
+
+    def take_waiting(self, room: int) -> list[int]:
+        """The next ``room`` waiting chunks, in chunk order, as the supervisor queues them."""
+        taken = self.waiting.take_lowest(room)
+        self.in_redis.update(taken)
+        return taken
+
+    def poll(self, now: float | None = None) -> Snapshot:
+        now = time.monotonic() if now is None else now
+        snap = Snapshot(
+            self.manifest.run_id,
+            self.manifest.chunks,
+            self.manifest.rows,
+            queue=self.manifest.queue,
+            cache=savings(self.manifest.plan),
+        )
+        if now >= self._next_full:
+            started = time.monotonic()
+            running, failed = self._full_look(snap)
+            self.full_looks += 1
+            self._next_full = now + max(
+                self.min_reconcile_seconds, RECONCILE_COST_FACTOR * (time.monotonic() - started)
+            )
+        else:
+            running, failed = self._incremental_look(snap)
+        snap.chunks_running = len(running)
+        snap.stale = self._stale(sorted(running))
+        counted, self._counted = self._counted, []
+        if self.ledger is not None:  # the run's owner; a one-off look (chunkq status) writes nothing
+            chunk_progress.forget(self.connection, self.manifest.run_id, counted)
+        self._read_encoding(snap, sorted(running))
+        self.failed_jobs = self._fetch(sorted(failed))
+        snap.failures = [_failure(job, i, self.manifest) for i, job in sorted(self.failed_jobs.items())]
+        snap.chunks_quarantined = len(snap.quarantined)
+        snap.chunks_retrying = len(snap.failures) - snap.chunks_quarantined
+        snap.chunks_done = self.manifest.chunks - len(self.pending)
+        snap.chunks_waiting = len(self.waiting)
+        snap.rows_done = self.rows_done
+        snap.corpus_rows, snap.corpus_rows_done = self.manifest.corpus_rows, self.corpus_rows_done
+        snap.result_published = self.layout.result_manifest.is_file()
+        set_rate(snap, self.throughput)
+        return snap
+
+    def _read_encoding(self, snap: Snapshot, running: list[int]) -> None:
+        """Rows the running chunks have encoded so far (compute/chunk_progress), each at most its chunk's."""
+        try:
+            reports = chunk_progress.read(self.connection, self.manifest.run_id, running)
+        except redis.ResponseError:  # the key is not a hash: written by someone else, so no report
+            return
+        snap.rows_encoding = sum(min(r.rows, self.manifest.chunk_rows(i)) for i, r in reports.items())
+        snap.encoding_since = min((r.started for r in reports.values()), default=None)
+
+    def _registry_tail(self, key: str) -> list[bytes]:
+        """Members a registry gained since the last look (scores are now + a fixed TTL, so they grow
+        with time); read from a margin before the last score seen, for clock skew between hosts."""
+        since = self._cursors.get(key, 0.0) - CURSOR_MARGIN_SECONDS
+        members = cast(
+            list[tuple[bytes, float]], self.connection.zrangebyscore(key, since, "+inf", withscores=True)
+        )
+        if members:
+            self._cursors[key] = max(self._cursors.get(key, 0.0), max(score for _, score in members))
+        return [member for member, _ in members]
+
+    def _set_cursors(self) -> None:
+        for key in (self._finished_key, self._failed_key):
+            last = cast(list[tuple[bytes, float]], self.connection.zrevrange(key, 0, 0, withscores=True))
+            self._cursors[key] = last[0][1] if last else 0.0
+
+    def _full_look(self, snap: Snapshot) -> tuple[set[int], set[int]]:
+        finished = self._run_indices(self._registry_tail(self._finished_key))  # to forget, once counted
+        self._set_cursors()  # before the scan: whatever lands during it is read by the next look
+        self._mark_done(i for i in self.layout.done_indices(self.manifest.chunks) if i in self.pending)
+        failed, running, finished_late, in_redis, waiting = set(), set(), set(), set(), ChunkSet()
+        queued: list[int] = []
+        for index, status in self._pending_statuses():
+            if status in QUEUED_STATUSES:
+                snap.chunks_queued += 1
+                in_redis.add(index)
+                if status == "queued":
+                    queued.append(index)
+            elif status == "started":
+                running.add(index)
+                in_redis.add(index)
+            elif status == "failed":
+                failed.add(index)
+                in_redis.add(index)
+            elif status == "finished" and self.layout.output_meta(index).is_file():
+                finished_late.add(index)  # finished between the store listing and the status read
+            else:
+                waiting.add(index)  # no live job and no output: the window queues it in order
+                if index in self.in_redis:
+                    snap.lost.append(index)  # it had a job: a flushed or evicted Redis
+        self.in_redis, self.waiting = in_redis, waiting
+        self._mark_done(finished_late)
+        self._forget(finished)
+        self._failed = failed
+        if snap.chunks_queued:
+            snap.stranded = self._stranded()
+            snap.unlisted = self._unlisted(queued)
+            snap.chunks_queued -= len(snap.stranded)  # each chunk in one state: stranded, not queued
+        return running, failed
+
+    def _unlisted(self, queued: list[int]) -> list[int]:
+        """Chunks whose job says queued but that neither the queue's list nor its intermediate list
+        holds (the list was deleted, or evicted): no worker would ever take them. The lists and the
+        statuses are read in one transaction, so a job a worker takes meanwhile is never among them."""
+        job_ids = [self._job_id(i) for i in queued]
+        with self.connection.pipeline(transaction=True) as pipe:
+            pipe.lrange(self._queue.key, 0, -1)
+            pipe.lrange(self._queue.intermediate_queue_key, 0, -1)
+            for job_id in job_ids:
+                pipe.hget(Job.key_for(job_id), "status")
+            listed, taken, *statuses = pipe.execute()
+        held = {bytes(x).decode() for x in (*listed, *taken)}
+        return [
+            index
+            for index, job_id, status in zip(queued, job_ids, statuses, strict=True)
+            if status == b"queued" and job_id not in held
+        ]
+
+    def _incremental_look(self, snap: Snapshot) -> tuple[set[int], set[int]]:
+        # The started registry first: a chunk that finishes between the two reads is then in both
+        # (and counted done), never in neither (its encoded rows gone from the display for a look).
+        started = self._started.get_job_ids(cleanup=False)
+        finished = self._run_indices(self._registry_tail(self._finished_key))
+        self._mark_done(i for i in finished if i in self.pending and self.layout.output_meta(i).is_file())
+        self._forget(finished)
+        gained = self._pending_indices(self._registry_tail(self._failed_key))
+        self._failed = {i for i in self._failed | gained if i in self.pending}
+        known = sorted(self._failed)
+        statuses = job_statuses(self.connection, [self._job_id(i) for i in known])
+        self._failed = {i for i, status in zip(known, statuses, strict=True) if status == "failed"}
+        running = self._pending_indices(started)
+        self.in_redis |= running | self._failed
+        snap.chunks_queued = len(self.in_redis - running - self._failed)
+        if snap.chunks_queued:
+            snap.stranded = self._stranded()
+            snap.chunks_queued -= len(snap.stranded)  # each chunk in one state: stranded, not queued
+        return running, set(self._failed)
+
+    def _pending_statuses(self) -> Iterator[tuple[int, str | None]]:
+        """(index, job status) of every pending chunk, a block of them a round trip."""
+        for block in self.pending.blocks():
+            yield from zip(
+                block, job_statuses(self.connection, [self._job_id(i) for i in block]), strict=True
+            )
+
+    def _fetch(self, indices: list[int]) -> dict[int, Job]:
+        jobs = Job.fetch_many([self._job_id(i) for i in indices], self.connection, serializer=JSONSerializer)
+        return {i: job for i, job in zip(indices, jobs, strict=True) if job is not None}
+
+    def _stranded(self) -> list[int]:
+        """Queued chunks left in RQ's intermediate list: a worker took them and died before starting.
+
+        RQ repairs these itself only in its ten-minute maintenance pass; the first-seen marks it
+        keeps in Redis make this check survive a supervisor restart.
+        """
+        held = self._intermediate.get_job_ids()
+        stranded, limit = [], timedelta(seconds=STRANDED_SECONDS)
+        for index in sorted(self._pending_indices(held)):
+            job_id = self._job_id(index)
+            if self._intermediate.set_first_seen(job_id):
+                continue
+            first = self._intermediate.get_first_seen(job_id)
+            if first is not None and datetime.now(UTC) - first > limit:
+                stranded.append(index)
+        return stranded
+
+    def _stale(self, running: list[int]) -> list[int]:
+        """Started chunks whose worker stopped beating: it died or hangs, and no pool said so."""
+        if not running:
+            return []
+        with self.connection.pipeline(transaction=False) as pipe:
+            for index in running:
+                pipe.hget(Job.key_for(self._job_id(index)), "last_heartbeat")
+            beats = pipe.execute()
+        stale, wall = [], time.time()
+        for index, beat in zip(running, beats, strict=True):
+            if not beat:  # RQ writes an empty last_heartbeat until the first beat (seen at 2,000+ chunks)
+                continue
+            if wall - str_to_date(beat).timestamp() > STALE_HEARTBEAT_SECONDS:
+                stale.append(index)
+        return stale
+
+
+class _DoneChunks(Collection[int]):
+    """The chunks not pending, as a collection, without a set of them."""
+
+    def __init__(self, pending: ChunkSet, chunks: int) -> None:
+        self.pending, self.chunks = pending, chunks
+
+    def __len__(self) -> int:
+        return self.chunks - len(self.pending)
+
+    def __contains__(self, index: object) -> bool:
+        return isinstance(index, int) and 0 <= index < self.chunks and index not in self.pending
+
+    def __iter__(self) -> Iterator[int]:
+        return (i for i in range(self.chunks) if i not in self.pending)
+
+
+def set_rate(snap: Snapshot, throughput: Throughput) -> None:
+    """The run's rows/s (supervisor.store.throughput) and, while chunks remain and it runs, the time they
+    will take. A stopped run's rate is the rate while it ran, not one that falls while nothing runs.
+    Rows the running chunks have encoded count, so the rate does not fall between two chunks."""
+    going = not snap.settled and snap.owned
+    since = None if snap.encoding_since is None else datetime.fromtimestamp(snap.encoding_since, UTC)
+    snap.rows_per_second = throughput.rows_per_second(
+        running=going, encoding=snap.rows_encoding if going else 0, resumed_at=since
+    )
+    snap.device_busy = throughput.busy.figure()
+    if snap.rows_per_second and going:
+        left = max(snap.rows - snap.rows_done - snap.rows_encoding, 0)
+        snap.eta_seconds = left / snap.rows_per_second
+
+
+def store_snapshot(layout: RunLayout, manifest: RunManifest) -> Snapshot:
+    """Where a run stands from the store alone, as ``chunkq status`` shows it without Redis: the
+    chunks done and their rate, the failures recorded and the chunks quarantined."""
+    snap = Snapshot(manifest.run_id, manifest.chunks, manifest.rows, live=False, cache=savings(manifest.plan))
+    snap.owned = StoreLock(layout.owner, "").live_holder() is not None
+    done = layout.done_chunks(manifest.chunks)
+    snap.rows_done = manifest.rows_of(done)
+    snap.corpus_rows, snap.corpus_rows_done = manifest.corpus_rows, corpus_rows_of(layout, manifest, done)
+    throughput = throughput_of(layout, done)
+    snap.chunks_done = len(done)
+    last: dict[int, FailedAttempt] = {}
+    for attempt in failed_attempts(layout):
+        if attempt.chunk not in done:
+            last[attempt.chunk] = attempt
+    snap.failures = [
+        Failure(
+            chunk=a.chunk,
+            first_row=manifest.first_row(a.chunk),
+            rows=manifest.chunk_rows(a.chunk),
+            job_id=chunk_job_id(manifest.run_id, a.chunk),
+            error_class=a.error_class,
+            attempt=a.attempt,
+            error=a.error,
+            traceback="",
+            quarantined=a.quarantined,
+            reason=a.reason,
+        )
+        for a in sorted(last.values(), key=lambda a: a.chunk)
+    ]
+    snap.chunks_quarantined = len(snap.quarantined)
+    snap.chunks_retrying = len(snap.failures) - snap.chunks_quarantined
+    snap.result_published = layout.result_manifest.is_file()
+    set_rate(snap, throughput)
+    return snap

@@ -1,0 +1,87 @@
+"""The supervisor's retry policy: attempts, exponential back-off with jitter, quarantine.
+
+Every decision is written into the job's meta (``attempt``, ``retry_at``, ``quarantined``), so a
+supervisor that is killed and restarted picks up exactly where the last one stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+import redis
+from rq.job import Job
+from rq.registry import FailedJobRegistry
+from rq.serializers import JSONSerializer
+
+from chunkq.jobs.contract import errors, jobmeta
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    max_attempts: int = 3
+    backoff_base: float = 2.0  # seconds before the second attempt; doubles each time
+    backoff_cap: float = 120.0
+    jitter: float = 0.25  # +-25 %, so chunks that failed together do not return together
+
+    def delay(self, attempt: int, rng: random.Random, error_class: str = errors.OTHER) -> float:
+        if error_class in errors.NOT_THE_CHUNKS_FAULT:
+            return 0.0  # the cure is the fresh worker that already replaced the dead one
+        base = min(self.backoff_cap, self.backoff_base * 2.0 ** max(0, attempt - 1))
+        return float(base * (1 + rng.uniform(-self.jitter, self.jitter)))
+
+    def quarantine_reason(self, error_class: str, attempt: int) -> str | None:
+        """Why a failed chunk must not be tried again, or None if it gets another attempt."""
+        if error_class in errors.NEVER_RETRIED:
+            return f"{error_class} errors are not retried"
+        if attempt >= self.max_attempts:
+            return f"failed {attempt} of {self.max_attempts} attempts"
+        return None
+
+
+def settle_failure(
+    connection: redis.Redis, job: Job, policy: RetryPolicy, rng: random.Random, now: float | None = None
+) -> str:
+    """Act on one failed chunk job: 'quarantined', 'waiting' (back-off) or 'requeued'."""
+    now = time.time() if now is None else now
+    meta = job.meta
+    if jobmeta.quarantined(meta):
+        return "quarantined"
+    attempt = jobmeta.attempt(meta)
+    error_class = jobmeta.error_class(meta)
+    reason = policy.quarantine_reason(error_class, attempt)
+    if reason is not None:
+        meta.update({jobmeta.QUARANTINED: True, jobmeta.QUARANTINE_REASON: reason})
+        job.save_meta()  # type: ignore[no-untyped-call]
+        log.error(
+            "chunk job %s quarantined: %s; last error: %s",
+            job.id,
+            reason,
+            errors.first_line(str(meta.get(jobmeta.ERROR, "?"))),  # torch's advice lines stay in the record
+        )
+        return "quarantined"
+    due = jobmeta.retry_at(meta)
+    if due is None:
+        due = meta[jobmeta.RETRY_AT] = now + policy.delay(attempt, rng, error_class)
+        job.save_meta()  # type: ignore[no-untyped-call]
+        log.warning(
+            "chunk job %s failed (%s, attempt %d); retrying in %.1f s",
+            job.id,
+            error_class,
+            attempt,
+            due - now,
+        )
+    if due > now:
+        return "waiting"
+    meta[jobmeta.ATTEMPT] = attempt + 1
+    meta.pop(jobmeta.RETRY_AT, None)
+    job.save_meta()  # type: ignore[no-untyped-call]
+    # At the front: with a bounded window, the back of the queue may be a window away.
+    registry = FailedJobRegistry(job.origin, connection=connection, serializer=JSONSerializer)
+    registry.requeue(job.id, at_front=True)
+    log.info("chunk job %s: attempt %d queued", job.id, attempt + 1)
+    return "requeued"

@@ -1,0 +1,373 @@
+"""``chunkq supervise``: watch a run until every chunk is settled, act on failures, assemble.
+
+Each look: chunks with no job and no output are queued again; chunks whose worker stopped beating
+are failed as abandoned; failed chunks get their next attempt after a back-off, or are quarantined.
+Nothing lives only in this process: attempts, back-off deadlines and quarantines are in job meta.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import redis
+from rq.job import Job
+from rq.worker import Worker
+
+from chunkq.jobs.compute import chunk_progress
+from chunkq.jobs.contract import errors, jobmeta
+from chunkq.jobs.contract.abandon import mark_abandoned
+from chunkq.jobs.contract.errors import ChunkqError, StoreWriteError
+from chunkq.jobs.contract.manifest import RunManifest, load_manifest
+from chunkq.jobs.contract.queueing import give_back
+from chunkq.jobs.contract.run_files import RunLayout, read_json
+from chunkq.jobs.contract.specs import chunk_job_id
+from chunkq.queue_worker.metrics import serve as serve_metrics
+from chunkq.supervisor.result.assemble import Failure, assemble
+from chunkq.supervisor.result.published import DEFAULT_SHARD_BYTES
+from chunkq.supervisor.store.run_lock import RunLock
+from chunkq.supervisor.store.store_lock import StoreLock
+from chunkq.supervisor.submit.enqueue import (
+    chunk_queue,
+    enqueue_chunks,
+    forget_finished,
+    restore_from_manifest,
+    retry_quarantined,
+    window_size,
+)
+from chunkq.supervisor.watch.attempts import AttemptRecorder, FailedAttempt
+from chunkq.supervisor.watch.display import ProgressDisplay
+from chunkq.supervisor.watch.metrics import RunMetrics
+from chunkq.supervisor.watch.progress import STALE_HEARTBEAT_SECONDS, Snapshot, Tracker
+from chunkq.supervisor.watch.retry import RetryPolicy, settle_failure
+from chunkq.supervisor.watch.wakeup import Wakeup
+
+log = logging.getLogger(__name__)
+
+POLL_SECONDS = 1.0
+REDIS_PATIENCE_SECONDS = 300.0  # how long Redis may stay away before the supervisor gives up
+TOP_UP_FRACTION = 10  # the supervisor tops the window up once this fraction of it is free
+WARN_IDLE_SECONDS = 30.0  # a worker that lives takes a queued chunk within its model load
+
+
+class RedisGoneError(ChunkqError):
+    """Redis stayed unreachable for longer than the supervisor's patience."""
+
+
+@dataclass(frozen=True)
+class WatchSettings:
+    poll_seconds: float = POLL_SECONDS
+    policy: RetryPolicy = field(default_factory=RetryPolicy)
+    allow_partial: bool = False
+    redis_patience: float = REDIS_PATIENCE_SECONDS
+    metrics_port: int | None = None  # Prometheus metrics on 127.0.0.1:<port> (0: any free port)
+    wait_for_owner: bool = False  # another process owns the run: wait for it instead of refusing
+    warn_idle: float = WARN_IDLE_SECONDS  # say so when chunks wait and no worker took one for this long
+    window: int | None = None  # jobs of the run in Redis at once; None: enqueue.window_size decides
+    shard_bytes: int = DEFAULT_SHARD_BYTES  # a larger result is published as shards of this size
+    # When chunkq started the pool itself (chunkq run, the API): time.monotonic() then. Its idle
+    # warnings then speak of that pool, never ask the user to start another.
+    own_pool_started: float | None = None
+
+
+@dataclass
+class Outcome:
+    snapshot: Snapshot
+    result: dict[str, Any] | None  # the published result manifest (whole, or partial if allowed)
+
+    @property
+    def quarantined(self) -> list[Failure]:
+        return self.snapshot.quarantined
+
+    @property
+    def partial(self) -> bool:
+        return self.result is not None and not self.result.get("complete", True)
+
+
+def failure_report(failures: list[Failure], run_id: str | None = None) -> str:
+    lines = [f"{len(failures)} chunk(s) quarantined:"]
+    lines += [
+        f"  chunk {f.chunk} (rows {f.first_row}-{f.first_row + f.rows - 1}, job {f.job_id}, {f.error_class}, "
+        f"attempt {f.attempt}{', ' + f.reason if f.reason else ''}): {errors.first_line(f.error)}"
+        for f in failures
+    ]
+    fixable = [f.chunk for f in failures if f.error_class != errors.BAD_INPUT]
+    if fixable:
+        again = f"`chunkq supervise {run_id}`" if run_id else "`chunkq supervise RUN`"
+        lines.append(
+            f"Fix the cause above (a pool's --allow-model, a GPU, the store...), then {again} or the "
+            "same `chunkq run` command: a new supervisor tries chunks quarantined so again"
+        )
+    if len(fixable) < len(failures):
+        lines.append("Bad input stays quarantined: fix the corpus rows named above and submit it again")
+    return "\n".join(lines)
+
+
+def submitted_window(layout: RunLayout) -> int | None:
+    """The ``--queue-window`` the run was submitted with, if any (a damaged record: none)."""
+    try:
+        value = read_json(layout.queue_window).get("queue_window") if layout.queue_window.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+@dataclass
+class Supervisor:
+    """One run under watch: what a look reads (the tracker) and what it acts with."""
+
+    connection: redis.Redis
+    layout: RunLayout
+    manifest: RunManifest
+    settings: WatchSettings
+    lock: RunLock
+    owner: StoreLock
+    metrics: RunMetrics | None = None
+    rng: random.Random = field(default_factory=random.Random)  # back-off jitter, not security
+    tracker: Tracker = field(init=False)
+    recorder: AttemptRecorder = field(init=False)
+
+    idle_since: float | None = None
+    idle_warned: float = 0.0
+    submitted_window: int | None = None  # --queue-window given to submit (this look's is the watch's)
+
+    def __post_init__(self) -> None:
+        self.tracker = Tracker(self.connection, self.layout, self.manifest)
+        self.recorder = AttemptRecorder(self.layout)
+        self.submitted_window = submitted_window(self.layout)
+
+    def _watch_idle(self, snap: Snapshot) -> None:
+        """Chunks wait and none runs: after ``warn_idle`` seconds say so, with the queue to serve."""
+        now = time.monotonic()
+        if not snap.chunks_queued or snap.chunks_running:
+            self.idle_since = None
+            return
+        self.idle_since = self.idle_since or now
+        idle = now - self.idle_since
+        if idle < self.settings.warn_idle:
+            # Normal while workers start and load the model: no alarm before warn_idle.
+            snap.starting = snap.chunks_done == 0
+            return
+        snap.idle_seconds = idle
+        own = self.settings.own_pool_started
+        if own is not None:
+            snap.own_pool_seconds = now - own
+        if now - self.idle_warned < self.settings.warn_idle:
+            return
+        self.idle_warned = now
+        queue = self.manifest.queue
+        workers = Worker.count(connection=self.connection, queue=chunk_queue(self.connection, queue))
+        if snap.own_pool_seconds is not None:
+            log.warning(
+                "run %s: the pool chunkq started %.0f s ago has taken no job from queue %r for %.0f s "
+                "(%d worker(s) listen on it)%s",
+                self.manifest.run_id,
+                snap.own_pool_seconds,
+                queue,
+                idle,
+                workers,
+                "; its workers are still starting (importing torch, loading the model)"
+                if not workers
+                else "",
+            )
+            return
+        log.warning(
+            "run %s: no worker has taken a job from queue %r for %.0f s (%d worker(s) listen on it); "
+            "start one: chunkq pool --queue %s (with this Redis)",
+            self.manifest.run_id,
+            queue,
+            idle,
+            workers,
+            queue,
+        )
+
+    def look(self) -> Snapshot:
+        self.owner.check()  # stop at once if another process took the run over while we were paused
+        self.lock.renew()
+        snap = self._poll()
+        self._top_up(snap)
+        self._act(snap)
+        snap = self._poll() if snap.failures or snap.stale or snap.stranded or snap.unlisted else snap
+        self._watch_idle(snap)
+        if self.metrics is not None:
+            self.metrics.observe(snap)
+        return snap
+
+    def _poll(self) -> Snapshot:
+        """A look at the run; the finished jobs it counted are deleted from Redis (the store keeps them)."""
+        snap = self.tracker.poll()
+        forget_finished(self.connection, self.manifest.queue, self.tracker.take_finished())
+        if self.tracker.ledger is not None:
+            self.tracker.ledger.flush(force=snap.settled)  # the owner records finished chunks in batches
+        if snap.settled:
+            chunk_progress.forget(self.connection, self.manifest.run_id)  # reports of chunks now counted
+        return snap
+
+    def _top_up(self, snap: Snapshot) -> None:
+        """Queue the next waiting chunks, in chunk order, while the window has room."""
+        if snap.lost:
+            log.warning(
+                "run %s: %d chunk(s) had a job in Redis and now have neither a job nor an output "
+                "(a flushed or evicted Redis); they are queued again",
+                self.manifest.run_id,
+                len(snap.lost),
+            )
+        if not snap.chunks_waiting:
+            return
+        window = window_size(
+            self.connection, self.manifest.queue, self.settings.window or self.submitted_window
+        )
+        room = window - (snap.chunks_queued + snap.chunks_running + snap.chunks_retrying)
+        if room < max(1, window // TOP_UP_FRACTION) and snap.chunks_queued:
+            return  # a tenth of the window at a time: one enqueue per many chunks, not one per chunk
+        taken = self.tracker.take_waiting(room)
+        if taken:
+            enqueue_chunks(self.connection, self.layout, self.manifest, taken)
+            snap.chunks_queued += len(taken)
+            snap.chunks_waiting -= len(taken)
+            log.debug(
+                "run %s: queued chunks %d-%d (window %d)", self.manifest.run_id, taken[0], taken[-1], window
+            )
+
+    def _act(self, snap: Snapshot) -> None:
+        run_id = self.manifest.run_id
+        if snap.stranded:
+            self._requeue(snap.stranded, "were taken by a worker that died before starting them")
+        if snap.unlisted:
+            self._requeue(snap.unlisted, "were queued in no queue list (a deleted or evicted list)")
+        for index in snap.stale:
+            mark_abandoned(
+                self.connection,
+                chunk_job_id(run_id, index),
+                f"no heartbeat for over {STALE_HEARTBEAT_SECONDS:.0f} s",
+            )
+        for index, job in self.tracker.failed_jobs.items():
+            self._settle(index, job)
+
+    def _requeue(self, chunks: list[int], why: str) -> None:
+        """Put queued jobs no worker would take back at the front of their queue's list."""
+        queue = chunk_queue(self.connection, self.manifest.queue)
+        give_back(
+            self.connection, queue, [chunk_job_id(self.manifest.run_id, i) for i in chunks], at_front=True
+        )
+        log.warning("run %s: chunk(s) %s %s; queued again", self.manifest.run_id, chunks, why)
+
+    def _settle(self, index: int, job: Job) -> None:
+        if jobmeta.error_class(job.meta) == errors.STORAGE:
+            # Every other chunk would fail the same way: stop with the path, count no attempt, and
+            # leave the job failed, so the same command requeues it once the store is fixed.
+            raise StoreWriteError(
+                f"run {self.manifest.run_id}: chunk {index} could not be written to the store: "
+                f"{errors.first_line(str(job.meta.get(jobmeta.ERROR, '')))}; fix the store (free space, "
+                "permissions, a read-only mount) and run the same command again"
+            )
+        restore_from_manifest(job, self.layout, self.manifest, index)
+        already = jobmeta.quarantined(job.meta)
+        attempt = jobmeta.attempt(job.meta)
+        outcome = settle_failure(self.connection, job, self.settings.policy, self.rng)
+        reason = str(job.meta.get(jobmeta.QUARANTINE_REASON, "")) if outcome == "quarantined" else None
+        self.recorder.record(FailedAttempt.from_job(job, index, attempt, reason))
+        if self.metrics is not None:
+            new = "quarantined_now" if outcome == "quarantined" and not already else outcome
+            self.metrics.settled(new, jobmeta.error_class(job.meta))
+
+
+T = TypeVar("T")
+
+
+def redis_never_gone() -> str | None:
+    return None
+
+
+def _patiently(
+    step: Callable[[], T], settings: WatchSettings, gone: Callable[[], str | None] = redis_never_gone
+) -> T:
+    """Run ``step``, riding out a Redis outage (a restart with append-only persistence) up to the
+    patience, or until ``gone`` says why the server will not come back."""
+    lost_at: float | None = None
+    while True:
+        try:
+            return step()
+        except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError) as exc:
+            why = gone()
+            if why:
+                raise RedisGoneError(why) from exc
+            now = time.monotonic()
+            lost_at = lost_at or now
+            if now - lost_at > settings.redis_patience:
+                raise RedisGoneError(f"Redis unreachable for {now - lost_at:.0f} s: {exc}") from exc
+            log.warning("Redis unreachable (%s); the run goes on when it is back", exc)
+            time.sleep(settings.poll_seconds)
+
+
+def supervise(
+    connection: redis.Redis,
+    layout: RunLayout,
+    display: ProgressDisplay,
+    settings: WatchSettings | None = None,
+    keep_going: Callable[[], bool] = lambda: True,
+    redis_gone: Callable[[], str | None] = redis_never_gone,
+    owner: StoreLock | None = None,
+) -> Outcome:
+    """Watch until every chunk is done or quarantined, then assemble (partially only if allowed).
+
+    ``keep_going`` lets a caller stop the watch early (``chunkq run`` when its pool has died);
+    ``redis_gone`` says why Redis will not come back (``chunkq run``'s embedded server), so an
+    outage ends the watch at once rather than after the patience. ``owner``: the run's store lock,
+    when the caller took it already; otherwise it is taken here (and released at the end).
+    """
+    settings = settings or WatchSettings()
+    with contextlib.ExitStack() as stack:
+        if owner is None:
+            owner = stack.enter_context(StoreLock(layout.owner, f"run {layout.run_id}"))
+            owner.acquire(settings.wait_for_owner)
+        return _supervise(connection, layout, display, settings, keep_going, redis_gone, owner)
+
+
+def _supervise(
+    connection: redis.Redis,
+    layout: RunLayout,
+    display: ProgressDisplay,
+    settings: WatchSettings,
+    keep_going: Callable[[], bool],
+    redis_gone: Callable[[], str | None],
+    owner: StoreLock,
+) -> Outcome:
+    manifest = load_manifest(layout)
+    lock = RunLock(connection, manifest.run_id)
+    metrics = None
+    if settings.metrics_port is not None:
+        metrics = RunMetrics(manifest.run_id)
+        serve_metrics(metrics.registry, settings.metrics_port)
+    watch = Supervisor(connection, layout, manifest, settings, lock, owner, metrics)
+    _patiently(lock.acquire, settings, redis_gone)
+    retried = _patiently(lambda: retry_quarantined(connection, layout, manifest), settings, redis_gone)
+    if retried:
+        log.warning(
+            "run %s: chunk(s) %s were quarantined by an earlier supervisor for a reason that may have "
+            "been fixed since (not their input); they get new attempts",
+            manifest.run_id,
+            retried,
+        )
+    wakeup = Wakeup(connection, manifest.queue)
+    try:
+        while True:
+            snap = _patiently(watch.look, settings, redis_gone)
+            display.update(snap)
+            if snap.settled or not keep_going():
+                break
+            wakeup.wait(settings.poll_seconds)
+    finally:
+        wakeup.close()
+        lock.release()
+    if not snap.settled or (snap.quarantined and not settings.allow_partial):
+        return Outcome(snap, None)
+    missing = snap.quarantined if settings.allow_partial else None
+    return Outcome(
+        snap, assemble(layout, missing=missing, fence=owner.check, shard_bytes=settings.shard_bytes)
+    )
