@@ -282,3 +282,35 @@ def test_the_readme_is_a_first_screen_and_every_page_it_links_exists() -> None:
     for page in (ROOT / "docs").glob("*.md"):
         for link in re.findall(r"\]\(([^)#:]+\.md)\)", page.read_text()):
             assert (page.parent / link).resolve().is_file(), (page.name, link)
+
+
+def test_help_is_in_sections_and_help_all_gives_every_options_whole_text() -> None:
+    """Issue 45.12: `run --help` was 229 lines of full paragraphs in one flat list."""
+    from click.testing import CliRunner
+
+    from chunkq.cli import cli
+    from chunkq.cli.help_sections import first_sentence
+
+    runner = CliRunner()
+    brief = runner.invoke(cli, ["run", "--help"], terminal_width=80)
+    whole = runner.invoke(cli, ["run", "--help-all"], terminal_width=80)
+    assert brief.exit_code == 0 and whole.exit_code == 0, brief.output + whole.output
+    assert len(brief.output.splitlines()) <= 150 < len(whole.output.splitlines())
+    for title in ("The corpus:", "The model:", "Encoding:", "Workers and GPUs:", "Where:"):
+        assert title in brief.output and title in whole.output
+    flat_brief, flat_whole = " ".join(brief.output.split()), " ".join(whole.output.split())
+    flags = [p.opts[0] for p in cli.commands["run"].params if isinstance(p, click.Option) and not p.hidden]
+    assert len(flags) > 40
+    assert [f for f in flags if f not in flat_brief] == [] and [f for f in flags if f not in flat_whole] == []
+    # --help: each option's first sentence with its variable and default; --help-all: the rest too
+    assert "env var: CHUNKQ_STORE; default: chunkq-store" in flat_brief
+    assert "Nothing is downloaded unless HF_HUB_OFFLINE=0" in flat_whole
+    assert "Nothing is downloaded" not in flat_brief
+    assert "--help-all says what each does" in flat_brief
+    assert first_sentence("Text put before every text, e.g. 'query: '. More.") == (
+        "Text put before every text, e.g. 'query: '."
+    )
+    assert (
+        first_sentence("A model (bundled:all-MiniLM-L6-v2. also). Then.")
+        == "A model (bundled:all-MiniLM-L6-v2. also)."
+    )

@@ -15,7 +15,7 @@ from chunkq.supervisor.request import POOL_NAMES, RUN_DECIDES_FOR_THE_POOL, RUN_
 from chunkq.supervisor.run_options import RUN_OPTIONS, SUBMIT, WATCH
 
 ROOT = Path(__file__).resolve().parents[1]
-EVERY_COMMANDS = {"store", "queue", "redis_url", "as_json"}  # chunkq/cli/common.py, and --json
+EVERY_COMMANDS = {"store", "queue", "redis_url", "as_json", "help_all"}  # cli/common.py, --json, --help-all
 
 
 def _options(command: str) -> dict[str, click.Option]:

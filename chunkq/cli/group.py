@@ -12,6 +12,7 @@ from chunkq.cli.common import (
     log_level_option,
     reports_errors,
 )
+from chunkq.cli.help_sections import SectionedCommand
 from chunkq.cli.settings_options import F
 from chunkq.jobs.contract.release import chunkq_version
 from chunkq.queue_worker.settings import PoolSettings
@@ -37,6 +38,6 @@ def command(name: str) -> Callable[[F], click.Command]:
     """A subcommand that takes --log-level after its name too, and reports errors in one line."""
 
     def decorate(func: F) -> click.Command:
-        return cli.command(name)(log_level_option(reports_errors(func)))
+        return cli.command(name, cls=SectionedCommand)(log_level_option(reports_errors(func)))
 
     return decorate
