@@ -53,7 +53,7 @@ from typing import Any
 from chunkq.jobs.contract.run_files import RunLayout
 from chunkq.supervisor.store.throughput import of_run
 from chunkq.tools import first_row
-from chunkq.tools.report import gather
+from chunkq.tools.run_facts import gather
 
 CONFIGS = {
     "one": ["--workers-per-gpu", "1", "--recycle-after", "0"],

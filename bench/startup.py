@@ -35,7 +35,7 @@ from chunkq.jobs.compute.models import BUNDLED_MODEL, resolve_model
 from chunkq.jobs.contract.run_files import RunLayout
 from chunkq.supervisor.store.throughput import of_run
 from chunkq.tools import first_row
-from chunkq.tools.report import gather
+from chunkq.tools.run_facts import gather
 
 CHUNKQ = str(Path(sys.executable).parent / "chunkq")
 PLAIN = (

@@ -38,7 +38,7 @@ from chunkq.supervisor.result.published import (
     result_problems,
 )
 from chunkq.supervisor.watch.display import ProgressDisplay
-from chunkq.supervisor.watch.progress import store_snapshot
+from chunkq.supervisor.watch.snapshot import store_snapshot
 
 if TYPE_CHECKING:
     import numpy as np

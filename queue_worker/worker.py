@@ -15,38 +15,33 @@ import re
 import signal
 import socket
 import sys
-import threading
 import time
 import traceback
-from collections.abc import Callable
 from dataclasses import replace
 from types import FrameType
 from typing import Any
 
 import psutil
 import redis
-import setproctitle
 from rq.exceptions import StopRequested
 from rq.serializers import JSONSerializer
-from rq.worker import SimpleWorker, WorkerStatus
 
 from chunkq.jobs import kinds
 from chunkq.jobs.compute import cuda, faults, models, runtime
 from chunkq.jobs.compute.model_info import describe
-from chunkq.jobs.contract import errors
 from chunkq.jobs.contract.allowlist import AllowListedJob
 from chunkq.jobs.contract.errors import ConfigError
-from chunkq.jobs.contract.events import announce_settled
 from chunkq.jobs.contract.nopickle import forbid_pickle
-from chunkq.jobs.contract.queueing import give_back
 from chunkq.jobs.contract.specs import DEFAULT_KIND, EncodeOptions
 from chunkq.jobs.contract.storage import open_store
 from chunkq.jobs.embed import warm_up
 from chunkq.queue_worker import utilisation
+from chunkq.queue_worker.chunk_worker import (
+    ENDING_CODES,
+    ChunkWorker,
+)
 from chunkq.queue_worker.exit_codes import (
     EXIT_CONFIG,
-    EXIT_CUDA_FATAL,
-    EXIT_DEVICE_UNSUPPORTED,
     EXIT_ERROR,
     EXIT_MAX_JOBS,
     EXIT_NO_CONTEXT,
@@ -54,242 +49,17 @@ from chunkq.queue_worker.exit_codes import (
     EXIT_REDIS,
     EXIT_STOPPED,
 )
-from chunkq.queue_worker.lifeline import ORPHANED_SIGNAL, PARENT_PID_ENV, pool_alive
+from chunkq.queue_worker.lifeline import PARENT_PID_ENV
 from chunkq.queue_worker.settings import (
     DEFAULT_STORE,
-    SIGNAL_REPEAT_SECONDS,
     WORKER_MODULE,
     add_worker_arguments,
     env_of,
     truthy,
 )
-from chunkq.queue_worker.standby import announce_last_job, announce_model_loaded, wait_for_predecessor
+from chunkq.queue_worker.standby import announce_model_loaded, wait_for_predecessor
 
 log = logging.getLogger(__name__)
-
-# What a job's verdict on this process (runtime.end_after_job) makes the worker exit with.
-ENDING_CODES = {
-    runtime.BROKEN_CONTEXT: EXIT_CUDA_FATAL,
-    runtime.DEVICE_UNSUPPORTED: EXIT_DEVICE_UNSUPPORTED,
-}
-ENDING_WORDS = {
-    runtime.BROKEN_CONTEXT: "CUDA context broken",
-    runtime.DEVICE_UNSUPPORTED: "this GPU cannot run the model",
-}
-
-HEARTBEAT_SECONDS = 5.0
-STOP_POLL_SECONDS = 1  # the longest an idle worker waits for a job before it looks for a stop
-
-
-class Heartbeat:
-    """Keeps a running job's heartbeat going from a thread: SimpleWorker sends none while a job runs,
-    so without it a long chunk would look abandoned to anyone watching."""
-
-    def __init__(
-        self, worker: ChunkWorker, job: Any, execution: Any, interval: float = HEARTBEAT_SECONDS
-    ) -> None:
-        self.worker, self.job, self.execution, self.interval = worker, job, execution, interval
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="chunkq-heartbeat", daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                self.worker.maintain_heartbeats(self.job, self.execution)
-            except Exception as exc:  # Redis away for a moment: the next beat tries again
-                log.warning("heartbeat for %s failed: %s", self.job.id, exc)
-
-    def __enter__(self) -> Heartbeat:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-
-class RedisGoneWhileStopping(Exception):
-    """Redis cannot be reached and this idle worker was asked to stop: it stops, not waits."""
-
-
-class ChunkWorker(SimpleWorker):
-    """SimpleWorker (no fork: the model stays loaded) that counts jobs, beats while busy, exits at
-    once when the CUDA context broke, and honours a second signal."""
-
-    # RQ retries a lost Redis with a back-off that grows to a minute; a stop that comes meanwhile is
-    # only seen between tries, so a short cap keeps a drain short (Kubernetes deletes Redis and the
-    # pools together; Slurm's supervisor job stops its Redis before the pools' jobs end).
-    max_connection_wait_time = 5.0
-
-    def procline(self, message: str) -> None:
-        # RQ's title drops the command line; ps and the pool's tools look for the module and name.
-        setproctitle.setproctitle(f"{sys.executable} -m {WORKER_MODULE} --name {self.name}: {message}")
-
-    def __init__(
-        self,
-        *args: Any,
-        max_jobs: int | None = None,
-        recycle_after: float | None = None,
-        stopped_before_start: Callable[[], bool] = lambda: False,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(*args, **kwargs)
-        self.max_jobs = max_jobs
-        self.recycle_after = recycle_after  # seconds of work after which the worker recycles
-        self.worked = 0.0  # seconds spent running jobs, idle time not counted
-        self.last_job_seconds = 0.0
-        self.recycled = False
-        self.stopped_before_start = stopped_before_start
-        self.jobs_run = 0
-        self.stop_signalled = False
-        self._first_signal_at = -SIGNAL_REPEAT_SECONDS
-        self.ending: str | None = None  # why a job said this process must end (runtime.ending)
-        self.jobs_given_back = 0
-        self._taking_job = False  # from waiting for a job until it is started: a stop only marks
-
-    def _shutdown(self) -> None:
-        # RQ raises StopRequested from the signal handler when the worker is not busy. Once Redis has
-        # moved a job to this worker and before it starts, that raise strands the job in RQ's
-        # intermediate list until a supervisor or RQ's ten-minute maintenance repairs it (seen in
-        # a test: a pool stopped as its workers took their first chunks).
-        if self._taking_job:
-            self._stop_requested = True
-            return
-        super()._shutdown()  # type: ignore[no-untyped-call]
-
-    def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
-        try:
-            super().heartbeat(timeout, pipeline)
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
-            # RQ's wait for a job retries a lost Redis forever; asked to stop, with nothing in hand,
-            # there is nothing to wait for (a chunk in hand finishes without Redis: its output is in
-            # the store, and the next supervisor reads it there).
-            # (The state, not the current job: RQ reads that from Redis.)
-            if self._stop_requested and self.get_state() != WorkerStatus.BUSY:
-                raise RedisGoneWhileStopping(str(exc)) from exc
-            raise
-
-    def dequeue_job_and_maintain_ttl(self, timeout: int | None, max_idle_time: int | None = None) -> Any:
-        self._taking_job = True
-        try:
-            if timeout is None or max_idle_time is not None:  # burst: one look, no wait
-                result = super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
-            else:
-                # Short waits, since a signal no longer interrupts one: a stop is seen within a wait.
-                result = None
-                while result is None and not self._stop_requested:
-                    result = super().dequeue_job_and_maintain_ttl(STOP_POLL_SECONDS, STOP_POLL_SECONDS)
-        except RedisGoneWhileStopping as exc:
-            self.log.warning("Worker %s: stopping as asked; Redis cannot be reached (%s)", self.name, exc)
-            result = None
-        if result is None:
-            self._taking_job = False
-            if self._stop_requested:
-                self.log.info("Worker %s: stopping on request", self.name)
-        return result
-
-    def execute_job(self, job: Any, queue: Any) -> None:
-        if self._stop_requested:  # the stop came while this worker took the job: it goes back, unstarted
-            self._give_back(job, queue)
-            self._taking_job = False
-            raise StopRequested
-        execution = self.prepare_execution(job)  # busy from here: RQ's own stop handling is right
-        self._taking_job = False
-        self.jobs_run += 1
-        by_count = self.max_jobs is not None and self.jobs_run >= self.max_jobs
-        by_time = self._time_is_up_after_this_job()
-        if by_count or by_time:
-            announce_last_job()  # the pool starts our replacement now, to load while we compute
-        started = time.monotonic()
-        with Heartbeat(self, job, execution):
-            self.perform_job(job, queue, execution)
-        self.last_job_seconds = time.monotonic() - started
-        self.worked += self.last_job_seconds
-        if by_time or (self.recycle_after is not None and self.worked >= self.recycle_after):
-            # Announced or not, the time is up: RQ's own max-jobs check covers only the count.
-            self.recycled = self._stop_requested = True
-            self.log.info(
-                "Worker %s: recycling after %.1f s of work in %d chunk(s)",
-                self.name,
-                self.worked,
-                self.jobs_run,
-            )
-        announce_settled(self.connection, queue.name, job.id)  # the supervisor looks now, not in a second
-        self.set_state(WorkerStatus.IDLE)
-        ending = runtime.ending()
-        if ending:
-            # No empty_cache() or model reload repairs a sticky CUDA error, nor vouches for an
-            # allocator that failed in its own OOM path; a fresh process does.
-            self.ending = ending[0]
-            self._stop_requested = True
-            # One line: torch's four lines of CUDA advice stay in the job's record.
-            said = errors.first_line(ending[1])
-            self.log.error("Worker %s: %s (%s); exiting", self.name, ENDING_WORDS[ending[0]], said)
-
-    def _time_is_up_after_this_job(self) -> bool:
-        """Whether the job about to start is the last: the work so far plus one more like the last
-        reaches --recycle-after. Known before it starts, so the standby loads while it runs."""
-        return self.recycle_after is not None and self.worked + self.last_job_seconds >= self.recycle_after
-
-    def _give_back(self, job: Any, queue: Any) -> None:
-        give_back(self.connection, queue, [job.id], at_front=True)
-        self.jobs_given_back += 1
-        self.log.info(
-            "Worker %s: stop requested; gave job %s back to %s unstarted", self.name, job.id, queue.name
-        )
-
-    def unsubscribe(self) -> None:
-        # RQ sends UNSUBSCRIBE before it stops its listener thread. When the reply wakes the thread
-        # first, the thread goes back to a 60 s wait and RQ's join(timeout=1) sits it out: up to a
-        # second added to every recycle. Stopped first, the thread ends on that reply; but a thread
-        # woken by anything else in between ends at once and closes the connection under us (seen
-        # in CI: "Error 9 while writing to socket"), which ends the subscription just as well.
-        if not self.pubsub_thread:
-            super().unsubscribe()  # type: ignore[no-untyped-call]
-            return
-        self.log.info("Worker %s: unsubscribing from channel %s", self.name, self.pubsub_channel_name)
-        self.pubsub_thread.stop()
-        with contextlib.suppress(
-            redis.RedisError, OSError, ValueError
-        ):  # a closed socket, or a failed reconnect
-            self.pubsub.unsubscribe()
-        self.pubsub_thread.join(timeout=1)
-        self.pubsub.close()
-
-    def _install_signal_handlers(self) -> None:
-        super()._install_signal_handlers()  # type: ignore[no-untyped-call]
-        signal.signal(ORPHANED_SIGNAL, self._orphaned)
-        # A signal that reached main()'s start-up handler after its last look would otherwise be
-        # lost: a worker whose fork server or pool died then would work on as an orphan (seen in CI).
-        if self.stopped_before_start():
-            self.stop_signalled = True
-            self._stop_requested = True
-
-    def request_stop(self, signum: int, frame: FrameType | None) -> None:
-        self.stop_signalled = True
-        self._first_signal_at = time.monotonic()
-        super().request_stop(signum, frame)  # type: ignore[no-untyped-call]
-
-    def _orphaned(self, signum: int, frame: FrameType | None) -> None:
-        if pool_alive():  # only the fork server died: the pool watches on and replaces this worker
-            self.request_stop(signum, frame)
-            return
-        self.stop_signalled = True
-        self._stop_requested = True  # RQ fails the job in hand on the raise below, then would go on
-        self.log.error(
-            "Worker %s: its pool is gone; stopping now (a chunk in hand fails, to be retried)", self.name
-        )
-        raise SystemExit(EXIT_ORPHANED)
-
-    def request_force_stop(self, signum: int, frame: FrameType | None) -> None:
-        # Ours run in their own session, but a batch system signals every process of its job and
-        # the pool relays the same request: a repeat that soon is that one stop, not "stop now"
-        # (the pool sends its "stop now" no sooner than this after its drain).
-        if time.monotonic() - self._first_signal_at < SIGNAL_REPEAT_SECONDS:
-            self.log.info("Worker %s: the stop signal again (delivered twice); still draining", self.name)
-            return
-        self.log.warning("Worker %s: second signal, stopping now", self.name)
-        raise SystemExit(EXIT_STOPPED)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:

@@ -17,7 +17,7 @@ from chunkq.jobs.embed import encode_texts
 from chunkq.queue_worker import metrics, utilisation
 from chunkq.queue_worker.discovery import SIMULATED_ENV
 from chunkq.supervisor.watch.display import describe
-from chunkq.supervisor.watch.progress import Snapshot
+from chunkq.supervisor.watch.snapshot import Snapshot
 from tests.helpers import make_texts
 
 

@@ -15,7 +15,7 @@ from chunkq.jobs.contract.run_files import read_json
 from chunkq.supervisor.store import ledger as ledger_module
 from chunkq.supervisor.store.ledger import Ledger, read_ledger
 from chunkq.supervisor.store.throughput import of_outputs
-from chunkq.supervisor.watch.progress import store_snapshot
+from chunkq.supervisor.watch.snapshot import store_snapshot
 from tests.helpers import write_test_run
 
 
@@ -128,21 +128,21 @@ def test_a_report_streams_the_ledger_and_holds_bins_not_records(store: Path) -> 
     at about what a 2,000-chunk run does, and the timeline has at most TIMELINE_BINS bars a lane."""
     import tracemalloc
 
-    from chunkq.tools import report
+    from chunkq.tools import run_facts
 
     peaks = {}
     for chunks in (2_000, 20_000):
         layout = _synthetic_run(store, f"big{chunks}", chunks, processes=4)
         tracemalloc.start()
-        facts = report.gather(layout)
+        facts = run_facts.gather(layout)
         peaks[chunks] = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
         assert facts.chunks_done == chunks and facts.rate.sum() == chunks == facts.throughput.rows
         assert sorted(lane.pid for lane in facts.lanes.values()) == [1000, 1001, 1002, 1003]
-        bin_seconds = facts.span / report.TIMELINE_BINS
+        bin_seconds = facts.span / run_facts.TIMELINE_BINS
         for lane in facts.lanes.values():
             spans = lane.spans(bin_seconds)
-            assert not lane.chunks and len(spans) <= report.TIMELINE_BINS
+            assert not lane.chunks and len(spans) <= run_facts.TIMELINE_BINS
             # Each process was busy nine tenths of the time: binned, its lane is one bar end to end.
             assert spans == [(0.0, pytest.approx(facts.span))]
             assert lane.load == (0.0, 2.0)
@@ -156,22 +156,23 @@ def test_a_report_streams_the_ledger_and_holds_bins_not_records(store: Path) -> 
 def test_the_report_of_a_run_numbers_each_chunk_when_few_and_bins_them_when_many(
     encoded_run: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from chunkq.tools import report
+    from chunkq.tools import report, run_facts
 
     layout, _, _ = encoded_run
-    numbered = report.gather(layout)
+    numbered = run_facts.gather(layout)
     assert sorted(c for lane in numbered.lanes.values() for _, _, c in lane.chunks) == list(range(5))
-    monkeypatch.setattr(report, "LABELLED_CHUNKS", 0)
-    binned = report.gather(layout)
+    monkeypatch.setattr(run_facts, "LABELLED_CHUNKS", 0)
+    binned = run_facts.gather(layout)
     assert all(
-        not lane.chunks and lane.spans(binned.span / report.TIMELINE_BINS) for lane in binned.lanes.values()
+        not lane.chunks and lane.spans(binned.span / run_facts.TIMELINE_BINS)
+        for lane in binned.lanes.values()
     )
     # The rate panel shows a rate, not each batch's rows arriving at once (issues 24.5, 37.6): rows
     # are placed when encoded (each chunk's samples), the window spans two gaps between samples or
     # more, and no point is far above the run's own rate.
     _, rates, window = numbered.rate_curve()
     assert numbered.samples == 5
-    assert window >= report.RATE_WINDOW_SAMPLES * numbered.sample_seconds / numbered.samples
+    assert window >= run_facts.RATE_WINDOW_SAMPLES * numbered.sample_seconds / numbered.samples
     assert rates.max() <= 2.5 * numbered.throughput.rows_per_second(running=False)
     numbers = report.write_report(layout, tmp_path / "r")
     assert (tmp_path / "r" / "report.png").stat().st_size > 20_000
@@ -203,7 +204,7 @@ def test_start_up_is_not_an_alarm_until_warn_idle(monkeypatch: pytest.MonkeyPatc
     from types import SimpleNamespace
 
     from chunkq.supervisor.watch.display import describe
-    from chunkq.supervisor.watch.progress import Snapshot
+    from chunkq.supervisor.watch.snapshot import Snapshot
     from chunkq.supervisor.watch.supervise import Supervisor, WatchSettings
 
     watcher: Any = SimpleNamespace(
@@ -230,7 +231,7 @@ def test_when_chunkq_started_the_pool_it_never_asks_for_another(
 
     from chunkq.supervisor.watch import supervise as supervise_module
     from chunkq.supervisor.watch.display import describe
-    from chunkq.supervisor.watch.progress import Snapshot
+    from chunkq.supervisor.watch.snapshot import Snapshot
     from chunkq.supervisor.watch.supervise import Supervisor, WatchSettings
 
     monkeypatch.setattr(supervise_module.Worker, "count", lambda **kw: 0)
@@ -345,7 +346,7 @@ def test_a_stray_output_or_an_inflated_summary_never_shows_as_done(tmp_path: Pat
     """Issue 37.15: a stray outputs/000000000099.json made status say "11/10 done, -1 not done"; an
     inflated summary.json made it show 2,000,000 of 200 rows."""
     from chunkq.jobs.contract.run_files import RunLayout, atomic_write_json
-    from chunkq.supervisor.watch.progress import store_snapshot
+    from chunkq.supervisor.watch.snapshot import store_snapshot
     from tests.helpers import write_encoded_run
 
     layout = write_encoded_run(tmp_path, "stray", rows=200, chunk_size=20, dim=8)

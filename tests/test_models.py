@@ -338,7 +338,7 @@ def test_sentence_transformers_default_prompt_notice_stays_out_of_a_warning_log(
     # them (its warning_once would not repeat the load's): the notice stays out, another warning not.
     code = (
         "import logging; logging.basicConfig(level=logging.WARNING); "
-        f"from chunkq.jobs import models; models.get_model({str(folder)!r}, 'cpu', 'fp32'); "
+        f"from chunkq.jobs.compute import models; models.get_model({str(folder)!r}, 'cpu', 'fp32'); "
         "import sentence_transformers.base.model as m; "
         "m.logger.warning('Default prompt name is set to x (direct)'); m.logger.warning('another warning')"
     )

@@ -22,8 +22,9 @@ from chunkq.supervisor.store import run_log
 from chunkq.supervisor.store.throughput import Throughput
 from chunkq.supervisor.watch.attempts import FailedAttempt
 from chunkq.supervisor.watch.display import describe
-from chunkq.supervisor.watch.progress import Snapshot, Tracker, set_rate
-from chunkq.tools import report
+from chunkq.supervisor.watch.progress import Tracker
+from chunkq.supervisor.watch.snapshot import Snapshot, set_rate
+from chunkq.tools import report, run_facts
 from tests.helpers import CLI, cli_env, make_texts, run_cli, wait_for, write_corpus
 
 T0 = datetime(2026, 11, 24, 12, 0, tzinfo=UTC)
@@ -122,13 +123,13 @@ def test_after_the_users_stop_the_pools_lines_go_to_the_file_only(
 
 def _facts(
     records: list[dict[str, Any]], failures: list[FailedAttempt], done: set[int], submitted: float = -30
-) -> report.RunFacts:
+) -> run_facts.RunFacts:
     data = {"run_id": "r", "rows": 40, "chunks": 4, "chunk_size": 10, "created_at": _at(submitted)}
     manifest = RunManifest(data)
     throughput = Throughput()
     for record in records:
         throughput.add(record)
-    facts = report.RunFacts(manifest, throughput, failures=failures, done=done)
+    facts = run_facts.RunFacts(manifest, throughput, failures=failures, done=done)
     for record in records:
         facts.add(record, labelled=True)
     return facts
@@ -163,11 +164,12 @@ def test_the_report_puts_rows_when_encoded_the_start_up_before_and_recovered_chu
     oom = FailedAttempt(2, 1, "oom", "CUDA out of memory", "w9", "h", "cpu", None, _at(15), started=_at(14))
     gone = FailedAttempt(3, 3, "oom", "CUDA out of memory", "w1", "h", "cpu", None, _at(18), quarantined=True)
     facts = _facts(records, [oom, gone], done={0, 1, 3})  # chunk 3 was published by a later run
-    first_second = int(1.0 / facts.span * report.RATE_BINS) + 1
+    first_second = int(1.0 / facts.span * run_facts.RATE_BINS) + 1
     assert (
-        facts.rate[:first_second].sum() == 10 and facts.rate[first_second : report.RATE_BINS // 2].sum() == 0
+        facts.rate[:first_second].sum() == 10
+        and facts.rate[first_second : run_facts.RATE_BINS // 2].sum() == 0
     )
-    assert facts.rate[report.RATE_BINS // 2 :].sum() == 10  # chunk 1's rows over its own ten seconds
+    assert facts.rate[run_facts.RATE_BINS // 2 :].sum() == 10  # chunk 1's rows over its own ten seconds
     assert facts.startup_began == pytest.approx(-20.0)  # its pool started 20 s before the first chunk
     (lane,) = facts.lanes.values()
     assert lane.startup == (pytest.approx(-5.0), pytest.approx(-1.0))

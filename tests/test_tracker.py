@@ -23,7 +23,8 @@ from chunkq.supervisor.store.throughput import of_outputs
 from chunkq.supervisor.submit.corpus import CorpusOptions
 from chunkq.supervisor.submit.identity import SubmitRequest
 from chunkq.supervisor.submit.submission import SubmitResult, submit
-from chunkq.supervisor.watch.progress import Tracker, store_snapshot
+from chunkq.supervisor.watch.progress import Tracker
+from chunkq.supervisor.watch.snapshot import store_snapshot
 from tests.helpers import WORKER, cli_env, make_texts, write_corpus
 
 

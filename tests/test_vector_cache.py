@@ -257,9 +257,9 @@ def test_status_runs_report_metrics_and_the_cache_command_say_what_was_saved(
     tmp_path: Path, store: Path, connection: redis.Redis
 ) -> None:
     from chunkq.supervisor.watch.metrics import RunMetrics
-    from chunkq.supervisor.watch.progress import store_snapshot
-    from chunkq.tools.report import gather
+    from chunkq.supervisor.watch.snapshot import store_snapshot
     from chunkq.tools.report import summary as report_summary
+    from chunkq.tools.run_facts import gather
     from chunkq.tools.run_list import describe_run
 
     ids, texts = make_texts(20, seed=9)

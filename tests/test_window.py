@@ -108,7 +108,7 @@ def test_queued_jobs_in_no_queue_list_are_queued_again(
     connection.delete(queue.key)
     look = Tracker(connection, layout, manifest).poll()  # a restarted supervisor's first look
     assert look.unlisted == [0, 1, 2, 3] and look.chunks_queued == 4
-    from chunkq.queue_worker.worker import ChunkWorker  # noqa: F401 - the job class's functions import
+    from chunkq.queue_worker.chunk_worker import ChunkWorker  # noqa: F401 - the job class's functions import
     from chunkq.supervisor.store.run_lock import RunLock
     from chunkq.supervisor.store.store_lock import StoreLock
     from chunkq.supervisor.watch.supervise import Supervisor, WatchSettings

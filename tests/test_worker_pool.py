@@ -244,7 +244,7 @@ def test_exit_codes_describe_why(code: int, reason: str) -> None:
 
 
 def test_worker_teardown_does_not_wait_on_its_listener_thread(connection: redis.Redis) -> None:
-    from chunkq.queue_worker.worker import ChunkWorker
+    from chunkq.queue_worker.chunk_worker import ChunkWorker
 
     queue = Queue("teardown", connection=connection)
     for attempt in range(10):  # the race bites some of the time
@@ -258,7 +258,7 @@ def test_worker_teardown_does_not_wait_on_its_listener_thread(connection: redis.
 
 def test_a_stop_signalled_during_start_up_is_not_lost(connection: redis.Redis) -> None:
     """A signal caught by the start-up handler after main()'s last look still stops the worker."""
-    from chunkq.queue_worker.worker import ChunkWorker
+    from chunkq.queue_worker.chunk_worker import ChunkWorker
 
     queue = Queue("early-stop", connection=connection, serializer=JSONSerializer)
     job = queue.enqueue("chunkq.jobs.embed.embed_chunk", {})
@@ -272,7 +272,7 @@ def test_a_stop_signalled_during_start_up_is_not_lost(connection: redis.Redis) -
 def test_a_stop_signalled_as_a_job_is_taken_gives_it_back_unstarted(connection: redis.Redis) -> None:
     """A signal after Redis moved a job to the worker and before it started: the job goes back to
     the front of its queue, not into RQ's intermediate list where nothing runs it for minutes."""
-    from chunkq.queue_worker.worker import ChunkWorker
+    from chunkq.queue_worker.chunk_worker import ChunkWorker
 
     class SignalledAsItTakes(ChunkWorker):
         def dequeue_job_and_maintain_ttl(self, timeout: int | None, max_idle_time: int | None = None) -> Any:
@@ -292,7 +292,8 @@ def test_a_stop_signalled_as_a_job_is_taken_gives_it_back_unstarted(connection: 
 
 
 def test_an_idle_worker_still_stops_on_a_signal(connection: redis.Redis) -> None:
-    from chunkq.queue_worker.worker import STOP_POLL_SECONDS, ChunkWorker
+    from chunkq.queue_worker.chunk_worker import ChunkWorker
+    from chunkq.queue_worker.worker import STOP_POLL_SECONDS
 
     queue = Queue("idle-stop", connection=connection, serializer=JSONSerializer)
     worker = ChunkWorker([queue], connection=connection, name="idle-stop")

@@ -30,7 +30,8 @@ from chunkq.supervisor.result.published import describe_left_out, read_result_ma
 from chunkq.supervisor.store.store_redis import served_url
 from chunkq.supervisor.watch.attempts import describe_attempts, failed_attempts, to_json
 from chunkq.supervisor.watch.display import describe
-from chunkq.supervisor.watch.progress import Tracker, store_snapshot
+from chunkq.supervisor.watch.progress import Tracker
+from chunkq.supervisor.watch.snapshot import store_snapshot
 from chunkq.supervisor.watch.supervise import failure_report
 from chunkq.tools.dashboard import DEFAULT_PORT as DEFAULT_DASHBOARD_PORT
 from chunkq.tools.dashboard import serve as serve_dashboard

@@ -16,8 +16,9 @@ def chunkq_version() -> str:
         return version(DISTRIBUTION)
     except PackageNotFoundError:
         pass
-    # jobs/ is a top-level folder of the tree, beside pyproject.toml (chunkq/jobs links to it).
-    project = Path(__file__).resolve().parent.parent / "pyproject.toml"
+    # jobs/contract/release.py: jobs/ is a top-level folder of the tree, beside pyproject.toml
+    # (chunkq/jobs links to it).
+    project = Path(__file__).resolve().parents[2] / "pyproject.toml"
     try:
         return f"{tomllib.loads(project.read_text())['project']['version']} (not installed: {project.parent})"
     except (OSError, KeyError, ValueError):

@@ -12,7 +12,7 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 
 from chunkq.jobs.compute.device_busy import GPU_SOURCES
 from chunkq.supervisor.store.run_log import PROGRESS_LOGGER, TerminalLog
-from chunkq.supervisor.watch.progress import Snapshot
+from chunkq.supervisor.watch.snapshot import Snapshot
 
 log = logging.getLogger(PROGRESS_LOGGER)  # reaches the terminal at any log level (run_log)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from chunkq.supervisor.watch.progress import Snapshot
+from chunkq.supervisor.watch.snapshot import Snapshot
 
 STATES = ("done", "queued", "running", "retrying", "quarantined")
 

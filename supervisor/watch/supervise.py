@@ -43,8 +43,9 @@ from chunkq.supervisor.submit.enqueue import (
 from chunkq.supervisor.watch.attempts import AttemptRecorder, FailedAttempt
 from chunkq.supervisor.watch.display import ProgressDisplay
 from chunkq.supervisor.watch.metrics import RunMetrics
-from chunkq.supervisor.watch.progress import STALE_HEARTBEAT_SECONDS, Snapshot, Tracker
+from chunkq.supervisor.watch.progress import STALE_HEARTBEAT_SECONDS, Tracker
 from chunkq.supervisor.watch.retry import RetryPolicy, settle_failure
+from chunkq.supervisor.watch.snapshot import Snapshot
 from chunkq.supervisor.watch.wakeup import Wakeup
 
 log = logging.getLogger(__name__)
