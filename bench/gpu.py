@@ -24,7 +24,8 @@ and the ceiling; the GPU's utilisation sampled through NVML every 0.2 s over tha
 share the chunks recorded; the seconds from the command's start to its first rows and from its last
 chunk to the result. Then, in this process, a chunk's encode with the chunk tokenised once
 (``jobs/compute/tokenized.py``) against tokenised twice (its lengths first, then ``model.encode`` per
-batch), alternated, medians of ``--repeats``. ``--out`` writes every figure as JSON.
+batch), alternated, medians of ``--repeats``. ``--out`` writes every figure as JSON, again after each
+one is measured (a run cut at a time limit keeps what it measured).
 
 One GPU throughout: the first this process may use (an inherited ``CUDA_VISIBLE_DEVICES`` is
 honoured). chunkq is given it by NVML index (``--gpus``), the plain script and the in-process
@@ -47,6 +48,7 @@ import sysconfig
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -322,14 +324,23 @@ def tokenisation(
 
 
 def bench_model(
-    work: Path, label: str, model: str, precision: str, rows: int, args: argparse.Namespace, gpu: Utilisation
-) -> dict[str, Any]:
+    work: Path,
+    label: str,
+    model: str,
+    precision: str,
+    rows: int,
+    args: argparse.Namespace,
+    gpu: Utilisation,
+    results: dict[str, Any],
+    save: Callable[[], None],
+) -> None:
+    """Fills ``results`` figure by figure, saving after each: a run cut at a time limit keeps what it
+    measured (on a lent GPU the limit is real: the first run there lost every figure)."""
     corpus = docstring_corpus(work / f"corpus-{rows}.jsonl", rows)
     base = plain(work, corpus, model, args.device, precision, args.gpu)
     util = gpu.mean(base["start"], base["end"])
-    results: dict[str, Any] = {
-        "plain": {**base, "rows_per_s": rows / base["encode_seconds"], "gpu_util": util}
-    }
+    results["plain"] = {**base, "rows_per_s": rows / base["encode_seconds"], "gpu_util": util}
+    save()
     print(f"\n{label} ({precision}), {rows} rows on {args.device}")
     print(
         f"  plain encode, batch 32, {PLAIN_SLICE} rows a call: {rows / base['encode_seconds']:.0f} rows/s"
@@ -339,16 +350,19 @@ def bench_model(
     if args.baselines:
         tuned = plain(work, corpus, model, args.device, tuned_precision, args.gpu, tuned_batch)
         results["plain_tuned"] = {**tuned, "rows_per_s": rows / tuned["encode_seconds"]}
+        save()
         tuned_rate = rows / tuned["encode_seconds"]
         print(f"  plain, tuned ({tuned_precision}, batch {tuned_batch}): {tuned_rate:.0f} rows/s")
         pooled = st_pool(work, corpus, model, args.device, precision, args.gpu)
         results["st_pool"] = {**pooled, "rows_per_s": rows / pooled["encode_seconds"]}
+        save()
         print(
             f"  sentence-transformers' pool, {pooled['processes']} processes: "
             f"{rows / pooled['encode_seconds']:.0f} rows/s"
         )
         top = ceiling(corpus, model, precision, args.device)
         results["ceiling"] = top
+        save()
         print(f"  the forward alone, pre-tokenised, batch {top['batch']}: {top['rows_per_s']:.0f} rows/s")
     for name in args.configs:
         run = chunkq(work, corpus, model, precision, CONFIGS[name], args.chunk_size, args.gpu)
@@ -364,6 +378,7 @@ def bench_model(
         if "plain_tuned" in results:
             results[name]["e2e_ratio_to_tuned"] = results["plain_tuned"]["wall"] / run["wall"]
             results[name]["share_of_ceiling"] = rows / run["span"] / results["ceiling"]["rows_per_s"]
+        save()
         gpu_text = f", GPU {util:.0f} %" if util is not None else ""
         busy = run["busy"]
         busy_text = f", busy {100 * busy['share']:.0f} % ({busy['source']})" if busy else ""
@@ -376,12 +391,12 @@ def bench_model(
     if args.repeats:
         tok = tokenisation(corpus, model, precision, args.device, args)
         results["tokenisation"] = tok
+        save()
         once, twice = rows / tok["once_seconds"], rows / tok["twice_seconds"]
         print(
             f"  chunks of {args.chunk_size}, batch 32, in-process: tokenised once {once:.0f} rows/s, "
             f"twice {twice:.0f} rows/s ({tok['twice_seconds'] / tok['once_seconds']:.2f}x the time)"
         )
-    return results
 
 
 def main() -> None:
@@ -430,22 +445,26 @@ def main() -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = args.gpu.uuid
         print(f"on {args.gpu.label} ({args.gpu.name}, {args.gpu.uuid})")
     gpu = Utilisation(args.gpu.uuid if args.gpu is not None else None)
-    figures: dict[str, Any] = {"device": args.device, "cpu_cores": os.cpu_count()}
+    figures: dict[str, Any] = {"device": args.device, "cpu_cores": os.cpu_count(), "minilm": {}}
+
+    def save() -> None:
+        if args.out:
+            args.out.write_text(json.dumps(figures, indent=2, default=str) + "\n")
+
     try:
         with tempfile.TemporaryDirectory(prefix="chunkq-gpu-bench-") as tmp:
             work = Path(tmp)
-            figures["minilm"] = bench_model(
-                work, "all-MiniLM-L6-v2", args.model, "fp32", args.rows, args, gpu
-            )
+            minilm = figures["minilm"]
+            bench_model(work, "all-MiniLM-L6-v2", args.model, "fp32", args.rows, args, gpu, minilm, save)
             if args.large_rows:
                 large = args.large or large_model(work, args.model)
-                figures["large"] = bench_model(
-                    work, "bge-large shape", large, "fp16", args.large_rows, args, gpu
+                figures["large"] = {}
+                bench_model(
+                    work, "bge-large shape", large, "fp16", args.large_rows, args, gpu, figures["large"], save
                 )
     finally:
         gpu.close()
-    if args.out:
-        args.out.write_text(json.dumps(figures, indent=2, default=str) + "\n")
+        save()
 
 
 if __name__ == "__main__":
