@@ -292,8 +292,7 @@ def test_a_stop_signalled_as_a_job_is_taken_gives_it_back_unstarted(connection: 
 
 
 def test_an_idle_worker_still_stops_on_a_signal(connection: redis.Redis) -> None:
-    from chunkq.queue_worker.chunk_worker import ChunkWorker
-    from chunkq.queue_worker.chunk_worker import STOP_POLL_SECONDS
+    from chunkq.queue_worker.chunk_worker import STOP_POLL_SECONDS, ChunkWorker
 
     queue = Queue("idle-stop", connection=connection, serializer=JSONSerializer)
     worker = ChunkWorker([queue], connection=connection, name="idle-stop")
