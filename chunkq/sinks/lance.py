@@ -71,7 +71,7 @@ class LanceSink:
         self.rows = rows
         self.schema = self._schema(rows)
         db = lancedb.connect(self.where)
-        if self.name not in db.table_names():
+        if not _has_table(db, self.name):
             self.table = db.create_table(self.name, schema=self.schema)
             self.created = True
             return
@@ -137,3 +137,19 @@ class LanceSink:
 
     def abort(self) -> None:
         pass  # every batch is a whole merge: what was merged stays, a rerun merges the rest
+
+
+def _has_table(db: Any, name: str) -> bool:
+    """Whether ``db`` holds table ``name``: ``list_tables`` page by page where the installed LanceDB
+    has it (``table_names`` is deprecated there), else ``table_names``."""
+    pages = getattr(db, "list_tables", None)
+    if pages is None:
+        return name in db.table_names()
+    token = None
+    while True:
+        page = pages(page_token=token)
+        if name in page.tables:
+            return True
+        token = page.page_token
+        if not token:
+            return False
