@@ -1,4 +1,4 @@
-"""The published result's two forms, and how each is written, read and checked.
+"""The published result's two forms, and how each is read and checked (``writer.py`` writes them).
 
     result/manifest.json                 the commit marker: rows, dim, checksums, the form
     result/embeddings.npy, ids.jsonl     one file each, when the embeddings fit in one shard
