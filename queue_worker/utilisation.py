@@ -40,7 +40,7 @@ def reader(gpu_key: str | None) -> UtilisationSince | None:
             _, samples = nvml.nvmlDeviceGetSamples(handle, kind, microseconds)
         except nvml.NVMLError:  # NOT_FOUND: no sample since then; NOT_SUPPORTED: none ever
             return None
-        return [(int(s.timeStamp), float(_value(s))) for s in samples if int(s.timeStamp) >= microseconds]
+        return [(int(s.timeStamp), _value(s)) for s in samples if int(s.timeStamp) >= microseconds]
 
     return since
 

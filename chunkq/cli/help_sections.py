@@ -65,11 +65,10 @@ def first_sentence(text: str) -> str:
 
 def _brief(record: str) -> str:
     """An option's first sentence, with click's ``[env var: ...; default: ...]`` kept."""
-    body, _, extra = record.rpartition("  [") if record.endswith("]") else (record, "", "")
-    if not body:
-        body, extra = record, ""
-    short = first_sentence(body)
-    return short + (f"  [{extra}" if extra else "")
+    body, sep, extra = record.rpartition("  [")
+    if not sep or not record.endswith("]"):
+        return first_sentence(record)
+    return f"{first_sentence(body)}  [{extra}"
 
 
 def _section_of(name: str | None) -> str:
