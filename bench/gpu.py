@@ -24,7 +24,8 @@ and the ceiling; the GPU's utilisation sampled through NVML every 0.2 s over tha
 share the chunks recorded; the seconds from the command's start to its first rows and from its last
 chunk to the result. Then, in this process, a chunk's encode with the chunk tokenised once
 (``jobs/compute/tokenized.py``) against tokenised twice (its lengths first, then ``model.encode`` per
-batch), alternated, medians of ``--repeats``. ``--out`` writes every figure as JSON, again after each
+batch), in batches of 32 and in the device's own, rounds of alternating order, medians of
+``--repeats``. ``--out`` writes every figure as JSON, again after each
 one is measured (a run cut at a time limit keeps what it measured).
 
 One GPU throughout: the first this process may use (an inherited ``CUDA_VISIBLE_DEVICES`` is
@@ -288,7 +289,10 @@ def tokenisation(
     corpus: Path, model: str, precision: str, device: str, args: argparse.Namespace
 ) -> dict[str, Any]:
     """Seconds to encode the corpus chunk by chunk, tokenised once and tokenised twice, in this
-    process, alternated ``--repeats`` times (medians)."""
+    process: in batches of 32, and in the device's own (a budget of AUTO_START_TOKENS on a GPU).
+    ``--repeats`` rounds whose order alternates (once first, then twice first): the H100 runs of
+    2026-11-25/26 measured once first in every round, so an order effect could not be told from a
+    real one. Medians, and every sample."""
     import torch
 
     from chunkq.jobs.compute import models, token_batches, tokenized
@@ -297,30 +301,37 @@ def tokenisation(
     chunks = [texts[i : i + args.chunk_size] for i in range(0, len(texts), args.chunk_size)]
     loaded = models.get_model(model, "cuda:0" if device == "cuda" else "cpu", precision)
     real = tokenized.features
+    batchings = {"batch 32": (32, False)}
+    if device == "cuda":
+        budget = token_batches.AUTO_START_TOKENS
+        batchings[f"budget {budget} tokens"] = (budget, True)
 
-    def timed(features: Any) -> float:
+    def timed(features: Any, limit: int, by_tokens: bool) -> float:
         tokenized.features = features  # type: ignore[assignment]
         started = time.perf_counter()
         for chunk in chunks:
-            token_batches.encode(loaded.model, chunk, 32, {}, by_tokens=False)
+            token_batches.encode(loaded.model, chunk, limit, {}, by_tokens=by_tokens)
         if device == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - started
 
-    once: list[float] = []
-    twice: list[float] = []
+    modes = {"once": real, "twice": lambda model, texts, prompt: None}
+    figures: dict[str, Any] = {"rows": len(texts), "chunk_size": args.chunk_size}
     try:
-        timed(real)  # warm-up
-        for _ in range(args.repeats):
-            once.append(timed(real))
-            twice.append(timed(lambda model, texts, prompt: None))
+        for label, (limit, by_tokens) in batchings.items():
+            timed(real, limit, by_tokens)  # warm-up
+            samples: dict[str, list[float]] = {"once": [], "twice": []}
+            for round_ in range(args.repeats):
+                for mode in ("once", "twice") if round_ % 2 == 0 else ("twice", "once"):
+                    samples[mode].append(timed(modes[mode], limit, by_tokens))
+            figures[label] = {
+                "once_seconds": statistics.median(samples["once"]),
+                "twice_seconds": statistics.median(samples["twice"]),
+                "samples": samples,
+            }
     finally:
         tokenized.features = real  # type: ignore[assignment]
-    return {
-        "once_seconds": statistics.median(once),
-        "twice_seconds": statistics.median(twice),
-        "rows": len(texts),
-    }
+    return figures
 
 
 def bench_model(
@@ -392,11 +403,14 @@ def bench_model(
         tok = tokenisation(corpus, model, precision, args.device, args)
         results["tokenisation"] = tok
         save()
-        once, twice = rows / tok["once_seconds"], rows / tok["twice_seconds"]
-        print(
-            f"  chunks of {args.chunk_size}, batch 32, in-process: tokenised once {once:.0f} rows/s, "
-            f"twice {twice:.0f} rows/s ({tok['twice_seconds'] / tok['once_seconds']:.2f}x the time)"
-        )
+        for label, figure in tok.items():
+            if not isinstance(figure, dict):
+                continue
+            once, twice = rows / figure["once_seconds"], rows / figure["twice_seconds"]
+            print(
+                f"  chunks of {args.chunk_size}, {label}, in-process: tokenised once {once:.0f} rows/s, "
+                f"twice {twice:.0f} rows/s ({figure['twice_seconds'] / figure['once_seconds']:.2f}x the time)"
+            )
 
 
 def main() -> None:

@@ -33,13 +33,18 @@ def test_its_cpu_path_measures_plain_and_chunkq_on_one_corpus(tmp_path: Path) ->
     out = tmp_path / "figures.json"
     # One configuration: each is a chunkq run of its own (~30 s here), and they share the script's path.
     cmd = [sys.executable, str(SCRIPT), "--device", "cpu", "--rows", "60", "--configs", "one", "--baselines"]
+    cmd += ["--repeats", "2"]  # both orders of the once/twice round
     done = subprocess.run(
         [*cmd, "--out", str(out)], capture_output=True, text=True, timeout=560, env=cli_env()
     )
     assert done.returncode == 0, done.stderr[-3000:]
     figures = json.loads(out.read_text())["minilm"]
     assert set(figures) == {"plain", "plain_tuned", "st_pool", "ceiling", "one", "tokenisation"}
-    assert figures["tokenisation"]["rows"] == 60 and figures["tokenisation"]["once_seconds"] > 0
+    tokenisation = figures["tokenisation"]
+    assert tokenisation["rows"] == 60 and set(tokenisation) == {"rows", "chunk_size", "batch 32"}
+    for mode in ("once", "twice"):  # a GPU adds the budget's batching; the CPU has none
+        figure = tokenisation["batch 32"]
+        assert figure[f"{mode}_seconds"] > 0 and len(figure["samples"][mode]) == 2
     for baseline in ("plain", "plain_tuned", "st_pool", "ceiling"):
         assert figures[baseline]["rows"] == 60 and figures[baseline]["rows_per_s"] > 0, baseline
     one = figures["one"]
@@ -48,3 +53,4 @@ def test_its_cpu_path_measures_plain_and_chunkq_on_one_corpus(tmp_path: Path) ->
     assert one["busy"]["source"] == "cpu-forward" and one["batch_tokens"] == [0]
     assert 0 < one["first_rows_seconds"] < one["wall"] and one["last_chunk_to_result_seconds"] >= 0
     assert "chunkq one" in done.stdout and "x plain" in done.stdout and "forward alone" in done.stdout
+    assert "batch 32, in-process: tokenised once" in done.stdout
