@@ -3,8 +3,10 @@ running system answers every NVML call with NVML_ERROR_LIB_RM_VERSION_MISMATCH, 
 
 NVML is a reporting library; CUDA is the truth about which GPUs a process can use. The pool and the
 supervisor must never hold a CUDA context (a forked worker could not use CUDA, and a context costs a
-GPU's memory), so the question is asked in a short-lived child process (``python -m
-chunkq.queue_worker.cuda_devices``) through the CUDA driver API: ``cuInit`` and the ``cuDevice*``
+GPU's memory), so the question is asked in a short-lived child process (this file run as a script
+by ``python -I -S``: it needs only the standard library, and so skips chunkq's and site-packages'
+imports, 0.04 s against 0.47 s as a module of the package; every chunkq run asks twice) through the
+CUDA driver API: ``cuInit`` and the ``cuDevice*``
 queries create no context. It answers each device's index in PCI bus order (what
 ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, which the pool sets for its workers, gives), UUID, name, total
 memory and PCI bus id, as JSON. Free memory needs a context: a worker reads its own.
@@ -95,7 +97,7 @@ def ask() -> CudaDevices:
     env.pop("CUDA_VISIBLE_DEVICES", None)  # every device of the host, as NVML would list them
     try:
         done = subprocess.run(
-            [sys.executable, "-m", __name__],
+            [sys.executable, "-I", "-S", os.path.abspath(__file__)],
             env=env,
             capture_output=True,
             text=True,
