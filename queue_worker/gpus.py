@@ -125,6 +125,13 @@ def parse_size(text: str) -> int:
         raise ConfigError(f"cannot read the size {text!r} (use e.g. 8GiB, 512MiB)") from None
 
 
+def memory_limit_value(text: str) -> str:
+    """``--gpu-memory-limit`` checked where it is given: a size, or 0 for none."""
+    if parse_size(text) < 0:
+        raise ConfigError(f"{text!r} is below zero (0: no limit)")
+    return text.strip()
+
+
 def worker_environment(base: dict[str, str], gpu: GpuInfo | None, cpu_threads: int) -> dict[str, str]:
     """The environment of one worker: pinned to one GPU (or none) before it imports torch."""
     env = dict(base)

@@ -40,6 +40,7 @@ from chunkq.queue_worker.fork_server import ForkedWorker, ForkServer, ForkServer
 from chunkq.queue_worker.gpus import (
     choose,
     cpu_threads_per_worker,
+    parse_size,
     resolve_workers_per_gpu,
     worker_environment,
 )
@@ -436,6 +437,8 @@ def start(settings: PoolSettings) -> int:
     if not chosen:
         check_precision(settings.precision, "cpu")  # every chunk would be refused: say it once, now
         log.info("no GPU in use; running %d CPU worker(s)", settings.cpu_workers)
+        if parse_size(settings.gpu_memory_limit):
+            log.warning("--gpu-memory-limit %s: no GPU in use, nothing to limit", settings.gpu_memory_limit)
     return Pool(settings, chosen).run()
 
 

@@ -34,6 +34,7 @@ from chunkq.jobs.contract.errors import ConfigError
 from chunkq.jobs.contract.nopickle import forbid_pickle
 from chunkq.jobs.contract.specs import DEFAULT_KIND, EncodeOptions
 from chunkq.jobs.contract.storage import open_store
+from chunkq.jobs.contract.units import size_text
 from chunkq.jobs.embed import warm_up
 from chunkq.queue_worker import utilisation
 from chunkq.queue_worker.chunk_worker import (
@@ -49,6 +50,7 @@ from chunkq.queue_worker.exit_codes import (
     EXIT_REDIS,
     EXIT_STOPPED,
 )
+from chunkq.queue_worker.gpus import parse_size
 from chunkq.queue_worker.lifeline import PARENT_PID_ENV
 from chunkq.queue_worker.settings import (
     DEFAULT_STORE,
@@ -73,6 +75,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     args.allowed_models += [m for m in os.environ.get(env_of("allowed_models"), "").split(",") if m]
     args.trust_remote_code = args.trust_remote_code or truthy(os.environ.get(env_of("trust_remote_code")))
     return args
+
+
+def _limit_gpu_memory(ctx: runtime.WorkerContext, limit_text: str | None) -> None:
+    limit = parse_size(limit_text or "0")
+    share = cuda.limit_memory(ctx.device, limit)
+    if share is not None:
+        log.info("at most %s of GPU %s's memory (%.1f %%)", size_text(limit), ctx.gpu, 100 * share)
 
 
 def _context(name: str, args: argparse.Namespace) -> runtime.WorkerContext:
@@ -207,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         if unusable is not None:
             log.error("worker %s cannot create its CUDA context on GPU %s: %s", name, ctx.gpu, unusable)
             return EXIT_NO_CONTEXT
+        _limit_gpu_memory(ctx, args.gpu_memory_limit)
         connection = redis.Redis.from_url(url)
         connection.ping()
         if args.preload:

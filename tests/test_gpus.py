@@ -160,3 +160,20 @@ def test_auto_sizes_the_model_from_the_weights_that_load(tmp_path: Path) -> None
         (model / name).write_bytes(b"x" * size)
     assert model_bytes(str(model), "fp32") == 1040
     assert model_bytes(str(model), "fp16") == 520
+
+
+def test_a_gpu_memory_limit_is_checked_where_given_and_reaches_each_worker() -> None:
+    """--gpu-memory-limit: a size, handed to every worker, which caps PyTorch's allocator on its GPU
+    (the cap itself runs in the GPU tier: tests/gpu/test_gpu_faults.py's capped real OOM)."""
+    from chunkq.jobs.compute import cuda
+    from chunkq.queue_worker.settings import PoolSettings, worker_argv
+    from tests.helpers import run_cli
+
+    argv = worker_argv(PoolSettings(gpu_memory_limit="2GiB"))
+    assert argv[argv.index("--gpu-memory-limit") + 1] == "2GiB"
+    for bad, said in (("lots", "cannot read the size 'lots'"), ("-1GiB", "'-1GiB' is below zero")):
+        refused = run_cli("pool", "--redis-url", "redis://127.0.0.1:1/0", "--gpu-memory-limit", bad)
+        assert refused.returncode == 2 and "Invalid value for '--gpu-memory-limit'" in refused.stderr
+        assert said in refused.stderr, refused.stderr
+    # Nothing to cap on the CPU, or with no limit: torch.cuda is not touched (this torch has none).
+    assert cuda.limit_memory("cpu", 2 << 30) is None and cuda.limit_memory("cuda:0", 0) is None

@@ -4,6 +4,7 @@ paragraphs its help ran to 229 lines (issue 45.12)."""
 
 from __future__ import annotations
 
+import textwrap
 from typing import Any
 
 import click
@@ -29,7 +30,8 @@ SECTIONS: tuple[tuple[str, frozenset[str]], ...] = (
     (
         "Workers and GPUs",
         frozenset(
-            {"gpus", "min_free_memory", "busy_gpus", "workers_per_gpu", "cpu_workers", "max_jobs"}
+            {"gpus", "min_free_memory", "gpu_memory_limit", "busy_gpus", "workers_per_gpu", "cpu_workers"}
+            | {"max_jobs"}
             | {"recycle_after", "max_jobs_jitter", "crash_limit", "crash_window", "hung_grace"}
             | {"standby", "fork_server", "name", "job_timeout"}
         ),
@@ -69,6 +71,15 @@ def _brief(record: str) -> str:
     if not sep or not record.endswith("]"):
         return first_sentence(record)
     return f"{first_sentence(body)}  [{extra}"
+
+
+def _write_names(formatter: click.HelpFormatter, text: str) -> None:
+    """``text`` wrapped at spaces only: click's wrapping breaks at hyphens, and a flag split over
+    two lines (``--max-jobs-`` / ``jitter``) can be neither read nor searched for."""
+    indent = formatter.current_indent
+    width = max((formatter.width or 80) - indent, 20)
+    for line in textwrap.wrap(text, width, break_on_hyphens=False, break_long_words=False):
+        formatter.write(f"{'':>{indent}}{line}\n")
 
 
 def _section_of(name: str | None) -> str:
@@ -116,7 +127,7 @@ class SectionedCommand(click.Command):
             with formatter.section(title):
                 if long and not whole and title in BY_NAME:
                     names = ", ".join(name.split()[0] for name, _ in records)
-                    formatter.write_text(f"{names} ({HELP_ALL} says what each does)")
+                    _write_names(formatter, f"{names} ({HELP_ALL} says what each does)")
                 else:
                     formatter.write_dl(records)
 

@@ -35,6 +35,25 @@ def open_context(device: str) -> Exception | None:
     return None
 
 
+def limit_memory(device: str, limit_bytes: int) -> float | None:
+    """Cap what PyTorch's caching allocator may hold on ``device`` at ``limit_bytes``: the share of
+    the GPU it set, or None where there is nothing to cap (the CPU, no limit, a limit at or above
+    the GPU's memory). Past the cap the allocator fails a block as a full GPU does (the
+    ``set_fraction`` check in c10/cuda/CUDACachingAllocator.cpp's ``alloc_block``): it frees its
+    cache, tries again, then raises its own ``torch.OutOfMemoryError`` ("CUDA out of memory. Tried
+    to allocate ... GiB allowed; ..."), which a job halves its batch for as for any OOM."""
+    if not device.startswith("cuda") or limit_bytes <= 0:
+        return None
+    import torch
+
+    total = torch.cuda.get_device_properties(device).total_memory
+    if limit_bytes >= total:
+        return None
+    share = limit_bytes / total
+    torch.cuda.set_per_process_memory_fraction(share, device)
+    return share
+
+
 def context_usable(device: str) -> bool:
     """A tiny allocation and a synchronise: a broken (sticky-error) context fails this for good.
 
