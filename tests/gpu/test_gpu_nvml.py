@@ -6,10 +6,10 @@ NVML_ERROR_LIB_RM_VERSION_MISMATCH. CUDA itself still works.
 (a) With it on LD_LIBRARY_PATH for the whole run, chunkq finds the GPU through CUDA (before: no GPU,
 CPU workers) and runs on it; the result equals a plain encode.
 (b) In the workers, PyTorch's own caching allocator then raises the seeds' assert at its first real
-out-of-memory (its reportProcessMemoryInfo cannot initialise NVML); the chunk halves in the same
-process and the run finishes. The stand-in is loaded by every process of the run here, the pool's
-included (the seeds' host has one driver for all); a worker-only variant needs a hook in the pool
-this test does not add.
+out-of-memory (past the worker's --gpu-memory-limit; its reportProcessMemoryInfo cannot initialise
+NVML); the chunk halves in the same process and the run finishes. The stand-in is loaded by every
+process of the run here, the pool's included (the seeds' host has one driver for all); a
+worker-only variant needs a hook in the pool this test does not add.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import pytest
 
 from chunkq.jobs.contract.run_files import read_json
 from tests.gpu.test_gpu_faults import (
+    CAP,
     MIN_COSINE,
     _check_result,
     _min_cosine,
@@ -69,8 +70,11 @@ def test_a_failing_nvml_finds_the_gpu_through_cuda_and_the_run_uses_it(
 def test_torchs_own_allocator_raises_the_seeds_assert_and_the_chunk_halves_in_process(
     tmp_path: Path, gpu_model: str, gpu: Any, cuda_device: str, failing_nvml: dict[str, str]
 ) -> None:
-    """No injected fault: one batch larger than the GPU, and NVML failing for real."""
-    rows = int(2 * gpu.memory_total / (2 * 512 * 1536 * 4)) + 1
+    """No injected fault: one batch larger than the worker's 2 GiB (--gpu-memory-limit), and NVML
+    failing for real. A block past the cap fails in the allocator as one past the GPU's end does, and
+    takes the same out-of-memory branch, where reportProcessMemoryInfo asks NVML and asserts; rows
+    for the whole GPU (~25,000 of 512 tokens) ran past 150 s on an H100, ~700 fit a lease."""
+    rows = int(2 * CAP / (2 * 512 * 1536 * 4)) + 1
     ids, texts = oversized_corpus(rows)
     corpus = write_corpus(tmp_path / "long.jsonl", ids, texts, "jsonl")
     store = tmp_path / "store"
@@ -85,6 +89,7 @@ def test_torchs_own_allocator_raises_the_seeds_assert_and_the_chunk_halves_in_pr
         "512",
     ]
     args += ["--gpus", str(gpu.index), "--store", str(store), "--job-timeout", "3000"]
+    args += ["--gpu-memory-limit", str(CAP)]
     done = run_cli("run", str(corpus), *args, timeout=1700, **failing_nvml)
     assert done.returncode == 0, done.stderr[-4000:]
     meta = read_json(_only_run(store).output_meta(0))
