@@ -4,8 +4,8 @@ whenever one ends, pinned through its environment, and never left behind as an o
 ``rq worker-pool`` forks its workers (CUDA cannot be used in a forked child) and cannot give each
 one its own environment, hence this pool built on ``subprocess``. The pool also does what RQ
 does late or never: it fails the job of a worker that died at once (RQ waits for timeout + 60 s),
-kills a worker whose job hangs past its timeout (SIGALRM cannot interrupt a CUDA call), and takes
-a GPU out of service when its workers keep dying.
+kills a worker whose job hangs past its timeout (SIGALRM cannot interrupt a CUDA call), both through
+``dead_workers``, and takes a GPU out of service when its workers keep dying.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import logging
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,17 +22,14 @@ from types import FrameType
 
 import psutil
 import redis
-from rq.job import Job
 from rq.queue import Queue
-from rq.serializers import JSONSerializer
-from rq.worker import SimpleWorker
 
 from chunkq.jobs.compute.models import check_precision
 from chunkq.jobs.compute.runtime import POOL_STARTED_ENV
-from chunkq.jobs.contract.abandon import forget_worker, mark_abandoned, running_job_ids
 from chunkq.jobs.contract.errors import ChunkqError
 from chunkq.jobs.contract.nopickle import forbid_pickle
 from chunkq.queue_worker import exit_codes
+from chunkq.queue_worker.dead_workers import DeadWorkers
 from chunkq.queue_worker.discovery import GpuInfo
 from chunkq.queue_worker.fork_server import MODEL_ENV as FORK_SERVER_MODEL_ENV
 from chunkq.queue_worker.fork_server import ForkedWorker, ForkServer, ForkServerError
@@ -63,7 +59,6 @@ log = logging.getLogger("chunkq.queue_worker.pool")  # one name, run as python -
 WorkerProcess = subprocess.Popen[bytes] | ForkedWorker
 
 POLL_SECONDS = 0.2
-WATCHDOG_SECONDS = 2.0
 
 
 def jittered_max_jobs(max_jobs: int | None, fraction: float, rng: random.Random) -> int | None:
@@ -115,9 +110,7 @@ class Pool:
         self.rng = rng or random.Random()  # noqa: S311 - jitter, not security
         self._signals = 0
         self._crashes: dict[str, tuple[float, ...]] = {}  # each device's recent deaths (RestartPolicy)
-        self._to_abandon: list[tuple[str, str]] = []  # (worker name, reason) while Redis is away
-        self._hung: dict[str, str] = {}  # worker name -> why the watchdog killed it
-        self._next_watchdog = 0.0
+        self.dead = DeadWorkers(self.connection, settings.name, settings.queue, settings.hung_grace)
         self.exits: list[tuple[str, int]] = []
         self.started_at = psutil.Process().create_time()  # its interpreter's start-up included
         self.metrics = PoolMetrics(settings.name, [gpu.key for gpu in gpus])
@@ -252,40 +245,6 @@ class Pool:
                 except ProcessLookupError:
                     pass
 
-    def _release_jobs(self) -> None:
-        """Fail the jobs of workers that died, now rather than after RQ's timeout + 60 s."""
-        pending, self._to_abandon = self._to_abandon, []
-        for worker_name, reason in pending:
-            try:
-                for job_id in running_job_ids(self.connection, worker_name):
-                    mark_abandoned(self.connection, job_id, f"worker {worker_name} {reason}")
-                forget_worker(self.connection, worker_name)
-            except redis.RedisError as exc:
-                log.warning("cannot release the job of %s yet (%s); will retry", worker_name, exc)
-                self._to_abandon.append((worker_name, reason))
-
-    def _release_predecessors(self) -> None:
-        """Workers of an earlier run of this pool under the same name (a requeued Slurm job, a
-        restarted service) that died with it on this host: their jobs fail now, not once their
-        heartbeat is stale, and their names are freed (RQ refuses to register a name twice)."""
-        host, prefix = socket.gethostname(), f"{self.settings.name}-"
-        namespace = SimpleWorker.redis_worker_namespace_prefix
-        queue = Queue(self.settings.queue, connection=self.connection)
-        try:
-            for key in SimpleWorker.all_keys(connection=self.connection, queue=queue):
-                name = key.removeprefix(namespace)
-                if not name.startswith(prefix):
-                    continue
-                worker = SimpleWorker.find_by_key(key, self.connection, serializer=JSONSerializer)
-                if worker is None or worker.hostname != host or worker.pid is None:
-                    continue  # on another host: its heartbeat tells the supervisor
-                if not _alive(worker.pid, name):
-                    why = f"(pid {worker.pid}) died with an earlier run of pool {self.settings.name}"
-                    self._to_abandon.append((name, why))
-        except redis.RedisError as exc:
-            log.warning("cannot look for workers of an earlier run of this pool (%s)", exc)
-        self._release_jobs()
-
     def _retire_device(self, slot: Slot, why: str) -> None:
         log.error("%s: %s; taking it out of this pool (the other devices go on)", self._where(slot), why)
         for other in self.slots:
@@ -298,8 +257,8 @@ class Pool:
             if code is None:
                 continue
             self.exits.append((slot.key, code))
-            self.metrics.worker_exited(slot.device, code, hung=slot.worker_name in self._hung)
-            reason = self._hung.pop(slot.worker_name, None) or exit_codes.describe(code)
+            self.metrics.worker_exited(slot.device, code, hung=slot.worker_name in self.dead.hung)
+            reason = self.dead.hung.pop(slot.worker_name, None) or exit_codes.describe(code)
             dead = slot.worker_name
             slot.proc = None
             verdict = self.policy.judge(
@@ -309,7 +268,7 @@ class Pool:
             if verdict.stop_forking:
                 self._stop_forking("a forked worker could not create its CUDA context; its log says why")
             if verdict.abandon_job:
-                self._to_abandon.append((dead, reason))
+                self.dead.add(dead, reason)
             if verdict.retire_device:
                 crashes = f"{len(verdict.crashes)} worker deaths within {self.settings.crash_window:.0f} s"
                 self._retire_device(slot, reason if exit_codes.of(code).retires_device else crashes)
@@ -326,26 +285,6 @@ class Pool:
                 slot.not_before = now + verdict.delay
                 log.log(verdict.level, "worker %s %s; starting a fresh one", slot.worker_name, reason)
 
-    def _watchdog(self, now: float) -> None:
-        """Kill a worker whose job runs past its timeout: SIGALRM cannot stop a hung CUDA call."""
-        if now < self._next_watchdog:
-            return
-        self._next_watchdog = now + WATCHDOG_SECONDS
-        for slot in self.slots:
-            if slot.proc is None or slot.proc.poll() is not None:
-                continue
-            try:
-                for job_id in running_job_ids(self.connection, slot.worker_name):
-                    job = Job.fetch(job_id, connection=self.connection, serializer=JSONSerializer)
-                    started = job.started_at.timestamp() if job.started_at else time.time()
-                    limit = (job.timeout or 0) + self.settings.hung_grace
-                    if job.timeout and time.time() - started > limit:
-                        self._hung[slot.worker_name] = f"hung on {job_id} for over {limit:.0f} s; killed"
-                        log.error("worker %s %s", slot.worker_name, self._hung[slot.worker_name])
-                        slot.proc.kill()
-            except Exception as exc:  # a job gone between the two reads, or Redis away
-                log.debug("watchdog skipped %s: %s", slot.worker_name, exc)
-
     def _fill(self, now: float) -> None:
         for slot in self.slots:
             if slot.proc is None and not slot.retired and now >= slot.not_before:
@@ -360,18 +299,19 @@ class Pool:
         self._check_standbys(stopping=handled > 0)
         self._reap(stopping=handled > 0, now=now)
         self.metrics.set_running(sum(1 for proc in self._processes() if proc.poll() is None))
-        if self._to_abandon:
-            self._release_jobs()
+        if self.dead.pending:
+            self.dead.release()
         if handled:
             if self._alive():
                 return None
-            if self._to_abandon:  # Redis is away; the supervisor's heartbeat check will catch these
+            if self.dead.pending:  # Redis is away; the supervisor's heartbeat check will catch these
                 log.warning(
                     "pool exiting with %d dead worker(s) whose jobs it could not release",
-                    len(self._to_abandon),
+                    len(self.dead.pending),
                 )
             return 0
-        self._watchdog(now)
+        live = ((s.worker_name, s.proc) for s in self.slots if s.proc is not None and s.proc.poll() is None)
+        self.dead.watchdog(now, live)  # read only on the watchdog's turns
         self._fill(now)
         if all(slot.retired for slot in self.slots) and not self._alive():
             log.error("pool %s: no device left to run workers on; giving up", self.settings.name)
@@ -388,7 +328,7 @@ class Pool:
         if self.settings.metrics_port is not None:
             serve(self.metrics.registry, self.settings.metrics_port)
         try:
-            self._release_predecessors()
+            self.dead.release_predecessors()
             self._fill(time.monotonic())
             while True:
                 now = time.monotonic()
@@ -458,11 +398,3 @@ def main() -> int:
     except ChunkqError as exc:  # one line, as every chunkq command reports it
         log.error("%s", exc)
         return exit_codes.EXIT_CONFIG
-
-
-def _alive(pid: int, worker_name: str) -> bool:
-    """Whether ``pid`` is still that worker (its title names it), not a reused pid."""
-    try:
-        return worker_name in " ".join(psutil.Process(pid).cmdline())
-    except psutil.Error:
-        return False
