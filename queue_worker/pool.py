@@ -20,7 +20,6 @@ import time
 from dataclasses import dataclass
 from types import FrameType
 
-import psutil
 import redis
 from rq.queue import Queue
 
@@ -28,6 +27,7 @@ from chunkq.jobs.compute.models import check_precision
 from chunkq.jobs.compute.runtime import POOL_STARTED_ENV
 from chunkq.jobs.contract.errors import ChunkqError
 from chunkq.jobs.contract.nopickle import forbid_pickle
+from chunkq.jobs.contract.process_clock import process_started_at
 from chunkq.queue_worker import exit_codes
 from chunkq.queue_worker.dead_workers import DeadWorkers
 from chunkq.queue_worker.discovery import GpuInfo
@@ -112,7 +112,7 @@ class Pool:
         self._crashes: dict[str, tuple[float, ...]] = {}  # each device's recent deaths (RestartPolicy)
         self.dead = DeadWorkers(self.connection, settings.name, settings.queue, settings.hung_grace)
         self.exits: list[tuple[str, int]] = []
-        self.started_at = psutil.Process().create_time()  # its interpreter's start-up included
+        self.started_at = process_started_at()  # its interpreter's start-up included
         self.metrics = PoolMetrics(settings.name, [gpu.key for gpu in gpus])
         server_env = dict(os.environ)
         if settings.preload:

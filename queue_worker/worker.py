@@ -21,7 +21,6 @@ from dataclasses import replace
 from types import FrameType
 from typing import Any
 
-import psutil
 import redis
 from rq.exceptions import StopRequested
 from rq.serializers import JSONSerializer
@@ -32,6 +31,7 @@ from chunkq.jobs.compute.model_info import describe
 from chunkq.jobs.contract.allowlist import AllowListedJob
 from chunkq.jobs.contract.errors import ConfigError
 from chunkq.jobs.contract.nopickle import forbid_pickle
+from chunkq.jobs.contract.process_clock import process_started_at
 from chunkq.jobs.contract.specs import DEFAULT_KIND, EncodeOptions
 from chunkq.jobs.contract.storage import open_store
 from chunkq.jobs.contract.units import size_text
@@ -112,7 +112,7 @@ def _context(name: str, args: argparse.Namespace) -> runtime.WorkerContext:
         remote_code=bool(args.trust_remote_code),
         pool_started_at=_float_env(runtime.POOL_STARTED_ENV),
         pool_for_run=os.environ.get(runtime.POOL_FOR_RUN_ENV) or None,
-        process_started_at=psutil.Process().create_time(),
+        process_started_at=process_started_at(),
         utilisation=utilisation.reader(gpu) if device != "cpu" else None,
     )
 

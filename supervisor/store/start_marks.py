@@ -9,8 +9,7 @@ from __future__ import annotations
 import logging
 import time
 
-import psutil
-
+from chunkq.jobs.contract.process_clock import process_started_at
 from chunkq.jobs.contract.run_files import RunLayout, atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -25,7 +24,7 @@ ORDER = (COMMAND_STARTED, OPTIONS_READY, REDIS_READY, POOL_STARTED, CHUNKS_QUEUE
 
 class StartMarks:
     def __init__(self) -> None:
-        self.marks: dict[str, float] = {COMMAND_STARTED: psutil.Process().create_time()}
+        self.marks: dict[str, float] = {COMMAND_STARTED: process_started_at()}
         self.mark(OPTIONS_READY)
 
     def mark(self, name: str, at: float | None = None) -> None:
