@@ -10,9 +10,11 @@ kills a worker whose job hangs past its timeout (SIGALRM cannot interrupt a CUDA
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
+import select
 import signal
 import subprocess
 import sys
@@ -321,6 +323,11 @@ class Pool:
     def run(self) -> int:
         """Run until signalled: first signal drains (finish current chunk), second stops at once."""
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        previous[signal.SIGCHLD] = signal.signal(signal.SIGCHLD, _wake_only)
+        woken, wakes = os.pipe()
+        os.set_blocking(woken, False)
+        os.set_blocking(wakes, False)
+        previous_wakeup = signal.set_wakeup_fd(wakes, warn_on_full_buffer=False)
         handled = 0
         kill_at: float | None = None
         drained_at = 0.0
@@ -351,11 +358,27 @@ class Pool:
                 code = self._step(handled, now)
                 if code is not None:
                     return code
-                time.sleep(POLL_SECONDS)
+                self._pause(POLL_SECONDS, woken)
         finally:
             self._shutdown_leftovers()
+            signal.set_wakeup_fd(previous_wakeup)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            os.close(woken)
+            os.close(wakes)
+
+    def _pause(self, seconds: float, woken: int) -> None:
+        """Wait up to ``seconds``, less when there is something to do: a signal (a drain, a child's
+        exit) or a forked worker's exit report. A poll alone made every command's end wait up to
+        twice its length (the drain, then the last worker's exit)."""
+        server = self.fork_server.sock if self.fork_server is not None else None
+        ready = select.select([woken] + ([server] if server is not None else []), [], [], seconds)[0]
+        if woken in ready:
+            with contextlib.suppress(BlockingIOError):
+                while os.read(woken, 512):
+                    pass
+        if server is not None and server in ready and self.fork_server is not None:
+            self.fork_server.collect()
 
     def _shutdown_leftovers(self) -> None:
         """Whatever way the loop ended, leave no worker running, and no fork server."""
@@ -369,6 +392,10 @@ class Pool:
                 proc.wait()
         if self.fork_server is not None:
             self.fork_server.close()
+
+
+def _wake_only(signum: int, frame: FrameType | None) -> None:
+    """A child's exit only wakes the loop (signal.set_wakeup_fd); the loop itself reaps it."""
 
 
 def start(settings: PoolSettings) -> int:

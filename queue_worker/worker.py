@@ -217,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
             log.error("worker %s cannot create its CUDA context on GPU %s: %s", name, ctx.gpu, unusable)
             return EXIT_NO_CONTEXT
         _limit_gpu_memory(ctx, args.gpu_memory_limit)
-        connection = redis.Redis.from_url(url)
+        # Named, every connection: a stop finds this worker's wait for a job by it, and cuts it short.
+        connection = redis.Redis.from_url(url, client_name=name)
         connection.ping()
         if args.preload:
             kind = describe(args.preload).kind

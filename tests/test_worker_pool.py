@@ -25,6 +25,7 @@ from chunkq.jobs.compute.models import BUNDLED_MODEL
 from chunkq.jobs.contract.run_files import RunLayout, read_json
 from chunkq.jobs.contract.specs import chunk_job_id
 from chunkq.queue_worker import exit_codes
+from chunkq.queue_worker.settings import PoolSettings
 from chunkq.supervisor.submit.corpus import CorpusOptions
 from chunkq.supervisor.submit.enqueue import job_statuses
 from chunkq.supervisor.submit.identity import SubmitRequest
@@ -313,6 +314,45 @@ def test_an_idle_worker_still_stops_on_a_signal(connection: redis.Redis) -> None
     assert time.monotonic() - signalled[0] < STOP_POLL_SECONDS + 5
 
 
+def test_a_stop_cuts_an_idle_workers_wait_for_a_job_short(connection: redis.Redis) -> None:
+    """The drain at a run's end reached idle workers only when their wait for a job ended: every
+    command ended about a second after its result. The stop now ends the wait itself (CLIENT
+    UNBLOCK), so even a worker waiting a minute at a time stops at once, and takes no job."""
+    from chunkq.queue_worker.chunk_worker import ChunkWorker
+
+    class WaitsAMinute(ChunkWorker):
+        stop_poll_seconds = 60
+
+    name = "wait-cut-short"
+    named = redis.Redis(
+        connection_pool=connection.connection_pool.__class__(
+            connection_class=connection.connection_pool.connection_class,
+            **{**connection.connection_pool.connection_kwargs, "client_name": name},
+        )
+    )
+    queue = Queue("wait-cut-short", connection=named, serializer=JSONSerializer)
+    worker = WaitsAMinute([queue], connection=named, name=name)
+
+    def blocked() -> bool:
+        return any(c.get("name") == name and "b" in c["flags"] for c in connection.client_list())
+
+    def stop_when_blocked() -> None:
+        wait_for(blocked, 30, "the worker blocked in its wait for a job")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    helper = threading.Thread(target=stop_when_blocked, daemon=True)
+    helper.start()
+    started = time.monotonic()
+    with signal_handlers_restored():
+        worker.work()
+    helper.join(timeout=10)
+    assert worker.stop_signalled and worker.jobs_run == 0
+    assert time.monotonic() - started < WaitsAMinute.stop_poll_seconds / 2, "the wait was not cut short"
+    queue.enqueue("chunkq.jobs.embed.embed_chunk", {})
+    assert queue.count == 1 and connection.llen(queue.intermediate_queue_key) == 0
+    named.close()
+
+
 def test_a_worker_log_line_that_cannot_be_written_costs_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     """logging's own handleError prints a traceback and the whole call stack (through the CLI) when
     a handler fails, which reads like chunkq crashing; the worker's handler says it in one line."""
@@ -361,3 +401,38 @@ def test_a_pool_told_to_stop_while_redis_is_gone_stops(tmp_path: Path) -> None:
             stop_tree(pool)
     said = log.read_text(errors="replace")
     assert "stopping as asked; Redis cannot be reached" in said, said[-3000:]
+
+
+@pytest.mark.parametrize("fork_server", [True, False], ids=["forked", "fresh-interpreter"])
+def test_a_pool_acts_on_a_drain_and_its_workers_exits_at_once(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch, fork_server: bool
+) -> None:
+    """The pool's loop polled every 0.2 s, and its idle workers' waits for a job lasted a second:
+    a drain at a run's end waited on both. Its pause now ends at a signal (the drain, a child's
+    exit) or a forked worker's exit report; with a minute-long poll the pool still drains at once."""
+    from chunkq.queue_worker import pool as pool_module
+
+    monkeypatch.setattr(pool_module, "POLL_SECONDS", 60.0)
+    queue = f"pause-{'forked' if fork_server else 'fresh'}"
+    settings = PoolSettings(
+        redis_url=redis_url, queue=queue, name=queue, preload=None, standby=False, fork_server=fork_server
+    )
+    pool = pool_module.Pool(settings, [])
+    connection = redis.Redis.from_url(redis_url)
+
+    def drain_when_idle() -> None:
+        def idle() -> bool:
+            keys = connection.keys(f"rq:worker:{queue}-*")
+            return any(connection.hget(key, "state") == b"idle" for key in keys)
+
+        wait_for(idle, 60, "the pool's worker waiting for a job")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    helper = threading.Thread(target=drain_when_idle, daemon=True)
+    helper.start()
+    started = time.monotonic()
+    with signal_handlers_restored():
+        assert pool.run() == 0
+    helper.join(timeout=10)
+    assert [code for _slot, code in pool.exits] == [0]
+    assert time.monotonic() - started < 50, "the pool slept through its drain or its worker's exit"
