@@ -4,6 +4,7 @@ worker's pinning. What the host has, and what this process may use, is ``discove
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 from chunkq.jobs.compute.runtime import DEVICE_ENV, GPU_ENV
@@ -101,7 +102,7 @@ def usable(
 
 
 def parse_size(text: str) -> int:
-    """'8GiB', '512M', '0' -> bytes."""
+    """'8GiB', '512M', '0' -> bytes. A size is a finite number of bytes, not below zero."""
     units = {
         "": 1,
         "k": 2**10,
@@ -120,15 +121,19 @@ def parse_size(text: str) -> int:
     raw = text.strip().lower()
     number = raw.rstrip("kmgtib")
     try:
-        return int(float(number) * units[raw[len(number) :]])
+        value = float(number) * units[raw[len(number) :]]
     except (ValueError, KeyError):
         raise ConfigError(f"cannot read the size {text!r} (use e.g. 8GiB, 512MiB)") from None
+    if not math.isfinite(value):
+        raise ConfigError(f"cannot read the size {text!r}: not a finite number (use e.g. 8GiB, 512MiB)")
+    if value < 0:
+        raise ConfigError(f"{text!r} is below zero (0: none)")
+    return int(value)
 
 
-def memory_limit_value(text: str) -> str:
-    """``--gpu-memory-limit`` checked where it is given: a size, or 0 for none."""
-    if parse_size(text) < 0:
-        raise ConfigError(f"{text!r} is below zero (0: no limit)")
+def size_value(text: str) -> str:
+    """A size option checked where it is given (``PoolSettings``' ``parse``)."""
+    parse_size(text)
     return text.strip()
 
 

@@ -20,7 +20,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 from chunkq.jobs.contract.specs import DEFAULT_PRECISION, PRECISIONS
-from chunkq.queue_worker.gpus import WORKERS_AUTO, memory_limit_value, workers_per_gpu_value
+from chunkq.queue_worker.gpus import WORKERS_AUTO, size_value, workers_per_gpu_value
 
 DEFAULT_QUEUE = "chunkq"
 DEFAULT_STORE = "chunkq-store"
@@ -82,13 +82,15 @@ class PoolSettings:
     redis_url: str = setting("", "redis:// or rediss:// URL (password or ACL user included).", cli=False)
     queue: str = setting(DEFAULT_QUEUE, "The queue workers take chunks from.", cli=False, worker=True)
     gpus: str = setting("all", "all, none or 0,2.")
-    min_free_memory: str = setting("0", "Skip GPUs with less free memory than this (e.g. 8GiB).")
+    min_free_memory: str = setting(
+        "0", "Skip GPUs with less free memory than this (e.g. 8GiB).", parse=size_value
+    )
     gpu_memory_limit: str = setting(
         "0",
         "The most GPU memory each worker's PyTorch may hold (e.g. 10GiB; 0: no limit): past it the "
         "allocator raises its own out-of-memory, and the batch is halved. For a GPU shared with other work.",
         worker=True,
-        parse=memory_limit_value,
+        parse=size_value,
     )
     busy_gpus: str = setting(
         "use",

@@ -171,9 +171,16 @@ def test_a_gpu_memory_limit_is_checked_where_given_and_reaches_each_worker() -> 
 
     argv = worker_argv(PoolSettings(gpu_memory_limit="2GiB"))
     assert argv[argv.index("--gpu-memory-limit") + 1] == "2GiB"
-    for bad, said in (("lots", "cannot read the size 'lots'"), ("-1GiB", "'-1GiB' is below zero")):
-        refused = run_cli("pool", "--redis-url", "redis://127.0.0.1:1/0", "--gpu-memory-limit", bad)
-        assert refused.returncode == 2 and "Invalid value for '--gpu-memory-limit'" in refused.stderr
-        assert said in refused.stderr, refused.stderr
+    refusals = (
+        ("lots", "cannot read the size 'lots'"),
+        ("-1GiB", "'-1GiB' is below zero"),
+        ("inf", "'inf': not a finite number"),
+        ("nanG", "'nanG': not a finite number"),
+    )
+    for option in ("--gpu-memory-limit", "--min-free-memory"):
+        for bad, said in refusals:
+            refused = run_cli("pool", "--redis-url", "redis://127.0.0.1:1/0", option, bad)
+            assert refused.returncode == 2 and f"Invalid value for '{option}'" in refused.stderr
+            assert said in refused.stderr, refused.stderr
     # Nothing to cap on the CPU, or with no limit: torch.cuda is not touched (this torch has none).
     assert cuda.limit_memory("cpu", 2 << 30) is None and cuda.limit_memory("cuda:0", 0) is None
