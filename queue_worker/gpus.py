@@ -209,7 +209,7 @@ def model_bytes(path: str | None, precision: str) -> int | None:
 
 
 def auto_workers_per_gpu(
-    gpus: list[GpuInfo], cpu_cores: int, weights: int | None, standby: bool = True
+    gpus: list[GpuInfo], cpu_cores: int, weights: int | None, standby: bool = True, memory_limit: int = 0
 ) -> tuple[int, str]:
     """How many workers each GPU gets for ``--workers-per-gpu auto``, and why.
 
@@ -218,7 +218,9 @@ def auto_workers_per_gpu(
     many as the CPU cores per GPU feed (CORES_PER_WORKER each) and the least free GPU memory holds,
     at most AUTO_MAX_WORKERS; one on the CPU or on an EXCLUSIVE_PROCESS GPU. Each worker needs its
     weights, a context and activation headroom; with warm standby each may also have a replacement
-    loading beside it (weights and a context), since recycles can coincide.
+    loading beside it (weights and a context), since recycles can coincide. ``memory_limit``
+    (``--gpu-memory-limit``, bytes; 0: none) caps what each worker's PyTorch holds, weights and
+    activations, though never below its weights; the context lies outside it.
     """
     if not gpus:
         return 1, "no GPU: one worker per CPU slot (--cpu-workers)"
@@ -227,7 +229,10 @@ def auto_workers_per_gpu(
     by_cpu = max(1, cpu_cores // len(gpus) // CORES_PER_WORKER)
     model = weights if weights is not None else UNKNOWN_MODEL_BYTES
     standby_bytes = model + CONTEXT_BYTES if standby else 0
-    per_worker = model + CONTEXT_BYTES + ACTIVATION_BYTES + standby_bytes
+    held = model + ACTIVATION_BYTES
+    if memory_limit:
+        held = min(held, max(memory_limit, model))
+    per_worker = held + CONTEXT_BYTES + standby_bytes
     # Free memory NVML could not say: the total, less what the others use is unknown; each worker
     # then reads its own free memory for its batches (jobs.compute.token_batches).
     free = min(gpu.memory_free if gpu.memory_free is not None else gpu.memory_total for gpu in gpus)
@@ -235,17 +240,28 @@ def auto_workers_per_gpu(
     n = min(by_cpu, by_memory, AUTO_MAX_WORKERS)
     weights_text = f"{weights / 2**20:.0f} MiB of weights" if weights is not None else "weights unknown"
     standby_text = f" + a standby's {standby_bytes / 2**30:.1f} GiB" if standby else ""
+    if memory_limit:
+        held_text = (
+            f"{held / 2**30:.1f} GiB as --gpu-memory-limit holds PyTorch to, {weights_text} in it, "
+            f"+ a context's {CONTEXT_BYTES / 2**30:.1f} GiB"
+        )
+    else:
+        held_text = f"{weights_text} + {(CONTEXT_BYTES + ACTIVATION_BYTES) / 2**30:.1f} GiB"
     why = (
         f"{cpu_cores} CPU cores for {len(gpus)} GPU(s) feed {by_cpu} at {CORES_PER_WORKER} cores each; "
-        f"{free / 2**30:.1f} GiB free on the fullest GPU holds {by_memory} ({weights_text} + "
-        f"{(CONTEXT_BYTES + ACTIVATION_BYTES) / 2**30:.1f} GiB{standby_text} each); "
+        f"{free / 2**30:.1f} GiB free on the fullest GPU holds {by_memory} ({held_text}{standby_text} each); "
         f"at most {AUTO_MAX_WORKERS}"
     )
     return max(1, n), why
 
 
 def resolve_workers_per_gpu(
-    value: str, gpus: list[GpuInfo], preload: str | None, precision: str, standby: bool = True
+    value: str,
+    gpus: list[GpuInfo],
+    preload: str | None,
+    precision: str,
+    standby: bool = True,
+    memory_limit: int = 0,
 ) -> int:
     """``--workers-per-gpu``: a number as given, or ``auto`` worked out for these GPUs and this model."""
     if value != WORKERS_AUTO:
@@ -256,7 +272,8 @@ def resolve_workers_per_gpu(
         path: str | None = resolve_model(preload or default_model())
     except ConfigError:
         path = None
-    workers, why = auto_workers_per_gpu(gpus, os.cpu_count() or 1, model_bytes(path, precision), standby)
+    weights = model_bytes(path, precision)
+    workers, why = auto_workers_per_gpu(gpus, os.cpu_count() or 1, weights, standby, memory_limit)
     log.info("workers per GPU: auto means %d (%s)", workers, why)
     return workers
 

@@ -99,7 +99,12 @@ class Pool:
         self.policy = RestartPolicy(settings.restart_delay, settings.crash_limit, settings.crash_window)
         if gpus:
             per_gpu = resolve_workers_per_gpu(
-                settings.workers_per_gpu, gpus, settings.preload, settings.precision, settings.standby
+                settings.workers_per_gpu,
+                gpus,
+                settings.preload,
+                settings.precision,
+                settings.standby,
+                parse_size(settings.gpu_memory_limit),
             )
             self.slots = [
                 Slot(key=f"gpu{gpu.key}-w{n}", gpu=gpu)

@@ -128,6 +128,12 @@ def test_workers_per_gpu_auto_resolves_to_a_number_and_says_why(caplog: pytest.L
     # Each worker's standby loads beside it (weights and a context): room for two, not three.
     workers, why = auto_workers_per_gpu([small], 32, 670_000_000)
     assert workers == 2 and "holds 2" in why and "a standby's 1.1 GiB" in why
+    # --gpu-memory-limit 1GiB: each worker's PyTorch holds at most 1 GiB, so more fit (to the cap of 4)...
+    workers, why = auto_workers_per_gpu([small], 32, 670_000_000, standby=False, memory_limit=gib)
+    assert workers == AUTO_MAX_WORKERS and "holds 7 (1.0 GiB as --gpu-memory-limit holds PyTorch to" in why
+    # ... but never fewer bytes than its weights, whatever the limit says.
+    workers, why = auto_workers_per_gpu([small], 32, 4 * gib, standby=False, memory_limit=gib)
+    assert workers == 2 and "holds 2 (4.0 GiB as --gpu-memory-limit" in why
     exclusive = GpuInfo(0, "A100", "GPU-3", 80 * gib, 79 * gib, compute_mode="exclusive_process")
     assert auto_workers_per_gpu([exclusive], 32, minilm) == (
         1,
