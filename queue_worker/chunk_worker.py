@@ -191,6 +191,13 @@ class ChunkWorker(SimpleWorker):
         if self._waiting and self._stop_requested:
             raise StoppedWhileWaiting
 
+    def reorder_queues(self, reference_queue: Any) -> None:
+        # RQ calls this as soon as its wait returned a job, before one more heartbeat: from here a
+        # stop must give that job back (execute_job), not end the wait and strand it in RQ's
+        # intermediate list (seen in CI: a pool's fork server killed as its workers took chunks).
+        self._waiting = False
+        super().reorder_queues(reference_queue)
+
     def dequeue_job_and_maintain_ttl(self, timeout: int | None, max_idle_time: int | None = None) -> Any:
         self._taking_job = True
         try:

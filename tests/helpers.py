@@ -177,7 +177,12 @@ def start_run_with_a_slow_chunk(
     log = tmp_path / "run.log"
     proc = start_cli(log, *args, CHUNKQ_FAULTS=faults)
     try:
-        wait_for(lambda: f"__c{chunk:06d}" in log.read_text(errors="replace"), 180, f"chunk {chunk} started")
+        # Taken (RQ logs the job's id) is not yet started: the fault says when the chunk runs.
+        def started() -> bool:
+            said = log.read_text(errors="replace")
+            return f"__c{chunk:06d}" in said and "FAULT slow: this chunk takes" in said
+
+        wait_for(started, 180, f"chunk {chunk} started")
     except BaseException:
         proc.kill()
         raise

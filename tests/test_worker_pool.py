@@ -353,6 +353,27 @@ def test_a_stop_cuts_an_idle_workers_wait_for_a_job_short(connection: redis.Redi
     named.close()
 
 
+def test_a_stop_just_after_the_wait_returned_a_job_gives_the_job_back(connection: redis.Redis) -> None:
+    """RQ's wait for a job beats once more after the job came: a stop there must not be taken for a
+    stop while waiting, which dropped the job it had taken into RQ's intermediate list (seen in CI:
+    a fork server killed as its workers took their chunks; the run never finished)."""
+    from chunkq.queue_worker.chunk_worker import ChunkWorker
+
+    class SignalledOnceTaken(ChunkWorker):
+        def reorder_queues(self, reference_queue: Any) -> None:
+            super().reorder_queues(reference_queue)
+            os.kill(os.getpid(), signal.SIGTERM)  # the job is in hand; RQ's last heartbeat is next
+
+    queue = Queue("once-taken", connection=connection, serializer=JSONSerializer)
+    job = queue.enqueue("chunkq.jobs.embed.embed_chunk", {})
+    worker = SignalledOnceTaken([queue], connection=connection, name="once-taken")
+    with signal_handlers_restored():
+        worker.work()  # not burst: the wait that a stop can cut short
+    assert worker.stop_signalled and worker.jobs_run == 0 and worker.jobs_given_back == 1
+    assert queue.get_job_ids() == [job.id]
+    assert connection.llen(queue.intermediate_queue_key) == 0
+
+
 def test_a_worker_log_line_that_cannot_be_written_costs_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     """logging's own handleError prints a traceback and the whole call stack (through the CLI) when
     a handler fails, which reads like chunkq crashing; the worker's handler says it in one line."""

@@ -39,6 +39,7 @@ Kinds:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import signal
@@ -247,6 +248,8 @@ def _illegal_access(fault: Fault, batch_size: int, device: str) -> None:
 
 
 def _slow(fault: Fault, batch_size: int, device: str) -> None:
+    # Said first, so a test knows the chunk is running (the job started), not only taken.
+    logging.getLogger(__name__).warning("FAULT slow: this chunk takes %.1f s longer", fault.seconds)
     time.sleep(fault.seconds)  # a long chunk: something to kill a worker in the middle of
 
 
