@@ -10,6 +10,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -149,6 +150,24 @@ def signal_handlers_restored() -> Iterator[None]:
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
+
+
+@contextmanager
+def stopped_when(predicate: Callable[[], bool], timeout: float, what: str) -> Iterator[None]:
+    """Run the body (an in-process worker or pool) with this process sent SIGTERM, as a pool or
+    batch system would, from a thread once ``predicate()`` holds; pytest's handlers come back after."""
+
+    def stop() -> None:
+        wait_for(predicate, timeout, what)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    helper = threading.Thread(target=stop, daemon=True)
+    helper.start()
+    try:
+        with signal_handlers_restored():
+            yield
+    finally:
+        helper.join(timeout=10)
 
 
 def only_run(store: Path) -> Any:

@@ -38,6 +38,7 @@ from tests.helpers import (
     signal_handlers_restored,
     start_cli,
     stop_tree,
+    stopped_when,
     wait_for,
     worker_processes,
     write_corpus,
@@ -336,16 +337,9 @@ def test_a_stop_cuts_an_idle_workers_wait_for_a_job_short(connection: redis.Redi
     def blocked() -> bool:
         return any(c.get("name") == name and "b" in c["flags"] for c in connection.client_list())
 
-    def stop_when_blocked() -> None:
-        wait_for(blocked, 30, "the worker blocked in its wait for a job")
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    helper = threading.Thread(target=stop_when_blocked, daemon=True)
-    helper.start()
     started = time.monotonic()
-    with signal_handlers_restored():
+    with stopped_when(blocked, 30, "the worker blocked in its wait for a job"):
         worker.work()
-    helper.join(timeout=10)
     assert worker.stop_signalled and worker.jobs_run == 0
     assert time.monotonic() - started < WaitsAMinute.stop_poll_seconds / 2, "the wait was not cut short"
     queue.enqueue("chunkq.jobs.embed.embed_chunk", {})
@@ -441,19 +435,12 @@ def test_a_pool_acts_on_a_drain_and_its_workers_exits_at_once(
     pool = pool_module.Pool(settings, [])
     connection = redis.Redis.from_url(redis_url)
 
-    def drain_when_idle() -> None:
-        def idle() -> bool:
-            keys = connection.keys(f"rq:worker:{queue}-*")
-            return any(connection.hget(key, "state") == b"idle" for key in keys)
+    def idle() -> bool:
+        keys = connection.keys(f"rq:worker:{queue}-*")
+        return any(connection.hget(key, "state") == b"idle" for key in keys)
 
-        wait_for(idle, 60, "the pool's worker waiting for a job")
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    helper = threading.Thread(target=drain_when_idle, daemon=True)
-    helper.start()
     started = time.monotonic()
-    with signal_handlers_restored():
+    with stopped_when(idle, 60, "the pool's worker waiting for a job"):
         assert pool.run() == 0
-    helper.join(timeout=10)
     assert [code for _slot, code in pool.exits] == [0]
     assert time.monotonic() - started < 50, "the pool slept through its drain or its worker's exit"
