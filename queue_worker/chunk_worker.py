@@ -97,6 +97,9 @@ class StoppedWhileWaiting(Exception):
     """A stop came while this worker waited for a job, with nothing in hand: it stops, not waits."""
 
 
+WAKE_RETRY_SECONDS = 0.05
+
+
 def wake_blocked_clients(connection: redis.Redis, name: str) -> int:
     """End the wait of every blocked client named ``name`` as if it had timed out: a BLMOVE either
     has moved a job (and returns it) or returns nothing, so no job is stranded. On a connection of
@@ -116,6 +119,37 @@ def wake_blocked_clients(connection: redis.Redis, name: str) -> int:
     finally:
         waker.close()
         waker.connection_pool.disconnect()
+
+
+class WaitCutter:
+    """Cuts a worker's wait for a job short once a stop comes, so a drain ends now, not a wait later
+    (every command ended ~0.9 s after its result). From a thread of its own: a signal handler must
+    not talk to Redis, since it could wait forever on a lock the code it interrupted holds; the
+    handler only sets an event. The worker's connections carry its name (worker.py)."""
+
+    def __init__(self, worker: ChunkWorker) -> None:
+        self.worker = worker
+        self.asked = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="chunkq-wait-cutter", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        self.asked.wait()
+        worker = self.worker
+        deadline = time.monotonic() + worker.stop_poll_seconds + 1
+        # Again until the worker has left its wait: a stop between its heartbeat and its BLMOVE
+        # finds nothing blocked at the first look.
+        while worker.waiting and time.monotonic() < deadline:
+            try:
+                wake_blocked_clients(worker.connection, worker.name)
+            except redis.RedisError as exc:  # no CLIENT command here, or Redis away: the wait ends itself
+                worker.log.debug("Worker %s: could not cut its wait for a job short: %s", worker.name, exc)
+                return
+            time.sleep(WAKE_RETRY_SECONDS)
 
 
 class ChunkWorker(SimpleWorker):
@@ -153,7 +187,8 @@ class ChunkWorker(SimpleWorker):
         self.ending: str | None = None  # why a job said this process must end (runtime.ending)
         self.jobs_given_back = 0
         self._taking_job = False  # from waiting for a job until it is started: a stop only marks
-        self._waiting = False  # inside RQ's wait for a job, where nothing is in hand yet
+        self.waiting = False  # inside RQ's wait for a job, where nothing is in hand yet
+        self._cutter = WaitCutter(self)
 
     def _shutdown(self) -> None:
         # RQ raises StopRequested from the signal handler when the worker is not busy. Once Redis has
@@ -162,18 +197,10 @@ class ChunkWorker(SimpleWorker):
         # a test: a pool stopped as its workers took their first chunks).
         if self._taking_job:
             self._stop_requested = True
-            if self._waiting:
-                self._wake()
+            if self.waiting:
+                self._cutter.asked.set()
             return
         super()._shutdown()  # type: ignore[no-untyped-call]
-
-    def _wake(self) -> None:
-        """Cut this idle worker's wait for a job short, so a drain ends now, not a wait later (every
-        command ended ~0.9 s after its result). Its connections carry its name (worker.py)."""
-        try:
-            wake_blocked_clients(self.connection, self.name)
-        except redis.RedisError as exc:  # no CLIENT command here, or Redis away: the wait ends on its own
-            self.log.debug("Worker %s: could not cut its wait for a job short: %s", self.name, exc)
 
     def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
         try:
@@ -188,14 +215,14 @@ class ChunkWorker(SimpleWorker):
             raise
         # RQ's wait for a job starts each new wait with a heartbeat, also after a wait that a stop cut
         # short (it rounds the idle time left up to a whole second and waits again).
-        if self._waiting and self._stop_requested:
+        if self.waiting and self._stop_requested:
             raise StoppedWhileWaiting
 
     def reorder_queues(self, reference_queue: Any) -> None:
         # RQ calls this as soon as its wait returned a job, before one more heartbeat: from here a
         # stop must give that job back (execute_job), not end the wait and strand it in RQ's
         # intermediate list (seen in CI: a pool's fork server killed as its workers took chunks).
-        self._waiting = False
+        self.waiting = False
         super().reorder_queues(reference_queue)
 
     def dequeue_job_and_maintain_ttl(self, timeout: int | None, max_idle_time: int | None = None) -> Any:
@@ -205,15 +232,16 @@ class ChunkWorker(SimpleWorker):
                 result = super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
             else:
                 # Short waits, since a signal no longer interrupts one: a stop is seen within a wait.
+                self._cutter.start()
                 result = None
                 while result is None and not self._stop_requested:
-                    self._waiting = True
+                    self.waiting = True
                     try:
                         result = super().dequeue_job_and_maintain_ttl(
                             self.stop_poll_seconds, self.stop_poll_seconds
                         )
                     finally:
-                        self._waiting = False
+                        self.waiting = False
         except RedisGoneWhileStopping as exc:
             self.log.warning("Worker %s: stopping as asked; Redis cannot be reached (%s)", self.name, exc)
             result = None

@@ -74,6 +74,15 @@ def _pool(
         stop_tree(proc)
 
 
+def _drained(pool: subprocess.Popen[bytes], log: Path) -> int:
+    """The pool's exit code after its drain, or a failure that shows what it was still doing."""
+    try:
+        return pool.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        tail = log.read_text(errors="replace")[-4000:]
+        raise AssertionError(f"the pool did not drain within 60 s; its log ends:\n{tail}") from None
+
+
 def _fork_server(pool: subprocess.Popen[bytes]) -> psutil.Process:
     (server,) = [
         c
@@ -108,7 +117,7 @@ def test_each_worker_is_a_new_process_forked_from_one_server(
         assert all(ppid == server.pid for _pid, ppid, _sid in seen[-1])
         assert all(sid == pid for pid, _ppid, sid in seen[-1])  # own session, as with a fresh interpreter
         pool.send_signal(signal.SIGTERM)
-        assert pool.wait(timeout=60) == 0
+        assert _drained(pool, log) == 0
         assert not server.is_running() or server.status() == psutil.STATUS_ZOMBIE
         text = log.read_text()
     pids = {read_json(layout.output_meta(i))["pid"] for i in range(4)}
@@ -126,7 +135,7 @@ def test_workers_take_the_preloaded_model_from_the_fork_server(
     with _pool(tmp_path, redis_url, *args) as (pool, log):
         wait_for(lambda: len(layout.done_chunks()) == 3, 180, "three chunks done")
         pool.send_signal(signal.SIGTERM)
-        assert pool.wait(timeout=60) == 0
+        assert _drained(pool, log) == 0
         text = log.read_text()
     assert "fork server loaded bundled:all-MiniLM-L6-v2" in text
     assert text.count("took model bundled:all-MiniLM-L6-v2 from the fork server") >= 3
@@ -182,7 +191,7 @@ def test_a_dead_fork_server_is_replaced_and_its_workers_are_not_left_behind(
 ) -> None:
     run = _submit(tmp_path, store, connection, rows=20, chunk=10)
     layout = RunLayout(store, run.run_id)
-    with _pool(tmp_path, redis_url, "--cpu-workers", "2") as (pool, _log):
+    with _pool(tmp_path, redis_url, "--cpu-workers", "2") as (pool, log):
         wait_for(lambda: len(worker_processes(pool)) == 2, 120, "two workers")
         first = _fork_server(pool)
         old_workers = worker_processes(pool)
@@ -194,7 +203,7 @@ def test_a_dead_fork_server_is_replaced_and_its_workers_are_not_left_behind(
         assert pool.poll() is None
         wait_for(lambda: len(layout.done_chunks()) == 2, 180, "the run done by the new workers")
         pool.send_signal(signal.SIGTERM)
-        assert pool.wait(timeout=60) == 0
+        assert _drained(pool, log) == 0
 
 
 def test_a_fork_server_that_cannot_start_leaves_the_pool_on_fresh_interpreters(
@@ -208,7 +217,7 @@ def test_a_fork_server_that_cannot_start_leaves_the_pool_on_fresh_interpreters(
         (worker,) = worker_processes(pool)
         assert worker.ppid() == pool.pid  # started with a fresh interpreter
         pool.send_signal(signal.SIGTERM)
-        assert pool.wait(timeout=60) == 0
+        assert _drained(pool, log) == 0
 
 
 def _preload(tmp_path: Path, name: str, source: str) -> dict[str, str]:
