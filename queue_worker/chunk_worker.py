@@ -100,25 +100,23 @@ class StoppedWhileWaiting(Exception):
 WAKE_RETRY_SECONDS = 0.05
 
 
-def wake_blocked_clients(connection: redis.Redis, name: str) -> int:
-    """End the wait of every blocked client named ``name`` as if it had timed out: a BLMOVE either
-    has moved a job (and returns it) or returns nothing, so no job is stranded. On a connection of
-    its own, since the named one is busy waiting. How many were woken."""
+def client_like(connection: redis.Redis, **overrides: Any) -> redis.Redis:
+    """A client of its own to ``connection``'s server, with its settings less ``overrides``."""
     pool = connection.connection_pool
-    kwargs = {**pool.connection_kwargs, "socket_timeout": 2.0, "socket_connect_timeout": 2.0}
-    waker = redis.Redis(
-        connection_pool=redis.ConnectionPool(connection_class=pool.connection_class, **kwargs)
-    )
-    try:
-        blocked = [
-            int(client["id"])
-            for client in waker.client_list(_type="normal")
-            if client.get("name") == name and "b" in client.get("flags", "")
-        ]
-        return sum(bool(waker.client_unblock(client_id)) for client_id in blocked)
-    finally:
-        waker.close()
-        waker.connection_pool.disconnect()
+    kwargs = {**pool.connection_kwargs, **overrides}
+    return redis.Redis(connection_pool=redis.ConnectionPool(connection_class=pool.connection_class, **kwargs))
+
+
+def wake_blocked_clients(waker: redis.Redis, name: str) -> int:
+    """End the wait of every blocked client named ``name`` as if it had timed out: a BLMOVE either
+    has moved a job (and returns it) or returns nothing, so no job is stranded. ``waker``: a client
+    of its own, since the named one is busy waiting. How many were woken."""
+    blocked = [
+        int(client["id"])
+        for client in waker.client_list(_type="normal")
+        if client.get("name") == name and "b" in client.get("flags", "")
+    ]
+    return sum(bool(waker.client_unblock(client_id)) for client_id in blocked)
 
 
 class WaitCutter:
@@ -141,15 +139,18 @@ class WaitCutter:
         self.asked.wait()
         worker = self.worker
         deadline = time.monotonic() + worker.stop_poll_seconds + 1
-        # Again until the worker has left its wait: a stop between its heartbeat and its BLMOVE
-        # finds nothing blocked at the first look.
-        while worker.waiting and time.monotonic() < deadline:
-            try:
-                wake_blocked_clients(worker.connection, worker.name)
-            except redis.RedisError as exc:  # no CLIENT command here, or Redis away: the wait ends itself
-                worker.log.debug("Worker %s: could not cut its wait for a job short: %s", worker.name, exc)
-                return
-            time.sleep(WAKE_RETRY_SECONDS)
+        waker = client_like(worker.connection, socket_timeout=2.0, socket_connect_timeout=2.0)
+        try:
+            # Again until the worker has left its wait: a stop between its heartbeat and its BLMOVE
+            # finds nothing blocked at the first look.
+            while worker.waiting and time.monotonic() < deadline:
+                wake_blocked_clients(waker, worker.name)
+                time.sleep(WAKE_RETRY_SECONDS)
+        except redis.RedisError as exc:  # no CLIENT command here, or Redis away: the wait ends itself
+            worker.log.debug("Worker %s: could not cut its wait for a job short: %s", worker.name, exc)
+        finally:
+            waker.close()
+            waker.connection_pool.disconnect()
 
 
 class ChunkWorker(SimpleWorker):

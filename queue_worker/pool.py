@@ -376,14 +376,15 @@ class Pool:
         """Wait up to ``seconds``, less when there is something to do: a signal (a drain, a child's
         exit) or a forked worker's exit report. A poll alone made every command's end wait up to
         twice its length (the drain, then the last worker's exit)."""
-        server = self.fork_server.sock if self.fork_server is not None else None
+        fork_server = self.fork_server
+        server = fork_server.sock if fork_server is not None else None
         ready = select.select([woken] + ([server] if server is not None else []), [], [], seconds)[0]
         if woken in ready:
             with contextlib.suppress(BlockingIOError):
                 while os.read(woken, 512):
                     pass
-        if server is not None and server in ready and self.fork_server is not None:
-            self.fork_server.collect()
+        if fork_server is not None and server in ready:
+            fork_server.collect()
 
     def _shutdown_leftovers(self) -> None:
         """Whatever way the loop ended, leave no worker running, and no fork server."""

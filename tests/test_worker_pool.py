@@ -319,18 +319,13 @@ def test_a_stop_cuts_an_idle_workers_wait_for_a_job_short(connection: redis.Redi
     """The drain at a run's end reached idle workers only when their wait for a job ended: every
     command ended about a second after its result. The stop now ends the wait itself (CLIENT
     UNBLOCK), so even a worker waiting a minute at a time stops at once, and takes no job."""
-    from chunkq.queue_worker.chunk_worker import ChunkWorker
+    from chunkq.queue_worker.chunk_worker import ChunkWorker, client_like
 
     class WaitsAMinute(ChunkWorker):
         stop_poll_seconds = 60
 
     name = "wait-cut-short"
-    named = redis.Redis(
-        connection_pool=connection.connection_pool.__class__(
-            connection_class=connection.connection_pool.connection_class,
-            **{**connection.connection_pool.connection_kwargs, "client_name": name},
-        )
-    )
+    named = client_like(connection, client_name=name)
     queue = Queue("wait-cut-short", connection=named, serializer=JSONSerializer)
     worker = WaitsAMinute([queue], connection=named, name=name)
 
