@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import subprocess
 from collections.abc import Iterator
@@ -141,10 +142,13 @@ def test_workers_take_the_preloaded_model_from_the_fork_server(
     assert text.count("took model bundled:all-MiniLM-L6-v2 from the fork server") >= 3
     assert "loaded model bundled" not in text  # no worker built the model itself
     _ids, texts = make_texts(30, seed=71)
+    built = re.search(r"fork server loaded \S+ in ([0-9.]+) s", text)
+    assert built, text[-3000:]
     for i in range(3):
         meta = read_json(layout.output_meta(i))
         # The load it reports is its own: moving a model the fork server built, not building one.
-        assert meta["model_load_seconds"] < 0.2
+        # Against the build measured in the same run, not a fixed bound a loaded machine can pass.
+        assert meta["model_load_seconds"] < float(built.group(1)) / 2, (meta, built.group(0))
         got = np.load(layout.output_npy(i))
         assert max_abs_diff(got, reference_model.encode(texts[i * 10 : (i + 1) * 10])) <= 1e-5
 
