@@ -179,9 +179,15 @@ def test_quantized_and_truncated_results_from_cached_floats_equal_plain(
     )
     assert encoded == 0
     ranges = np.asarray(manifest.ranges, dtype=np.float32)
-    plain = quantize_embeddings(reference_model.encode(texts), precision="int8", ranges=ranges)
-    assert np.abs(result_of(layout)[0].astype(int) - plain.astype(int)).max() <= 1  # a rounding at an edge
-    assert (result_of(layout)[0] == plain).mean() > 0.999
+    floats = reference_model.encode(texts)
+    plain = quantize_embeddings(floats, precision="int8", ranges=ranges)
+    got = result_of(layout)[0]
+    assert np.abs(got.astype(int) - plain.astype(int)).max() <= 1
+    # Where they differ, the float lies at a rounding edge (batches move fp32 by ~1e-7): how many do
+    # depends on the machine's kernels (12 of 11,520 here, fewer elsewhere), not a share to bound.
+    scaled = (floats - ranges[0]) / ((ranges[1] - ranges[0]) / 255) - 128
+    at_edge = np.abs(scaled - np.round(scaled)) < 1e-3
+    assert at_edge[got != plain].all()
     encode = EncodeOptions(truncate_dim=64, normalize_embeddings=True)
     layout, _, _ = run_in_process(
         tmp_path, store, connection, ids, texts, "n", encode=replace(encode, truncate_dim=None)
@@ -424,7 +430,7 @@ def test_a_read_only_cache_costs_time_not_the_run(tmp_path: Path, reference_mode
 def test_rows_encoded_by_other_library_releases_stay_out_of_the_cache(
     tmp_path: Path, store: Path, connection: redis.Redis
 ) -> None:
-    """The cache's key holds the releases of sentence-transformers and transformers (a release has
+    """The cache's key holds the releases of the libraries that compute a vector (a release has
     changed what a model computes); a chunk a worker of other releases encoded is not added under it."""
     import json
 
@@ -452,3 +458,30 @@ def test_rows_encoded_by_other_library_releases_stay_out_of_the_cache(
     assemble(layout)
     cache = VectorCache(store, manifest.plan["producer"])
     assert sum(s.rows for s in cache.shards()) == 20
+
+
+def test_the_key_holds_each_release_that_changes_a_vector_and_not_torchs_patch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 51.2: a tokenizers release that tokenises differently, or a patch release of
+    sentence-transformers or transformers, is another producer; torch's patch release (~1e-7) and
+    its build (+cpu, +cu130) are not."""
+    import importlib.metadata
+
+    real = importlib.metadata.version
+    installed = {
+        name: real(name) for name in ("sentence-transformers", "transformers", "tokenizers", "torch")
+    }
+
+    def key_with(**releases: str) -> str:
+        table = {**installed, **{name.replace("_", "-"): v for name, v in releases.items()}}
+        monkeypatch.setattr(importlib.metadata, "version", lambda name: table.get(name) or real(name))
+        return producer_key(producer(BUNDLED_MODEL, "files:x", EncodeOptions()))
+
+    base = key_with(torch="2.13.0+cpu")
+    assert key_with(torch="2.13.1+cu130") == base
+    assert key_with(torch="2.14.0") != base
+    for name in ("tokenizers", "transformers", "sentence_transformers"):
+        major, minor, patch = installed[name.replace("_", "-")].split("+")[0].split(".")[:3]
+        bumped = f"{major}.{minor}.{int(patch.rstrip('abcdefghijklmnopqrstuvwxyz')) + 1}"  # a patch release
+        assert key_with(torch="2.13.0", **{name: bumped}) != base, name

@@ -3,9 +3,15 @@ it loaded against, and that keys the vector cache. Never the model's name: a fol
 replaced under the same path, and two paths can hold the same files.
 
 - A local folder: the sha256 of every file's relative name and bytes, the folder walked through
-  links (a linked file or subfolder is read where it points, as a load reads it), files and folders
-  whose names start with a dot left out (``.git``, ``.cache``: never loaded).
-- A model in the Hugging Face cache: its snapshot's commit, which the hub derives from the files.
+  links (a linked file or subfolder is read where it points, as a load reads it), dot-named files
+  included (``modules.json`` may name a module folder ``.pooling``: issue 51.1). Left out only
+  ``.git``: version control's records, which no load opens and ``git status`` rewrites; a path a
+  load would read under it is refused (``model_reads``).
+- A model in the Hugging Face cache: its snapshot's commit, which the hub derives from the files,
+  while every file of the snapshot is still the blob its link names (``hub_snapshot``); a snapshot
+  edited in place is identified by its bytes instead, as a folder is.
+- What the load reads beyond those files (``model_reads``): module code from another installed
+  package is named with its release; a path outside the folder is refused before the run.
 
 A folder is hashed once per process for as long as its files are unchanged; "unchanged" is each
 file's device, inode, size, modification and change time (``FolderStamp``). The change time cannot
@@ -16,13 +22,17 @@ the old size and modification time (``cp -p``, ``rsync -t``) is still seen.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from chunkq.jobs.compute import hub_snapshot, model_reads
 from chunkq.jobs.compute.models import resolve_model
 from chunkq.jobs.contract.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 # (relative name, device, inode, size, mtime ns, ctime ns) of every file, and the folder's real path.
 FolderStamp = tuple[Any, ...]
@@ -32,7 +42,7 @@ FolderStamp = tuple[Any, ...]
 class Identity:
     """A model's identity and the stamp of the files it was read from (to notice a change later)."""
 
-    value: str  # "files:<sha256>" or "hub:<repo>@<commit>"
+    value: str  # "files:<sha256>" or "hub:<repo>@<commit>", then "+<package>==<release>" per module code
     stamp: FolderStamp
 
 
@@ -52,7 +62,7 @@ def model_folder(ref: str, revision: str | None = None) -> tuple[Path | None, st
 
 def model_files(folder: Path) -> list[tuple[str, Path]]:
     """Every file a load may read, by name relative to ``folder``, sorted; linked folders followed
-    (each real folder once, so a link back up cannot loop), dot-named entries left out."""
+    (each real folder once, so a link back up cannot loop); ``.git`` folders left out."""
     found: list[tuple[str, Path]] = []
     seen: set[str] = set()
     for top, dirs, files in os.walk(folder, followlinks=True):
@@ -61,10 +71,10 @@ def model_files(folder: Path) -> list[tuple[str, Path]]:
             dirs[:] = []
             continue
         seen.add(real)
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        dirs[:] = sorted(d for d in dirs if d not in model_reads.UNREAD_FOLDERS)
         for name in files:
             path = Path(top) / name
-            if not name.startswith(".") and path.is_file():
+            if path.is_file():
                 found.append((path.relative_to(folder).as_posix(), path))
     return sorted(found)
 
@@ -78,7 +88,7 @@ def folder_stamp(folder: Path, files: list[tuple[str, Path]]) -> FolderStamp:
     return (os.path.realpath(folder), *stamps)
 
 
-_DIGESTS: dict[FolderStamp, str] = {}  # a folder's digest, for as long as its stamp holds
+_DIGESTS: dict[FolderStamp, str] = {}  # a folder's identity, for as long as its stamp holds
 
 
 def _digest(files: list[tuple[str, Path]]) -> str:
@@ -94,21 +104,31 @@ def _digest(files: list[tuple[str, Path]]) -> str:
 
 def identify(ref: str, revision: str | None = None) -> Identity | None:
     """``ref``'s identity on this host, or None when its files are not here (a hub model not in the
-    cache: the workers fetch it, and each records what it loaded)."""
+    cache: the workers fetch it, and each records what it loaded). ConfigError, in one line, when
+    its load would read what the identity cannot cover."""
     folder, commit = model_folder(ref, revision)
     if folder is None:
         return None
     files = model_files(folder)
     stamp = folder_stamp(folder, files)
-    if commit:
-        return Identity(f"hub:{resolve_model(ref)}@{commit}", stamp)
     if stamp not in _DIGESTS:
-        digest = _digest(files)
+        code = model_reads.check(ref, folder, files)  # before the bytes: a refusal costs no hashing
+        if commit and hub_snapshot.intact(folder, files):
+            value = f"hub:{resolve_model(ref)}@{commit}"
+        else:
+            if commit:
+                log.warning(
+                    "model %s: its snapshot %s no longer holds the hub's files (edited in place); "
+                    "identified by its bytes, so nothing encoded from the hub's files is reused",
+                    ref,
+                    commit[:12],
+                )
+            value = _digest(files)
         if folder_stamp(folder, model_files(folder)) != stamp:
             # Written to while it was read: neither the old bytes nor the new. A run must not be
             # fixed to a half-copied folder.
             raise ConfigError(f"model {ref}: its files changed while chunkq read them; try again")
-        _DIGESTS[stamp] = digest
+        _DIGESTS[stamp] = value + "".join(f"+{c}" for c in code)
     return Identity(_DIGESTS[stamp], stamp)
 
 

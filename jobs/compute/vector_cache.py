@@ -52,8 +52,9 @@ from chunkq.jobs.contract.storage import (
 log = logging.getLogger(__name__)
 
 # Part of every producer key: a change to how vectors are made or kept starts afresh. 2: every option
-# that changes a vector is in the key (format 1 left out --role).
-CACHE_FORMAT = 2
+# that changes a vector is in the key (format 1 left out --role). 3: tokenizers and torch are in the
+# key, and whole releases of the others (format 2 kept major.minor of two libraries).
+CACHE_FORMAT = 3
 HASH_BYTES = 16  # 128 bits: at 10^9 texts a collision has odds of about 10^-21
 BLOCK_ROWS = 1024  # vectors checked a block at a time: a hit reads and verifies one block, not the shard
 ORPHAN_SECONDS = 3600  # a shard's files without their marker this long after: a writer that died
@@ -73,20 +74,27 @@ def text_hashes(texts: Iterable[str]) -> np.ndarray[Any, Any]:
     return np.frombuffer(digests, dtype=f"S{HASH_BYTES}").copy()
 
 
-# The libraries that turn a model's files into vectors, by release (major.minor): their releases
-# have changed what a model computes (sentence-transformers 6 reads a model's maximum length from
-# its tokenizer's config, where 5 read sentence_bert_config.json).
-VECTOR_LIBRARIES = ("sentence-transformers", "transformers")
+# The libraries that turn a model's files into vectors, and how much of each release is in the key
+# (issue 51.2). sentence-transformers, transformers and tokenizers whole: their releases change which
+# tokens a text becomes and how they are pooled (sentence-transformers 6 reads a model's maximum
+# length from its tokenizer's config, where 5 read sentence_bert_config.json), and a patch release
+# can fix a tokeniser's normalisation, which moves a vector by far more than any tolerance. torch by
+# major.minor: a minor release can change which attention kernel runs by default; its patch releases
+# move an fp32 vector by ~1e-7, 100x below the 1e-5 a CPU result is held to and below what the batch a
+# row lands in moves it on a GPU (up to 3e-4), so a vector from the previous patch release is as
+# good as one encoded again, and re-encoding the store after each patch release would buy nothing.
+VECTOR_LIBRARIES = {"sentence-transformers": 3, "transformers": 3, "tokenizers": 3, "torch": 2}
 
 
 def library_versions() -> dict[str, str]:
-    """This process's releases of VECTOR_LIBRARIES, as major.minor ("absent" where not installed)."""
+    """This process's releases of VECTOR_LIBRARIES, each to the parts its entry keeps ("absent"
+    where not installed); a local build's suffix (torch's "+cpu", "+cu130") is not a release."""
     from importlib.metadata import PackageNotFoundError, version
 
     found = {}
-    for name in VECTOR_LIBRARIES:
+    for name, parts in VECTOR_LIBRARIES.items():
         try:
-            found[name] = ".".join(version(name).split(".")[:2])
+            found[name] = ".".join(version(name).split("+")[0].split(".")[:parts])
         except PackageNotFoundError:
             found[name] = "absent"
     return found
