@@ -58,17 +58,6 @@ def check(ref: str, folder: Path, files: list[tuple[str, Path]]) -> list[str]:
     return sorted(code)
 
 
-def outside_paths(values: Any) -> list[str]:
-    """Paths among ``values`` (any JSON) that exist on this host and a load would read as given:
-    for options such as ``--model-kwargs '{"gguf_file": "/data/m.gguf"}'``."""
-    found = []
-    for _keys, value in _strings(values):
-        named = _as_path(value)
-        if named is not None and os.path.isabs(named) and _exists(named):
-            found.append(value)
-    return found
-
-
 def _strings(data: Any, keys: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], str]]:
     """Every string in a JSON value with the keys that lead to it (list positions as "[i]")."""
     if isinstance(data, str):
