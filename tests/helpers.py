@@ -307,20 +307,29 @@ def write_encoded_run(
     return RunLayout(store, run_id)
 
 
-def write_ragged_run(store: Path, kind: str, rows: int = 200, chunk_size: int = 20, seed: int = 0) -> Any:
+def write_ragged_run(
+    store: Path,
+    kind: str,
+    rows: int = 200,
+    chunk_size: int = 20,
+    seed: int = 0,
+    entries: int | None = None,
+    dim: int | None = None,
+) -> Any:
     """A finished ragged run as workers leave it, without a model: rows of 0 to 12 random entries
-    each (sparse: over 1,000 dimensions; multivector: vectors of 8). Its RunLayout."""
+    each, or ``entries`` (sparse: over ``dim`` or 1,000 dimensions; multivector: vectors of 8). Its
+    RunLayout."""
     from chunkq.jobs.contract.ragged import SCHEMAS, Ragged, write_ragged_output
     from chunkq.jobs.contract.run_files import RunLayout
     from chunkq.jobs.contract.specs import EncodeOptions
 
     run_id = f"{kind}-run"
     rng = np.random.default_rng(seed)
-    dim = {"sparse": 1000, "multivector": 8}[kind]
+    dim = dim or {"sparse": 1000, "multivector": 8}[kind]
     for layout, index, n, meta in _finished_chunks(store, run_id, rows, chunk_size, EncodeOptions(kind=kind)):
         per_row = []
         for _ in range(n):
-            k = int(rng.integers(0, 13))
+            k = int(rng.integers(0, 13)) if entries is None else entries
             if kind == "sparse":
                 per_row.append({"indices": np.sort(rng.choice(dim, k, replace=False)).astype(np.int32),
                                 "values": rng.random(k, dtype=np.float32)})  # fmt: skip

@@ -28,16 +28,20 @@ from chunkq.jobs.contract.run_files import RunLayout
 from chunkq.jobs.contract.storage import is_local
 from chunkq.sinks.corpus_columns import CorpusColumns, check_columns
 from chunkq.sinks.redact import redacted, redacted_text
+from chunkq.sinks.row_texts import HASH_COLUMN, RowHashes
 from chunkq.sinks.rows import (
     DENSE,
     LEVELS,
     SPARSE,
     Rows,
     dense_batches,
+    most_active,
+    result_ids,
     row_keys,
     row_kind,
     sparse_batches,
 )
+from chunkq.sinks.same_rows import Held, check_same_rows
 from chunkq.supervisor.result.published import verified_result
 from chunkq.tools.export import texts_of
 
@@ -45,11 +49,27 @@ SINK_BATCH_ROWS = 4096  # rows a sink is given at once: memory stays one batch w
 
 
 class Sink(Protocol):
+    label: str  # how messages name the destination: "--to URL: table T", the URL without a password
+
     def writes_to(self) -> list[str]:
         """The local paths it writes (checked to lie outside the store); [] for a server."""
         ...
 
-    def open(self, rows: Rows) -> None: ...
+    def open(self, rows: Rows) -> None:
+        """Connect, and check that the destination can take these rows; nothing written yet."""
+        ...
+
+    def columns(self) -> set[str]:
+        """The columns this export writes (none for an index file)."""
+        ...
+
+    def held(self) -> Held | None:
+        """What an existing table holds, where it holds rows; None otherwise."""
+        ...
+
+    def prepare(self) -> None:
+        """Create the destination, or add the columns it lacks: after every check has passed."""
+        ...
 
     def write(self, ids: list[str], vectors: Any, columns: dict[str, list[Any]]) -> None:
         """``vectors``: a matrix (``rows.kind`` dense) or ``SparseRows`` (sparse)."""
@@ -155,8 +175,22 @@ def _shape(
         columns,
         kind,
         column,
+        most_active(layout, result) if kind == SPARSE else None,
     )
     return (run, result), rows, level
+
+
+def _run_keys(layout: RunLayout, run: Any, result: dict[str, Any], rows: Rows, level: str) -> Any:
+    """The run's rows as a table is keyed: each row's id and text hash (pyarrow)."""
+    import pyarrow as pa
+
+    hashes = RowHashes(layout, run, level)
+    keys: list[str] = []
+    digests: list[str] = []
+    for ids in result_ids(layout, result, rows.kind, level):
+        keys += row_keys(ids, rows.windowed)[0]
+        digests += hashes.of(ids)
+    return pa.table({"id": pa.array(keys, pa.string()), HASH_COLUMN: pa.array(digests, pa.string())})
 
 
 def export_to(
@@ -184,10 +218,17 @@ def export_to(
     )
     try:
         sink.open(rows)
+        held = sink.held()
+        if held is not None:  # rows there already: the same corpus rows, or nothing is touched
+            check_same_rows(sink.label, held, _run_keys(layout, run, result, rows, level), sink.columns())
+        hashes = RowHashes(layout, run, level) if HASH_COLUMN in sink.columns() else None
+        sink.prepare()
         for ids, block in batches:
             keys, extra = row_keys(ids, rows.windowed)
             if corpus is not None:
                 extra.update(corpus.of(ids))
+            if hashes is not None:
+                extra[HASH_COLUMN] = hashes.of(ids)
             sink.write(keys, block, extra)
             progress.written += len(keys)
             if on_progress is not None:

@@ -9,11 +9,18 @@ import re
 from typing import Any
 
 from chunkq.jobs.contract.errors import ConfigError, StoreError
+from chunkq.sinks.row_texts import HASH_COLUMN
 from chunkq.sinks.rows import WINDOW_FIELDS
 
 COLUMN_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
-KEYS = frozenset({"id", "text_id", *WINDOW_FIELDS})  # chunkq's own columns: a row's key and window
-RESERVED = KEYS | {"vector", "embedding"}  # and the vector columns' default names
+# chunkq's own columns: a row's key, its window, and the hash of its text (sinks/row_texts.py)
+KEYS = frozenset({"id", "text_id", HASH_COLUMN, *WINDOW_FIELDS})
+VECTOR_DEFAULTS = ("vector", "embedding", "sparse")  # the sinks' vector columns, unless --column names one
+
+
+def vector_columns(base: str) -> set[str]:
+    """The columns a vector named ``base`` may take: itself, or a sparse one's two LanceDB columns."""
+    return {base, f"{base}_indices", f"{base}_values"}
 
 
 def _check(name: str, flag: str, described: str, reserved: frozenset[str]) -> None:
@@ -25,16 +32,14 @@ def _check(name: str, flag: str, described: str, reserved: frozenset[str]) -> No
 
 
 def check_columns(columns: tuple[str, ...], vector_column: str | None = None) -> None:
-    """``--columns`` names and ``--column``'s: valid, and none of them chunkq's own."""
+    """``--columns`` names and ``--column``'s: valid, and none of them a column chunkq writes itself
+    (issue 51.13: ``--columns sparse_values`` failed inside LanceDB and PostgreSQL)."""
     if vector_column is not None:
         _check(vector_column, "--column", "a name", KEYS)
+    bases = (vector_column,) if vector_column else VECTOR_DEFAULTS
+    reserved = KEYS.union(*(vector_columns(base) for base in bases))
     for name in columns:
-        _check(
-            name,
-            "--columns",
-            "a corpus field named",
-            RESERVED | ({vector_column} if vector_column else set()),
-        )
+        _check(name, "--columns", "a corpus field named", reserved)
 
 
 def _as_text(value: Any) -> str | None:

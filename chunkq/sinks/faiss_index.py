@@ -54,9 +54,10 @@ class FaissSink:
         if not self.path.name or not self.path.parent.is_dir():
             raise ConfigError(f"--to {url}: expected faiss:PATH, a file in an existing folder")
         self.url, self.force = url, force
+        self.label = f"--to {url}"
         self.ids_path = ids_path_of(self.path)
         self.factory = factory
-        self.held: list[np.ndarray[Any, Any]] = []
+        self.blocks: list[np.ndarray[Any, Any]] = []
         self.ids: list[str] = []
 
     def writes_to(self) -> list[str]:
@@ -83,14 +84,23 @@ class FaissSink:
             raise ConfigError(f"a FAISS index holds float vectors; this run's are {rows.dtype}")
         self.rows = rows
 
+    def columns(self) -> set[str]:
+        return set()
+
+    def held(self) -> None:
+        return None  # an index file is built whole, for one run
+
+    def prepare(self) -> None:
+        pass
+
     def write(self, ids: list[str], vectors: np.ndarray[Any, Any], columns: dict[str, list[Any]]) -> None:
-        self.held.append(np.asarray(vectors, dtype=np.float32))
+        self.blocks.append(np.asarray(vectors, dtype=np.float32))
         self.ids += ids
 
     def close(self) -> dict[str, Any]:
         import faiss
 
-        vectors = np.concatenate(self.held) if self.held else np.empty((0, self.rows.dim), np.float32)
+        vectors = np.concatenate(self.blocks) if self.blocks else np.empty((0, self.rows.dim), np.float32)
         metric = faiss.METRIC_INNER_PRODUCT if self.rows.normalized else faiss.METRIC_L2
         try:
             index = faiss.index_factory(self.rows.dim, self.factory, metric)
@@ -137,4 +147,4 @@ class FaissSink:
             ) from None
 
     def abort(self) -> None:
-        self.held.clear()
+        self.blocks.clear()

@@ -8,6 +8,8 @@ Rows are merged by id (``merge_insert``): a second export, or one after a kill, 
 finds and adds the others, so the table ends with exactly the run's rows. A table that lacks this
 export's columns gains them (schema evolution, ``add_columns``), and the merge fills them by id and
 leaves the others as they are: a dense and a sparse run of one corpus make one row per id with both.
+Each row's ``text_sha256`` says which text it is; a table that holds rows is checked against the run
+before anything is added (``same_rows``): another corpus's rows are refused, the table untouched.
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ from typing import Any
 import numpy as np
 
 from chunkq.jobs.contract.errors import ConfigError
+from chunkq.sinks.redact import redacted
+from chunkq.sinks.row_texts import HASH_COLUMN
 from chunkq.sinks.rows import SPARSE, WINDOW_FIELDS, Rows, SparseRows
+from chunkq.sinks.same_rows import Held
 
 DENSE_COLUMN, SPARSE_COLUMN = "vector", "sparse"  # LanceDB's search reads "vector" by default
 
@@ -40,8 +45,11 @@ class LanceSink:
         self.url = url
         self.where, self.name = _split(url)
         self.table: Any = None
+        self.db: Any = None
         self.created = False
         self.added: list[str] = []
+        self.missing: list[Any] = []
+        self.label = f"--to {redacted(url)}: the table"
 
     def writes_to(self) -> list[str]:
         return [] if "://" in self.where else [f"{self.where}/{self.name}.lance"]
@@ -50,7 +58,7 @@ class LanceSink:
         """The columns this export writes, the id first."""
         import pyarrow as pa
 
-        fields = [pa.field("id", pa.string(), nullable=False)]
+        fields = [pa.field("id", pa.string(), nullable=False), pa.field(HASH_COLUMN, pa.string())]
         if rows.kind == SPARSE:
             indices, values = sparse_columns(rows.column or SPARSE_COLUMN)
             fields += [pa.field(indices, pa.list_(pa.int32())), pa.field(values, pa.list_(pa.float32()))]
@@ -66,17 +74,37 @@ class LanceSink:
         return pa.schema(fields)
 
     def open(self, rows: Rows) -> None:
+        """Connect, and check that an existing table can take this export's rows; nothing written."""
         import lancedb
 
         self.rows = rows
         self.schema = self._schema(rows)
-        db = lancedb.connect(self.where)
-        if not _has_table(db, self.name):
-            self.table = db.create_table(self.name, schema=self.schema)
+        self.db = lancedb.connect(self.where)
+        if _has_table(self.db, self.name):
+            self.table = self.db.open_table(self.name)
+            self._fit(self.table.schema)
+
+    def columns(self) -> set[str]:
+        return set(self.schema.names)
+
+    def held(self) -> Held | None:
+        """What the table holds, where it holds rows."""
+        if self.table is None or not self.table.count_rows():
+            return None
+        names = set(self.table.schema.names)
+        keys = None
+        if HASH_COLUMN in names:
+            keys = self.table.search().select(["id", HASH_COLUMN]).limit(None).to_arrow()
+        return Held(int(self.table.count_rows()), frozenset(names), keys)
+
+    def prepare(self) -> None:
+        """Create the table, or add the columns it lacks (all null until the merge fills them)."""
+        if self.table is None:
+            self.table = self.db.create_table(self.name, schema=self.schema)
             self.created = True
-            return
-        self.table = db.open_table(self.name)
-        self._fit(self.table.schema)
+        elif self.missing:
+            self.table.add_columns(self.missing)
+            self.added = [f.name for f in self.missing]
 
     def _fit(self, schema: Any) -> None:
         """An existing table rows can be merged into: ids of text, this export's columns of the
@@ -86,26 +114,23 @@ class LanceSink:
         if "id" not in schema.names or schema.field("id").type not in (pa.string(), pa.large_string()):
             found = schema.field("id").type if "id" in schema.names else "missing"
             raise ConfigError(
-                f"--to {self.url}: the table's id column is {found}, chunkq's ids are text (a corpus's "
+                f"{self.label}'s id column is {found}, chunkq's ids are text (a corpus's "
                 "ids, or TEXT#WINDOW); export to another table"
             )
         for wanted in self.schema:
             if wanted.name in schema.names and schema.field(wanted.name).type != wanted.type:
                 raise ConfigError(
-                    f"--to {self.url}: the table's {wanted.name} column is {schema.field(wanted.name).type}, "
+                    f"{self.label}'s {wanted.name} column is {schema.field(wanted.name).type}, "
                     f"this run's is {wanted.type}; export to another table, or name another column "
                     "with --column"
                 )
         required = [f.name for f in schema if not f.nullable and f.name not in self.schema.names]
         if required:
             raise ConfigError(
-                f"--to {self.url}: the table requires column(s) {', '.join(required)}, which this export "
+                f"{self.label} requires column(s) {', '.join(required)}, which this export "
                 "does not fill (--columns copies corpus fields); export to another table"
             )
-        missing = [f.with_nullable(True) for f in self.schema if f.name not in schema.names]
-        if missing:
-            self.table.add_columns(missing)  # all null until the merge fills this run's rows
-            self.added = [f.name for f in missing]
+        self.missing = [f.with_nullable(True) for f in self.schema if f.name not in schema.names]
 
     def write(self, ids: list[str], vectors: Any, columns: dict[str, list[Any]]) -> None:
         import pyarrow as pa

@@ -7,7 +7,10 @@ in one line, a column it lacks is added, so a dense and a sparse run of one corp
 id with both (the hybrid query of docs/hybrid.md). Rows are upserted by id (``INSERT ... ON
 CONFLICT (id) DO UPDATE`` of this export's columns), a batch per transaction through a temporary
 table filled by a binary COPY (pgvector's own Python adapters: text literals of 384 floats ran at
-3,000 rows/s), so a rerun after a kill ends with exactly the run's rows.
+3,000 rows/s), so a rerun after a kill ends with exactly the run's rows. Each row's ``text_sha256``
+says which text it is; a table that holds rows is checked against the run first (``same_rows``).
+Everything that can refuse an export is checked before the table is touched, and the table's
+creation or new columns are committed with the first batch: a refused export leaves it as it was.
 """
 
 from __future__ import annotations
@@ -20,10 +23,15 @@ import numpy as np
 
 from chunkq.jobs.contract.errors import ConfigError
 from chunkq.sinks.redact import redacted, redacted_text
+from chunkq.sinks.row_texts import HASH_COLUMN
 from chunkq.sinks.rows import SPARSE, Rows, SparseRows
+from chunkq.sinks.same_rows import Held
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
 CONNECT_SECONDS = 10
+# pgvector's own limit on a sparsevec (SPARSEVEC_MAX_NNZ in its src/sparsevec.h): past it the COPY
+# fails with "sparsevec cannot have more than 16000 non-zero elements".
+SPARSEVEC_MAX_NNZ = 16_000
 
 
 WINDOW_COLUMNS = {
@@ -69,7 +77,9 @@ class PgvectorSink:
         query = parse_qs(parts.query)
         table = (query.pop("table", None) or [""])[0]
         if not _NAME.fullmatch(table):
-            raise ConfigError(f"--to {url}: name the table as ?table=NAME (letters, digits, underscores)")
+            raise ConfigError(
+                f"--to {redacted(url)}: name the table as ?table=NAME (letters, digits, underscores)"
+            )
         self.table = table
         # The rest of the query is the connection's (host=/socket/dir, sslmode=...). Joined by hand:
         # urlunsplit drops the "//" of an empty host (postgresql:///db?host=/socket, libpq's own form).
@@ -77,21 +87,37 @@ class PgvectorSink:
         self.dsn = f"{parts.scheme}://{parts.netloc}{parts.path}" + (f"?{rest}" if rest else "")
         self.url = url
         self.conn: Any = None
+        self.exists = False
+        self.to_add: list[str] = []
+        self.label = f"--to {redacted(url)}: table {table}"
 
     def writes_to(self) -> list[str]:
         return []  # a server
 
     def open(self, rows: Rows) -> None:
+        """Connect, and check that the table (if it exists) can take this export's rows; nothing
+        is committed."""
         import psycopg
-        from pgvector.psycopg import register_vector
         from psycopg import sql
 
         sparse = rows.kind == SPARSE
+        if sparse and (rows.max_active or 0) > SPARSEVEC_MAX_NNZ:
+            raise ConfigError(
+                f"{self.label}: this run's rows hold up to {rows.max_active:,} non-zero values, and "
+                f"pgvector's sparsevec holds at most {SPARSEVEC_MAX_NNZ:,}; run it again with "
+                f"--max-active-dims {SPARSEVEC_MAX_NNZ} or fewer, or export it to LanceDB"
+            )
         self.rows = rows
         self.type = f"sparsevec({rows.dim})" if sparse else column_type(rows.dtype, rows.dim)
         self.vector = rows.column or (SPARSE_COLUMN if sparse else DENSE_COLUMN)
         self.name = sql.Identifier(self.table)
-        self.columns = ["id", self.vector, *(WINDOW_COLUMNS if rows.windowed else {}), *rows.columns]
+        self.names = [
+            "id",
+            self.vector,
+            HASH_COLUMN,
+            *(WINDOW_COLUMNS if rows.windowed else {}),
+            *rows.columns,
+        ]
         # chunkq's own column types; a corpus field is text
         self.types = {"id": "text PRIMARY KEY", self.vector: self.type, **WINDOW_COLUMNS}
         try:
@@ -103,19 +129,55 @@ class PgvectorSink:
         self.regclass = self.name.as_string(self.conn)
         self.added: list[str] = []
         with self.conn.cursor() as cur:
-            cur.execute("CREATE EXTENSION IF NOT EXISTS vector")
             cur.execute("SELECT to_regclass(%s)", (self.regclass,))
-            if cur.fetchone()[0] is not None:
+            self.exists = cur.fetchone()[0] is not None
+            if self.exists:
                 self._fit(cur)
-            else:
+
+    def columns(self) -> set[str]:
+        return set(self.names)
+
+    def held(self) -> Held | None:
+        """What the table holds, where it holds rows."""
+        import pyarrow as pa
+        from psycopg import sql
+
+        if not self.exists:
+            return None
+        with self.conn.cursor() as cur:
+            cur.execute(sql.SQL("SELECT count(*) FROM {}").format(self.name))
+            rows = int(cur.fetchone()[0])
+            if not rows:
+                return None
+            keys = None
+            if HASH_COLUMN in self.found:
+                cur.execute(sql.SQL("SELECT id, {} FROM {}").format(sql.Identifier(HASH_COLUMN), self.name))
+                ids, hashes = zip(*cur.fetchall(), strict=True)
+                keys = pa.table(
+                    {"id": pa.array(ids, pa.string()), HASH_COLUMN: pa.array(hashes, pa.string())}
+                )
+        return Held(rows, frozenset(self.found), keys)
+
+    def prepare(self) -> None:
+        """Create the table, or add the columns it lacks (null until this export fills them), in the
+        transaction the first batch commits."""
+        from pgvector.psycopg import register_vector
+        from psycopg import sql
+
+        with self.conn.cursor() as cur:
+            cur.execute("CREATE EXTENSION IF NOT EXISTS vector")
+            if not self.exists:
                 columns = sql.SQL(", ").join(
                     sql.SQL("{} " + self.types.get(name, "text")).format(sql.Identifier(name))
-                    for name in self.columns
+                    for name in self.names
                 )  # every name quoted: "window" is a word of SQL
                 cur.execute(sql.SQL("CREATE TABLE IF NOT EXISTS {} ({})").format(self.name, columns))
-        self.conn.commit()
+            for name in self.to_add:
+                column = sql.SQL("ALTER TABLE {} ADD COLUMN {} " + self.types.get(name, "text"))
+                cur.execute(column.format(self.name, sql.Identifier(name)))
+                self.added.append(name)
         register_vector(self.conn)  # the extension's types, for COPY's binary format
-        self.copy_types = [self.types.get(name, "text").split("(")[0].split()[0] for name in self.columns]
+        self.copy_types = [self.types.get(name, "text").split("(")[0].split()[0] for name in self.names]
 
     def _fit(self, cur: Any) -> None:
         """An existing table rows can be upserted into: an id of text with a primary key or unique
@@ -127,7 +189,8 @@ class PgvectorSink:
             (self.regclass,),
         )
         found = {name: (kind, required) for name, kind, required in cur.fetchall()}
-        where = f"--to {redacted(self.url)}: table {self.table}"
+        self.found = set(found)
+        where = self.label
         if "id" not in found:
             raise ConfigError(f"{where} has no id column; export to another table")
         if found["id"][0] != "text":
@@ -145,32 +208,27 @@ class PgvectorSink:
                 f"{where} has no primary key or unique constraint on id, which an upsert by id needs; "
                 "export to another table (chunkq creates it with one)"
             )
-        required = sorted(name for name, (_, needed) in found.items() if needed and name not in self.columns)
+        required = sorted(name for name, (_, needed) in found.items() if needed and name not in self.names)
         if required:
             raise ConfigError(
                 f"{where} requires column(s) {', '.join(required)}, which this export does not fill "
                 "(--columns copies corpus fields); export to another table"
             )
-        for name in self.columns[1:]:
+        for name in self.names[1:]:
             wanted = self.types.get(name, "text")
             if name in found and found[name][0] != wanted:
                 raise ConfigError(
                     f"{where} holds {found[name][0]} in {name}, this run's are {wanted}; export to another "
                     "table, or name another column with --column"
                 )
-        from psycopg import sql
-
-        for name in (n for n in self.columns[1:] if n not in found):
-            column = sql.SQL("ALTER TABLE {} ADD COLUMN {} " + self.types.get(name, "text"))
-            cur.execute(column.format(self.name, sql.Identifier(name)))  # null until this export fills it
-            self.added.append(name)
+        self.to_add = [n for n in self.names[1:] if n not in found]
 
     def write(self, ids: list[str], vectors: Any, columns: dict[str, list[Any]]) -> None:
         from psycopg import sql
 
-        names = sql.SQL(", ").join(map(sql.Identifier, self.columns))
+        names = sql.SQL(", ").join(map(sql.Identifier, self.names))
         updates = sql.SQL(", ").join(
-            sql.SQL("{0} = EXCLUDED.{0}").format(sql.Identifier(n)) for n in self.columns[1:]
+            sql.SQL("{0} = EXCLUDED.{0}").format(sql.Identifier(n)) for n in self.names[1:]
         )
         staging = sql.SQL("CREATE TEMP TABLE IF NOT EXISTS chunkq_batch (LIKE {}) ON COMMIT DELETE ROWS")
         upsert = sql.SQL("INSERT INTO {} ({}) SELECT {} FROM chunkq_batch ON CONFLICT (id) DO UPDATE SET {}")
@@ -180,15 +238,17 @@ class PgvectorSink:
             with cur.copy(copy_in) as copy:
                 copy.set_types(self.copy_types)
                 for i, rid in enumerate(ids):
-                    extra = [columns[n][i] for n in self.columns[2:]]
+                    extra = [columns[n][i] for n in self.names[2:]]
                     row = vectors.row(i) if isinstance(vectors, SparseRows) else vectors[i]
                     copy.write_row([rid, _value(row, self.rows.dtype, self.rows.dim), *extra])
             cur.execute(upsert.format(self.name, names, names, updates))
-        self.conn.commit()  # a batch is whole or absent: a rerun upserts it again
+        # A batch is whole or absent (the first with the table's changes): a rerun upserts it again.
+        self.conn.commit()
 
     def close(self) -> dict[str, Any]:
         from psycopg import sql
 
+        self.conn.commit()  # the table's changes, where no batch was written
         with self.conn.cursor() as cur:
             cur.execute(sql.SQL("SELECT count(*) FROM {}").format(self.name))
             count = int(cur.fetchone()[0])

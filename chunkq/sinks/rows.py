@@ -35,6 +35,7 @@ class Rows:
     columns: tuple[str, ...] = ()  # --columns: corpus fields copied beside each row, as text
     kind: str = DENSE  # dense rows (a matrix), or sparse ones (SparseRows)
     column: str | None = None  # --column: the vector column's name (None: the sink's default)
+    max_active: int | None = None  # a sparse run's most non-zeros in one row (pgvector holds 16,000)
 
 
 @dataclass(frozen=True)
@@ -117,3 +118,29 @@ def sparse_batches(
                 np.asarray(values[a:b], dtype=np.float32),
             )
             yield ids[start:end], part
+
+
+def result_ids(layout: RunLayout, result: dict[str, Any], kind: str, level: str) -> Iterator[list[Any]]:
+    """The result's row ids a file at a time, without its vectors (what an existing table is
+    checked against before an export writes a row)."""
+    if kind == SPARSE:
+        from chunkq.supervisor.result import ragged as ragged_result
+
+        paths = [block.ids_path for block in ragged_result.blocks(layout.result, result)]
+    else:
+        paths = [part.ids for part in ResultReader(layout, level).parts]
+    for path in paths:
+        with open(path, encoding="utf-8") as fh:
+            yield [json.loads(line) for line in fh]
+
+
+def most_active(layout: RunLayout, result: dict[str, Any]) -> int:
+    """A sparse result's most non-zero entries in one row (its offsets alone are read)."""
+    from chunkq.supervisor.result import ragged as ragged_result
+
+    most = 0
+    for block in ragged_result.blocks(layout.result, result):
+        offsets = ragged_result.block_arrays(block, SPARSE)["offsets"]
+        if len(offsets) > 1:
+            most = max(most, int(np.diff(np.asarray(offsets, dtype=np.int64)).max()))
+    return most

@@ -37,7 +37,7 @@ def corpus_rows_per_chunk(layout: RunLayout, manifest: RunManifest) -> np.ndarra
         counts = np.asarray(load_npy(layout.plan_chunk_rows), dtype=np.int64)
     except (OSError, ValueError):  # a run planned before the count was kept: count it from the map
         counts = np.zeros(manifest.chunks, dtype=np.int64)
-        for rows, _ in _row_map_parts(layout, manifest):
+        for rows, _ in row_map_parts(layout, manifest):
             counts += np.bincount(chunk_of(manifest, rows), minlength=manifest.chunks)
     return counts if counts.shape == (manifest.chunks,) else None
 
@@ -83,7 +83,7 @@ def chunk_of(manifest: RunManifest, rows: np.ndarray[Any, Any]) -> np.ndarray[An
     return chunk_of_row(rows, manifest.chunk_size, encode_rows)
 
 
-def _row_map_parts(
+def row_map_parts(
     layout: RunLayout, manifest: RunManifest
 ) -> Iterator[tuple[np.ndarray[Any, Any], list[Any]]]:
     """Each part of the row map (chunk rows) and its ids, checked against the manifest's checksums."""
@@ -123,7 +123,7 @@ def rows_without_vector(layout: RunLayout, manifest: RunManifest, bad: np.ndarra
         return 0
     if (manifest.plan or {}).get("identity", True):
         return len(bad)
-    return sum(int(np.isin(rows, bad).sum()) for rows, _ in _row_map_parts(layout, manifest))
+    return sum(int(np.isin(rows, bad).sum()) for rows, _ in row_map_parts(layout, manifest))
 
 
 def result_rows(
@@ -160,7 +160,7 @@ def result_rows(
         vectors[first : first + count] = load_npy(layout.output_npy(index))
         have[first : first + count] = True
     have[bad] = False
-    for rows, ids in _row_map_parts(layout, manifest):
+    for rows, ids in row_map_parts(layout, manifest):
         keep = have[rows]
         if not keep.all():
             ids = [i for i, k in zip(ids, keep, strict=True) if k]
