@@ -30,6 +30,7 @@ from chunkq.jobs.compute.runtime import POOL_STARTED_ENV
 from chunkq.jobs.contract.errors import ChunkqError
 from chunkq.jobs.contract.nopickle import forbid_pickle
 from chunkq.jobs.contract.process_clock import process_started_at
+from chunkq.jobs.contract.redaction import guard_process
 from chunkq.queue_worker import exit_codes
 from chunkq.queue_worker.dead_workers import DeadWorkers
 from chunkq.queue_worker.discovery import GpuInfo
@@ -419,6 +420,7 @@ def main() -> int:
     """``python -m chunkq.queue_worker``: a pool whose settings come whole, as JSON in
     CHUNKQ_POOL_SETTINGS_JSON, as ``chunkq run`` starts its own (the Redis password stays off the
     command line). People start one with ``chunkq pool``."""
+    guard_process()  # the settings hold the Redis URL: never in a line the pool writes
     forbid_pickle()
     raw = os.environ.get(SETTINGS_JSON_ENV)
     if not raw:

@@ -32,6 +32,7 @@ from chunkq.jobs.contract.allowlist import AllowListedJob
 from chunkq.jobs.contract.errors import ConfigError
 from chunkq.jobs.contract.nopickle import forbid_pickle
 from chunkq.jobs.contract.process_clock import process_started_at
+from chunkq.jobs.contract.redaction import guard_process
 from chunkq.jobs.contract.specs import DEFAULT_KIND, EncodeOptions
 from chunkq.jobs.contract.storage import open_store
 from chunkq.jobs.contract.units import size_text
@@ -190,6 +191,7 @@ class OneLineHandler(logging.StreamHandler):  # type: ignore[type-arg]
 
 def main(argv: list[str] | None = None) -> int:
     early_stop = _EarlyStop()
+    guard_process()  # its Redis URL is in its environment: never in a line it writes
     forbid_pickle()
     args = _parse(argv)
     name = args.name or f"cq-{socket.gethostname()}-{os.getpid()}"

@@ -21,6 +21,7 @@ from chunkq.jobs import kinds
 from chunkq.jobs.compute.model_info import check_options, describe
 from chunkq.jobs.compute.models import check_model, check_precision, default_model
 from chunkq.jobs.contract.errors import ChunksFailedError, ConfigError, CorpusError
+from chunkq.jobs.contract.redaction import redact, redacted
 from chunkq.jobs.contract.run_files import RunLayout, read_json
 from chunkq.jobs.contract.specs import BATCH_TOKENS_OFF, DEFAULT_KIND, DEFAULT_PRECISION, EncodeOptions
 from chunkq.jobs.contract.storage import is_local, open_store
@@ -283,9 +284,25 @@ def build_run_request(
     )
 
 
+def check_redis_url(url: str) -> None:
+    """ConfigError, in one line without the password, for a URL Redis's client cannot read (a
+    password's "/" or "@" not percent-encoded makes its rest a port: ``Port could not be cast``)."""
+    from redis.connection import parse_url
+
+    try:
+        parse_url(url)
+    except ValueError as exc:
+        raise ConfigError(
+            f"{redacted(url)} is not a URL Redis can read ({redact(str(exc))}); write it "
+            "redis://USER:PASSWORD@HOST:PORT/DB with the password's special characters "
+            "percent-encoded (/ as %2F, @ as %40, : as %3A)"
+        ) from None
+
+
 def reach_redis(url: str) -> redis.Redis:
     """A connection that has answered a PING: a run or submit that cannot reach Redis stops before
     it writes anything."""
+    check_redis_url(url)
     connection = redis.Redis.from_url(url, socket_connect_timeout=5)
     connection.ping()
     return connection

@@ -13,6 +13,7 @@ from chunkq.cli.group import cli
 from chunkq.jobs.compute.models import assume_offline
 from chunkq.jobs.contract import storage
 from chunkq.jobs.contract.nopickle import forbid_pickle
+from chunkq.jobs.contract.redaction import guard_process
 from chunkq.jobs.contract.storage import OWNER_ONLY
 
 __all__ = ["cli", "main"]
@@ -27,6 +28,7 @@ COMMAND_MODULES = (
 
 
 def main() -> None:
+    guard_process()  # before anything is written: no password reaches the terminal, a log or a file
     # Stored texts, embeddings and the append-only file (which holds tracebacks that quote them) are
     # the user's data: one mode for all of them, whoever creates them (children inherit the mask).
     storage.caller_umask = os.umask(OWNER_ONLY)

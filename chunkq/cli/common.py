@@ -14,7 +14,6 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any, NoReturn, TypeVar
-from urllib.parse import urlsplit, urlunsplit
 
 import click
 import redis
@@ -31,6 +30,7 @@ from chunkq.jobs.contract.errors import (
     RunNotFoundError,
     StoreWriteError,
 )
+from chunkq.jobs.contract.redaction import redact, redacted
 from chunkq.jobs.contract.storage import open_store
 from chunkq.queue_worker.exit_codes import (
     EXIT_ASSEMBLY,
@@ -47,7 +47,7 @@ from chunkq.queue_worker.exit_codes import (
     EXIT_STORAGE,
 )
 from chunkq.queue_worker.settings import DEFAULT_QUEUE, DEFAULT_STORE, env_of
-from chunkq.supervisor.request import reach_redis
+from chunkq.supervisor.request import check_redis_url, reach_redis
 from chunkq.supervisor.store.run_lock import RunLockedError
 from chunkq.supervisor.store.run_log import QUIET, show_on_terminal
 from chunkq.supervisor.store.store_redis import served_url
@@ -161,22 +161,11 @@ def _store_refused(exc: BaseException, what: str) -> NoReturn:
     sys.exit(EXIT_STORAGE)
 
 
-def masked_url(url: str) -> str:
-    """A Redis URL fit to print: its password replaced by ***."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = f"{parts.username}:" if parts.username else ":"
-    host = parts.hostname or ""
-    netloc = f"{user}***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
-
-
 def _redis_error(exc: redis.RedisError, url: str | None) -> str:
     """Redis's own words (``invalid username-password pair or user is disabled.``) name neither Redis
     nor the server: say both, the password masked, and what to check."""
     url = url or os.environ.get("CHUNKQ_REDIS_URL")
-    where = f"Redis at {masked_url(url)}" if url else "Redis"
+    where = f"Redis at {redacted(url)}" if url else "Redis"
     if isinstance(exc, redis.AuthenticationError):
         return (
             f"{where} refused the password: {exc} (give it in the URL, redis://:PASSWORD@HOST:PORT, or "
@@ -189,7 +178,7 @@ def _internal_error(exc: BaseException) -> NoReturn:
     """A bug: one line on the terminal, the traceback in a file the line names."""
     crash = Path(tempfile.gettempdir()) / f"chunkq-crash-{os.getpid()}.txt"
     try:
-        crash.write_text("".join(traceback.format_exception(exc)), encoding="utf-8")
+        crash.write_text(redact("".join(traceback.format_exception(exc))), encoding="utf-8")
         where = f"the traceback is in {crash}"
     except OSError:
         where = "run again with --log-level DEBUG for the traceback"
@@ -245,9 +234,24 @@ REDIS_HELP = {
 }
 
 
+def _readable_redis_url(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value:
+        try:
+            check_redis_url(value)
+        except ConfigError as exc:
+            raise click.BadParameter(str(exc)) from None
+    return value
+
+
 def redis_option(kind: str) -> Callable[[F], F]:
     """``--redis-url`` as every subcommand takes it; ``kind`` says what the command does with it."""
-    return click.option("--redis-url", envvar=env_of("redis_url"), show_envvar=True, help=REDIS_HELP[kind])
+    return click.option(
+        "--redis-url",
+        envvar=env_of("redis_url"),
+        show_envvar=True,
+        help=REDIS_HELP[kind],
+        callback=_readable_redis_url,
+    )
 
 
 def need_redis(url: str | None, store: Path | None = None) -> str:

@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from chunkq.jobs.contract.errors import ConfigError, StoreError
+from chunkq.jobs.contract.redaction import redact, redacted
 from chunkq.jobs.contract.run_files import RunLayout
 from chunkq.jobs.contract.storage import is_local
 from chunkq.sinks.corpus_columns import CorpusColumns, check_columns
-from chunkq.sinks.redact import redacted, redacted_text
 from chunkq.sinks.row_texts import HASH_COLUMN, RowHashes
 from chunkq.sinks.rows import (
     DENSE,
@@ -141,7 +141,7 @@ def _one_line(exc: BaseException, url: str) -> BaseException:
     if module not in CLIENT_MODULES and type(exc) is not RuntimeError:
         return exc
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-    return StoreError(f"--to {redacted(url)}: {type(exc).__name__}: {redacted_text(first, url)}")
+    return StoreError(f"--to {redacted(url)}: {type(exc).__name__}: {redact(first)}")
 
 
 def _shape(
@@ -243,4 +243,4 @@ def export_to(
     return {"url": redacted(url), "run_id": layout.run_id, "level": level, **progress.summary(), **told}
 
 
-__all__ = ["Progress", "Rows", "Sink", "export_to", "open_sink", "redacted", "redacted_text"]
+__all__ = ["Progress", "Rows", "Sink", "export_to", "open_sink"]

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from chunkq.jobs.contract.errors import ConfigError
+from chunkq.jobs.contract.redaction import redacted
 from chunkq.jobs.contract.storage import private_open, remove_leftovers_beside, temp_beside
 from chunkq.sinks.rows import Rows
 
@@ -52,9 +53,9 @@ class FaissSink:
     def __init__(self, url: str, factory: str, force: bool = False) -> None:
         self.path = Path(url[len("faiss:") :]).expanduser()
         if not self.path.name or not self.path.parent.is_dir():
-            raise ConfigError(f"--to {url}: expected faiss:PATH, a file in an existing folder")
+            raise ConfigError(f"--to {redacted(url)}: expected faiss:PATH, a file in an existing folder")
         self.url, self.force = url, force
-        self.label = f"--to {url}"
+        self.label = f"--to {redacted(url)}"
         self.ids_path = ids_path_of(self.path)
         self.factory = factory
         self.blocks: list[np.ndarray[Any, Any]] = []
@@ -65,12 +66,12 @@ class FaissSink:
 
     def open(self, rows: Rows) -> None:
         if self.path.is_dir():
-            raise ConfigError(f"--to {self.url}: {self.path} is a folder; give the index file's path in it")
+            raise ConfigError(f"{self.label}: {self.path} is a folder; give the index file's path in it")
         ours = written_by_chunkq(self.path)
         for path in (self.path, self.ids_path):
             if path.exists() and not ours and not self.force:
                 raise ConfigError(
-                    f"--to {self.url}: {path} exists and is not an index chunkq wrote (one with its "
+                    f"{self.label}: {path} exists and is not an index chunkq wrote (one with its "
                     ".ids.jsonl beside it); give another path, or --force to replace it"
                 )
         if rows.columns:

@@ -14,12 +14,13 @@ before anything is added (``same_rows``): another corpus's rows are refused, the
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
 
 from chunkq.jobs.contract.errors import ConfigError
-from chunkq.sinks.redact import redacted
+from chunkq.jobs.contract.redaction import redacted
 from chunkq.sinks.row_texts import HASH_COLUMN
 from chunkq.sinks.rows import SPARSE, WINDOW_FIELDS, Rows, SparseRows
 from chunkq.sinks.same_rows import Held
@@ -27,11 +28,21 @@ from chunkq.sinks.same_rows import Held
 DENSE_COLUMN, SPARSE_COLUMN = "vector", "sparse"  # LanceDB's search reads "vector" by default
 
 
+_TABLE_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # what LanceDB takes as a table's name
+
+
 def _split(url: str) -> tuple[str, str]:
     rest = url[len("lancedb://") :]
     where, _, table = rest.rstrip("/").rpartition("/")
     if not where or not table:
-        raise ConfigError(f"--to {url}: expected lancedb://PATH/TABLE (a folder and the table's name)")
+        raise ConfigError(
+            f"--to {redacted(url)}: expected lancedb://PATH/TABLE (a folder and the table's name)"
+        )
+    if not _TABLE_NAME.fullmatch(table):
+        raise ConfigError(
+            f"--to {redacted(url)}: a LanceDB table's name holds letters, digits, underscores, hyphens "
+            "and periods only"
+        )
     return where, table
 
 

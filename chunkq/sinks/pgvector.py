@@ -22,7 +22,7 @@ from urllib.parse import parse_qs, urlencode, urlsplit
 import numpy as np
 
 from chunkq.jobs.contract.errors import ConfigError
-from chunkq.sinks.redact import redacted, redacted_text
+from chunkq.jobs.contract.redaction import redact, redacted
 from chunkq.sinks.row_texts import HASH_COLUMN
 from chunkq.sinks.rows import SPARSE, Rows, SparseRows
 from chunkq.sinks.same_rows import Held
@@ -123,7 +123,7 @@ class PgvectorSink:
         try:
             self.conn = psycopg.connect(self.dsn, autocommit=False, connect_timeout=CONNECT_SECONDS)
         except psycopg.Error as exc:
-            why = redacted_text(str(exc).strip().splitlines()[0], self.url)
+            why = redact(str(exc).strip().splitlines()[0])
             raise ConfigError(f"--to {redacted(self.url)}: cannot connect to PostgreSQL: {why}") from None
         # The table as every statement names it: quoted, so ?table=Docs is "Docs", never docs.
         self.regclass = self.name.as_string(self.conn)

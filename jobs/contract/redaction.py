@@ -1,0 +1,142 @@
+"""No password is ever shown (issue 51.6): one redaction for every line a chunkq process writes.
+
+A URL can carry a password in its user part (``postgresql://u:SECRET@h/db``, ``redis://:SECRET@h``),
+written with or without ``//`` and with characters it should have encoded (``u:S3/cret@h``), or in
+its query (``?password=SECRET``). Rather than trust each message to mask the URL it names, every
+chunkq process (the CLI, the pool, a worker) calls ``guard_process()`` first: it remembers the
+password of every URL among its arguments and ``CHUNKQ_*`` variables, then passes everything it
+writes through ``redact``: its stdout and stderr, and every log record (the terminal, the run's log
+file in the store, a crash file), tracebacks included. ``redact`` masks any URL's password by its
+shape, and every remembered password wherever a message repeats it (a client quoting it back).
+
+Passwords shorter than MIN_REMEMBERED are masked where a URL shows them, not everywhere: replacing
+every "a" of every line would hide more than it protects.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import re
+import sys
+from typing import IO, Any
+from urllib.parse import parse_qs, unquote
+
+MASK = "***"
+MIN_REMEMBERED = 4
+PLACEHOLDER = "PASSWORD"  # what messages and help write where the user's password goes
+# scheme ":" ["//"] user ":" password "@": the password is everything up to the last "@" before a
+# space, so one with an unencoded "/" or "@" is masked whole.
+_USER_PASSWORD = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*:(?://)?[^\s:/@?#]*:)([^\s]+)@(?=[^\s@]*(?:\s|$))")
+_QUERY_PASSWORD = re.compile(r"(?i)((?:^|[?&;\s])password=)[^&;\s]*")
+_REMEMBERED: set[str] = set()
+
+
+def secrets_of(text: str) -> list[str]:
+    """The passwords ``text`` carries where URLs do, as written and URL-decoded."""
+    found = [m.group(2) for m in _USER_PASSWORD.finditer(text)]
+    for match in _QUERY_PASSWORD.finditer(text):
+        found.append(match.group(0).split("=", 1)[1])
+    if "?" in text:
+        try:
+            found += parse_qs(text.split("?", 1)[1]).get("password", [])
+        except ValueError:
+            pass
+    return [s for s in {*found, *(unquote(s) for s in found)} if s]
+
+
+def remember(*texts: str | None) -> None:
+    """Mask the passwords these URLs (or any text) carry wherever they appear from now on, and the
+    pieces a client may quote when it splits a URL at a character the password should have
+    encoded (libpq: 'invalid integer value "S3cr" for connection option "port"')."""
+    for text in texts:
+        for secret in secrets_of(text or ""):
+            pieces = [secret, *re.split(r"[/@:?#&=]", secret)]
+            _REMEMBERED.update(p for p in pieces if len(p) >= MIN_REMEMBERED)
+
+
+def redact(text: str) -> str:
+    """``text`` with every URL's password and every remembered one replaced by ***."""
+    if not text:
+        return text
+    text = _USER_PASSWORD.sub(
+        lambda m: m.group(0) if m.group(2) == PLACEHOLDER else f"{m.group(1)}{MASK}@", text
+    )
+    text = _QUERY_PASSWORD.sub(lambda m: f"{m.group(1)}{MASK}", text)
+    for secret in sorted(_REMEMBERED, key=len, reverse=True):
+        if secret in text:
+            text = text.replace(secret, MASK)
+    return text
+
+
+def redacted(url: str) -> str:
+    """A URL as a message shows it: without its password."""
+    remember(url)
+    return redact(url)
+
+
+class RedactingStream(io.TextIOBase):
+    """A text stream that redacts what is written before its stream gets it."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        self.stream.write(redact(text))
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+    def isatty(self) -> bool:
+        return self.stream.isatty()
+
+    def writable(self) -> bool:
+        return True
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return str(getattr(self.stream, "encoding", "utf-8"))
+
+    @property
+    def errors(self) -> str | None:  # type: ignore[override]
+        return getattr(self.stream, "errors", None)
+
+    @property
+    def buffer(self) -> Any:
+        return getattr(
+            self.stream, "buffer", None
+        )  # binary writes (rare: a pipe's raw bytes) pass as they are
+
+
+_FACTORY = logging.getLogRecordFactory()
+
+
+def _redacted_record(*args: Any, **kwargs: Any) -> logging.LogRecord:
+    """A log record whose message (and traceback) is redacted before any handler formats it."""
+    record = _FACTORY(*args, **kwargs)
+    try:
+        record.msg, record.args = redact(record.getMessage()), None
+    except Exception:  # noqa: S110 - a malformed message is logging's to report, as it would be
+        pass
+    if record.exc_info:
+        record.exc_text = redact(logging.Formatter().formatException(record.exc_info))
+    if record.stack_info:
+        record.stack_info = redact(record.stack_info)
+    return record
+
+
+def guard_process() -> None:
+    """Redact everything this process writes; remember the passwords of its arguments and
+    ``CHUNKQ_*`` variables (each process that may hold a URL calls this first)."""
+    remember(*sys.argv, *(v for k, v in os.environ.items() if k.startswith("CHUNKQ_")))
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, RedactingStream):
+            setattr(sys, name, RedactingStream(stream))
+    if logging.getLogRecordFactory() is not _redacted_record:
+        logging.setLogRecordFactory(_redacted_record)

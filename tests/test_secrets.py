@@ -1,0 +1,113 @@
+"""Issue 51.6: a password in a URL is shown nowhere. Every command that takes a URL is given one with
+a password (as written and in the forms that escaped before: an unencoded "/", no "//", the query)
+on its error paths, and the password must not appear in its stdout, its stderr, the store, or a
+crash file."""
+
+from __future__ import annotations
+
+import socket
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from chunkq.jobs.contract.redaction import redact, redacted, remember, secrets_of
+from chunkq.queue_worker.exit_codes import EXIT_INTERNAL
+from chunkq.supervisor.result.assemble import assemble
+from tests.helpers import make_texts, run_cli, write_corpus, write_encoded_run, write_ragged_run
+from tests.test_sinks import postgres  # noqa: F401 - the PostgreSQL server fixture
+
+SECRET = "S3cret/pa@Word9"  # noqa: S105 - an unencoded "/" and "@": the forms a hand-typed password takes
+PIECES = ("S3cret", "Word9")  # what a client quotes of it when it splits the URL at the "/"
+PLAIN = "Plain-Secret-42"  # a password that makes a URL a client can read
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _crash_files() -> set[Path]:
+    return set(Path(tempfile.gettempdir()).glob("chunkq-crash-*.txt"))
+
+
+def _everything_written(store: Path, done: Any, before: set[Path]) -> str:
+    found = [done.stdout, done.stderr]
+    for path in [*store.rglob("*"), *(_crash_files() - before)]:
+        if path.is_file():
+            found.append(path.read_bytes().decode("utf-8", "replace"))
+    return "\n".join(found)
+
+
+def test_a_password_is_found_and_masked_in_every_form_a_url_is_written() -> None:
+    forms = {
+        f"postgresql://u:{SECRET}@127.0.0.1:5999/db": "postgresql://u:***@127.0.0.1:5999/db",
+        f"postgresql:u:{SECRET}@host/db": "postgresql:u:***@host/db",
+        f"redis://:{SECRET}@127.0.0.1:6379/0": "redis://:***@127.0.0.1:6379/0",
+        f"postgresql://u@/db?host=/run&password={SECRET}&table=t": "postgresql://u@/db?host=/run&password=***&table=t",
+    }
+    for url, shown in forms.items():
+        assert SECRET in secrets_of(url), url
+        assert redacted(url) == shown
+        assert redact(f"could not reach {url}: refused") == f"could not reach {shown}: refused"
+    remember(f"redis://:{SECRET}@h")
+    assert redact(f"the server said: wrong password {SECRET!r}") == "the server said: wrong password '***'"
+    assert (
+        redact("at 12:30 see http://localhost:8080/x and a@b")
+        == "at 12:30 see http://localhost:8080/x and a@b"
+    )
+
+
+@pytest.mark.slow
+def test_no_command_shows_a_password_on_any_path(
+    tmp_path: Path,
+    postgres: str,  # noqa: F811
+) -> None:
+    store, crashes = tmp_path / "store", _crash_files()
+    dense = write_encoded_run(store, "dense", 20, 10, 4)
+    assemble(dense)
+    assemble(write_ragged_run(store, "sparse", rows=20, chunk_size=10))
+    ids, texts = make_texts(5, seed=6)
+    corpus = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")
+    port, socket_folder = _free_port(), postgres.split("host=", 1)[1]
+    redis_urls = [f"redis://:{SECRET}@127.0.0.1:{port}/0", f"redis://me:{SECRET}@127.0.0.1:{port}"]
+    to_urls = [
+        f"postgresql://u:{SECRET}@127.0.0.1:{port}/db",  # no ?table=
+        f"postgresql://u:{SECRET}@127.0.0.1:{port}/db?table=t",  # nothing listens
+        f"postgresql:u:{SECRET}@127.0.0.1:{port}/db?table=t",  # no "//"
+        f"postgresql://postgres:{PLAIN}@/postgres?host={socket_folder}&table=ok",  # written
+        f"postgresql://postgres@/postgres?host={socket_folder}&password={PLAIN}&table=ok2",
+        f"postgresql://postgres:{SECRET}@/postgres?host={socket_folder}&table=ok3",
+        f"postgresql://u:{SECRET}@127.0.0.1:{port}/db?table=bad-name",
+        f"lancedb://u:{SECRET}@nowhere",
+        f"mysql://u:{SECRET}@127.0.0.1/db",
+    ]
+    commands: list[list[str]] = []
+    for url in redis_urls:
+        common = ["--store", str(store), "--redis-url", url]
+        commands += [
+            ["submit", str(corpus), *common],
+            ["pool", *common, "--max-jobs", "1"],
+            ["supervise", "dense", *common],
+            ["status", "dense", *common],
+            ["runs", *common, "--json"],
+            ["doctor", *common],
+            ["run", str(corpus), *common],
+        ]
+    for url in to_urls:
+        for run_id in ("dense", "sparse"):
+            commands += [
+                ["export", run_id, "--store", str(store), "--to", url, *json] for json in ([], ["--json"])
+            ]
+    for args in commands:
+        done = run_cli(*args, timeout=120)
+        written = _everything_written(store, done, crashes)
+        assert not any(s in written for s in (SECRET, PLAIN, *PIECES)), (args, done.stdout, done.stderr)
+        assert done.returncode != EXIT_INTERNAL, (args, done.stderr)  # every form is said in one line
+    # The variable every command reads, and a URL that reaches the server: its success lines too.
+    env_done = run_cli("status", "dense", "--store", str(store), CHUNKQ_REDIS_URL=redis_urls[0], timeout=60)
+    assert not any(s in _everything_written(store, env_done, crashes) for s in (SECRET, *PIECES))
+    written = run_cli("export", "dense", "--store", str(store), "--to", to_urls[3], "--json")
+    assert written.returncode == 0 and "postgres:***@" in written.stdout, written.stderr
