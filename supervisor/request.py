@@ -290,7 +290,7 @@ def check_redis_url(url: str) -> None:
     from redis.connection import parse_url
 
     try:
-        parse_url(url)
+        parse_url(url)  # type: ignore[no-untyped-call]
     except ValueError as exc:
         raise ConfigError(
             f"{redacted(url)} is not a URL Redis can read ({redact(str(exc))}); write it "

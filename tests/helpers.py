@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from chunkq.queue_worker.settings import WORKER_MODULE
 
@@ -377,3 +378,33 @@ def result_of(layout: Any) -> tuple[np.ndarray[Any, Any], list[str]]:
     """A published single-file result: (embeddings, ids), from a filesystem or an object store."""
     ids = [json.loads(line) for line in (layout.result / "ids.jsonl").read_text().splitlines()]
     return np.load(io.BytesIO((layout.result / "embeddings.npy").read_bytes()), allow_pickle=False), ids
+
+
+@contextmanager
+def tmpfs(mount: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` (mount's -o size=) at ``mount``: a disk that fills. Skipped where mounting
+    is not allowed, failed under CI (which runs as root)."""
+    mount.mkdir(parents=True, exist_ok=True)
+    made = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if made.returncode != 0:
+        if os.environ.get("CI"):
+            pytest.fail(f"cannot mount a tmpfs under CI: {made.stderr}")
+        pytest.skip(f"cannot mount a tmpfs here ({made.stderr.strip()}); CI runs this as root")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def fill(disk: Path, leave: int = 0) -> Path:
+    """Fill ``disk`` until ``leave`` bytes are free; the filler file, which frees it again."""
+    filler = disk / "filler"
+    free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+    with open(filler, "ab") as fh:
+        fh.write(b"\0" * max(0, free - leave))
+    return filler

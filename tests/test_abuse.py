@@ -27,6 +27,7 @@ from tests.helpers import (
     run_cli,
     start_cli,
     start_run_with_a_slow_chunk,
+    tmpfs,
     write_corpus,
 )
 
@@ -81,22 +82,8 @@ def test_sigterm_drains_the_chunk_in_hand_and_the_run_resumes(tmp_path: Path, re
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A 1.4 MiB tmpfs: room for a run's inputs and outputs, not for its assembled result."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    made = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1400k,mode=0700", "tmpfs", str(mount)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if made.returncode != 0:
-        if os.environ.get("CI"):
-            pytest.fail(f"cannot mount a tmpfs under CI: {made.stderr}")
-        pytest.skip(f"cannot mount a tmpfs here ({made.stderr.strip()}); CI runs this as root")
-    try:
+    with tmpfs(tmp_path / "disk", "1400k") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def test_a_full_disk_during_assembly_is_one_clear_line_and_the_run_resumes(
@@ -166,7 +153,7 @@ def test_an_unexpected_error_is_one_line_with_its_own_exit_code(tmp_path: Path) 
     store = tmp_path / "store"
     layout = RunLayout(store, "odd")
     layout.root.mkdir(parents=True)
-    layout.manifest.write_text("[]")  # valid JSON, but no manifest: code that trusts it breaks
+    layout.manifest.write_text("{}")  # a JSON object, but no manifest: code that trusts it breaks
     done = run_cli("assemble", "odd", "--store", str(store))
     assert done.returncode == 70, done.stderr
     (line,) = [line for line in done.stderr.splitlines() if line.strip()]

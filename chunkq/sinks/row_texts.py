@@ -22,7 +22,7 @@ import numpy as np
 from chunkq.jobs.compute.late import parse_row
 from chunkq.jobs.contract.errors import StoreError
 from chunkq.jobs.contract.manifest import RunManifest
-from chunkq.jobs.contract.run_files import RunLayout, read_chunk_input
+from chunkq.jobs.contract.run_files import RunLayout, new_memmap, read_chunk_input
 
 HASH_COLUMN = "text_sha256"
 
@@ -90,7 +90,7 @@ class RowHashes:
     ) -> np.ndarray[Any, Any]:
         """Every chunk row's text digest, in a local file: a row map may point anywhere in it."""
         shape = (max(1, manifest.rows), 32)
-        digests = np.memmap(scratch / "digests", dtype=np.uint8, mode="w+", shape=shape)
+        digests = new_memmap(scratch / "digests", np.uint8, shape)
         for index in range(manifest.chunks):
             _, texts = read_chunk_input(layout, index)
             first = manifest.first_row(index)

@@ -16,10 +16,10 @@ from typing import Any
 
 import redis
 
-from chunkq.jobs.contract.errors import ChunkqError, ConfigError, StoreError
+from chunkq.jobs.contract.errors import ChunkqError, ConfigError, DamagedRunError, StoreError
 from chunkq.jobs.contract.manifest import RunManifest, load_manifest
 from chunkq.jobs.contract.run_files import MANIFEST_NAME, RunLayout
-from chunkq.jobs.contract.specs import EncodeOptions, chunk_job_id
+from chunkq.jobs.contract.specs import EncodeOptions, chunk_job_id, chunk_job_prefix
 from chunkq.jobs.contract.storage import is_local, list_with_mtime, remove_leftovers_beside, remove_tree
 from chunkq.supervisor.result.planned_rows import corpus_rows_of, savings
 from chunkq.supervisor.result.published import read_result_manifest, result_problems
@@ -28,13 +28,14 @@ from chunkq.supervisor.submit.enqueue import LIVE_STATUSES, job_statuses
 from chunkq.supervisor.submit.identity import DEFAULT_CHUNK_SIZE
 from chunkq.supervisor.watch.attempts import failed_attempts
 
-PUBLISHED, PARTIAL, DAMAGED, IN_FLIGHT, FAILED, INCOMPLETE = (
+PUBLISHED, PARTIAL, DAMAGED, IN_FLIGHT, FAILED, INCOMPLETE, DAMAGED_RUN = (
     "published",
     "partial",
     "damaged result",
     "in flight",
     "failed",
     "incomplete",
+    "damaged manifest",  # the run cannot be read: `chunkq clean RUN` removes it
 )
 
 
@@ -98,9 +99,12 @@ def owner_of(layout: RunLayout) -> dict[str, Any] | None:
     return StoreLock(layout.owner, f"run {layout.run_id}").live_holder()
 
 
-def state_of(layout: RunLayout, manifest: RunManifest, checksums: bool = False) -> tuple[str, int]:
+def state_of(
+    layout: RunLayout, manifest: RunManifest, checksums: bool = False, own: StoreLock | None = None
+) -> tuple[str, int]:
     """(state, rows done) from the store. A result is checked against its run and its files'
-    headers and sizes (a truncated or missing shard shows), and with ``checksums`` byte for byte."""
+    headers and sizes (a truncated or missing shard shows), and with ``checksums`` byte for byte.
+    ``own``: the run's lock when the caller holds it (then no one else has the run in flight)."""
     result = read_result_manifest(layout)
     damaged = result is not None and bool(result_problems(layout, result, manifest, checksums))
     if result is not None and not damaged:
@@ -109,7 +113,7 @@ def state_of(layout: RunLayout, manifest: RunManifest, checksums: bool = False) 
     rows_done = corpus_rows_of(layout, manifest, done)
     if damaged:
         return DAMAGED, rows_done
-    if owner_of(layout) is not None:
+    if not (own is not None and own.held) and owner_of(layout) is not None:
         return IN_FLIGHT, rows_done
     quarantined = {a.chunk for a in failed_attempts(layout) if a.quarantined} - done
     return (FAILED if quarantined else INCOMPLETE), rows_done
@@ -176,8 +180,18 @@ def chunks_done(store: Path) -> tuple[int, int, int]:
 
 
 def list_runs(store: Path) -> list[RunInfo]:
-    """Every run of the store, newest first."""
-    return sorted((describe_run(store, r) for r in run_ids(store)), key=lambda i: i.created_at, reverse=True)
+    """Every run of the store, newest first; one whose manifest is damaged is listed as such, and
+    never keeps the others from being listed (issue 51.10)."""
+    return sorted((_listed(store, r) for r in run_ids(store)), key=lambda i: i.created_at, reverse=True)
+
+
+def _listed(store: Path, run_id: str) -> RunInfo:
+    try:
+        return describe_run(store, run_id)
+    except DamagedRunError:
+        layout = RunLayout(store, run_id)
+        written = datetime.fromtimestamp(layout.manifest.stat().st_mtime, UTC).isoformat()
+        return RunInfo(run_id, DAMAGED_RUN, 0, 0, 0, "?", written, folder_bytes(layout.root))
 
 
 def live_jobs(connection: redis.Redis, manifest: RunManifest) -> list[int]:
@@ -187,26 +201,43 @@ def live_jobs(connection: redis.Redis, manifest: RunManifest) -> list[int]:
     return [i for i, status in enumerate(statuses) if status in LIVE_STATUSES]
 
 
+def live_jobs_named(connection: redis.Redis, run_id: str) -> list[str]:
+    """Jobs of the run Redis holds as queued or running, found by name (the manifest that says how
+    many chunks it has is damaged)."""
+    prefix = f"rq:job:{chunk_job_prefix(run_id)}"
+    ids = [key.decode()[len("rq:job:") :] for key in connection.scan_iter(match=f"{prefix}*", count=1000)]
+    ids = [i for i in ids if ":" not in i]  # a job's hash, not its dependents' or results' keys
+    return [
+        i for i, status in zip(ids, job_statuses(connection, ids), strict=True) if status in LIVE_STATUSES
+    ]
+
+
 def clean(layout: RunLayout, outputs_only: bool, connection: redis.Redis | None = None) -> int:
     """Free a run's per-chunk outputs (``outputs_only``: only once its whole result is published)
     or delete the run; the bytes freed. A run in flight is refused: its owner lock is taken for
     the duration, and with Redis, no job of the run may be queued or running."""
-    manifest = load_manifest(layout)
-    with StoreLock(layout.owner, f"run {layout.run_id}") as lock:
+    try:
+        manifest: RunManifest | None = load_manifest(layout)
+    except DamagedRunError:
+        if outputs_only:
+            raise  # what is left of it cannot be checked against a result: the whole run goes
+        manifest = None
+    # The command that frees space must work on a full disk: the lock then is an empty file.
+    with StoreLock(layout.owner, f"run {layout.run_id}", blank_on_full_disk=True) as lock:
         lock.acquire()  # RunLockedError, naming the supervisor, while one watches the run
         if connection is not None:
-            busy = live_jobs(connection, manifest)
+            busy = live_jobs(connection, manifest) if manifest else live_jobs_named(connection, layout.run_id)
             if busy:
                 raise ConfigError(
                     f"run {layout.run_id} is in flight: {len(busy)} chunk(s) are queued or running in "
                     "Redis; wait for it to finish (or stop its workers) and clean it then"
                 )
-        if not outputs_only:
+        if not outputs_only or manifest is None:  # (outputs_only of a damaged run was refused above)
             freed = folder_bytes(layout.root)
             remove_tree(layout.root)  # the lock file goes with it: nobody can take the run meanwhile
             return freed
         # Every byte of the result is checked first: its chunk outputs are what could rebuild it.
-        state, _ = state_of(layout, manifest, checksums=True)
+        state, _ = state_of(layout, manifest, checksums=True, own=lock)
         if state != PUBLISHED:
             raise StoreError(
                 f"run {layout.run_id} is {state}: its chunk outputs are all there is until a whole, "

@@ -47,6 +47,10 @@ class RunNotFoundError(StoreError):
     """The store holds no run of that id."""
 
 
+class DamagedRunError(StoreError):
+    """A run's own record (its manifest) cannot be read: the run cannot be resumed, only removed."""
+
+
 class AssemblyError(StoreError):
     """Assembly found missing or corrupt chunk outputs; ``problems`` lists every one."""
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from chunkq.jobs.contract.errors import RunNotFoundError
+from chunkq.jobs.contract.errors import DamagedRunError, RunNotFoundError
 from chunkq.jobs.contract.run_files import RunLayout, read_json
 from chunkq.jobs.contract.specs import DEFAULT_KIND, ChunkSpec, EncodeOptions
 
@@ -187,4 +187,18 @@ def load_manifest(layout: RunLayout) -> RunManifest:
             f"run {layout.run_id} not found in store {layout.store} (no {layout.manifest.name}); "
             "`chunkq runs` lists the store's runs"
         )
-    return RunManifest(read_json(layout.manifest))
+    try:
+        data = read_json(layout.manifest)
+    except (ValueError, UnicodeDecodeError) as exc:  # torn or truncated: a disk that filled, a copy cut short
+        raise damaged(layout, f"not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise damaged(layout, f"a JSON {type(data).__name__}, not an object")
+    return RunManifest(data)
+
+
+def damaged(layout: RunLayout, why: str) -> DamagedRunError:
+    """Issue 51.10: one line naming the file, and what to do (the command that removes the run)."""
+    return DamagedRunError(
+        f"run {layout.run_id}: {layout.manifest} is damaged ({why}); the run cannot be read: "
+        f"`chunkq clean {layout.run_id}` removes it, and the command that made it starts it again"
+    )

@@ -189,13 +189,59 @@ def file_sha256(path: Path, block: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
+class _Writes:
+    """A file numpy sees as a plain writer: it then writes through ``write``, whose full disk is an
+    OSError with its errno (ENOSPC), where its own ``tofile`` says "[Errno None] None" (issue 51.7)."""
+
+    def __init__(self, fh: Any) -> None:
+        self.fh = fh
+
+    def write(self, data: bytes) -> int:
+        return int(self.fh.write(data))
+
+
 def save_npy_atomic(path: Path, array: np.ndarray[Any, Any]) -> str:
     """Write ``array`` as .npy atomically and return the file's sha256."""
     with atomic_path(path) as tmp:
         with open(tmp, "wb") as fh:
-            np.save(fh, array, allow_pickle=False)
+            np.save(_Writes(fh), array, allow_pickle=False)
         digest = file_sha256(tmp)
     return digest
+
+
+def _reserve(path: Path, nbytes: int) -> None:
+    """Allocate ``nbytes`` of ``path``'s file now. A memory map writes into a sparse file's holes
+    when its pages are touched, and a full disk then kills the process with SIGBUS, no message
+    (issue 51.8): reserved first, a full disk is an ENOSPC here, naming the file."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        if nbytes > 0:
+            os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        exc.filename = str(path)
+        raise
+    finally:
+        os.close(fd)
+
+
+def new_memmap(path: Path, dtype: Any, shape: tuple[int, ...]) -> np.memmap[Any, Any]:
+    """A new file of ``shape`` zeros, memory-mapped for writing, its space reserved first."""
+    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    path.unlink(missing_ok=True)
+    _reserve(path, size)
+    return np.memmap(path, dtype=dtype, mode="r+", shape=shape)
+
+
+def new_npy_memmap(path: Path, dtype: Any, shape: tuple[int, ...]) -> np.memmap[Any, Any]:
+    """A new .npy file of ``shape``, memory-mapped for writing, its space reserved first."""
+    array = np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
+    try:
+        _reserve(path, path.stat().st_size)
+    except OSError:
+        del array
+        path.unlink(missing_ok=True)
+        raise
+    return array
 
 
 def read_npy_header(fh: Any) -> tuple[tuple[int, ...], bool, np.dtype[Any]]:

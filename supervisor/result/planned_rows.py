@@ -18,7 +18,14 @@ import numpy as np
 from chunkq.jobs.compute.vector_cache import text_hashes
 from chunkq.jobs.contract.errors import BadInputError
 from chunkq.jobs.contract.manifest import RunManifest
-from chunkq.jobs.contract.run_files import RunLayout, file_sha256, load_npy, read_chunk_input, read_json
+from chunkq.jobs.contract.run_files import (
+    RunLayout,
+    file_sha256,
+    load_npy,
+    new_memmap,
+    read_chunk_input,
+    read_json,
+)
 
 log = logging.getLogger(__name__)
 
@@ -149,9 +156,7 @@ def result_rows(
                 yield ids, block
         return
     # The distinct texts' vectors, gathered into one local file the row map picks from.
-    vectors = np.memmap(
-        scratch / "distinct.f32", dtype=np.float32, mode="w+", shape=(max(1, manifest.rows), dim)
-    )
+    vectors = new_memmap(scratch / "distinct.f32", np.float32, (max(1, manifest.rows), dim))
     have = np.zeros(manifest.rows, dtype=bool)
     for index in range(manifest.chunks):
         if index in skip:

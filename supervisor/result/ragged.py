@@ -24,7 +24,14 @@ import numpy as np
 from chunkq.jobs.contract.errors import BadInputError
 from chunkq.jobs.contract.manifest import RunManifest
 from chunkq.jobs.contract.ragged import OFFSETS, SCHEMAS, WIDE, entry_shape
-from chunkq.jobs.contract.run_files import RunLayout, file_sha256, load_npy, read_chunk_input, read_json
+from chunkq.jobs.contract.run_files import (
+    RunLayout,
+    file_sha256,
+    load_npy,
+    new_npy_memmap,
+    read_chunk_input,
+    read_json,
+)
 from chunkq.jobs.contract.storage import private_dirs, private_open, publish_file, remove_tree
 from chunkq.supervisor.result.published import SHARD_DIR, SINGLE, new_shard_dir
 
@@ -133,11 +140,9 @@ def _write_block(
     private_dirs(folder)
     rows = sum(int(metas[i]["rows"]) for i in chunks)
     entries = sum(int(metas[i]["entries"]) for i in chunks)
-    offsets = np.lib.format.open_memmap(folder / f"{prefix}{OFFSETS}.npy", "w+", np.int64, (rows + 1,))
+    offsets = new_npy_memmap(folder / f"{prefix}{OFFSETS}.npy", np.int64, (rows + 1,))
     arrays = {
-        name: np.lib.format.open_memmap(
-            folder / f"{prefix}{name}.npy", "w+", np.dtype(dtype), entry_shape(name, entries, dim)
-        )
+        name: new_npy_memmap(folder / f"{prefix}{name}.npy", np.dtype(dtype), entry_shape(name, entries, dim))
         for name, dtype in schema.items()
     }
     offsets[0] = 0

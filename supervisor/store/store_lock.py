@@ -17,6 +17,7 @@ exclusive create, so there two owners starting in the same second could both win
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -49,8 +50,12 @@ WAIT_POLL_SECONDS = 0.5
 class StoreLock:
     """``acquire`` / ``renew`` / ``release`` of one owner file; ``what`` says what it guards."""
 
-    def __init__(self, path: Path, what: str) -> None:
+    def __init__(self, path: Path, what: str, blank_on_full_disk: bool = False) -> None:
+        """``blank_on_full_disk``: on a full disk, hold the lock as an empty file (for a command that
+        frees space, which must work then) rather than fail."""
         self.path, self.what = path, what
+        self.blank_on_full_disk = blank_on_full_disk
+        self.blank: int | None = None  # the inode of the empty file held on a full disk
         self.token = secrets.token_hex(8)
         self.held = False
         self.lost = ""  # whose lock we found in place of ours, once it happened
@@ -80,6 +85,8 @@ class StoreLock:
                 with os.fdopen(fd, "wb") as fh:
                     fh.write(data)
             except OSError as exc:
+                if exc.errno == errno.ENOSPC and self.blank_on_full_disk:
+                    return self._hold_blank()
                 self.path.unlink(missing_ok=True)  # a half-written lock would read as a stranger's
                 exc.filename = exc.filename or str(self.path)  # a full disk names the file
                 raise
@@ -88,6 +95,21 @@ class StoreLock:
             return False
         atomic_write_json(self.path, json.loads(data))
         return bool(read_json(self.path).get("token") == self.token)
+
+    def _hold_blank(self) -> bool:
+        """A full disk took the holder's words but not the file (issue 51.9: ``chunkq clean``, the
+        command that frees space, could not start): the empty file, created exclusively, is the lock.
+        Others read it as held until it is STALE_SECONDS old; it is ours while its inode is the one
+        we created."""
+        try:
+            with open(self.path, "r+b") as fh:
+                fh.truncate(0)  # whatever part of the holder's words reached the disk
+            self.blank = os.stat(self.path).st_ino
+        except OSError:
+            self.path.unlink(missing_ok=True)
+            raise
+        log.warning("%s: the store is full; holding the lock as an empty %s", self.what, self.path.name)
+        return True
 
     def holder(self) -> dict[str, Any] | None:
         try:
@@ -159,6 +181,8 @@ class StoreLock:
         """Whether the lock file still carries our token; once it does not, ``lost`` says whose it is."""
         if self.lost:
             return False
+        if self._blank_is_ours():
+            return True
         holder = self.holder()
         if (holder or {}).get("token") == self.token:
             return True
@@ -193,9 +217,16 @@ class StoreLock:
         self._stop.set()
         if self._renewer is not None and self._renewer is not threading.current_thread():
             self._renewer.join(timeout=5)
-        if self.held and (self.holder() or {}).get("token") == self.token:
+        if self.held and (self._blank_is_ours() or (self.holder() or {}).get("token") == self.token):
             self.path.unlink(missing_ok=True)
         self.held = False
+
+    def _blank_is_ours(self) -> bool:
+        """Whether the empty file held on a full disk is still the one we created."""
+        try:
+            return self.blank is not None and os.stat(self.path).st_ino == self.blank
+        except OSError:
+            return False
 
     def __enter__(self) -> StoreLock:
         return self

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import sqlite3
 from pathlib import Path
 from types import TracebackType
@@ -32,6 +34,11 @@ class IdRegistry:
         except sqlite3.IntegrityError:
             self.db.execute("ROLLBACK")
             self._name_duplicate(records)
+        except sqlite3.OperationalError as exc:
+            if exc.sqlite_errorcode != sqlite3.SQLITE_FULL:
+                raise
+            # "database or disk is full": the disk, said as every full disk is (exit 11, the file)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path)) from exc
 
     def _name_duplicate(self, records: list[Record]) -> None:
         seen: dict[str, str] = {}

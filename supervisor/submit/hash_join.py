@@ -16,6 +16,7 @@ from typing import IO, Any, Protocol
 import numpy as np
 
 from chunkq.jobs.compute.vector_cache import HASH_BYTES, CacheDamage, Shard, VectorCache, text_hashes
+from chunkq.jobs.contract.run_files import new_memmap
 
 BUCKET_ROWS = 1 << 22  # corpus rows a partition of the join holds at most: about 100 MB sorted in memory
 MAX_BUCKETS = 1 << 16  # the partition is chosen by a hash's first 16 bits
@@ -159,7 +160,7 @@ def join(spooled: Spooled, cache: VectorCache | None, folder: Path) -> Joined:
         shards.append(shard)
 
     def row_memmap(name: str, dtype: Any, fill: int | None = None) -> np.ndarray[Any, Any]:
-        array = np.memmap(folder / name, dtype=dtype, mode="w+", shape=(max(1, n),))
+        array = new_memmap(folder / name, dtype, (max(1, n),))
         if fill is not None:
             array[:] = fill
         return array
@@ -196,9 +197,9 @@ def join(spooled: Spooled, cache: VectorCache | None, folder: Path) -> Joined:
 def every_row(spooled: Spooled, folder: Path) -> Joined:
     """No join: every row is its own first occurrence, none is cached."""
     n = spooled.rows
-    first_of = np.memmap(folder / "first.bin", dtype=np.int64, mode="w+", shape=(n,))
+    first_of = new_memmap(folder / "first.bin", np.int64, (n,))
     first_of[:] = np.arange(n)
-    hit_shard = np.memmap(folder / "hit_shard.bin", dtype=np.int32, mode="w+", shape=(n,))
+    hit_shard = new_memmap(folder / "hit_shard.bin", np.int32, (n,))
     hit_shard[:] = -1
     return Joined(first_of, hit_shard, np.zeros(n, dtype=np.int64), n, n, [])
 

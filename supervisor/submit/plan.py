@@ -35,6 +35,7 @@ from chunkq.jobs.compute.vector_cache import CacheDamage, Shard, VectorCache
 from chunkq.jobs.contract.run_files import (
     RunLayout,
     atomic_write_bytes,
+    new_memmap,
     save_npy_atomic,
     write_chunk_input,
     write_output,
@@ -118,7 +119,7 @@ def _write(
 ) -> dict[str, Any]:
     """Pass two, in corpus order: the chunk inputs, the row map, then the cached chunks' outputs."""
     n, encode_rows = spooled.rows, joined.misses
-    chunk_row = np.memmap(folder / "chunk_row.bin", dtype=np.int64, mode="w+", shape=(n,))
+    chunk_row = new_memmap(folder / "chunk_row.bin", np.int64, (n,))
     reader = CorpusReader(spooled)
     encode = _Chunker(layout, chunk_size, 0, [])
     hits_path, refs_path = folder / "hits.jsonl", folder / "hits.refs"

@@ -22,8 +22,10 @@ from chunkq.jobs.compute import late
 from chunkq.jobs.compute.model_info import describe
 from chunkq.jobs.compute.vector_cache import VectorCache, producer, producer_key
 from chunkq.jobs.contract.errors import (
+    STORAGE_ERRNOS,
     ConfigError,
     CorpusError,
+    StoreWriteError,
 )
 from chunkq.jobs.contract.manifest import RunManifest, load_manifest, producer_record
 from chunkq.jobs.contract.run_files import (
@@ -233,9 +235,15 @@ def _create_run(req: SubmitRequest, layout: RunLayout, identified: Identified) -
         for path, described in zip(req.corpora, inputs, strict=True):
             unchanged(path, (described["size"], described["version"]))
         calibration = _calibration(req, layout, chunking["chunks"]) if req.encode.calibrated else None
-    except BaseException:
+    except BaseException as exc:
         # No manifest was written, so nothing refers to these inputs: leave the store as it was.
         remove_tree(layout.root)
+        if isinstance(exc, OSError) and exc.errno in STORAGE_ERRNOS:
+            where = f" writing {exc.filename}" if exc.filename else ""
+            raise StoreWriteError(
+                f"{exc.strerror}{where} while run {layout.run_id} was being created; nothing of it "
+                "was kept: make room (or fix the permissions) and run the same command again"
+            ) from exc
         raise
     data = {
         "format_version": FORMAT_VERSION,
