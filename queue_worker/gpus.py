@@ -10,6 +10,7 @@ import os
 from chunkq.jobs.compute.runtime import DEVICE_ENV, GPU_ENV
 from chunkq.jobs.contract.errors import ConfigError
 from chunkq.queue_worker.discovery import VISIBLE_ENV, GpuInfo, allowed, read_all, survey, visible
+from chunkq.queue_worker.torch_build import check_gpus_usable
 
 log = logging.getLogger(__name__)
 
@@ -302,6 +303,7 @@ def choose(spec: str, min_free_memory: str, busy: str, report: bool = True) -> l
             log.info("%s (%s): compute mode EXCLUSIVE_PROCESS: one worker, no standby", gpu.label, gpu.name)
     skipped: list[str] = []
     kept = usable(chosen, parse_size(min_free_memory), busy == "skip", skipped, report)
+    check_gpus_usable([f"{g.label}: {g.name}" for g in kept])
     if kept or spec.strip().lower() in CPU_SPECS or inherited == "":
         return kept
     cpu = "give --gpus none to run on the CPU instead"

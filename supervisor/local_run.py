@@ -68,6 +68,7 @@ class RunOutcome:
     submitted: SubmitResult
     outcome: Outcome | None  # None when the result was already published
     pool_died: bool = False
+    pool_said: str | None = None  # why the pool ended, in its (or a worker's) own words
 
 
 class PoolProcess:
@@ -301,4 +302,6 @@ def run(req: RunRequest, display: ProgressDisplay) -> RunOutcome:
         keep_going = _always if pool is None else pool.alive
         watch = req.watch if pool is None else replace(req.watch, own_pool_started=pool.started_at)
         outcome = supervise(connection, layout, display, watch, keep_going, redis_gone, owner)
-        return RunOutcome(submitted, outcome, pool_died=not keep_going())
+        died = not keep_going()
+        said = run_log.why_the_pool_ended() if died and run_log is not None else None
+        return RunOutcome(submitted, outcome, pool_died=died, pool_said=said)

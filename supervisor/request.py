@@ -318,5 +318,7 @@ def finished_result(outcome: RunOutcome, request: RunRequest) -> dict[str, Any]:
         raise ChunksFailedError(failure_report(watched.quarantined, watched.snapshot.run_id))
     if watched.result is None:
         why = "the worker pool exited" if outcome.pool_died else "it stopped"
+        if outcome.pool_said:
+            why += f" ({outcome.pool_said})"
         raise ChunksFailedError(f"run {outcome.submitted.run_id}: {why} before the run finished")
     return watched.result

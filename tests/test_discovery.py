@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from chunkq.jobs.contract.errors import ConfigError
-from chunkq.queue_worker import discovery, exit_codes
+from chunkq.queue_worker import discovery, exit_codes, torch_build
 from chunkq.queue_worker.discovery import SIMULATED_ENV, read_all, visible
 from chunkq.queue_worker.gpus import select, worker_environment
 from chunkq.queue_worker.pool import Pool
@@ -116,7 +116,8 @@ def test_nvml_that_cannot_start_means_no_gpu() -> None:
 def three_gpus(tmp_path: Path) -> dict[str, str]:
     path = tmp_path / "gpus.json"
     path.write_text(json.dumps(THREE))
-    return {SIMULATED_ENV: str(path), "CUDA_VISIBLE_DEVICES": "1"}
+    # Their torch a CUDA build, as on a GPU host: the pool goes as far as pinning a worker.
+    return {SIMULATED_ENV: str(path), "CUDA_VISIBLE_DEVICES": "1", torch_build.SIMULATED_ENV: "13.0"}
 
 
 @pytest.mark.slow  # loads or runs the model in a subprocess or several times: the slow tier

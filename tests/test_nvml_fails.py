@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from chunkq.jobs.contract.errors import ConfigError
-from chunkq.queue_worker import cuda_devices, discovery
+from chunkq.queue_worker import cuda_devices, discovery, torch_build
 from chunkq.queue_worker.discovery import SIMULATED_ENV
 from chunkq.queue_worker.exit_codes import EXIT_CONFIG
 from chunkq.queue_worker.gpus import choose, worker_environment
@@ -35,7 +35,8 @@ def cuda_sees_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, 
     path = tmp_path / "cuda.json"
     path.write_text(json.dumps({"devices": [{**H100, "pci_bus_id": "00000000:19:00.0"}]}))
     monkeypatch.setenv(cuda_devices.SIMULATED_ENV, str(path))
-    return {cuda_devices.SIMULATED_ENV: str(path)}
+    monkeypatch.setenv(torch_build.SIMULATED_ENV, "13.0")  # and a CUDA build of torch, as it has
+    return {cuda_devices.SIMULATED_ENV: str(path), torch_build.SIMULATED_ENV: "13.0"}
 
 
 @pytest.fixture

@@ -59,3 +59,48 @@ def test_the_command_line_says_each_in_one_line_and_creates_nothing(tmp_path: Pa
         assert refused.returncode == EXIT_CONFIG, refused.stderr
         assert refused.stderr.count("\n") == 1 and said in refused.stderr, refused.stderr
         assert not store.exists()
+
+
+def _gpu_host(tmp_path: Path) -> dict[str, str]:
+    """A host whose driver lists one H100 (simulated NVML), under this CPU build of torch."""
+    import json
+
+    from chunkq.queue_worker.discovery import SIMULATED_ENV
+
+    path = tmp_path / "gpus.json"
+    path.write_text(json.dumps({"gpus": [{"name": "NVIDIA H100 80GB HBM3"}]}))
+    return {SIMULATED_ENV: str(path)}
+
+
+def test_a_cpu_build_of_torch_on_a_gpu_host_is_refused_before_the_run(tmp_path: Path, corpus: Path) -> None:
+    """51.11: every worker refused its GPU in turn and the terminal said only "the worker pool exited
+    before the run finished" (exit 8)."""
+    from chunkq.queue_worker import torch_build
+
+    installed = torch_build.build()
+    assert installed is not None and installed["cuda"] is None and installed["__version__"].endswith("+cpu")
+    store = tmp_path / "store"
+    done = run_cli("run", str(corpus), "--store", str(store), **_gpu_host(tmp_path))
+    assert done.returncode == EXIT_CONFIG, done.stderr
+    (said,) = [line for line in done.stderr.splitlines() if line.startswith("chunkq:")]
+    assert said == (
+        "chunkq: error: this host's driver lists 1 GPU(s) (GPU 0: NVIDIA H100 80GB HBM3), and the installed "
+        f"torch {installed['__version__']} is built without CUDA: no worker could use them. Install a CUDA "
+        "build of torch (pip install torch, without +cpu), or give --gpus none to run on the CPU"
+    )
+    assert not store.exists()
+
+
+@pytest.mark.slow
+def test_a_pool_that_gives_up_says_its_workers_reason_on_the_terminal(tmp_path: Path, corpus: Path) -> None:
+    """51.11: what cannot be checked before the run (here a torch said to be a CUDA build that finds no
+    device) is said in the command's last line, in the worker's words, not only in run.log."""
+    from chunkq.queue_worker import torch_build
+
+    env = {**_gpu_host(tmp_path), torch_build.SIMULATED_ENV: "13.0"}
+    done = run_cli("run", str(corpus), "--store", str(tmp_path / "store"), **env)
+    assert done.returncode == 8, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("chunkq: error: the worker pool exited before the run finished: worker pool-")
+    assert "was given GPU 0 but torch sees no CUDA device" in last and "refusing to run on the CPU" in last
+    assert last.endswith("run.log")

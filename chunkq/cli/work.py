@@ -197,8 +197,9 @@ def run_cmd(corpus: tuple[str, ...], redis_url: str | None, verbose: int, **kw: 
         sys.exit(EXIT_OK)
     if outcome.pool_died and outcome.outcome.result is None:
         where = log_path(local_state_dir(req.submit.store), outcome.submitted.run_id)
+        why = f": {outcome.pool_said}" if outcome.pool_said else ""
         click.echo(
-            f"chunkq: error: the worker pool exited before the run finished; its log: {where}", err=True
+            f"chunkq: error: the worker pool exited before the run finished{why}; its log: {where}", err=True
         )
         sys.exit(EXIT_POOL_DIED)
     code = _finish(outcome.outcome)

@@ -16,6 +16,7 @@ import logging
 import re
 import sys
 import threading
+from collections import deque
 from pathlib import Path
 from typing import IO, Any
 
@@ -26,6 +27,8 @@ PROGRESS_LOGGER = "chunkq.progress"  # the plain progress lines: on the terminal
 LOG_NAME = "run.log"
 QUIET = logging.WARNING  # the terminal's level for run and supervise unless told otherwise
 _LEVEL = re.compile(rb"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) ")
+# An ERROR line: a worker's ("[NAME gpu=N] logger: what") or the pool's ("logger: what").
+_ERROR_LINE = re.compile(r" (?:ERROR|CRITICAL) (\[[^\]]*\] )?\S+: (.*)$")
 
 
 class TerminalLog(logging.StreamHandler):  # type: ignore[type-arg]
@@ -139,6 +142,9 @@ class RunLog:
         # user's own request (RQ's "SystemExit" per job) go to the file only; the supervisor says
         # what happens.
         self.terminal_muted = False
+        self.errors: deque[tuple[bool, str]] = deque(
+            maxlen=8
+        )  # the pool's last ERROR lines: (a worker's, what)
 
     def __enter__(self) -> RunLog:
         private_dirs(self.path.parent)
@@ -160,6 +166,19 @@ class RunLog:
                 handler.stream.write(line.decode("utf-8", "replace"))
             except OSError as exc:
                 handler.fail(exc)
+
+    def note_error(self, line: bytes) -> None:
+        """Keep an ERROR line of the pool's: why it ended, for the command's last line."""
+        found = _ERROR_LINE.search(line.decode("utf-8", "replace").rstrip())
+        if found:
+            self.errors.append((bool(found.group(1)), found.group(2)))
+
+    def why_the_pool_ended(self) -> str | None:
+        """A worker's last error where one said why (the pool's own lines say only that it gave up),
+        else the pool's last; None where it said nothing at ERROR."""
+        worker = [what for by_worker, what in self.errors if by_worker]
+        said = worker or [what for _, what in self.errors]
+        return said[-1] if said else None
 
     def __exit__(self, *exc: object) -> None:
         if self._handler is not None:
@@ -185,6 +204,8 @@ def relay(pipe: IO[bytes], run_log: RunLog) -> threading.Thread:
             for line in iter(pipe.readline, b""):
                 run_log.write(line)
                 level = level_of(line, level)
+                if level >= logging.ERROR:
+                    run_log.note_error(line)
                 if shown and not run_log.terminal_muted and level >= terminal().threshold:
                     try:
                         TerminalLog.print_line(line.decode("utf-8", "replace").rstrip("\n"))
