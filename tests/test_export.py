@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import tracemalloc
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -180,3 +181,50 @@ def test_an_export_into_the_store_is_refused_even_with_force(tmp_path: Path) -> 
         with pytest.raises(ConfigError, match="is inside the store"):
             export(layout, "npy" if out.suffix == ".npy" else "jsonl", out, force=True)
     assert published.read_bytes() == before and not (layout.root / "copy.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_corpus_fields_go_beside_each_row_of_a_parquet_or_jsonl_file_or_are_refused(
+    tmp_path: Path, store: Path, connection: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 51.12: `export --format parquet --columns text` (and npy, jsonl) ignored --columns. Each
+    row carries its own text, a window its own span (over several batches: the value column was
+    renamed by the window loop after the first), an .npy or a sparse run refuses them."""
+    from chunkq.jobs.compute.models import BUNDLED_MODEL
+    from chunkq.jobs.contract.errors import ConfigError
+    from chunkq.supervisor.submit.corpus import CorpusOptions
+    from chunkq.supervisor.submit.identity import SubmitRequest
+    from chunkq.tools import export as export_module
+    from tests.helpers import write_ragged_run
+    from tests.test_kinds import _encode_in_process
+    from tests.test_windows import _long_text
+
+    monkeypatch.setattr(export_module, "BATCH_ROWS", 5)
+    rows = [{"id": f"d{i}", "text": _long_text(70 if i % 2 else 10, seed=i), "n": i} for i in range(8)]
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    by_id = {r["id"]: r for r in rows}
+    for windowed in (False, True):
+        options = {"long_texts": "window", "window_tokens": 32, "pool": "mean"} if windowed else {}
+        request = SubmitRequest(corpus, store, BUNDLED_MODEL, CorpusOptions("jsonl"), chunk_size=8, **options)
+        layout = _encode_in_process(request, connection)
+        parquet = export(layout, "parquet", tmp_path / f"w{windowed}.parquet", columns=("text", "n"))[0]
+        table = pq.read_table(parquet).to_pylist()
+        jsonl = export(layout, "jsonl", tmp_path / f"w{windowed}.jsonl", columns=("text", "n"))[0]
+        lines = [json.loads(line) for line in jsonl.read_text().splitlines()]
+        assert len(table) == len(lines) > 5 and [r["id"] for r in table] == [r["id"] for r in lines]
+        for got in (*table, *lines):
+            text = by_id[got["id"]]["text"]
+            want = text[got["char_start"] : got["char_end"]] if windowed else text
+            assert got["text"] == want and got["n"] == str(by_id[got["id"]]["n"])
+            assert len(got["embedding"]) == 384
+        with pytest.raises(ConfigError, match=r"--columns: an .npy file holds the matrix alone"):
+            export(layout, "npy", tmp_path / f"w{windowed}.npy", columns=("text",))
+        with pytest.raises(ConfigError, match=r"--columns 'embedding'"):
+            export(layout, "parquet", tmp_path / "x.parquet", columns=("embedding",))
+    sparse = write_ragged_run(tmp_path / "s", "sparse")
+    from chunkq.supervisor.result.assemble import assemble
+
+    assemble(sparse)
+    with pytest.raises(ConfigError, match=r"--columns: a sparse run takes no corpus fields here"):
+        export(sparse, "parquet", tmp_path / "s.parquet", columns=("text",))

@@ -126,7 +126,8 @@ def clean_cmd(run_id: str, outputs_only: bool, store: Path, redis_url: str | Non
 @click.option(
     "--columns",
     default="",
-    help="--to a table: corpus fields to copy beside each row, comma-separated (title,url), as text.",
+    help="Corpus fields to copy beside each row, comma-separated (title,url), as text: into a table "
+    "(--to), or a Parquet or JSON Lines file of a dense run.",
 )
 @click.option(
     "--column",
@@ -176,15 +177,15 @@ def export_cmd(
     del redis_url
     if (out is None) == (to is None):
         raise click.UsageError("give --out FILE or --to URL")
+    names = tuple(name.strip() for name in columns.split(",") if name.strip())
     if to is not None or out is None:
-        names = tuple(name.strip() for name in columns.split(",") if name.strip())
         options = {"index": index, "force": force, "column": vector_column, "level": level}
         _export_to(RunLayout(store, run_id), str(to), options, names, as_json)
         return
     # Where the data itself goes to stdout, a pipe or a device, the note of what was written must not join it.
     stream = out == STDOUT or (out.exists() and not out.is_file())
     layout = RunLayout(store, run_id)
-    written = export(layout, fmt, out, force, tokens=tokens, level=level)
+    written = export(layout, fmt, out, force, tokens=tokens, level=level, columns=names)
     if not stream:  # to stdout or a pipe there is no file to name: the data is what was written
         click.echo(", ".join(str(p) for p in written))
     result = read_json(layout.result_manifest)

@@ -261,30 +261,47 @@ def _outside_the_store(layout: RunLayout, out: Path) -> None:
 
 
 def export(
-    layout: RunLayout, fmt: str, out: Path, force: bool = False, tokens: bool = False, level: str = "window"
+    layout: RunLayout,
+    fmt: str,
+    out: Path,
+    force: bool = False,
+    tokens: bool = False,
+    level: str = "window",
+    columns: tuple[str, ...] = (),
 ) -> list[Path]:
     """Write the run's result to ``out`` in ``fmt``; the files written. ``tokens``: a sparse run's
     active dimensions as the model's vocabulary words too. ``level`` document: a windowed run's
-    vectors per text instead of its windows."""
+    vectors per text instead of its windows. ``columns``: corpus fields written beside each row, as
+    text (Parquet and JSON Lines; a window's text field is its own span)."""
     _outside_the_store(layout, out)
-    kind = load_manifest(layout).kind
+    run = load_manifest(layout)
+    kind = run.kind
     if tokens and kind != "sparse":
         raise ConfigError(f"--tokens names a sparse vector's dimensions; run {layout.run_id} is {kind}")
+    if columns and (fmt == "npy" or kinds.get(kind).ragged):
+        what = "an .npy file holds the matrix alone (its ids beside it)" if fmt == "npy" else f"a {kind} run"
+        raise ConfigError(
+            f"--columns: {what} takes no corpus fields here; export --format parquet or jsonl of a dense "
+            "run, or --to a table, for fields beside each row"
+        )
     if kinds.get(kind).ragged:
         return _export_ragged(layout, fmt, _target(out, force, fmt), tokens)
     target = _target(out, force, fmt)
     reader = ResultReader(layout, level)
+    fields = _corpus_fields(run, reader, columns)
     if fmt == "parquet":
-        _parquet(reader, target)
+        _parquet(reader, target, fields)
         return [target.path]
     if fmt == "jsonl":
         with _written_whole(target) as tmp, open(tmp, "w", encoding="utf-8") as fh:
             for ids, block in reader.batches():
-                for rid, row in zip(ids, block.tolist(), strict=True):
+                extra = fields.of(ids) if fields is not None else {}
+                for i, (rid, row) in enumerate(zip(ids, block.tolist(), strict=True)):
                     # A window's id is an object: its fields become the line's (id, window, span, tokens).
-                    fields = rid if isinstance(rid, dict) else {"id": rid}
-                    value = row[0] if reader.value_column == SCORE else row
-                    fh.write(json.dumps({**fields, reader.value_column: value}, ensure_ascii=False) + "\n")
+                    line = dict(rid) if isinstance(rid, dict) else {"id": rid}
+                    line.update({name: values[i] for name, values in extra.items()})
+                    line[reader.value_column] = row[0] if reader.value_column == SCORE else row
+                    fh.write(json.dumps(line, ensure_ascii=False) + "\n")
         return [target.path]
     ids_target = _target(ids_path_beside(target.path), force, fmt)
     with _written_whole(target) as tmp, _written_whole(ids_target) as ids_tmp:
@@ -298,12 +315,23 @@ def export(
     return [target.path, ids_target.path]
 
 
-def _parquet(reader: ResultReader, out: _Target) -> None:
+def _corpus_fields(run: RunManifest, reader: ResultReader, columns: tuple[str, ...]) -> Any:
+    """The reader of ``columns`` beside each row (None without): checked against the file's own
+    column names first."""
+    if not columns:
+        return None
+    from chunkq.sinks.corpus_columns import CorpusColumns, check_columns  # sinks read this module
+
+    check_columns(columns, reader.value_column)
+    return CorpusColumns(run, columns, reader.windowed)
+
+
+def _parquet(reader: ResultReader, out: _Target, fields: Any = None) -> None:
     if out.through:
         # Arrow's Parquet writer seeks, which a pipe cannot: build the file privately, then stream it.
         with tempfile.TemporaryDirectory(prefix="chunkq-export-") as scratch:
             built = _Target(Path(scratch) / "out.parquet", through=False)
-            _parquet(reader, built)
+            _parquet(reader, built, fields)
             with open(built.path, "rb") as src, open(out.path, "wb") as dst:
                 shutil.copyfileobj(src, dst, 1 << 20)
         return
@@ -313,6 +341,7 @@ def _parquet(reader: ResultReader, out: _Target) -> None:
     value_type = pa.from_numpy_dtype(reader.dtype)
     windows = reader.windowed
     columns = [("id", pa.string())] + [(name, pa.int64()) for name in WINDOW_COLUMNS if windows]
+    columns += [(name, pa.string()) for name in (fields.names if fields is not None else ())]
     name = reader.value_column
     stored = value_type if name == SCORE else pa.list_(value_type, reader.dim)
     schema = pa.schema([*columns, (name, stored)])
@@ -325,10 +354,12 @@ def _parquet(reader: ResultReader, out: _Target) -> None:
                 }
                 if windows:
                     data["id"] = pa.array([str(rid["id"]) for rid in ids], pa.string())
-                    for name in WINDOW_COLUMNS:
-                        data[name] = pa.array([int(rid[name]) for rid in ids], pa.int64())
+                    for field in WINDOW_COLUMNS:  # not `name`: that is the value column's, every batch
+                        data[field] = pa.array([int(rid[field]) for rid in ids], pa.int64())
                 else:
                     data["id"] = pa.array(ids, pa.string())
+                if fields is not None:
+                    data.update({k: pa.array(v, pa.string()) for k, v in fields.of(ids).items()})
                 writer.write_table(pa.table(data, schema=schema))
 
 
