@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import sys
 import threading
@@ -98,6 +99,18 @@ class StoppedWhileWaiting(Exception):
 
 
 WAKE_RETRY_SECONDS = 0.05
+WAKER_SECONDS = 2.0  # the stop's own requests: a Redis silent this long does not answer
+
+
+def _silence(client: redis.Redis) -> str | None:
+    """Why Redis does not answer ``client`` (None: it does)."""
+    try:
+        client.ping()
+    except redis.TimeoutError:
+        return "Redis does not answer"
+    except redis.RedisError as exc:
+        return f"Redis cannot be reached ({exc})"
+    return None
 
 
 def client_like(connection: redis.Redis, **overrides: Any) -> redis.Redis:
@@ -139,7 +152,10 @@ class WaitCutter:
         self.asked.wait()
         worker = self.worker
         deadline = time.monotonic() + worker.stop_poll_seconds + 1
-        waker = client_like(worker.connection, socket_timeout=2.0, socket_connect_timeout=2.0)
+        waker = client_like(
+            worker.connection, socket_timeout=WAKER_SECONDS, socket_connect_timeout=WAKER_SECONDS
+        )
+        silent: str | None = None
         try:
             # Again until the worker has left its wait: a stop between its heartbeat and its BLMOVE
             # finds nothing blocked at the first look.
@@ -149,8 +165,19 @@ class WaitCutter:
         except redis.RedisError as exc:  # no CLIENT command here, or Redis away: the wait ends itself
             worker.log.debug("Worker %s: could not cut its wait for a job short: %s", worker.name, exc)
         finally:
+            silent = _silence(waker) if worker.waiting else None
             waker.close()
             waker.connection_pool.disconnect()
+        if silent and worker.waiting:
+            # A Redis that hangs (stopped, its sockets open) never ends the wait, nor answers what RQ
+            # says on its way out: an idle worker asked to stop was alive 45 s later (issue 51.14).
+            # It holds no job (its BLMOVE has not returned), so it leaves now; a job the server
+            # moves afterwards is one the supervisor finds lost and queues again.
+            worker.log.warning("Worker %s: stopping as asked; %s", worker.name, silent)
+            for handler in logging.getLogger().handlers:
+                with contextlib.suppress(Exception):
+                    handler.flush()
+            os._exit(EXIT_STOPPED)
 
 
 class ChunkWorker(SimpleWorker):
