@@ -75,8 +75,7 @@ def encode_texts(
     """The maths alone: a chunk's row texts in, float32 rows out, in input order, as the run's kind
     (jobs.kinds) computes them; not yet converted for storage. ``on_rows``: told the rows encoded
     so far after each batch."""
-    # The cached model is shared by every run this process serves, so set the length on each call.
-    loaded.model.max_seq_length = options.max_seq_length or loaded.default_max_seq_length
+    loaded.set_length(options.max_seq_length)  # on each call: the model serves every run of the process
     encoded: np.ndarray[Any, Any] = kinds.get(options.kind).encode(loaded.model, texts, options, on_rows)
     return encoded
 
@@ -93,7 +92,7 @@ def warm_up(loaded: models.LoadedModel, device: str, kind: str = DEFAULT_KIND) -
     on_gpu = device.startswith("cuda")
     lengths = sorted({min(n, limit) for n in (WARM_UP_TOKENS_GPU if on_gpu else WARM_UP_TOKENS_CPU)})
     started = time.perf_counter()
-    loaded.model.max_seq_length = limit
+    loaded.set_length(limit)
     kinds.get(kind).warm_up(loaded.model, [n for n in lengths for _ in range(WARM_UP_TEXTS if on_gpu else 2)])
     if on_gpu:
         import torch
@@ -355,7 +354,8 @@ def _embed(chunk: ChunkSpec) -> dict[str, Any]:
         )
     loaded = models.get_model(chunk.model, ctx.device, chunk.options.precision, chunk.options)
     check_model(chunk, manifest.model_identity, loaded)
-    tokens_apply = kinds.get(chunk.options.kind).by_tokens
+    # A static embedding has no padding to save: its batches are counted in texts.
+    tokens_apply = kinds.get(chunk.options.kind).by_tokens and loaded.default_max_seq_length is not None
     work = replace(chunk, options=token_batches.for_device(chunk.options, ctx.device, tokens_apply))
     start = learned.start_limit(work.options, learned.read(layout, ctx.device_kind))
     started_at = datetime.now(UTC)

@@ -178,3 +178,19 @@ def bare_bert(folder: Path) -> Path:
     BertModel(config).save_pretrained(folder)
     AutoTokenizer.from_pretrained(tokenizer_source()).save_pretrained(folder)
     return folder
+
+
+def static_embedding(folder: Path, dim: int = 256) -> Path:
+    """A static-embedding model (sentence-transformers' StaticEmbedding: a token lookup and a mean,
+    model2vec-style) over the bundled model's tokenizer, with random weights, saved. Its forward
+    costs almost nothing: a run's speed with it is the speed of everything around the forward."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import StaticEmbedding
+    from tokenizers import Tokenizer
+
+    torch.manual_seed(11)
+    tokenizer = Tokenizer.from_file(str(Path(tokenizer_source()) / "tokenizer.json"))
+    model = SentenceTransformer(modules=[StaticEmbedding(tokenizer, embedding_dim=dim)], device="cpu")
+    model.save(str(folder))
+    return folder

@@ -169,11 +169,19 @@ def model_cmd(model: str | None, revision: str | None, as_json: bool, redis_url:
         f"kind                {_kind_line(info.kind)}\n"
         f"runs as             {' or '.join(info.kinds) or 'unknown'} (any other --kind is refused)\n"
         f"dimension           {info.dim or 'unknown'}{_dim_note(info.kind)}\n"
-        f"max sequence length {info.max_seq_length or 'the tokenizer maximum'} tokens (--max-seq-length; "
-        f"at most {info.positions or 'its positions'})\n"
+        f"max sequence length {_length_line(info)}\n"
         f"remote code         {'needed: --trust-remote-code' if info.remote_code else 'no'}\n"
         f"default prompt      {default}\n"
         f"named prompts (--prompt-name)\n{prompts}"
+    )
+
+
+def _length_line(info: model_info.ModelInfo) -> str:
+    if info.static:
+        return "none: a static embedding averages every token of a text (no --max-seq-length)"
+    return (
+        f"{info.max_seq_length or 'the tokenizer maximum'} tokens (--max-seq-length; "
+        f"at most {info.positions or 'its positions'})"
     )
 
 

@@ -31,6 +31,7 @@ class ModelInfo:
     kind: str = DEFAULT_KIND  # what its files say it is (jobs.kinds): dense, cross, sparse, ...
     kinds: tuple[str, ...] = ()  # every kind its files can be run as (kind first); () where unknown
     positions: int | None = None  # the longest input its position embeddings take (None: not said)
+    static: bool = False  # a StaticEmbedding model: every token read, no length to set
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -69,12 +70,38 @@ def _modules(folder: Path) -> list[tuple[str, Path]]:
     return found
 
 
+STATIC = "StaticEmbedding"  # sentence-transformers' token lookup and mean: no positions, no truncation
+
+
+def static_embedding(folder: Path) -> bool:
+    """Whether the model's first module is a StaticEmbedding (model2vec-style): it reads every token
+    of a text, so it has no maximum length and no positions."""
+    modules = _modules(folder)
+    return bool(modules) and modules[0][0].endswith(STATIC)
+
+
+def _safetensors_shape(path: Path, tensor: str) -> list[int] | None:
+    """A tensor's shape from a safetensors file's header (its first bytes), the weights unread."""
+    try:
+        with path.open("rb") as fh:
+            size = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(size)) if 0 < size < (1 << 26) else {}
+    except (OSError, ValueError):
+        return None
+    shape = (header.get(tensor) or {}).get("shape") if isinstance(header, dict) else None
+    return [int(n) for n in shape] if isinstance(shape, list) else None
+
+
 def _dimension(folder: Path) -> int | None:
-    """The output dimension the module list gives: the last Dense layer's, else the pooling's."""
+    """The output dimension the module list gives: the last Dense layer's, else the pooling's, else
+    a static embedding's width."""
     dim = None
     for kind, path in _modules(folder):
         config = _json(path / "config.json") or {}
-        if kind.endswith("Pooling"):
+        if kind.endswith(STATIC):
+            shape = _safetensors_shape(path / "model.safetensors", "embedding.weight")
+            dim = shape[1] if shape and len(shape) == 2 else dim
+        elif kind.endswith("Pooling"):
             dim = _pooling_dimension(config) or dim
         elif kind.endswith("Dense") and isinstance(config.get("out_features"), int):
             dim = int(config["out_features"])
@@ -234,7 +261,7 @@ def describe(ref: str, revision: str | None = None) -> ModelInfo:
         else _vocabulary(folder)
         if kind == "sparse"
         else _dimension(folder),
-        max_seq_length=_max_seq_length(folder),
+        max_seq_length=None if static_embedding(folder) else _max_seq_length(folder),
         prompts={str(k): str(v) for k, v in prompts.items()},
         default_prompt_name=st_config.get("default_prompt_name") or None,
         remote_code=_remote_code(folder),
@@ -243,7 +270,8 @@ def describe(ref: str, revision: str | None = None) -> ModelInfo:
         pooling=_pooling(folder),
         kind=kind,
         kinds=_kinds(folder, kind),
-        positions=_positions(folder),
+        positions=None if static_embedding(folder) else _positions(folder),
+        static=static_embedding(folder),
     )
 
 
@@ -255,6 +283,11 @@ def check_options(info: ModelInfo, options: EncodeOptions) -> None:
             f"--kind {options.kind}: model {info.ref} is a {info.kind} model by its files, run as {takes}; "
             f"as {options.kind} it would run with weights it does not have (random: other rows at every "
             "load). Leave --kind out, or give a model of that kind"
+        )
+    if options.max_seq_length is not None and info.static:
+        raise ConfigError(
+            f"--max-seq-length {options.max_seq_length}: model {info.ref} is a static-embedding model, "
+            "which averages every token of a text and truncates none; leave --max-seq-length out"
         )
     if options.max_seq_length is not None and info.positions is not None:
         if options.max_seq_length > info.positions:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -120,13 +121,26 @@ def resolve_model(ref: str) -> str:
     return ref
 
 
+def length_limit(model: Any) -> int | None:
+    """The tokens ``model`` truncates a text at; None where it truncates none (a StaticEmbedding
+    says infinity, and has no setter for it)."""
+    limit = getattr(model, "max_seq_length", None)
+    return int(limit) if isinstance(limit, int | float) and math.isfinite(limit) else None
+
+
 @dataclass
 class LoadedModel:
     model: SentenceTransformer
-    default_max_seq_length: int | None
+    default_max_seq_length: int | None  # None: the model truncates nothing (a static embedding)
     load_seconds: float
     loaded_at: str  # ISO time the load finished, for the run report's timeline
     identity: Identity | None = None  # the bytes it was loaded from (None: its files are not here)
+
+    def set_length(self, limit: int | None) -> None:
+        """Truncate at ``limit`` tokens (None: the model's own); a model that truncates nothing
+        keeps reading every token. The cached model is shared by every run this process serves."""
+        if self.default_max_seq_length is not None:
+            self.model.max_seq_length = limit or self.default_max_seq_length
 
 
 class _DefaultPromptNotice(logging.Filter):
@@ -188,7 +202,7 @@ def get_model(ref: str, device: str, precision: str, options: EncodeOptions | No
     model.eval()
     loaded = LoadedModel(
         model,
-        model.max_seq_length,
+        length_limit(model),
         time.perf_counter() - started,
         datetime.now(UTC).isoformat(),
         identity,

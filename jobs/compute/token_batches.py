@@ -19,15 +19,21 @@ from typing import Any
 import numpy as np
 
 from chunkq.jobs.compute import tokenized
+from chunkq.jobs.compute.models import length_limit
 from chunkq.jobs.contract.specs import BATCH_TOKENS_AUTO, BATCH_TOKENS_OFF, EncodeOptions
 
 AUTO_START_TOKENS = 8192
 AUTO_GAIN = 1.05  # a budget is doubled again only while the last doubling paid at least 5 %
 
 
-def token_lengths(model: Any, texts: list[str], max_length: int) -> list[int]:
-    """Each text's length in tokens as the model sees it (special tokens in, truncated)."""
-    encoded = model.tokenizer(texts, add_special_tokens=True, truncation=True, max_length=max_length)
+def token_lengths(model: Any, texts: list[str], max_length: int | None) -> list[int]:
+    """Each text's length in tokens as the model sees it (special tokens in, truncated at
+    ``max_length``; a static embedding's tokenizers.Tokenizer: without either, as its model reads)."""
+    tokenizer = model.tokenizer
+    if not callable(tokenizer):  # tokenizers.Tokenizer (StaticEmbedding): no special tokens, no limit
+        return [len(found.ids) for found in tokenizer.encode_batch(texts, add_special_tokens=False)]
+    limit = {"truncation": True, "max_length": max_length} if max_length else {}
+    encoded = tokenizer(texts, add_special_tokens=True, **limit)
     return [len(ids) for ids in encoded["input_ids"]]
 
 
@@ -97,12 +103,15 @@ def encode(
         lengths = tokenized.lengths(chunk)
     else:
         # With the prompt before each text, as encode tokenises it: a long prompt counts too.
-        lengths = token_lengths(
-            model, [prompt + t for t in texts] if prompt else texts, int(model.max_seq_length)
-        )
+        lengths = token_lengths(model, [prompt + t for t in texts] if prompt else texts, length_limit(model))
     out: np.ndarray[Any, Any] | None = None
     done = 0
-    for batch in batches(lengths, limit, by_tokens):
+    planned = (
+        tokenized.in_order(len(texts), limit)
+        if tokenized.bagged(chunk)
+        else batches(lengths, limit, by_tokens)
+    )
+    for batch in planned:
         if chunk is not None:
             rows = tokenized.encode_batch(model, chunk, batch, lengths, encode_kwargs)
         else:

@@ -9,6 +9,11 @@ it (forward, truncate, normalise). The features of a batch cut so equal those of
 tokenised alone: padding to the longest text is all that differs, and it is trimmed (from the left
 for a left-padding tokenizer).
 
+A static embedding (``StaticEmbedding``: a token lookup and a mean) has no padding: its features are
+every text's tokens end to end (``input_ids``) and where each starts (``offsets``). A batch of them
+is a run of consecutive texts, cut without a copy; its rows are the same whatever batch they are in
+(each text's mean is its own), so such a chunk is encoded in input order (``in_order``).
+
 Where the features cannot be cut so (flattened inputs for variable-length attention kernels, a
 modality other than text, a tokenizer output without an attention mask), ``features`` says None
 and the caller encodes batch by batch as before.
@@ -40,6 +45,8 @@ def features(model: Any, texts: list[str], prompt: str | None) -> dict[str, Any]
         out = preprocess(texts, prompt=prompt) if prompt else preprocess(texts)
     else:  # sentence-transformers < 5: the prompt is part of the text, as its encode does it
         out = model.tokenize([prompt + t for t in texts] if prompt else texts)
+    if _bags(out, len(texts)):
+        return dict(out)
     mask = out.get("attention_mask")
     if not isinstance(mask, torch.Tensor) or mask.ndim != 2 or mask.shape[0] != len(texts):
         return None
@@ -50,8 +57,44 @@ def features(model: Any, texts: list[str], prompt: str | None) -> dict[str, Any]
     return dict(out)
 
 
+def _bags(out: Any, texts: int) -> bool:
+    """Whether ``out`` is a static embedding's: every text's tokens end to end, and their starts."""
+    import torch
+
+    ids, offsets = out.get("input_ids"), out.get("offsets")
+    return (
+        set(out) == {"input_ids", "offsets"}
+        and isinstance(ids, torch.Tensor)
+        and isinstance(offsets, torch.Tensor)
+        and ids.ndim == offsets.ndim == 1
+        and offsets.shape[0] == texts
+    )
+
+
+def bagged(chunk_features: dict[str, Any] | None) -> bool:
+    return chunk_features is not None and "offsets" in chunk_features
+
+
+def in_order(texts: int, size: int) -> list[list[int]]:
+    """Batches of ``size`` consecutive texts: for features whose rows do not depend on their batch."""
+    return [list(range(start, min(start + size, texts))) for start in range(0, texts, size)]
+
+
 def lengths(chunk_features: dict[str, Any]) -> list[int]:
+    if bagged(chunk_features):
+        offsets = chunk_features["offsets"].tolist()
+        ends = [*offsets[1:], int(chunk_features["input_ids"].shape[0])]
+        return [end - start for start, end in zip(offsets, ends, strict=True)]
     return [int(n) for n in chunk_features["attention_mask"].sum(dim=1).tolist()]
+
+
+def _bag_batch(chunk_features: dict[str, Any], rows: list[int]) -> dict[str, Any]:
+    """Consecutive texts' tokens and starts, cut from the chunk's (views, no copy)."""
+    ids, offsets = chunk_features["input_ids"], chunk_features["offsets"]
+    first, last = rows[0], rows[-1] + 1
+    start = int(offsets[first])
+    end = int(offsets[last]) if last < offsets.shape[0] else int(ids.shape[0])
+    return {"input_ids": ids[start:end], "offsets": offsets[first:last] - start}
 
 
 def _left_padded(model: Any) -> bool:
@@ -66,21 +109,25 @@ def encode_batch(
     token_lengths: list[int],
     encode_kwargs: dict[str, Any],
 ) -> np.ndarray[Any, Any]:
-    """The embeddings of the chunk's ``rows``, as ``model.encode`` of those texts gives them."""
+    """The embeddings of the chunk's ``rows``, as ``model.encode`` of those texts gives them
+    (consecutive rows, for bagged features)."""
     import torch
 
-    n = chunk_features["attention_mask"].shape[0]
-    width = max(token_lengths[i] for i in rows)
-    columns = slice(-width, None) if _left_padded(model) else slice(0, width)
-    index = torch.as_tensor(rows)
-    batch = {
-        key: (
-            value[index][:, columns]
-            if isinstance(value, torch.Tensor) and value.ndim == 2 and value.shape[0] == n
-            else value
-        )
-        for key, value in chunk_features.items()
-    }
+    if bagged(chunk_features):
+        batch = _bag_batch(chunk_features, rows)
+    else:
+        n = chunk_features["attention_mask"].shape[0]
+        width = max(token_lengths[i] for i in rows)
+        columns = slice(-width, None) if _left_padded(model) else slice(0, width)
+        index = torch.as_tensor(rows)
+        batch = {
+            key: (
+                value[index][:, columns]
+                if isinstance(value, torch.Tensor) and value.ndim == 2 and value.shape[0] == n
+                else value
+            )
+            for key, value in chunk_features.items()
+        }
     device = model.device
     batch = {
         key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in batch.items()

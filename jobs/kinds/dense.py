@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from chunkq.jobs.compute import late, token_batches
+from chunkq.jobs.compute.models import length_limit
 from chunkq.jobs.contract.specs import EncodeOptions
 from chunkq.jobs.kinds.contract import Kind, OnRows, warm_up_texts, with_bad_rows
 
@@ -38,7 +39,7 @@ def _encode_with_role(
     """``encode_query``/``encode_document`` a batch at a time: the model's own routing (its "query"
     or "document" prompt, its router's task), which a named prompt alone does not set."""
     call = getattr(model, f"encode_{options.role}")
-    lengths = token_batches.token_lengths(model, texts, int(model.max_seq_length))
+    lengths = token_batches.token_lengths(model, texts, length_limit(model))
     out = np.empty((len(texts), 0), dtype=np.float32)
     for batch in token_batches.each_batch(lengths, options, on_rows):
         rows = np.asarray(

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from chunkq.jobs.compute import token_batches
+from chunkq.jobs.compute.models import length_limit
 from chunkq.jobs.contract.ragged import SCHEMAS, Ragged
 from chunkq.jobs.contract.specs import EncodeOptions
 from chunkq.jobs.kinds.contract import Kind, OnRows, warm_up_texts
@@ -18,7 +19,7 @@ from chunkq.jobs.kinds.sparse import encode_call
 
 def encode(model: Any, texts: list[str], options: EncodeOptions, on_rows: OnRows) -> Ragged:
     call = encode_call(model, options.role)
-    lengths = token_batches.token_lengths(model, texts, int(model.max_seq_length))
+    lengths = token_batches.token_lengths(model, texts, length_limit(model))
     rows: list[dict[str, np.ndarray[Any, Any]]] = [{}] * len(texts)
     dim = 0
     for batch in token_batches.each_batch(lengths, options, on_rows):
