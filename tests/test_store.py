@@ -110,3 +110,19 @@ def test_verify_output_detects_every_defect(tmp_path: Path) -> None:
     layout.output_npy(0).unlink()
     assert verify_output(layout, 0, 3)[1] == "000000.npy missing"
     assert layout.done_chunks() == {0}  # the marker alone says "done"; verification says otherwise
+
+
+def test_a_chunk_input_is_read_in_one_parse_and_a_bad_row_is_still_named(tmp_path: Path) -> None:
+    """Issue 52: the chunk's rows are parsed in one call, split at "\\n" alone (a text may hold
+    U+2028 or U+0085, where splitlines() would cut it); a malformed row still names its line."""
+    from chunkq.jobs.contract.errors import BadInputError
+    from chunkq.jobs.contract.run_files import RunLayout, read_chunk_input, write_chunk_input
+
+    layout = RunLayout(tmp_path, "r")
+    rows = [("a", "x\u2028y\x85z\nw"), ("b", "plain"), ("c", "\u2029")]
+    write_chunk_input(layout, 0, rows)
+    assert read_chunk_input(layout, 0) == (["a", "b", "c"], [text for _, text in rows])
+    path = layout.input_path(0)
+    path.write_text(path.read_text().replace('"plain"}', '"plain"'))
+    with pytest.raises(BadInputError, match=r"000000.jsonl:2: invalid JSON"):
+        read_chunk_input(layout, 0)

@@ -79,3 +79,24 @@ def test_features_that_cannot_be_cut_fall_back_to_encode_per_batch(
     got = token_batches.encode(model, texts, 8, {"prompt": "passage: "}, by_tokens=False)
     assert calls == [8, 8, 4]  # encode's own preprocessing, batch by batch
     assert max_abs_diff(got, reference_model.encode(texts, prompt="passage: ")) <= 1e-5
+
+
+@pytest.mark.slow  # the model, and a plain encode to compare with
+def test_a_chunk_tokenised_ahead_gives_a_plain_encodes_embeddings_in_input_order(
+    counted: tuple[Any, list[int]], reference_model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 52.2: slices tokenised in a thread while the model runs the slice before, cut from the
+    chunk ordered by length; every row where it was, equal to the plain encode, each text once."""
+    monkeypatch.setattr(token_batches, "PIPELINE_ROWS", 40)
+    model, calls = counted
+    _, texts = make_texts(130, seed=13)
+    kwargs = {"prompt": "query: ", "normalize_embeddings": True}
+    seen: list[int] = []
+    got = token_batches.encode(model, texts, 16, kwargs, by_tokens=False, on_rows=seen.append, ahead=True)
+    assert calls == [40, 40, 40, 10] and seen[-1] == 130 and seen == sorted(seen)
+    expected = reference_model.encode(texts, prompt="query: ", normalize_embeddings=True)
+    assert got.shape == (130, 384) and max_abs_diff(got, expected) <= 1e-5
+    monkeypatch.setenv(token_batches.AHEAD_ENV, "1")
+    assert token_batches.tokenise_ahead(model)
+    monkeypatch.setenv(token_batches.AHEAD_ENV, "")
+    assert not token_batches.tokenise_ahead(model)  # the CPU's default: measured to lose there

@@ -476,7 +476,10 @@ def test_the_key_holds_each_release_that_changes_a_vector_and_not_torchs_patch(
     def key_with(**releases: str) -> str:
         table = {**installed, **{name.replace("_", "-"): v for name, v in releases.items()}}
         monkeypatch.setattr(importlib.metadata, "version", lambda name: table.get(name) or real(name))
+        vector_cache._library_versions.cache_clear()  # read once a process: this test changes them
         return producer_key(producer(BUNDLED_MODEL, "files:x", EncodeOptions()))
+
+    from chunkq.jobs.compute import vector_cache
 
     base = key_with(torch="2.13.0+cpu")
     assert key_with(torch="2.13.1+cu130") == base
@@ -485,3 +488,5 @@ def test_the_key_holds_each_release_that_changes_a_vector_and_not_torchs_patch(
         major, minor, patch = installed[name.replace("_", "-")].split("+")[0].split(".")[:3]
         bumped = f"{major}.{minor}.{int(patch.rstrip('abcdefghijklmnopqrstuvwxyz')) + 1}"  # a patch release
         assert key_with(torch="2.13.0", **{name: bumped}) != base, name
+    monkeypatch.undo()
+    vector_cache._library_versions.cache_clear()  # the real releases again, for later tests

@@ -30,7 +30,10 @@ def encode(model: Any, texts: list[str], options: EncodeOptions, on_rows: OnRows
         return with_bad_rows(rows, empty, options, "late-chunking window(s) have no vector")
     if options.role:
         return _encode_with_role(model, texts, options, kwargs, on_rows)
-    return token_batches.encode(model, texts, limit, kwargs, by_tokens=by_tokens, on_rows=on_rows)
+    ahead = token_batches.tokenise_ahead(model)
+    return token_batches.encode(
+        model, texts, limit, kwargs, by_tokens=by_tokens, on_rows=on_rows, ahead=ahead
+    )
 
 
 def _encode_with_role(
