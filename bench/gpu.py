@@ -63,7 +63,9 @@ CONFIGS = {
     "auto": [],  # the defaults: on a GPU, token-budget batches that tune themselves (issue 46.1)
     "recycled": ["--recycle-after", "20"],
     "fixed": ["--batch-tokens", "off"],  # batches of 32 texts: the defaults before issue 46
+    "behind": [],  # the defaults, each chunk tokenised before its forward, not beside it (issue 52.2)
 }
+CONFIG_ENV = {"behind": {"CHUNKQ_TOKENISE_AHEAD": "0"}}  # what a configuration sets beside its options
 
 PLAIN = """
 import json, sys, time
@@ -251,7 +253,14 @@ def ceiling(corpus: Path, model: str, precision: str, device: str) -> dict[str, 
 
 
 def chunkq(
-    work: Path, corpus: Path, model: str, precision: str, extra: list[str], chunk_size: int, gpu: Any
+    work: Path,
+    corpus: Path,
+    model: str,
+    precision: str,
+    extra: list[str],
+    chunk_size: int,
+    gpu: Any,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     store = work / f"store-{time.monotonic_ns()}"
     cmd = [sys.executable, "-m", "chunkq.cli", "--log-level", "WARNING", "run", str(corpus)]
@@ -259,7 +268,9 @@ def chunkq(
     cmd += ["--chunk-size", str(chunk_size), *extra]
     cmd += ["--gpus", str(gpu.index) if gpu is not None else "none"]
     started = time.perf_counter()
-    subprocess.run(cmd, check=True, capture_output=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    subprocess.run(
+        cmd, check=True, capture_output=True, env=dict(os.environ, HF_HUB_OFFLINE="1", **(env or {}))
+    )
     wall = time.perf_counter() - started
     (run_dir,) = (store / "runs").iterdir()
     metas = [json.loads(p.read_text()) for p in (run_dir / "outputs").glob("*.json")]
@@ -376,7 +387,9 @@ def bench_model(
         save()
         print(f"  the forward alone, pre-tokenised, batch {top['batch']}: {top['rows_per_s']:.0f} rows/s")
     for name in args.configs:
-        run = chunkq(work, corpus, model, precision, CONFIGS[name], args.chunk_size, args.gpu)
+        run = chunkq(
+            work, corpus, model, precision, CONFIGS[name], args.chunk_size, args.gpu, CONFIG_ENV.get(name)
+        )
         util = gpu.mean(run["start"], run["end"])
         steady, e2e = base["encode_seconds"] / run["span"], base["wall"] / run["wall"]
         results[name] = {
@@ -418,7 +431,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--rows", type=int, default=None, help="MiniLM corpus (default 20000; 300 on cpu)")
+    parser.add_argument(
+        "--rows", type=int, default=None, help="MiniLM corpus (default 20000; 300 on cpu; 0: skip)"
+    )
     parser.add_argument(
         "--large-rows", type=int, default=None, help="large model corpus (default 8000; 0: skip)"
     )
@@ -439,7 +454,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     cpu = args.device == "cpu"
-    args.rows = args.rows or (300 if cpu else 20_000)
+    args.rows = args.rows if args.rows is not None else (300 if cpu else 20_000)
     args.large_rows = args.large_rows if args.large_rows is not None else (0 if cpu else 8000)
     args.chunk_size = args.chunk_size or (100 if cpu else 1000)
     args.baselines = (not cpu) if args.baselines is None else args.baselines
@@ -469,7 +484,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="chunkq-gpu-bench-") as tmp:
             work = Path(tmp)
             minilm = figures["minilm"]
-            bench_model(work, "all-MiniLM-L6-v2", args.model, "fp32", args.rows, args, gpu, minilm, save)
+            if args.rows:
+                bench_model(work, "all-MiniLM-L6-v2", args.model, "fp32", args.rows, args, gpu, minilm, save)
             if args.large_rows:
                 large = args.large or large_model(work, args.model)
                 figures["large"] = {}

@@ -37,6 +37,7 @@ import psutil
 import setproctitle
 
 from chunkq.jobs.compute import cuda
+from chunkq.jobs.compute.model_reads import no_working_directory_imports
 from chunkq.jobs.compute.runtime import DEVICE_ENV
 from chunkq.jobs.contract import errors
 from chunkq.queue_worker.exit_codes import EXIT_FORKED_NO_CUDA, EXIT_NO_CONTEXT
@@ -276,6 +277,7 @@ def server_main() -> NoReturn:
     # Claim the environment block for process titles now, while it is the one the kernel gave us:
     # after a worker's os.environ is replaced there would be no room left for its title.
     setproctitle.setproctitle(setproctitle.getproctitle())
+    no_working_directory_imports()  # before it loads a model: its workers inherit the path
     sock = socket.socket(fileno=int(os.environ.pop(SOCKET_FD_ENV)))
     # The pool decides when workers stop, and this server goes when the pool hangs up or dies. A
     # batch system signals every process of its job: had this server died of Slurm's SIGTERM, its

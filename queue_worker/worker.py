@@ -28,6 +28,7 @@ from rq.serializers import JSONSerializer
 from chunkq.jobs import kinds
 from chunkq.jobs.compute import cuda, faults, models, runtime
 from chunkq.jobs.compute.model_info import describe
+from chunkq.jobs.compute.model_reads import no_working_directory_imports
 from chunkq.jobs.contract.allowlist import AllowListedJob
 from chunkq.jobs.contract.errors import ConfigError
 from chunkq.jobs.contract.nopickle import forbid_pickle
@@ -192,6 +193,7 @@ class OneLineHandler(logging.StreamHandler):  # type: ignore[type-arg]
 def main(argv: list[str] | None = None) -> int:
     early_stop = _EarlyStop()
     guard_process()  # its Redis URL is in its environment: never in a line it writes
+    no_working_directory_imports()  # a model's code imports nothing from where the pool was started
     forbid_pickle()
     args = _parse(argv)
     name = args.name or f"cq-{socket.gethostname()}-{os.getpid()}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from chunkq.jobs.compute.model_identity import model_identity
 from chunkq.jobs.contract.errors import ConfigError
 from chunkq.queue_worker.exit_codes import EXIT_CONFIG
 from tests.helpers import make_texts, max_abs_diff, result_of, run_cli, write_corpus
-from tests.tiny_models import bundled_copy
+from tests.tiny_models import bundled_copy, perturb_weights
 
 
 def _dot_named_pooling(folder: Path) -> Path:
@@ -108,7 +109,9 @@ def test_a_path_a_config_names_outside_the_folder_is_refused_whatever_its_key(tm
     original = config.read_text()
     for value in (str(outside), "../elsewhere.json", "~/" + os.path.relpath(outside, Path.home())):
         _edit_json(config, some_file_a_future_release_reads=value)
-        with pytest.raises(ConfigError, match=r"some_file_a_future_release_reads names .* outside the"):
+        with pytest.raises(
+            ConfigError, match=r"some_file_a_future_release_reads names .* not among the model"
+        ):
             model_identity(str(model))
         config.write_text(original)
     # A path that does not exist here cannot be read here (older tokenizer configs carry their
@@ -156,7 +159,7 @@ def test_code_the_folder_does_not_hold_is_refused_or_named_with_its_release(tmp_
                 model_identity(str(model))
         else:
             named = model_identity(str(model))
-            assert named is not None and named.endswith(f"+numpy=={version('numpy')}")
+            assert named is not None and f"+numpy=={version('numpy')}:" in named  # and its code's sha256
     modules[1] = {**modules[1], "type": "sentence_transformers.models.Pooling", "path": ".git/pooling"}
     modules_file.write_text(json.dumps(modules))
     with pytest.raises(ConfigError, match="under version control's records"):
@@ -197,7 +200,8 @@ def test_a_hub_snapshot_edited_in_place_is_identified_by_its_bytes_not_its_commi
     # Read once at import: a process that imported the hub library before this test keeps its value.
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     snapshot = _hub_cache(tmp_path / "hub", Path(resolve_model(BUNDLED_MODEL)), commit)
-    assert model_identity("chunkq-test/mini") == f"hub:chunkq-test/mini@{commit}"
+    whole = model_identity("chunkq-test/mini")
+    assert whole is not None and whole.startswith(f"hub:chunkq-test/mini@{commit}:")
     pooling = snapshot / "1_Pooling" / "config.json"
     _edit_json(pooling, pooling_mode_mean_tokens=False, pooling_mode_cls_token=True)  # through the link
     through = model_identity("chunkq-test/mini")
@@ -215,3 +219,170 @@ def test_a_hub_snapshot_edited_in_place_is_identified_by_its_bytes_not_its_commi
     finally:
         os.close(fd)
     assert model_identity("chunkq-test/mini") not in (over, None)
+
+
+def _shards(folder: Path, where: str) -> None:
+    """The weights moved to ``where`` (relative to ``folder``, or absolute) and named there by a
+    sharded checkpoint's index, as transformers reads it (its ``weight_map``)."""
+    from safetensors.torch import load_file
+
+    names = list(load_file(folder / "model.safetensors"))
+    target = Path(where) if os.path.isabs(where) else folder / where
+    target.parent.mkdir(parents=True, exist_ok=True)
+    (folder / "model.safetensors").rename(target)
+    index = {"metadata": {}, "weight_map": {name: where for name in names}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def test_what_a_config_names_must_be_a_file_the_identity_hashed_however_it_is_written(tmp_path: Path) -> None:
+    """The hostile pass of issue 51: each of these changed vectors while the identity stayed."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    refused = {
+        "under .git": ".git/model.safetensors",
+        "a newline in its folder's name": str(tmp_path / "new\nline" / "model.safetensors"),
+        "looks like a URL": "x://../../outside/model.safetensors",
+        "through a link, then ..": "lnk/../model.safetensors",
+    }
+    for case, where in refused.items():
+        model = bundled_copy(tmp_path / case.replace(" ", "-"))
+        (model / "x:").mkdir()
+        (outside / "deep").mkdir(exist_ok=True)
+        if "lnk" in where:
+            (model / "lnk").symlink_to(outside / "deep")  # hashed: outside/deep, not what its .. reaches
+            _shards(model, str(outside / "model.safetensors"))  # where lnk/.. lands
+            index = json.loads((model / "model.safetensors.index.json").read_text())
+            index["weight_map"] = dict.fromkeys(index["weight_map"], where)
+            (model / "model.safetensors.index.json").write_text(json.dumps(index))
+        elif "URL" in case:
+            _shards(model, str(outside / "model.safetensors"))  # where x:/../.. lands
+            index = json.loads((model / "model.safetensors.index.json").read_text())
+            index["weight_map"] = dict.fromkeys(index["weight_map"], where)
+            (model / "model.safetensors.index.json").write_text(json.dumps(index))
+        else:
+            _shards(model, where)
+        with pytest.raises(ConfigError, match="not among the model's files"):
+            model_identity(str(model))
+    padded = bundled_copy(tmp_path / "padded")
+    _shards(padded, str(outside / "padded.safetensors"))
+    index = padded / "model.safetensors.index.json"
+    index.write_text(index.read_text()[:-1] + " " * (17 << 20) + "}")  # was skipped past 16 MiB
+    with pytest.raises(ConfigError, match="not among the model's files"):
+        model_identity(str(padded))
+
+
+def test_a_name_resolved_from_the_working_directory_or_the_hub_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = bundled_copy(tmp_path / "model")
+    config = model / "sentence_bert_config.json"
+    original = config.read_text()
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tokrel_tok").mkdir()
+    (tmp_path / "tokrel_tok" / "tokenizer.json").write_text("{}")
+    _edit_json(config, tokenizer_name_or_path="tokrel_tok")  # transformers resolves it from the cwd
+    with pytest.raises(ConfigError, match="tokenizer_name_or_path names 'tokrel_tok', which is not among"):
+        model_identity(str(model))
+    config.write_text(original)
+    _edit_json(config, tokenizer_name_or_path="acme/tok")
+    with pytest.raises(ConfigError, match="names 'acme/tok', another model by its hub name"):
+        model_identity(str(model))
+    config.write_text(original)
+    (tmp_path / "notes").mkdir()
+    _edit_json(config, note="notes", mark="~")
+    (model / "deep.json").write_text("[" * 3000 + "]" * 3000)  # past json's recursion: a crash before
+    assert model_identity(str(model)) is not None  # a value that is not a path key, "~", deep JSON
+
+
+def test_a_link_to_one_of_two_checkpoints_is_hashed_as_what_it_points_at(tmp_path: Path) -> None:
+    """Each real folder was read once: a link to either of two checkpoints gave one identity."""
+    model = bundled_copy(tmp_path / "model")
+    shutil.copytree(model, tmp_path / "ckpt-b")
+    perturb_weights(tmp_path / "ckpt-b")
+    (model / "ckpt-b").symlink_to(tmp_path / "ckpt-b")
+    (model / "current").symlink_to(model)  # a link back up: skipped, or the walk never ends
+    first = model_identity(str(model))
+    (model / "ckpt-a").symlink_to(tmp_path / "ckpt-b")
+    assert model_identity(str(model)) not in (first, None)
+
+
+def test_two_files_never_hash_as_one_split_otherwise(tmp_path: Path) -> None:
+    """Name and bytes joined by zero bytes: one file's bytes could be cut into a file and a name."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    (a / "one").write_bytes(b"x\0two\0y")
+    (b / "one").write_bytes(b"x")
+    (b / "two").write_bytes(b"y")
+    from chunkq.jobs.compute.model_identity import _digest, model_files
+
+    assert _digest(model_files(a)) != _digest(model_files(b))
+
+
+def test_an_editable_packages_code_is_in_the_identity_and_the_working_directory_is_not_imported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    from chunkq.jobs.compute import model_reads
+
+    site = tmp_path / "site"
+    (site / "stplug").mkdir(parents=True)
+    (site / "stplug" / "__init__.py").write_text("SHIFT = 1\n")
+    dist = site / "stplug-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: stplug\nVersion: 1.0\n")
+    (dist / "top_level.txt").write_text("stplug\n")
+    monkeypatch.syspath_prepend(str(site))
+    import importlib.metadata
+
+    importlib.invalidate_caches()
+    monkeypatch.setattr(importlib.metadata, "packages_distributions", lambda: {"stplug": ["stplug"]})
+    before = model_reads._code_of("stplug", __import__("importlib.util").util.find_spec("stplug"))
+    (site / "stplug" / "__init__.py").write_text("SHIFT = 2\n")  # edited in place, same release
+    after = model_reads._code_of("stplug", __import__("importlib.util").util.find_spec("stplug"))
+    assert before.startswith("stplug==1.0:") and after.startswith("stplug==1.0:") and before != after
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", ["", str(tmp_path), *sys.path])
+    model_reads.no_working_directory_imports()
+    assert "" not in sys.path and str(tmp_path) not in sys.path
+
+
+def test_a_hub_snapshot_completed_later_or_relinked_under_one_commit_is_another_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The commit alone: a download with --include, completed later, or a link moved to another blob
+    of the same repository, kept the commit and changed the vectors."""
+    import huggingface_hub.constants
+
+    from chunkq.jobs.compute.models import BUNDLED_MODEL, resolve_model
+
+    commit = "fedcba9876543210fedcba9876543210fedcba98"
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    snapshot = _hub_cache(tmp_path / "hub", Path(resolve_model(BUNDLED_MODEL)), commit)
+    whole = model_identity("chunkq-test/mini")
+    pooling = snapshot / "1_Pooling" / "config.json"
+    target = os.readlink(pooling)
+    pooling.unlink()  # as `hf download --include` leaves it, before the rest comes
+    partial = model_identity("chunkq-test/mini")
+    pooling.symlink_to(target)
+    assert model_identity("chunkq-test/mini") == whole != partial
+    other = next(p for p in (tmp_path / "hub").rglob("blobs/*") if len(p.name) == 40 and p.name not in target)
+    modules = snapshot / "modules.json"
+    modules.unlink()
+    modules.symlink_to(os.path.relpath(other, modules.parent))  # another blob, named by its own hash
+    assert model_identity("chunkq-test/mini") not in (whole, partial, None)
+
+
+def test_sentence_transformers_own_cache_is_the_one_identified(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With SENTENCE_TRANSFORMERS_HOME set, sentence-transformers loads hub models from it; the
+    identity read the hub's default cache instead."""
+    from chunkq.jobs.compute.models import BUNDLED_MODEL, resolve_model
+
+    commit = "0011223344556677889900112233445566778899"
+    _hub_cache(tmp_path / "st-home", Path(resolve_model(BUNDLED_MODEL)), commit)
+    monkeypatch.setenv("SENTENCE_TRANSFORMERS_HOME", str(tmp_path / "st-home"))
+    found = model_identity("chunkq-test/mini")
+    assert found is not None and found.startswith(f"hub:chunkq-test/mini@{commit}:")

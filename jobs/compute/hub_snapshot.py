@@ -47,3 +47,11 @@ def _blob_hash(path: Path, length: int) -> str | None:
         while block := fh.read(1 << 20):
             digest.update(block)
     return digest.hexdigest()
+
+
+def listing(snapshot: Path, files: list[tuple[str, Path]]) -> str:
+    """A digest of which blob each file of the snapshot is (its name, its blob's name)."""
+    digest = hashlib.sha256()
+    for name, path in files:
+        digest.update(f"{name}\0{os.path.basename(os.path.realpath(path))}\n".encode())
+    return digest.hexdigest()

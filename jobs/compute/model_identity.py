@@ -46,6 +46,12 @@ class Identity:
     stamp: FolderStamp
 
 
+def hub_cache() -> str | None:
+    """The cache sentence-transformers loads hub models from: its own where SENTENCE_TRANSFORMERS_HOME
+    says (issue 51, hostile pass: the identity read another cache's commit), else the hub's."""
+    return os.environ.get("SENTENCE_TRANSFORMERS_HOME") or None
+
+
 def model_folder(ref: str, revision: str | None = None) -> tuple[Path | None, str | None]:
     """The model's files on this host and, for the Hugging Face cache, the snapshot's commit."""
     path = resolve_model(ref)
@@ -54,24 +60,28 @@ def model_folder(ref: str, revision: str | None = None) -> tuple[Path | None, st
     try:
         from huggingface_hub import snapshot_download
 
-        snapshot = Path(snapshot_download(path, revision=revision, local_files_only=True))
+        snapshot = snapshot_download(path, revision=revision, local_files_only=True, cache_dir=hub_cache())
     except Exception:
         return None, None
-    return snapshot, snapshot.name
+    return Path(snapshot), Path(snapshot).name
 
 
 def model_files(folder: Path) -> list[tuple[str, Path]]:
     """Every file a load may read, by name relative to ``folder``, sorted; linked folders followed
-    (each real folder once, so a link back up cannot loop); ``.git`` folders left out."""
+    under every name that reaches them (a link that points at one of two checkpoints is hashed as
+    what it points at now), a link back up to a folder above it skipped (it would never end);
+    ``.git`` folders left out."""
     found: list[tuple[str, Path]] = []
-    seen: set[str] = set()
+    above: dict[str, set[str]] = {str(folder): {os.path.realpath(folder)}}
     for top, dirs, files in os.walk(folder, followlinks=True):
-        real = os.path.realpath(top)
-        if real in seen:
-            dirs[:] = []
-            continue
-        seen.add(real)
-        dirs[:] = sorted(d for d in dirs if d not in model_reads.UNREAD_FOLDERS)
+        chain = above.get(top, {os.path.realpath(top)})
+        kept = []
+        for name in sorted(d for d in dirs if d not in model_reads.UNREAD_FOLDERS):
+            real = os.path.realpath(os.path.join(top, name))
+            if real not in chain:
+                above[os.path.join(top, name)] = chain | {real}
+                kept.append(name)
+        dirs[:] = kept
         for name in files:
             path = Path(top) / name
             if path.is_file():
@@ -91,14 +101,20 @@ def folder_stamp(folder: Path, files: list[tuple[str, Path]]) -> FolderStamp:
 _DIGESTS: dict[FolderStamp, str] = {}  # a folder's identity, for as long as its stamp holds
 
 
+def _field(data: bytes) -> bytes:
+    """A field as the digest takes it: its length, then its bytes (a name and a file's bytes can
+    then never be read as another split of the same stream)."""
+    return len(data).to_bytes(8, "little") + data
+
+
 def _digest(files: list[tuple[str, Path]]) -> str:
     digest = hashlib.sha256()
     for name, path in files:
-        digest.update(name.encode("utf-8", "surrogateescape") + b"\0")
+        digest.update(_field(name.encode("utf-8", "surrogateescape")))
+        digest.update(path.stat().st_size.to_bytes(8, "little"))
         with path.open("rb") as fh:
             while block := fh.read(1 << 20):
                 digest.update(block)
-        digest.update(b"\0")
     return f"files:{digest.hexdigest()}"
 
 
@@ -114,7 +130,9 @@ def identify(ref: str, revision: str | None = None) -> Identity | None:
     if stamp not in _DIGESTS:
         code = model_reads.check(ref, folder, files)  # before the bytes: a refusal costs no hashing
         if commit and hub_snapshot.intact(folder, files):
-            value = f"hub:{resolve_model(ref)}@{commit}"
+            # The commit, and which blob each file of the snapshot is: a download completed later
+            # under the same commit, or a link moved to another blob, is another listing.
+            value = f"hub:{resolve_model(ref)}@{commit}:{hub_snapshot.listing(folder, files)[:16]}"
         else:
             if commit:
                 log.warning(

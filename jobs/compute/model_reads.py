@@ -1,29 +1,40 @@
-"""What a model's load reads beyond its folder's files, decided before the run (issue 51.1).
+"""What a model's load reads beyond the files its identity hashed, decided before the run (issue 51.1).
 
-The identity (``model_identity``) hashes every file in the model's folder. A load can also read
-what the folder's files *name*: ``modules.json`` names each module's folder and class, a config can
-name a file by path, ``auto_map`` and a module's ``type`` can name code in another repository or
-in an installed package. Whatever is named is checked here, whatever its key is called:
+The identity (``model_identity``) hashes every file in the model's folder (links followed). A load
+can also read what the folder's files *name*: ``modules.json`` names each module's folder and
+class, a config can name a file by path (``weight_map`` of a sharded checkpoint,
+``tokenizer_name_or_path``, ...) or another model by hub id, ``auto_map`` and a module's ``type``
+name code. Everything a JSON file of the folder names is checked here, whatever its key is called:
 
-- a path that leaves the folder (absolute, ``~``, or ``..`` past the top) and exists on this host
-  is refused: the identity cannot cover a file any process on the host may change. A path that does
+- a path, resolved as the kernel resolves it (links followed, then ``..``), from the file's own
+  folder, the model's, or, for a key that names a path, the working directory the load runs in:
+  where it exists on this host it must be a file (or folder) the identity hashed, else the model is
+  refused (a file under ``.git``, outside the folder, reached through ``lnk/..``, a folder named
+  ``x:`` that makes a value look like a URL: each seen to change vectors unseen). A path that does
   not exist here cannot be read here (old tokenizer configs carry their author's paths); every
-  worker runs this same check on its own host before it loads;
-- a module folder under ``.git`` (which the identity leaves out) or outside the folder is refused;
+  worker runs the same check on its own host, in its own working directory, before it loads;
+- another model named by hub id (``org/name``) under a key a loader reads, or present in this host's
+  hub cache: refused, its files are not this folder's;
 - code from another hub repository (``repo--module.Class``) is refused: it is not in this folder;
-- a module class from an installed package other than sentence-transformers is named with that
-  package's release, which becomes part of the identity.
+- a class (``modules.json``'s types, a router's, any dotted name a config holds) imported from an
+  installed package other than sentence-transformers, transformers or torch is named by the
+  package's release and the sha256 of its source files (an editable install changes code in place).
 
 Two keys are exempt: ``_name_or_path`` and ``name_or_path``, which transformers overwrites with the
-path it loads from and never opens (``tests/test_wrong_results.py`` loads a model whose keys name
-another model and checks the vectors). ``tokenizer.json`` is not searched for paths: the tokenizers
-library reads that one file, and its vocabulary is tokens ("/", "~") that only look like paths.
+path it loads from and never opens (``tests/test_model_reads.py`` loads a model whose keys name
+another model and checks the vectors). ``tokenizer.json`` is not searched: the tokenizers library
+reads that one file, and its vocabulary is tokens ("/", "~", "x/y") that only look like paths.
+What the identity cannot see, the docs say (docs/cache.md): code the model brings
+(``--trust-remote-code``) can read anything, and the copy transformers runs it from.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,95 +44,148 @@ from chunkq.jobs.contract.errors import ConfigError
 UNREAD_FOLDERS = frozenset({".git"})  # no load opens them; `git status` rewrites .git/index
 LOADER_SET_KEYS = frozenset({"_name_or_path", "name_or_path"})  # set from the load path, never opened
 TOKEN_DATA = frozenset({"tokenizer.json"})  # one self-contained file: tokens, not paths
-CONFIG_BYTES = 16 << 20  # a JSON file larger than this is data (a vocabulary), not a config
-OWN_CODE = ("sentence_transformers.", "torch.")  # their releases are in the vector cache's key
+LIBRARY_CODE = ("sentence_transformers", "transformers", "torch")  # their releases are in the cache key
+# A key under which loaders read a path or a model by name, whatever file it is in.
+_PATH_KEY = re.compile(r"(?i)(path|file|dir|folder|model|tokenizer|repo)")
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9]")
+_CLASS = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+")
+
+
+class _Covered:
+    """The real paths the identity hashed: its files, and every folder they are in."""
+
+    def __init__(self, folder: Path, files: list[tuple[str, Path]]) -> None:
+        self.folder = folder
+        self.files = {os.path.realpath(path) for _, path in files}
+        self.dirs = {os.path.realpath(folder)}
+        for name, _ in files:
+            parts = Path(name).parts[:-1]
+            for depth in range(1, len(parts) + 1):
+                self.dirs.add(os.path.realpath(folder.joinpath(*parts[:depth])))
+
+    def holds(self, path: str) -> bool:
+        """Whether a load that opens ``path`` reads only what was hashed: the file itself, or every
+        file below the folder (an empty folder holds nothing to read)."""
+        real = os.path.realpath(path)
+        if not os.path.isdir(real):
+            return real in self.files
+        if real in self.dirs:
+            return True
+        seen: set[str] = set()
+        for top, dirs, files in os.walk(real, followlinks=True):
+            if os.path.realpath(top) in seen:  # a link back up: read once
+                dirs[:] = []
+                continue
+            seen.add(os.path.realpath(top))
+            dirs[:] = [d for d in dirs if d not in UNREAD_FOLDERS]
+            if any(os.path.realpath(os.path.join(top, f)) not in self.files for f in files):
+                return False
+        return True
 
 
 def check(ref: str, folder: Path, files: list[tuple[str, Path]]) -> list[str]:
     """Refuse (ConfigError, one line) what the identity of ``folder`` could not cover; return the
-    releases of installed packages whose module classes the load uses ("name==release"), sorted."""
-    root = os.path.realpath(folder)
+    code of installed packages the load uses ("name==release:sha256"), sorted."""
+    covered = _Covered(folder, files)
     code: set[str] = set()
     for name, path in files:
         if not name.endswith(".json") or Path(name).name in TOKEN_DATA:
             continue
-        if path.stat().st_size > CONFIG_BYTES:
-            continue
         try:
             data = json.loads(path.read_bytes())
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             continue  # not a config a load could parse either: the load says so itself
         for keys, value in _strings(data):
-            _check_value(ref, name, keys, value, folder, root)
+            if keys and keys[-1] in LOADER_SET_KEYS:
+                continue
+            where = f"model {ref}: {name} {'.'.join(keys) or 'value'}"
+            _check_code(where, value, keys)
+            _check_path(where, value, keys, path.parent, covered)
+            found = _package_code(value, folder) if _CLASS.fullmatch(value) else None
+            if found is not None:
+                code.add(found)
         if name == "modules.json" and isinstance(data, list):
-            code |= _modules(ref, folder, data)
+            _check_modules(ref, data)
     return sorted(code)
 
 
 def _strings(data: Any, keys: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], str]]:
-    """Every string in a JSON value with the keys that lead to it (list positions as "[i]")."""
-    if isinstance(data, str):
-        yield keys, data
-    elif isinstance(data, dict):
-        for key, value in data.items():
-            yield from _strings(value, (*keys, str(key)))
-    elif isinstance(data, list):
-        for i, value in enumerate(data):
-            yield from _strings(value, (*keys, f"[{i}]"))
+    """Every string in a JSON value with the keys that lead to it (list positions as "[i]"); a
+    walk of its own, not recursion, so a config nested thousands deep is read too."""
+    stack: list[tuple[tuple[str, ...], Any]] = [(keys, data)]
+    while stack:
+        at, value = stack.pop()
+        if isinstance(value, str):
+            yield at, value
+        elif isinstance(value, dict):
+            stack.extend(((*at, str(k)), v) for k, v in reversed(value.items()))
+        elif isinstance(value, list):
+            stack.extend(((*at, f"[{i}]"), v) for i, v in reversed(list(enumerate(value))))
 
 
-def _as_path(value: str) -> str | None:
-    """``value`` as the path a load would open, or None where it cannot name one."""
-    if not value or len(value) > 4096 or "\n" in value or "\0" in value or "://" in value:
-        return None
-    return os.path.expanduser(value)
+def _candidates(value: str, keys: tuple[str, ...], base: Path, folder: Path) -> list[str]:
+    """Where a load could open ``value``: as given (absolute, ``~/``), from the config's folder, the
+    model's, and, under a key that names a path, the working directory."""
+    if not value or len(value) > 4096 or "\0" in value:
+        return []
+    named = os.path.expanduser(value) if value.startswith("~/") else value
+    if os.path.isabs(named):
+        return [named]
+    found = [os.path.join(base, named), os.path.join(folder, named)]
+    if keys and _PATH_KEY.search(keys[-1]):
+        found.append(os.path.abspath(named))
+    return found
 
 
-def _exists(path: str) -> bool:
+def _check_path(where: str, value: str, keys: tuple[str, ...], base: Path, covered: _Covered) -> None:
+    for candidate in _candidates(value, keys, base, covered.folder):
+        try:
+            exists = os.path.exists(candidate) and os.path.realpath(candidate) != os.sep
+        except (OSError, ValueError):
+            continue
+        if exists and not covered.holds(candidate):
+            raise ConfigError(
+                f"{where} names {value!r}, which is not among the model's files as chunkq identifies "
+                "them (outside its folder, under .git, or reached through a link and '..'); a load "
+                "must read nothing else: copy it into the folder and name it by a plain relative path"
+            )
+    if keys and _PATH_KEY.search(keys[-1]) and _HUB_ID.fullmatch(value) and not os.path.exists(value):
+        raise ConfigError(
+            f"{where} names {value!r}, another model by its hub name, whose files are not this "
+            "folder's; copy what it names into the folder and name it by a relative path"
+        )
+    if _HUB_ID.fullmatch(value) and _in_hub_cache(value):
+        raise ConfigError(f"{where} names {value!r}, a model in this host's hub cache, not this folder")
+
+
+def _in_hub_cache(repo: str) -> bool:
+    from chunkq.jobs.compute.model_identity import hub_cache
+
     try:
-        return os.path.exists(path) and os.path.realpath(path) != os.path.realpath(os.sep)
-    except (OSError, ValueError):
+        from huggingface_hub import constants
+    except ImportError:
         return False
+    folder = f"models--{repo.replace('/', '--')}"
+    caches = {hub_cache() or constants.HF_HUB_CACHE, constants.HF_HUB_CACHE}
+    return any(os.path.isdir(os.path.join(cache, folder)) for cache in caches if cache)
 
 
-def _inside(path: str, folder: Path, root: str) -> bool:
-    """Whether ``path`` is in the folder: below it as named, or where the folder really is (a link
-    inside the folder is followed by the identity, so what it points at is covered)."""
-    named, real = os.path.normpath(path), os.path.realpath(path)
-    top = os.path.normpath(folder)
-    return any(p == t or p.startswith(t + os.sep) for p, t in ((named, top), (real, root)))
-
-
-def _check_value(ref: str, name: str, keys: tuple[str, ...], value: str, folder: Path, root: str) -> None:
-    where = f"model {ref}: {name} {'.'.join(keys) or 'value'}"
-    if keys and keys[-1] in LOADER_SET_KEYS:
-        return
-    if "auto_map" in keys and "--" in value:
+def _check_code(where: str, value: str, keys: tuple[str, ...]) -> None:
+    if "--" in value and ("auto_map" in keys or (keys and keys[-1] in ("type", "class", "module_type"))):
         raise ConfigError(
             f"{where} takes code from another repository ({value!r}); chunkq identifies a model by "
             "its folder's bytes: put that code in the folder and name it without the repository"
         )
-    named = _as_path(value)
-    if named is None or not (os.path.isabs(named) or ".." in Path(named).parts):
-        return
-    full = named if os.path.isabs(named) else os.path.join(folder, os.path.dirname(name), named)
-    if _exists(full) and not _inside(full, folder, root):
-        raise ConfigError(
-            f"{where} names {value!r}, outside the model's folder; chunkq identifies a model by the "
-            "bytes in its folder, so a load must read nothing outside it: copy what it names into "
-            "the folder and name it by a relative path"
-        )
 
 
-def _modules(ref: str, folder: Path, modules: list[Any]) -> set[str]:
-    """Check each module's folder and class; the releases of installed packages whose classes load."""
-    code: set[str] = set()
+def _check_modules(ref: str, modules: list[Any]) -> None:
+    """Each module's folder: relative and not under .git (a linked one is read where it points)."""
     for module in modules:
         if not isinstance(module, dict):
             continue
-        path, kind = str(module.get("path", "")), str(module.get("type", ""))
+        path = str(module.get("path", ""))
         parts = Path(path).parts
-        if os.path.isabs(path) or ".." in parts:  # a linked module folder is read where it points
+        if os.path.isabs(path) or ".." in parts:
             raise ConfigError(
                 f"model {ref}: modules.json puts module {module.get('name')!r} at {path!r}; a "
                 "module's path must be relative, a folder inside the model's folder"
@@ -131,34 +195,59 @@ def _modules(ref: str, folder: Path, modules: list[Any]) -> set[str]:
                 f"model {ref}: modules.json puts module {module.get('name')!r} at {path!r}, under "
                 "version control's records, which chunkq does not read as the model; move it"
             )
-        if "--" in kind:
-            raise ConfigError(
-                f"model {ref}: modules.json loads module {module.get('name')!r} from another "
-                f"repository ({kind!r}); put its code in the model's folder"
-            )
-        release = _package_release(kind, folder)
-        if release is not None:
-            code.add(release)
-    return code
 
 
-def _package_release(class_path: str, folder: Path) -> str | None:
-    """ "name==release" of the installed package a module class is imported from; None for
-    sentence-transformers' own classes and for code in the model's folder (hashed with it)."""
-    from importlib.metadata import PackageNotFoundError, packages_distributions, version
+_PACKAGES: dict[str, str | None] = {}  # a top-level package's identity, once a process
+
+
+def _package_code(class_path: str, folder: Path) -> str | None:
+    """ "name==release:sha256" of the installed package a class path is imported from; None for the
+    libraries in the cache key, for code in the model's folder (hashed with it), and for what no
+    installed module provides (the load takes it from the folder's files, or fails)."""
     from importlib.util import find_spec
 
     top = class_path.split(".", 1)[0]
-    if not top or class_path.startswith(OWN_CODE):
+    if top in LIBRARY_CODE or top in sys.stdlib_module_names:
         return None
-    if find_spec(top) is None:
-        return None  # not installed: the load takes it from the folder's own files, or fails
+    if top not in _PACKAGES:
+        try:
+            spec = find_spec(top)
+        except (ImportError, ValueError):
+            spec = None
+        _PACKAGES[top] = (
+            None if spec is None or spec.origin in (None, "built-in", "frozen") else _code_of(top, spec)
+        )
+    return _PACKAGES[top]
+
+
+def _code_of(top: str, spec: Any) -> str:
+    """A package's release and the sha256 of its source files (names and bytes): an editable
+    install's edits change it though its release does not."""
+    from importlib.metadata import PackageNotFoundError, packages_distributions, version
+
     names = packages_distributions().get(top) or [top]
     try:
-        return f"{names[0]}=={version(names[0])}"
+        release = version(names[0])
     except PackageNotFoundError:
-        origin = getattr(find_spec(top), "origin", None) or top
         raise ConfigError(
-            f"module class {class_path} is imported from {origin}, which no installed package "
+            f"module class code {top!r} is imported from {spec.origin}, which no installed package "
             "owns, so chunkq cannot say which code made a vector; install it as a package"
         ) from None
+    roots = list(spec.submodule_search_locations or [os.path.dirname(str(spec.origin))])
+    digest = hashlib.sha256()
+    sources = [str(spec.origin)] if not spec.submodule_search_locations else []
+    for root in roots:
+        sources += [str(p) for p in Path(root).rglob("*.py")]
+    for source in sorted(sources):
+        data = Path(source).read_bytes()
+        digest.update(f"{source}\0{len(data)}\0".encode() + data)
+    return f"{names[0]}=={release}:{digest.hexdigest()[:16]}"
+
+
+def no_working_directory_imports() -> None:
+    """Take the working directory off this process's import path (``python -m`` puts it first): a
+    model's code must not import a file that happens to lie where the worker was started (hostile
+    pass: ``./cwdhelper.py`` changed a trust-remote-code model's vectors unseen). For worker
+    processes only: a user's own process keeps its path as it set it."""
+    here = os.getcwd()
+    sys.path[:] = [entry for entry in sys.path if entry not in ("", ".", here)]
