@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-gpu lint clean system-tools
+.PHONY: demo test test-fast test-gpu gpu-check gpu-carry lint clean system-tools
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,16 @@ test-fast: $(STAMP)
 # requirements and pytest, pytest-timeout must be importable there; the tree is put on the path.
 test-gpu:
 	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" python3 -m pytest -m gpu tests/gpu
+
+# The one GPU check that fits a device lease (docs/development.md): the GPU tier, then bench/gpu.py,
+# within 8 minutes, its summary in gpu-check/gpu-check.md. On the GPU host, with its own python and
+# CUDA torch; what `make gpu-carry` packed here (wheels, the model) is installed there first.
+GPU_CARRY ?= gpu-carry
+gpu-check:
+	python3 bench/gpu_check.py --out gpu-check $(if $(wildcard $(GPU_CARRY)/wheels),--carried $(GPU_CARRY))
+
+gpu-carry: $(STAMP)
+	$(BIN)/python bench/gpu_carry.py pack $(GPU_CARRY)
 
 clean:
 	rm -rf $(VENV) chunkq-store

@@ -1,6 +1,6 @@
 """The one GPU check that fits a lease (issue 52.3): ``make gpu-check``.
 
-    python bench/gpu_check.py [--out DIR] [--device cuda|cpu] [--budget 480]
+    python bench/gpu_check.py [--out DIR] [--device cuda|cpu] [--budget 480] [--carried DIR]
 
 On a GPU host (no network; chunkq's other requirements carried as wheels: docs/development.md),
 within ``--budget`` seconds (8 minutes by default), each step bounded by its share:
@@ -12,6 +12,9 @@ within ``--budget`` seconds (8 minutes by default), each step bounded by its sha
 3. the large model (bge-large's shape, fp16) at 4,000 rows: plain, tuned, ceiling, the defaults.
 It writes ``DIR/gpu-check.json`` (every figure) and ``DIR/gpu-check.md`` (the summary that goes into
 BENCHMARKS.md as it is), after every step, so a lease cut short keeps what was measured.
+
+``--carried DIR``: what ``bench/gpu_carry.py pack`` put in DIR (the wheels the host lacks, the model's
+folder) is installed there first and used throughout (``--model``, ``CHUNKQ_GPU_TEST_MODEL``).
 
 ``--device cpu`` runs the same steps on the CPU with small sizes (the tier then skips itself): what
 ``tests/test_gpu_check.py`` runs, so the command cannot rot between leases.
@@ -163,7 +166,15 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("gpu-check"))
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--budget", type=float, default=BUDGET_SECONDS, help="seconds for all steps")
+    parser.add_argument("--carried", type=Path, default=None, help="a folder gpu_carry.py packed")
     args = parser.parse_args()
+    if args.carried is not None:
+        sys.path.insert(0, str(ROOT / "bench"))
+        from gpu_carry import unpack
+
+        for name, value in unpack(args.carried).items():
+            joined = [value, os.environ.get(name, "")] if name == "PYTHONPATH" else [value]
+            os.environ[name] = os.pathsep.join(filter(None, joined))
     args.out.mkdir(parents=True, exist_ok=True)
     sizes = SIZES[args.device]
     started, deadline = time.monotonic(), time.monotonic() + args.budget
@@ -183,6 +194,8 @@ def main() -> None:
         (args.out / "gpu-check.md").write_text(markdown(result))
 
     common = ["--device", args.device, "--repeats", str(sizes["repeats"])]
+    if os.environ.get("CHUNKQ_GPU_TEST_MODEL"):  # the bundled model's package is not on the host
+        common += ["--model", os.environ["CHUNKQ_GPU_TEST_MODEL"]]
     result["tier"] = gpu_tier(args.out, left(SHARES["tier"]))
     save()
     minilm = ["--rows", str(sizes["rows"]), "--large-rows", "0", "--configs", sizes["configs"], "--baselines"]

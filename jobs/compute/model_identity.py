@@ -163,10 +163,15 @@ def model_identity(ref: str, revision: str | None = None) -> str | None:
 
 
 def short(identity: str | None) -> str:
-    """An identity as a message shows it: its kind and 12 characters of its hash or commit."""
+    """An identity as a message shows it: its kind and 12 characters of its hash or commit (with a
+    hub snapshot's listing and the module code's digest, where they are part of it)."""
     if identity is None:
         return "unknown (its files were not on the submitting host)"
-    if identity.startswith("files:"):
-        return identity[: len("files:") + 12]
-    name, _, commit = identity.partition("@")
-    return f"{name}@{commit[:12]}"
+    files, *code = identity.split("+")
+    if files.startswith("files:"):
+        shown = files[: len("files:") + 12]
+    else:
+        name, _, rest = files.partition("@")
+        commit, _, listing = rest.partition(":")
+        shown = f"{name}@{commit[:12]}" + (f" (files {listing[:8]})" if listing else "")
+    return shown + "".join(f" + {c.rsplit(':', 1)[0]} (code {c.rsplit(':', 1)[-1][:8]})" for c in code)
