@@ -43,14 +43,15 @@ WHEELS = (
     "six",
     "pytest-timeout",
 )
-HOST_PYTHON, HOST_PLATFORM = "3.12", "manylinux2014_x86_64"
+HOST_PYTHON, HOST_PLATFORMS = "3.12", ("manylinux_2_28_x86_64", "manylinux2014_x86_64")
 
 
 def pack(dest: Path) -> None:
     wheels = dest / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:"]
-    cmd += ["--python-version", HOST_PYTHON, "--platform", HOST_PLATFORM, "-d", str(wheels), *WHEELS]
+    cmd += ["--python-version", HOST_PYTHON, *(f"--platform={p}" for p in HOST_PLATFORMS)]
+    cmd += ["-d", str(wheels), *WHEELS]
     subprocess.run(cmd, check=True)
     _model_fp16(dest / "model")
 
