@@ -249,11 +249,15 @@ def encode_finite(
     return encoded, {"rows": [int(i) for i in bad], "from": precision, "to": DEFAULT_PRECISION}
 
 
-def _job_meta(updates: dict[str, Any]) -> int:
-    """Record who runs the chunk in the RQ job's meta (for the dashboard); return the attempt number."""
+def _job_meta(updates: dict[str, Any], starting: bool = False) -> int:
+    """Record who runs the chunk in the RQ job's meta (for the dashboard); return the attempt number.
+    ``starting``: this attempt begins, and nothing an earlier one said of how it ended stays."""
     job = get_current_job()
     if job is None:
         return 1
+    if starting:
+        for key in jobmeta.ATTEMPT_STATE:
+            job.meta.pop(key, None)
     job.meta.update(updates)
     job.meta.setdefault(jobmeta.ATTEMPT, 1)
     job.save_meta()  # type: ignore[no-untyped-call]
@@ -345,7 +349,8 @@ def _embed(chunk: ChunkSpec) -> dict[str, Any]:
         return {**existing, "skipped": True}
 
     attempt = _job_meta(
-        {jobmeta.WORKER: ctx.name, jobmeta.HOST: ctx.host, jobmeta.DEVICE: ctx.device, jobmeta.GPU: ctx.gpu}
+        {jobmeta.WORKER: ctx.name, jobmeta.HOST: ctx.host, jobmeta.DEVICE: ctx.device, jobmeta.GPU: ctx.gpu},
+        starting=True,
     )
     ids, texts = read_chunk_input(layout, chunk.index)
     if len(texts) != chunk.rows:

@@ -23,7 +23,7 @@ from rq.exceptions import StopRequested
 from rq.worker import SimpleWorker, WorkerStatus
 
 from chunkq.jobs.compute import runtime
-from chunkq.jobs.contract import errors
+from chunkq.jobs.contract import errors, jobmeta
 from chunkq.jobs.contract.events import announce_settled
 from chunkq.jobs.contract.queueing import give_back
 from chunkq.queue_worker.exit_codes import (
@@ -357,6 +357,20 @@ class ChunkWorker(SimpleWorker):
         if self.stopped_before_start():
             self.stop_signalled = True
             self._stop_requested = True
+
+    def handle_job_failure(self, job: Any, queue: Any, *args: Any, **kwargs: Any) -> Any:
+        """An attempt that ended without saying why (the job function never returned: a stop, its
+        pool's death, a second signal) ended because its worker left: abandoned, whatever an
+        earlier attempt said (issue 53.1)."""
+        if jobmeta.ERROR_CLASS not in job.meta:
+            last = (kwargs.get("exc_string") or (args[1] if len(args) > 1 else "") or "").strip()
+            last = last.splitlines()[-1] if last else "no error"
+            jobmeta.failed(
+                job.meta, errors.ABANDONED, f"its worker {self.name} left before the chunk finished ({last})"
+            )
+            with contextlib.suppress(redis.RedisError):
+                job.save_meta()
+        return super().handle_job_failure(job, queue, *args, **kwargs)
 
     def request_stop(self, signum: int, frame: FrameType | None) -> None:
         self.stop_signalled = True

@@ -46,3 +46,98 @@ def test_a_chunk_quarantined_for_a_fixed_cause_is_tried_again_by_the_next_superv
     assert "chunk(s) [0, 1, 2] were quarantined by an earlier supervisor" in done.stderr
     got, got_ids = result_of(RunLayout(store, run_id))
     assert got_ids == ids and max_abs_diff(got, reference_model.encode(texts)) <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cut", ["pool SIGKILL", "worker SIGKILL"])
+def test_a_chunk_cut_off_after_its_quarantine_was_lifted_is_retried_not_quarantined_again(
+    tmp_path: Path, redis_url: str, connection: redis.Redis, reference_model: Any, cut: str
+) -> None:
+    """Issue 53.1, the sequence as it was seen: quarantined (config), new attempts from the next
+    supervisor, then the attempt in hand cut off (the pool killed, or its worker): the chunk was
+    quarantined with the earlier attempt's config error, and the kill was counted as that class. Its
+    fate now follows its latest attempt, each attempt keeps its own record, and the cut is abandoned."""
+    import json
+    import signal
+
+    import psutil
+
+    from chunkq.supervisor.watch.attempts import by_class, failed_attempts
+    from tests.helpers import wait_for, worker_processes
+
+    model = bundled_copy(tmp_path / "model")
+    ids, texts = make_texts(30, seed=53)
+    corpus = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")
+    store = tmp_path / "store"
+    queue = f"cut-{cut.split()[0]}"
+    env = {"CHUNKQ_REDIS_URL": redis_url, "CHUNKQ_STORE": str(store), "CHUNKQ_QUEUE": queue}
+    run_id = run_cli("submit", str(corpus), "--model", str(model), "--chunk-size", "10", **env).stdout.strip()
+    layout = RunLayout(store, run_id)
+    pool = start_cli(tmp_path / "pool.log", "pool", "--gpus", "none", **env)  # not allowed: config
+    try:
+        refused = run_cli("supervise", run_id, "--poll", "0.2", **env, timeout=180)
+    finally:
+        stop_tree(pool)
+    assert refused.returncode == EXIT_CHUNKS_FAILED and "3 chunk(s) quarantined" in refused.stderr
+    slow = json.dumps(
+        [{"kind": "slow", "chunks": [1], "attempts": [2], "seconds": 120}]
+    )  # the new round's first
+    log = tmp_path / "pool2.log"
+    allowed = ("pool", "--gpus", "none", "--allow-model", str(model))
+    pool = start_cli(log, *allowed, **env, CHUNKQ_FAULTS=slow)
+    watcher = start_cli(tmp_path / "supervise.log", "supervise", run_id, "--poll", "0.2", **env)
+    try:
+        wait_for(
+            lambda: "FAULT slow: this chunk takes" in log.read_text(errors="replace"), 180, "chunk 1 held"
+        )
+        if cut == "pool SIGKILL":
+            psutil.Process(pool.pid).send_signal(signal.SIGKILL)  # its worker learns its pool is gone
+        else:
+            (held,) = worker_processes(pool)
+            held.send_signal(signal.SIGKILL)
+        wait_for(lambda: any(a.chunk == 1 and a.error_class == "abandoned" for a in failed_attempts(layout)),
+                 120, "the cut attempt recorded")  # fmt: skip
+        stop_tree(pool)
+        pool = start_cli(tmp_path / "pool3.log", *allowed, **env)
+        assert watcher.wait(timeout=240) == 0, (tmp_path / "supervise.log").read_text()[-3000:]
+    finally:
+        stop_tree(pool)
+        stop_tree(watcher)
+    said = (tmp_path / "supervise.log").read_text()
+    assert "quarantined: config errors are not retried" not in said.split("they get new attempts")[-1]
+    attempts = failed_attempts(layout)
+    mine = sorted((a.attempt, a.error_class) for a in attempts if a.chunk == 1)
+    assert mine == [(1, "config"), (2, "abandoned")], mine  # its own number, its own class
+    assert by_class(attempts) == {"config": 3, "abandoned": 1}
+    status = run_cli("status", run_id, "--json", **env)
+    listed = json.loads(status.stdout)["failed_attempts"]
+    assert sorted(a["error_class"] for a in listed) == ["abandoned", "config", "config", "config"]
+    got, got_ids = result_of(layout)
+    assert got_ids == ids and max_abs_diff(got, reference_model.encode(texts)) <= 1e-5
+
+
+@pytest.mark.slow
+def test_the_model_named_once_in_chunkq_model_is_the_one_a_plain_pool_loads(
+    tmp_path: Path, redis_url: str, reference_model: Any
+) -> None:
+    """Issue 53.2: `export CHUNKQ_MODEL=...`, then a plain `chunkq submit` and `chunkq pool`: the pool
+    allowed only the bundled model, and every chunk was quarantined within 2 s."""
+    model = bundled_copy(tmp_path / "model")
+    ids, texts = make_texts(20, seed=54)
+    corpus = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")
+    env = {
+        "CHUNKQ_REDIS_URL": redis_url,
+        "CHUNKQ_STORE": str(tmp_path / "store"),
+        "CHUNKQ_QUEUE": "named-once",
+        "CHUNKQ_MODEL": str(model),
+    }
+    run_id = run_cli("submit", str(corpus), "--chunk-size", "10", **env).stdout.strip()
+    pool = start_cli(tmp_path / "pool.log", "pool", "--gpus", "none", **env)
+    try:
+        done = run_cli("supervise", run_id, "--poll", "0.2", **env, timeout=240)
+    finally:
+        stop_tree(pool)
+    assert done.returncode == 0, done.stderr[-3000:] + (tmp_path / "pool.log").read_text()[-2000:]
+    assert f"CHUNKQ_MODEL names the run's model, {model}" in (tmp_path / "pool.log").read_text()
+    got, got_ids = result_of(RunLayout(tmp_path / "store", run_id))
+    assert got_ids == ids and max_abs_diff(got, reference_model.encode(texts)) <= 1e-5

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -40,12 +42,15 @@ from chunkq.supervisor.request import (
 )
 from chunkq.supervisor.result.planned_rows import describe_savings, savings
 from chunkq.supervisor.result.published import describe_left_out
+from chunkq.supervisor.run_options import run_option
 from chunkq.supervisor.store.run_log import RunLog, log_path
 from chunkq.supervisor.store.store_redis import local_state_dir
 from chunkq.supervisor.submit.plan import CACHE_WORKER
 from chunkq.supervisor.submit.submission import submit
 from chunkq.supervisor.watch.display import ProgressDisplay, describe
 from chunkq.supervisor.watch.supervise import Outcome, failure_report, supervise
+
+log = logging.getLogger(__name__)
 
 
 def _finish(outcome: Outcome) -> int:
@@ -151,9 +156,23 @@ def pool_cmd(redis_url: str | None, store: Path, queue: str, **kw: Any) -> None:
     """Run fresh worker processes on this host's GPUs (or CPU) until signalled."""
     url = need_redis(redis_url, store)
     settings = pool_settings(kw, redis_url=url, store=str(store), queue=queue, log_level=current_log_level())
+    settings = with_the_runs_model(settings)
     if settings.preload:  # a name people type, or one that cannot load here: before any worker
         settings = replace(settings, preload=check_model(settings.preload))
     sys.exit(start_pool(settings))
+
+
+def with_the_runs_model(settings: Any) -> Any:
+    """The model named once for a fleet (issue 53.2): CHUNKQ_MODEL, which submit and run read, is
+    one this pool may load too. The operator set it in the pool's own environment, which is the
+    allow-list's protection: a job through Redis still names only what the pool allowed."""
+    name, meta, _ = run_option("model")
+    env = meta.env_name(name)
+    model = os.environ.get(env, "").strip() if env else ""
+    if not model or model in settings.allowed_models:
+        return settings
+    log.info("pool: %s names the run's model, %s; it may be loaded", env, model)
+    return replace(settings, allowed_models=(*settings.allowed_models, model))
 
 
 @command("supervise")

@@ -16,7 +16,8 @@ RUN_ID = "run_id"
 CHUNK = "chunk"
 ROWS = "rows"
 FIRST_ROW = "first_row"
-ATTEMPT = "attempt"  # 1-based; the retry policy counts it up when it queues the next
+ATTEMPT = "attempt"  # 1-based, for the chunk's whole life: each attempt has its own number (and record)
+ROUND = "round"  # the attempt that began the current round (1; a new round after a quarantine is lifted)
 WORKER, HOST, DEVICE, GPU = "worker", "host", "device", "gpu"
 ERROR_CLASS = "error_class"  # one of jobs.contract.errors' classes
 ERROR = "error"
@@ -25,6 +26,9 @@ RETRY_AT = "retry_at"  # epoch seconds before which the next attempt waits (back
 QUARANTINED = "quarantined"
 QUARANTINE_REASON = "quarantine_reason"
 RETRY_STATE = (QUARANTINED, QUARANTINE_REASON, RETRY_AT)  # cleared when a user submits again
+# What one attempt says of how it ended: cleared before each attempt, so a chunk's fate follows its
+# latest attempt (issue 53.1: a killed pool's chunk was quarantined with the error of an earlier one).
+ATTEMPT_STATE = (ERROR_CLASS, ERROR)
 # --allow-missing: rows of the chunk left out (id and why), so the dashboard's job page names them
 BAD_ROWS = "bad_rows"
 BAD_ROWS_SHOWN = 20  # more are counted, and all are in the output's metadata and the result manifest
@@ -46,6 +50,24 @@ def attempt(meta: dict[str, Any]) -> int:
     if isinstance(value, str) and value.isdigit():
         value = int(value)
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else 1
+
+
+def in_round(meta: dict[str, Any]) -> int:
+    """The attempt's number within its round (1-based): what the retry limit counts."""
+    began = meta.get(ROUND, 1)
+    began = began if isinstance(began, int) and not isinstance(began, bool) and began >= 1 else 1
+    return max(1, attempt(meta) - began + 1)
+
+
+def next_attempt(meta: dict[str, Any], new_round: bool = False) -> None:
+    """Number the chunk's next attempt, clear what the last one said (and start a round of attempts
+    anew, ``new_round``: after a quarantine lifted or a submit again)."""
+    following = attempt(meta) + 1
+    meta[ATTEMPT] = following
+    if new_round:
+        meta[ROUND] = following
+    for key in ATTEMPT_STATE:
+        meta.pop(key, None)
 
 
 def retry_at(meta: dict[str, Any]) -> float | None:

@@ -88,7 +88,7 @@ def try_again(
     restored from the manifest."""
     for key in jobmeta.RETRY_STATE:
         job.meta.pop(key, None)
-    job.meta[jobmeta.ATTEMPT] = 1
+    jobmeta.next_attempt(job.meta, new_round=True)  # numbered on: each attempt keeps its own record
     job.save_meta()  # type: ignore[no-untyped-call]
     restore_from_manifest(job, layout, manifest, index)
     failed.requeue(job.id, at_front=True)

@@ -51,7 +51,7 @@ def settle_failure(
     meta = job.meta
     if jobmeta.quarantined(meta):
         return "quarantined"
-    attempt = jobmeta.attempt(meta)
+    attempt = jobmeta.in_round(meta)
     error_class = jobmeta.error_class(meta)
     reason = policy.quarantine_reason(error_class, attempt)
     if reason is not None:
@@ -77,11 +77,11 @@ def settle_failure(
         )
     if due > now:
         return "waiting"
-    meta[jobmeta.ATTEMPT] = attempt + 1
+    jobmeta.next_attempt(meta)
     meta.pop(jobmeta.RETRY_AT, None)
     job.save_meta()  # type: ignore[no-untyped-call]
     # At the front: with a bounded window, the back of the queue may be a window away.
     registry = FailedJobRegistry(job.origin, connection=connection, serializer=JSONSerializer)
     registry.requeue(job.id, at_front=True)
-    log.info("chunk job %s: attempt %d queued", job.id, attempt + 1)
+    log.info("chunk job %s: attempt %d queued", job.id, jobmeta.attempt(meta))
     return "requeued"

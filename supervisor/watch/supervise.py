@@ -8,6 +8,7 @@ Nothing lives only in this process: attempts, back-off deadlines and quarantines
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import random
 import time
@@ -269,13 +270,17 @@ class Supervisor:
             )
         restore_from_manifest(job, self.layout, self.manifest, index)
         already = jobmeta.quarantined(job.meta)
-        attempt = jobmeta.attempt(job.meta)
+        # What this attempt said, read before the next one is numbered (which clears it).
+        failed = FailedAttempt.from_job(job, index, jobmeta.attempt(job.meta), None)
+        error_class = jobmeta.error_class(job.meta)
         outcome = settle_failure(self.connection, job, self.settings.policy, self.rng)
-        reason = str(job.meta.get(jobmeta.QUARANTINE_REASON, "")) if outcome == "quarantined" else None
-        self.recorder.record(FailedAttempt.from_job(job, index, attempt, reason))
+        if outcome == "quarantined":
+            reason = str(job.meta.get(jobmeta.QUARANTINE_REASON, ""))
+            failed = dataclasses.replace(failed, quarantined=True, reason=reason)
+        self.recorder.record(failed)
         if self.metrics is not None:
             new = "quarantined_now" if outcome == "quarantined" and not already else outcome
-            self.metrics.settled(new, jobmeta.error_class(job.meta))
+            self.metrics.settled(new, error_class)
 
 
 T = TypeVar("T")
