@@ -102,3 +102,60 @@ def test_a_resumed_run_says_what_it_found_and_status_of_a_stopped_run_reads_as_n
     said = f"resuming run {run_dir.name}: {done} of 5 chunk(s) were done ({rows} of 100 rows)"
     assert f"{said}; encoding the other {5 - done}" in resumed.stderr, resumed.stderr[-3000:]
     assert "Traceback" not in log.read_text(errors="replace")
+
+
+@pytest.mark.slow
+def test_every_command_gives_one_runs_figures_alike(tmp_path: Path) -> None:
+    """Issue 53.3: one run with repeated texts, a worker killed mid-chunk (the injected fault), and
+    every figure read from `run`'s summary, `status`, `status --json`, `runs`, `runs --json` and
+    `report`: its rows (the corpus's), how many were encoded and repeated, the worker processes that
+    encoded its chunks and those that died. Before: `--json` said rows 494 of a 500-row run, report
+    "1350 of 1350" of 1,500, the summary 5 worker processes against the report's 6, and chunk labels
+    were positions among the distinct texts."""
+    ids, texts = make_texts(90, seed=62)
+    texts += texts[:10]
+    ids += [f"dup-{i}" for i in range(10)]
+    corpus = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")
+    store = tmp_path / "store"
+    fault = json.dumps([{"kind": "sigkill", "chunks": [2], "attempts": [1]}])
+    done = run_cli("run", str(corpus), "--store", str(store), "--chunk-size", "20", "--run-id", "counts",
+                   CHUNKQ_FAULTS=fault)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = done.stdout + done.stderr
+    summary = re.search(r"run counts: (\d+) x 384 embeddings, (\d+) row\(s\) encoded by (\d+) worker", said)
+    assert summary, said[-2000:]
+    rows, encoded, processes = (int(g) for g in summary.groups())
+    assert (rows, encoded) == (
+        100,
+        90,
+    ) and "100 rows: 90 encoded, 0 from the vector cache, 10 repeating" in said
+    status = run_cli("status", "counts", "--store", str(store)).stdout
+    as_json = json.loads(run_cli("status", "counts", "--store", str(store), "--json").stdout)
+    listed = run_cli("runs", "--store", str(store)).stdout
+    (row,) = json.loads(run_cli("runs", "--store", str(store), "--json").stdout)
+    report_dir = tmp_path / "report"
+    assert run_cli("report", "counts", "--store", str(store), "--out", str(report_dir)).returncode == 0
+    numbers = json.loads((report_dir / "report.json").read_text())
+    markdown = (report_dir / "report.md").read_text()
+    assert "rows 100/100" in status and "100 rows: 90 encoded" in status
+    assert (as_json["rows"], as_json["rows_done"], as_json["chunk_rows"]) == (100, 100, 90)
+    assert as_json["cache"]["encoded"] == row["cache"]["encoded"] == 90
+    assert re.search(r"counts\s+published\s+100/100", listed) and (row["rows"], row["rows_done"]) == (
+        100,
+        100,
+    )
+    assert (numbers["rows"], numbers["rows_done"], numbers["rows_encoded"]) == (100, 100, 90)
+    assert "| rows done | 100 of 100 |" in markdown
+    assert numbers["worker_processes"] == processes and numbers["worker_deaths"] == 1
+    assert f"| worker processes | {processes} encoded its chunks, 1 died |" in markdown
+    failures = (
+        [a for a in as_json["failed_attempts"]] if "failed_attempts" in as_json else numbers["failures"]
+    )
+    assert [(f["chunk"], f["error_class"]) for f in failures] == [(2, "abandoned")]
+    from chunkq.jobs.contract.manifest import load_manifest
+    from chunkq.jobs.contract.run_files import RunLayout
+
+    manifest = load_manifest(
+        RunLayout(store, "counts")
+    )  # repeated texts folded: chunk rows are no corpus rows
+    assert manifest.chunk_label(2) == "chunk 2 (20 distinct text(s) of the run)"

@@ -107,7 +107,8 @@ def _work(outcome: Outcome) -> str:
     saved = savings(outcome.result.get("plan")) if outcome.result else None
     encoded = saved["encoded"] if saved is not None else snap.rows_done
     rate = f" at {snap.rows_per_second:,.1f} rows/s" if snap.rows_per_second else ""
-    return f"{encoded:,} row(s) encoded by {len(workers)} worker process(es){rate}"
+    processes = outcome.result.get("worker_processes", len(workers)) if outcome.result else len(workers)
+    return f"{encoded:,} row(s) encoded by {processes} worker process(es){rate}"
 
 
 def _what(result: dict[str, Any]) -> str:

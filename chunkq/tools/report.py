@@ -16,9 +16,10 @@ from typing import Any
 import numpy as np
 
 from chunkq.jobs.compute import device_busy
+from chunkq.jobs.contract.errors import ABANDONED
 from chunkq.jobs.contract.run_files import RunLayout
 from chunkq.jobs.contract.specs import BATCH_TOKENS_AUTO, BATCH_TOKENS_OFF
-from chunkq.supervisor.result.planned_rows import describe_savings, savings
+from chunkq.supervisor.result.planned_rows import corpus_rows_of, describe_savings, savings
 from chunkq.supervisor.result.published import describe_left_out
 from chunkq.supervisor.store.throughput import PAUSE_SECONDS
 from chunkq.supervisor.watch.attempts import by_class, to_json
@@ -50,11 +51,16 @@ def summary(
     truncated = sum(1 for n in lengths if limit is not None and n > limit)
     return {
         "run_id": m.run_id,
-        "rows": m.rows,
+        # The run's rows as every command counts them (its corpus's, or its windows); what its
+        # chunks hold beside them: distinct texts encoded (issue 53.3: "1350 of 1350" of 1,500).
+        "rows": m.corpus_rows,
         "chunks": m.chunks,
-        "rows_done": facts.throughput.rows,
+        "rows_done": facts.throughput.rows if layout is None else corpus_rows_of(layout, m, facts.done),
+        "rows_encoded": facts.throughput.rows,
         "chunks_done": facts.chunks_done,
-        "worker_processes": len(facts.lanes),
+        "worker_processes": len(facts.lanes),  # that encoded a chunk of the result (as the summary counts)
+        # workers whose attempt was cut off (killed, hung, their pool gone): each once
+        "worker_deaths": len({(f.host, f.worker) for f in facts.failures if f.error_class == ABANDONED}),
         "devices": sorted(facts.devices),
         "wall_seconds": round(facts.span, 2),
         "ran_seconds": round(ran, 2),
@@ -279,7 +285,7 @@ def _markdown(s: dict[str, Any], png: Path) -> str:
         "|---|---|",
         f"| rows done | {s['rows_done']} of {s['rows']} |",
         f"| chunks done | {s['chunks_done']} of {s['chunks']} |",
-        f"| worker processes | {s['worker_processes']} |",
+        f"| worker processes | {s['worker_processes']} encoded its chunks, {s['worker_deaths']} died |",
         f"| devices | {', '.join(s['devices'])} |",
         f"| wall time (first chunk start to last chunk end) | {s['wall_seconds']} s |",
         f"| time it ran (pauses over {PAUSE_SECONDS:.0f} s left out) | {s['ran_seconds']} s |",

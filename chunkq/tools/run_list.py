@@ -16,6 +16,7 @@ from typing import Any
 
 import redis
 
+from chunkq.jobs.contract import errors
 from chunkq.jobs.contract.errors import ChunkqError, ConfigError, DamagedRunError, StoreError
 from chunkq.jobs.contract.manifest import RunManifest, load_manifest
 from chunkq.jobs.contract.run_files import MANIFEST_NAME, RunLayout
@@ -28,12 +29,13 @@ from chunkq.supervisor.submit.enqueue import LIVE_STATUSES, job_statuses
 from chunkq.supervisor.submit.identity import DEFAULT_CHUNK_SIZE
 from chunkq.supervisor.watch.attempts import failed_attempts
 
-PUBLISHED, PARTIAL, DAMAGED, IN_FLIGHT, FAILED, INCOMPLETE, DAMAGED_RUN = (
+PUBLISHED, PARTIAL, DAMAGED, IN_FLIGHT, FAILED, QUARANTINED, INCOMPLETE, DAMAGED_RUN = (
     "published",
     "partial",
     "damaged result",
     "in flight",
-    "failed",
+    "failed",  # chunks quarantined for their input: the corpus must be fixed
+    "quarantined",  # chunks quarantined for a cause outside the run: `chunkq supervise RUN` retries them
     "incomplete",
     "damaged manifest",  # the run cannot be read: `chunkq clean RUN` removes it
 )
@@ -115,8 +117,16 @@ def state_of(
         return DAMAGED, rows_done
     if not (own is not None and own.held) and owner_of(layout) is not None:
         return IN_FLIGHT, rows_done
-    quarantined = {a.chunk for a in failed_attempts(layout) if a.quarantined} - done
-    return (FAILED if quarantined else INCOMPLETE), rows_done
+    last: dict[int, str] = {}
+    for attempt in failed_attempts(layout):  # oldest first: each chunk's latest attempt wins
+        if attempt.chunk not in done:
+            last[attempt.chunk] = attempt.error_class if attempt.quarantined else ""
+    classes = {c for c in last.values() if c}
+    if not classes:
+        return INCOMPLETE, rows_done
+    # Issue 53.3: a run whose quarantine a new supervisor lifts (a model allowed, a GPU fixed) is not
+    # failed; one whose input is at fault is.
+    return (FAILED if errors.BAD_INPUT in classes else QUARANTINED), rows_done
 
 
 def describe_run(store: Path, run_id: str) -> RunInfo:

@@ -43,6 +43,21 @@ class RunManifest:
         return plan if isinstance(plan, dict) else None
 
     @property
+    def rows_are_corpus_rows(self) -> bool:
+        """Whether a chunk's rows are the corpus's own, in order (no duplicate folded, no cached
+        text left out, no window): then a chunk's row positions are corpus rows."""
+        return bool((self.plan or {}).get("identity", True))
+
+    def chunk_label(self, index: int) -> str:
+        """A chunk as messages name it: its corpus rows where they are its own, else how many texts
+        it holds (positions in the run's plan of distinct texts are no corpus rows: issue 53.3)."""
+        rows = self.chunk_rows(index)
+        if self.rows_are_corpus_rows:
+            first = self.first_row(index)
+            return f"chunk {index} (rows {first}-{first + rows - 1})"
+        return f"chunk {index} ({rows} distinct text(s) of the run)"
+
+    @property
     def corpus_rows(self) -> int:
         """The rows of the corpus, and of a whole result."""
         plan = self.plan

@@ -55,6 +55,7 @@ class Verified:
 
     dims: array[int] = field(default_factory=lambda: array("i"))  # per chunk; 0: none verified
     workers: set[str] = field(default_factory=set)
+    processes: set[tuple[str, int]] = field(default_factory=set)  # (host, pid) of each that encoded a chunk
     devices: set[str] = field(default_factory=set)
     seconds: float = 0.0
     embedding_dim: int = 0  # the dimensions encoded (packed bits store 8 a column)
@@ -69,6 +70,8 @@ class Verified:
             self.bad_rows[index] = list(meta["bad_rows"])
         self.embedding_dim = self.embedding_dim or int(meta.get("embedding_dim") or dim)
         self.workers.add(str(meta.get("worker")))
+        if meta.get("source") != "cache" and isinstance(meta.get("pid"), int):
+            self.processes.add((str(meta.get("host")), int(meta["pid"])))
         self.devices.add(str(meta.get("device")))
         try:
             self.seconds += float(meta.get("seconds") or 0.0)
@@ -91,6 +94,7 @@ class Failure:
     traceback: str
     quarantined: bool
     reason: str = ""
+    label: str = ""  # how messages name the chunk (RunManifest.chunk_label)
 
 
 def _verify_all(layout: RunLayout, manifest: RunManifest, skip: set[int]) -> tuple[Verified, list[str]]:
@@ -127,10 +131,9 @@ def _verify_all(layout: RunLayout, manifest: RunManifest, skip: set[int]) -> tup
 
 
 def _set_aside_because(layout: RunLayout, manifest: RunManifest, index: int, why: str) -> str:
-    first, rows = manifest.first_row(index), manifest.chunk_rows(index)
     aside = set_aside(layout, index)
     again = f"; moved to {aside}, the next run encodes it again" if aside else ""
-    return f"chunk {index} (rows {first}-{first + rows - 1}): {why}{again}"
+    return f"{manifest.chunk_label(index)}: {why}{again}"
 
 
 def set_aside(layout: RunLayout, index: int) -> str:
@@ -305,6 +308,8 @@ def assemble(
             "packed_bits": manifest.output_dtype in PACKED_DTYPES,  # binary/ubinary: 8 dimensions a byte
             "assembled_at": datetime.now(UTC).isoformat(),
             "workers": sorted(verified.workers),
+            # worker processes that encoded a chunk of the result: what report counts too (issue 53.3)
+            "worker_processes": len(verified.processes),
             "devices": sorted(verified.devices),
             "encode_seconds": round(verified.seconds, 3),
             # The model every row came from: the run's, or where submit could not tell, the chunks' one

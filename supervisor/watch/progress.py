@@ -53,6 +53,7 @@ def _failure(job: Job, index: int, manifest: RunManifest) -> Failure:
         traceback=text,
         quarantined=jobmeta.quarantined(meta),
         reason=str(meta.get(jobmeta.QUARANTINE_REASON, "")),
+        label=manifest.chunk_label(index),
     )
 
 

@@ -73,7 +73,14 @@ class Snapshot:
         return [f for f in self.failures if f.quarantined]
 
     def to_json(self) -> dict[str, Any]:
+        """``status --json``: ``rows`` and ``rows_done`` are the run's rows as every command counts
+        them (its corpus's, or its windows); ``chunk_rows`` and ``chunk_rows_done`` what its chunks
+        hold, the distinct texts encoded or read from the cache (issue 53.3: ``rows`` said 494 of a
+        500-row run with 6 repeated texts)."""
         data = asdict(self)
+        data["chunk_rows"], data["chunk_rows_done"] = data.pop("rows"), data.pop("rows_done")
+        data["chunk_rows_encoding"] = data.pop("rows_encoding")
+        data["rows"], data["rows_done"] = self.corpus_rows, self.corpus_rows_done
         data["settled"] = self.settled
         return data
 
@@ -119,6 +126,7 @@ def store_snapshot(layout: RunLayout, manifest: RunManifest) -> Snapshot:
             traceback="",
             quarantined=a.quarantined,
             reason=a.reason,
+            label=manifest.chunk_label(a.chunk),
         )
         for a in sorted(last.values(), key=lambda a: a.chunk)
     ]

@@ -94,7 +94,7 @@ class Outcome:
 def failure_report(failures: list[Failure], run_id: str | None = None) -> str:
     lines = [f"{len(failures)} chunk(s) quarantined:"]
     lines += [
-        f"  chunk {f.chunk} (rows {f.first_row}-{f.first_row + f.rows - 1}, job {f.job_id}, {f.error_class}, "
+        f"  {(f.label or f'chunk {f.chunk}').removesuffix(')')}, job {f.job_id}, {f.error_class}, "
         f"attempt {f.attempt}{', ' + f.reason if f.reason else ''}): {errors.first_line(f.error)}"
         for f in failures
     ]
