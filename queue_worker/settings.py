@@ -116,9 +116,9 @@ class PoolSettings:
     )
     recycle_after: float = setting(
         DEFAULT_RECYCLE_AFTER,
-        "Seconds of work after which a worker exits at the end of its chunk and a fresh process "
-        "replaces it (0: never by time). A broken CUDA context does not wait: it exits at once.",
-        kind="float",
+        "Work after which a worker exits at the end of its chunk and a fresh process replaces it: "
+        "seconds, or 10m, 2h (0: never by time). A broken CUDA context does not wait: it exits at once.",
+        kind="duration",
         low=0,
         worker=True,
         unset_by_hand=True,
@@ -259,7 +259,7 @@ def _zero_means_none(parse: Any) -> Any:
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     """The parser side of ``worker_argv``: every setting a worker takes. Run by hand, a worker counts
     no chunks and no time unless told (the pool always tells it)."""
-    types: dict[str, Any] = {"int": int, "float": float}
+    types: dict[str, Any] = {"int": int, "float": float, "duration": float}
     for name, meta, default in schema():
         if not meta.worker:
             continue

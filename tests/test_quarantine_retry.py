@@ -141,3 +141,48 @@ def test_the_model_named_once_in_chunkq_model_is_the_one_a_plain_pool_loads(
     assert f"CHUNKQ_MODEL names the run's model, {model}" in (tmp_path / "pool.log").read_text()
     got, got_ids = result_of(RunLayout(tmp_path / "store", run_id))
     assert got_ids == ids and max_abs_diff(got, reference_model.encode(texts)) <= 1e-5
+
+
+@pytest.mark.slow
+def test_lifted_quarantines_are_queued_as_the_window_has_room_and_number_their_attempts_on(
+    tmp_path: Path, redis_url: str, connection: redis.Redis, reference_model: Any
+) -> None:
+    """Issue 53.4: re-supervising queued every quarantined chunk at once, whatever --queue-window.
+    Those past the window's room wait in the store; when the window queues them, their job is new
+    and its attempt is numbered on from the chunk's records."""
+    from rq import Queue
+    from rq.serializers import JSONSerializer
+
+    from chunkq.jobs.contract.manifest import load_manifest
+    from chunkq.jobs.contract.specs import chunk_job_id
+    from chunkq.supervisor.submit.enqueue import job_statuses, retry_quarantined
+    from chunkq.supervisor.watch.attempts import failed_attempts
+
+    model = bundled_copy(tmp_path / "model")
+    ids, texts = make_texts(50, seed=55)
+    corpus = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")
+    store = tmp_path / "store"
+    env = {"CHUNKQ_REDIS_URL": redis_url, "CHUNKQ_STORE": str(store), "CHUNKQ_QUEUE": "windowed"}
+    args = ("--model", str(model), "--chunk-size", "10", "--queue-window", "2")
+    run_id = run_cli("submit", str(corpus), *args, **env).stdout.strip()
+    layout = RunLayout(store, run_id)
+    pool = start_cli(tmp_path / "pool.log", "pool", "--gpus", "none", **env)
+    try:
+        refused = run_cli("supervise", run_id, "--poll", "0.2", **env, timeout=180)
+    finally:
+        stop_tree(pool)
+    assert "5 chunk(s) quarantined" in refused.stderr, refused.stderr[-2000:]
+    manifest = load_manifest(layout)
+    assert retry_quarantined(connection, layout, manifest, room=2) == [0, 1, 2, 3, 4]
+    statuses = job_statuses(connection, [chunk_job_id(run_id, i) for i in range(5)])
+    assert statuses == ["queued", "queued", None, None, None], statuses
+    assert Queue("windowed", connection=connection, serializer=JSONSerializer).count == 2
+    pool = start_cli(tmp_path / "pool2.log", "pool", "--gpus", "none", "--allow-model", str(model), **env)
+    try:
+        done = run_cli("supervise", run_id, "--poll", "0.2", **env, timeout=240)
+    finally:
+        stop_tree(pool)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got, got_ids = result_of(layout)
+    assert got_ids == ids and max_abs_diff(got, reference_model.encode(texts)) <= 1e-5
+    assert sorted((a.chunk, a.attempt) for a in failed_attempts(layout)) == [(i, 1) for i in range(5)]

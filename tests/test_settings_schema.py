@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+import pytest
 
 from chunkq.cli import cli
 from chunkq.queue_worker.settings import flag, schema
@@ -74,3 +75,25 @@ def test_the_documentation_names_every_option_of_every_schema() -> None:
         flag(n, m) for n, m in pool + [(n, m) for n, m, _ in RUN_OPTIONS] if f"`{flag(n, m)}" not in readme
     ]
     assert missing == []
+
+
+def test_spans_of_time_are_taken_as_the_docs_write_them() -> None:
+    """Issue 53.4: `--recycle-after 10m` was refused (seconds only), though the docs write it so."""
+    import click
+
+    from chunkq.cli.settings_options import Seconds
+    from chunkq.jobs.contract.units import duration_seconds
+
+    seconds = Seconds(0)
+    assert [seconds.convert(v, None, None) for v in ("600", "10m", "10min", "2h", "1.5d", 30)] == [
+        600.0,
+        600.0,
+        600.0,
+        7200.0,
+        129600.0,
+        30.0,
+    ]
+    for bad in ("10x", "-5", "m10"):
+        with pytest.raises(click.BadParameter, match="give seconds, or a number with s, m"):
+            seconds.convert(bad, None, None)
+    assert duration_seconds("30d") == 30 * 86400 and duration_seconds("soon") is None

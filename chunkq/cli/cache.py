@@ -4,7 +4,6 @@ jobs/compute/vector_cache.py."""
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -15,18 +14,15 @@ from chunkq.cli.group import cli
 from chunkq.jobs.compute.vector_cache import VectorCache
 from chunkq.jobs.contract.errors import ConfigError
 from chunkq.jobs.contract.specs import EncodeOptions, vector_options
-from chunkq.jobs.contract.units import size_text
-
-_AGE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(s|min|h|d|w)?\s*", re.IGNORECASE)
-_AGE_UNITS = {"": 1, "s": 1, "min": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+from chunkq.jobs.contract.units import DURATION_FORMS, duration_seconds, size_text
 
 
 def age_seconds(text: str) -> float:
-    """``--older-than``: seconds, or a number with s, min, h, d or w (``30d``)."""
-    match = _AGE.fullmatch(text)
-    if match is None:
-        raise ConfigError(f"--older-than {text!r}: give seconds or a number with s, min, h, d or w (30d)")
-    return float(match.group(1)) * _AGE_UNITS[(match.group(2) or "").lower()]
+    """``--older-than``: seconds, or a number with s, m (min), h, d or w (``30d``)."""
+    seconds = duration_seconds(text)
+    if seconds is None:
+        raise ConfigError(f"--older-than {text!r}: give {DURATION_FORMS}")
+    return seconds
 
 
 def _options(options: Any) -> str:

@@ -28,6 +28,7 @@ from chunkq.jobs.contract.allowlist import EMBED_CHUNK, AllowListedJob
 from chunkq.jobs.contract.manifest import RunManifest
 from chunkq.jobs.contract.run_files import RunLayout
 from chunkq.jobs.contract.specs import chunk_job_id, chunk_job_prefix
+from chunkq.jobs.contract.storage import list_names
 
 log = logging.getLogger(__name__)
 
@@ -94,24 +95,44 @@ def try_again(
     failed.requeue(job.id, at_front=True)
 
 
-def retry_quarantined(connection: redis.Redis, layout: RunLayout, manifest: RunManifest) -> list[int]:
+def retry_quarantined(
+    connection: redis.Redis, layout: RunLayout, manifest: RunManifest, room: int | None = None
+) -> list[int]:
     """Give every chunk of the run quarantined for a reason the operator can fix outside the run (a
     model a pool did not allow, a GPU too small, a broken device, the store) new attempts; the
-    chunks. Bad input is the corpus's own: the same rows fail the same way, and stay quarantined."""
+    chunks. Bad input is the corpus's own: the same rows fail the same way, and stay quarantined.
+    ``room``: how many the queue window takes now; the others' jobs go, and they wait in the store
+    for the window, in order, as every waiting chunk does (issue 53.4: all were queued at once)."""
     queue = chunk_queue(connection, manifest.queue)
     failed = FailedJobRegistry(queue=queue)
     prefix = chunk_job_prefix(manifest.run_id)
-    retried = []
+    lifted: list[tuple[int, Job]] = []
     for job_id in failed.get_job_ids():
         if not job_id.startswith(prefix):
             continue
         job = Job.fetch(job_id, connection=connection, serializer=JSONSerializer)
         if not jobmeta.quarantined(job.meta) or jobmeta.error_class(job.meta) == errors.BAD_INPUT:
             continue
-        index = int(job_id[len(prefix) :])
-        try_again(job, failed, layout, manifest, index)
-        retried.append(index)
-    return sorted(retried)
+        lifted.append((int(job_id[len(prefix) :]), job))
+    lifted.sort(key=lambda found: found[0])
+    for n, (index, job) in enumerate(lifted):
+        if room is None or n < room:
+            try_again(job, failed, layout, manifest, index)
+        else:  # its next attempt is numbered from its records when the window queues it
+            failed.remove(job, delete_job=True)
+    return [index for index, _ in lifted]
+
+
+def next_attempts(layout: RunLayout) -> dict[int, int]:
+    """Each chunk's next attempt number, from the failed attempts recorded in the store (their
+    names: ``failures/<chunk>-a<attempt>.json``), for a chunk whose job is made anew."""
+    found: dict[int, int] = {}
+    for name in list_names(layout.failures):
+        chunk, sep, rest = name.partition("-a")
+        number = rest.removesuffix(".json")
+        if sep and chunk.isdigit() and number.isdigit():
+            found[int(chunk)] = max(found.get(int(chunk), 1), int(number) + 1)
+    return found
 
 
 def enqueue_chunks(
@@ -127,6 +148,7 @@ def enqueue_chunks(
     failed = FailedJobRegistry(queue=queue)
     counts = EnqueueCounts()
     it = iter(indices)
+    numbered = next_attempts(layout)
     while True:
         room = BATCH if limit is None else min(BATCH, limit - counts.in_redis)
         batch = list(islice(it, room)) if room > 0 else []
@@ -145,7 +167,7 @@ def enqueue_chunks(
             else:
                 if status is not None:  # finished, stopped or canceled, yet its output is not in the store
                     Job(job_id, connection=connection, serializer=JSONSerializer).delete()
-                fresh.append(_job_data(layout, manifest, index, job_id))
+                fresh.append(_job_data(layout, manifest, index, job_id, numbered.get(index, 1)))
         if fresh:
             with connection.pipeline() as pipe:
                 queue.enqueue_many(fresh, pipeline=pipe)
@@ -186,8 +208,13 @@ def restore_from_manifest(job: Job, layout: RunLayout, manifest: RunManifest, in
     return True
 
 
-def _job_data(layout: RunLayout, manifest: RunManifest, index: int, job_id: str) -> EnqueueData:
+def _job_data(
+    layout: RunLayout, manifest: RunManifest, index: int, job_id: str, attempt: int = 1
+) -> EnqueueData:
     spec = manifest.chunk_spec(layout.store, index)
+    meta = jobmeta.initial(manifest.run_id, index, spec.rows, spec.first_row)
+    if attempt > 1:  # a chunk tried before: its attempts go on numbering, a new round begins
+        meta[jobmeta.ATTEMPT] = meta[jobmeta.ROUND] = attempt
     return Queue.prepare_data(
         EMBED_CHUNK,
         args=(spec.to_dict(),),
@@ -196,5 +223,5 @@ def _job_data(layout: RunLayout, manifest: RunManifest, index: int, job_id: str)
         result_ttl=RESULT_TTL,
         failure_ttl=FAILURE_TTL,
         description=f"chunkq run {manifest.run_id} chunk {index} ({spec.rows} rows)",
-        meta=jobmeta.initial(manifest.run_id, index, spec.rows, spec.first_row),
+        meta=meta,
     )

@@ -352,7 +352,8 @@ def _supervise(
         serve_metrics(metrics.registry, settings.metrics_port)
     watch = Supervisor(connection, layout, manifest, settings, lock, owner, metrics)
     _patiently(lock.acquire, settings, redis_gone)
-    retried = _patiently(lambda: retry_quarantined(connection, layout, manifest), settings, redis_gone)
+    room = window_size(connection, manifest.queue, settings.window or submitted_window(layout))
+    retried = _patiently(lambda: retry_quarantined(connection, layout, manifest, room), settings, redis_gone)
     if retried:
         log.warning(
             "run %s: chunk(s) %s were quarantined by an earlier supervisor for a reason that may have "
