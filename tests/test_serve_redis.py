@@ -40,11 +40,22 @@ def test_a_served_redis_wants_its_password_and_advertises_where_other_hosts_reac
 
 def test_a_restarted_server_keeps_its_password_so_clients_holding_the_url_reconnect(tmp_path: Path) -> None:
     store = tmp_path / "store"
-    passwords = []
+    passwords, ports = [], []
     for keep in (True, True, False):
         with contextlib.ExitStack() as stack:
-            passwords.append(serve(store, stack, wait=False, keep_password=keep).server.password)
+            server = serve(store, stack, wait=False, keep_password=keep).server
+            passwords.append(server.password)
+            ports.append(server.port)
     assert passwords[0] == passwords[1] != passwords[2]
+    # Issue 53.6: and its port, while it is free: a restart took a new one, and every URL went stale.
+    assert ports[0] == ports[1]
+    import socket
+
+    with socket.socket() as taken, contextlib.ExitStack() as stack:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # the stopped server's is in TIME_WAIT
+        taken.bind(("127.0.0.1", ports[0]))
+        taken.listen()  # someone else has it now: another port, said in the log
+        assert serve(store, stack, wait=False, keep_password=True).server.port != ports[0]
 
 
 def test_a_loopback_server_of_another_host_is_not_offered(tmp_path: Path) -> None:

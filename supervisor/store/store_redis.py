@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import socket
 from collections.abc import Iterator
@@ -16,9 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from chunkq.jobs.contract.run_files import atomic_write_bytes
 from chunkq.jobs.contract.storage import is_local, no_links_below, private_open
 from chunkq.supervisor.store.embedded_redis import AUTH_FILE, LOOPBACK, EmbeddedRedis
 from chunkq.supervisor.store.store_lock import StoreLock
+
+log = logging.getLogger(__name__)
 
 URL_FILE = "url"
 LOCK_FILE = "owner.json"
@@ -72,6 +76,26 @@ def served_url(store: Path) -> str | None:
     return url
 
 
+PORT_FILE = "port"  # the port the store's last served Redis listened on
+
+
+def _last_port(data_dir: Path) -> int | None:
+    """The port the store's last served server listened on, while it is free again (issue 53.6:
+    a restarted serve-redis took a new port, and every host's URL went stale); else None."""
+    try:
+        port = int((data_dir / PORT_FILE).read_text().strip())
+    except (OSError, ValueError):
+        return None
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds: TIME_WAIT is free
+        try:
+            probe.bind((LOOPBACK, port))
+        except OSError:
+            log.warning("the store's Redis listened on port %d last time; it is taken now, so another", port)
+            return None
+    return port
+
+
 def stored_password(data_dir: Path) -> str | None:
     """The password an earlier server of this store used, so its clients' URLs stay valid."""
     try:
@@ -108,8 +132,13 @@ def serve(
     lock = stack.enter_context(StoreLock(data_dir / LOCK_FILE, f"the embedded Redis of {data_dir}"))
     lock.acquire(wait)
     password = stored_password(data_dir) if keep_password else None
+    if port is None and keep_password:
+        port = _last_port(data_dir)  # the same address again: its clients' URLs stay valid
     server = EmbeddedRedis(data_dir, password=password, port=port, bind=bind, advertise=advertise)
     stack.enter_context(server)
+    if keep_password:
+        with contextlib.suppress(OSError):
+            atomic_write_bytes(data_dir / PORT_FILE, f"{server.port}\n".encode())
     stack.enter_context(_advertised(data_dir / URL_FILE, server.url))
     server.watch()  # restarted if it dies; the caller stops with the reason if it cannot be
     return Served(server, lock.took_over)
