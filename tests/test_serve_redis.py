@@ -88,6 +88,10 @@ def test_commands_given_no_redis_url_use_the_served_one_and_serve_redis_stops_cl
         assert json.loads(submitted.stdout)["chunks"] == 3
         url = served_url(store)
         assert url is not None and redis.Redis.from_url(url).llen("rq:queue:chunkq") == 3
+        # Issue 53.7: doctor said "embedded" beside the store's served server.
+        found = json.loads(run_cli("doctor", "--json", "--store", str(store)).stdout)["redis"]
+        assert found["mode"].startswith("served by chunkq serve-redis") and found["reachable"], found
+        assert ":***@" in found["url"]
         server.send_signal(signal.SIGTERM)
         assert server.wait(timeout=60) == 0, log.read_text()
     finally:

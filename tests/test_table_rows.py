@@ -106,6 +106,7 @@ def test_a_sparse_run_of_another_corpus_is_refused_by_a_table_of_this_ones_dense
     # Into a table of its own, the same run goes.
     alone = run_cli("export", "c2-sparse", "--store", str(store), "--to", f"{postgres}&table=c2", "--json")
     assert alone.returncode == 0 and json.loads(alone.stdout)["table_rows"] == 35, alone.stderr
+    assert json.loads(alone.stdout)["level"] == "row"  # 53.7: a plain run's --json said "window"
 
 
 @pytest.mark.slow

@@ -240,7 +240,9 @@ def export_to(
     except BaseException:
         sink.abort()
         raise
-    return {"url": redacted(url), "run_id": layout.run_id, "level": level, **progress.summary(), **told}
+    # A plain run's rows are its rows: "level" names a windowed run's choice (issue 53.7: "window").
+    shown = level if rows.windowed or level == "document" else "row"
+    return {"url": redacted(url), "run_id": layout.run_id, "level": shown, **progress.summary(), **told}
 
 
 __all__ = ["Progress", "Rows", "Sink", "export_to", "open_sink"]

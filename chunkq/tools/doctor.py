@@ -16,10 +16,12 @@ from typing import Any
 
 import redis
 
+from chunkq.jobs.contract.redaction import redacted
 from chunkq.jobs.contract.run_files import atomic_write_bytes
 from chunkq.jobs.contract.storage import is_local
 from chunkq.queue_worker import discovery
 from chunkq.supervisor.store.embedded_redis import server_binary
+from chunkq.supervisor.store.store_redis import served_url
 
 
 @dataclass
@@ -128,8 +130,20 @@ def _nvml_problem(found: discovery.Survey, gpus: list[discovery.GpuInfo]) -> str
     return f"{said}, and CUDA lists no GPU ({found.cuda_error}): {advice}"
 
 
+def _store_redis(store: Path, redis_url: str | None) -> dict[str, Any]:
+    """The Redis commands would use: the one given, else the store's own while it is served (issue
+    53.7: doctor said "embedded" beside a running serve-redis), else the embedded default."""
+    served = None if redis_url else served_url(store)
+    found = _redis(redis_url or served)
+    if served:
+        found.update(
+            mode="served by chunkq serve-redis (or a chunkq run) of this store", url=redacted(served)
+        )
+    return found
+
+
 def examine(store: Path, redis_url: str | None) -> Report:
-    report = Report(nvml=_nvml(), torch=_torch(), redis=_redis(redis_url), store=_store(store))
+    report = Report(nvml=_nvml(), torch=_torch(), redis=_store_redis(store, redis_url), store=_store(store))
     host = discovery.survey()
     found = discovery.allowed(host)
     report.gpus = [{**asdict(gpu), "label": gpu.label, "exclusive": gpu.exclusive} for gpu in found]
