@@ -5,6 +5,7 @@ window; the pods run the commands and environment compose.yaml runs; the Slurm r
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -118,11 +119,30 @@ def test_the_keda_trigger_reads_the_list_chunkq_fills_and_its_threshold_follows_
         queue_window=window,
         cache=False,
     )
-    submit(request, connection)
+    submitted = submit(request, connection)
     key = chunk_queue(connection, request.queue).key
-    assert key == f"rq:queue:{request.queue}"  # RQ's list: the same form for the Job's queue name
-    assert trigger["type"] == "redis" and trigger["metadata"]["listName"] == f"rq:queue:{queue}"
     assert connection.llen(key) == window  # the list never holds more than the window
+    # Issue 53.5: KEDA reads the run's demand (queued, running, retrying), which a supervisor's look
+    # writes; RQ's list alone empties while the last chunks still run.
+    from chunkq.jobs.contract.manifest import load_manifest
+    from chunkq.jobs.contract.run_files import RunLayout
+    from chunkq.supervisor.store.run_lock import RunLock
+    from chunkq.supervisor.store.store_lock import StoreLock
+    from chunkq.supervisor.watch.demand import demand_key
+    from chunkq.supervisor.watch.supervise import Supervisor, WatchSettings
+
+    layout = RunLayout(store, submitted.run_id)
+    with StoreLock(layout.owner, "the test's look") as owner:
+        owner.acquire()
+        lock = RunLock(connection, submitted.run_id)
+        lock.acquire()
+        look = Supervisor(
+            connection, layout, load_manifest(layout), WatchSettings(window=window), lock, owner
+        )
+        look.look()
+        lock.release()
+    assert trigger["type"] == "redis" and trigger["metadata"]["listName"] == demand_key(queue)
+    assert connection.llen(demand_key(request.queue)) == window
     replicas = scaled["spec"]["maxReplicaCount"]
     assert int(trigger["metadata"]["listLength"]) == window // replicas >= 1
     assert scaled["spec"]["minReplicaCount"] == 0  # to zero when idle
@@ -181,3 +201,57 @@ def test_the_slurm_recipe_passes_shellcheck_and_runs_what_compose_runs() -> None
     assert f"exec chunkq {pool} " in (SLURM / "pool.sbatch").read_text()
     # The recipe's own Redis listens beyond loopback: serve-redis always sets a password.
     assert "chunkq serve-redis --bind 0.0.0.0" in (SLURM / "supervisor.sbatch").read_text()
+
+
+def _wait_for_inputs() -> str:
+    (init,) = _one("Job")["spec"]["template"]["spec"]["initContainers"]
+    return str(init["args"][0])
+
+
+def test_the_runs_job_waits_for_its_corpus_and_model_to_be_copied_in(tmp_path: Path) -> None:
+    """Issue 53.5: the Job started before the corpus was copied in, and failed. Its init container,
+    run here by sh: it waits for the corpus (and a model on the store) until both stop growing, and
+    gives up in one line naming them once its limit has passed."""
+    import subprocess
+    import threading
+    import time
+
+    script = _wait_for_inputs()
+    env = {
+        "PATH": os.environ["PATH"],
+        "CHUNKQ_STORE": str(tmp_path),
+        "CHUNKQ_CORPUS": "c.jsonl",
+        "CHUNKQ_MODEL": str(tmp_path / "models" / "m"),
+        "CHUNKQ_INPUT_POLL": "1",
+        "CHUNKQ_INPUT_WAIT": "30",
+    }
+
+    def copy_in() -> None:  # as kubectl cp does: the file appears, then grows, then stops
+        time.sleep(1.5)
+        (tmp_path / "corpus").mkdir()
+        with open(tmp_path / "corpus" / "c.jsonl", "w") as fh:
+            fh.write('{"id": 1, "text": "a"}\n')
+            fh.flush()
+            time.sleep(1.5)
+            fh.write('{"id": 2, "text": "b"}\n' * 2000)
+        (tmp_path / "models" / "m").mkdir(parents=True)
+        (tmp_path / "models" / "m" / "config.json").write_text("{}")
+
+    thread = threading.Thread(target=copy_in)
+    thread.start()
+    done = subprocess.run(
+        ["sh", "-c", script], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    thread.join()
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "waiting for" in done.stdout and done.stdout.strip().endswith(f"and {tmp_path}/models/m")
+    (tmp_path / "corpus" / "c.jsonl").unlink()
+    short = {**env, "CHUNKQ_INPUT_WAIT": "2"}
+    gave_up = subprocess.run(
+        ["sh", "-c", script], env=short, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert (
+        gave_up.returncode == 1
+        and "no input after" in gave_up.stderr
+        and "kubectl cp the corpus" in gave_up.stderr
+    )

@@ -41,6 +41,7 @@ from chunkq.supervisor.submit.enqueue import (
     retry_quarantined,
     window_size,
 )
+from chunkq.supervisor.watch import demand
 from chunkq.supervisor.watch.attempts import AttemptRecorder, FailedAttempt
 from chunkq.supervisor.watch.display import ProgressDisplay
 from chunkq.supervisor.watch.metrics import RunMetrics
@@ -196,6 +197,8 @@ class Supervisor:
         self._act(snap)
         snap = self._poll() if snap.failures or snap.stale or snap.stranded or snap.unlisted else snap
         self._watch_idle(snap)
+        busy = 0 if snap.settled else snap.chunks_queued + snap.chunks_running + snap.chunks_retrying
+        demand.publish(self.connection, self.manifest.queue, self.manifest.run_id, busy)
         if self.metrics is not None:
             self.metrics.observe(snap)
         return snap
