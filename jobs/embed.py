@@ -255,9 +255,8 @@ def _job_meta(updates: dict[str, Any], starting: bool = False) -> int:
     job = get_current_job()
     if job is None:
         return 1
-    if starting:
-        for key in jobmeta.ATTEMPT_STATE:
-            job.meta.pop(key, None)
+    for key in jobmeta.ATTEMPT_STATE if starting else ():
+        job.meta.pop(key, None)
     job.meta.update(updates)
     job.meta.setdefault(jobmeta.ATTEMPT, 1)
     job.save_meta()  # type: ignore[no-untyped-call]
@@ -348,10 +347,8 @@ def _embed(chunk: ChunkSpec) -> dict[str, Any]:
         log.info("chunk %s already has a valid output; not encoding it again", chunk.job_id)
         return {**existing, "skipped": True}
 
-    attempt = _job_meta(
-        {jobmeta.WORKER: ctx.name, jobmeta.HOST: ctx.host, jobmeta.DEVICE: ctx.device, jobmeta.GPU: ctx.gpu},
-        starting=True,
-    )
+    who = {jobmeta.WORKER: ctx.name, jobmeta.HOST: ctx.host, jobmeta.DEVICE: ctx.device, jobmeta.GPU: ctx.gpu}
+    attempt = _job_meta(who, starting=True)
     ids, texts = read_chunk_input(layout, chunk.index)
     if len(texts) != chunk.rows:
         raise BadInputError(

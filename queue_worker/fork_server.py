@@ -12,9 +12,8 @@ at once if its pool is gone too, else drains; lifeline.ORPHANED_SIGNAL), and sho
 command line in ``ps``. The fork server dies with the pool and ignores the SIGTERM a batch system
 sends every process of its job.
 
-Requests and replies are JSON over a Unix socket pair (no pickle); the worker's notify pipe
-travels as SCM_RIGHTS. The pool side, ``ForkServer`` and ``ForkedWorker``, offers what the pool
-used of ``subprocess.Popen``.
+Requests and replies are JSON over a Unix socket pair (no pickle); the worker's notify pipe travels
+as SCM_RIGHTS. ``ForkServer`` and ``ForkedWorker`` offer the pool what it used of ``subprocess.Popen``.
 """
 
 from __future__ import annotations
@@ -274,10 +273,9 @@ def serve(sock: socket.socket) -> None:
 
 
 def server_main() -> NoReturn:
-    # Claim the environment block for process titles now, while it is the one the kernel gave us:
-    # after a worker's os.environ is replaced there would be no room left for its title.
+    # The title's room, claimed in the kernel's environment block: a worker's new os.environ has none.
     setproctitle.setproctitle(setproctitle.getproctitle())
-    no_working_directory_imports()  # before it loads a model: its workers inherit the path
+    no_working_directory_imports()  # before a model loads: the workers inherit the path
     sock = socket.socket(fileno=int(os.environ.pop(SOCKET_FD_ENV)))
     # The pool decides when workers stop, and this server goes when the pool hangs up or dies. A
     # batch system signals every process of its job: had this server died of Slurm's SIGTERM, its

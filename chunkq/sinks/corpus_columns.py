@@ -71,3 +71,12 @@ class CorpusColumns:
                     value = value[int(rid["char_start"]) : int(rid["char_end"])]  # the window's own text
                 found[name].append(_as_text(value))
         return found
+
+
+def beside_rows(manifest: Any, names: tuple[str, ...], value_column: str, windowed: bool) -> Any:
+    """The reader of corpus fields ``names`` beside a file's rows (None without any), the names
+    checked against the file's own columns first (``export --format parquet|jsonl --columns``)."""
+    if not names:
+        return None
+    check_columns(names, value_column)
+    return CorpusColumns(manifest, names, windowed)

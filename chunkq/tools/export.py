@@ -288,7 +288,9 @@ def export(
         return _export_ragged(layout, fmt, _target(out, force, fmt), tokens)
     target = _target(out, force, fmt)
     reader = ResultReader(layout, level)
-    fields = _corpus_fields(run, reader, columns)
+    from chunkq.sinks.corpus_columns import beside_rows  # the sinks read this module
+
+    fields = beside_rows(run, columns, reader.value_column, reader.windowed)
     if fmt == "parquet":
         _parquet(reader, target, fields)
         return [target.path]
@@ -313,17 +315,6 @@ def export(
                 emb.write(block.tobytes())
                 ids_fh.writelines(json.dumps(rid, ensure_ascii=False) + "\n" for rid in ids)
     return [target.path, ids_target.path]
-
-
-def _corpus_fields(run: RunManifest, reader: ResultReader, columns: tuple[str, ...]) -> Any:
-    """The reader of ``columns`` beside each row (None without): checked against the file's own
-    column names first."""
-    if not columns:
-        return None
-    from chunkq.sinks.corpus_columns import CorpusColumns, check_columns  # sinks read this module
-
-    check_columns(columns, reader.value_column)
-    return CorpusColumns(run, columns, reader.windowed)
 
 
 def _parquet(reader: ResultReader, out: _Target, fields: Any = None) -> None:
