@@ -362,14 +362,14 @@ class ChunkWorker(SimpleWorker):
         """An attempt that ended without saying why (the job function never returned: a stop, its
         pool's death, a second signal) ended because its worker left: abandoned, whatever an
         earlier attempt said (issue 53.1)."""
-        if jobmeta.ERROR_CLASS not in job.meta:
-            last = (kwargs.get("exc_string") or (args[1] if len(args) > 1 else "") or "").strip()
-            last = last.splitlines()[-1] if last else "no error"
-            jobmeta.failed(
-                job.meta, errors.ABANDONED, f"its worker {self.name} left before the chunk finished ({last})"
-            )
-            with contextlib.suppress(redis.RedisError):
+        try:
+            if jobmeta.ERROR_CLASS not in job.meta:
+                said = (kwargs.get("exc_string") or (args[1] if len(args) > 1 else "") or "?").strip()
+                why = f"its worker {self.name} left before the chunk finished ({said.splitlines()[-1]})"
+                jobmeta.failed(job.meta, errors.ABANDONED, why)
                 job.save_meta()
+        except Exception as exc:  # Redis away, or meta no JSON writer takes (planted by someone else)
+            self.log.debug("Worker %s: could not record why job %s ended: %s", self.name, job.id, exc)
         return super().handle_job_failure(job, queue, *args, **kwargs)
 
     def request_stop(self, signum: int, frame: FrameType | None) -> None:

@@ -99,4 +99,4 @@ def test_metrics_during_a_run_and_the_report_after_it(
     md = (out / "report.md").read_text()
     assert "| device busy over the chunks | " in md and "(time in the model's forward, CPU) |" in md
     assert "| rows done | 60 of 60 |" in md and "| failed attempts | 1 (cuda_fatal: 1) |" in md
-    assert f"| worker processes | {numbers['worker_processes']} |" in md
+    assert f"| worker processes | {numbers['worker_processes']} encoded its chunks, 0 died |" in md
