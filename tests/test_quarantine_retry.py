@@ -49,7 +49,7 @@ def test_a_chunk_quarantined_for_a_fixed_cause_is_tried_again_by_the_next_superv
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cut", ["pool SIGKILL", "worker SIGKILL"])
+@pytest.mark.parametrize("cut", ["pool SIGKILL", "worker SIGKILL", "worker SIGSTOP"])
 def test_a_chunk_cut_off_after_its_quarantine_was_lifted_is_retried_not_quarantined_again(
     tmp_path: Path, redis_url: str, connection: redis.Redis, reference_model: Any, cut: str
 ) -> None:
@@ -69,7 +69,7 @@ def test_a_chunk_cut_off_after_its_quarantine_was_lifted_is_retried_not_quaranti
     ids, texts = make_texts(30, seed=53)
     corpus = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")
     store = tmp_path / "store"
-    queue = f"cut-{cut.split()[0]}"
+    queue = f"cut-{cut.replace(' ', '-')}"
     env = {"CHUNKQ_REDIS_URL": redis_url, "CHUNKQ_STORE": str(store), "CHUNKQ_QUEUE": queue}
     run_id = run_cli("submit", str(corpus), "--model", str(model), "--chunk-size", "10", **env).stdout.strip()
     layout = RunLayout(store, run_id)
@@ -94,9 +94,12 @@ def test_a_chunk_cut_off_after_its_quarantine_was_lifted_is_retried_not_quaranti
             psutil.Process(pool.pid).send_signal(signal.SIGKILL)  # its worker learns its pool is gone
         else:
             (held,) = worker_processes(pool)
-            held.send_signal(signal.SIGKILL)
-        wait_for(lambda: any(a.chunk == 1 and a.error_class == "abandoned" for a in failed_attempts(layout)),
-                 120, "the cut attempt recorded")  # fmt: skip
+            held.send_signal(signal.SIGKILL if cut == "worker SIGKILL" else signal.SIGSTOP)
+        wait_for(
+            lambda: any(a.chunk == 1 and a.error_class == "abandoned" for a in failed_attempts(layout)),
+            150,
+            "the cut attempt recorded",
+        )  # fmt: skip  (SIGSTOP: a heartbeat 60 s stale)
         stop_tree(pool)
         pool = start_cli(tmp_path / "pool3.log", *allowed, **env)
         assert watcher.wait(timeout=240) == 0, (tmp_path / "supervise.log").read_text()[-3000:]
