@@ -238,7 +238,7 @@ def encode_finite(
     wide = replace(chunk, options=replace(chunk.options, precision=DEFAULT_PRECISION))
     full = models.get_model(chunk.model, ctx.device, DEFAULT_PRECISION, chunk.options)
     try:
-        check_model(chunk, _value(loaded), full)
+        check_model(chunk, loaded.identity_value, full)
         again = encode_with_backoff(full, [texts[int(i)] for i in bad], wide, attempt, encoded.limit, ctx)
     finally:
         models.forget(chunk.model, ctx.device, DEFAULT_PRECISION, chunk.options)  # its memory is the run's
@@ -318,14 +318,10 @@ def _shown(rid: Any) -> str:
     return repr(rid)
 
 
-def _value(loaded: models.LoadedModel) -> str | None:
-    return loaded.identity.value if loaded.identity is not None else None
-
-
 def check_model(chunk: ChunkSpec, expected: str | None, loaded: models.LoadedModel) -> None:
     """ConfigError unless ``loaded`` was built from the bytes the run was submitted with
     (``expected``, the manifest's; None: not known at submit). A run's rows come from one model."""
-    mine = _value(loaded)
+    mine = loaded.identity_value
     if expected is None or mine == expected:
         return
     raise ConfigError(
@@ -338,6 +334,9 @@ def check_model(chunk: ChunkSpec, expected: str | None, loaded: models.LoadedMod
 
 def _embed(chunk: ChunkSpec) -> dict[str, Any]:
     ctx = runtime.current()
+    # Who runs this attempt, before anything refuses it (a model this pool may not run): never '?'
+    who = {jobmeta.WORKER: ctx.name, jobmeta.HOST: ctx.host, jobmeta.DEVICE: ctx.device, jobmeta.GPU: ctx.gpu}
+    attempt = _job_meta(who, starting=True)
     check_spec(chunk, ctx)
     layout = RunLayout(chunk.store, chunk.run_id)
     job = get_current_job()
@@ -347,8 +346,6 @@ def _embed(chunk: ChunkSpec) -> dict[str, Any]:
         log.info("chunk %s already has a valid output; not encoding it again", chunk.job_id)
         return {**existing, "skipped": True}
 
-    who = {jobmeta.WORKER: ctx.name, jobmeta.HOST: ctx.host, jobmeta.DEVICE: ctx.device, jobmeta.GPU: ctx.gpu}
-    attempt = _job_meta(who, starting=True)
     ids, texts = read_chunk_input(layout, chunk.index)
     if len(texts) != chunk.rows:
         raise BadInputError(
@@ -390,7 +387,7 @@ def _embed(chunk: ChunkSpec) -> dict[str, Any]:
         "chunk": chunk.index,
         "first_row": chunk.first_row,
         **manifest.producer(),
-        "model_identity": _value(loaded),  # what it was encoded by: the run's, or with none recorded, its own
+        "model_identity": loaded.identity_value,  # what encoded it: the run's, or (none recorded) its own
         "libraries": library_versions(),  # the vector cache takes the rows only if its key's are these
         "worker": ctx.name,
         "pid": ctx.pid,

@@ -13,6 +13,7 @@ import redis
 
 from chunkq.jobs.contract.run_files import RunLayout
 from chunkq.queue_worker.exit_codes import EXIT_CHUNKS_FAILED
+from chunkq.supervisor.watch.attempts import failed_attempts
 from tests.helpers import make_texts, max_abs_diff, result_of, run_cli, start_cli, stop_tree, write_corpus
 from tests.tiny_models import bundled_copy
 
@@ -37,6 +38,9 @@ def test_a_chunk_quarantined_for_a_fixed_cause_is_tried_again_by_the_next_superv
     assert refused.returncode == EXIT_CHUNKS_FAILED, refused.stderr[-3000:]
     assert "3 chunk(s) quarantined:" in refused.stderr and "which this worker may not load" in refused.stderr
     assert f"then `chunkq supervise {run_id}` or the same `chunkq run` command" in refused.stderr
+    # Refused before it began encoding, each attempt is still the refusing worker's (it was '?').
+    refusals = failed_attempts(RunLayout(store, run_id))
+    assert len(refusals) >= 3 and all("?" not in (a.worker, a.host, a.device) for a in refusals), refusals
     pool = start_cli(tmp_path / "pool2.log", "pool", "--gpus", "none", "--allow-model", str(model), **env)
     try:
         done = run_cli("supervise", run_id, "--poll", "0.2", **env, timeout=240)
@@ -62,7 +66,7 @@ def test_a_chunk_cut_off_after_its_quarantine_was_lifted_is_retried_not_quaranti
 
     import psutil
 
-    from chunkq.supervisor.watch.attempts import by_class, failed_attempts
+    from chunkq.supervisor.watch.attempts import by_class
     from tests.helpers import wait_for, worker_processes
 
     model = bundled_copy(tmp_path / "model")
@@ -159,7 +163,6 @@ def test_lifted_quarantines_are_queued_as_the_window_has_room_and_number_their_a
     from chunkq.jobs.contract.manifest import load_manifest
     from chunkq.jobs.contract.specs import chunk_job_id
     from chunkq.supervisor.submit.enqueue import job_statuses, retry_quarantined
-    from chunkq.supervisor.watch.attempts import failed_attempts
 
     model = bundled_copy(tmp_path / "model")
     ids, texts = make_texts(50, seed=55)

@@ -265,6 +265,7 @@ def test_status_runs_report_metrics_and_the_cache_command_say_what_was_saved(
     from chunkq.supervisor.watch.metrics import RunMetrics
     from chunkq.supervisor.watch.snapshot import store_snapshot
     from chunkq.tools.report import summary as report_summary
+    from chunkq.tools.report import write_report
     from chunkq.tools.run_facts import gather
     from chunkq.tools.run_list import describe_run
 
@@ -279,6 +280,13 @@ def test_status_runs_report_metrics_and_the_cache_command_say_what_was_saved(
     facts = gather(layout)
     saved = report_summary(facts, [], None, "tokens")["cache"]
     assert saved["chunks_from_cache"] == manifest.chunks and saved["encode_seconds_saved"] > 0
+    # Every chunk read from the cache: the run is done, and the figures no chunk gave read "-".
+    reported = write_report(layout, tmp_path / "report")
+    assert (reported["chunks_done"], reported["chunks_encoded"]) == (manifest.chunks, 0)
+    assert reported["ran_seconds"] == 0 and reported["rows_per_second"] is None
+    page = (tmp_path / "report" / "report.md").read_text()
+    assert f"| chunks done | {manifest.chunks} of {manifest.chunks} |" in page
+    assert "| throughput | - |" in page and "None" not in page, page
     metrics = RunMetrics(layout.run_id)
     metrics.observe(store_snapshot(layout, manifest))
     sample = metrics.registry.get_sample_value

@@ -44,7 +44,8 @@ def summary(
     facts: RunFacts, lengths: list[int], limit: int | None, unit: str, layout: RunLayout | None = None
 ) -> dict[str, Any]:
     m = facts.manifest
-    running = facts.chunks_done + len(facts.quarantined) < m.chunks
+    published = len(facts.done)  # encoded and read from the vector cache alike
+    running = published + len(facts.quarantined) < m.chunks
     ran = facts.throughput.seconds(running) or 0.0  # pauses of a stopped run not counted
     rate = facts.throughput.rows_per_second(running)
     loads = [lane.load[1] for lane in facts.lanes.values() if lane.load is not None]
@@ -57,7 +58,8 @@ def summary(
         "chunks": m.chunks,
         "rows_done": facts.throughput.rows if layout is None else corpus_rows_of(layout, m, facts.done),
         "rows_encoded": facts.throughput.rows,
-        "chunks_done": facts.chunks_done,
+        "chunks_done": published,
+        "chunks_encoded": facts.chunks_done,
         "worker_processes": len(facts.lanes),  # that encoded a chunk of the result (as the summary counts)
         # workers whose attempt was cut off (killed, hung, their pool gone): each once
         "worker_deaths": len({(f.host, f.worker) for f in facts.failures if f.error_class == ABANDONED}),
@@ -289,13 +291,13 @@ def _markdown(s: dict[str, Any], png: Path) -> str:
         f"| devices | {', '.join(s['devices'])} |",
         f"| wall time (first chunk start to last chunk end) | {s['wall_seconds']} s |",
         f"| time it ran (pauses over {PAUSE_SECONDS:.0f} s left out) | {s['ran_seconds']} s |",
-        f"| throughput | {s['rows_per_second']} rows/s |",
+        f"| throughput | {_or_dash(s['rows_per_second'], ' rows/s')} |",
         f"| device busy over the chunks | {device_busy.describe(s['device_busy'])} |",
         f"| failed attempts | {s['failed_attempts']} ({classes}) |",
         f"| {batches['unit'].replace('_', ' ')} | requested {batches['requested']}; chunks ran at "
         f"{', '.join(f'{size} ({n})' for size, n in batches['chunks_at'].items()) or '-'} |",
         f"| quarantined chunks | {len(s['quarantined_chunks'])} {s['quarantined_chunks'] or ''} |",
-        f"| start-up before the first chunk | {s['startup_seconds']} s |",
+        f"| start-up before the first chunk | {_or_dash(s['startup_seconds'], ' s')} |",
         *(
             [
                 f"| before the first row (seconds since {s['first_row']['from']}) | "
@@ -305,7 +307,7 @@ def _markdown(s: dict[str, Any], png: Path) -> str:
             if s.get("first_row") and s["first_row"]["marks"]
             else []
         ),
-        f"| model loads | {s['model_loads']} (mean {s['model_load_seconds_mean']} s) |",
+        f"| model loads | {s['model_loads']} (mean {_or_dash(s['model_load_seconds_mean'], ' s')}) |",
         f"| truncated texts (sample of {s['length_sample']}) | {s['truncated_in_sample']} "
         f"longer than {s['truncation_point']} {s['length_unit']} |",
     ]
@@ -329,6 +331,11 @@ def _markdown(s: dict[str, Any], png: Path) -> str:
         ]
     lines.append("")
     return "\n".join(lines)
+
+
+def _or_dash(value: Any, unit: str) -> str:
+    """A figure the run has not got (no chunk encoded: all from the cache) reads "-", not "None"."""
+    return "-" if value is None else f"{value}{unit}"
 
 
 def write_report(layout: RunLayout, out: Path) -> dict[str, Any]:

@@ -136,6 +136,11 @@ class LoadedModel:
     loaded_at: str  # ISO time the load finished, for the run report's timeline
     identity: Identity | None = None  # the bytes it was loaded from (None: its files are not here)
 
+    @property
+    def identity_value(self) -> str | None:
+        """What the manifest and each output record of the model (None: its files are not here)."""
+        return self.identity.value if self.identity is not None else None
+
     def set_length(self, limit: int | None) -> None:
         """Truncate at ``limit`` tokens (None: the model's own); a model that truncates nothing
         keeps reading every token. The cached model is shared by every run this process serves."""
