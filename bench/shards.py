@@ -122,7 +122,8 @@ def main() -> None:
         from chunkq.jobs.contract.manifest import load_manifest
         from chunkq.jobs.contract.storage import open_store
         from chunkq.supervisor.result.assemble import assemble
-        from chunkq.supervisor.result.published import check_published, shard_bytes
+        from chunkq.supervisor.result.published import shard_bytes
+        from chunkq.supervisor.result.reader import check_published
         from tests.helpers import write_encoded_run
 
         started = time.perf_counter()

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from chunkq.jobs.compute.model_info import describe
 from chunkq.jobs.compute.models import check_model, default_model, resolve_model
 from chunkq.jobs.compute.quantize import stored_columns
-from chunkq.jobs.contract.errors import ConfigError, NonFiniteError, StoreError
+from chunkq.jobs.contract.errors import AssemblyError, ConfigError, NonFiniteError, StoreError
 from chunkq.jobs.contract.manifest import load_manifest
 from chunkq.jobs.contract.ragged import Ragged
 from chunkq.jobs.contract.run_files import RunLayout, load_npy
@@ -30,13 +30,8 @@ from chunkq.jobs.contract.storage import is_local, open_store, private_open
 from chunkq.jobs.kinds.cross import pair_text
 from chunkq.queue_worker.settings import DEFAULT_STORE
 from chunkq.supervisor.request import ENCODE_NAMES, build_run_request, encode_options_for, finished_result
-from chunkq.supervisor.result.published import (
-    ResultPart,
-    ShardedEmbeddings,
-    read_result_manifest,
-    result_parts,
-    result_problems,
-)
+from chunkq.supervisor.result.published import read_result_manifest
+from chunkq.supervisor.result.reader import OpenedResult, ShardedEmbeddings, open_result
 from chunkq.supervisor.watch.display import ProgressDisplay
 from chunkq.supervisor.watch.snapshot import store_snapshot
 
@@ -69,19 +64,18 @@ class RunResult:
     def ids_path(self) -> Path:
         return self.result_dir / "ids.jsonl"
 
-    def _parts(self) -> tuple[dict[str, Any], list[ResultPart]]:
-        """The published result's manifest and files, checked against the run and against the files'
-        headers and sizes (a missing, truncated or foreign file is refused in one line, StoreError);
-        a sharded result's shards are also checked against their checksums as they are read."""
+    def _opened(self) -> OpenedResult:
+        """The published result, checked against the run and against its files' headers and sizes (a
+        missing, truncated or foreign file is refused in one line, StoreError); what is read of it
+        is checked against its checksums as it is read."""
         layout = RunLayout(self.store, self.run_id)
-        manifest = read_result_manifest(layout)
-        problems = result_problems(layout, manifest, load_manifest(layout), checksums=False)
-        if problems:
+        try:
+            return open_result(layout)
+        except AssemblyError as exc:
             raise StoreError(
-                f"run {self.run_id}: the published result is damaged ({'; '.join(problems[:3])}); "
-                "`chunkq assemble RUN` publishes it again from the chunk outputs"
-            )
-        return manifest, result_parts(layout, manifest)
+                f"run {self.run_id}: {exc.problems[0]}; `chunkq assemble RUN` publishes it "
+                "again from the chunk outputs"
+            ) from None
 
     def embeddings(self, mmap: bool = True) -> np.ndarray | ShardedEmbeddings:
         """The result, row i for corpus row i: a memory-mapped array (read whole with ``mmap=False``),
@@ -89,12 +83,12 @@ class RunResult:
         (``np.asarray(view)`` reads them all)."""
         import numpy as np
 
-        manifest, parts = self._parts()
-        if manifest.get("ragged") is not None:
+        opened = self._opened()
+        parts = opened.parts
+        if opened.ragged is not None:
             raise ConfigError(f"run {self.run_id} holds ragged rows, not a matrix: use .ragged()")
-        if manifest.get("shards") is not None:
-            dtype = storage_dtype(str(manifest.get("dtype", "float32")))
-            return ShardedEmbeddings(parts, int(manifest["dim"]), dtype)
+        if len(parts) > 1 or opened.manifest.get("shards") is not None:
+            return ShardedEmbeddings(parts, opened.dim, opened.dtype)
         if mmap or not is_local(parts[0].embeddings):
             return load_npy(parts[0].embeddings)  # memory-mapped here, read whole from an object store
         array: np.ndarray = np.load(parts[0].embeddings, allow_pickle=False)
@@ -107,11 +101,11 @@ class RunResult:
         result's shards are read and joined."""
         from chunkq.supervisor.result import ragged as ragged_result
 
-        manifest, _ = self._parts()
-        if manifest.get("ragged") is None:
+        opened = self._opened()
+        if opened.ragged is None:
             raise ConfigError(f"run {self.run_id} holds a matrix, not ragged rows: use .embeddings()")
         arrays = ragged_result.load(self.result_dir)
-        return Ragged(arrays.pop("offsets"), arrays, int(manifest["dim"]))
+        return Ragged(arrays.pop("offsets"), arrays, opened.dim)
 
     def export_to(
         self,
@@ -136,18 +130,7 @@ class RunResult:
     def ids(self) -> list[Any]:
         """Each row's id, in order: a string, or with ``long_texts="window"`` an object (the text's
         id, the window's number, ``char_start``, ``char_end``, ``tokens``)."""
-        manifest, parts = self._parts()
-        if manifest.get("ragged") is not None:
-            from chunkq.supervisor.result import ragged as ragged_result
-
-            files = [block.ids_path for block in ragged_result.blocks(self.result_dir, manifest)]
-        else:
-            files = [part.ids for part in parts]
-        ids: list[Any] = []
-        for path in files:
-            with path.open(encoding="utf-8") as fh:
-                ids += (json.loads(line) for line in fh)
-        return ids
+        return [rid for ids in self._opened().ids() for rid in ids]  # each ids file checked
 
     def text_embeddings(self) -> np.ndarray | None:
         """With ``long_texts="window"`` and ``pool``: a vector per text (``texts.npy``), the texts in

@@ -31,7 +31,7 @@ from chunkq.jobs.contract.storage import OWNER_ONLY, is_local
 from chunkq.queue_worker.lifeline import die_with_parent
 from chunkq.queue_worker.settings import SETTINGS_JSON_ENV, PoolSettings, env_of
 from chunkq.supervisor.result.planned_rows import corpus_rows_of
-from chunkq.supervisor.result.published import published_result
+from chunkq.supervisor.result.reader import published_result
 from chunkq.supervisor.store.embedded_redis import EmbeddedRedis
 from chunkq.supervisor.store.run_log import RunLog, log_path, relay
 from chunkq.supervisor.store.start_marks import CHUNKS_QUEUED, POOL_STARTED, REDIS_READY, StartMarks

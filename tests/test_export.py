@@ -14,7 +14,8 @@ import pytest
 
 from chunkq.jobs.contract.errors import AssemblyError
 from chunkq.jobs.contract.run_files import RunLayout, atomic_write_json, file_sha256
-from chunkq.tools.export import BATCH_ROWS, export
+from chunkq.supervisor.result.reader import BATCH_ROWS
+from chunkq.tools.export import export
 
 ROWS, DIM = 200_000, 64  # 51 MB: more than Arrow's Parquet writer buffers (~27 MB, whatever the rows)
 
@@ -78,7 +79,7 @@ def test_a_damaged_result_is_refused_and_nothing_is_written(tmp_path: Path) -> N
     path.write_bytes(bytes(data))
     for fmt in ("parquet", "npy", "jsonl"):
         out = tmp_path / f"out.{fmt}"
-        with pytest.raises(AssemblyError, match="do not match the checksums"):
+        with pytest.raises(AssemblyError, match="embeddings.npy does not match the checksum"):
             export(layout, fmt, out)
         assert sorted(p.name for p in tmp_path.iterdir()) == ["store"], fmt  # no file, whole or partial
 

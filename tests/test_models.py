@@ -30,7 +30,7 @@ from chunkq.jobs.embed import embed_chunk
 from chunkq.queue_worker.settings import PoolSettings, worker_argv
 from chunkq.supervisor.request import submit_request
 from chunkq.supervisor.result.assemble import assemble
-from chunkq.supervisor.result.published import check_published
+from chunkq.supervisor.result.reader import check_published
 from chunkq.supervisor.submit.corpus import CorpusOptions
 from chunkq.supervisor.submit.identity import SubmitRequest
 from chunkq.supervisor.submit.submission import submit

@@ -89,7 +89,7 @@ def test_a_sharded_ragged_result_goes_to_the_object_store_and_reads_back_whole(
     from chunkq.api import RunResult
     from chunkq.jobs.contract.manifest import load_manifest
     from chunkq.supervisor.result.assemble import assemble
-    from chunkq.supervisor.result.published import check_published
+    from chunkq.supervisor.result.reader import check_published
     from tests.helpers import write_ragged_run
 
     local = write_ragged_run(tmp_path / "store", "sparse")
@@ -233,7 +233,7 @@ def test_a_sharded_result_goes_to_the_object_store_a_shard_at_a_time(
     from chunkq.api import RunResult
     from chunkq.jobs.contract.manifest import load_manifest
     from chunkq.jobs.contract.run_files import load_npy
-    from chunkq.supervisor.result import published as result_module
+    from chunkq.supervisor.result import reader as result_module
     from chunkq.supervisor.result import writer
     from chunkq.supervisor.result.assemble import assemble
     from tests.helpers import write_encoded_run

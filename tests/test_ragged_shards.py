@@ -19,7 +19,7 @@ from chunkq.jobs.contract.manifest import load_manifest
 from chunkq.jobs.contract.ragged import SCHEMAS, WIDE
 from chunkq.jobs.contract.run_files import RunLayout, read_json
 from chunkq.supervisor.result.assemble import assemble
-from chunkq.supervisor.result.published import check_published, verified_result
+from chunkq.supervisor.result.reader import check_published, open_result
 from chunkq.tools.export import export
 from tests.helpers import write_ragged_run
 
@@ -77,7 +77,7 @@ def test_a_damaged_shard_is_found_and_the_result_assembled_again(tmp_path: Path)
         "000002.values.npy does not match" in p for p in check_published(layout, load_manifest(layout))
     )
     with pytest.raises(AssemblyError, match=r"000002\.values\.npy"):
-        verified_result(layout)
+        open_result(layout).verify()
     with pytest.raises(AssemblyError):
         export(layout, "parquet", tmp_path / "out.parquet")  # nothing damaged goes out
     assert not (tmp_path / "out.parquet").exists()

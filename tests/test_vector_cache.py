@@ -314,7 +314,7 @@ def test_a_partial_result_leaves_out_every_row_of_a_missing_chunks_texts(
     from chunkq.jobs.contract.run_files import RunLayout
     from chunkq.jobs.embed import embed_chunk
     from chunkq.supervisor.result.assemble import Failure, assemble
-    from chunkq.supervisor.result.published import check_published
+    from chunkq.supervisor.result.reader import check_published
     from chunkq.supervisor.submit.corpus import CorpusOptions
     from chunkq.supervisor.submit.identity import SubmitRequest
     from chunkq.supervisor.submit.submission import submit

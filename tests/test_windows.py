@@ -177,7 +177,7 @@ def test_pooled_vectors_per_text_are_the_token_weighted_mean_of_its_windows(  # 
     import numpy as np
 
     from chunkq.jobs.contract.manifest import load_manifest
-    from chunkq.supervisor.result.published import check_published
+    from chunkq.supervisor.result.reader import check_published
     from tests.helpers import result_of, run_in_process
 
     texts, ids = [_long_text(100, seed=4), "short text", _long_text(60, seed=5)], ["a", "b", "c"]

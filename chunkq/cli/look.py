@@ -26,7 +26,8 @@ from chunkq.supervisor.request import (
     reach_redis,
 )
 from chunkq.supervisor.result.planned_rows import describe_savings
-from chunkq.supervisor.result.published import describe_left_out, read_result_manifest, result_problems
+from chunkq.supervisor.result.published import describe_left_out, read_result_manifest
+from chunkq.supervisor.result.reader import result_problems
 from chunkq.supervisor.store.store_redis import served_url
 from chunkq.supervisor.watch.attempts import describe_attempts, failed_attempts, to_json
 from chunkq.supervisor.watch.display import describe

@@ -22,7 +22,8 @@ from chunkq.jobs.contract.run_files import RunLayout, read_json
 from chunkq.jobs.contract.units import size_text
 from chunkq.queue_worker.exit_codes import EXIT_PARTIAL
 from chunkq.supervisor.result.assemble import assemble
-from chunkq.supervisor.result.published import check_published, shard_bytes
+from chunkq.supervisor.result.published import shard_bytes
+from chunkq.supervisor.result.reader import check_published
 from chunkq.tools.export import EXPORT_FORMATS, STDOUT, export
 from chunkq.tools.run_list import RunInfo, clean, list_runs
 

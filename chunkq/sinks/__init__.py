@@ -29,27 +29,19 @@ from chunkq.jobs.contract.run_files import RunLayout
 from chunkq.jobs.contract.storage import is_local
 from chunkq.sinks.corpus_columns import CorpusColumns, check_columns
 from chunkq.sinks.row_texts import HASH_COLUMN, RowHashes
-from chunkq.sinks.rows import (
-    DENSE,
-    LEVELS,
-    SPARSE,
-    Rows,
-    dense_batches,
-    most_active,
-    result_ids,
-    row_keys,
-    row_kind,
-    sparse_batches,
-)
+from chunkq.sinks.rows import DENSE, SPARSE, Rows, most_active, row_keys, row_kind, sparse_batches
 from chunkq.sinks.same_rows import Held, check_same_rows
-from chunkq.supervisor.result.published import verified_result
-from chunkq.tools.export import texts_of
+from chunkq.supervisor.result.reader import LEVELS, OpenedResult, open_result
 
 SINK_BATCH_ROWS = 4096  # rows a sink is given at once: memory stays one batch whatever the run's size
 
 
 class Sink(Protocol):
     label: str  # how messages name the destination: "--to URL: table T", the URL without a password
+    # True: nothing reaches the destination before close() (built aside, put in place at once), so
+    # the result is checked as it is read; False (a table written a batch at a time): checked whole
+    # before the first row is written, a second read.
+    whole: bool
 
     def writes_to(self) -> list[str]:
         """The local paths it writes (checked to lie outside the store); [] for a server."""
@@ -144,50 +136,43 @@ def _one_line(exc: BaseException, url: str) -> BaseException:
     return StoreError(f"--to {redacted(url)}: {type(exc).__name__}: {redact(first)}")
 
 
-def _shape(
-    layout: RunLayout, url: str, options: dict[str, Any], columns: tuple[str, ...]
-) -> tuple[Any, Rows, str]:
-    """The run, what its rows are as the sink is told, and the level they are read at."""
-    run, result = verified_result(layout)
+def _shape(layout: RunLayout, options: dict[str, Any], columns: tuple[str, ...]) -> tuple[OpenedResult, Rows]:
+    """The published result, opened at its level, and what its rows are as the sink is told."""
+    result = open_result(layout, str(options.get("level") or LEVELS[0]))
+    run = result.run
     kind = row_kind(run)
-    level = str(options.get("level") or LEVELS[0])
-    if level not in LEVELS:
-        raise ConfigError(f"--level {level!r}: one of {', '.join(LEVELS)}")
-    windows = (run.plan or {}).get("windows")
-    windowed = bool(windows) and level == "window"
     normalized = bool(run.options.get("normalize_embeddings")) or bool((run.plan or {}).get("normalize"))
     if not normalized and kind == DENSE:
         from chunkq.jobs.compute.model_info import describe
 
         normalized = describe(run.model, run.options.get("revision")).normalizes and run.kind == "dense"
-    if level == "document":
-        normalized = bool((windows or {}).get("normalize"))
+    if result.level == "document":
+        normalized = bool(((run.plan or {}).get("windows") or {}).get("normalize"))
     column = options.get("column")
     check_columns(columns, column)
-    shape = texts_of(run, result) if level == "document" else result
     rows = Rows(
         layout.run_id,
-        int(shape["rows"]),
-        int(shape["dim"]),
+        result.rows,
+        result.dim,
         run.output_dtype,
         normalized,
-        windowed,
+        result.windowed,
         columns,
         kind,
         column,
-        most_active(layout, result) if kind == SPARSE else None,
+        most_active(result) if kind == SPARSE else None,
     )
-    return (run, result), rows, level
+    return result, rows
 
 
-def _run_keys(layout: RunLayout, run: Any, result: dict[str, Any], rows: Rows, level: str) -> Any:
+def _run_keys(result: OpenedResult, rows: Rows) -> Any:
     """The run's rows as a table is keyed: each row's id and text hash (pyarrow)."""
     import pyarrow as pa
 
-    hashes = RowHashes(layout, run, level)
+    hashes = RowHashes(result.layout, result.run, result.level)
     keys: list[str] = []
     digests: list[str] = []
-    for ids in result_ids(layout, result, rows.kind, level):
+    for ids in result.ids():
         keys += row_keys(ids, rows.windowed)[0]
         digests += hashes.of(ids)
     return pa.table({"id": pa.array(keys, pa.string()), HASH_COLUMN: pa.array(digests, pa.string())})
@@ -202,25 +187,27 @@ def export_to(
     columns: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Write RUN's published result to ``url``; a summary (rows, written, seconds, rows/s, and what
-    the sink says of itself). The result is verified whole (every checksum) before a row is written.
+    the sink says of itself). No damaged row reaches the destination: a sink that puts its output in
+    place at once reads the result once, checked on the way; a table is checked whole first.
     ``options``: ``index`` (FAISS), ``force`` (FAISS), ``column`` (the vector column's name),
     ``level`` (``document``: a windowed run's vectors per text)."""
     options = options or {}
-    (run, result), rows, level = _shape(layout, url, options, columns)
+    result, rows = _shape(layout, options, columns)
+    run, level = result.run, result.level
     corpus = CorpusColumns(run, columns, rows.windowed) if columns else None
     sink = open_sink(url, options)
     _outside_the_store(layout, sink, url)
     progress = Progress(rows.rows)
     batches: Iterator[tuple[list[Any], Any]] = (
-        sparse_batches(layout, result, batch_rows)
-        if rows.kind == SPARSE
-        else dense_batches(layout, batch_rows, level)
+        sparse_batches(result, batch_rows) if rows.kind == SPARSE else result.batches(batch_rows)
     )
+    if not sink.whole:
+        result.verify()
     try:
         sink.open(rows)
         held = sink.held()
         if held is not None:  # rows there already: the same corpus rows, or nothing is touched
-            check_same_rows(sink.label, held, _run_keys(layout, run, result, rows, level), sink.columns())
+            check_same_rows(sink.label, held, _run_keys(result, rows), sink.columns())
         hashes = RowHashes(layout, run, level) if HASH_COLUMN in sink.columns() else None
         sink.prepare()
         for ids, block in batches:

@@ -50,6 +50,8 @@ def written_by_chunkq(path: Path) -> bool:
 
 
 class FaissSink:
+    whole = True  # built in memory, renamed into place at close
+
     def __init__(self, url: str, factory: str, force: bool = False) -> None:
         self.path = Path(url[len("faiss:") :]).expanduser()
         if not self.path.name or not self.path.parent.is_dir():

@@ -52,6 +52,8 @@ def sparse_columns(base: str) -> tuple[str, str]:
 
 
 class LanceSink:
+    whole = False  # rows merged a batch at a time
+
     def __init__(self, url: str) -> None:
         self.url = url
         self.where, self.name = _split(url)

@@ -72,6 +72,8 @@ def _value(row: Any, dtype: str, dim: int) -> Any:
 
 
 class PgvectorSink:
+    whole = False  # rows upserted a transaction per batch
+
     def __init__(self, url: str) -> None:
         parts = urlsplit(url)
         query = parse_qs(parts.query)

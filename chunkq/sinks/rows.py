@@ -4,7 +4,6 @@ windowed run's vectors per text (``--level document``, its ``texts.npy``)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -13,11 +12,11 @@ import numpy as np
 
 from chunkq.jobs.contract.errors import ConfigError
 from chunkq.jobs.contract.manifest import RunManifest
-from chunkq.jobs.contract.run_files import RunLayout
-from chunkq.tools.export import WINDOW_COLUMNS, ResultReader
+from chunkq.supervisor.result import ragged as ragged_result
+from chunkq.supervisor.result.published import WINDOW_COLUMNS
+from chunkq.supervisor.result.reader import OpenedResult
 
 DENSE, SPARSE = "dense", "sparse"  # the row kinds a sink writes (a cross run's scores are dense rows)
-LEVELS = ("window", "document")  # a windowed run: a row per window, or its texts' pooled vectors
 WINDOW_FIELDS = WINDOW_COLUMNS  # a window's columns beside text_id, as every export writes them
 
 
@@ -77,38 +76,10 @@ def row_keys(ids: list[Any], windowed: bool) -> tuple[list[str], dict[str, list[
     return [f"{rid['id']}#{rid['window']}" for rid in ids], columns
 
 
-def dense_batches(
-    layout: RunLayout, batch_rows: int, level: str = LEVELS[0]
-) -> Iterator[tuple[list[Any], np.ndarray[Any, Any]]]:
-    """The result's rows (or its texts' pooled vectors) in ``batch_rows`` at a time."""
-    reader = ResultReader(layout, level)
-    held_ids: list[Any] = []
-    held: list[np.ndarray[Any, Any]] = []
-    count = 0
-    for ids, block in reader.batches():
-        held_ids += ids
-        held.append(block)
-        count += len(ids)
-        while count >= batch_rows:
-            rows = np.concatenate(held)
-            yield held_ids[:batch_rows], rows[:batch_rows]
-            held_ids, held, count = held_ids[batch_rows:], [rows[batch_rows:]], count - batch_rows
-    if held_ids:
-        yield held_ids, np.concatenate(held)
-
-
-def sparse_batches(
-    layout: RunLayout, result: dict[str, Any], batch_rows: int
-) -> Iterator[tuple[list[Any], SparseRows]]:
-    """A sparse result's rows ``batch_rows`` at a time, a block (the result, or a shard) read at once
-    (its checksums were verified with the whole result's before the export began)."""
-    from chunkq.supervisor.result import ragged as ragged_result
-
-    for block in ragged_result.blocks(layout.result, result):
-        arrays = ragged_result.block_arrays(block, SPARSE)
+def sparse_batches(result: OpenedResult, batch_rows: int) -> Iterator[tuple[list[Any], SparseRows]]:
+    """A sparse result's rows ``batch_rows`` at a time, a block (the result, or a shard) read at once."""
+    for ids, arrays in result.ragged_blocks():
         offsets, indices, values = arrays["offsets"], arrays["indices"], arrays["values"]
-        with open(block.ids_path, encoding="utf-8") as fh:
-            ids = [json.loads(line) for line in fh]
         for start in range(0, len(ids), batch_rows):
             end = min(start + batch_rows, len(ids))
             a, b = int(offsets[start]), int(offsets[end])
@@ -120,26 +91,10 @@ def sparse_batches(
             yield ids[start:end], part
 
 
-def result_ids(layout: RunLayout, result: dict[str, Any], kind: str, level: str) -> Iterator[list[Any]]:
-    """The result's row ids a file at a time, without its vectors (what an existing table is
-    checked against before an export writes a row)."""
-    if kind == SPARSE:
-        from chunkq.supervisor.result import ragged as ragged_result
-
-        paths = [block.ids_path for block in ragged_result.blocks(layout.result, result)]
-    else:
-        paths = [part.ids for part in ResultReader(layout, level).parts]
-    for path in paths:
-        with open(path, encoding="utf-8") as fh:
-            yield [json.loads(line) for line in fh]
-
-
-def most_active(layout: RunLayout, result: dict[str, Any]) -> int:
+def most_active(result: OpenedResult) -> int:
     """A sparse result's most non-zero entries in one row (its offsets alone are read)."""
-    from chunkq.supervisor.result import ragged as ragged_result
-
     most = 0
-    for block in ragged_result.blocks(layout.result, result):
+    for block in ragged_result.blocks(result.layout.result, result.manifest):
         offsets = ragged_result.block_arrays(block, SPARSE)["offsets"]
         if len(offsets) > 1:
             most = max(most, int(np.diff(np.asarray(offsets, dtype=np.int64)).max()))

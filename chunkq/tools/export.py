@@ -3,13 +3,13 @@ with its ids.
 
 Streaming: rows are read and written a batch at a time, so memory stays flat in the row count.
 The values are the result's values, unchanged, in its dtype (float32, float16, int8, uint8; binary
-and ubinary as their packed bytes, 8 dimensions each). The result's checksum is verified while it is
-read; the file appears at ``--out`` only once it is whole and the checksum matched.
+and ubinary as their packed bytes, 8 dimensions each). The result is read once
+(``supervisor.result.reader``), its checksums and values checked on the way; the file appears at
+``--out`` only once it is whole and every check passed.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -19,27 +19,19 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 
 from chunkq.jobs import kinds
-from chunkq.jobs.contract.errors import AssemblyError, ConfigError, StoreError
-from chunkq.jobs.contract.manifest import RunManifest, load_manifest
-from chunkq.jobs.contract.run_files import RunLayout, read_json, read_npy_header
-from chunkq.jobs.contract.specs import storage_dtype
+from chunkq.jobs.contract.errors import ConfigError
+from chunkq.jobs.contract.manifest import load_manifest
+from chunkq.jobs.contract.run_files import RunLayout
 from chunkq.jobs.contract.storage import as_the_caller_would, is_local, remove_leftovers_beside, temp_beside
-from chunkq.supervisor.result.published import (
-    TEXTS,
-    ResultPart,
-    result_parts,
-    result_problems,
-    verified_result,
-)
+from chunkq.supervisor.result.published import WINDOW_COLUMNS
+from chunkq.supervisor.result.reader import BATCH_ROWS, OpenedResult, open_result
 
 EXPORT_FORMATS = ("parquet", "npy", "jsonl")
-WINDOW_COLUMNS = ("window", "char_start", "char_end", "tokens")  # a windowed result's, after id
-BATCH_ROWS = 8192
 
 
 def ids_path_beside(out: Path) -> Path:
@@ -56,144 +48,6 @@ def value_column(kind: str, dim: int) -> str:
     if kind == "cross":
         return SCORE if dim == 1 else SCORES
     return EMBEDDING
-
-
-def texts_of(run: RunManifest, result: dict[str, Any]) -> dict[str, Any]:
-    """A windowed run's vectors per text as its result manifest records them (``--level document``)."""
-    texts = result.get("texts")
-    if not isinstance(texts, dict):
-        raise ConfigError(
-            f"--level document: run {run.run_id} has no vector per text (a windowed run with --pool "
-            "mean or weighted has one); export its rows"
-        )
-    return texts
-
-
-class ResultReader:
-    """The published result's files (one, or its shards in order), read a batch at a time, each
-    file's checksum verified as it is read; at ``level`` document, a windowed run's vectors per
-    text (``texts.npy``, written with --pool) instead of its rows."""
-
-    def __init__(self, layout: RunLayout, level: str = "window") -> None:
-        run = load_manifest(layout)  # no such run: RunNotFoundError, before "no result"
-        manifest_path = layout.result_manifest
-        if not manifest_path.is_file():
-            raise StoreError(f"run {layout.run_id} has no published result; run it to the end first")
-        self.layout = layout
-        try:
-            self.manifest = read_json(manifest_path)
-        except (OSError, ValueError) as exc:  # torn or truncated: `assemble --verify` says the same
-            raise self._damaged(f"result/manifest.json is unreadable ({exc})") from None
-        disagreement = result_problems(layout, self.manifest, run, checksums=False)
-        if disagreement:
-            raise self._damaged("; ".join(disagreement))
-        self.rows, self.dim = int(self.manifest["rows"]), int(self.manifest["dim"])
-        self.dtype = storage_dtype(run.output_dtype)
-        self.parts = result_parts(layout, self.manifest)
-        self.windowed = bool((run.plan or {}).get("windows"))  # each row's id an object: the window's
-        if level == "document":
-            self._texts(run)
-        self.value_column = value_column(run.kind, self.dim)
-
-    def _texts(self, run: RunManifest) -> None:
-        texts = texts_of(run, self.manifest)
-        embeddings, ids = TEXTS
-        self.rows, self.dim, self.windowed = int(texts["rows"]), int(texts["dim"]), False
-        self.parts = [
-            ResultPart(
-                self.layout.result / embeddings,
-                self.layout.result / ids,
-                self.rows,
-                str(texts.get("embeddings_sha256")),
-                str(texts.get("ids_sha256")),
-            )
-        ]
-
-    def batches(self) -> Iterator[tuple[list[Any], np.ndarray]]:
-        """BATCH_ROWS rows at a time (the last batch fewer) whatever the shard ends: an export's
-        bytes (Parquet's row groups) do not depend on the result's form."""
-        held_ids: list[Any] = []
-        held: list[np.ndarray] = []
-        for part in self.parts:
-            for ids, block in self._part_batches(part):
-                if not held_ids and len(ids) == BATCH_ROWS:
-                    yield ids, block  # the common case, a whole batch of one file: no copy
-                    continue
-                held_ids += ids
-                held.append(block)
-                if len(held_ids) >= BATCH_ROWS:
-                    rows = np.concatenate(held)
-                    while len(held_ids) >= BATCH_ROWS:
-                        yield held_ids[:BATCH_ROWS], rows[:BATCH_ROWS]
-                        held_ids, rows = held_ids[BATCH_ROWS:], rows[BATCH_ROWS:]
-                    held = [rows]
-        if held_ids:
-            yield held_ids, np.concatenate(held)
-
-    def _part_batches(self, part: ResultPart) -> Iterator[tuple[list[str], np.ndarray]]:
-        emb_hash, ids_hash = hashlib.sha256(), hashlib.sha256()
-        name = part.embeddings.name
-        try:
-            emb, ids = part.embeddings.open("rb"), part.ids.open("rb")
-        except FileNotFoundError:
-            raise self._gone(part) from None
-        with emb, ids:
-            header = _read_header(emb, emb_hash, name, self.dtype)
-            if header != (part.rows, self.dim):
-                raise self._damaged(f"{name} holds {header}, the manifest says {(part.rows, self.dim)}")
-            done = 0
-            while done < part.rows:
-                n = min(BATCH_ROWS, part.rows - done)
-                raw = emb.read(n * self.dim * self.dtype.itemsize)
-                lines = [ids.readline() for _ in range(n)]
-                if len(raw) != n * self.dim * self.dtype.itemsize or not all(
-                    line.endswith(b"\n") for line in lines
-                ):
-                    raise self._damaged(f"{name} ends before its row {done + n}")
-                emb_hash.update(raw)
-                for line in lines:
-                    ids_hash.update(line)
-                yield (
-                    [json.loads(line) for line in lines],
-                    np.frombuffer(raw, dtype=self.dtype).reshape(n, self.dim),
-                )
-                done += n
-            rest = emb.read(1) + ids.read(1)
-        if rest:
-            raise self._damaged(f"{name} holds more rows than the manifest says")
-        if emb_hash.hexdigest() != part.embeddings_sha256 or ids_hash.hexdigest() != part.ids_sha256:
-            raise self._damaged(f"{name} or its ids do not match the checksums in its manifest")
-
-    def _gone(self, part: ResultPart) -> StoreError | AssemblyError:
-        """A file of the result vanished while the export read it: published again meanwhile (a rerun,
-        an assemble), which removes the old shards once the new manifest is in place; or damaged."""
-        try:
-            now = read_json(self.layout.result_manifest)
-        except (OSError, ValueError):
-            now = None
-        if now != self.manifest:
-            return StoreError(
-                f"run {self.layout.run_id}: the result was published again while this export read it "
-                f"({part.embeddings.name} was replaced); nothing was written: run the same export again"
-            )
-        return self._damaged(f"{part.embeddings.name} or its ids are missing")
-
-    def _damaged(self, why: str) -> AssemblyError:
-        return AssemblyError(
-            self.layout.run_id, [f"the published result is damaged: {why}", "run `chunkq assemble RUN` again"]
-        )
-
-
-def _read_header(fh: IO[bytes], digest: Any, name: str, expected: np.dtype) -> tuple[int, ...]:
-    start = fh.tell()
-    shape, fortran, dtype = read_npy_header(fh)
-    if fortran or dtype != expected:
-        order = "Fortran" if fortran else "C"
-        raise StoreError(f"{name} is {dtype} {order}-ordered, expected {expected.str} C")
-    end = fh.tell()
-    fh.seek(start)
-    digest.update(fh.read(end - start))
-    return tuple(shape)
 
 
 STDOUT = Path("-")
@@ -287,12 +141,13 @@ def export(
     if kinds.get(kind).ragged:
         return _export_ragged(layout, fmt, _target(out, force, fmt), tokens)
     target = _target(out, force, fmt)
-    reader = ResultReader(layout, level)
+    reader = open_result(layout, level, run)
+    value = value_column(kind, reader.dim)
     from chunkq.sinks.corpus_columns import beside_rows  # the sinks read this module
 
-    fields = beside_rows(run, columns, reader.value_column, reader.windowed)
+    fields = beside_rows(run, columns, value, reader.windowed)
     if fmt == "parquet":
-        _parquet(reader, target, fields)
+        _parquet(reader, value, target, fields)
         return [target.path]
     if fmt == "jsonl":
         with _written_whole(target) as tmp, open(tmp, "w", encoding="utf-8") as fh:
@@ -302,7 +157,7 @@ def export(
                     # A window's id is an object: its fields become the line's (id, window, span, tokens).
                     line = dict(rid) if isinstance(rid, dict) else {"id": rid}
                     line.update({name: values[i] for name, values in extra.items()})
-                    line[reader.value_column] = row[0] if reader.value_column == SCORE else row
+                    line[value] = row[0] if value == SCORE else row
                     fh.write(json.dumps(line, ensure_ascii=False) + "\n")
         return [target.path]
     ids_target = _target(ids_path_beside(target.path), force, fmt)
@@ -317,12 +172,12 @@ def export(
     return [target.path, ids_target.path]
 
 
-def _parquet(reader: ResultReader, out: _Target, fields: Any = None) -> None:
+def _parquet(reader: OpenedResult, name: str, out: _Target, fields: Any = None) -> None:
     if out.through:
         # Arrow's Parquet writer seeks, which a pipe cannot: build the file privately, then stream it.
         with tempfile.TemporaryDirectory(prefix="chunkq-export-") as scratch:
             built = _Target(Path(scratch) / "out.parquet", through=False)
-            _parquet(reader, built, fields)
+            _parquet(reader, name, built, fields)
             with open(built.path, "rb") as src, open(out.path, "wb") as dst:
                 shutil.copyfileobj(src, dst, 1 << 20)
         return
@@ -332,8 +187,7 @@ def _parquet(reader: ResultReader, out: _Target, fields: Any = None) -> None:
     value_type = pa.from_numpy_dtype(reader.dtype)
     windows = reader.windowed
     columns = [("id", pa.string())] + [(name, pa.int64()) for name in WINDOW_COLUMNS if windows]
-    columns += [(name, pa.string()) for name in (fields.names if fields is not None else ())]
-    name = reader.value_column
+    columns += [(field, pa.string()) for field in (fields.names if fields is not None else ())]
     stored = value_type if name == SCORE else pa.list_(value_type, reader.dim)
     schema = pa.schema([*columns, (name, stored)])
     with _written_whole(out) as tmp:
@@ -395,27 +249,22 @@ def _ragged_batch(
 def _export_ragged(layout: RunLayout, fmt: str, target: _Target, tokens: bool = False) -> list[Path]:
     """A ragged result as Parquet or JSON Lines: ``id`` and each entry array as a list per row
     (sparse: ``indices`` list<int32>, ``values`` list<float32>; multivector: ``vectors``, a list of
-    fixed-size lists), its files checked against their checksums first, read a block (the result,
-    or one shard) at a time."""
+    fixed-size lists), read once a block (the result, or one shard) at a time, each file checked
+    against its checksum before its rows are written."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from chunkq.supervisor.result import ragged as ragged_result
-
-    run, result = verified_result(layout)
+    reader = open_result(layout)
     if fmt == "npy":
-        raise ConfigError(f"a {run.kind} result has no matrix to write as .npy; export parquet or jsonl")
+        kind = reader.run.kind
+        raise ConfigError(f"a {kind} result has no matrix to write as .npy; export parquet or jsonl")
     vocabulary = _vocabulary(layout) if tokens else None
-    kind = result["ragged"]["kind"]
 
     def each_block() -> Iterator[tuple[list[Any], np.ndarray[Any, Any], dict[str, np.ndarray[Any, Any]]]]:
-        for block in ragged_result.blocks(layout.result, result):
-            arrays = ragged_result.block_arrays(block, kind)
+        for ids, arrays in reader.ragged_blocks():
             offsets = arrays.pop("offsets")
             if vocabulary is not None:
                 arrays["tokens"] = vocabulary[np.asarray(arrays["indices"])]
-            with open(block.ids_path, encoding="utf-8") as fh:
-                ids = [json.loads(line) for line in fh]
             yield ids, offsets, arrays
 
     if fmt == "jsonl":

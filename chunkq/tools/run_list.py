@@ -23,7 +23,8 @@ from chunkq.jobs.contract.run_files import MANIFEST_NAME, RunLayout
 from chunkq.jobs.contract.specs import EncodeOptions, chunk_job_id, chunk_job_prefix
 from chunkq.jobs.contract.storage import is_local, list_with_mtime, remove_leftovers_beside, remove_tree
 from chunkq.supervisor.result.planned_rows import corpus_rows_of, savings
-from chunkq.supervisor.result.published import read_result_manifest, result_problems
+from chunkq.supervisor.result.published import read_result_manifest
+from chunkq.supervisor.result.reader import result_problems
 from chunkq.supervisor.store.store_lock import StoreLock
 from chunkq.supervisor.submit.enqueue import LIVE_STATUSES, job_statuses
 from chunkq.supervisor.submit.identity import DEFAULT_CHUNK_SIZE

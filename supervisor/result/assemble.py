@@ -40,7 +40,8 @@ from chunkq.jobs.contract.specs import PACKED_DTYPES, EncodeOptions, storage_dty
 from chunkq.jobs.contract.storage import is_local, publish_file
 from chunkq.supervisor.result import planned_rows
 from chunkq.supervisor.result import ragged as ragged_result
-from chunkq.supervisor.result.published import DEFAULT_SHARD_BYTES, TEXTS, published_result
+from chunkq.supervisor.result.published import DEFAULT_SHARD_BYTES, TEXTS
+from chunkq.supervisor.result.reader import published_result
 from chunkq.supervisor.result.text_pooling import TextPooler
 from chunkq.supervisor.result.writer import PartWriter, ResultWriter, local_build_dir, publish
 

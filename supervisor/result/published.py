@@ -16,26 +16,19 @@ lock) are removed by the next one.
 
 from __future__ import annotations
 
-import logging
 import os
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from chunkq.jobs import kinds
-from chunkq.jobs.contract.errors import AssemblyError, ConfigError, StoreError
-from chunkq.jobs.contract.manifest import RunManifest, load_manifest
+from chunkq.jobs.contract.errors import ConfigError
+from chunkq.jobs.contract.manifest import RunManifest
 from chunkq.jobs.contract.ragged import OFFSETS, SCHEMAS
 from chunkq.jobs.contract.run_files import (
     RunLayout,
-    file_sha256,
-    load_npy,
-    non_finite_rows,
     read_json,
     read_npy_header,
 )
@@ -44,12 +37,11 @@ from chunkq.jobs.contract.storage import (
     is_local,
 )
 
-log = logging.getLogger(__name__)
-
 DEFAULT_SHARD_BYTES = 1 << 30  # 1 GiB of embeddings a shard; a result up to this size is one .npy
 SINGLE = ("embeddings.npy", "ids.jsonl")
 # A ragged result's arrays (``ragged.py``), uploaded before the manifest as SINGLE's are.
 RAGGED_FILES = tuple(f"{name}.npy" for name in (OFFSETS, *sorted({n for s in SCHEMAS.values() for n in s})))
+WINDOW_COLUMNS = ("window", "char_start", "char_end", "tokens")  # a windowed result's id fields, after id
 TEXTS = ("texts.npy", "texts.ids.jsonl")  # --long-texts window --pool: a vector per text, beside the windows
 SHARD_DIR = re.compile(r"shards-[0-9A-Za-z]{1,64}")  # what a result manifest may name as its shard folder
 
@@ -210,7 +202,7 @@ def result_disagreement(layout: RunLayout, result: Any, manifest: RunManifest) -
     if sum(part.rows for part in parts) != expected_rows:
         problems.append(f"its shards hold {sum(p.rows for p in parts)} rows, expected {expected_rows}")
     for part in parts:
-        name = _name(layout, part.embeddings)
+        name = result_name(layout, part.embeddings)
         try:
             shape, dtype, size = _declared_shape(part)
             actual = part.embeddings.stat().st_size
@@ -225,161 +217,6 @@ def result_disagreement(layout: RunLayout, result: Any, manifest: RunManifest) -
     return problems
 
 
-def _name(layout: RunLayout, path: Path) -> str:
+def result_name(layout: RunLayout, path: Path) -> str:
     """A result file's name as the manifest's reader knows it: relative to result/."""
     return str(path.relative_to(layout.result)) if is_local(path) else path.name
-
-
-def result_damage(layout: RunLayout, result: dict[str, Any]) -> list[str]:
-    """What in the published result does not match its manifest's checksums (empty: intact)."""
-    problems: list[str] = []
-    for part in result_parts(layout, result):
-        intact = len(problems)
-        for path, digest in ((part.embeddings, part.embeddings_sha256), (part.ids, part.ids_sha256)):
-            if not path.is_file():
-                problems.append(f"{_name(layout, path)} is missing")
-            elif file_sha256(path) != digest:
-                problems.append(f"{_name(layout, path)} does not match the checksum in result/manifest.json")
-        # Assembly verifies every chunk's values; a result published before it did could hold these.
-        if len(problems) == intact and (bad := len(non_finite_rows(load_npy(part.embeddings)))):
-            problems.append(f"{_name(layout, part.embeddings)} has {bad} row(s) of NaN or infinite values")
-    return problems
-
-
-def texts_damage(layout: RunLayout, result: dict[str, Any]) -> list[str]:
-    """What in a result's pooled vectors per text (``texts``) does not match its checksums."""
-    texts = result.get("texts")
-    if not isinstance(texts, dict):
-        return []
-    problems = []
-    for name, key in zip(TEXTS, ("embeddings_sha256", "ids_sha256"), strict=True):
-        path = layout.result / name
-        if not path.is_file():
-            problems.append(f"{name} is missing")
-        elif file_sha256(path) != texts.get(key):
-            problems.append(f"{name} does not match the checksum in result/manifest.json")
-    return problems
-
-
-def check_published(layout: RunLayout, manifest: RunManifest, checksums: bool = True) -> list[str]:
-    """Everything wrong with the published result (empty: whole, intact and this run's)."""
-    return result_problems(layout, read_result_manifest(layout), manifest, checksums)
-
-
-def result_problems(
-    layout: RunLayout, result: Any, manifest: RunManifest, checksums: bool = True
-) -> list[str]:
-    """``check_published`` for a result manifest already read (``read_result_manifest``)."""
-    if result is None:
-        return [f"no result is published in {layout.result}"]
-    problems = result_disagreement(layout, result, manifest)
-    if problems or not checksums:
-        return problems
-    if kinds.get(manifest.kind).ragged:
-        from chunkq.supervisor.result import ragged as ragged_result
-
-        return ragged_result.problems(layout, result, int(result["rows"]), checksums=True)
-    return result_damage(layout, result) + texts_damage(layout, result)
-
-
-def verified_result(layout: RunLayout) -> tuple[RunManifest, dict[str, Any]]:
-    """The run's manifest and its published result manifest, every file checked against its
-    checksum first (what an export reads whole before it writes a byte); StoreError when nothing
-    is published, AssemblyError naming the damage."""
-    run = load_manifest(layout)
-    if not layout.result_manifest.is_file():
-        raise StoreError(f"run {layout.run_id} has no published result; run it to the end first")
-    result = read_json(layout.result_manifest)
-    damage = result_problems(layout, result, run, checksums=True)
-    if damage:
-        raise AssemblyError(layout.run_id, [f"the published result is damaged: {'; '.join(damage)}"])
-    return run, result
-
-
-def published_result(layout: RunLayout, manifest: RunManifest) -> dict[str, Any] | None:
-    """The published result manifest if a whole, intact one exists for this very run, else None.
-
-    Its files are checked against the run's manifest and the result manifest's checksums: a damaged
-    result is never vouched for; it is assembled again from the chunk outputs.
-    """
-    result = read_result_manifest(layout)
-    if result is None:
-        return None
-    if isinstance(result, dict) and result.get("fingerprint") == manifest.fingerprint:
-        if not result.get("complete", True):
-            return None  # partial: a rerun tries the missing chunks again
-    damage = result_problems(layout, result, manifest)
-    if damage:
-        log.warning(
-            "run %s: the published result is damaged (%s); assembling it again from the chunk outputs",
-            manifest.run_id,
-            "; ".join(damage),
-        )
-        return None
-    return dict(result)
-
-
-class ShardedEmbeddings:
-    """A lazy, read-only view of a sharded result as one (rows, dim) matrix: ``len``,
-    ``shape``, indexing by row, slice or index array, iteration by row and ``np.asarray`` (which
-    reads it all). A shard is memory-mapped (local) or read (object store) when a row of it is
-    wanted, one shard at a time."""
-
-    def __init__(self, parts: list[ResultPart], dim: int, dtype: np.dtype[Any]) -> None:
-        self._parts = parts
-        self._starts = np.cumsum([0] + [p.rows for p in parts])
-        self.shape = (int(self._starts[-1]), dim)
-        self.dtype = dtype
-        self.ndim = 2
-        self._cached: tuple[int, np.ndarray[Any, Any]] | None = None
-
-    def __len__(self) -> int:
-        return self.shape[0]
-
-    def shard(self, index: int) -> np.ndarray[Any, Any]:
-        if self._cached is None or self._cached[0] != index:
-            part = self._parts[index]
-            # Each shard is checked against its checksum as it is first read (a shard is read
-            # whole anyway): shards swapped or rewritten on disk are refused, never returned.
-            if file_sha256(part.embeddings) != part.embeddings_sha256:
-                raise StoreError(
-                    f"{part.embeddings} does not match the checksum in its result/manifest.json: the "
-                    "result is damaged; `chunkq assemble RUN` publishes it again from the chunk outputs"
-                )
-            self._cached = (index, load_npy(part.embeddings))
-        return self._cached[1]
-
-    def _rows(self, rows: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-        out = np.empty((len(rows), self.shape[1]), dtype=self.dtype)
-        which = np.searchsorted(self._starts, rows, side="right") - 1
-        for index in np.unique(which):
-            mask = which == index
-            out[mask] = self.shard(int(index))[rows[mask] - self._starts[index]]
-        return out
-
-    def __getitem__(self, key: Any) -> Any:
-        """``view[rows]`` or ``view[rows, columns]``; rows: an int, a slice, an index or bool array."""
-        row_key, columns = key if isinstance(key, tuple) and len(key) == 2 else (key, slice(None))
-        n = self.shape[0]
-        if isinstance(row_key, int | np.integer):
-            if not -n <= row_key < n:
-                raise IndexError(f"row {row_key} out of range for {n} rows")
-            return self._rows(np.array([int(row_key) % n]))[0][columns]
-        if isinstance(row_key, slice):
-            rows = np.arange(*row_key.indices(n))  # only the rows picked, never an index of all rows
-        else:
-            picked = np.asarray(row_key)
-            rows = np.flatnonzero(picked) if picked.dtype == bool else picked.astype(np.int64).ravel()
-            if rows.size and (rows.min() < -n or rows.max() >= n):
-                raise IndexError(f"row index out of range for {n} rows")
-            rows = rows % n
-        return self._rows(rows)[:, columns]
-
-    def __iter__(self) -> Iterator[np.ndarray[Any, Any]]:
-        for index in range(len(self._parts)):
-            yield from self.shard(index)
-
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray[Any, Any]:
-        shards = [self.shard(i) for i in range(len(self._parts))]
-        array = np.concatenate(shards) if shards else np.empty(self.shape, dtype=self.dtype)
-        return array if dtype is None else array.astype(dtype)
