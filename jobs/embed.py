@@ -39,6 +39,7 @@ from chunkq.jobs.compute.model_identity import short
 from chunkq.jobs.compute.scope import check_spec
 from chunkq.jobs.compute.vector_cache import library_versions
 from chunkq.jobs.contract import errors, jobmeta
+from chunkq.jobs.contract.chunk_output import verify_output
 from chunkq.jobs.contract.errors import (
     BadInputError,
     BadRowsError,
@@ -55,7 +56,6 @@ from chunkq.jobs.contract.run_files import (
     RunLayout,
     non_finite_rows,
     read_chunk_input,
-    verify_output,
     write_output,
 )
 from chunkq.jobs.contract.specs import DEFAULT_KIND, DEFAULT_PRECISION, ChunkSpec, EncodeOptions

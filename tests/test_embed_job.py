@@ -8,8 +8,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from chunkq.jobs.contract.chunk_output import verify_output
 from chunkq.jobs.contract.errors import BadInputError, ConfigError
-from chunkq.jobs.contract.run_files import RunLayout, verify_output, write_chunk_input
+from chunkq.jobs.contract.run_files import RunLayout, write_chunk_input
 from chunkq.jobs.contract.specs import ChunkSpec, EncodeOptions
 from chunkq.jobs.embed import embed_chunk
 from tests.helpers import make_texts, max_abs_diff, write_test_run

@@ -79,7 +79,7 @@ def test_a_damaged_result_is_refused_and_nothing_is_written(tmp_path: Path) -> N
     path.write_bytes(bytes(data))
     for fmt in ("parquet", "npy", "jsonl"):
         out = tmp_path / f"out.{fmt}"
-        with pytest.raises(AssemblyError, match="embeddings.npy does not match the checksum"):
+        with pytest.raises(AssemblyError, match=r"embeddings\.npy does not match the checksum"):
             export(layout, fmt, out)
         assert sorted(p.name for p in tmp_path.iterdir()) == ["store"], fmt  # no file, whole or partial
 

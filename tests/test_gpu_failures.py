@@ -15,8 +15,9 @@ import pytest
 
 from chunkq.jobs.compute import faults, learned, models, runtime
 from chunkq.jobs.contract import errors
+from chunkq.jobs.contract.chunk_output import verify_output
 from chunkq.jobs.contract.errors import CudaFatalError, DeviceUnsupportedError, NonFiniteError
-from chunkq.jobs.contract.run_files import RunLayout, non_finite_rows, read_json, verify_output
+from chunkq.jobs.contract.run_files import RunLayout, non_finite_rows, read_json
 from chunkq.jobs.contract.specs import EncodeOptions
 from chunkq.jobs.embed import embed_chunk
 from tests.helpers import max_abs_diff, write_test_run

@@ -306,7 +306,8 @@ def test_a_damaged_sparse_chunk_output_is_refused_and_the_python_api_routes_quer
     from sentence_transformers import SparseEncoder
 
     import chunkq
-    from chunkq.jobs.contract.run_files import RunLayout, verify_output
+    from chunkq.jobs.contract.chunk_output import verify_output
+    from chunkq.jobs.contract.run_files import RunLayout
     from chunkq.jobs.contract.specs import EncodeOptions
     from chunkq.jobs.embed import embed_chunk
     from tests.helpers import make_texts, write_test_run

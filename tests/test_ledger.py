@@ -210,7 +210,7 @@ def test_the_report_of_a_run_numbers_each_chunk_when_few_and_bins_them_when_many
 def test_a_stopped_run_says_so_with_the_rate_it_ran_at_and_no_eta(encoded_run: Any) -> None:
     """Issue 24.7: ``chunkq status`` of an interrupted run (no process owns it) must not show an
     ETA, nor a rate that keeps falling while nothing runs."""
-    from chunkq.supervisor.result.assemble import set_aside
+    from chunkq.supervisor.result.chunk_reads import set_aside
     from chunkq.supervisor.watch.display import describe
 
     layout, _, _ = encoded_run

@@ -21,7 +21,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from chunkq.jobs.contract.run_files import RunLayout, save_npy_atomic, verify_output, write_output
+from chunkq.jobs.contract.chunk_output import verify_output
+from chunkq.jobs.contract.run_files import RunLayout, save_npy_atomic, write_output
 from chunkq.jobs.contract.storage import open_store
 from tests.helpers import make_texts, max_abs_diff, result_of, run_cli, run_in_process, wait_for, write_corpus
 

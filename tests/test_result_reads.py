@@ -61,7 +61,9 @@ def published(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, int]:
     store = tmp_path_factory.mktemp("reads") / "store"
     layout = write_encoded_run(store, "reads", ROWS, 10_000, DIM)
     assemble(layout, shard_bytes=4 << 20)  # three shards
-    size = sum(p.stat().st_size for p in layout.result.rglob("*") if p.is_file() and p.name != "manifest.json")
+    size = sum(
+        p.stat().st_size for p in layout.result.rglob("*") if p.is_file() and p.name != "manifest.json"
+    )
     return layout, size
 
 

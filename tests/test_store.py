@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from chunkq.jobs.contract.chunk_output import verify_output
 from chunkq.jobs.contract.errors import ConfigError, TamperedJobError
 from chunkq.jobs.contract.run_files import (
     RunLayout,
     atomic_write_json,
     read_json,
-    verify_output,
     write_output,
 )
 from chunkq.jobs.contract.specs import ChunkSpec, EncodeOptions, chunk_job_id, validate_run_id

@@ -2,7 +2,7 @@
 of token vectors per text. A chunk's ragged output is its row offsets (int64, rows + 1, from 0 to
 the entries) at the chunk's usual ``.npy`` path, and entry arrays as long as the last offset at
 ``NNNNNN.<name>.npy`` (``RunLayout.output_array``), each checksummed in the chunk's metadata,
-which is written last and commits them, as a matrix output's is. ``verify_output`` reads either.
+which is written last and commits them, as a matrix output's is. ``chunk_output`` reads either.
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ import numpy as np
 from chunkq.jobs.contract.run_files import (
     RunLayout,
     atomic_write_json,
-    file_sha256,
-    load_npy,
     save_npy_atomic,
 )
 
@@ -80,36 +78,43 @@ def write_ragged_output(
     return full
 
 
-def ragged_problem(
+def ragged_arrays(
     layout: RunLayout, index: int, offsets: np.ndarray[Any, Any], meta: dict[str, Any], expected_rows: int
-) -> str:
-    """What is wrong with a ragged chunk output (its offsets already checked against their
-    checksum), or ""."""
+) -> tuple[dict[str, np.ndarray[Any, Any]] | None, str]:
+    """A ragged chunk output's offsets (already read and checked against their checksum) and entry
+    arrays by name, each read once and checked; (None, why) when one is wrong."""
+    from chunkq.jobs.contract.chunk_output import read_checked_npy  # it reads outputs of both forms
+
     schema = SCHEMAS.get(str(meta.get("dtype")))
-    if schema is None or set(meta["arrays"]) != set(schema):
-        return f"ragged output of kind {meta.get('dtype')!r} names arrays {sorted(meta['arrays'])}"
+    if schema is None or not isinstance(meta["arrays"], dict) or set(meta["arrays"]) != set(schema):
+        return None, f"ragged output of kind {meta.get('dtype')!r} names arrays {meta.get('arrays')!r}"
     if offsets.ndim != 1 or offsets.dtype != np.int64 or len(offsets) != expected_rows + 1:
-        return f"offsets hold {offsets.shape} {offsets.dtype}, expected ({expected_rows + 1},) int64"
+        return None, f"offsets hold {offsets.shape} {offsets.dtype}, expected ({expected_rows + 1},) int64"
     if meta.get("rows") != expected_rows:
-        return f"its metadata says {meta.get('rows')} rows, expected {expected_rows}"
+        return None, f"its metadata says {meta.get('rows')} rows, expected {expected_rows}"
     entries = int(offsets[-1]) if len(offsets) else 0
     if offsets[0] != 0 or bool(np.any(np.diff(offsets) < 0)) or meta.get("entries") != entries:
-        return "offsets do not rise from 0 to its entries"
+        return None, "offsets do not rise from 0 to its entries"
+    arrays = {OFFSETS: offsets}
     for name, dtype in schema.items():
         path = layout.output_array(index, name)
-        if not path.is_file():
-            return f"{path.name} missing"
-        if file_sha256(path) != meta["arrays"][name]:
-            return f"{path.name} checksum does not match its metadata"
-        array = load_npy(path)
+        try:
+            array = read_checked_npy(path, meta["arrays"][name])
+        except FileNotFoundError:
+            return None, f"{path.name} missing"
+        except (OSError, ValueError) as exc:
+            return None, f"{path.name} unreadable: {exc}"
+        if array is None:
+            return None, f"{path.name} checksum does not match its metadata"
         shape = entry_shape(name, entries, int(meta.get("dim") or 0))
         if array.shape != shape or array.dtype != np.dtype(dtype):
-            return f"{path.name} holds {array.shape} {array.dtype}, expected {shape} {np.dtype(dtype)}"
+            return None, f"{path.name} holds {array.shape} {array.dtype}, expected {shape} {np.dtype(dtype)}"
         if array.dtype.kind == "f" and not bool(np.isfinite(array).all()):
-            return f"{path.name} has NaN or infinite values"
+            return None, f"{path.name} has NaN or infinite values"
         if name == "indices" and entries and (int(array.min()) < 0 or int(array.max()) >= int(meta["dim"])):
-            return f"{path.name} indexes outside 0..{int(meta['dim']) - 1}"
-    return ""
+            return None, f"{path.name} indexes outside 0..{int(meta['dim']) - 1}"
+        arrays[name] = array
+    return arrays, ""
 
 
 def entry_paths(layout: RunLayout, index: int, kind: str) -> list[Any]:

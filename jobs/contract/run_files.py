@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from chunkq.jobs.contract.errors import BadInputError, StoreError
-from chunkq.jobs.contract.specs import OUTPUT_DTYPES, chunk_name, storage_dtype, validate_run_id
+from chunkq.jobs.contract.specs import chunk_name, storage_dtype, validate_run_id
 from chunkq.jobs.contract.storage import (
     atomic_path,
     is_local,
@@ -322,76 +322,6 @@ def _input_row(path: Path, lineno: int, line: str) -> Any:
         return json.loads(line)
     except json.JSONDecodeError as exc:
         raise BadInputError(f"{path}:{lineno}: invalid JSON: {exc.msg}") from exc
-
-
-def producer_mismatch(meta: dict[str, Any], producer: dict[str, Any]) -> str:
-    """How a chunk output's record of what produced it differs from the run's, or "" if it agrees."""
-    diffs = [key for key, value in producer.items() if meta.get(key) != value]
-    if not diffs:
-        return ""
-    if "run_fingerprint" not in meta:
-        return "it records no run fingerprint (written by an older chunkq, or not by chunkq)"
-    return f"it was produced with {' and '.join(diffs)} other than the run manifest's"
-
-
-def verify_output(
-    layout: RunLayout, index: int, expected_rows: int, producer: dict[str, Any] | None = None
-) -> tuple[dict[str, Any] | None, str]:
-    """Check a chunk output against its metadata and, given ``producer`` (``RunManifest.producer()``),
-    against the run: return (meta, "") if whole and the run's, else (None, reason)."""
-    meta_path, npy_path = layout.output_meta(index), layout.output_npy(index)
-    if not meta_path.is_file():
-        return None, "output metadata missing"
-    try:
-        meta = read_json(meta_path)
-    except (OSError, ValueError) as exc:
-        return None, f"output metadata unreadable: {exc}"
-    if not isinstance(meta, dict):
-        return None, "output metadata is not a JSON object"
-    if not npy_path.is_file():
-        return None, f"{npy_path.name} missing"
-    if file_sha256(npy_path) != meta.get("sha256"):
-        return None, f"{npy_path.name} checksum does not match its metadata"
-    try:
-        array = load_npy(npy_path)
-    except (OSError, ValueError) as exc:
-        return None, f"{npy_path.name} unreadable: {exc}"
-    if "arrays" in meta:  # a ragged output: npy_path holds its row offsets
-        from chunkq.jobs.contract.ragged import ragged_problem  # it writes with this module's helpers
-
-        why = ragged_problem(layout, index, array, meta, expected_rows)
-    else:
-        why = _array_problem(npy_path.name, array, meta, expected_rows, producer)
-    if why:
-        return None, why
-    if meta.get("run_id") != layout.run_id or meta.get("chunk") != index:
-        return None, f"{npy_path.name} belongs to run {meta.get('run_id')} chunk {meta.get('chunk')}"
-    why = producer_mismatch(meta, producer) if producer is not None else ""
-    if why:
-        return None, f"{npy_path.name}: {why}"
-    return meta, ""
-
-
-def _array_problem(
-    name: str,
-    array: np.ndarray[Any, Any],
-    meta: dict[str, Any],
-    expected_rows: int,
-    producer: dict[str, Any] | None,
-) -> str:
-    """What is wrong with a chunk output's array (its dtype, shape or values), or ""."""
-    output_dtype = str(((producer or {}).get("options") or {}).get("output_dtype", "float32"))
-    expected = np.dtype(OUTPUT_DTYPES.get(output_dtype, "<f4"))
-    if array.ndim != 2 or array.dtype != expected:
-        shape = f"{name} has shape {array.shape} and dtype {array.dtype}"
-        return f"{shape}, expected 2-D {expected} ({output_dtype})"
-    if array.shape[0] != expected_rows or meta.get("rows") != expected_rows:
-        return f"{name} has {array.shape[0]} rows, expected {expected_rows}"
-    if meta.get("dim") != array.shape[1]:
-        return f"{name} has dimension {array.shape[1]}, metadata says {meta.get('dim')}"
-    if bad := len(non_finite_rows(array)):
-        return f"{name} has {bad} row(s) of NaN or infinite values"
-    return ""
 
 
 def write_output(

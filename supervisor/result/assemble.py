@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import shutil
-import tempfile
 from array import array
 from collections import Counter
 from collections.abc import Callable
@@ -24,22 +23,20 @@ import numpy as np
 from chunkq.jobs import kinds
 from chunkq.jobs.compute.model_identity import short
 from chunkq.jobs.compute.quantize import convert, derived_floats, stored_columns
-from chunkq.jobs.compute.vector_cache import VectorCache, producer
+from chunkq.jobs.contract.chunk_output import output_meta
 from chunkq.jobs.contract.errors import AssemblyError, BadInputError
 from chunkq.jobs.contract.manifest import RunManifest, load_manifest
-from chunkq.jobs.contract.ragged import SCHEMAS
 from chunkq.jobs.contract.run_files import (
     MANIFEST_NAME,
     RunLayout,
     atomic_write_json,
-    load_npy,
     read_chunk_input,
-    verify_output,
 )
-from chunkq.jobs.contract.specs import PACKED_DTYPES, EncodeOptions, storage_dtype
-from chunkq.jobs.contract.storage import is_local, publish_file
+from chunkq.jobs.contract.specs import PACKED_DTYPES, storage_dtype
+from chunkq.jobs.contract.storage import is_local
 from chunkq.supervisor.result import planned_rows
 from chunkq.supervisor.result import ragged as ragged_result
+from chunkq.supervisor.result.chunk_reads import CacheFeed, ChunkReads, Unfit, set_aside_because
 from chunkq.supervisor.result.published import DEFAULT_SHARD_BYTES, TEXTS
 from chunkq.supervisor.result.reader import published_result
 from chunkq.supervisor.result.text_pooling import TextPooler
@@ -98,18 +95,18 @@ class Failure:
     label: str = ""  # how messages name the chunk (RunManifest.chunk_label)
 
 
-def _verify_all(layout: RunLayout, manifest: RunManifest, skip: set[int]) -> tuple[Verified, list[str]]:
-    """Each chunk output whole and the run's, all of one dimension. A bad output is set aside, so
-    the next run encodes it again; its problem is listed either way."""
+def _check_metas(layout: RunLayout, manifest: RunManifest, skip: set[int]) -> tuple[Verified, dict[int, str]]:
+    """Each chunk output's metadata (no array is read yet): the run's, and all of one dimension. A
+    bad output is set aside, so the next run encodes it again; its problem is listed either way."""
     verified = Verified(array("i", [0]) * manifest.chunks)
-    problems = []
+    failed: dict[int, str] = {}
     producer = manifest.producer()
     for index in range(manifest.chunks):
         if index in skip:
             continue
-        meta, why = verify_output(layout, index, manifest.chunk_rows(index), producer)
+        meta, why = output_meta(layout, index, producer)
         if meta is None:
-            problems.append(_set_aside_because(layout, manifest, index, why))
+            failed[index] = set_aside_because(layout, manifest, index, why)
         else:
             verified.add(index, meta)
     # The dimension the model gives is the one most chunks have: a lone output of another dimension
@@ -120,58 +117,23 @@ def _verify_all(layout: RunLayout, manifest: RunManifest, skip: set[int]) -> tup
         for index in [i for i, d in enumerate(verified.dims) if d and d != dim]:
             why = f"dimension {verified.dims[index]}, while {dims[dim]} other chunk(s) have {dim}"
             verified.dims[index] = 0
-            problems.append(_set_aside_because(layout, manifest, index, why))
-    if len(verified.models) > 1:  # a run submitted where its model's files were not: none to hold to
-        named = ", ".join(f"{short(m)} (chunk {i})" for m, i in verified.models.items())
-        problems.append(
-            f"its chunks were encoded by {len(verified.models)} different models ({named}): the model's "
-            "files differ between hosts or changed during the run; give every host the same files and "
-            "start the run again"
-        )
-    return verified, problems
+            failed[index] = set_aside_because(layout, manifest, index, why)
+    return verified, failed
 
 
-def _set_aside_because(layout: RunLayout, manifest: RunManifest, index: int, why: str) -> str:
-    aside = set_aside(layout, index)
-    again = f"; moved to {aside}, the next run encodes it again" if aside else ""
-    return f"{manifest.chunk_label(index)}: {why}{again}"
-
-
-def set_aside(layout: RunLayout, index: int) -> str:
-    """Move a chunk's damaged output out of the way (kept for a look, never read again), so the
-    next run counts the chunk as not done and encodes it again; where it went, or "" if nothing."""
-    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S%f")
-    moved = ""
-    arrays = [layout.output_array(index, name) for names in SCHEMAS.values() for name in names]
-    for path in (layout.output_meta(index), layout.output_npy(index), *arrays):  # the commit marker first
-        if path.exists():
-            target = layout.damaged_outputs / f"{path.stem}-{stamp}{path.suffix}"
-            if is_local(path):
-                publish_file(path, target)
-            else:
-                _move_remote(path, target)
-            moved = str(layout.damaged_outputs)
-    if moved:
-        log.warning(
-            "run %s: chunk %d's output is damaged; moved to %s, to be encoded again",
-            layout.run_id,
-            index,
-            moved,
-        )
-    return moved
-
-
-def _move_remote(path: Path, target: Path) -> None:
-    with tempfile.TemporaryDirectory() as scratch:
-        local = Path(scratch) / path.name
-        local.write_bytes(path.read_bytes())
-        publish_file(local, target)
-    path.unlink()
+def _models_problem(verified: Verified) -> list[str]:
+    if len(verified.models) <= 1:
+        return []
+    named = ", ".join(f"{short(m)} (chunk {i})" for m, i in verified.models.items())
+    return [
+        f"its chunks were encoded by {len(verified.models)} different models ({named}): the model's "
+        "files differ between hosts or changed during the run; give every host the same files and "
+        "start the run again"
+    ]
 
 
 def _write_result(
-    layout: RunLayout,
-    manifest: RunManifest,
+    reads: ChunkReads,
     writer: ResultWriter,
     skip: set[int],
     dim: int,
@@ -179,9 +141,10 @@ def _write_result(
     bad_rows: dict[int, list[dict[str, Any]]],
     bad: np.ndarray[Any, Any],
 ) -> None:
+    layout, manifest = reads.layout, reads.manifest
     if manifest.plan is not None:
         pooler = _pooler(manifest, writer, skip)
-        for ids, block in planned_rows.result_rows(layout, manifest, skip, dim, scratch, bad):
+        for ids, block in planned_rows.result_rows(reads, skip, dim, scratch, bad):
             floats = derived_floats(block, manifest.options)
             writer.write(ids, convert(floats, manifest.output_dtype, manifest.ranges))
             if pooler is not None:
@@ -193,10 +156,10 @@ def _write_result(
         if index in skip:
             continue
         rows = manifest.chunk_rows(index)
-        ids, _ = read_chunk_input(layout, index)
+        ids, texts = read_chunk_input(layout, index)
         if len(ids) != rows:
             raise BadInputError(f"chunk {index}: input holds {len(ids)} rows, the manifest says {rows}")
-        block = load_npy(layout.output_npy(index))
+        block = reads.rows(index, texts)
         if block.shape != (rows, writer.dim):
             raise BadInputError(
                 f"chunk {index}: output has shape {block.shape}, expected ({rows}, {writer.dim})"
@@ -244,9 +207,29 @@ def assemble(
     if existing is not None:
         return existing
     skip = {f.chunk: f for f in missing or []}
-    verified, problems = _verify_all(layout, manifest, set(skip))
-    if problems:
-        raise AssemblyError(manifest.run_id, problems)
+    verified, failed = _check_metas(layout, manifest, set(skip))
+    cache = CacheFeed.of(layout, manifest, partial=bool(skip))
+    reads = ChunkReads(
+        layout, manifest, set(skip) | set(failed), failed, cache, others=_models_problem(verified)
+    )
+    try:
+        return _assemble(reads, verified, skip, fence, shard_bytes)
+    except Unfit:
+        reads.check_the_rest()
+        raise AssemblyError(manifest.run_id, reads.listed()) from None
+
+
+def _assemble(
+    reads: ChunkReads,
+    verified: Verified,
+    skip: dict[int, Failure],
+    fence: Callable[[], None] | None,
+    shard_bytes: int,
+) -> dict[str, Any]:
+    """Write the result from the chunk outputs, each read once (ChunkReads), and publish it."""
+    layout, manifest = reads.layout, reads.manifest
+    if reads.problems or reads.others:
+        raise Unfit
     dim = next((d for d in verified.dims if d), 0)
     if not dim:
         raise AssemblyError(manifest.run_id, ["no chunk of the run has an output"])
@@ -276,10 +259,10 @@ def assemble(
     try:
         if ragged:
             upload_to = layout.result if remote else None
-            files = ragged_result.write(layout, manifest, set(skip), built, total, shard_bytes, upload_to)
+            files = ragged_result.write(reads, set(skip), built, total, shard_bytes, upload_to)
             uploaded = files["ragged"].get("shard_dir")
         else:
-            _write_result(layout, manifest, writer, set(skip), dim, built, verified.bad_rows, bad)
+            _write_result(reads, writer, set(skip), dim, built, verified.bad_rows, bad)
             files = writer.finish()
             uploaded = writer.shard_dir
         if writer.extra is not None:
@@ -334,44 +317,6 @@ def assemble(
             len(skip),
         )
     log.info("run %s: published %d x %d embeddings in %s", manifest.run_id, total, columns, layout.result)
-    _add_to_cache(layout, manifest, skip)
+    if reads.cache is not None:
+        reads.cache.close()
     return result
-
-
-CACHE_WRITE_ROWS = 1 << 18  # encoded rows gathered before they are written to the cache as a shard
-
-
-def _add_to_cache(layout: RunLayout, manifest: RunManifest, skip: dict[int, Failure]) -> None:
-    """Add the vectors the run's workers encoded to the store's cache (derived data: a failure here
-    is said and costs only a later run's time)."""
-    key = (manifest.plan or {}).get("producer")
-    if not key or skip:
-        return
-    cache = VectorCache(layout.store, str(key))
-    identity = (manifest.plan or {}).get("model_identity")
-    hashes: list[np.ndarray[Any, Any]] = []
-    vectors: list[np.ndarray[Any, Any]] = []
-    seconds, written = 0.0, 0
-
-    def flush() -> None:
-        nonlocal hashes, vectors, seconds, written
-        if hashes:
-            cache.write(np.concatenate(hashes), np.concatenate(vectors), manifest.run_id, seconds)
-            written += sum(len(h) for h in hashes)
-        hashes, vectors, seconds = [], [], 0.0
-
-    try:
-        if identity:
-            cache.describe(producer(manifest.model, str(identity), EncodeOptions.from_dict(manifest.options)))
-        for chunk_hashes, chunk_vectors, chunk_seconds in planned_rows.encoded_chunks(layout, manifest):
-            hashes.append(chunk_hashes)
-            vectors.append(chunk_vectors)
-            seconds += chunk_seconds
-            if sum(len(h) for h in hashes) >= CACHE_WRITE_ROWS:
-                flush()
-        flush()
-    except (OSError, ValueError) as exc:
-        log.warning("run %s: the vector cache was not updated: %s", manifest.run_id, exc)
-        return
-    if written:
-        log.info("run %s: %d encoded vectors added to the vector cache", manifest.run_id, written)

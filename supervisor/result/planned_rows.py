@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 
-from chunkq.jobs.compute.vector_cache import text_hashes
 from chunkq.jobs.contract.errors import BadInputError
 from chunkq.jobs.contract.manifest import RunManifest
 from chunkq.jobs.contract.run_files import (
@@ -24,8 +23,8 @@ from chunkq.jobs.contract.run_files import (
     load_npy,
     new_memmap,
     read_chunk_input,
-    read_json,
 )
+from chunkq.supervisor.result.chunk_reads import ChunkReads
 
 log = logging.getLogger(__name__)
 
@@ -134,21 +133,22 @@ def rows_without_vector(layout: RunLayout, manifest: RunManifest, bad: np.ndarra
 
 
 def result_rows(
-    layout: RunLayout,
-    manifest: RunManifest,
+    reads: ChunkReads,
     skip: set[int],
     dim: int,
     scratch: Path,
     bad: np.ndarray[Any, Any] | None = None,
 ) -> Iterator[tuple[list[Any], np.ndarray[Any, Any]]]:
-    """(ids, float32 rows) of the result in corpus order, from the verified chunk outputs, rows of
-    ``skip``'s chunks, and chunk rows in ``bad`` (no vector: --allow-missing), left out."""
+    """(ids, float32 rows) of the result in corpus order, from the chunk outputs (each read once,
+    ``reads``), rows of ``skip``'s chunks, and chunk rows in ``bad`` (no vector: --allow-missing),
+    left out."""
+    layout, manifest = reads.layout, reads.manifest
     bad = np.zeros(0, dtype=np.int64) if bad is None else bad
     if (manifest.plan or {}).get("identity", True):
         for index in range(manifest.chunks):
             if index not in skip:
-                ids, _ = read_chunk_input(layout, index)
-                block = np.asarray(load_npy(layout.output_npy(index)))
+                ids, texts = read_chunk_input(layout, index)
+                block = np.asarray(reads.rows(index, texts))
                 first = manifest.first_row(index)
                 keep = ~np.isin(np.arange(first, first + len(ids)), bad)
                 if not keep.all():
@@ -162,7 +162,7 @@ def result_rows(
         if index in skip:
             continue
         first, count = manifest.first_row(index), manifest.chunk_rows(index)
-        vectors[first : first + count] = load_npy(layout.output_npy(index))
+        vectors[first : first + count] = reads.rows(index)
         have[first : first + count] = True
     have[bad] = False
     for rows, ids in row_map_parts(layout, manifest):
@@ -173,32 +173,3 @@ def result_rows(
         yield ids, np.asarray(vectors[rows])
     del vectors
     (scratch / "distinct.f32").unlink(missing_ok=True)
-
-
-def encoded_chunks(
-    layout: RunLayout, manifest: RunManifest
-) -> Iterator[tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], float]]:
-    """(text hashes, float32 vectors, encode seconds) of each chunk a worker encoded (not read from
-    the cache) with the libraries of the cache's key: what assembly adds to the cache."""
-    libraries = (manifest.plan or {}).get("libraries")
-    for index in range(manifest.chunks):
-        meta = read_json(layout.output_meta(index))
-        if meta.get("source") == "cache":
-            continue
-        if libraries and meta.get("libraries") != libraries:
-            log.info(
-                "run %s: chunk %d was encoded with %s, the cache's key says %s; not added to the cache",
-                layout.run_id,
-                index,
-                meta.get("libraries"),
-                libraries,
-            )
-            continue
-        _, texts = read_chunk_input(layout, index)
-        vectors = np.asarray(load_npy(layout.output_npy(index)), dtype=np.float32)
-        hashes = text_hashes(texts)
-        if meta.get("bad_rows"):  # rows without a vector (--allow-missing): zeros, never cached
-            first = manifest.first_row(index)
-            keep = ~np.isin(np.arange(first, first + len(texts)), [int(r["row"]) for r in meta["bad_rows"]])
-            hashes, vectors = hashes[keep], vectors[keep]
-        yield hashes, vectors, float(meta.get("seconds") or 0)

@@ -22,7 +22,6 @@ from typing import Any
 import numpy as np
 
 from chunkq.jobs.contract.errors import BadInputError
-from chunkq.jobs.contract.manifest import RunManifest
 from chunkq.jobs.contract.ragged import OFFSETS, SCHEMAS, WIDE, entry_shape
 from chunkq.jobs.contract.run_files import (
     RunLayout,
@@ -33,6 +32,7 @@ from chunkq.jobs.contract.run_files import (
     read_json,
 )
 from chunkq.jobs.contract.storage import private_dirs, private_open, publish_file, remove_tree
+from chunkq.supervisor.result.chunk_reads import ChunkReads
 from chunkq.supervisor.result.published import SHARD_DIR, SINGLE, new_shard_dir
 
 
@@ -68,8 +68,7 @@ class Block:
 
 
 def write(
-    layout: RunLayout,
-    manifest: RunManifest,
+    reads: ChunkReads,
     skip: set[int],
     built: Path,
     rows: int,
@@ -77,7 +76,9 @@ def write(
     upload_to: Path | None = None,
 ) -> dict[str, Any]:
     """Write the result's files into ``built`` (shards uploaded to ``upload_to``, an object
-    store's result folder, as each is whole); what the result manifest says of them."""
+    store's result folder, as each is whole), each chunk output read once (``reads``); what the
+    result manifest says of them."""
+    layout, manifest = reads.layout, reads.manifest
     kind = manifest.options["kind"]
     chunks = [i for i in range(manifest.chunks) if i not in skip]
     metas = {i: read_json(layout.output_meta(i)) for i in chunks}
@@ -85,7 +86,7 @@ def write(
     per_entry = sum(np.dtype(d).itemsize * (dim if n in WIDE else 1) for n, d in SCHEMAS[kind].items())
     sizes = [(int(metas[i]["rows"]) + 1) * 8 + int(metas[i]["entries"]) * per_entry for i in chunks]
     if sum(sizes) <= shard_bytes:
-        block = _write_block(layout, kind, chunks, metas, dim, built, "")
+        block = _write_block(reads, kind, chunks, metas, dim, built, "")
         _check_rows(block.rows, rows)
         ragged = {"kind": kind, "entries": block.entries, "sha256": block.sha256}
         return {"ragged": ragged, "ids_sha256": block.ids_sha256}
@@ -93,7 +94,7 @@ def write(
     shards: list[Block] = []
     try:
         for group in _groups(chunks, sizes, shard_bytes):
-            shard = _write_block(layout, kind, group, metas, dim, built / shard_dir, f"{len(shards):06d}.")
+            shard = _write_block(reads, kind, group, metas, dim, built / shard_dir, f"{len(shards):06d}.")
             if upload_to is not None:
                 for local in [shard.path(name) for name in files(kind)] + [shard.ids_path]:
                     publish_file(local, upload_to / shard_dir / local.name)  # and removes it here
@@ -128,7 +129,7 @@ def _check_rows(assembled: int, expected: int) -> None:
 
 
 def _write_block(
-    layout: RunLayout,
+    reads: ChunkReads,
     kind: str,
     chunks: list[int],
     metas: dict[int, Any],
@@ -150,14 +151,15 @@ def _write_block(
     block = Block(folder, prefix, rows, entries, {}, "")
     with private_open(block.ids_path, "w", encoding="utf-8") as ids_file:
         for index in chunks:
-            ids, _ = read_chunk_input(layout, index)
-            mine = load_npy(layout.output_npy(index))
+            ids, _ = read_chunk_input(reads.layout, index)
+            got = reads.arrays(index)
+            mine = got[OFFSETS]
             if len(ids) != len(mine) - 1:
                 raise BadInputError(f"chunk {index}: input holds {len(ids)} rows, its output {len(mine) - 1}")
             count = int(mine[-1])
             offsets[row + 1 : row + len(ids) + 1] = entry + mine[1:]
             for name in schema:
-                arrays[name][entry : entry + count] = load_npy(layout.output_array(index, name))
+                arrays[name][entry : entry + count] = got[name]
             ids_file.writelines(json.dumps(rid, ensure_ascii=False) + "\n" for rid in ids)
             row, entry = row + len(ids), entry + count
     for array in (offsets, *arrays.values()):

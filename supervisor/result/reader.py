@@ -13,7 +13,6 @@ table written a batch at a time) calls ``verify()`` first, the one second pass.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import logging
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ from typing import IO, Any
 import numpy as np
 
 from chunkq.jobs import kinds
+from chunkq.jobs.contract.chunk_output import npy_from_bytes
 from chunkq.jobs.contract.errors import AssemblyError, ConfigError, StoreError
 from chunkq.jobs.contract.manifest import RunManifest, load_manifest
 from chunkq.jobs.contract.run_files import RunLayout, read_json, read_npy_header
@@ -215,14 +215,6 @@ def open_result(layout: RunLayout, level: str = "window", run: RunManifest | Non
         parts = [ResultPart(layout.result / embeddings, layout.result / ids, rows, *sums)]
     dtype = storage_dtype(run.output_dtype)
     return OpenedResult(layout, run, manifest, level, rows, dim, dtype, parts, windowed)
-
-
-def npy_from_bytes(raw: bytes) -> np.ndarray[Any, Any]:
-    """The array a whole .npy file's bytes hold, read-only over those bytes (no second copy)."""
-    fh = io.BytesIO(raw)
-    shape, fortran, dtype = read_npy_header(fh)
-    array = np.frombuffer(raw, dtype=dtype, count=int(np.prod(shape)), offset=fh.tell())
-    return array.reshape(shape, order="F" if fortran else "C")
 
 
 def _names(layout: RunLayout, part: ResultPart) -> tuple[str, str]:

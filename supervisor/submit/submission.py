@@ -36,7 +36,7 @@ from chunkq.jobs.contract.run_files import (
 )
 from chunkq.jobs.contract.specs import FORMAT_VERSION, fingerprint
 from chunkq.jobs.contract.storage import is_local, local_scratch, remove_tree
-from chunkq.supervisor.result.assemble import set_aside
+from chunkq.supervisor.result.chunk_reads import set_aside
 from chunkq.supervisor.result.reader import published_result
 from chunkq.supervisor.submit.corpus import Record
 from chunkq.supervisor.submit.dupes import IdRegistry

@@ -1,0 +1,131 @@
+"""A chunk output read back and checked, its arrays read once.
+
+In two steps, so that assembly reads each output once: ``output_meta`` checks the metadata (the
+commit marker) against the run, reading no array; ``output_arrays`` then reads each array's bytes
+once and checks them from those same bytes (checksum, dtype, shape, finite values) before handing
+the arrays over. ``verify_output`` is both (a worker's check that a chunk is already done).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from chunkq.jobs.contract.run_files import RunLayout, non_finite_rows, read_json, read_npy_header
+from chunkq.jobs.contract.specs import OUTPUT_DTYPES
+
+ROWS = "rows"  # a dense output's matrix among the arrays ``output_arrays`` returns
+
+
+def npy_from_bytes(raw: bytes) -> np.ndarray[Any, Any]:
+    """The array a whole .npy file's bytes hold, read-only over those bytes (no second copy)."""
+    fh = io.BytesIO(raw)
+    shape, fortran, dtype = read_npy_header(fh)
+    array = np.frombuffer(raw, dtype=dtype, count=int(np.prod(shape)), offset=fh.tell())
+    return array.reshape(shape, order="F" if fortran else "C")
+
+
+def read_checked_npy(path: Path, digest: Any) -> np.ndarray[Any, Any] | None:
+    """The array in ``path``, read once; None when its bytes do not hash to ``digest`` (OSError or
+    ValueError for a file that is missing or not an array)."""
+    raw = path.read_bytes()
+    if hashlib.sha256(raw).hexdigest() != digest:
+        return None
+    return npy_from_bytes(raw)
+
+
+def producer_mismatch(meta: dict[str, Any], producer: dict[str, Any]) -> str:
+    """How a chunk output's record of what produced it differs from the run's, or "" if it agrees."""
+    diffs = [key for key, value in producer.items() if meta.get(key) != value]
+    if not diffs:
+        return ""
+    if "run_fingerprint" not in meta:
+        return "it records no run fingerprint (written by an older chunkq, or not by chunkq)"
+    return f"it was produced with {' and '.join(diffs)} other than the run manifest's"
+
+
+def output_meta(
+    layout: RunLayout, index: int, producer: dict[str, Any] | None = None
+) -> tuple[dict[str, Any] | None, str]:
+    """A chunk output's metadata if it commits an output of this run and chunk (and, given
+    ``producer``, ``RunManifest.producer()``, one the run's options produced); else (None, why)."""
+    meta_path, npy_path = layout.output_meta(index), layout.output_npy(index)
+    if not meta_path.is_file():
+        return None, "output metadata missing"
+    try:
+        meta = read_json(meta_path)
+    except (OSError, ValueError) as exc:
+        return None, f"output metadata unreadable: {exc}"
+    if not isinstance(meta, dict):
+        return None, "output metadata is not a JSON object"
+    if not all(isinstance(meta.get(k), int) and not isinstance(meta.get(k), bool) for k in ("rows", "dim")):
+        return None, "output metadata gives no whole rows and dimension"
+    if meta.get("run_id") != layout.run_id or meta.get("chunk") != index:
+        return None, f"{npy_path.name} belongs to run {meta.get('run_id')} chunk {meta.get('chunk')}"
+    why = producer_mismatch(meta, producer) if producer is not None else ""
+    return (None, f"{npy_path.name}: {why}") if why else (meta, "")
+
+
+def output_arrays(
+    layout: RunLayout,
+    index: int,
+    meta: dict[str, Any],
+    expected_rows: int,
+    producer: dict[str, Any] | None = None,
+) -> tuple[dict[str, np.ndarray[Any, Any]] | None, str]:
+    """A chunk output's arrays by name, each file read once and checked from the bytes read:
+    ``rows`` (a dense output's matrix), or a ragged output's ``offsets`` and entry arrays. (None,
+    why) when one is missing, does not match its checksum, or holds what the metadata does not say."""
+    npy_path = layout.output_npy(index)
+    try:
+        first = read_checked_npy(npy_path, meta.get("sha256"))
+    except FileNotFoundError:
+        return None, f"{npy_path.name} missing"
+    except (OSError, ValueError) as exc:
+        return None, f"{npy_path.name} unreadable: {exc}"
+    if first is None:
+        return None, f"{npy_path.name} checksum does not match its metadata"
+    if "arrays" in meta:  # a ragged output: the .npy holds its row offsets
+        from chunkq.jobs.contract.ragged import ragged_arrays  # it writes with this module's names
+
+        return ragged_arrays(layout, index, first, meta, expected_rows)
+    why = _array_problem(npy_path.name, first, meta, expected_rows, producer)
+    return (None, why) if why else ({ROWS: first}, "")
+
+
+def verify_output(
+    layout: RunLayout, index: int, expected_rows: int, producer: dict[str, Any] | None = None
+) -> tuple[dict[str, Any] | None, str]:
+    """Check a chunk output against its metadata and, given ``producer`` (``RunManifest.producer()``),
+    against the run: return (meta, "") if whole and the run's, else (None, reason)."""
+    meta, why = output_meta(layout, index, producer)
+    if meta is None:
+        return None, why
+    arrays, why = output_arrays(layout, index, meta, expected_rows, producer)
+    return (meta, "") if arrays is not None else (None, why)
+
+
+def _array_problem(
+    name: str,
+    array: np.ndarray[Any, Any],
+    meta: dict[str, Any],
+    expected_rows: int,
+    producer: dict[str, Any] | None,
+) -> str:
+    """What is wrong with a chunk output's array (its dtype, shape or values), or ""."""
+    output_dtype = str(((producer or {}).get("options") or {}).get("output_dtype", "float32"))
+    expected = np.dtype(OUTPUT_DTYPES.get(output_dtype, "<f4"))
+    if array.ndim != 2 or array.dtype != expected:
+        shape = f"{name} has shape {array.shape} and dtype {array.dtype}"
+        return f"{shape}, expected 2-D {expected} ({output_dtype})"
+    if array.shape[0] != expected_rows or meta.get("rows") != expected_rows:
+        return f"{name} has {array.shape[0]} rows, expected {expected_rows}"
+    if meta.get("dim") != array.shape[1]:
+        return f"{name} has dimension {array.shape[1]}, metadata says {meta.get('dim')}"
+    if bad := len(non_finite_rows(array)):
+        return f"{name} has {bad} row(s) of NaN or infinite values"
+    return ""

@@ -1,0 +1,66 @@
+"""Issue 54.2: a run is loaded once and each fact computed once. A fresh `chunkq run` and a resumed one
+(a chunk's output lost, and the result with it) count their reads of the run's manifest, the corpus,
+the chunk inputs and the chunk outputs, over every process (the command, its pool, the workers); the
+counts may not grow again. ``BEFORE``: the same runs before this issue."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from chunkq.jobs.contract.run_files import RunLayout
+from tests.file_reads import reading_env, reads
+from tests.helpers import run_cli
+
+CHUNKS = 3
+KINDS = {
+    "manifest": r"store/runs/r/manifest\.json",
+    "corpus": r"c\.jsonl",
+    "chunk inputs": r"store/runs/r/inputs/\d{6}\.jsonl",
+    "chunk outputs": r"store/runs/r/outputs/\d{6}\.npy",
+}
+BEFORE = {
+    "fresh": {},
+    "resumed": {},
+}
+NOW = {
+    "fresh": {},
+    "resumed": {},
+}
+
+
+def _run(tmp_path: Path, name: str) -> Counter[str]:
+    env = reading_env(tmp_path, tmp_path / f"hook-{name}")
+    done = run_cli(
+        "run", "c.jsonl", "--store", "store", "--run-id", "r", "--chunk-size", "20", cwd=tmp_path, **env
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return reads(tmp_path / f"hook-{name}" / "reads.log", KINDS)
+
+
+@pytest.mark.slow
+def test_a_fresh_and_a_resumed_run_read_the_run_once(tmp_path: Path) -> None:
+    with (tmp_path / "c.jsonl").open("w") as fh:
+        for i in range(20 * CHUNKS):
+            fh.write(json.dumps({"id": f"d{i}", "text": f"text number {i} " * (i % 5 + 1)}) + "\n")
+    fresh = _run(tmp_path, "fresh")
+    layout = RunLayout(tmp_path / "store", "r")
+    shutil.rmtree(layout.result)
+    for path in (layout.output_meta(1), layout.output_npy(1)):
+        path.unlink()
+    resumed = _run(tmp_path, "resumed")
+    print(dict(fresh), dict(resumed))
+    import subprocess
+
+    print(
+        subprocess.run(
+            ["sh", "-c", f"cut -f1,2,3 {tmp_path}/hook-resumed/reads.log | uniq"],
+            capture_output=True,
+            text=True,
+        ).stdout
+    )
+    assert fresh and resumed
