@@ -100,3 +100,48 @@ def test_metrics_during_a_run_and_the_report_after_it(
     assert "| device busy over the chunks | " in md and "(time in the model's forward, CPU) |" in md
     assert "| rows done | 60 of 60 |" in md and "| failed attempts | 1 (cuda_fatal: 1) |" in md
     assert f"| worker processes | {numbers['worker_processes']} encoded its chunks, 0 died |" in md
+
+
+def _two_free_ports() -> int:
+    """A port P with P + 1 free too: `chunkq run --metrics-port P` serves its pool's on P + 1."""
+    import socket
+
+    for _ in range(50):
+        port = free_port()
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port + 1)) != 0 and port < 65535:
+                return port
+    raise AssertionError("no two free ports in a row")
+
+
+def test_chunkq_run_serves_its_metrics_on_the_port_and_its_pools_on_the_next(tmp_path: Path) -> None:
+    """Issue 54.4: the pool's port was set after its settings were built, so nothing listened on
+    P + 1, which the docs promise. Both are scraped while the run is live (a chunk made slow)."""
+    import time
+
+    ids, texts = make_texts(40, seed=10)
+    corpus = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")
+    port = _two_free_ports()
+    faults = json.dumps([{"kind": "slow", "chunks": [3], "seconds": 20}])
+    run = start_cli(
+        tmp_path / "run.log", "run", str(corpus), "--store", str(tmp_path / "store"), "--chunk-size", "10",
+        "--metrics-port", str(port), CHUNKQ_FAULTS=faults,
+    )  # fmt: skip
+    slowest = 0.0
+
+    def scraped(at: int, name: str) -> bool:
+        nonlocal slowest
+        started = time.monotonic()
+        samples = _scrape(at)
+        slowest = max(slowest, time.monotonic() - started)
+        return any(key.startswith(name) for key in samples)
+
+    try:
+        wait_for(lambda: scraped(port, "chunkq_rows_done"), 180, "the run's metrics on P")
+        wait_for(lambda: scraped(port + 1, "chunkq_workers"), 60, "the pool's metrics on P + 1")
+        assert run.poll() is None, "scraped after the run ended: not a live run's figures"
+        assert slowest < 5, slowest  # every scrape answered (none hung to its timeout)
+        wait_for(lambda: run.poll() is not None, 180, "the run to end")
+        assert run.returncode == 0, (tmp_path / "run.log").read_text()[-3000:]
+    finally:
+        stop_tree(run) if run.poll() is None else None
