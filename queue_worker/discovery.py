@@ -24,9 +24,10 @@ the CUDA driver's answer.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -216,6 +217,18 @@ def _error_name(exc: Any) -> str | None:
         if name.startswith("NVML_ERROR_") and getattr(pynvml, name) == value:
             return name[len("NVML_ERROR_") :]
     return None
+
+
+def devices_json(gpus: list[GpuInfo]) -> str:
+    """Devices chosen by one process, for another (``chunkq run`` to its pool): chosen once."""
+    return json.dumps([asdict(gpu) for gpu in gpus])
+
+
+def devices_from_json(text: str) -> list[GpuInfo]:
+    return [
+        GpuInfo(**{**d, "processes": tuple(GpuProcess(**p) for p in d.get("processes") or ())})
+        for d in json.loads(text)
+    ]
 
 
 def _from_cuda(devices: list[dict[str, Any]]) -> list[GpuInfo]:

@@ -68,14 +68,12 @@ def usable(
     min_free_memory: int,
     skip_busy: bool,
     skipped: list[str] | None = None,
-    report: bool = True,
 ) -> list[GpuInfo]:
     """Report GPUs short of free memory or busy with other processes; skip them as configured (and
-    say why in ``skipped``, where given). ``report=False``: say it only there (a check before the
-    pool starts, which reports them itself)."""
+    say why in ``skipped``, where given)."""
     kept = []
     skipped = [] if skipped is None else skipped
-    say = log.warning if report else log.debug
+    say = log.warning
     for gpu in gpus:
         if gpu.memory_free is None:
             if min_free_memory:
@@ -289,7 +287,7 @@ def selected(spec: str) -> list[GpuInfo]:
     return select(spec, host, visible(host, os.environ.get(VISIBLE_ENV)))
 
 
-def choose(spec: str, min_free_memory: str, busy: str, report: bool = True) -> list[GpuInfo]:
+def choose(spec: str, min_free_memory: str, busy: str) -> list[GpuInfo]:
     """The GPUs a pool uses: ``--gpus`` among those this process may use, less those short of
     memory or (with ``skip``) busy. [] means CPU workers, and is only given where the user asked for
     the CPU (``--gpus none``), this process may use no GPU (``CUDA_VISIBLE_DEVICES=""``), or the host
@@ -299,10 +297,10 @@ def choose(spec: str, min_free_memory: str, busy: str, report: bool = True) -> l
     inherited = os.environ.get(VISIBLE_ENV)
     chosen = select(spec, host.gpus, allowed(host))
     for gpu in chosen:
-        if gpu.exclusive and report:
+        if gpu.exclusive:
             log.info("%s (%s): compute mode EXCLUSIVE_PROCESS: one worker, no standby", gpu.label, gpu.name)
     skipped: list[str] = []
-    kept = usable(chosen, parse_size(min_free_memory), busy == "skip", skipped, report)
+    kept = usable(chosen, parse_size(min_free_memory), busy == "skip", skipped)
     check_gpus_usable([f"{g.label}: {g.name}" for g in kept])
     if kept or spec.strip().lower() in CPU_SPECS or inherited == "":
         return kept

@@ -33,7 +33,7 @@ from chunkq.jobs.contract.process_clock import process_started_at
 from chunkq.jobs.contract.redaction import guard_process
 from chunkq.queue_worker import exit_codes
 from chunkq.queue_worker.dead_workers import DeadWorkers
-from chunkq.queue_worker.discovery import GpuInfo
+from chunkq.queue_worker.discovery import GpuInfo, devices_from_json
 from chunkq.queue_worker.fork_server import MODEL_ENV as FORK_SERVER_MODEL_ENV
 from chunkq.queue_worker.fork_server import ForkedWorker, ForkServer, ForkServerError
 from chunkq.queue_worker.gpus import (
@@ -47,6 +47,7 @@ from chunkq.queue_worker.lifeline import PARENT_PID_ENV, POOL_PID_ENV, worker_di
 from chunkq.queue_worker.metrics import PoolMetrics, serve
 from chunkq.queue_worker.restart import RestartPolicy
 from chunkq.queue_worker.settings import (
+    DEVICES_JSON_ENV,
     LOG_FORMAT,
     SETTINGS_JSON_ENV,
     SIGNAL_REPEAT_SECONDS,
@@ -405,9 +406,11 @@ def _wake_only(signum: int, frame: FrameType | None) -> None:
     """A child's exit only wakes the loop (signal.set_wakeup_fd); the loop itself reaps it."""
 
 
-def start(settings: PoolSettings) -> int:
-    """Run a pool with ``settings`` on the devices they choose, until signalled: its exit code."""
-    chosen = choose(settings.gpus, settings.min_free_memory, settings.busy_gpus)
+def start(settings: PoolSettings, chosen: list[GpuInfo] | None = None) -> int:
+    """Run a pool with ``settings`` on the devices they choose (``chosen``: already chosen by the
+    command that started it), until signalled: its exit code."""
+    if chosen is None:
+        chosen = choose(settings.gpus, settings.min_free_memory, settings.busy_gpus)
     if not chosen:
         check_precision(settings.precision, "cpu")  # every chunk would be refused: say it once, now
         log.info("no GPU in use; running %d CPU worker(s)", settings.cpu_workers)
@@ -429,7 +432,8 @@ def main() -> int:
     try:
         settings = PoolSettings.from_json(raw)
         logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr, format=LOG_FORMAT)
-        return start(settings)
+        devices = os.environ.get(DEVICES_JSON_ENV)
+        return start(settings, None if devices is None else devices_from_json(devices))
     except ChunkqError as exc:  # one line, as every chunkq command reports it
         log.error("%s", exc)
         return exit_codes.EXIT_CONFIG

@@ -35,6 +35,7 @@ SIGNAL_REPEAT_SECONDS = 1.0
 ENV_PREFIX = "CHUNKQ_"
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # every chunkq command and pool
 SETTINGS_JSON_ENV = "CHUNKQ_POOL_SETTINGS_JSON"  # chunkq run hands its pool every setting at once
+DEVICES_JSON_ENV = "CHUNKQ_POOL_DEVICES_JSON"  # ... and the devices it chose for it (not surveyed twice)
 
 
 @dataclass(frozen=True)

@@ -24,14 +24,14 @@ from rq.serializers import JSONSerializer
 from chunkq.jobs.compute.runtime import POOL_FOR_RUN_ENV
 from chunkq.jobs.contract.abandon import mark_abandoned
 from chunkq.jobs.contract.errors import StoreWriteError
-from chunkq.jobs.contract.manifest import load_manifest
+from chunkq.jobs.contract.manifest import RunManifest
 from chunkq.jobs.contract.release import chunkq_version
 from chunkq.jobs.contract.run_files import RunLayout
 from chunkq.jobs.contract.storage import OWNER_ONLY, is_local
+from chunkq.queue_worker.discovery import GpuInfo, devices_json
 from chunkq.queue_worker.lifeline import die_with_parent
-from chunkq.queue_worker.settings import SETTINGS_JSON_ENV, PoolSettings, env_of
+from chunkq.queue_worker.settings import DEVICES_JSON_ENV, SETTINGS_JSON_ENV, PoolSettings, env_of
 from chunkq.supervisor.result.planned_rows import corpus_rows_of
-from chunkq.supervisor.result.reader import published_result
 from chunkq.supervisor.store.embedded_redis import EmbeddedRedis
 from chunkq.supervisor.store.run_log import RunLog, log_path, relay
 from chunkq.supervisor.store.start_marks import CHUNKS_QUEUED, POOL_STARTED, REDIS_READY, StartMarks
@@ -59,6 +59,7 @@ class RunRequest:
     submit: SubmitRequest
     redis_url: str | None = None
     pool: PoolSettings = field(default_factory=PoolSettings)  # run fills in Redis, queue, store, model
+    devices: tuple[GpuInfo, ...] | None = None  # what the pool runs on, chosen once (None: it chooses)
     watch: WatchSettings = field(default_factory=WatchSettings)  # wait_for_owner: --wait
     log_file: bool = False  # the run's INFO lines, its pool's included, to runs/<run>/logs/run.log
 
@@ -93,6 +94,8 @@ class PoolProcess:
         # Whole, in the environment: the Redis password stays off the command line.
         self.env = dict(os.environ, **{SETTINGS_JSON_ENV: settings.to_json(), env_of("redis_url"): redis_url})
         self.env[POOL_FOR_RUN_ENV] = run_id  # its workers' start-up is this run's (the report shows it)
+        if req.devices is not None:
+            self.env[DEVICES_JSON_ENV] = devices_json(list(req.devices))
         self.run_log = run_log
         self._relay: threading.Thread | None = None
         self.proc: subprocess.Popen[bytes] | None = None
@@ -219,10 +222,9 @@ def _run_log(req: RunRequest, layout: RunLayout, stack: contextlib.ExitStack) ->
     return run_log
 
 
-def _say_resumed(layout: RunLayout, submitted: SubmitResult) -> None:
+def _say_resumed(layout: RunLayout, manifest: RunManifest, submitted: SubmitResult) -> None:
     """A rerun of an interrupted run says what it found, on the terminal (a warning's level: the
     terminal shows warnings and the progress by default)."""
-    manifest = load_manifest(layout)
     done = corpus_rows_of(layout, manifest, layout.done_chunks(manifest.chunks))
     log.warning(
         "resuming run %s: %d of %d chunk(s) were done (%d of %d rows); encoding the other %d",
@@ -290,18 +292,18 @@ def run(req: RunRequest, display: ProgressDisplay) -> RunOutcome:
         if prepared.created:  # a resumed run's first rows were a first command's
             marks.mark(CHUNKS_QUEUED)
             marks.write(layout)
-        # Submit has checked the result's checksums; look again only if another run may have
-        # published it while this one waited for the lock.
-        if submitted.published or published_result(layout, load_manifest(layout)) is not None:
+        if submitted.published:  # checked whole by submit, under the run's lock since before it
             log.info("run %s: result already published in %s", submitted.run_id, layout.result)
             return RunOutcome(submitted, None)
         if not prepared.created:
-            _say_resumed(layout, submitted)
+            _say_resumed(layout, prepared.manifest, submitted)
         if pool is None and submitted.done < submitted.chunks:  # resumed with chunks left to encode
             pool = stack.enter_context(PoolProcess(req, url, layout.run_id, run_log))
         keep_going = _always if pool is None else pool.alive
         watch = req.watch if pool is None else replace(req.watch, own_pool_started=pool.started_at)
-        outcome = supervise(connection, layout, display, watch, keep_going, redis_gone, owner)
+        outcome = supervise(
+            connection, layout, display, watch, keep_going, redis_gone, owner, prepared.manifest
+        )
         died = not keep_going()
         said = run_log.why_the_pool_ended() if died and run_log is not None else None
         return RunOutcome(submitted, outcome, pool_died=died, pool_said=said)

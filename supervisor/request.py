@@ -30,7 +30,7 @@ from chunkq.queue_worker.settings import DEFAULT_QUEUE, PoolSettings
 from chunkq.supervisor.local_run import RunOutcome, RunRequest
 from chunkq.supervisor.result.published import DEFAULT_SHARD_BYTES, shard_bytes
 from chunkq.supervisor.run_options import SUBMIT, WATCH, run_option_names
-from chunkq.supervisor.submit.corpus import CorpusOptions, check_readable, detect_format, read_corpus
+from chunkq.supervisor.submit.corpus import CorpusOptions, detect_format, read_corpus
 from chunkq.supervisor.submit.identity import DEFAULT_CHUNK_SIZE, SubmitRequest
 from chunkq.supervisor.submit.windows import LONG_TEXTS, POOLS
 from chunkq.supervisor.watch.retry import RetryPolicy
@@ -82,9 +82,9 @@ def expand_corpora(patterns: Sequence[str | Path]) -> tuple[Path, ...]:
 
 
 def check_corpora(paths: Sequence[Path], options: CorpusOptions) -> None:
-    """Each file exists, is readable, and its first record has the fields the run needs."""
+    """Each file exists, is readable, and its first record has the fields the run needs: its head
+    is read, nothing more."""
     for path in paths:
-        check_readable(path)
         next(iter(read_corpus(path, options)), None)
 
 
@@ -267,19 +267,21 @@ def build_run_request(
         submit["fmt"] = submit.pop("format")
     settings = watch_settings(**watch)
     request = replace(submit_request(corpora, store, **submit), queue_window=settings.window)
+    metrics_port = watch.get("metrics_port")  # the run's; its pool's on the next port (docs/observability.md)
+    pool["metrics_port"] = None if metrics_port is None else (metrics_port + 1 if metrics_port else 0)
     pool_settings = replace(PoolSettings(), **{k: v for k, v in pool.items() if v is not None})
-    # The devices its pool will use, or why it cannot use the host's GPUs: said now, not by the pool.
-    devices = choose(pool_settings.gpus, pool_settings.min_free_memory, pool_settings.busy_gpus, report=False)
+    # The devices its pool will use, or why it cannot use the host's GPUs: said now, and handed to
+    # the pool rather than surveyed again there.
+    devices = choose(pool_settings.gpus, pool_settings.min_free_memory, pool_settings.busy_gpus)
     if request.encode.precision != DEFAULT_PRECISION and not devices:
         check_precision(request.encode.precision, "cpu")
     if redis_url:
         reach_redis(redis_url)
-    metrics_port = watch.get("metrics_port")
-    pool["metrics_port"] = None if metrics_port is None else (metrics_port + 1 if metrics_port else 0)
     return RunRequest(
         submit=request,
         redis_url=redis_url,
         pool=pool_settings,
+        devices=tuple(devices),
         watch=settings,
     )
 

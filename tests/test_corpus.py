@@ -13,7 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from chunkq.jobs.contract.errors import CorpusError
-from chunkq.supervisor.submit.corpus import CorpusOptions, check_readable, detect_format, read_corpus
+from chunkq.supervisor.request import check_corpora
+from chunkq.supervisor.submit.corpus import CorpusOptions, check_regular_file, detect_format, read_corpus
 from tests.helpers import make_texts, write_corpus
 
 
@@ -109,7 +110,7 @@ def test_unreadable_file(tmp_path: Path) -> None:
         path.write_text(json.dumps({"text": "a"}) + "\n")
         path.chmod(0)
     with pytest.raises(CorpusError, match="cannot read"):
-        check_readable(path)
+        check_corpora([path], CorpusOptions(format="jsonl"))
 
 
 @pytest.mark.parametrize(
@@ -174,11 +175,11 @@ def test_a_pipe_is_refused_in_one_line_before_it_is_read(tmp_path: Path) -> None
     fifo = tmp_path / "corpus.jsonl"
     os.mkfifo(fifo)
     with pytest.raises(CorpusError, match=r"not a regular file .*save it to a file first"):
-        check_readable(fifo)  # returns at once: it never opens the FIFO, so no writer is needed
+        check_regular_file(fifo)  # returns at once: it never opens the FIFO, so no writer is needed
     read_end, write_end = os.pipe()
     try:
         with pytest.raises(CorpusError, match="not a regular file"):
-            check_readable(Path(f"/dev/fd/{read_end}"))
+            check_regular_file(Path(f"/dev/fd/{read_end}"))
     finally:
         os.close(read_end)
         os.close(write_end)

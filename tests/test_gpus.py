@@ -190,3 +190,13 @@ def test_a_gpu_memory_limit_is_checked_where_given_and_reaches_each_worker() -> 
             assert said in refused.stderr, refused.stderr
     # Nothing to cap on the CPU, or with no limit: torch.cuda is not touched (this torch has none).
     assert cuda.limit_memory("cpu", 2 << 30) is None and cuda.limit_memory("cuda:0", 0) is None
+
+
+def test_the_devices_chunkq_run_chose_reach_its_pool_whole() -> None:
+    """Issue 54.2: `chunkq run` surveys the GPUs once and hands its choice to its pool."""
+    from chunkq.queue_worker.discovery import GpuProcess, devices_from_json, devices_json
+
+    busy = GpuInfo(2, "H100", "MIG-ccc", 40 << 30, None, (GpuProcess(7, "python", 1 << 30),), mig=1)
+    chosen = [*GPUS, busy]
+    assert devices_from_json(devices_json(chosen)) == chosen
+    assert devices_from_json(devices_json([])) == []

@@ -439,3 +439,19 @@ def test_a_table_gains_the_columns_a_later_export_writes_and_windows_carry_their
     ids = [json.loads(line) for line in (layout.result / "texts.ids.jsonl").read_text().splitlines()]
     assert sorted(got) == sorted(by_text) == sorted(ids)
     assert np.allclose(np.array([json.loads(got[i]) for i in ids], dtype=np.float32), want, atol=1e-6)
+
+
+def test_faiss_takes_its_metric_from_what_submit_recorded_not_the_model_files(tmp_path: Path) -> None:
+    """Issue 54.2: whether the vectors are unit length is the run's record, so an export on a host
+    without the model (or after its files changed) picks the same metric as one beside it."""
+    from chunkq.jobs.contract.run_files import atomic_write_json, read_json
+
+    layout = write_encoded_run(tmp_path / "store", "m", 40, 20, 8)
+    assemble(layout)
+    manifest = read_json(layout.manifest)
+    metrics = {}
+    for recorded in (True, False, None):  # the bundled model's files say it normalises
+        atomic_write_json(layout.manifest, {**manifest, "unit_length": recorded})
+        metrics[recorded] = export_to(layout, f"faiss:{tmp_path / f'{recorded}.faiss'}")["metric"]
+    # False: the record wins over the model's files; None (a run from before it): they are read
+    assert metrics == {True: "inner_product", False: "l2", None: "inner_product"}

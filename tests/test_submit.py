@@ -156,3 +156,20 @@ def test_a_corpus_appended_while_submit_reads_it_is_refused(
     monkeypatch.setattr(submit_module, "read_inputs", reading)
     again = submit(_request(corpus, store), connection)  # the file as it now is
     assert again.rows == 31
+
+
+def test_submit_records_whether_the_vectors_are_unit_length(
+    tmp_path: Path, store: Path, connection: redis.Redis
+) -> None:
+    """Issue 54.2: submit knows from the model's files whether its vectors are unit length, and
+    records it for the exports (FAISS's metric) rather than leave them to read the model again."""
+    corpus = write_corpus(tmp_path / "c.jsonl", *make_texts(12), "jsonl")
+    recorded = {}
+    for name, encode in (
+        ("model's Normalize", EncodeOptions()),  # the bundled model ends in a Normalize module
+        ("truncated after it", EncodeOptions(truncate_dim=64)),
+        ("scaled again", EncodeOptions(truncate_dim=64, normalize_embeddings=True)),
+    ):
+        result = submit(_request(corpus, store, encode=encode, queue=f"q{len(recorded)}"), connection)
+        recorded[name] = read_json(RunLayout(store, result.run_id).manifest)["unit_length"]
+    assert recorded == {"model's Normalize": True, "truncated after it": False, "scaled again": True}

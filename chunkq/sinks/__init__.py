@@ -29,7 +29,7 @@ from chunkq.jobs.contract.run_files import RunLayout
 from chunkq.jobs.contract.storage import is_local
 from chunkq.sinks.corpus_columns import CorpusColumns, check_columns
 from chunkq.sinks.row_texts import HASH_COLUMN, RowHashes
-from chunkq.sinks.rows import DENSE, SPARSE, Rows, most_active, row_keys, row_kind, sparse_batches
+from chunkq.sinks.rows import SPARSE, Rows, most_active, row_keys, row_kind, sparse_batches
 from chunkq.sinks.same_rows import Held, check_same_rows
 from chunkq.supervisor.result.reader import LEVELS, OpenedResult, open_result
 
@@ -141,13 +141,16 @@ def _shape(layout: RunLayout, options: dict[str, Any], columns: tuple[str, ...])
     result = open_result(layout, str(options.get("level") or LEVELS[0]))
     run = result.run
     kind = row_kind(run)
-    normalized = bool(run.options.get("normalize_embeddings")) or bool((run.plan or {}).get("normalize"))
-    if not normalized and kind == DENSE:
-        from chunkq.jobs.compute.model_info import describe
-
-        normalized = describe(run.model, run.options.get("revision")).normalizes and run.kind == "dense"
     if result.level == "document":
         normalized = bool(((run.plan or {}).get("windows") or {}).get("normalize"))
+    elif run.unit_length is not None:  # recorded at submit, from the model's files
+        normalized = run.unit_length
+    else:  # a run from before it was recorded, or whose model was not on the submitting host
+        normalized = bool(run.options.get("normalize_embeddings"))
+        if not normalized and run.kind == "dense":
+            from chunkq.jobs.compute.model_info import describe
+
+            normalized = describe(run.model, run.options.get("revision")).normalizes
     column = options.get("column")
     check_columns(columns, column)
     rows = Rows(

@@ -143,6 +143,13 @@ class RunManifest:
         return str(self.data["options"].get("kind", DEFAULT_KIND))
 
     @property
+    def unit_length(self) -> bool | None:
+        """Whether each row's vector is unit length, as submit knew it from the model's files; None
+        where it could not tell, or for a run from before it was recorded."""
+        value = self.data.get("unit_length")
+        return value if isinstance(value, bool) else None
+
+    @property
     def options(self) -> dict[str, Any]:
         options: dict[str, Any] = self.data["options"]
         return options

@@ -193,6 +193,7 @@ def assemble(
     missing: list[Failure] | None = None,
     fence: Callable[[], None] | None = None,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
+    manifest: RunManifest | None = None,
 ) -> dict[str, Any]:
     """Verify every chunk and publish ``result/``; raise AssemblyError naming every problem.
 
@@ -201,8 +202,9 @@ def assemble(
     ``fence`` raises if this process no longer owns the run (``StoreLock.check``): it is called
     just before the result is put in place, so a supervisor that lost its lock never publishes.
     A result of more than ``shard_bytes`` of embeddings is published as shards (``writer.py``).
+    ``manifest``: the run's, where the caller has read it.
     """
-    manifest = load_manifest(layout)
+    manifest = manifest or load_manifest(layout)
     existing = published_result(layout, manifest)
     if existing is not None:
         return existing

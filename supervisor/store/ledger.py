@@ -68,11 +68,12 @@ def _batches(layout: RunLayout) -> list[str]:
     return sorted(name for name, _ in list_with_mtime(layout.ledger) if name.endswith(".jsonl"))
 
 
-def read_ledger(layout: RunLayout) -> Iterator[dict[str, Any]]:
+def read_ledger(layout: RunLayout, manifest: RunManifest | None = None) -> Iterator[dict[str, Any]]:
     """Every record of this run, batch by batch. The ledger is derived (the outputs are the
     truth), so it sizes nothing it is not checked against: a damaged line, or a record of a chunk
-    the run does not have or with rows that chunk does not hold, is skipped and said once."""
-    manifest = load_manifest(layout)
+    the run does not have or with rows that chunk does not hold, is skipped and said once.
+    ``manifest``: the run's, where the caller has it."""
+    manifest = manifest or load_manifest(layout)
     skipped = 0
     for name in _batches(layout):
         # A reader's rebuild is one file of every record: read and parsed a batch at a time.
@@ -124,11 +125,11 @@ class Ledger:
     _flushed_at: float = field(default_factory=time.monotonic)
 
     @classmethod
-    def open(cls, layout: RunLayout) -> Ledger:
+    def open(cls, layout: RunLayout, manifest: RunManifest | None = None) -> Ledger:
         """The ledger as the store holds it, ready to record what it lacks."""
         numbered = [int(name[:-6]) for name in _batches(layout) if name[:-6].isdigit()]
         ledger = cls(layout, _next=max(numbered, default=-1) + 1)
-        for record in read_ledger(layout):
+        for record in read_ledger(layout, manifest):
             if record["chunk"] not in ledger.recorded:
                 ledger.recorded.add(record["chunk"])
                 count_record(ledger.throughput, record)

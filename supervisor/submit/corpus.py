@@ -61,7 +61,8 @@ def detect_format(path: Path, given: str | None = None) -> str:
     return fmt
 
 
-def check_readable(path: Path) -> None:
+def check_regular_file(path: Path) -> None:
+    """A corpus is a regular file, checked without opening it (a FIFO would block the open)."""
     if not path.exists():
         raise CorpusError(f"{path}: no such file")
     if path.is_dir():
@@ -73,11 +74,10 @@ def check_readable(path: Path) -> None:
             f"{path}: not a regular file (a pipe, FIFO or device); chunkq reads a corpus twice "
             "(checksum, then rows): save it to a file first"
         )
-    try:
-        with path.open("rb") as fh:
-            fh.read(1)
-    except OSError as exc:
-        raise CorpusError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+
+
+def cannot_read(path: Path, exc: OSError) -> CorpusError:
+    return CorpusError(f"{path}: cannot read: {exc.strerror or exc}")
 
 
 class _IdPolicy:
@@ -304,6 +304,14 @@ _READERS = {"jsonl": _read_jsonl, "csv": _read_csv, "parquet": _read_parquet, "t
 
 
 def read_corpus(path: Path, opts: CorpusOptions, number_prefix: str = "") -> Iterator[Record]:
-    """Yield (id, text) in corpus order; raise CorpusError naming the file and line on bad input."""
-    check_readable(path)
-    return _READERS[opts.format](path, opts, number_prefix)
+    """Yield (id, text) in corpus order; raise CorpusError naming the file and line on bad input,
+    or the file when it cannot be read."""
+    check_regular_file(path)
+    return _readable(_READERS[opts.format](path, opts, number_prefix), path)
+
+
+def _readable(records: Iterator[Record], path: Path) -> Iterator[Record]:
+    try:
+        yield from records
+    except OSError as exc:
+        raise cannot_read(path, exc) from exc

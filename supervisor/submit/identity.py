@@ -30,7 +30,13 @@ from chunkq.jobs.contract.run_files import (
 from chunkq.jobs.contract.specs import EncodeOptions, fingerprint, validate_run_id
 from chunkq.jobs.contract.storage import is_local, open_store
 from chunkq.queue_worker.settings import DEFAULT_QUEUE
-from chunkq.supervisor.submit.corpus import CorpusOptions, Record, check_readable, read_corpus
+from chunkq.supervisor.submit.corpus import (
+    CorpusOptions,
+    Record,
+    cannot_read,
+    check_regular_file,
+    read_corpus,
+)
 from chunkq.supervisor.submit.windows import (
     LONG_TEXTS,
     POOLS,
@@ -93,7 +99,10 @@ def describe_inputs(paths: tuple[Path, ...]) -> list[dict[str, Any]]:
     described = []
     for path in paths:
         before = _stamp(path)
-        sha256 = file_sha256(path)
+        try:
+            sha256 = file_sha256(path)
+        except OSError as exc:
+            raise cannot_read(path, exc) from exc
         unchanged(path, before)
         where = str(path.resolve()) if is_local(path) else str(path)
         described.append({"path": where, "sha256": sha256, "size": before[0], "version": before[1]})
@@ -232,6 +241,7 @@ class Identified:
     identity: dict[str, Any]
     fingerprint: str
     model_identity: str | None  # the model's bytes (jobs.compute.model_identity); None: not on this host
+    manifest: RunManifest | None = None  # the run's manifest, where identify read it already
 
 
 def identify(req: SubmitRequest) -> Identified:
@@ -239,30 +249,31 @@ def identify(req: SubmitRequest) -> Identified:
     if req.chunk_size < 1:
         raise ConfigError(f"--chunk-size must be at least 1, got {req.chunk_size}")
     for path in req.corpora:
-        check_readable(path)
+        check_regular_file(path)  # readable: its head was read (request.check_corpora)
     inputs = describe_inputs(req.corpora)
     identity = _identity(req, inputs)
     run_fingerprint = fingerprint(identity)
     run_id = validate_run_id(req.run_id) if req.run_id else default_run_id(req.corpora[0], run_fingerprint)
     model = model_identity(req.model, req.encode.revision)
-    return _begun_without_cache(req, inputs, identity, model) or Identified(
-        run_id, inputs, identity, run_fingerprint, model
-    )
+    return _begun_without_cache(req, Identified(run_id, inputs, identity, run_fingerprint, model))
 
 
-def _begun_without_cache(
-    req: SubmitRequest, inputs: list[dict[str, Any]], identity: dict[str, Any], model: str | None
-) -> Identified | None:
+def _begun_without_cache(req: SubmitRequest, identified: Identified) -> Identified:
     """The same corpus and options submitted before the vector cache existed: that run, so the same
     command resumes it (without the cache) rather than start again. Only where the cache was not
-    asked for by name: ``--cache`` means a run that uses it."""
+    asked for by name: ``--cache`` means a run that uses it. A manifest read here is the run's for
+    the steps after (``Identified.manifest``), not read again."""
+    identity = identified.identity
     if req.cache is not None or "vector_cache" not in identity or req.windowed:
-        return None
+        return identified
     before = {k: v for k, v in identity.items() if k != "vector_cache"}
     before_fingerprint = fingerprint(before)
     run_id = validate_run_id(req.run_id) if req.run_id else default_run_id(req.corpora[0], before_fingerprint)
     layout = RunLayout(req.store, run_id)
-    if not layout.manifest.is_file() or load_manifest(layout).fingerprint != before_fingerprint:
-        return None
+    if not layout.manifest.is_file():
+        return identified
+    found = load_manifest(layout)
+    if found.fingerprint != before_fingerprint:
+        return replace(identified, manifest=found) if run_id == identified.run_id else identified
     log.info("run %s was submitted before the vector cache; it goes on without it", run_id)
-    return Identified(run_id, inputs, before, before_fingerprint, model)
+    return Identified(run_id, identified.inputs, before, before_fingerprint, identified.model_identity, found)

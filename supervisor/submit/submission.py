@@ -263,6 +263,7 @@ def _create_run(req: SubmitRequest, layout: RunLayout, identified: Identified) -
         # What the model is as bytes, fixed now: a worker that loads other bytes refuses the chunk.
         "model_identity": identified.model_identity,
         "options": req.encode.to_dict(),
+        "unit_length": _unit_length(req),
         "chunk_size": req.chunk_size,
         **chunking,
         "queue": req.queue,
@@ -274,6 +275,21 @@ def _create_run(req: SubmitRequest, layout: RunLayout, identified: Identified) -
     manifest = RunManifest(data)
     _record_cache_use(layout, manifest)
     return manifest
+
+
+def _unit_length(req: SubmitRequest) -> bool | None:
+    """Whether each row's vector is unit length (what an export's metric follows: FAISS's inner
+    product where it is), known here from the model's files; None where they are not on this host.
+    --truncate-dim cuts a normalised vector after the model's Normalize module: no longer unit length
+    unless --normalize scales it again."""
+    if req.encode.normalize_embeddings:
+        return True
+    if req.encode.kind != "dense":
+        return False
+    info = describe(req.model, req.encode.revision)
+    if info.folder is None:
+        return None
+    return info.normalizes and req.encode.truncate_dim is None
 
 
 def _record_cache_use(layout: RunLayout, manifest: RunManifest) -> None:
@@ -347,7 +363,7 @@ def prepare(req: SubmitRequest, identified: Identified | None = None) -> Prepare
             layout.root,
         )
         return Prepared(manifest, created=True, published=False)
-    manifest = load_manifest(layout)
+    manifest = identified.manifest or load_manifest(layout)
     if manifest.fingerprint != identified.fingerprint:
         raise conflict(manifest, identified.identity)
     same_model(manifest, identified.model_identity)

@@ -85,7 +85,7 @@ class Tracker:
         self.corpus_rows_done = 0
         self._corpus_counts = corpus_rows_per_chunk(layout, manifest)  # None: a chunk's rows are its own
         # What earlier looks recorded: their outputs are not read again.
-        self.ledger = Ledger.open(layout) if records else None
+        self.ledger = Ledger.open(layout, manifest) if records else None
         self.failed_jobs: dict[int, Job] = {}
         self.in_redis: set[int] = set()  # pending chunks with a job in Redis, as far as the looks know
         self.waiting = ChunkSet()  # pending chunks with no job: the window queues the lowest next

@@ -322,6 +322,7 @@ def supervise(
     keep_going: Callable[[], bool] = lambda: True,
     redis_gone: Callable[[], str | None] = redis_never_gone,
     owner: StoreLock | None = None,
+    manifest: RunManifest | None = None,
 ) -> Outcome:
     """Watch until every chunk is done or quarantined, then assemble (partially only if allowed).
 
@@ -335,19 +336,20 @@ def supervise(
         if owner is None:
             owner = stack.enter_context(StoreLock(layout.owner, f"run {layout.run_id}"))
             owner.acquire(settings.wait_for_owner)
-        return _supervise(connection, layout, display, settings, keep_going, redis_gone, owner)
+        manifest = manifest or load_manifest(layout)
+        return _supervise(connection, layout, manifest, display, settings, keep_going, redis_gone, owner)
 
 
 def _supervise(
     connection: redis.Redis,
     layout: RunLayout,
+    manifest: RunManifest,
     display: ProgressDisplay,
     settings: WatchSettings,
     keep_going: Callable[[], bool],
     redis_gone: Callable[[], str | None],
     owner: StoreLock,
 ) -> Outcome:
-    manifest = load_manifest(layout)
     lock = RunLock(connection, manifest.run_id)
     metrics = None
     if settings.metrics_port is not None:
@@ -378,6 +380,4 @@ def _supervise(
     if not snap.settled or (snap.quarantined and not settings.allow_partial):
         return Outcome(snap, None)
     missing = snap.quarantined if settings.allow_partial else None
-    return Outcome(
-        snap, assemble(layout, missing=missing, fence=owner.check, shard_bytes=settings.shard_bytes)
-    )
+    return Outcome(snap, assemble(layout, missing, owner.check, settings.shard_bytes, manifest))
