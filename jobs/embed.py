@@ -111,19 +111,24 @@ class Encoded:
     bad_rows: dict[int, str] = field(default_factory=dict)  # rows without a vector (--allow-missing)
 
 
-def encode_with_backoff(
-    loaded: models.LoadedModel,
-    texts: list[str],
-    chunk: ChunkSpec,
-    attempt: int,
-    start_batch: int,
-    ctx: runtime.WorkerContext,
-    on_rows: Callable[[int], None] | None = None,
-) -> Encoded:
+@dataclass(frozen=True)
+class Attempt:
+    """One attempt at a chunk, as its encode sees it: the model loaded for it, the chunk, which
+    attempt, the worker's context and who hears of rows as they are encoded."""
+
+    loaded: models.LoadedModel
+    chunk: ChunkSpec
+    number: int
+    ctx: runtime.WorkerContext
+    on_rows: Callable[[int], None] | None = None
+
+
+def encode_with_backoff(at: Attempt, texts: list[str], start_batch: int) -> Encoded:
     """Encode, halving the batch (or the token budget) after each out-of-memory error.
 
     The floor is one text per batch: MIN_BATCH texts, or a budget of one text at the maximum length.
     """
+    loaded, chunk, attempt, ctx = at.loaded, at.chunk, at.number, at.ctx
     device = ctx.device
     by_tokens = chunk.options.batch_tokens is not None
     unit = learned.unit(chunk.options)
@@ -139,7 +144,7 @@ def encode_with_backoff(
                 if by_tokens
                 else replace(chunk.options, batch_size=batch)
             )
-            rows = encode_texts(loaded, texts, options, on_rows)
+            rows = encode_texts(loaded, texts, options, at.on_rows)
             faults.poison(chunk.run_id, chunk.index, attempt, chunk.options.precision, rows)
             return Encoded(rows, batch, backoffs)
         except Exception as exc:
@@ -199,19 +204,12 @@ def _non_finite_error(chunk: ChunkSpec, bad: np.ndarray[Any, Any], how: str) -> 
     )
 
 
-def encode_finite(
-    loaded: models.LoadedModel,
-    texts: list[str],
-    chunk: ChunkSpec,
-    attempt: int,
-    start_batch: int,
-    ctx: runtime.WorkerContext,
-    on_rows: Callable[[int], None] | None = None,
-) -> tuple[Encoded, dict[str, Any] | None]:
+def encode_finite(at: Attempt, texts: list[str], start_batch: int) -> tuple[Encoded, dict[str, Any] | None]:
     """Encode with back-off; rows that came out NaN or infinite (a float16 or bfloat16 overflow)
     are encoded again in float32 once, or fail the chunk. Returns what fitted and, after a float32
     encode, what it was for (for the output's metadata)."""
-    encoded = encode_with_backoff(loaded, texts, chunk, attempt, start_batch, ctx, on_rows)
+    chunk, ctx = at.chunk, at.ctx
+    encoded = encode_with_backoff(at, texts, start_batch)
     if isinstance(encoded.embeddings, WithBadRows):
         encoded.bad_rows, encoded.embeddings = encoded.embeddings.bad, encoded.embeddings.matrix
     if isinstance(encoded.embeddings, Ragged):
@@ -238,8 +236,10 @@ def encode_finite(
     wide = replace(chunk, options=replace(chunk.options, precision=DEFAULT_PRECISION))
     full = models.get_model(chunk.model, ctx.device, DEFAULT_PRECISION, chunk.options)
     try:
-        check_model(chunk, loaded.identity_value, full)
-        again = encode_with_backoff(full, [texts[int(i)] for i in bad], wide, attempt, encoded.limit, ctx)
+        check_model(chunk, at.loaded.identity_value, full)
+        again = encode_with_backoff(
+            replace(at, loaded=full, chunk=wide, on_rows=None), [texts[int(i)] for i in bad], encoded.limit
+        )
     finally:
         models.forget(chunk.model, ctx.device, DEFAULT_PRECISION, chunk.options)  # its memory is the run's
     still = non_finite_rows(again.embeddings)
@@ -366,7 +366,7 @@ def _embed(chunk: ChunkSpec) -> dict[str, Any]:
     progress(0)
     try:
         with device_busy.measured(loaded.model, ctx.device, ctx.utilisation) as busy:
-            encoded, widened = encode_finite(loaded, texts, work, attempt, start, ctx, progress)
+            encoded, widened = encode_finite(Attempt(loaded, work, attempt, ctx, progress), texts, start)
     except BadRowsError as exc:
         named = "; ".join(f"id {_shown(ids[i])}: {why}" for i, why in list(exc.rows.items())[:5])
         raise BadInputError(

@@ -170,7 +170,7 @@ class WaitCutter:
             waker.connection_pool.disconnect()
         if silent and worker.waiting:
             # A Redis that hangs (stopped, its sockets open) never ends the wait, nor answers what RQ
-            # says on its way out: an idle worker asked to stop was alive 45 s later (issue 51.14).
+            # says on its way out: an idle worker asked to stop was alive 45 s later.
             # It holds no job (its BLMOVE has not returned), so it leaves now; a job the server
             # moves afterwards is one the supervisor finds lost and queues again.
             worker.log.warning("Worker %s: stopping as asked; %s", worker.name, silent)
@@ -361,7 +361,7 @@ class ChunkWorker(SimpleWorker):
     def handle_job_failure(self, job: Any, queue: Any, *args: Any, **kwargs: Any) -> Any:
         """An attempt that ended without saying why (the job function never returned: a stop, its
         pool's death, a second signal) ended because its worker left: abandoned, whatever an
-        earlier attempt said (issue 53.1)."""
+        earlier attempt said."""
         try:
             if jobmeta.ERROR_CLASS not in job.meta:
                 said = (kwargs.get("exc_string") or (args[1] if len(args) > 1 else "") or "?").strip()

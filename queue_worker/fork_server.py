@@ -48,6 +48,7 @@ from chunkq.queue_worker.lifeline import (
 )
 from chunkq.queue_worker.settings import WORKER_MODULE
 from chunkq.queue_worker.standby import NOTIFY_FD_ENV
+from chunkq.queue_worker.stopping import wait_or_kill
 
 SOCKET_FD_ENV = "CHUNKQ_FORK_SERVER_FD"
 PRELOAD = ("torch", "sentence_transformers", WORKER_MODULE)
@@ -431,11 +432,7 @@ class ForkServer:
             self.sock.close()
             self.sock = None
         if self.proc is not None:
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            wait_or_kill(self.proc, 10)
             self.proc = None
 
 

@@ -155,7 +155,7 @@ def worker_environment(base: dict[str, str], gpu: GpuInfo | None, cpu_threads: i
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         env.setdefault(var, threads)
     # A chunk is tokenised in one call (jobs/compute/tokenized.py); the Rust tokenizers split it over the
-    # worker's share of the cores (2 cores: 4,864 -> 6,826 docstrings/s, BENCHMARKS.md, issue 46).
+    # worker's share of the cores (2 cores: 4,864 -> 6,826 docstrings/s, BENCHMARKS.md).
     # Nothing tokenises before a fork (the fork server only loads), so no child inherits a used pool.
     env.setdefault("TOKENIZERS_PARALLELISM", "true")
     env.setdefault("RAYON_NUM_THREADS", threads)
@@ -178,7 +178,7 @@ def workers_per_gpu_value(value: str) -> str:
     raise ConfigError(f"{value!r}: give a number of workers (1 or more) or 'auto'")
 
 
-AUTO_MAX_WORKERS = 4  # more than this per GPU measured no further gain for small models (issue 15)
+AUTO_MAX_WORKERS = 4  # more than this per GPU measured no further gain for small models
 CORES_PER_WORKER = 2  # tokenising and Python for one worker, the other half of a core pair for the rest
 CONTEXT_BYTES = 1 << 29  # a CUDA context and cuBLAS workspaces, per process
 ACTIVATION_BYTES = 2 << 30  # headroom for a batch's activations

@@ -57,6 +57,7 @@ from chunkq.queue_worker.settings import (
     worker_argv,
 )
 from chunkq.queue_worker.standby import NOTIFY_FD_ENV, WAIT_FOR_PID_ENV, parse_announcements
+from chunkq.queue_worker.stopping import wait_or_kill
 
 log = logging.getLogger("chunkq.queue_worker.pool")  # one name, run as python -m chunkq.queue_worker too
 
@@ -393,11 +394,7 @@ class Pool:
         self._signal_all(signal.SIGTERM)
         deadline = time.monotonic() + self.settings.kill_grace
         for proc in self._processes():
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            wait_or_kill(proc, max(0.1, deadline - time.monotonic()))
         if self.fork_server is not None:
             self.fork_server.close()
 

@@ -24,8 +24,8 @@ from chunkq.queue_worker.gpus import WORKERS_AUTO, size_value, workers_per_gpu_v
 
 DEFAULT_QUEUE = "chunkq"
 DEFAULT_STORE = "chunkq-store"
-# A recycle costs a young process's slower first chunk and the hand-over: about 0.5-0.7 s on an H100
-# (issue 15), so 600 s of work keeps it near 0.1 %. A broken CUDA context does not wait for it: a
+# A recycle costs a young process's slower first chunk and the hand-over: about 0.5-0.7 s on an H100,
+# so 600 s of work keeps it near 0.1 %. A broken CUDA context does not wait for it: a
 # fatal error exits at once.
 DEFAULT_RECYCLE_AFTER = 600.0
 HUNG_GRACE_SECONDS = 30.0  # past the job timeout, before a busy worker is taken for hung

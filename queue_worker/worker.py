@@ -1,4 +1,5 @@
-"""The worker process: an RQ SimpleWorker that keeps the model loaded, runs at most N chunks, exits.
+"""The worker process's start: its flags, its device and context, its log lines, then one
+``ChunkWorker`` (``chunk_worker.py``) until it ends, and the named exit code that says why.
 
 Run as ``python -m chunkq.queue_worker.worker`` by the pool, with the Redis URL in ``CHUNKQ_REDIS_URL``
 (never on the command line, where ``ps`` would show its password) and the device pinned through

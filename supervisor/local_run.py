@@ -31,6 +31,7 @@ from chunkq.jobs.contract.storage import OWNER_ONLY, is_local
 from chunkq.queue_worker.discovery import GpuInfo, devices_json
 from chunkq.queue_worker.lifeline import die_with_parent
 from chunkq.queue_worker.settings import DEVICES_JSON_ENV, SETTINGS_JSON_ENV, PoolSettings, env_of
+from chunkq.queue_worker.stopping import wait_or_kill
 from chunkq.supervisor.result.planned_rows import corpus_rows_of
 from chunkq.supervisor.store.embedded_redis import EmbeddedRedis
 from chunkq.supervisor.store.run_log import RunLog, log_path, relay
@@ -150,11 +151,7 @@ class PoolProcess:
             except (subprocess.TimeoutExpired, KeyboardInterrupt):
                 log.warning("stopping the pool now; interrupted chunks go back to the queue")
                 self.proc.send_signal(signal.SIGTERM)  # the second signal: stop now
-                try:
-                    self.proc.wait(timeout=30)
-                except (subprocess.TimeoutExpired, KeyboardInterrupt):
-                    self.proc.kill()
-                    self.proc.wait()
+                wait_or_kill(self.proc, 30)
         if self._relay is not None:
             self._relay.join(timeout=RELAY_DRAIN_SECONDS)  # the pool's last lines, before the log closes
 

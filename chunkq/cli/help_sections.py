@@ -1,6 +1,6 @@
 """Every command's ``--help`` in sections, each option in its first sentence; ``--help-all`` gives
 each option's whole text. ``chunkq run`` takes over fifty options: in one flat list of full
-paragraphs its help ran to 229 lines (issue 45.12)."""
+paragraphs its help ran to 229 lines."""
 
 from __future__ import annotations
 

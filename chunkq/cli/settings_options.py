@@ -44,7 +44,7 @@ else:
 
 
 class Seconds(_ParamType):
-    """A span of time as the docs write it: 600, 10m, 12h (issue 53.4: --recycle-after 10m was
+    """A span of time as the docs write it: 600, 10m, 12h (--recycle-after 10m was
     refused, seconds only)."""
 
     name = "seconds"

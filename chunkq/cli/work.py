@@ -164,7 +164,7 @@ def pool_cmd(redis_url: str | None, store: Path, queue: str, **kw: Any) -> None:
 
 
 def with_the_runs_model(settings: Any) -> Any:
-    """The model named once for a fleet (issue 53.2): CHUNKQ_MODEL, which submit and run read, is
+    """The model named once for a fleet: CHUNKQ_MODEL, which submit and run read, is
     one this pool may load too. The operator set it in the pool's own environment, which is the
     allow-list's protection: a job through Redis still names only what the pool allowed."""
     name, meta, _ = run_option("model")

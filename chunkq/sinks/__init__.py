@@ -230,7 +230,7 @@ def export_to(
     except BaseException:
         sink.abort()
         raise
-    # A plain run's rows are its rows: "level" names a windowed run's choice (issue 53.7: "window").
+    # A plain run's rows are its rows: "level" names a windowed run's choice ("window").
     shown = level if rows.windowed or level == "document" else "row"
     return {"url": redacted(url), "run_id": layout.run_id, "level": shown, **progress.summary(), **told}
 

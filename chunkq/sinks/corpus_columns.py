@@ -33,7 +33,7 @@ def _check(name: str, flag: str, described: str, reserved: frozenset[str]) -> No
 
 def check_columns(columns: tuple[str, ...], vector_column: str | None = None) -> None:
     """``--columns`` names and ``--column``'s: valid, and none of them a column chunkq writes itself
-    (issue 51.13: ``--columns sparse_values`` failed inside LanceDB and PostgreSQL)."""
+    (``--columns sparse_values`` failed inside LanceDB and PostgreSQL)."""
     if vector_column is not None:
         _check(vector_column, "--column", "a name", KEYS)
     bases = (vector_column,) if vector_column else VECTOR_DEFAULTS

@@ -1,6 +1,6 @@
 """Which text each exported row stands for, as a hash: the ``text_sha256`` column every table chunkq
 writes holds, so that a later export into the table can check that it brings the same corpus rows
-(same ids, same texts) before it adds a column beside them (issue 51.4).
+(same ids, same texts) before it adds a column beside them.
 
 A row's text is its own: a corpus text, or a window's span of one (a late-chunking window's span of
 its segment, not the segment). They are read from the run's chunk inputs in the store, in the order

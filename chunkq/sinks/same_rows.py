@@ -1,4 +1,4 @@
-"""Whether an export may write into a table that already holds rows (issue 51.4).
+"""Whether an export may write into a table that already holds rows.
 
 A table chunkq writes holds one corpus's rows, and every column of a row comes from that row's text:
 a dense run's vector beside a sparse run's, each row's ``text_sha256`` saying which text it is

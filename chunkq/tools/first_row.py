@@ -1,4 +1,4 @@
-"""Where a run's seconds before its first row went, and after its last chunk (issue 46.4).
+"""Where a run's seconds before its first row went, and after its last chunk.
 
 From the store alone: the command's marks (``supervisor/store/start_marks.py``: its process start, imports
 and options, Redis, the pool, the chunks queued), then the first chunk's worker (its process start,

@@ -53,7 +53,7 @@ def summary(
     return {
         "run_id": m.run_id,
         # The run's rows as every command counts them (its corpus's, or its windows); what its
-        # chunks hold beside them: distinct texts encoded (issue 53.3: "1350 of 1350" of 1,500).
+        # chunks hold beside them: distinct texts encoded ("1350 of 1350" of 1,500).
         "rows": m.corpus_rows,
         "chunks": m.chunks,
         "rows_done": facts.throughput.rows if layout is None else corpus_rows_of(layout, m, facts.done),

@@ -192,7 +192,7 @@ def chunks_done(store: Path) -> tuple[int, int, int]:
 
 def list_runs(store: Path) -> list[RunInfo]:
     """Every run of the store, newest first; one whose manifest is damaged is listed as such, and
-    never keeps the others from being listed (issue 51.10)."""
+    never keeps the others from being listed."""
     return sorted((_listed(store, r) for r in run_ids(store)), key=lambda i: i.created_at, reverse=True)
 
 

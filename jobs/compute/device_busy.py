@@ -1,4 +1,4 @@
-"""How busy a chunk kept its device (issue 46.5): a GPU left idle is the first thing to see.
+"""How busy a chunk kept its device: a GPU left idle is the first thing to see.
 
 Three sources, best first; a chunk's output records the share and which source gave it:
 - ``nvml``: the driver's own utilisation samples over the chunk's span (``nvmlDeviceGetSamples``,

@@ -72,7 +72,7 @@ _CUDA_ADVICE = (
     "below might be incorrect.\nFor debugging consider passing CUDA_LAUNCH_BLOCKING=1\n"
     "Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.\n"
 )
-# CUDACachingAllocator's OOM message (torch >= 2.3), as seen on an H100 (issue 14).
+# CUDACachingAllocator's OOM message (torch >= 2.3), as seen on an H100.
 _OOM_TEXT = (
     "CUDA out of memory. Tried to allocate {wanted:.2f} GiB. GPU 0 has a total capacity of 79.18 GiB of "
     "which 3.41 GiB is free. Including non-PyTorch memory, this process has 75.76 GiB memory in use. Of "

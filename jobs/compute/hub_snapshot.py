@@ -1,4 +1,4 @@
-"""Whether a Hugging Face cache snapshot still holds the hub's files (issue 51.3).
+"""Whether a Hugging Face cache snapshot still holds the hub's files.
 
 A snapshot is ``<repo>/snapshots/<commit>/``: every file a link to ``<repo>/blobs/<name>``, where
 the name is the file's hash as the hub computed it: git's blob sha1 for a small file (configs,

@@ -4,7 +4,7 @@ replaced under the same path, and two paths can hold the same files.
 
 - A local folder: the sha256 of every file's relative name and bytes, the folder walked through
   links (a linked file or subfolder is read where it points, as a load reads it), dot-named files
-  included (``modules.json`` may name a module folder ``.pooling``: issue 51.1). Left out only
+  included (``modules.json`` may name a module folder ``.pooling``). Left out only
   ``.git``: version control's records, which no load opens and ``git status`` rewrites; a path a
   load would read under it is refused (``model_reads``).
 - A model in the Hugging Face cache: its snapshot's commit, which the hub derives from the files,
@@ -48,7 +48,7 @@ class Identity:
 
 def hub_cache() -> str | None:
     """The cache sentence-transformers loads hub models from: its own where SENTENCE_TRANSFORMERS_HOME
-    says (issue 51, hostile pass: the identity read another cache's commit), else the hub's."""
+    says (the identity read another cache's commit), else the hub's."""
     return os.environ.get("SENTENCE_TRANSFORMERS_HOME") or None
 
 

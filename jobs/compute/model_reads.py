@@ -1,4 +1,4 @@
-"""What a model's load reads beyond the files its identity hashed, decided before the run (issue 51.1).
+"""What a model's load reads beyond the files its identity hashed, decided before the run.
 
 The identity (``model_identity``) hashes every file in the model's folder (links followed). A load
 can also read what the folder's files *name*: ``modules.json`` names each module's folder and

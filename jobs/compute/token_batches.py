@@ -234,12 +234,11 @@ def for_device(options: EncodeOptions, device: str, by_tokens: bool = True) -> E
     """The batches a chunk is encoded in on ``device``: a budget of tokens, ``auto``, or None
     (``--batch-size`` texts). ``by_tokens``: the kind's inputs have tokens (an image has none).
 
-    Unless the run said (``--batch-tokens N|auto|off``), the device decides. On a GPU, ``auto``: a
-    fixed 32 texts leaves a large GPU waiting, and ``auto`` was measured 14 % faster for MiniLM and
-    2.7x for a bge-large-sized model on an H100 (issue 46). On the CPU a batch's cost grows with its
-    padded tokens whatever its shape, so length-sorted fixed batches (sentence-transformers' own) were
-    measured faster than any budget (issue 26: 0.78x plain with ``auto`` on 2 cores); ``auto`` there
-    means ``--batch-size`` batches too. A number of tokens is kept on either."""
+    Unless the run said (``--batch-tokens N|auto|off``), the device decides: on a GPU ``auto``, since
+    a fixed count of texts leaves a large GPU waiting; on the CPU a batch's cost grows with its padded
+    tokens whatever its shape, so sentence-transformers' own length-sorted batches of ``--batch-size``
+    texts. A number of tokens is kept on either. The measurements behind both: BENCHMARKS.md,
+    "Token-budget batches"."""
     asked = options.batch_tokens
     gpu = device.startswith("cuda")
     if not by_tokens or asked == BATCH_TOKENS_OFF or (asked in (None, BATCH_TOKENS_AUTO) and not gpu):

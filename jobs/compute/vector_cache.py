@@ -75,8 +75,8 @@ def text_hashes(texts: Iterable[str]) -> np.ndarray[Any, Any]:
     return np.frombuffer(digests, dtype=f"S{HASH_BYTES}").copy()
 
 
-# The libraries that turn a model's files into vectors, and how much of each release is in the key
-# (issue 51.2). sentence-transformers, transformers and tokenizers whole: their releases change which
+# The libraries that turn a model's files into vectors, and how much of each release is in the key.
+# sentence-transformers, transformers and tokenizers whole: their releases change which
 # tokens a text becomes and how they are pooled (sentence-transformers 6 reads a model's maximum
 # length from its tokenizer's config, where 5 read sentence_bert_config.json), and a patch release
 # can fix a tokeniser's normalisation, which moves a vector by far more than any tolerance. torch by

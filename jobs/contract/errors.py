@@ -117,8 +117,8 @@ NOT_THE_CHUNKS_FAULT = frozenset({ABANDONED, CUDA_FATAL, UNSUPPORTED})  # retrie
 
 # Classification reads the exception's type and its first sentence only. A real torch OOM message
 # ends in advice that names ``expandable_segments`` (torch >= 2.3, CUDACachingAllocator.cpp), so
-# any marker searched for in the whole text would misread an OOM as a broken context (issue 14,
-# seen on an H100). Each pattern below is matched against the start of the first sentence.
+# any marker searched for in the whole text would misread an OOM as a broken context (seen on an
+# H100). Each pattern below is matched against the start of the first sentence.
 _OOM_HEADS = (
     "cuda out of memory",  # CUDACachingAllocator: torch.OutOfMemoryError (a RuntimeError before 1.13)
     "hip out of memory",  # the same allocator on ROCm

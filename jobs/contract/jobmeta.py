@@ -27,7 +27,7 @@ QUARANTINED = "quarantined"
 QUARANTINE_REASON = "quarantine_reason"
 RETRY_STATE = (QUARANTINED, QUARANTINE_REASON, RETRY_AT)  # cleared when a user submits again
 # What one attempt says of how it ended: cleared before each attempt, so a chunk's fate follows its
-# latest attempt (issue 53.1: a killed pool's chunk was quarantined with the error of an earlier one).
+# latest attempt (a killed pool's chunk was quarantined with the error of an earlier one).
 ATTEMPT_STATE = (ERROR_CLASS, ERROR)
 # --allow-missing: rows of the chunk left out (id and why), so the dashboard's job page names them
 BAD_ROWS = "bad_rows"

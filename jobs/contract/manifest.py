@@ -50,7 +50,7 @@ class RunManifest:
 
     def chunk_label(self, index: int) -> str:
         """A chunk as messages name it: its corpus rows where they are its own, else how many texts
-        it holds (positions in the run's plan of distinct texts are no corpus rows: issue 53.3)."""
+        it holds (positions in the run's plan of distinct texts are no corpus rows)."""
         rows = self.chunk_rows(index)
         if self.rows_are_corpus_rows:
             first = self.first_row(index)

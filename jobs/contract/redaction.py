@@ -1,4 +1,4 @@
-"""No password is ever shown (issue 51.6): one redaction for every line a chunkq process writes.
+"""No password is ever shown: one redaction for every line a chunkq process writes.
 
 A URL can carry a password in its user part (``postgresql://u:SECRET@h/db``, ``redis://:SECRET@h``),
 written with or without ``//`` and with characters it should have encoded (``u:S3/cret@h``), or in

@@ -191,7 +191,7 @@ def file_sha256(path: Path, block: int = 1 << 20) -> str:
 
 class _Writes:
     """A file numpy sees as a plain writer: it then writes through ``write``, whose full disk is an
-    OSError with its errno (ENOSPC), where its own ``tofile`` says "[Errno None] None" (issue 51.7).
+    OSError with its errno (ENOSPC), where its own ``tofile`` says "[Errno None] None".
     The bytes are hashed as they go: the file is never read back for its checksum."""
 
     def __init__(self, fh: Any) -> None:
@@ -214,8 +214,8 @@ def save_npy_atomic(path: Path, array: np.ndarray[Any, Any]) -> str:
 
 def _reserve(path: Path, nbytes: int) -> None:
     """Allocate ``nbytes`` of ``path``'s file now. A memory map writes into a sparse file's holes
-    when its pages are touched, and a full disk then kills the process with SIGBUS, no message
-    (issue 51.8): reserved first, a full disk is an ENOSPC here, naming the file."""
+    when its pages are touched, and a full disk then kills the process with SIGBUS, no message:
+    reserved first, a full disk is an ENOSPC here, naming the file."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         if nbytes > 0:
@@ -299,7 +299,7 @@ def read_chunk_input(layout: RunLayout, index: int) -> tuple[list[Any], list[str
         lines.pop()
     try:
         # One parse for the chunk (json escapes every newline inside a row): a call per row cost
-        # 5 us a row, a tenth of tokenising it (issue 52). A row it cannot take is found below.
+        # 5 us a row, a tenth of tokenising it. A row it cannot take is found below.
         rows = json.loads("[" + ",".join(lines) + "]")
     except json.JSONDecodeError:
         rows = None

@@ -294,7 +294,7 @@ def _assemble(
             "packed_bits": manifest.output_dtype in PACKED_DTYPES,  # binary/ubinary: 8 dimensions a byte
             "assembled_at": datetime.now(UTC).isoformat(),
             "workers": sorted(verified.workers),
-            # worker processes that encoded a chunk of the result: what report counts too (issue 53.3)
+            # worker processes that encoded a chunk of the result: what report counts too
             "worker_processes": len(verified.processes),
             "devices": sorted(verified.devices),
             "encode_seconds": round(verified.seconds, 3),

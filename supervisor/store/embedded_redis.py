@@ -25,6 +25,7 @@ import redis
 from chunkq.jobs.contract.errors import ConfigError
 from chunkq.jobs.contract.storage import OWNER_ONLY, private_dirs
 from chunkq.queue_worker.lifeline import die_with_parent
+from chunkq.queue_worker.stopping import wait_or_kill
 
 log = logging.getLogger(__name__)
 
@@ -246,11 +247,7 @@ class EmbeddedRedis:
             return
         if self.proc.poll() is None:
             self.proc.terminate()  # SIGTERM: the server flushes its append-only file and exits
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            wait_or_kill(self.proc, 15)
         self.proc = None
 
     def __enter__(self) -> EmbeddedRedis:

@@ -2,7 +2,7 @@
 over: its process start, its imports and options done, Redis up, the pool started, the chunks
 queued. Written once, beside the manifest (``start.json``); ``chunkq report`` puts them before the
 workers' own start-up (process, model load, warm-up) and the first rows, so a user sees where the
-seconds before the first row went (issue 46.4). Wall-clock (epoch) seconds, as the workers record."""
+seconds before the first row went. Wall-clock (epoch) seconds, as the workers record."""
 
 from __future__ import annotations
 

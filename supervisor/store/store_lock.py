@@ -97,7 +97,7 @@ class StoreLock:
         return bool(read_json(self.path).get("token") == self.token)
 
     def _hold_blank(self) -> bool:
-        """A full disk took the holder's words but not the file (issue 51.9: ``chunkq clean``, the
+        """A full disk took the holder's words but not the file (``chunkq clean``, the
         command that frees space, could not start): the empty file, created exclusively, is the lock.
         Others read it as held until it is STALE_SECONDS old; it is ours while its inode is the one
         we created."""

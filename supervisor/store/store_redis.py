@@ -80,8 +80,8 @@ PORT_FILE = "port"  # the port the store's last served Redis listened on
 
 
 def _last_port(data_dir: Path) -> int | None:
-    """The port the store's last served server listened on, while it is free again (issue 53.6:
-    a restarted serve-redis took a new port, and every host's URL went stale); else None."""
+    """The port the store's last served server listened on, while it is free again
+    (a restarted serve-redis took a new port, and every host's URL went stale); else None."""
     try:
         port = int((data_dir / PORT_FILE).read_text().strip())
     except (OSError, ValueError):

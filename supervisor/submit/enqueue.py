@@ -102,7 +102,7 @@ def retry_quarantined(
     model a pool did not allow, a GPU too small, a broken device, the store) new attempts; the
     chunks. Bad input is the corpus's own: the same rows fail the same way, and stay quarantined.
     ``room``: how many the queue window takes now; the others' jobs go, and they wait in the store
-    for the window, in order, as every waiting chunk does (issue 53.4: all were queued at once)."""
+    for the window, in order, as every waiting chunk does (all were queued at once)."""
     queue = chunk_queue(connection, manifest.queue)
     failed = FailedJobRegistry(queue=queue)
     prefix = chunk_job_prefix(manifest.run_id)

@@ -1,4 +1,4 @@
-"""Long texts cut into windows on the model's own tokenizer (issue 33, first part: the planning).
+"""Long texts cut into windows on the model's own tokenizer (the planning).
 
 A text longer than a window is cut into windows of at most ``size`` tokens that overlap by
 ``overlap`` tokens, each an exact character span of the text: a window starts and ends on a word's

@@ -1,4 +1,4 @@
-"""The work a run asks of the pools, as a Redis list KEDA can read (issue 53.5).
+"""The work a run asks of the pools, as a Redis list KEDA can read.
 
 KEDA's Redis scaler reads a list's length. RQ's queue list holds the jobs waiting, not those a
 worker runs: while the last chunks run the list is empty, KEDA counts no demand, and once its

@@ -75,7 +75,7 @@ class Snapshot:
     def to_json(self) -> dict[str, Any]:
         """``status --json``: ``rows`` and ``rows_done`` are the run's rows as every command counts
         them (its corpus's, or its windows); ``chunk_rows`` and ``chunk_rows_done`` what its chunks
-        hold, the distinct texts encoded or read from the cache (issue 53.3: ``rows`` said 494 of a
+        hold, the distinct texts encoded or read from the cache (``rows`` said 494 of a
         500-row run with 6 repeated texts)."""
         data = asdict(self)
         data["chunk_rows"], data["chunk_rows_done"] = data.pop("rows"), data.pop("rows_done")
