@@ -32,7 +32,7 @@ from rq.serializers import JSONSerializer
 from chunkq.jobs.contract.allowlist import AllowListedJob
 from chunkq.jobs.contract.manifest import load_manifest
 from chunkq.jobs.contract.run_files import RunLayout
-from chunkq.queue_worker.settings import WORKER_MODULE
+from chunkq.queue_worker.worker_args import WORKER_MODULE
 from chunkq.supervisor.store.embedded_redis import EmbeddedRedis
 from chunkq.supervisor.watch.progress import Tracker
 

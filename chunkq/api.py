@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from chunkq.jobs.compute.model_info import describe
 from chunkq.jobs.compute.models import check_model, default_model, resolve_model
 from chunkq.jobs.compute.quantize import stored_columns
+from chunkq.jobs.contract.defaults import DEFAULT_STORE
 from chunkq.jobs.contract.errors import AssemblyError, ConfigError, NonFiniteError, StoreError
 from chunkq.jobs.contract.manifest import load_manifest
 from chunkq.jobs.contract.ragged import Ragged
@@ -28,7 +29,6 @@ from chunkq.jobs.contract.run_files import RunLayout, load_npy
 from chunkq.jobs.contract.specs import CALIBRATED_DTYPES, EncodeOptions, storage_dtype
 from chunkq.jobs.contract.storage import is_local, open_store, private_open
 from chunkq.jobs.kinds.cross import pair_text
-from chunkq.queue_worker.settings import DEFAULT_STORE
 from chunkq.supervisor.request import ENCODE_NAMES, build_run_request, encode_options_for, finished_result
 from chunkq.supervisor.result.published import read_result_manifest
 from chunkq.supervisor.result.reader import OpenedResult, ShardedEmbeddings, open_result

@@ -40,6 +40,7 @@ from chunkq.jobs.compute.scope import check_spec
 from chunkq.jobs.compute.vector_cache import library_versions
 from chunkq.jobs.contract import errors, jobmeta
 from chunkq.jobs.contract.chunk_output import verify_output
+from chunkq.jobs.contract.defaults import DEFAULT_KIND, DEFAULT_PRECISION
 from chunkq.jobs.contract.errors import (
     BadInputError,
     BadRowsError,
@@ -58,7 +59,7 @@ from chunkq.jobs.contract.run_files import (
     read_chunk_input,
     write_output,
 )
-from chunkq.jobs.contract.specs import DEFAULT_KIND, DEFAULT_PRECISION, ChunkSpec, EncodeOptions
+from chunkq.jobs.contract.specs import ChunkSpec, EncodeOptions
 from chunkq.jobs.kinds.contract import WithBadRows
 
 log = logging.getLogger(__name__)

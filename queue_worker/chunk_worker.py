@@ -26,6 +26,7 @@ from chunkq.jobs.compute import runtime
 from chunkq.jobs.contract import errors, jobmeta
 from chunkq.jobs.contract.events import announce_settled
 from chunkq.jobs.contract.queueing import give_back
+from chunkq.jobs.contract.settings import SIGNAL_REPEAT_SECONDS
 from chunkq.queue_worker.exit_codes import (
     EXIT_CUDA_FATAL,
     EXIT_DEVICE_UNSUPPORTED,
@@ -33,11 +34,8 @@ from chunkq.queue_worker.exit_codes import (
     EXIT_STOPPED,
 )
 from chunkq.queue_worker.lifeline import ORPHANED_SIGNAL, pool_alive
-from chunkq.queue_worker.settings import (
-    SIGNAL_REPEAT_SECONDS,
-    WORKER_MODULE,
-)
 from chunkq.queue_worker.standby import announce_last_job
+from chunkq.queue_worker.worker_args import WORKER_MODULE
 
 log = logging.getLogger(__name__)
 

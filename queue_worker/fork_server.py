@@ -46,9 +46,9 @@ from chunkq.queue_worker.lifeline import (
     killed_with_parent,
     worker_dies_with_parent,
 )
-from chunkq.queue_worker.settings import WORKER_MODULE
 from chunkq.queue_worker.standby import NOTIFY_FD_ENV
 from chunkq.queue_worker.stopping import wait_or_kill
+from chunkq.queue_worker.worker_args import WORKER_MODULE
 
 SOCKET_FD_ENV = "CHUNKQ_FORK_SERVER_FD"
 PRELOAD = ("torch", "sentence_transformers", WORKER_MODULE)

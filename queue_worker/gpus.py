@@ -4,11 +4,12 @@ worker's pinning. What the host has, and what this process may use, is ``discove
 from __future__ import annotations
 
 import logging
-import math
 import os
 
 from chunkq.jobs.compute.runtime import DEVICE_ENV, GPU_ENV
 from chunkq.jobs.contract.errors import ConfigError
+from chunkq.jobs.contract.settings import WORKERS_AUTO
+from chunkq.jobs.contract.units import parse_size
 from chunkq.queue_worker.discovery import VISIBLE_ENV, GpuInfo, allowed, read_all, survey, visible
 from chunkq.queue_worker.torch_build import check_gpus_usable
 
@@ -100,42 +101,6 @@ def usable(
     return kept
 
 
-def parse_size(text: str) -> int:
-    """'8GiB', '512M', '0' -> bytes. A size is a finite number of bytes, not below zero."""
-    units = {
-        "": 1,
-        "k": 2**10,
-        "kb": 2**10,
-        "kib": 2**10,
-        "m": 2**20,
-        "mb": 2**20,
-        "mib": 2**20,
-        "g": 2**30,
-        "gb": 2**30,
-        "gib": 2**30,
-        "t": 2**40,
-        "tb": 2**40,
-        "tib": 2**40,
-    }
-    raw = text.strip().lower()
-    number = raw.rstrip("kmgtib")
-    try:
-        value = float(number) * units[raw[len(number) :]]
-    except (ValueError, KeyError):
-        raise ConfigError(f"cannot read the size {text!r} (use e.g. 8GiB, 512MiB)") from None
-    if not math.isfinite(value):
-        raise ConfigError(f"cannot read the size {text!r}: not a finite number (use e.g. 8GiB, 512MiB)")
-    if value < 0:
-        raise ConfigError(f"{text!r} is below zero (0: none)")
-    return int(value)
-
-
-def size_value(text: str) -> str:
-    """A size option checked where it is given (``PoolSettings``' ``parse``)."""
-    parse_size(text)
-    return text.strip()
-
-
 def worker_environment(base: dict[str, str], gpu: GpuInfo | None, cpu_threads: int) -> dict[str, str]:
     """The environment of one worker: pinned to one GPU (or none) before it imports torch."""
     env = dict(base)
@@ -166,16 +131,6 @@ def worker_environment(base: dict[str, str], gpu: GpuInfo | None, cpu_threads: i
 
 def cpu_threads_per_worker(workers: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, workers))
-
-
-WORKERS_AUTO = "auto"  # --workers-per-gpu auto: as many as pay off on each GPU
-
-
-def workers_per_gpu_value(value: str) -> str:
-    """--workers-per-gpu as given: a number of workers (1 or more) or 'auto'."""
-    if value == WORKERS_AUTO or (value.isdigit() and int(value) >= 1):
-        return value
-    raise ConfigError(f"{value!r}: give a number of workers (1 or more) or 'auto'")
 
 
 AUTO_MAX_WORKERS = 4  # more than this per GPU measured no further gain for small models

@@ -31,6 +31,15 @@ from chunkq.jobs.contract.errors import ChunkqError
 from chunkq.jobs.contract.nopickle import forbid_pickle
 from chunkq.jobs.contract.process_clock import process_started_at
 from chunkq.jobs.contract.redaction import guard_process
+from chunkq.jobs.contract.settings import (
+    DEVICES_JSON_ENV,
+    LOG_FORMAT,
+    SETTINGS_JSON_ENV,
+    SIGNAL_REPEAT_SECONDS,
+    PoolSettings,
+    env_of,
+)
+from chunkq.jobs.contract.units import parse_size
 from chunkq.queue_worker import exit_codes
 from chunkq.queue_worker.dead_workers import DeadWorkers
 from chunkq.queue_worker.discovery import GpuInfo, devices_from_json
@@ -39,25 +48,15 @@ from chunkq.queue_worker.fork_server import ForkedWorker, ForkServer, ForkServer
 from chunkq.queue_worker.gpus import (
     choose,
     cpu_threads_per_worker,
-    parse_size,
     resolve_workers_per_gpu,
     worker_environment,
 )
 from chunkq.queue_worker.lifeline import PARENT_PID_ENV, POOL_PID_ENV, worker_dies_with_parent
 from chunkq.queue_worker.metrics import PoolMetrics, serve
 from chunkq.queue_worker.restart import RestartPolicy
-from chunkq.queue_worker.settings import (
-    DEVICES_JSON_ENV,
-    LOG_FORMAT,
-    SETTINGS_JSON_ENV,
-    SIGNAL_REPEAT_SECONDS,
-    WORKER_MODULE,
-    PoolSettings,
-    env_of,
-    worker_argv,
-)
 from chunkq.queue_worker.standby import NOTIFY_FD_ENV, WAIT_FOR_PID_ENV, parse_announcements
 from chunkq.queue_worker.stopping import wait_or_kill
+from chunkq.queue_worker.worker_args import WORKER_MODULE, worker_argv
 
 log = logging.getLogger("chunkq.queue_worker.pool")  # one name, run as python -m chunkq.queue_worker too
 

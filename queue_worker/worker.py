@@ -31,13 +31,15 @@ from chunkq.jobs.compute import cuda, faults, models, runtime
 from chunkq.jobs.compute.model_info import describe
 from chunkq.jobs.compute.model_reads import no_working_directory_imports
 from chunkq.jobs.contract.allowlist import AllowListedJob
+from chunkq.jobs.contract.defaults import DEFAULT_KIND, DEFAULT_STORE
 from chunkq.jobs.contract.errors import ConfigError
 from chunkq.jobs.contract.nopickle import forbid_pickle
 from chunkq.jobs.contract.process_clock import process_started_at
 from chunkq.jobs.contract.redaction import guard_process
-from chunkq.jobs.contract.specs import DEFAULT_KIND, EncodeOptions
+from chunkq.jobs.contract.settings import env_of, truthy
+from chunkq.jobs.contract.specs import EncodeOptions
 from chunkq.jobs.contract.storage import open_store
-from chunkq.jobs.contract.units import size_text
+from chunkq.jobs.contract.units import parse_size, size_text
 from chunkq.jobs.embed import warm_up
 from chunkq.queue_worker import utilisation
 from chunkq.queue_worker.chunk_worker import (
@@ -53,16 +55,9 @@ from chunkq.queue_worker.exit_codes import (
     EXIT_REDIS,
     EXIT_STOPPED,
 )
-from chunkq.queue_worker.gpus import parse_size
 from chunkq.queue_worker.lifeline import PARENT_PID_ENV
-from chunkq.queue_worker.settings import (
-    DEFAULT_STORE,
-    WORKER_MODULE,
-    add_worker_arguments,
-    env_of,
-    truthy,
-)
 from chunkq.queue_worker.standby import announce_model_loaded, wait_for_predecessor
+from chunkq.queue_worker.worker_args import WORKER_MODULE, add_worker_arguments
 
 log = logging.getLogger(__name__)
 

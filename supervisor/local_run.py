@@ -27,10 +27,10 @@ from chunkq.jobs.contract.errors import StoreWriteError
 from chunkq.jobs.contract.manifest import RunManifest
 from chunkq.jobs.contract.release import chunkq_version
 from chunkq.jobs.contract.run_files import RunLayout
+from chunkq.jobs.contract.settings import DEVICES_JSON_ENV, SETTINGS_JSON_ENV, PoolSettings, env_of
 from chunkq.jobs.contract.storage import OWNER_ONLY, is_local
 from chunkq.queue_worker.discovery import GpuInfo, devices_json
 from chunkq.queue_worker.lifeline import die_with_parent
-from chunkq.queue_worker.settings import DEVICES_JSON_ENV, SETTINGS_JSON_ENV, PoolSettings, env_of
 from chunkq.queue_worker.stopping import wait_or_kill
 from chunkq.supervisor.result.planned_rows import corpus_rows_of
 from chunkq.supervisor.store.embedded_redis import EmbeddedRedis

@@ -20,21 +20,29 @@ import redis
 from chunkq.jobs import kinds
 from chunkq.jobs.compute.model_info import check_options, describe
 from chunkq.jobs.compute.models import check_model, check_precision, default_model
+from chunkq.jobs.contract.defaults import (
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_KIND,
+    DEFAULT_PRECISION,
+    DEFAULT_QUEUE,
+    DEFAULT_SHARD_BYTES,
+    WARN_IDLE_SECONDS,
+)
 from chunkq.jobs.contract.errors import ChunksFailedError, ConfigError, CorpusError
 from chunkq.jobs.contract.redaction import redact, redacted
 from chunkq.jobs.contract.run_files import RunLayout, read_json
-from chunkq.jobs.contract.specs import BATCH_TOKENS_OFF, DEFAULT_KIND, DEFAULT_PRECISION, EncodeOptions
+from chunkq.jobs.contract.settings import PoolSettings
+from chunkq.jobs.contract.specs import BATCH_TOKENS_OFF, EncodeOptions
 from chunkq.jobs.contract.storage import is_local, open_store
 from chunkq.queue_worker.gpus import choose
-from chunkq.queue_worker.settings import DEFAULT_QUEUE, PoolSettings
 from chunkq.supervisor.local_run import RunOutcome, RunRequest
-from chunkq.supervisor.result.published import DEFAULT_SHARD_BYTES, shard_bytes
+from chunkq.supervisor.result.published import shard_bytes
 from chunkq.supervisor.run_options import SUBMIT, WATCH, run_option_names
 from chunkq.supervisor.submit.corpus import CorpusOptions, detect_format, read_corpus
-from chunkq.supervisor.submit.identity import DEFAULT_CHUNK_SIZE, SubmitRequest
+from chunkq.supervisor.submit.identity import SubmitRequest
 from chunkq.supervisor.submit.windows import LONG_TEXTS, POOLS
 from chunkq.supervisor.watch.retry import RetryPolicy
-from chunkq.supervisor.watch.supervise import WARN_IDLE_SECONDS, WatchSettings, failure_report
+from chunkq.supervisor.watch.supervise import WatchSettings, failure_report
 
 _GLOB_CHARS = frozenset("*?[")
 _ENCODE_NAMES = {"normalize": "normalize_embeddings"}  # the CLI's short name for a field

@@ -1,7 +1,7 @@
 """Every option of a run, written once: what the corpus, the model and its encoding are (received
 by submit, part of the run's identity) and how the run is watched (received by the supervisor).
 
-Each entry is ``(name, Meta, default)``, the form of the pool's settings (``queue_worker/settings.py``):
+Each entry is ``(name, Meta, default)``, the form of the pool's settings (``jobs/contract/settings.py``):
 the name is the Python API's keyword and the command line's parameter; the flag, the environment
 variable, the help and how a value given as text is checked come from its ``Meta``. From this table
 come the options of ``chunkq run``, ``submit``, ``supervise`` and ``assemble`` (``chunkq/cli/``), the
@@ -14,8 +14,15 @@ from __future__ import annotations
 from typing import Any
 
 from chunkq.jobs.compute.models import BUNDLED_MODEL
-from chunkq.jobs.contract.specs import (
+from chunkq.jobs.contract.defaults import (
+    DEFAULT_CHUNK_SIZE,
     DEFAULT_PRECISION,
+    DEFAULT_SHARD_BYTES,
+    DEFAULT_WINDOW,
+    WARN_IDLE_SECONDS,
+)
+from chunkq.jobs.contract.settings import Meta
+from chunkq.jobs.contract.specs import (
     MODEL_KWARGS,
     OUTPUT_DTYPES,
     PRECISIONS,
@@ -25,14 +32,11 @@ from chunkq.jobs.contract.specs import (
     model_kwargs_value,
 )
 from chunkq.jobs.kinds import KINDS, NOT_BUILT
-from chunkq.queue_worker.settings import Meta
-from chunkq.supervisor.result.published import DEFAULT_SHARD_BYTES
 from chunkq.supervisor.submit.corpus import FORMATS, CorpusOptions
-from chunkq.supervisor.submit.enqueue import DEFAULT_WINDOW, WINDOW_PER_WORKER
-from chunkq.supervisor.submit.identity import DEFAULT_CHUNK_SIZE
+from chunkq.supervisor.submit.enqueue import WINDOW_PER_WORKER
 from chunkq.supervisor.submit.windows import LONG_TEXTS, POOLS
 from chunkq.supervisor.watch.retry import RetryPolicy
-from chunkq.supervisor.watch.supervise import WARN_IDLE_SECONDS, WatchSettings
+from chunkq.supervisor.watch.supervise import WatchSettings
 
 SUBMIT, WATCH = "submit", "watch"
 Option = tuple[str, Meta, Any]

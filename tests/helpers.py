@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from chunkq.queue_worker.settings import WORKER_MODULE
+from chunkq.queue_worker.worker_args import WORKER_MODULE
 
 WORDS = (
     "alpha beta gamma delta river mountain queue worker chunk embed vector model sentence graph cloud rain "

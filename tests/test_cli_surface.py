@@ -55,7 +55,7 @@ def _variables_in_code() -> set[str]:
         for param in command.params:
             envvar = getattr(param, "envvar", None)
             found |= {envvar} if isinstance(envvar, str) else set(envvar or ())
-    from chunkq.queue_worker.settings import schema
+    from chunkq.jobs.contract.settings import schema
 
     found |= {meta.env_name(name) for name, meta, _ in schema() if meta.env_name(name)}  # type: ignore[misc]
     return found
@@ -229,7 +229,7 @@ def test_runs_tells_runs_of_one_corpus_apart_by_file_format_and_options(
 def test_the_pool_that_chunkq_run_starts_is_queue_worker_itself_and_says_what_it_needs() -> None:
     """chunkq run starts `python -m chunkq.queue_worker` (not the CLI again); by hand, without its
     settings, it names the variable and the command people use, exit 2."""
-    from chunkq.queue_worker.settings import SETTINGS_JSON_ENV
+    from chunkq.jobs.contract.settings import SETTINGS_JSON_ENV
 
     env = {k: v for k, v in cli_env().items() if k != SETTINGS_JSON_ENV}
     done = subprocess.run(

@@ -70,7 +70,7 @@ def test_the_pool_settings_compose_sets_are_the_schemas_and_the_readme_names_the
     """compose.yaml reaches the pool through CHUNKQ_* variables: each must be one the CLI reads."""
     import re
 
-    from chunkq.queue_worker.settings import schema
+    from chunkq.jobs.contract.settings import schema
 
     schema_envs = {meta.env_name(name) for name, meta, _ in schema() if meta.cli and meta.env_name(name)}
     shared = {"CHUNKQ_REDIS_URL", "CHUNKQ_STORE", "CHUNKQ_QUEUE", "CHUNKQ_MAX_ATTEMPTS"}

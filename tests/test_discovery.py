@@ -14,11 +14,11 @@ import pytest
 import redis
 
 from chunkq.jobs.contract.errors import ConfigError
+from chunkq.jobs.contract.settings import PoolSettings
 from chunkq.queue_worker import discovery, exit_codes, torch_build
 from chunkq.queue_worker.discovery import SIMULATED_ENV, read_all, visible
 from chunkq.queue_worker.gpus import select, worker_environment
 from chunkq.queue_worker.pool import Pool
-from chunkq.queue_worker.settings import PoolSettings
 from chunkq.queue_worker.simulated_nvml import SimulatedNvml
 from tests.helpers import run_cli
 

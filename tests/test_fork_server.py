@@ -24,11 +24,11 @@ from chunkq.jobs.compute import models
 from chunkq.jobs.compute.models import BUNDLED_MODEL
 from chunkq.jobs.contract.errors import ConfigError
 from chunkq.jobs.contract.run_files import RunLayout, read_json
+from chunkq.jobs.contract.settings import PoolSettings
 from chunkq.queue_worker import exit_codes
 from chunkq.queue_worker.discovery import GpuInfo
 from chunkq.queue_worker.fork_server import MODEL_ENV, ForkServer, ForkServerError
 from chunkq.queue_worker.pool import Pool
-from chunkq.queue_worker.settings import PoolSettings
 from chunkq.supervisor.submit.corpus import CorpusOptions
 from chunkq.supervisor.submit.identity import SubmitRequest
 from chunkq.supervisor.submit.submission import SubmitResult, submit

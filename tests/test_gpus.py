@@ -70,8 +70,9 @@ def test_standby_waits_for_its_predecessor_to_exit(monkeypatch: pytest.MonkeyPat
 
 
 def test_busy_and_short_gpus_are_reported_and_skipped_as_configured(caplog: pytest.LogCaptureFixture) -> None:
+    from chunkq.jobs.contract.units import parse_size
     from chunkq.queue_worker.discovery import GpuProcess
-    from chunkq.queue_worker.gpus import parse_size, usable
+    from chunkq.queue_worker.gpus import usable
 
     busy = GpuInfo(2, "A100", "GPU-ccc", 40 << 30, 30 << 30, (GpuProcess(4242, "python", 10 << 30),))
     gpus = [*GPUS, busy]
@@ -172,7 +173,8 @@ def test_a_gpu_memory_limit_is_checked_where_given_and_reaches_each_worker() -> 
     """--gpu-memory-limit: a size, handed to every worker, which caps PyTorch's allocator on its GPU
     (the cap itself runs in the GPU tier: tests/gpu/test_gpu_faults.py's capped real OOM)."""
     from chunkq.jobs.compute import cuda
-    from chunkq.queue_worker.settings import PoolSettings, worker_argv
+    from chunkq.jobs.contract.settings import PoolSettings
+    from chunkq.queue_worker.worker_args import worker_argv
     from tests.helpers import run_cli
 
     argv = worker_argv(PoolSettings(gpu_memory_limit="2GiB"))

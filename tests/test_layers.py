@@ -5,6 +5,7 @@ at the top of a file or inside a function alike."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,3 +111,19 @@ def test_no_module_is_longer_than_the_house_allows_unless_architecture_names_it(
     paths = [p for f in folders for p in f.rglob("*.py")] + [ROOT / "chunkq" / "api.py"]
     long = {str(p.relative_to(ROOT)) for p in paths if len(p.read_text().splitlines()) > LONG_MODULE_LINES}
     assert sorted(m for m in long if f"`{m}`" not in listed) == []
+
+
+def test_the_architecture_names_every_module() -> None:
+    """The inventory under ARCHITECTURE.md's "Layers" names every module of the house, so a reader
+    who follows it misses none (a module is named by its file name, or bare in its room's list:
+    "`contract/` (specs, manifest, ...)")."""
+    text = (ROOT / "ARCHITECTURE.md").read_text()
+    inventory = text[text.index("### Layers") : text.index("## Where each decision lives")]
+    folders = [ROOT / d for d in ("jobs", "queue_worker", "supervisor")]
+    folders += [ROOT / "chunkq" / d for d in ("cli", "tools", "sinks")]
+    paths = [p for f in folders for p in f.rglob("*.py")] + [ROOT / "chunkq" / "api.py"]
+    named = set(re.findall(r"(\w+)\.py", inventory)) | set(re.findall(r"[(,]\s*(\w+)(?=\s*[,)])", inventory))
+    unnamed = sorted(
+        str(p.relative_to(ROOT)) for p in paths if p.stem not in ("__init__", "__main__") and p.stem not in named
+    )
+    assert unnamed == []

@@ -25,9 +25,10 @@ from chunkq.jobs.compute.scope import check_spec
 from chunkq.jobs.contract.errors import ConfigError, TamperedJobError
 from chunkq.jobs.contract.manifest import load_manifest
 from chunkq.jobs.contract.run_files import RunLayout
+from chunkq.jobs.contract.settings import PoolSettings
 from chunkq.jobs.contract.specs import EncodeOptions
 from chunkq.jobs.embed import embed_chunk
-from chunkq.queue_worker.settings import PoolSettings, worker_argv
+from chunkq.queue_worker.worker_args import worker_argv
 from chunkq.supervisor.request import submit_request
 from chunkq.supervisor.result.assemble import assemble
 from chunkq.supervisor.result.reader import check_published

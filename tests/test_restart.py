@@ -69,8 +69,9 @@ def test_the_allocators_oom_a_gpu_that_cannot_run_the_model_and_a_context_that_w
 
 def test_a_workers_command_line_round_trips_and_zero_recycle_after_means_never() -> None:
     """What the pool writes (worker_argv) is what the worker reads (its parser, from the same schema)."""
-    from chunkq.queue_worker.settings import PoolSettings, worker_argv
+    from chunkq.jobs.contract.settings import PoolSettings
     from chunkq.queue_worker.worker import _parse
+    from chunkq.queue_worker.worker_args import worker_argv
 
     settings = PoolSettings(queue="q", max_jobs=7, recycle_after=0.0, store="s", allowed_models=("a", "b"))
     args = _parse(["--name", "w", *worker_argv(settings)])

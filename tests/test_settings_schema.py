@@ -1,4 +1,4 @@
-"""One schema for every setting: the pool's (queue_worker/settings.py) and a run's
+"""One schema for every setting: the pool's (jobs/contract/settings.py) and a run's
 (supervisor/run_options.py). The command line, the Python API's keywords and docs/settings.md are generated
 from them or checked against them here, so an option added by hand anywhere else fails a test."""
 
@@ -11,7 +11,7 @@ import click
 import pytest
 
 from chunkq.cli import cli
-from chunkq.queue_worker.settings import flag, schema
+from chunkq.jobs.contract.settings import flag, schema
 from chunkq.supervisor.request import POOL_NAMES, RUN_DECIDES_FOR_THE_POOL, RUN_NAMES
 from chunkq.supervisor.run_options import RUN_OPTIONS, SUBMIT, WATCH
 

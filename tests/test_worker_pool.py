@@ -23,9 +23,9 @@ from rq.serializers import JSONSerializer
 
 from chunkq.jobs.compute.models import BUNDLED_MODEL
 from chunkq.jobs.contract.run_files import RunLayout, read_json
+from chunkq.jobs.contract.settings import PoolSettings
 from chunkq.jobs.contract.specs import chunk_job_id
 from chunkq.queue_worker import exit_codes
-from chunkq.queue_worker.settings import PoolSettings
 from chunkq.supervisor.submit.corpus import CorpusOptions
 from chunkq.supervisor.submit.enqueue import job_statuses
 from chunkq.supervisor.submit.identity import SubmitRequest

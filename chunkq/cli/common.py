@@ -20,6 +20,7 @@ import redis
 from click.core import ParameterSource
 
 from chunkq.jobs.contract import errors
+from chunkq.jobs.contract.defaults import DEFAULT_QUEUE, DEFAULT_STORE
 from chunkq.jobs.contract.errors import (
     AssemblyError,
     BadInputError,
@@ -32,6 +33,7 @@ from chunkq.jobs.contract.errors import (
     StoreWriteError,
 )
 from chunkq.jobs.contract.redaction import redact, redacted
+from chunkq.jobs.contract.settings import env_of
 from chunkq.jobs.contract.storage import open_store
 from chunkq.queue_worker.exit_codes import (
     EXIT_ASSEMBLY,
@@ -47,7 +49,6 @@ from chunkq.queue_worker.exit_codes import (
     EXIT_REDIS,
     EXIT_STORAGE,
 )
-from chunkq.queue_worker.settings import DEFAULT_QUEUE, DEFAULT_STORE, env_of
 from chunkq.supervisor.request import check_redis_url, reach_redis
 from chunkq.supervisor.store.run_lock import RunLockedError
 from chunkq.supervisor.store.run_log import QUIET, show_on_terminal

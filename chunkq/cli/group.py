@@ -15,7 +15,7 @@ from chunkq.cli.common import (
 from chunkq.cli.help_sections import SectionedCommand
 from chunkq.cli.settings_options import F
 from chunkq.jobs.contract.release import chunkq_version
-from chunkq.queue_worker.settings import PoolSettings
+from chunkq.jobs.contract.settings import PoolSettings
 
 
 def current_log_level() -> str:

@@ -18,6 +18,7 @@ from chunkq.cli.group import command
 from chunkq.jobs import kinds
 from chunkq.jobs.compute import model_info
 from chunkq.jobs.compute.models import check_model, default_model
+from chunkq.jobs.contract.defaults import DASHBOARD_PORT as DEFAULT_DASHBOARD_PORT
 from chunkq.jobs.contract.manifest import load_manifest
 from chunkq.jobs.contract.run_files import RunLayout
 from chunkq.jobs.contract.storage import is_local
@@ -34,7 +35,6 @@ from chunkq.supervisor.watch.display import describe
 from chunkq.supervisor.watch.progress import Tracker
 from chunkq.supervisor.watch.snapshot import store_snapshot
 from chunkq.supervisor.watch.supervise import failure_report
-from chunkq.tools.dashboard import DEFAULT_PORT as DEFAULT_DASHBOARD_PORT
 from chunkq.tools.dashboard import serve as serve_dashboard
 from chunkq.tools.doctor import examine, render
 from chunkq.tools.report import write_report

@@ -1,4 +1,4 @@
-"""``chunkq`` options built from the settings schemas: a pool setting (``queue_worker/settings.py``)
+"""``chunkq`` options built from the settings schemas: a pool setting (``jobs/contract/settings.py``)
 becomes a ``chunkq pool`` option, and a ``chunkq run`` option unless run decides it itself; a run
 option (``supervisor/run_options.py``) becomes an option of the commands that take it; each with its
 flag, type, default, environment variable, help and check, all from the one entry."""
@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from chunkq.jobs.contract.errors import ConfigError
+from chunkq.jobs.contract.settings import Meta, PoolSettings, flag, schema
 from chunkq.jobs.contract.units import DURATION_FORMS, duration_seconds
-from chunkq.queue_worker.settings import Meta, PoolSettings, flag, schema
 from chunkq.supervisor.run_options import RUN_OPTIONS, run_option
 
 F = TypeVar("F", bound=Callable[..., Any])

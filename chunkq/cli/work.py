@@ -25,9 +25,9 @@ from chunkq.cli.group import command, current_log_level
 from chunkq.cli.settings_options import pool_setting_options, pool_settings, pop_pool_values
 from chunkq.jobs import kinds
 from chunkq.jobs.compute.models import check_model
+from chunkq.jobs.contract.defaults import DEFAULT_KIND
 from chunkq.jobs.contract.manifest import load_manifest
 from chunkq.jobs.contract.run_files import RunLayout
-from chunkq.jobs.contract.specs import DEFAULT_KIND
 from chunkq.jobs.contract.storage import is_local
 from chunkq.jobs.contract.units import size_text
 from chunkq.queue_worker.exit_codes import EXIT_CHUNKS_FAILED, EXIT_OK, EXIT_PARTIAL, EXIT_POOL_DIED

@@ -38,13 +38,12 @@ from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
 from chunkq.jobs.contract import errors
+from chunkq.jobs.contract.defaults import DEFAULT_QUEUE
 from chunkq.jobs.contract.errors import ChunkqError, ConfigError
 from chunkq.jobs.contract.nopickle import PickleRefusedError, forbid_pickle
-from chunkq.queue_worker.settings import DEFAULT_QUEUE
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PORT = 9181
 # Endpoints that only read; every other endpoint changes state and must be a same-origin POST.
 _READ_ONLY_ENDPOINTS = frozenset(
     f"rq_dashboard.{name}"

@@ -17,6 +17,7 @@ from typing import Any
 import redis
 
 from chunkq.jobs.contract import errors
+from chunkq.jobs.contract.defaults import DEFAULT_CHUNK_SIZE
 from chunkq.jobs.contract.errors import ChunkqError, ConfigError, DamagedRunError, StoreError
 from chunkq.jobs.contract.manifest import RunManifest, load_manifest
 from chunkq.jobs.contract.run_files import MANIFEST_NAME, RunLayout
@@ -27,7 +28,6 @@ from chunkq.supervisor.result.published import read_result_manifest
 from chunkq.supervisor.result.reader import result_problems
 from chunkq.supervisor.store.store_lock import StoreLock
 from chunkq.supervisor.submit.enqueue import LIVE_STATUSES, job_statuses
-from chunkq.supervisor.submit.identity import DEFAULT_CHUNK_SIZE
 from chunkq.supervisor.watch.attempts import failed_attempts
 
 PUBLISHED, PARTIAL, DAMAGED, IN_FLIGHT, FAILED, QUARANTINED, INCOMPLETE, DAMAGED_RUN = (

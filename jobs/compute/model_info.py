@@ -12,8 +12,9 @@ from typing import Any
 
 from chunkq.jobs.compute.model_identity import model_folder
 from chunkq.jobs.compute.models import hub_reachable
+from chunkq.jobs.contract.defaults import DEFAULT_KIND
 from chunkq.jobs.contract.errors import ConfigError
-from chunkq.jobs.contract.specs import DEFAULT_KIND, EncodeOptions
+from chunkq.jobs.contract.specs import EncodeOptions
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,9 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from chunkq.jobs.compute.load_check import refusing_untrained_weights
+from chunkq.jobs.contract.defaults import DEFAULT_PRECISION
 from chunkq.jobs.contract.errors import ConfigError
-from chunkq.jobs.contract.specs import DEFAULT_PRECISION, EncodeOptions
+from chunkq.jobs.contract.specs import EncodeOptions
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from chunkq.jobs.contract.defaults import DEFAULT_KIND
 from chunkq.jobs.contract.errors import DamagedRunError, RunNotFoundError
 from chunkq.jobs.contract.run_files import RunLayout, read_json
-from chunkq.jobs.contract.specs import DEFAULT_KIND, ChunkSpec, EncodeOptions
+from chunkq.jobs.contract.specs import ChunkSpec, EncodeOptions
 
 
 @dataclass(frozen=True)

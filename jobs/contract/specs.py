@@ -10,10 +10,10 @@ from typing import Any
 
 import numpy as np
 
+from chunkq.jobs.contract.defaults import DEFAULT_BATCH_SIZE, DEFAULT_KIND, DEFAULT_PRECISION
 from chunkq.jobs.contract.errors import ConfigError, TamperedJobError
 
 FORMAT_VERSION = 1
-DEFAULT_PRECISION = "fp32"
 PRECISIONS = (DEFAULT_PRECISION, "fp16", "bf16")
 BATCH_TOKENS_AUTO = "auto"  # --batch-tokens auto: the budget tunes itself (jobs.compute.token_batches)
 BATCH_TOKENS_OFF = "off"  # --batch-tokens off: --batch-size batches, on a GPU too
@@ -77,7 +77,6 @@ MODEL_KWARGS = {
     "torch_dtype": ("auto", "float32", "float16", "bfloat16"),
 }
 ROLES = (None, "query", "document")  # --role: plain encode, or the model's query/document routing
-DEFAULT_KIND = "dense"  # what every run was before kinds (jobs.kinds)
 _NEW_FIELD_DEFAULTS = {  # left out of to_dict when unset, so older runs keep their fingerprint
     "batch_tokens": None,
     "prompt": None,
@@ -149,7 +148,7 @@ _NOT_VECTOR = {CHANGES_VECTOR: False}
 class EncodeOptions:
     """How a chunk is encoded, and how its model is loaded; part of a run's identity."""
 
-    batch_size: int = field(default=32, metadata=_NOT_VECTOR)
+    batch_size: int = field(default=DEFAULT_BATCH_SIZE, metadata=_NOT_VECTOR)
     normalize_embeddings: bool = field(default=False, metadata=_VECTOR)
     max_seq_length: int | None = field(default=None, metadata=_VECTOR)
     precision: str = field(default=DEFAULT_PRECISION, metadata=_VECTOR)

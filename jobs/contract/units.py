@@ -3,7 +3,10 @@ everywhere."""
 
 from __future__ import annotations
 
+import math
 import re
+
+from chunkq.jobs.contract.errors import ConfigError
 
 _DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(s|m|min|h|d|w)?\s*", re.IGNORECASE)
 _SECONDS = {"": 1, "s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -23,3 +26,39 @@ def size_text(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return ""  # not reached: TiB ends the loop
+
+
+def parse_size(text: str) -> int:
+    """'8GiB', '512M', '0' -> bytes. A size is a finite number of bytes, not below zero."""
+    units = {
+        "": 1,
+        "k": 2**10,
+        "kb": 2**10,
+        "kib": 2**10,
+        "m": 2**20,
+        "mb": 2**20,
+        "mib": 2**20,
+        "g": 2**30,
+        "gb": 2**30,
+        "gib": 2**30,
+        "t": 2**40,
+        "tb": 2**40,
+        "tib": 2**40,
+    }
+    raw = text.strip().lower()
+    number = raw.rstrip("kmgtib")
+    try:
+        value = float(number) * units[raw[len(number) :]]
+    except (ValueError, KeyError):
+        raise ConfigError(f"cannot read the size {text!r} (use e.g. 8GiB, 512MiB)") from None
+    if not math.isfinite(value):
+        raise ConfigError(f"cannot read the size {text!r}: not a finite number (use e.g. 8GiB, 512MiB)")
+    if value < 0:
+        raise ConfigError(f"{text!r} is below zero (0: none)")
+    return int(value)
+
+
+def size_value(text: str) -> str:
+    """A size option checked where it is given (``PoolSettings``' ``parse``)."""
+    parse_size(text)
+    return text.strip()

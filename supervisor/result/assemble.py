@@ -24,6 +24,7 @@ from chunkq.jobs import kinds
 from chunkq.jobs.compute.model_identity import short
 from chunkq.jobs.compute.quantize import convert, derived_floats, stored_columns
 from chunkq.jobs.contract.chunk_output import output_meta
+from chunkq.jobs.contract.defaults import DEFAULT_SHARD_BYTES
 from chunkq.jobs.contract.errors import AssemblyError, BadInputError
 from chunkq.jobs.contract.manifest import RunManifest, load_manifest
 from chunkq.jobs.contract.run_files import (
@@ -37,7 +38,7 @@ from chunkq.jobs.contract.storage import is_local
 from chunkq.supervisor.result import planned_rows
 from chunkq.supervisor.result import ragged as ragged_result
 from chunkq.supervisor.result.chunk_reads import CacheFeed, ChunkReads, Unfit, set_aside_because
-from chunkq.supervisor.result.published import DEFAULT_SHARD_BYTES, TEXTS
+from chunkq.supervisor.result.published import TEXTS
 from chunkq.supervisor.result.reader import published_result
 from chunkq.supervisor.result.text_pooling import TextPooler
 from chunkq.supervisor.result.writer import PartWriter, ResultWriter, local_build_dir, publish

@@ -37,7 +37,6 @@ from chunkq.jobs.contract.storage import (
     is_local,
 )
 
-DEFAULT_SHARD_BYTES = 1 << 30  # 1 GiB of embeddings a shard; a result up to this size is one .npy
 SINGLE = ("embeddings.npy", "ids.jsonl")
 # A ragged result's arrays (``ragged.py``), uploaded before the manifest as SINGLE's are.
 RAGGED_FILES = tuple(f"{name}.npy" for name in (OFFSETS, *sorted({n for s in SCHEMAS.values() for n in s})))

@@ -20,8 +20,8 @@ from collections import deque
 from pathlib import Path
 from typing import IO, Any
 
+from chunkq.jobs.contract.settings import LOG_FORMAT
 from chunkq.jobs.contract.storage import private_dirs, private_open
-from chunkq.queue_worker.settings import LOG_FORMAT
 
 PROGRESS_LOGGER = "chunkq.progress"  # the plain progress lines: on the terminal at any level
 LOG_NAME = "run.log"

@@ -15,6 +15,7 @@ from typing import Any
 
 from chunkq.jobs.compute.model_identity import model_identity, short
 from chunkq.jobs.compute.vector_cache import cache_enabled
+from chunkq.jobs.contract.defaults import DEFAULT_CHUNK_SIZE, DEFAULT_QUEUE
 from chunkq.jobs.contract.errors import (
     ConfigError,
     CorpusError,
@@ -29,7 +30,6 @@ from chunkq.jobs.contract.run_files import (
 )
 from chunkq.jobs.contract.specs import EncodeOptions, fingerprint, validate_run_id
 from chunkq.jobs.contract.storage import is_local, open_store
-from chunkq.queue_worker.settings import DEFAULT_QUEUE
 from chunkq.supervisor.submit.corpus import (
     CorpusOptions,
     Record,
@@ -43,9 +43,6 @@ from chunkq.supervisor.submit.windows import (
 )
 
 log = logging.getLogger(__name__)
-
-
-DEFAULT_CHUNK_SIZE = 1000
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from chunkq.jobs.compute import late
+from chunkq.jobs.contract.defaults import DEFAULT_OVERLAP_SHARE
 from chunkq.jobs.contract.errors import ConfigError
 
-DEFAULT_OVERLAP_SHARE = 4  # a quarter of a window overlaps the next, as the issue asks
 # truncate: what a plain encode does (the default); window: each window encoded alone; late: windows
 # pooled from one pass over the segment of the model's context around them (jobs.compute.late)
 LONG_TEXTS = ("truncate", "window", "late")

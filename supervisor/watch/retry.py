@@ -17,16 +17,22 @@ from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
 from chunkq.jobs.contract import errors, jobmeta
+from chunkq.jobs.contract.defaults import (
+    BACKOFF_BASE_SECONDS,
+    BACKOFF_CAP_SECONDS,
+    BACKOFF_JITTER,
+    DEFAULT_MAX_ATTEMPTS,
+)
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    max_attempts: int = 3
-    backoff_base: float = 2.0  # seconds before the second attempt; doubles each time
-    backoff_cap: float = 120.0
-    jitter: float = 0.25  # +-25 %, so chunks that failed together do not return together
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS
+    backoff_base: float = BACKOFF_BASE_SECONDS
+    backoff_cap: float = BACKOFF_CAP_SECONDS
+    jitter: float = BACKOFF_JITTER
 
     def delay(self, attempt: int, rng: random.Random, error_class: str = errors.OTHER) -> float:
         if error_class in errors.NOT_THE_CHUNKS_FAULT:

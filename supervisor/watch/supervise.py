@@ -23,6 +23,7 @@ from rq.worker import Worker
 from chunkq.jobs.compute import chunk_progress
 from chunkq.jobs.contract import errors, jobmeta
 from chunkq.jobs.contract.abandon import mark_abandoned
+from chunkq.jobs.contract.defaults import DEFAULT_SHARD_BYTES, REDIS_PATIENCE_SECONDS, WARN_IDLE_SECONDS
 from chunkq.jobs.contract.errors import ChunkqError, StoreWriteError
 from chunkq.jobs.contract.manifest import RunManifest, load_manifest
 from chunkq.jobs.contract.queueing import give_back
@@ -30,7 +31,6 @@ from chunkq.jobs.contract.run_files import RunLayout, read_json
 from chunkq.jobs.contract.specs import chunk_job_id
 from chunkq.queue_worker.metrics import serve as serve_metrics
 from chunkq.supervisor.result.assemble import Failure, assemble
-from chunkq.supervisor.result.published import DEFAULT_SHARD_BYTES
 from chunkq.supervisor.store.run_lock import RunLock
 from chunkq.supervisor.store.store_lock import StoreLock
 from chunkq.supervisor.submit.enqueue import (
@@ -53,9 +53,7 @@ from chunkq.supervisor.watch.wakeup import Wakeup
 log = logging.getLogger(__name__)
 
 POLL_SECONDS = 1.0
-REDIS_PATIENCE_SECONDS = 300.0  # how long Redis may stay away before the supervisor gives up
 TOP_UP_FRACTION = 10  # the supervisor tops the window up once this fraction of it is free
-WARN_IDLE_SECONDS = 30.0  # a worker that lives takes a queued chunk within its model load
 
 
 class RedisGoneError(ChunkqError):

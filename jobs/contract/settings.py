@@ -1,9 +1,10 @@
 """Every pool and worker setting, written once: its default, flag, environment variable, help, and
-whether each worker gets it on its command line.
+whether each worker gets it on its command line. The defaults a user meets are named in
+``defaults.py`` beside this module; a run's options (``supervisor/run_options.py``) use ``Meta`` too.
 
 ``PoolSettings`` is the schema. From its fields' metadata come the ``chunkq pool`` options (and
 the pool options of ``chunkq run``: ``chunkq/cli/settings_options.py``), the worker's command line
-(``worker_argv``) and parser (``add_worker_arguments``), and the settings ``chunkq run`` hands its
+(``queue_worker/worker_args.py``), and the settings ``chunkq run`` hands its
 pool whole, as JSON (``to_json``/``from_json``). compose.yaml sets the same ``CHUNKQ_*`` variables;
 a test checks that each one it sets is here. A new pool option is one field below, plus its test and
 its line in docs/settings.md.
@@ -11,7 +12,6 @@ its line in docs/settings.md.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
@@ -19,16 +19,16 @@ from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
-from chunkq.jobs.contract.specs import DEFAULT_PRECISION, PRECISIONS
-from chunkq.queue_worker.gpus import WORKERS_AUTO, size_value, workers_per_gpu_value
+from chunkq.jobs.contract.defaults import (
+    DEFAULT_PRECISION,
+    DEFAULT_QUEUE,
+    DEFAULT_RECYCLE_AFTER,
+    HUNG_GRACE_SECONDS,
+)
+from chunkq.jobs.contract.errors import ConfigError
+from chunkq.jobs.contract.specs import PRECISIONS
+from chunkq.jobs.contract.units import size_value
 
-DEFAULT_QUEUE = "chunkq"
-DEFAULT_STORE = "chunkq-store"
-# A recycle costs a young process's slower first chunk and the hand-over: about 0.5-0.7 s on an H100,
-# so 600 s of work keeps it near 0.1 %. A broken CUDA context does not wait for it: a
-# fatal error exits at once.
-DEFAULT_RECYCLE_AFTER = 600.0
-HUNG_GRACE_SECONDS = 30.0  # past the job timeout, before a busy worker is taken for hung
 # A worker takes a second stop signal this soon after the first for the same one delivered twice:
 # Slurm's scancel signals every process of the job, the worker too, and the pool relays it.
 SIGNAL_REPEAT_SECONDS = 1.0
@@ -36,6 +36,16 @@ ENV_PREFIX = "CHUNKQ_"
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # every chunkq command and pool
 SETTINGS_JSON_ENV = "CHUNKQ_POOL_SETTINGS_JSON"  # chunkq run hands its pool every setting at once
 DEVICES_JSON_ENV = "CHUNKQ_POOL_DEVICES_JSON"  # ... and the devices it chose for it (not surveyed twice)
+
+
+WORKERS_AUTO = "auto"  # --workers-per-gpu auto: as many as pay off on each GPU
+
+
+def workers_per_gpu_value(value: str) -> str:
+    """--workers-per-gpu as given: a number of workers (1 or more) or 'auto'."""
+    if value == WORKERS_AUTO or (value.isdigit() and int(value) >= 1):
+        return value
+    raise ConfigError(f"{value!r}: give a number of workers (1 or more) or 'auto'")
 
 
 @dataclass(frozen=True)
@@ -227,50 +237,3 @@ def schema() -> list[tuple[str, Meta, Any]]:
 def flag(name: str, meta: Meta | None = None) -> str:
     """The option's flag, on the CLI and the worker's command line alike."""
     return (meta.flag if meta is not None and meta.flag else None) or "--" + name.replace("_", "-")
-
-
-WORKER_MODULE = "chunkq.queue_worker.worker"  # what a pool runs: python -m WORKER_MODULE --name N ARGS
-
-
-def worker_argv(settings: PoolSettings, **overrides: Any) -> list[str]:
-    """The worker's command-line arguments for ``settings`` (``overrides``: per-worker values)."""
-    argv: list[str] = []
-    for name, meta, _default in schema():
-        if not meta.worker:
-            continue
-        value = overrides.get(name, getattr(settings, name))
-        if meta.kind == "list":
-            for item in value:
-                argv += [flag(name, meta), str(item)]
-        elif meta.kind == "flag":
-            argv += [flag(name, meta)] if value else []
-        elif value is not None and value != "":
-            argv += [flag(name, meta), str(value)]
-    return argv
-
-
-def _zero_means_none(parse: Any) -> Any:
-    def read(text: str) -> Any:
-        value = parse(text)
-        return None if value == 0 else value
-
-    return read
-
-
-def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
-    """The parser side of ``worker_argv``: every setting a worker takes. Run by hand, a worker counts
-    no chunks and no time unless told (the pool always tells it)."""
-    types: dict[str, Any] = {"int": int, "float": float, "duration": float}
-    for name, meta, default in schema():
-        if not meta.worker:
-            continue
-        if meta.kind == "list":
-            parser.add_argument(flag(name, meta), dest=name, action="append", default=[], help=meta.help)
-        elif meta.kind == "flag":
-            parser.add_argument(flag(name, meta), dest=name, action="store_true", help=meta.help)
-        else:
-            parse = types.get(meta.kind, str)
-            if meta.zero_means_none:
-                parse = _zero_means_none(parse)
-            start = None if meta.unset_by_hand else default
-            parser.add_argument(flag(name, meta), type=parse, default=start, help=meta.help)

@@ -1,0 +1,55 @@
+"""A worker's command line: what a pool passes each worker it starts, and how the worker reads it,
+both from the settings schema (``jobs/contract/settings.py``: a setting marked ``worker``)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from chunkq.jobs.contract.settings import PoolSettings, flag, schema
+
+WORKER_MODULE = "chunkq.queue_worker.worker"  # what a pool runs: python -m WORKER_MODULE --name N ARGS
+
+
+def worker_argv(settings: PoolSettings, **overrides: Any) -> list[str]:
+    """The worker's command-line arguments for ``settings`` (``overrides``: per-worker values)."""
+    argv: list[str] = []
+    for name, meta, _default in schema():
+        if not meta.worker:
+            continue
+        value = overrides.get(name, getattr(settings, name))
+        if meta.kind == "list":
+            for item in value:
+                argv += [flag(name, meta), str(item)]
+        elif meta.kind == "flag":
+            argv += [flag(name, meta)] if value else []
+        elif value is not None and value != "":
+            argv += [flag(name, meta), str(value)]
+    return argv
+
+
+def _zero_means_none(parse: Any) -> Any:
+    def read(text: str) -> Any:
+        value = parse(text)
+        return None if value == 0 else value
+
+    return read
+
+
+def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
+    """The parser side of ``worker_argv``: every setting a worker takes. Run by hand, a worker counts
+    no chunks and no time unless told (the pool always tells it)."""
+    types: dict[str, Any] = {"int": int, "float": float, "duration": float}
+    for name, meta, default in schema():
+        if not meta.worker:
+            continue
+        if meta.kind == "list":
+            parser.add_argument(flag(name, meta), dest=name, action="append", default=[], help=meta.help)
+        elif meta.kind == "flag":
+            parser.add_argument(flag(name, meta), dest=name, action="store_true", help=meta.help)
+        else:
+            parse = types.get(meta.kind, str)
+            if meta.zero_means_none:
+                parse = _zero_means_none(parse)
+            start = None if meta.unset_by_hand else default
+            parser.add_argument(flag(name, meta), type=parse, default=start, help=meta.help)
