@@ -124,6 +124,8 @@ def test_the_architecture_names_every_module() -> None:
     paths = [p for f in folders for p in f.rglob("*.py")] + [ROOT / "chunkq" / "api.py"]
     named = set(re.findall(r"(\w+)\.py", inventory)) | set(re.findall(r"[(,]\s*(\w+)(?=\s*[,)])", inventory))
     unnamed = sorted(
-        str(p.relative_to(ROOT)) for p in paths if p.stem not in ("__init__", "__main__") and p.stem not in named
+        str(p.relative_to(ROOT))
+        for p in paths
+        if p.stem not in ("__init__", "__main__") and p.stem not in named
     )
     assert unnamed == []
