@@ -173,3 +173,73 @@ def test_submit_records_whether_the_vectors_are_unit_length(
         result = submit(_request(corpus, store, encode=encode, queue=f"q{len(recorded)}"), connection)
         recorded[name] = read_json(RunLayout(store, result.run_id).manifest)["unit_length"]
     assert recorded == {"model's Normalize": True, "truncated after it": False, "scaled again": True}
+
+
+def test_another_batch_size_resumes_the_run_and_the_chunks_left_use_it(
+    tmp_path: Path, store: Path, connection: redis.Redis
+) -> None:
+    """Issue 54.5: batch size and batch tokens say how fast, not what, so they are not the run's
+    identity. The same command with another --batch-size (by default run id or under --run-id) is the
+    same run; the chunks queued from then on carry the new value, a job queued before keeps its own
+    and still agrees with the manifest; what the outputs record of their producer is unchanged."""
+    from chunkq.jobs.contract.manifest import load_manifest
+
+    corpus = write_corpus(tmp_path / "c.jsonl", *make_texts(35), "jsonl")
+    first = submit(_request(corpus, store), connection)
+    layout = RunLayout(store, first.run_id)
+    producer = load_manifest(layout).producer()
+    queue = chunk_queue(connection, "t")
+    Job.fetch(chunk_job_id(first.run_id, 2), connection=connection, serializer=queue.serializer).delete()
+    smaller = EncodeOptions(batch_size=8, batch_tokens=2048)
+    again = submit(_request(corpus, store, encode=smaller), connection)
+    assert (again.run_id, again.created, again.counts.enqueued, again.counts.in_flight) == (
+        first.run_id,
+        False,
+        1,
+        3,
+    )
+    manifest = load_manifest(layout)
+    assert manifest.batching == {"batch_size": 8, "batch_tokens": 2048}
+    assert (
+        manifest.producer() == producer and manifest.fingerprint == read_json(layout.manifest)["fingerprint"]
+    )
+    specs = {
+        i: Job.fetch(chunk_job_id(first.run_id, i), connection=connection, serializer=queue.serializer).args[
+            0
+        ]
+        for i in range(4)
+    }
+    assert specs[2]["options"]["batch_size"] == 8 and specs[2]["options"]["batch_tokens"] == 2048
+    assert specs[1]["options"]["batch_size"] == 32 and "batch_tokens" not in specs[1]["options"]
+    from chunkq.jobs.contract.specs import ChunkSpec
+
+    assert manifest.spec_mismatch(ChunkSpec.from_dict(specs[1])) == ""
+    normalised = {**specs[1], "options": {**specs[1]["options"], "normalize_embeddings": True}}
+    assert "normalize_embeddings" in manifest.spec_mismatch(ChunkSpec.from_dict(normalised))
+    # Under a --run-id of one's own, likewise: not refused as other options.
+    mine = submit(_request(corpus, store, run_id="mine"), connection)
+    assert not submit(_request(corpus, store, run_id="mine", encode=smaller), connection).created
+    assert mine.created
+
+
+def test_a_run_begun_with_its_batch_size_in_its_identity_is_resumed_by_the_same_command(
+    tmp_path: Path, store: Path, connection: redis.Redis
+) -> None:
+    """A run that an earlier release began, when the batch settings were part of the identity (and
+    so of the default run id), is found and resumed by the same command, not started again."""
+    from chunkq.jobs.contract.run_files import atomic_write_json
+    from chunkq.jobs.contract.specs import fingerprint
+    from chunkq.supervisor.submit.identity import default_run_id
+
+    corpus = write_corpus(tmp_path / "c.jsonl", *make_texts(35), "jsonl")
+    req = _request(corpus, store, encode=EncodeOptions(batch_size=16), queue="old")
+    now = submit(req, connection)
+    # The run as the earlier release wrote it: its options whole in its identity, its id from that.
+    data = read_json(RunLayout(store, now.run_id).manifest)
+    identity = {**data["identity"], "options": {**data["identity"]["options"], "batch_size": 16}}
+    old_id = default_run_id(corpus, fingerprint(identity))
+    (store / "runs" / now.run_id).rename(store / "runs" / old_id)
+    old = {**data, "run_id": old_id, "identity": identity, "fingerprint": fingerprint(identity)}
+    atomic_write_json(RunLayout(store, old_id).manifest, old)
+    again = submit(replace(req, queue="old2"), connection)
+    assert (again.run_id, again.created) == (old_id, False)

@@ -15,7 +15,7 @@ from typing import Any
 from chunkq.jobs.contract.defaults import DEFAULT_KIND
 from chunkq.jobs.contract.errors import DamagedRunError, RunNotFoundError
 from chunkq.jobs.contract.run_files import RunLayout, read_json
-from chunkq.jobs.contract.specs import ChunkSpec, EncodeOptions
+from chunkq.jobs.contract.specs import BATCHING, ChunkSpec, EncodeOptions, without_batching
 
 
 @dataclass(frozen=True)
@@ -131,8 +131,16 @@ class RunManifest:
             rows=self.chunk_rows(index),
             model=str(self.data["model"]),
             store=str(store),
-            options=EncodeOptions.from_dict(self.chunk_options),
+            options=EncodeOptions.from_dict({**self.chunk_options, **self.batching}),
         )
+
+    @property
+    def batching(self) -> dict[str, Any]:
+        """The batch settings of the latest command that submitted the run (``specs.BATCHING``): a
+        resumed run's chunks are queued with them, its earlier ones were encoded with the run's."""
+        batching = self.data.get("batching")
+        options = self.chunk_options
+        return dict(batching) if isinstance(batching, dict) else {k: options.get(k) for k in BATCHING}
 
     @property
     def model(self) -> str:
@@ -175,6 +183,11 @@ class RunManifest:
             return f"chunk {spec.index} is not one of the run's {self.chunks} chunks"
         mine = self.chunk_spec(Path(spec.store), spec.index).to_dict()
         given = spec.to_dict()
+        # A job queued before a resume changed --batch-size keeps the batches it was queued with.
+        mine["options"], given["options"] = (
+            without_batching(mine["options"]),
+            without_batching(given["options"]),
+        )
         diffs = [
             f"{key}: job {given.get(key)!r}, manifest {value!r}"
             for key, value in mine.items()

@@ -137,6 +137,17 @@ def check_model_kwargs(kwargs: Any) -> dict[str, str] | None:
 # Every option says whether it changes a vector (a row of a result): the vector cache keys by exactly
 # those (jobs.compute.vector_cache), so an option added later cannot be left out of the key by mistake: the
 # class below refuses to exist with a field that does not say.
+# How a chunk is cut into batches: how fast it is encoded, not what (within fp32 rounding). Not part of
+# a run's identity: the same command with another --batch-size resumes the run, and the chunks queued
+# from then on use the new value (RunManifest.batching).
+BATCHING = ("batch_size", "batch_tokens")
+
+
+def without_batching(options: dict[str, Any]) -> dict[str, Any]:
+    """Options as they decide a chunk's vectors: the batch settings left out."""
+    return {k: v for k, v in options.items() if k not in BATCHING}
+
+
 CHANGES_VECTOR = "changes_vector"
 
 

@@ -28,7 +28,7 @@ from chunkq.jobs.contract.run_files import (
     RunLayout,
     file_sha256,
 )
-from chunkq.jobs.contract.specs import EncodeOptions, fingerprint, validate_run_id
+from chunkq.jobs.contract.specs import BATCHING, EncodeOptions, fingerprint, validate_run_id, without_batching
 from chunkq.jobs.contract.storage import is_local, open_store
 from chunkq.supervisor.submit.corpus import (
     CorpusOptions,
@@ -138,7 +138,7 @@ def _identity(req: SubmitRequest, inputs: list[dict[str, Any]]) -> dict[str, Any
         **({"pair_field": req.corpus_options.pair_field} if req.corpus_options.pair_field else {}),
         "chunk_size": req.chunk_size,
         "model": req.model,
-        "options": req.encode.to_dict(),
+        "options": without_batching(req.encode.to_dict()),  # how fast is no part of what
         # Only where they are on, so runs without them keep the fingerprint they had before.
         **({"vector_cache": True} if req.cached else {}),
         **(
@@ -252,25 +252,43 @@ def identify(req: SubmitRequest) -> Identified:
     run_fingerprint = fingerprint(identity)
     run_id = validate_run_id(req.run_id) if req.run_id else default_run_id(req.corpora[0], run_fingerprint)
     model = model_identity(req.model, req.encode.revision)
-    return _begun_without_cache(req, Identified(run_id, inputs, identity, run_fingerprint, model))
+    return _begun_earlier(req, Identified(run_id, inputs, identity, run_fingerprint, model))
 
 
-def _begun_without_cache(req: SubmitRequest, identified: Identified) -> Identified:
-    """The same corpus and options submitted before the vector cache existed: that run, so the same
-    command resumes it (without the cache) rather than start again. Only where the cache was not
-    asked for by name: ``--cache`` means a run that uses it. A manifest read here is the run's for
-    the steps after (``Identified.manifest``), not read again."""
-    identity = identified.identity
-    if req.cache is not None or "vector_cache" not in identity or req.windowed:
-        return identified
-    before = {k: v for k, v in identity.items() if k != "vector_cache"}
-    before_fingerprint = fingerprint(before)
-    run_id = validate_run_id(req.run_id) if req.run_id else default_run_id(req.corpora[0], before_fingerprint)
-    layout = RunLayout(req.store, run_id)
-    if not layout.manifest.is_file():
-        return identified
-    found = load_manifest(layout)
-    if found.fingerprint != before_fingerprint:
-        return replace(identified, manifest=found) if run_id == identified.run_id else identified
-    log.info("run %s was submitted before the vector cache; it goes on without it", run_id)
-    return Identified(run_id, identified.inputs, before, before_fingerprint, identified.model_identity, found)
+def _earlier_forms(req: SubmitRequest, identity: dict[str, Any]) -> list[tuple[dict[str, Any], str]]:
+    """The identities the same command's run may have been begun under, newest first, each with why:
+    with its batch settings (part of the identity until they were taken out); and, only where the
+    cache was not asked for by name (``--cache`` means a run that uses it), without the vector cache
+    (a run made with ``--no-cache``, or before the cache existed), which then goes on without it."""
+    batching = {k: v for k, v in req.encode.to_dict().items() if k in BATCHING}
+    with_batching = {**identity, "options": {**identity["options"], **batching}}
+    forms = [(with_batching, "with its batch settings in its identity")]
+    if req.cache is None and "vector_cache" in identity and not req.windowed:
+        for form in (identity, with_batching):
+            before = {k: v for k, v in form.items() if k != "vector_cache"}
+            forms.append((before, "without the vector cache; it goes on without it"))
+    return forms
+
+
+def _begun_earlier(req: SubmitRequest, identified: Identified) -> Identified:
+    """The run this command is: this release's, else the one the same command began under an
+    earlier release, so that it resumes rather than start again. A manifest read here is the run's
+    for the steps after (``Identified.manifest``), not read again."""
+    read: dict[str, RunManifest | None] = {}
+    for form, why in [(identified.identity, ""), *_earlier_forms(req, identified.identity)]:
+        form_fingerprint = fingerprint(form)
+        run_id = (
+            validate_run_id(req.run_id) if req.run_id else default_run_id(req.corpora[0], form_fingerprint)
+        )
+        if run_id not in read:
+            layout = RunLayout(req.store, run_id)
+            read[run_id] = load_manifest(layout) if layout.manifest.is_file() else None
+        found = read[run_id]
+        if found is not None and found.fingerprint == form_fingerprint:
+            if why:
+                log.info("run %s was submitted %s", run_id, why)
+            return Identified(
+                run_id, identified.inputs, form, form_fingerprint, identified.model_identity, found
+            )
+    found = read[identified.run_id]  # another run under this --run-id: prepare says how they differ
+    return identified if found is None else replace(identified, manifest=found)

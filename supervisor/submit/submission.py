@@ -34,7 +34,7 @@ from chunkq.jobs.contract.run_files import (
     read_chunk_input,
     write_chunk_input,
 )
-from chunkq.jobs.contract.specs import FORMAT_VERSION, fingerprint
+from chunkq.jobs.contract.specs import BATCHING, FORMAT_VERSION, EncodeOptions, fingerprint
 from chunkq.jobs.contract.storage import is_local, local_scratch, remove_tree
 from chunkq.supervisor.result.chunk_reads import set_aside
 from chunkq.supervisor.result.reader import published_result
@@ -369,7 +369,31 @@ def prepare(req: SubmitRequest, identified: Identified | None = None) -> Prepare
     same_model(manifest, identified.model_identity)
     # Whole and intact: nothing to encode, even where `chunkq clean --outputs-only` freed the chunk
     # outputs it was assembled from.
-    return Prepared(manifest, created=False, published=published_result(layout, manifest) is not None)
+    if published_result(layout, manifest) is not None:
+        return Prepared(manifest, created=False, published=True)
+    return Prepared(_with_batching(layout, manifest, req.encode), created=False, published=False)
+
+
+def _with_batching(layout: RunLayout, manifest: RunManifest, encode: EncodeOptions) -> RunManifest:
+    """A run resumed with other batch settings (``specs.BATCHING``: speed, not vectors) queues its
+    chunks from now on with them; the chunks done keep theirs. Recorded in the manifest apart from
+    the run's options, so its identity and what its outputs record of their producer stay as they
+    were."""
+    asked = {name: getattr(encode, name) for name in BATCHING}
+    if asked == manifest.batching:
+        return manifest
+    log.warning(
+        "run %s: resumed with --batch-size %s and --batch-tokens %s (it had %s and %s); the chunks "
+        "not yet done use them",
+        manifest.run_id,
+        asked["batch_size"],
+        asked["batch_tokens"] or "unset",
+        manifest.batching.get("batch_size"),
+        manifest.batching.get("batch_tokens") or "unset",
+    )
+    data = {**manifest.data, "batching": asked}
+    atomic_write_json(layout.manifest, data)
+    return RunManifest(data)
 
 
 def submit(
