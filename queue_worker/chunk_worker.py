@@ -163,14 +163,15 @@ class WaitCutter:
         except redis.RedisError as exc:  # no CLIENT command here, or Redis away: the wait ends itself
             worker.log.debug("Worker %s: could not cut its wait for a job short: %s", worker.name, exc)
         finally:
-            silent = _silence(waker) if worker.waiting else None
+            silent = _silence(waker) if worker.holds_nothing else None
             waker.close()
             waker.connection_pool.disconnect()
-        if silent and worker.waiting:
+        if silent and worker.holds_nothing:
             # A Redis that hangs (stopped, its sockets open) never ends the wait, nor answers what RQ
             # says on its way out: an idle worker asked to stop was alive 45 s later.
-            # It holds no job (its BLMOVE has not returned), so it leaves now; a job the server
-            # moves afterwards is one the supervisor finds lost and queues again.
+            # It holds no job (its BLMOVE has not returned, or it was not waiting for one yet), so it
+            # leaves now; a job the server moves afterwards is one the supervisor finds lost and
+            # queues again.
             worker.log.warning("Worker %s: stopping as asked; %s", worker.name, silent)
             for handler in logging.getLogger().handlers:
                 with contextlib.suppress(Exception):
@@ -214,7 +215,18 @@ class ChunkWorker(SimpleWorker):
         self.jobs_given_back = 0
         self._taking_job = False  # from waiting for a job until it is started: a stop only marks
         self.waiting = False  # inside RQ's wait for a job, where nothing is in hand yet
+        self.in_job = False  # from a job's start to its end
+        # Started now, not from the signal handler: starting a thread there can deadlock on a lock the
+        # interrupted code holds (RQ starts its pubsub thread as a stop may come). The handler only
+        # sets the cutter's event.
         self._cutter = WaitCutter(self)
+        self._cutter.start()
+
+    @property
+    def holds_nothing(self) -> bool:
+        """No job in hand: waiting for one (its BLMOVE has not returned), or neither taking nor running
+        one (between jobs, or on its way out after a stop)."""
+        return self.waiting or not (self._taking_job or self.in_job)
 
     def _shutdown(self) -> None:
         # RQ raises StopRequested from the signal handler when the worker is not busy. Once Redis has
@@ -226,6 +238,10 @@ class ChunkWorker(SimpleWorker):
             if self.waiting:
                 self._cutter.asked.set()
             return
+        if not self.in_job:
+            # Stopped between jobs: RQ's way out talks to Redis (the worker's death, its registries),
+            # which a Redis that hangs never answers; the cutter ends the process if it does not.
+            self._cutter.asked.set()
         super()._shutdown()  # type: ignore[no-untyped-call]
 
     def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
@@ -258,7 +274,6 @@ class ChunkWorker(SimpleWorker):
                 result = super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
             else:
                 # Short waits, since a signal no longer interrupts one: a stop is seen within a wait.
-                self._cutter.start()
                 result = None
                 while result is None and not self._stop_requested:
                     self.waiting = True
@@ -285,15 +300,18 @@ class ChunkWorker(SimpleWorker):
             self._taking_job = False
             raise StopRequested
         execution = self.prepare_execution(job)  # busy from here: RQ's own stop handling is right
-        self._taking_job = False
+        self.in_job, self._taking_job = True, False
         self.jobs_run += 1
         by_count = self.max_jobs is not None and self.jobs_run >= self.max_jobs
         by_time = self._time_is_up_after_this_job()
         if by_count or by_time:
             announce_last_job()  # the pool starts our replacement now, to load while we compute
         started = time.monotonic()
-        with Heartbeat(self, job, execution):
-            self.perform_job(job, queue, execution)
+        try:
+            with Heartbeat(self, job, execution):
+                self.perform_job(job, queue, execution)
+        finally:
+            self.in_job = False
         self.last_job_seconds = time.monotonic() - started
         self.worked += self.last_job_seconds
         if by_time or (self.recycle_after is not None and self.worked >= self.recycle_after):

@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -423,6 +424,51 @@ def test_a_pool_told_to_stop_while_redis_is_gone_or_hung_stops(tmp_path: Path, r
     reason = "Redis cannot be reached" if redis_is == "gone" else "Redis does not answer"
     assert f"stopping as asked; {reason}" in said, said[-3000:]
     assert "whose jobs it could not release" not in said  # 53.4: its worker held none
+
+
+# A worker stopped before its first wait for a job, as the stop's signal handler finds it, then RQ's way
+# out (its death in Redis) against a server that hangs. A process of its own: the worker ends it.
+_STOPPED_BETWEEN_JOBS = """
+import logging, os, signal, sys
+import redis
+from rq.serializers import JSONSerializer
+from rq.exceptions import StopRequested
+from chunkq.queue_worker.chunk_worker import ChunkWorker
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+worker = ChunkWorker(["q"], connection=redis.Redis.from_url(os.environ["URL"]), name="between",
+                     serializer=JSONSerializer)
+worker.register_birth()
+os.kill(int(os.environ["SERVER_PID"]), signal.SIGSTOP)
+try:
+    worker._shutdown()
+except StopRequested:
+    pass
+worker.register_death()
+print("left through Redis")
+"""
+
+
+def test_a_worker_stopped_before_its_wait_for_a_job_leaves_a_redis_that_hangs(tmp_path: Path) -> None:
+    """The stop came 16 ms after the worker said it listened, before its wait for a job (seen in a
+    full suite under load): RQ's way out then waited on the hung Redis for as long as it hung (the
+    pool's 30 s bound in the test above). Holding no job, it leaves as it does from its wait."""
+    from chunkq.supervisor.store.embedded_redis import EmbeddedRedis
+
+    server = EmbeddedRedis(tmp_path / "redis").start()
+    assert server.proc is not None
+    env = dict(os.environ, URL=server.url, SERVER_PID=str(server.proc.pid))
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _STOPPED_BETWEEN_JOBS], env=env, capture_output=True, text=True, timeout=60
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("the worker waited on the hung Redis")
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+        server.stop()
+    assert done.returncode == exit_codes.EXIT_STOPPED, done.stderr[-2000:]
+    assert "stopping as asked; Redis does not answer" in done.stderr
+    assert "left through Redis" not in done.stdout
 
 
 @pytest.mark.parametrize("fork_server", [True, False], ids=["forked", "fresh-interpreter"])

@@ -29,13 +29,18 @@ def npy_from_bytes(raw: bytes) -> np.ndarray[Any, Any]:
     return array.reshape(shape, order="F" if fortran else "C")
 
 
-def read_checked_npy(path: Path, digest: Any) -> np.ndarray[Any, Any] | None:
-    """The array in ``path``, read once; None when its bytes do not hash to ``digest`` (OSError or
-    ValueError for a file that is missing or not an array)."""
-    raw = path.read_bytes()
-    if hashlib.sha256(raw).hexdigest() != digest:
-        return None
-    return npy_from_bytes(raw)
+def read_checked_npy(path: Path, digest: Any) -> tuple[np.ndarray[Any, Any] | None, str]:
+    """The array in ``path``, read once and hashed from the bytes read, or (None, why): missing,
+    unreadable, not an array, or not the bytes ``digest`` says."""
+    try:
+        raw = path.read_bytes()
+        if hashlib.sha256(raw).hexdigest() != digest:
+            return None, f"{path.name} checksum does not match its metadata"
+        return npy_from_bytes(raw), ""
+    except FileNotFoundError:
+        return None, f"{path.name} missing"
+    except (OSError, ValueError) as exc:
+        return None, f"{path.name} unreadable: {exc}"
 
 
 def producer_mismatch(meta: dict[str, Any], producer: dict[str, Any]) -> str:
@@ -81,14 +86,9 @@ def output_arrays(
     ``rows`` (a dense output's matrix), or a ragged output's ``offsets`` and entry arrays. (None,
     why) when one is missing, does not match its checksum, or holds what the metadata does not say."""
     npy_path = layout.output_npy(index)
-    try:
-        first = read_checked_npy(npy_path, meta.get("sha256"))
-    except FileNotFoundError:
-        return None, f"{npy_path.name} missing"
-    except (OSError, ValueError) as exc:
-        return None, f"{npy_path.name} unreadable: {exc}"
+    first, why = read_checked_npy(npy_path, meta.get("sha256"))
     if first is None:
-        return None, f"{npy_path.name} checksum does not match its metadata"
+        return None, why
     if "arrays" in meta:  # a ragged output: the .npy holds its row offsets
         from chunkq.jobs.contract.ragged import ragged_arrays  # it writes with this module's names
 

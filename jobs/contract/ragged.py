@@ -98,14 +98,9 @@ def ragged_arrays(
     arrays = {OFFSETS: offsets}
     for name, dtype in schema.items():
         path = layout.output_array(index, name)
-        try:
-            array = read_checked_npy(path, meta["arrays"][name])
-        except FileNotFoundError:
-            return None, f"{path.name} missing"
-        except (OSError, ValueError) as exc:
-            return None, f"{path.name} unreadable: {exc}"
+        array, why = read_checked_npy(path, meta["arrays"][name])
         if array is None:
-            return None, f"{path.name} checksum does not match its metadata"
+            return None, why
         shape = entry_shape(name, entries, int(meta.get("dim") or 0))
         if array.shape != shape or array.dtype != np.dtype(dtype):
             return None, f"{path.name} holds {array.shape} {array.dtype}, expected {shape} {np.dtype(dtype)}"
