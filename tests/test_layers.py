@@ -129,3 +129,21 @@ def test_the_architecture_names_every_module() -> None:
         if p.stem not in ("__init__", "__main__") and p.stem not in named
     )
     assert unnamed == []
+
+
+def test_a_worker_side_process_imports_nothing_of_the_front_door() -> None:
+    """The pool, its fork server and each worker import the ``chunkq`` package; its API is loaded on
+    first use, so they do not import the supervisor through it (0.3 s of CPU each: BENCHMARKS.md,
+    "A small run's own cost"). ``chunkq.run`` still answers."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, chunkq.queue_worker.pool, chunkq.queue_worker.worker, chunkq.queue_worker.fork_server\n"
+        "print(sorted(m for m in sys.modules if m == 'chunkq.api' or m.startswith('chunkq.supervisor')))\n"
+        "import chunkq; print(chunkq.run.__module__)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.split("\n")[:2] == ["[]", "chunkq.api"], done.stdout
