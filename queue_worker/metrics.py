@@ -27,7 +27,13 @@ def serve(registry: CollectorRegistry, port: int, host: str = METRICS_HOST) -> i
     """Serve ``registry`` on ``host:port`` (loopback only: the endpoint has no authentication)."""
     if not ipaddress.ip_address(host).is_loopback:
         raise ConfigError(f"metrics are served on loopback only (they have no authentication), not {host}")
-    server, _thread = start_http_server(port, addr=host, registry=registry)
+    try:
+        server, _thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:  # taken (EADDRINUSE), or below 1024 without the right
+        raise ConfigError(
+            f"metrics port {port}: cannot listen on {host}:{port} ({exc.strerror or exc}); give another "
+            "port, or 0 for any free one"
+        ) from exc
     bound = int(server.server_address[1])
     log.info("metrics on http://%s:%d/metrics", host, bound)
     return bound

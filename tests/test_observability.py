@@ -103,15 +103,41 @@ def test_metrics_during_a_run_and_the_report_after_it(
 
 
 def _two_free_ports() -> int:
-    """A port P with P + 1 free too: `chunkq run --metrics-port P` serves its pool's on P + 1."""
+    """A port P with P + 1 free too: `chunkq run --metrics-port P` serves its pool's on P + 1. Taken
+    below the kernel's ephemeral range, where no other test's connection or `port 0` server can take
+    P + 1 between this pick and the pool's bind (seen under four tests at once on two cores)."""
+    import random
     import socket
 
-    for _ in range(50):
-        port = free_port()
-        with socket.socket() as probe:
-            if probe.connect_ex(("127.0.0.1", port + 1)) != 0 and port < 65535:
-                return port
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(100):
+        port = random.randint(min(20000, low - 1000), low - 2)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
+        except OSError:
+            continue
+        return port
     raise AssertionError("no two free ports in a row")
+
+
+def test_a_metrics_port_that_is_taken_is_one_clear_error() -> None:
+    """A pool whose metrics port was taken died with a traceback (seen: the run's pool, its P + 1
+    taken by another process); now one line naming the port, which the pool and the run report."""
+    import socket
+
+    from prometheus_client import CollectorRegistry
+
+    from chunkq.jobs.contract.errors import ConfigError
+    from chunkq.queue_worker.metrics import serve
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError, match=rf"metrics port {port}: cannot listen on 127.0.0.1:{port} "):
+            serve(CollectorRegistry(), port)
 
 
 def test_chunkq_run_serves_its_metrics_on_the_port_and_its_pools_on_the_next(tmp_path: Path) -> None:
