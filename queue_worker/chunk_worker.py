@@ -246,7 +246,12 @@ class ChunkWorker(SimpleWorker):
 
     def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
         try:
-            super().heartbeat(timeout, pipeline)
+            if pipeline is None:  # RQ sends a heartbeat's three commands one round trip each
+                with self.connection.pipeline(transaction=False) as pipe:
+                    super().heartbeat(timeout, pipe)
+                    pipe.execute()
+            else:
+                super().heartbeat(timeout, pipeline)
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
             # RQ's wait for a job retries a lost Redis forever; asked to stop, with nothing in hand,
             # there is nothing to wait for (a chunk in hand finishes without Redis: its output is in

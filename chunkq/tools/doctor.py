@@ -20,7 +20,7 @@ from chunkq.jobs.contract.redaction import redacted
 from chunkq.jobs.contract.run_files import atomic_write_bytes
 from chunkq.jobs.contract.storage import is_local
 from chunkq.queue_worker import discovery
-from chunkq.supervisor.store.embedded_redis import server_binary
+from chunkq.supervisor.store.embedded_redis import APPENDFSYNC, DURABLE_FSYNC, server_binary
 from chunkq.supervisor.store.store_redis import served_url
 
 
@@ -181,11 +181,15 @@ def examine(store: Path, redis_url: str | None) -> Report:
             report.notes.append(f"{gpu.label} is in EXCLUSIVE_PROCESS compute mode: one worker, no standby")
     if report.redis.get("reachable") is False:
         report.problems.append(f"Redis: {report.redis.get('error')}; check --redis-url / CHUNKQ_REDIS_URL")
-    elif report.redis.get("append_only") is False or report.redis.get("appendfsync") not in (None, "always"):
+    elif report.redis.get("append_only") is False or report.redis.get("appendfsync") not in (
+        None,
+        *DURABLE_FSYNC,
+    ):
         report.problems.append(
             f"Redis persistence is appendonly {'yes' if report.redis.get('append_only') else 'no'}, "
-            f"appendfsync {report.redis.get('appendfsync')}: a server killed then loses what was queued; "
-            "set `appendonly yes` and `appendfsync always` (the embedded server of `chunkq run` does)"
+            f"appendfsync {report.redis.get('appendfsync')}: a server killed or its host crashed then "
+            f"loses what was queued; set `appendonly yes` and `appendfsync {APPENDFSYNC}` (as the "
+            "embedded server of `chunkq run` does)"
         )
     if not report.store["writable"]:
         report.problems.append(f"store {report.store['path']} is not writable: {report.store.get('error')}")
