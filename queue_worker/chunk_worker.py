@@ -24,6 +24,7 @@ from rq.worker import SimpleWorker, WorkerStatus
 
 from chunkq.jobs.compute import runtime
 from chunkq.jobs.contract import errors, jobmeta
+from chunkq.jobs.contract.defaults import HEARTBEAT_SECONDS
 from chunkq.jobs.contract.events import announce_settled
 from chunkq.jobs.contract.queueing import give_back
 from chunkq.jobs.contract.settings import SIGNAL_REPEAT_SECONDS
@@ -51,9 +52,6 @@ ENDING_WORDS = {
     runtime.BROKEN_CONTEXT: "CUDA context broken",
     runtime.DEVICE_UNSUPPORTED: "this GPU cannot run the model",
 }
-
-
-HEARTBEAT_SECONDS = 5.0
 
 
 # The longest an idle worker waits for a job before it looks for a stop it was not woken for (a

@@ -26,6 +26,7 @@ from chunkq.jobs.contract.defaults import (
     DEFAULT_PRECISION,
     DEFAULT_QUEUE,
     DEFAULT_SHARD_BYTES,
+    STALE_AFTER_SECONDS,
     WARN_IDLE_SECONDS,
 )
 from chunkq.jobs.contract.errors import ChunksFailedError, ConfigError, CorpusError
@@ -227,6 +228,7 @@ def watch_settings(
     metrics_port: int | None = None,
     wait: bool = False,
     warn_idle: float = WARN_IDLE_SECONDS,
+    stale_after: float = STALE_AFTER_SECONDS,
     queue_window: int | None = None,
     shard_size: int | str = DEFAULT_SHARD_BYTES,
 ) -> WatchSettings:
@@ -237,6 +239,7 @@ def watch_settings(
         metrics_port=metrics_port,
         wait_for_owner=wait,
         warn_idle=warn_idle,
+        stale_after=stale_after,
         window=None if queue_window is None else positive_int("queue_window", queue_window),
         shard_bytes=shard_bytes(shard_size),
     )

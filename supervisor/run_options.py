@@ -19,6 +19,9 @@ from chunkq.jobs.contract.defaults import (
     DEFAULT_PRECISION,
     DEFAULT_SHARD_BYTES,
     DEFAULT_WINDOW,
+    HEARTBEAT_SECONDS,
+    STALE_AFTER_LOWEST,
+    STALE_AFTER_SECONDS,
     WARN_IDLE_SECONDS,
 )
 from chunkq.jobs.contract.settings import Meta
@@ -309,6 +312,14 @@ RUN_OPTIONS: tuple[Option, ...] = (
         "Say so when chunks wait and no worker has taken one for this many seconds.",
         kind="float",
         low=0.1,
+    ),
+    _watch(
+        "stale_after",
+        STALE_AFTER_SECONDS,
+        f"Seconds a running chunk's worker may go without a heartbeat (it beats every "
+        f"{HEARTBEAT_SECONDS:g} s) before the chunk is taken for stuck: failed as abandoned and retried.",
+        kind="float",
+        low=STALE_AFTER_LOWEST,
     ),
 )
 

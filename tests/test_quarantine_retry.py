@@ -89,7 +89,10 @@ def test_a_chunk_cut_off_after_its_quarantine_was_lifted_is_retried_not_quaranti
     log = tmp_path / "pool2.log"
     allowed = ("pool", "--gpus", "none", "--allow-model", str(model))
     pool = start_cli(log, *allowed, **env, CHUNKQ_FAULTS=slow)
-    watcher = start_cli(tmp_path / "supervise.log", "supervise", run_id, "--poll", "0.2", **env)
+    # --stale-after: the SIGSTOPped worker's chunk is abandoned after 12 s of silence, not the 60 s default
+    watcher = start_cli(
+        tmp_path / "supervise.log", "supervise", run_id, "--poll", "0.2", "--stale-after", "12", **env
+    )
     try:
         wait_for(
             lambda: "FAULT slow: this chunk takes" in log.read_text(errors="replace"), 180, "chunk 1 held"
@@ -103,7 +106,7 @@ def test_a_chunk_cut_off_after_its_quarantine_was_lifted_is_retried_not_quaranti
             lambda: any(a.chunk == 1 and a.error_class == "abandoned" for a in failed_attempts(layout)),
             150,
             "the cut attempt recorded",
-        )  # fmt: skip  (SIGSTOP: a heartbeat 60 s stale)
+        )  # fmt: skip  (SIGSTOP: a heartbeat 12 s stale)
         stop_tree(pool)
         pool = start_cli(tmp_path / "pool3.log", *allowed, **env)
         assert watcher.wait(timeout=240) == 0, (tmp_path / "supervise.log").read_text()[-3000:]
@@ -115,6 +118,9 @@ def test_a_chunk_cut_off_after_its_quarantine_was_lifted_is_retried_not_quaranti
     attempts = failed_attempts(layout)
     mine = sorted((a.attempt, a.error_class) for a in attempts if a.chunk == 1)
     assert mine == [(1, "config"), (2, "abandoned")], mine  # its own number, its own class
+    if cut == "worker SIGSTOP":  # nothing died: only the silence past --stale-after says it is stuck
+        (cut_off,) = [a for a in attempts if a.chunk == 1 and a.error_class == "abandoned"]
+        assert "no heartbeat for over 12 s" in cut_off.error, cut_off
     assert by_class(attempts) == {"config": 3, "abandoned": 1}
     status = run_cli("status", run_id, "--json", **env)
     listed = json.loads(status.stdout)["failed_attempts"]

@@ -119,6 +119,23 @@ def test_a_started_chunk_whose_job_has_an_empty_heartbeat_is_neither_stale_nor_a
     assert tracker._stale([0, 1, 2]) == []
 
 
+def test_a_heartbeat_is_stale_past_the_stale_after_the_supervisor_was_given(
+    tmp_path: Path, store: Path, connection: redis.Redis
+) -> None:
+    """``--stale-after``: a beat 20 s old is stale to a supervisor told 15 s, not to the default 60 s."""
+    from datetime import UTC, datetime, timedelta
+
+    from rq.utils import utcformat
+
+    run = _submit(tmp_path, store, connection, rows=6, chunk=2, queue="stalebeat")
+    layout = RunLayout(store, run.run_id)
+    old = utcformat(datetime.now(UTC) - timedelta(seconds=20))
+    connection.hset(Job.key_for(chunk_job_id(run.run_id, 1)), "last_heartbeat", old)
+    connection.hset(Job.key_for(chunk_job_id(run.run_id, 0)), "last_heartbeat", utcformat(datetime.now(UTC)))
+    assert Tracker(connection, layout, load_manifest(layout))._stale([0, 1]) == []
+    assert Tracker(connection, layout, load_manifest(layout), stale_after=15)._stale([0, 1]) == [1]
+
+
 def test_a_stranded_chunk_is_counted_once_not_also_as_queued(
     tmp_path: Path, store: Path, connection: redis.Redis
 ) -> None:

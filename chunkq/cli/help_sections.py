@@ -40,7 +40,7 @@ SECTIONS: tuple[tuple[str, frozenset[str]], ...] = (
         "Watching the run and its result",
         frozenset(
             {"queue_window", "shard_size", "poll", "max_attempts", "allow_partial", "metrics_port"}
-            | {"wait", "warn_idle"}
+            | {"wait", "warn_idle", "stale_after"}
         ),
     ),
     ("Where", frozenset({"store", "queue", "redis_url"})),

@@ -34,5 +34,10 @@ BACKOFF_JITTER = 0.25  # +-25 %, so chunks that failed together do not return to
 # Watching a run.
 REDIS_PATIENCE_SECONDS = 300.0  # how long Redis may stay away before the supervisor gives up
 WARN_IDLE_SECONDS = 30.0  # a worker that lives takes a queued chunk within its model load
+HEARTBEAT_SECONDS = 5.0  # a worker's beat while its chunk runs
+# A running chunk whose worker has not beaten for this long is taken for stuck (a frozen or vanished
+# host): failed as abandoned and retried. Two beats are the least it may be (one may come late).
+STALE_AFTER_SECONDS = 60.0
+STALE_AFTER_LOWEST = 2 * HEARTBEAT_SECONDS
 
 DASHBOARD_PORT = 9181  # rq-dashboard's own

@@ -16,6 +16,7 @@ from rq.utils import str_to_date
 
 from chunkq.jobs.compute import chunk_progress
 from chunkq.jobs.contract import jobmeta
+from chunkq.jobs.contract.defaults import STALE_AFTER_SECONDS
 from chunkq.jobs.contract.manifest import RunManifest
 from chunkq.jobs.contract.run_files import RunLayout, read_json
 from chunkq.jobs.contract.specs import chunk_job_id, chunk_job_prefix
@@ -27,7 +28,6 @@ from chunkq.supervisor.store.throughput import Throughput
 from chunkq.supervisor.submit.enqueue import QUEUED_STATUSES, chunk_queue, job_statuses
 from chunkq.supervisor.watch.snapshot import Snapshot, set_rate
 
-STALE_HEARTBEAT_SECONDS = 60.0  # workers beat every 5 s while a chunk runs
 STRANDED_SECONDS = 10.0  # a live worker starts what it dequeued within milliseconds
 CURSOR_MARGIN_SECONDS = 300.0
 MIN_RECONCILE_SECONDS = 0.0  # small runs reconcile on every look: it costs a millisecond
@@ -75,11 +75,13 @@ class Tracker:
         manifest: RunManifest,
         min_reconcile_seconds: float = MIN_RECONCILE_SECONDS,
         records: bool = True,
+        stale_after: float = STALE_AFTER_SECONDS,
     ) -> None:
         """``records``: the run's owner records finished chunks in the ledger; a one-off look
         (``chunkq status``) does not, and reads the rate from the summary instead of the ledger."""
         self.connection, self.layout, self.manifest = connection, layout, manifest
         self.min_reconcile_seconds = min_reconcile_seconds
+        self.stale_after = stale_after
         self.pending = ChunkSet(manifest.chunks, full=True)
         self.rows_done = 0
         self.corpus_rows_done = 0
@@ -332,7 +334,7 @@ class Tracker:
         for index, beat in zip(running, beats, strict=True):
             if not beat:  # RQ writes an empty last_heartbeat until the first beat (seen at 2,000+ chunks)
                 continue
-            if wall - str_to_date(beat).timestamp() > STALE_HEARTBEAT_SECONDS:
+            if wall - str_to_date(beat).timestamp() > self.stale_after:
                 stale.append(index)
         return stale
 

@@ -23,7 +23,12 @@ from rq.worker import Worker
 from chunkq.jobs.compute import chunk_progress
 from chunkq.jobs.contract import errors, jobmeta
 from chunkq.jobs.contract.abandon import mark_abandoned
-from chunkq.jobs.contract.defaults import DEFAULT_SHARD_BYTES, REDIS_PATIENCE_SECONDS, WARN_IDLE_SECONDS
+from chunkq.jobs.contract.defaults import (
+    DEFAULT_SHARD_BYTES,
+    REDIS_PATIENCE_SECONDS,
+    STALE_AFTER_SECONDS,
+    WARN_IDLE_SECONDS,
+)
 from chunkq.jobs.contract.errors import ChunkqError, StoreWriteError
 from chunkq.jobs.contract.manifest import RunManifest, load_manifest
 from chunkq.jobs.contract.queueing import give_back
@@ -45,7 +50,7 @@ from chunkq.supervisor.watch import demand
 from chunkq.supervisor.watch.attempts import AttemptRecorder, FailedAttempt
 from chunkq.supervisor.watch.display import ProgressDisplay
 from chunkq.supervisor.watch.metrics import RunMetrics
-from chunkq.supervisor.watch.progress import STALE_HEARTBEAT_SECONDS, Tracker
+from chunkq.supervisor.watch.progress import Tracker
 from chunkq.supervisor.watch.retry import RetryPolicy, settle_failure
 from chunkq.supervisor.watch.snapshot import Snapshot
 from chunkq.supervisor.watch.wakeup import Wakeup
@@ -69,6 +74,7 @@ class WatchSettings:
     metrics_port: int | None = None  # Prometheus metrics on 127.0.0.1:<port> (0: any free port)
     wait_for_owner: bool = False  # another process owns the run: wait for it instead of refusing
     warn_idle: float = WARN_IDLE_SECONDS  # say so when chunks wait and no worker took one for this long
+    stale_after: float = STALE_AFTER_SECONDS  # a running chunk's heartbeat silent this long: stuck
     window: int | None = None  # jobs of the run in Redis at once; None: enqueue.window_size decides
     shard_bytes: int = DEFAULT_SHARD_BYTES  # a larger result is published as shards of this size
     # When chunkq started the pool itself (chunkq run, the API): time.monotonic() then. Its idle
@@ -138,7 +144,9 @@ class Supervisor:
     submitted_window: int | None = None  # --queue-window given to submit (this look's is the watch's)
 
     def __post_init__(self) -> None:
-        self.tracker = Tracker(self.connection, self.layout, self.manifest)
+        self.tracker = Tracker(
+            self.connection, self.layout, self.manifest, stale_after=self.settings.stale_after
+        )
         self.recorder = AttemptRecorder(self.layout)
         self.submitted_window = submitted_window(self.layout)
 
@@ -247,7 +255,7 @@ class Supervisor:
             mark_abandoned(
                 self.connection,
                 chunk_job_id(run_id, index),
-                f"no heartbeat for over {STALE_HEARTBEAT_SECONDS:.0f} s",
+                f"no heartbeat for over {self.settings.stale_after:g} s",
             )
         for index, job in self.tracker.failed_jobs.items():
             self._settle(index, job)
