@@ -24,7 +24,7 @@ from rq.serializers import JSONSerializer
 
 from chunkq.jobs.compute.models import BUNDLED_MODEL
 from chunkq.jobs.contract.run_files import RunLayout, read_json
-from chunkq.jobs.contract.settings import PoolSettings
+from chunkq.jobs.contract.settings import SIGNAL_REPEAT_SECONDS, PoolSettings
 from chunkq.jobs.contract.specs import chunk_job_id
 from chunkq.queue_worker import exit_codes
 from chunkq.supervisor.submit.corpus import CorpusOptions
@@ -497,3 +497,39 @@ def test_a_pool_acts_on_a_drain_and_its_workers_exits_at_once(
         assert pool.run() == 0
     assert [code for _slot, code in pool.exits] == [0]
     assert time.monotonic() - started < 50, "the pool slept through its drain or its worker's exit"
+
+
+def _signal_thread(pid: int, tid: int, sig: int) -> None:
+    """tgkill(2): ``sig`` to one thread of ``pid``, as the kernel may hand a process's signal to any
+    thread that does not block it (signal(7)); here the choice is made, not left to chance."""
+    import ctypes
+    import platform
+
+    number = {"x86_64": 234, "aarch64": 131}[platform.machine()]  # SYS_tgkill
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(number, pid, tid, sig) != 0:
+        raise OSError(ctypes.get_errno(), f"tgkill {pid} {tid} {sig}")
+
+
+def test_a_stop_signal_taken_by_a_helper_thread_stops_a_busy_worker_at_once(
+    tmp_path: Path, store: Path, connection: redis.Redis, redis_url: str
+) -> None:
+    # Seen once in CI: a worker in a 120 s slow chunk worked on after its pool was SIGKILLed. A
+    # worker has threads beside the main one (heartbeat, wait cutter, RQ's pubsub); a signal one of
+    # them takes runs its Python handler in the main thread only once that thread is between calls.
+    with _holding_a_slow_chunk(tmp_path, store, connection, redis_url, 600) as held:
+        pool, log, _, job_id = held
+        (worker,) = worker_processes(pool)
+        helpers = [t.id for t in worker.threads() if t.id != worker.pid]
+        assert helpers, "a busy worker has its heartbeat thread at least"
+        first = time.monotonic()
+        worker.send_signal(signal.SIGTERM)  # the first: drain the chunk in hand
+        wait_for(lambda: "warm shut down requested" in log.read_text(), 30, "the drain to begin")
+        # A repeat within the window is the same stop delivered twice (a batch system's and the
+        # pool's): the second must come after it to mean "stop now".
+        wait_for(lambda: time.monotonic() - first > SIGNAL_REPEAT_SECONDS + 0.5, 5, "the window passed")
+        _signal_thread(worker.pid, helpers[0], signal.SIGTERM)  # the second, to a helper: stop now
+        _gone, alive = psutil.wait_procs([worker], timeout=20)
+        assert not alive, "the second signal waited for the 600 s chunk to end"
+        assert "second signal, stopping now" in log.read_text()
+    assert job_statuses(connection, [job_id]) == ["failed"]

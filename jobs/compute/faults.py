@@ -51,6 +51,7 @@ from typing import Any
 from chunkq.jobs.contract.errors import ConfigError
 
 ENV = "CHUNKQ_FAULTS"
+SLOW_SLICE_SECONDS = 0.1  # a batch's forward on the CPU takes about this long
 KINDS = (
     "oom",
     "nvml_assert",
@@ -250,7 +251,13 @@ def _illegal_access(fault: Fault, batch_size: int, device: str) -> None:
 def _slow(fault: Fault, batch_size: int, device: str) -> None:
     # Said first, so a test knows the chunk is running (the job started), not only taken.
     logging.getLogger(__name__).warning("FAULT slow: this chunk takes %.1f s longer", fault.seconds)
-    time.sleep(fault.seconds)  # a long chunk: something to kill a worker in the middle of
+    # A long chunk, something to kill a worker in the middle of, made as a real one is: of short
+    # calls. Python runs a signal's handler in the main thread between calls, and the kernel may
+    # hand a process's signal to any of its threads; one long sleep would then hold the handler
+    # until it ended (seen in CI: a worker whose pool was killed worked on in its slow chunk).
+    deadline = time.monotonic() + fault.seconds
+    while (left := deadline - time.monotonic()) > 0:
+        time.sleep(min(left, SLOW_SLICE_SECONDS))
 
 
 def _sigkill(fault: Fault, batch_size: int, device: str) -> None:
