@@ -1,7 +1,7 @@
 """A small run's own cost: the CPU of a minimal ``chunkq run`` (50 texts, the CPU, a new store) against
 a plain sentence-transformers script doing the same, as whole processes, paired.
 
-    python bench/run_cpu.py [--repeats 5] [--texts 50] [--out run_cpu.json]
+    python bench/run_cpu.py [--repeats 5] [--texts 50] [--out FILE]
 
 Each round runs both, in an order that turns each round. A command's CPU is the user and system time
 of every process it started and waited for (``RUSAGE_CHILDREN`` before and after it: the CLI, Redis,
@@ -93,7 +93,7 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--texts", type=int, default=50)
-    parser.add_argument("--out", type=Path, default=Path("run_cpu.json"))
+    parser.add_argument("--out", type=Path, default=None, help="also write every round as JSON here")
     args = parser.parse_args()
     rounds: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -131,7 +131,8 @@ def main() -> None:
         },
     }
     print(json.dumps(summary, indent=2))
-    args.out.write_text(json.dumps({"summary": summary, "rounds": rounds}, indent=2))
+    if args.out is not None:  # not by default: a bench run from the checkout wrote into the tree
+        args.out.write_text(json.dumps({"summary": summary, "rounds": rounds}, indent=2))
 
 
 if __name__ == "__main__":
