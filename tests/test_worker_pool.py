@@ -514,9 +514,10 @@ def _signal_thread(pid: int, tid: int, sig: int) -> None:
 def test_a_stop_signal_taken_by_a_helper_thread_stops_a_busy_worker_at_once(
     tmp_path: Path, store: Path, connection: redis.Redis, redis_url: str
 ) -> None:
-    # Seen once in CI: a worker in a 120 s slow chunk worked on after its pool was SIGKILLed. A
-    # worker has threads beside the main one (heartbeat, wait cutter, RQ's pubsub); a signal one of
-    # them takes runs its Python handler in the main thread only once that thread is between calls.
+    # Seen once, four tests at once on two cores: a worker in a 120 s slow chunk worked on after its
+    # pool was SIGKILLed. A worker has threads beside the main one (heartbeat, wait cutter, RQ's
+    # pubsub); a signal one of them takes runs its Python handler in the main thread only once that
+    # thread is between calls.
     with _holding_a_slow_chunk(tmp_path, store, connection, redis_url, 600) as held:
         pool, log, _, job_id = held
         (worker,) = worker_processes(pool)

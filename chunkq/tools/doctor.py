@@ -181,10 +181,7 @@ def examine(store: Path, redis_url: str | None) -> Report:
             report.notes.append(f"{gpu.label} is in EXCLUSIVE_PROCESS compute mode: one worker, no standby")
     if report.redis.get("reachable") is False:
         report.problems.append(f"Redis: {report.redis.get('error')}; check --redis-url / CHUNKQ_REDIS_URL")
-    elif report.redis.get("append_only") is False or report.redis.get("appendfsync") not in (
-        None,
-        *DURABLE_FSYNC,
-    ):
+    elif report.redis.get("append_only") is False or report.redis.get("appendfsync") not in DURABLE_FSYNC:
         report.problems.append(
             f"Redis persistence is appendonly {'yes' if report.redis.get('append_only') else 'no'}, "
             f"appendfsync {report.redis.get('appendfsync')}: a server killed or its host crashed then "

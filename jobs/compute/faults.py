@@ -254,7 +254,8 @@ def _slow(fault: Fault, batch_size: int, device: str) -> None:
     # A long chunk, something to kill a worker in the middle of, made as a real one is: of short
     # calls. Python runs a signal's handler in the main thread between calls, and the kernel may
     # hand a process's signal to any of its threads; one long sleep would then hold the handler
-    # until it ended (seen in CI: a worker whose pool was killed worked on in its slow chunk).
+    # until it ended (seen once, four tests at once: a worker whose pool was killed worked on in its
+    # slow chunk).
     deadline = time.monotonic() + fault.seconds
     while (left := deadline - time.monotonic()) > 0:
         time.sleep(min(left, SLOW_SLICE_SECONDS))

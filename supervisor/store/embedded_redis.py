@@ -40,7 +40,8 @@ RESTART_LIMIT = 3  # deaths within RESTART_WINDOW after which the server is not 
 RESTART_WINDOW = 60.0
 RESTART_TIMEOUT = 8.0  # one restart's wait for the server to answer (the append-only file is replayed)
 APPENDFSYNC = "everysec"  # why: at the server's command line below
-DURABLE_FSYNC = ("always", APPENDFSYNC)  # what doctor accepts of a Redis that is not ours
+# What doctor accepts of a Redis that is not ours (None: a server that does not say).
+DURABLE_FSYNC = (None, "always", APPENDFSYNC)
 
 
 def server_binary() -> str:
