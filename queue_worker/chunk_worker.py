@@ -10,7 +10,6 @@ import contextlib
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -36,7 +35,7 @@ from chunkq.queue_worker.exit_codes import (
 )
 from chunkq.queue_worker.lifeline import ORPHANED_SIGNAL, pool_alive
 from chunkq.queue_worker.standby import announce_last_job
-from chunkq.queue_worker.worker_args import WORKER_MODULE
+from chunkq.queue_worker.worker_args import worker_title
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +188,7 @@ class ChunkWorker(SimpleWorker):
 
     def procline(self, message: str) -> None:
         # RQ's title drops the command line; ps and the pool's tools look for the module and name.
-        setproctitle.setproctitle(f"{sys.executable} -m {WORKER_MODULE} --name {self.name}: {message}")
+        setproctitle.setproctitle(worker_title(f"--name {self.name}: {message}"))
 
     def __init__(
         self,

@@ -18,6 +18,7 @@ as SCM_RIGHTS. ``ForkServer`` and ``ForkedWorker`` offer the pool what it used o
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib
 import json
@@ -26,10 +27,11 @@ import os
 import select
 import signal
 import socket
-import subprocess
 import sys
 import time
 import traceback
+from pathlib import Path
+from types import FrameType
 from typing import Any, NoReturn
 
 import psutil
@@ -39,17 +41,18 @@ from chunkq.jobs.compute import cuda
 from chunkq.jobs.compute.model_reads import no_working_directory_imports
 from chunkq.jobs.compute.runtime import DEVICE_ENV
 from chunkq.jobs.contract import errors
+from chunkq.queue_worker import standing_forks
 from chunkq.queue_worker.exit_codes import EXIT_FORKED_NO_CUDA, EXIT_NO_CONTEXT
 from chunkq.queue_worker.lifeline import (
     ORPHANED_SIGNAL,
     PARENT_PID_ENV,
-    killed_with_parent,
+    process_alive,
     worker_dies_with_parent,
 )
 from chunkq.queue_worker.standby import NOTIFY_FD_ENV
-from chunkq.queue_worker.stopping import wait_or_kill
-from chunkq.queue_worker.worker_args import WORKER_MODULE
+from chunkq.queue_worker.worker_args import WORKER_MODULE, worker_title
 
+SERVER_MODULE = "chunkq.queue_worker.fork_server"
 SOCKET_FD_ENV = "CHUNKQ_FORK_SERVER_FD"
 PRELOAD = ("torch", "sentence_transformers", WORKER_MODULE)
 PRELOAD_ENV = "CHUNKQ_FORK_SERVER_PRELOAD"  # more modules to import once, e.g. your own job functions
@@ -61,6 +64,9 @@ NVML_BASED_CUDA_CHECK = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
 START_TIMEOUT = 300.0  # imports on a cold disk
 MESSAGE_BYTES = 1 << 20
 REAP_SECONDS = 0.05
+# How long a standing server waits for a pool that hung up unannounced to be dead, before its
+# workers are told anyway (a pool's exit closes its sockets a moment before it is dead).
+ORPHAN_WAIT_SECONDS = 5.0
 
 log = logging.getLogger(__name__)
 
@@ -69,11 +75,11 @@ class ForkServerError(RuntimeError):
     """The fork server could not be started or stopped answering."""
 
 
-def _send(sock: socket.socket, message: dict[str, Any], fds: list[int] | None = None) -> None:
+def send_message(sock: socket.socket, message: dict[str, Any], fds: list[int] | None = None) -> None:
     socket.send_fds(sock, [json.dumps(message).encode()], fds or [])
 
 
-def _receive(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
+def receive_message(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
     """One message and the fds that came with it; (None, []) when the other end has closed."""
     data, fds, _flags, _addr = socket.recv_fds(sock, MESSAGE_BYTES, 4)
     if not data:
@@ -95,6 +101,10 @@ def _run_worker(request: dict[str, Any], fds: list[int], server_pid: int) -> int
     env = {str(k): str(v) for k, v in request["env"].items()}
     if fds:
         env[NOTIFY_FD_ENV] = str(fds[0])
+    # The pool's stdout and stderr: a standing server's own are not where the pool's log goes.
+    for fd, target in zip(fds[1:3], (1, 2), strict=False):
+        os.dup2(fd, target)
+        os.close(fd)
     # The pid from before the fork: had the server died since, getppid() would name the reaper and
     # the worker's orphan check would pass.
     env[PARENT_PID_ENV] = str(server_pid)
@@ -106,7 +116,7 @@ def _run_worker(request: dict[str, Any], fds: list[int], server_pid: int) -> int
     from chunkq.jobs.compute import faults
     from chunkq.queue_worker.worker import main
 
-    setproctitle.setproctitle(" ".join([sys.executable, "-m", WORKER_MODULE, *args]))
+    setproctitle.setproctitle(worker_title(" ".join(args)))
     faults.reload()  # parsed at import, in the fork server's environment
     # OpenMP read OMP_NUM_THREADS when torch was imported, in the fork server.
     if env.get("OMP_NUM_THREADS", "").isdigit():
@@ -140,14 +150,19 @@ def _apply_allocator_settings(env: dict[str, str]) -> None:
         print(f"chunkq: could not apply PYTORCH_CUDA_ALLOC_CONF={conf!r}: {exc}", file=sys.stderr)
 
 
-def _fork_worker(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> int:
+def _fork_worker(sockets: list[socket.socket], request: dict[str, Any], fds: list[int]) -> int:
+    """Fork a worker for ``request``; the child closes ``sockets`` (every pool's connection and the
+    listener: a worker holding another pool's would hide that pool's hang-up)."""
     server_pid = os.getpid()
     pid = os.fork()
     if pid:
         return pid
     code = 1
     try:
-        sock.close()
+        for sock in sockets:
+            sock.close()
+        if request.get("cwd"):
+            os.chdir(request["cwd"])
         code = _run_worker(request, fds, server_pid)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
@@ -157,17 +172,6 @@ def _fork_worker(sock: socket.socket, request: dict[str, Any], fds: list[int]) -
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
-
-
-def _reap(sock: socket.socket) -> None:
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        _send(sock, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
 
 
 def _cuda_initialised() -> bool:
@@ -239,8 +243,8 @@ def _load_model_template(ref: str) -> dict[str, Any]:
         return {"model_error": f"{type(exc).__name__}: {exc}"}
 
 
-def serve(sock: socket.socket) -> None:
-    """Import the heavy modules, say ready, then fork a worker per request until the pool hangs up."""
+def _prepare() -> dict[str, Any]:
+    """Import the heavy modules and load the model: the message that says ready, or why not."""
     extra = [m.strip() for m in os.environ.get(PRELOAD_ENV, "").split(",") if m.strip()]
     for name in (*PRELOAD, *extra):
         importlib.import_module(name)
@@ -249,34 +253,145 @@ def serve(sock: socket.socket) -> None:
     if model:
         ready.update(_load_model_template(model))
     if _cuda_initialised():
-        _send(
-            sock, {"refused": "torch.cuda was initialised while importing; forked workers could not use it"}
-        )
-        return
+        return {"refused": "torch.cuda was initialised while importing; forked workers could not use it"}
     if not _forks_are_clean():
-        _send(sock, {"refused": "a child forked now is a bad fork for torch: an import reached CUDA"})
-        return
+        return {"refused": "a child forked now is a bad fork for torch: an import reached CUDA"}
     # Objects that exist now are shared by every worker: keep the collector from writing to them,
     # which would copy their pages into each worker.
     gc.freeze()
-    _send(sock, ready)
-    while True:
-        readable, _, _ = select.select([sock], [], [], REAP_SECONDS)
-        if readable:
-            request, fds = _receive(sock)
-            if request is None:
-                return
-            pid = _fork_worker(sock, request, fds)
+    return ready
+
+
+class _Client:
+    """A pool this server forks for: its connection, its pid, and the workers forked for it."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.pid, _uid = standing_forks.peer(sock)
+        self.workers: set[int] = set()
+
+
+class _Serving:
+    """Fork a worker per request and report each one's exit to the pool that asked for it.
+
+    A pool's own server (no ``listener``) serves its one pool and ends when it hangs up: its workers
+    then get their parent-death signal. A standing one serves every pool that connects, until it is
+    stopped; a pool that hangs up leaves it running, so its workers are sent the same signal
+    (ORPHANED_SIGNAL) by hand: at once when the pool said goodbye (it lives: they drain), else once
+    the pool is dead (they stop at once), as they would have seen it with a server of its own.
+    """
+
+    def __init__(self, ready: dict[str, Any], listener: socket.socket | None = None) -> None:
+        self.ready, self.listener = ready, listener
+        self.clients: dict[socket.socket, _Client] = {}
+        self.owners: dict[int, _Client] = {}
+        self.gone: list[tuple[_Client, float]] = []  # hung up unannounced: signalled once dead
+
+    def add(self, sock: socket.socket) -> None:
+        client = _Client(sock)
+        self.clients[sock] = client
+        self._tell(client, self.ready)
+
+    def run(self) -> None:
+        while self.clients or self.listener is not None:
+            watched = [*self.clients, *([self.listener] if self.listener is not None else [])]
+            for sock in select.select(watched, [], [], REAP_SECONDS)[0]:
+                if sock is self.listener:
+                    self._accept()
+                elif sock in self.clients:
+                    self._serve(self.clients[sock])
+            self._reap()
+            self._signal_the_dead()
+
+    def _accept(self) -> None:
+        if self.listener is None:
+            return
+        sock, _ = self.listener.accept()
+        _pid, uid = standing_forks.peer(sock)
+        if uid != os.getuid():  # whoever connects has code run as this user
+            log.warning("fork server: refused a connection from uid %d", uid)
+            sock.close()
+            return
+        self.add(sock)
+
+    def _serve(self, client: _Client) -> None:
+        try:
+            request, fds = receive_message(client.sock)
+        except (OSError, ValueError):
+            request, fds = None, []
+        if request is None or request.get("goodbye"):
             for fd in fds:
                 os.close(fd)
-            _send(sock, {"started": pid})
-        _reap(sock)
+            self._hang_up(client, goodbye=request is not None)
+            return
+        sockets = [*self.clients, *([self.listener] if self.listener is not None else [])]
+        pid = _fork_worker(sockets, request, fds)
+        for fd in fds:
+            os.close(fd)
+        client.workers.add(pid)
+        self.owners[pid] = client
+        self._tell(client, {"started": pid})
+
+    def _tell(self, client: _Client, message: dict[str, Any]) -> None:
+        try:
+            send_message(client.sock, message)
+        except OSError:  # it is gone: its hang-up is noticed here rather than on a read
+            self._hang_up(client, goodbye=False)
+
+    def _hang_up(self, client: _Client, goodbye: bool) -> None:
+        if self.clients.pop(client.sock, None) is None:
+            return
+        client.sock.close()
+        if self.listener is None:
+            return  # this process ends, and with it its workers' parent
+        if goodbye or not process_alive(client.pid):
+            _signal_orphaned(client.workers)
+        else:  # a pool SIGKILLed closes its socket before it is dead: its workers must see it dead
+            self.gone.append((client, time.monotonic() + ORPHAN_WAIT_SECONDS))
+
+    def _signal_the_dead(self) -> None:
+        now = time.monotonic()
+        for entry in list(self.gone):
+            client, deadline = entry
+            if not process_alive(client.pid) or now > deadline:
+                _signal_orphaned(client.workers)
+                self.gone.remove(entry)
+
+    def _reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            client = self.owners.pop(pid, None)
+            if client is None:
+                continue
+            client.workers.discard(pid)
+            if client.sock in self.clients:
+                self._tell(client, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
 
 
-def server_main() -> NoReturn:
+def _signal_orphaned(workers: set[int]) -> None:
+    for pid in workers:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, ORPHANED_SIGNAL)
+
+
+def _stopped(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(0)
+
+
+def server_main(argv: list[str] | None = None) -> NoReturn:
+    """A pool's own fork server (its socket's fd in SOCKET_FD_ENV), or with ``--listen PATH`` a
+    standing one (``chunkq serve-forks``)."""
+    args = sys.argv[1:] if argv is None else argv
     # The title's room, claimed in the kernel's environment block: a worker's new os.environ has none.
     setproctitle.setproctitle(setproctitle.getproctitle())
     no_working_directory_imports()  # before a model loads: the workers inherit the path
+    if args[:1] == ["--listen"] and len(args) == 2:
+        _serve_standing(Path(args[1]))
     sock = socket.socket(fileno=int(os.environ.pop(SOCKET_FD_ENV)))
     # The pool decides when workers stop, and this server goes when the pool hangs up or dies. A
     # batch system signals every process of its job: had this server died of Slurm's SIGTERM, its
@@ -284,163 +399,43 @@ def server_main() -> NoReturn:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     try:
-        serve(sock)
+        ready = _prepare()
+        serving = _Serving(ready)
+        serving.add(sock)
+        if "ready" in ready:
+            serving.run()
     except (BrokenPipeError, ConnectionResetError):
         pass  # the pool is gone; the workers follow through their parent-death signal
     os._exit(0)
 
 
-# ---- the pool's side ----------------------------------------------------------------------------
-
-
-class ForkedWorker:
-    """A worker forked by the fork server, with the part of ``subprocess.Popen`` the pool uses."""
-
-    def __init__(self, server: ForkServer, pid: int) -> None:
-        self.server, self.pid = server, pid
-        self.returncode: int | None = None
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            self.server.collect()
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while (code := self.poll()) is None:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise subprocess.TimeoutExpired([WORKER_MODULE, str(self.pid)], timeout or 0.0)
-            self.server.collect(wait=min(0.1, left) if left is not None else 0.1)
-        return code
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-
-class ForkServer:
-    """Starts the fork server on first use and again if it dies; forks workers through it."""
-
-    def __init__(self, env: dict[str, str]) -> None:
-        self.env = env
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.sock: socket.socket | None = None
-        self.workers: dict[int, ForkedWorker] = {}
-
-    def _start(self) -> socket.socket:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "chunkq.queue_worker.fork_server"],
-            env=dict(self.env, **{SOCKET_FD_ENV: str(theirs.fileno())}, **NVML_BASED_CUDA_CHECK),
-            pass_fds=(theirs.fileno(),),
-            start_new_session=True,
-            preexec_fn=killed_with_parent,  # it ignores SIGTERM
-        )
-        theirs.close()
-        self.sock = ours
-        reply = self._next(START_TIMEOUT)
-        if reply is None or "ready" not in reply:
-            self.close()
-            raise ForkServerError(f"the fork server did not start (it said {reply!r})")
-        if "model_seconds" in reply:
-            log.info(
-                "fork server loaded %s in %.1f s for its workers", self.env[MODEL_ENV], reply["model_seconds"]
-            )
-        elif "model_error" in reply:
-            log.warning(
-                "fork server could not load %s (%s); each worker loads it",
-                self.env[MODEL_ENV],
-                reply["model_error"],
-            )
-        return ours
-
-    @property
-    def pid(self) -> int | None:
-        return None if self.proc is None else self.proc.pid
-
-    def _next(self, timeout: float) -> dict[str, Any] | None:
-        """The next message that is not an exit report (those are applied), or None on timeout/EOF."""
-        deadline = time.monotonic() + timeout
-        while self.sock is not None:
-            if not select.select([self.sock], [], [], max(0.0, deadline - time.monotonic()))[0]:
-                return None
-            message, _ = _receive(self.sock)
-            if message is None:
-                self._lost()
-                return None
-            if "exited" not in message:
-                return message
-            self._exited(int(message["exited"]), int(message["code"]))
-        return None
-
-    def _exited(self, pid: int, code: int) -> None:
-        worker = self.workers.pop(pid, None)
-        if worker is not None:
-            worker.returncode = code
-
-    def _lost(self) -> None:
-        """The fork server died: its workers get SIGTERM from their parent-death signal; wait for
-        them to go (they are no longer ours to reap) and report them killed by it."""
-        if self.sock is not None:
-            self.sock.close()
-            self.sock = None
-        if self.proc is not None:
-            self.proc.wait()
-            self.proc = None
-        for pid in list(self.workers):
-            deadline = time.monotonic() + 30
-            while _alive(pid) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
-            self._exited(pid, -signal.SIGTERM)
-
-    def collect(self, wait: float = 0.0) -> None:
-        """Apply every exit report waiting (up to ``wait`` seconds for the first)."""
-        if self.sock is None:
-            return
-        message = self._next(wait)
-        while message is not None:  # a reply nobody waits for: ignore it
-            message = self._next(0.0)
-
-    def spawn(self, args: list[str], env: dict[str, str], notify_fd: int) -> ForkedWorker:
-        """Fork a worker running ``python -m WORKER_MODULE ARGS`` in ``env``."""
-        sock = self.sock or self._start()
-        try:
-            _send(sock, {"args": args, "env": env}, [notify_fd])
-        except OSError:
-            self._lost()
-            sock = self._start()
-            _send(sock, {"args": args, "env": env}, [notify_fd])
-        reply = self._next(30.0)
-        if reply is None or "started" not in reply:
-            raise ForkServerError(f"the fork server did not fork a worker (it said {reply!r})")
-        worker = ForkedWorker(self, int(reply["started"]))
-        self.workers[worker.pid] = worker
-        return worker
-
-    def close(self) -> None:
-        """Hang up; the fork server exits, and any worker still alive gets its parent-death signal."""
-        if self.sock is not None:
-            self.sock.close()
-            self.sock = None
-        if self.proc is not None:
-            wait_or_kill(self.proc, 10)
-            self.proc = None
-
-
-def _alive(pid: int) -> bool:
+def _serve_standing(path: Path) -> NoReturn:
+    """Serve every pool that connects at ``path`` until SIGTERM or SIGINT; then the workers still
+    running get their parent-death signal, and drain, as their pools live on."""
+    code = 0
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _stopped)
     try:
-        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
-    except psutil.NoSuchProcess:
-        return False
+        listener = standing_forks.listen(path)
+    except OSError as exc:
+        print(f"chunkq serve-forks: {exc}", file=sys.stderr, flush=True)
+        os._exit(2)
+    try:
+        ready = _prepare()
+        if "ready" not in ready:
+            print(f"chunkq serve-forks: cannot serve: {ready['refused']}", file=sys.stderr, flush=True)
+            code = 3
+        else:
+            ready.update(standing_forks.identity(dict(os.environ)))
+            print(f"chunkq serve-forks: pid {os.getpid()} serving at {path}", flush=True)
+            _Serving(ready, listener).run()
+    except SystemExit:
+        pass
+    finally:
+        with contextlib.suppress(OSError):
+            path.unlink()
+        sys.stdout.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,14 @@ def pool_alive() -> bool:
         return True
 
 
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not: it is dead, only not yet reaped)."""
+    try:
+        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return False
+
+
 def die_with_parent(sig: signal.Signals = signal.SIGTERM) -> None:
     """In the child: send it ``sig`` when its parent dies, even by SIGKILL (Linux; elsewhere a no-op)."""
     if _LIBC is not None:

@@ -43,8 +43,9 @@ from chunkq.jobs.contract.units import parse_size
 from chunkq.queue_worker import exit_codes
 from chunkq.queue_worker.dead_workers import DeadWorkers
 from chunkq.queue_worker.discovery import GpuInfo, devices_from_json
+from chunkq.queue_worker.fork_client import ForkedWorker, ForkServer
 from chunkq.queue_worker.fork_server import MODEL_ENV as FORK_SERVER_MODEL_ENV
-from chunkq.queue_worker.fork_server import ForkedWorker, ForkServer, ForkServerError
+from chunkq.queue_worker.fork_server import ForkServerError
 from chunkq.queue_worker.gpus import (
     choose,
     cpu_threads_per_worker,
@@ -126,7 +127,9 @@ class Pool:
         server_env = dict(os.environ)
         if settings.preload:
             server_env[FORK_SERVER_MODEL_ENV] = settings.preload
-        self.fork_server = ForkServer(server_env) if settings.fork_server else None
+        self.fork_server = (
+            ForkServer(server_env, settings.fork_server_socket) if settings.fork_server else None
+        )
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         # Only count: logging or killing inside a handler can deadlock on locks the loop holds.

@@ -4,11 +4,23 @@ both from the settings schema (``jobs/contract/settings.py``: a setting marked `
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from typing import Any
 
 from chunkq.jobs.contract.settings import PoolSettings, flag, schema
+from chunkq.queue_worker.lifeline import PARENT_PID_ENV, POOL_PID_ENV
 
 WORKER_MODULE = "chunkq.queue_worker.worker"  # what a pool runs: python -m WORKER_MODULE --name N ARGS
+
+
+def worker_title(detail: str) -> str:
+    """A worker's process title: its command line, which ps and the pool's tools look for, and for
+    a worker forked by a fork server (a standing one serves many pools) the pool it works for,
+    which its parent no longer shows."""
+    pool = os.environ.get(POOL_PID_ENV)
+    forked = pool is not None and os.environ.get(PARENT_PID_ENV) != pool
+    return f"{sys.executable} -m {WORKER_MODULE} {detail}" + (f" [pool {pool}]" if forked else "")
 
 
 def worker_argv(settings: PoolSettings, **overrides: Any) -> list[str]:

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from chunkq.queue_worker.worker_args import WORKER_MODULE
+from tests import warm_forks
 
 WORDS = (
     "alpha beta gamma delta river mountain queue worker chunk embed vector model sentence graph cloud rain "
@@ -63,10 +64,14 @@ def write_corpus(path: Path, ids: list[str], texts: list[str], fmt: str) -> Path
 
 
 def cli_env(**extra: str) -> dict[str, str]:
-    """The environment of a chunkq command in a test: offline, and logging at INFO on the terminal
-    (what most tests read); the tests of the quiet default pass CHUNKQ_LOG_LEVEL="" to drop it."""
+    """The environment of a chunkq command in a test: offline, logging at INFO on the terminal
+    (what most tests read; the tests of the quiet default pass CHUNKQ_LOG_LEVEL="" to drop it), and
+    its workers forked by this test process's standing fork server (tests/warm_forks.py; pass
+    CHUNKQ_FORK_SERVER_SOCKET="" for a pool's own)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", CHUNKQ_LOG_LEVEL="INFO")
     env.pop("CHUNKQ_REDIS_URL", None)
+    if warm_forks.SOCKET_ENV not in extra and warm_forks.SOCKET_ENV not in env:
+        env[warm_forks.SOCKET_ENV] = warm_forks.standing_socket()
     env.update(extra)
     return {k: v for k, v in env.items() if v != "" or k != "CHUNKQ_LOG_LEVEL"}
 
@@ -110,15 +115,34 @@ def start_cli(log: Path, *args: str, **env: str) -> subprocess.Popen[bytes]:
         )
 
 
+def family(pid: int) -> list[Any]:
+    """Every process ``pid`` started (psutil.Process each, itself not included), with the workers a
+    fork server forked for a pool among them: a standing one is no descendant, their title names
+    their pool (worker_args.worker_title)."""
+    import psutil
+
+    try:
+        tree = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+    marks = [f"[pool {p}]" for p in (pid, *(c.pid for c in tree))]
+    known = {c.pid for c in tree}
+    for proc in psutil.process_iter():
+        try:
+            title = " ".join(proc.cmdline())
+        except psutil.Error:
+            continue
+        if proc.pid not in known and WORKER_MODULE in title and any(m in title for m in marks):
+            tree.append(proc)
+    return tree
+
+
 def stop_tree(proc: subprocess.Popen[bytes]) -> None:
     """Kill a process and everything it started (workers run in their own sessions)."""
     import psutil
 
-    try:
-        children = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.Error:
-        children = []
-    for p in [*children]:
+    children = family(proc.pid)
+    for p in children:
         try:
             p.kill()
         except psutil.Error:
@@ -133,7 +157,7 @@ def worker_processes(pool: subprocess.Popen[bytes]) -> list[Any]:
     import psutil
 
     found = []
-    for child in psutil.Process(pool.pid).children(recursive=True):
+    for child in family(pool.pid):
         try:
             if WORKER_MODULE in " ".join(child.cmdline()):
                 found.append(child)

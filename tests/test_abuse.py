@@ -20,6 +20,7 @@ import redis
 
 from chunkq.jobs.contract.run_files import RunLayout
 from tests.helpers import (
+    family,
     make_texts,
     max_abs_diff,
     only_run,
@@ -58,8 +59,8 @@ def test_sigterm_drains_the_chunk_in_hand_and_the_run_resumes(tmp_path: Path, re
     proc, log, args, texts = start_run_with_a_slow_chunk(tmp_path, seed=91, seconds=5, chunk=1)
     store = tmp_path / "store"
     try:
-        family = psutil.Process(proc.pid).children(recursive=True)
-        assert any("valkey-server" in " ".join(p.cmdline()) for p in family)
+        started = family(proc.pid)
+        assert any("valkey-server" in " ".join(p.cmdline()) for p in started)
         proc.send_signal(signal.SIGTERM)  # what timeout, systemd, docker and kill send
         assert proc.wait(timeout=120) == 130
     finally:
@@ -69,7 +70,7 @@ def test_sigterm_drains_the_chunk_in_hand_and_the_run_resumes(tmp_path: Path, re
     assert "chunkq: interrupted; the store keeps every finished chunk" in text and "Traceback" not in text
     layout = only_run(store)
     assert layout.output_meta(1).exists()  # drained: the chunk in hand was finished, not lost
-    _gone, alive = psutil.wait_procs(family, timeout=30)
+    _gone, alive = psutil.wait_procs(started, timeout=30)
     assert not alive, alive  # pool, workers and the embedded server all stopped
     stamp = layout.output_meta(1).stat().st_mtime_ns
 
@@ -164,11 +165,7 @@ def test_an_unexpected_error_is_one_line_with_its_own_exit_code(tmp_path: Path) 
 
 
 def _server(proc: subprocess.Popen[bytes]) -> psutil.Process:
-    (server,) = [
-        p
-        for p in psutil.Process(proc.pid).children(recursive=True)
-        if "valkey-server" in " ".join(p.cmdline())
-    ]
+    (server,) = [p for p in family(proc.pid) if "valkey-server" in " ".join(p.cmdline())]
     return server
 
 
@@ -273,10 +270,10 @@ def test_the_locks_of_a_killed_run_are_taken_over(tmp_path: Path, reference_mode
     killed, _log, args, texts = start_run_with_a_slow_chunk(tmp_path, seed=96, seconds=30, chunk=0, rows=40)
     store = tmp_path / "store"
     try:
-        family = psutil.Process(killed.pid).children(recursive=True)
+        started = family(killed.pid)
         killed.kill()  # SIGKILL: no handler runs, both lock files stay behind
         killed.wait(timeout=30)
-        psutil.wait_procs(family, timeout=30)
+        psutil.wait_procs(started, timeout=30)
     finally:
         if killed.poll() is None:
             killed.kill()

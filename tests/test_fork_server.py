@@ -27,11 +27,13 @@ from chunkq.jobs.contract.run_files import RunLayout, read_json
 from chunkq.jobs.contract.settings import PoolSettings
 from chunkq.queue_worker import exit_codes
 from chunkq.queue_worker.discovery import GpuInfo
-from chunkq.queue_worker.fork_server import MODEL_ENV, ForkServer, ForkServerError
+from chunkq.queue_worker.fork_client import ForkServer
+from chunkq.queue_worker.fork_server import MODEL_ENV, ForkServerError
 from chunkq.queue_worker.pool import Pool
 from chunkq.supervisor.submit.corpus import CorpusOptions
 from chunkq.supervisor.submit.identity import SubmitRequest
 from chunkq.supervisor.submit.submission import SubmitResult, submit
+from tests import warm_forks
 from tests.helpers import (
     CLI,
     cli_env,
@@ -46,6 +48,8 @@ from tests.helpers import (
 
 # Real pools, workers and CLI runs as subprocesses: the slow tier.
 pytestmark = pytest.mark.slow
+# These pools' claims are about a fork server of their own, not the test process's standing one.
+OWN = {warm_forks.SOCKET_ENV: ""}
 
 
 def _submit(tmp_path: Path, store: Path, connection: redis.Redis, rows: int, chunk: int) -> SubmitResult:
@@ -65,7 +69,7 @@ def _pool(
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [*CLI, "pool", "--gpus", "none", "--queue", "fs", *args],
-            env=cli_env(CHUNKQ_REDIS_URL=redis_url, CHUNKQ_STORE=str(tmp_path / "store"), **env),
+            env=cli_env(CHUNKQ_REDIS_URL=redis_url, CHUNKQ_STORE=str(tmp_path / "store"), **OWN, **env),
             stdout=out,
             stderr=subprocess.STDOUT,
         )
@@ -228,7 +232,7 @@ def _preload(tmp_path: Path, name: str, source: str) -> dict[str, str]:
     """Environment for a fork server that also imports ``source`` as module ``name``."""
     (tmp_path / f"{name}.py").write_text(source, encoding="utf-8")
     path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", ""), os.getcwd()])
-    return cli_env(PYTHONPATH=path, CHUNKQ_FORK_SERVER_PRELOAD=name)
+    return cli_env(PYTHONPATH=path, CHUNKQ_FORK_SERVER_PRELOAD=name, **OWN)
 
 
 def test_a_fork_server_with_the_cuda_driver_mapped_but_not_initialised_serves(tmp_path: Path) -> None:

@@ -136,7 +136,16 @@ def test_a_windowed_run_killed_midway_resumes_and_equals_an_uninterrupted_one(  
     import psutil
 
     from chunkq.jobs.contract.run_files import RunLayout
-    from tests.helpers import max_abs_diff, only_run, result_of, run_cli, start_cli, wait_for, write_corpus
+    from tests.helpers import (
+        family,
+        max_abs_diff,
+        only_run,
+        result_of,
+        run_cli,
+        start_cli,
+        wait_for,
+        write_corpus,
+    )
 
     texts = [_long_text(80, seed=20 + i) for i in range(5)]
     ids = [f"t{i}" for i in range(5)]
@@ -149,10 +158,10 @@ def test_a_windowed_run_killed_midway_resumes_and_equals_an_uninterrupted_one(  
     killed = start_cli(log, *args, CHUNKQ_FAULTS=faults)
     try:
         wait_for(lambda: "__c000001" in log.read_text(errors="replace"), 180, "chunk 1 started")
-        family = psutil.Process(killed.pid).children(recursive=True)
+        started = family(killed.pid)
         killed.kill()  # SIGKILL mid-run: chunk 0 done, chunk 1 in hand
         killed.wait(timeout=30)
-        psutil.wait_procs(family, timeout=30)
+        psutil.wait_procs(started, timeout=30)
     finally:
         if killed.poll() is None:
             killed.kill()

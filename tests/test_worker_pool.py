@@ -31,10 +31,12 @@ from chunkq.supervisor.submit.corpus import CorpusOptions
 from chunkq.supervisor.submit.enqueue import job_statuses
 from chunkq.supervisor.submit.identity import SubmitRequest
 from chunkq.supervisor.submit.submission import SubmitResult, submit
+from tests import warm_forks
 from tests.helpers import (
     CLI,
     WORKER,
     cli_env,
+    family,
     make_texts,
     signal_handlers_restored,
     start_cli,
@@ -75,7 +77,7 @@ def running_pool(
     try:
         yield proc, log
     finally:
-        for child in psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []:
+        for child in family(proc.pid) if proc.poll() is None else []:
             child.kill()
         proc.kill()
         proc.wait(timeout=30)
@@ -83,14 +85,20 @@ def running_pool(
 
 @contextmanager
 def _holding_a_slow_chunk(
-    tmp_path: Path, store: Path, connection: redis.Redis, redis_url: str, seconds: float, *args: str
+    tmp_path: Path,
+    store: Path,
+    connection: redis.Redis,
+    redis_url: str,
+    seconds: float,
+    *args: str,
+    **env: str,
 ) -> Iterator[tuple[subprocess.Popen[bytes], Path, str, str]]:
     """A pool whose worker has started the one chunk of a 40-row run, which takes ``seconds``
     longer on its first attempt, whatever the machine's load: (pool, its log, run id, job id)."""
     run = _submit(tmp_path, store, connection, rows=40, chunk=40)
     job_id = chunk_job_id(run.run_id, 0)
     slow = json.dumps([{"kind": "slow", "chunks": [0], "attempts": [1], "seconds": seconds}])
-    with running_pool(tmp_path, redis_url, *args, CHUNKQ_FAULTS=slow) as (pool, log):
+    with running_pool(tmp_path, redis_url, *args, CHUNKQ_FAULTS=slow, **env) as (pool, log):
         wait_for(lambda: job_statuses(connection, [job_id]) == ["started"], 120, "the chunk to start")
         yield pool, log, run.run_id, job_id
 
@@ -168,12 +176,16 @@ def test_killed_pool_leaves_no_orphans(
         assert not alive, f"orphaned workers: {alive}"
 
 
+@pytest.mark.parametrize("forks", ["standing", "own"])
 def test_a_busy_worker_whose_pool_is_killed_stops_at_once(
-    tmp_path: Path, store: Path, connection: redis.Redis, redis_url: str
+    tmp_path: Path, store: Path, connection: redis.Redis, redis_url: str, forks: str
 ) -> None:
     # A pool SIGKILLed alone (the OOM killer; Slurm's KillWait where its process tracking misses the
     # workers) used to leave a busy worker draining as an orphan: encoding, beating, holding the GPU.
-    with _holding_a_slow_chunk(tmp_path, store, connection, redis_url, 600) as held:
+    # Its own fork server dies with it and the worker gets its parent-death signal; a standing one
+    # lives on and sends that signal itself once the pool is dead.
+    env = {} if forks == "standing" else {warm_forks.SOCKET_ENV: ""}
+    with _holding_a_slow_chunk(tmp_path, store, connection, redis_url, 600, **env) as held:
         pool, log, _, job_id = held
         workers = worker_processes(pool)
         pool.kill()
@@ -192,7 +204,7 @@ def test_a_pool_restarted_under_its_name_fails_the_chunks_its_killed_predecessor
     # worker could not register the name its killed predecessor still held, and crashed.
     with _holding_a_slow_chunk(tmp_path, store, connection, redis_url, 600, "--name", "p1") as held:
         pool, _, _, job_id = held
-        everything = [pool, *psutil.Process(pool.pid).children(recursive=True)]
+        everything = [pool, *family(pool.pid)]
         for proc in everything:  # as Slurm kills a job after KillWait: all at once
             proc.kill()
         psutil.wait_procs([psutil.Process(p.pid) for p in everything[1:] if psutil.pid_exists(p.pid)], 30)

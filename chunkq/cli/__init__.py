@@ -1,7 +1,7 @@
 """The ``chunkq`` command line, a module per group of commands: ``work`` (run, submit, pool,
 supervise), ``look`` (status, report, model, doctor, dashboard), ``results`` (runs, assemble,
-export, clean), ``cache``, ``serve`` (serve-redis), ``rerank``. Options that read an environment variable show
-it in ``--help``."""
+export, clean), ``cache``, ``serve`` (serve-redis, serve-forks), ``rerank``. Options that read an
+environment variable show it in ``--help``."""
 
 from __future__ import annotations
 

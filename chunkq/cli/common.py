@@ -234,6 +234,7 @@ REDIS_HELP = {
     "the store on this host, while one does.",
     "unused": "Accepted like on every command; this one reads the store alone.",
     "serves": "Accepted like on every command; this one serves the store's own Redis instead.",
+    "forks": "Accepted like on every command; this one forks workers for pools, which reach Redis.",
 }
 
 

@@ -1,10 +1,13 @@
 """``chunkq serve-redis``: the store's Redis for every host that shares the store (Slurm jobs,
-several hosts without a Redis of their own)."""
+several hosts without a Redis of their own). ``chunkq serve-forks``: one warm fork server for the
+many runs of one host."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -71,3 +74,34 @@ def serve_redis_cmd(
             click.echo("serve-redis: stopping; the server flushes its append-only file", err=True)
             return
         raise RedisGoneError(server.failure)
+
+
+@command("serve-forks")
+@click.argument("socket_path", metavar="SOCKET", type=click.Path(dir_okay=False, path_type=Path))
+@click.option(
+    "--preload",
+    default=None,
+    help="Model to load once for every worker, named as the runs name it (e.g. the bundled one).",
+)
+@redis_option("forks")
+def serve_forks_cmd(socket_path: Path, preload: str | None, redis_url: str | None) -> None:
+    """Keep one fork server warm for the runs of this host: torch and sentence-transformers imported
+    (and --preload's model loaded) once, then each worker of every pool given
+    --fork-server-at SOCKET (CHUNKQ_FORK_SERVER_SOCKET) is forked here, still a fresh process with
+    its pool's environment. Until SIGTERM or Ctrl+C.
+
+    The socket is its owner's alone. A pool whose python, chunkq code, libraries or import-time
+    environment (PYTHON*, HF_*, TRANSFORMERS_*, ...) differ from this server's uses a fork server of
+    its own instead, and says why.
+    """
+    from chunkq.queue_worker.fork_server import MODEL_ENV, NVML_BASED_CUDA_CHECK, SERVER_MODULE
+
+    env = dict(os.environ, **NVML_BASED_CUDA_CHECK)
+    if preload:
+        env[MODEL_ENV] = preload
+    path = str(socket_path.absolute())
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # The server itself, in this process (no interpreter left waiting on it): what signals this
+    # command reaches the server.
+    os.execve(sys.executable, [sys.executable, "-m", SERVER_MODULE, "--listen", path], env)  # noqa: S606

@@ -192,6 +192,12 @@ class PoolSettings:
         "fresh interpreter each time.",
         kind="flag",
     )
+    fork_server_socket: str | None = setting(
+        None,
+        "Fork workers from the standing fork server at this Unix socket (`chunkq serve-forks`), which "
+        "imported torch and loaded the model once for every run; a pool that cannot use it starts its own.",
+        flag="--fork-server-at",
+    )
     metrics_port: int | None = setting(
         None,
         "Serve the pool's Prometheus metrics on 127.0.0.1:PORT (0: any free port).",
