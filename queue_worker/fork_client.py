@@ -183,7 +183,7 @@ class ForkServer:
 
     def spawn(self, args: list[str], env: dict[str, str], notify_fd: int) -> ForkedWorker:
         """Fork a worker running ``python -m WORKER_MODULE ARGS`` in ``env``."""
-        request = {"args": args, "env": env, "cwd": os.getcwd()}
+        request = {"args": args, "env": env, "cwd": os.getcwd(), "umask": _umask()}
         sock = self.sock or self._start()
         try:
             send_message(sock, request, [notify_fd, *_stdio()])
@@ -220,3 +220,12 @@ def _stdio() -> list[int]:
     except OSError:
         return []
     return [1, 2]
+
+
+def _umask() -> int | None:
+    """This process's umask, read without setting it (threads share it): None where Linux does not say."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            return next(int(line.split()[1], 8) for line in status if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None

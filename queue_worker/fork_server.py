@@ -163,6 +163,8 @@ def _fork_worker(sockets: list[socket.socket], request: dict[str, Any], fds: lis
             sock.close()
         if request.get("cwd"):
             os.chdir(request["cwd"])
+        if isinstance(request.get("umask"), int):
+            os.umask(request["umask"])
         code = _run_worker(request, fds, server_pid)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1

@@ -20,6 +20,7 @@ import pytest
 
 from chunkq.jobs.contract.run_files import read_json
 from chunkq.queue_worker import standing_forks
+from chunkq.queue_worker.fork_client import ForkServer
 from tests import warm_forks
 from tests.helpers import (
     cli_env,
@@ -139,6 +140,42 @@ def test_the_socket_is_its_owners_alone(tmp_path: Path, server: tuple[subprocess
     finally:
         stop_tree(again)
     assert not path.exists()  # a stopped server removes its socket
+
+
+@pytest.mark.slow  # a real server and worker
+def test_a_worker_forked_there_has_its_pools_directory_umask_and_output(
+    tmp_path: Path,
+    server: tuple[subprocess.Popen[bytes], Path],
+    redis_url: str,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    proc, path = server
+    client = ForkServer(cli_env(**{warm_forks.SOCKET_ENV: ""}), str(path))
+    here, before = tmp_path / "here", os.getcwd()
+    here.mkdir()
+    read_fd, write_fd = os.pipe()
+    os.chdir(here)
+    umask = os.umask(0o027)
+    try:
+        env = cli_env(CHUNKQ_REDIS_URL=redis_url, CHUNKQ_POOL_PID=str(os.getpid()))
+        worker = client.spawn(["--name", "standing-w1", "--queue", "nobody-queues-here"], env, write_fd)
+    finally:
+        os.umask(umask)
+        os.chdir(before)
+        os.close(write_fd)
+    try:
+        seen = psutil.Process(worker.pid)
+        assert seen.ppid() == proc.pid  # forked by the server, not by this process
+        assert seen.cwd() == str(here)
+        status = Path(f"/proc/{worker.pid}/status").read_text()
+        assert "Umask:\t0027" in status, status
+        wait_for(lambda: "standing-w1" in capfd.readouterr().err, 60, "the worker's log on our stderr")
+        assert f"[pool {os.getpid()}]" in " ".join(seen.cmdline())  # its title names its pool
+        worker.terminate()
+        assert worker.wait(timeout=60) == 0  # its exit reported through the server
+    finally:
+        client.close()
+        os.close(read_fd)
 
 
 def test_a_pool_of_another_python_or_code_is_refused() -> None:
