@@ -166,10 +166,12 @@ def test_a_worker_forked_there_has_its_pools_directory_umask_and_output(
     try:
         seen = psutil.Process(worker.pid)
         assert seen.ppid() == proc.pid  # forked by the server, not by this process
+        # Its first log line comes after it took its directory and umask (the server answers the
+        # fork before the child has run at all).
+        wait_for(lambda: "standing-w1" in capfd.readouterr().err, 60, "the worker's log on our stderr")
         assert seen.cwd() == str(here)
         status = Path(f"/proc/{worker.pid}/status").read_text()
         assert "Umask:\t0027" in status, status
-        wait_for(lambda: "standing-w1" in capfd.readouterr().err, 60, "the worker's log on our stderr")
         assert f"[pool {os.getpid()}]" in " ".join(seen.cmdline())  # its title names its pool
         worker.terminate()
         assert worker.wait(timeout=60) == 0  # its exit reported through the server
