@@ -71,6 +71,8 @@ class Heartbeat:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
+            if not pool_alive():  # the main thread acts on the signal, as on the parent-death one
+                os.kill(os.getpid(), ORPHANED_SIGNAL)
             try:
                 self.worker.maintain_heartbeats(self.job, self.execution)
             except Exception as exc:  # Redis away for a moment: the next beat tries again
@@ -242,6 +244,11 @@ class ChunkWorker(SimpleWorker):
         super()._shutdown()  # type: ignore[no-untyped-call]
 
     def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
+        # Each beat also looks at the pool: a worker that missed or misjudged its parent-death signal
+        # (seen under load: a SIGKILLed pool's busy worker draining on as an orphan) learns it here.
+        # The busy worker's beats come from its Heartbeat thread, which signals the main one.
+        if threading.current_thread() is threading.main_thread() and not pool_alive():
+            self._orphaned(ORPHANED_SIGNAL, None)
         try:
             if pipeline is None:  # RQ sends a heartbeat's three commands one round trip each
                 with self.connection.pipeline(transaction=False) as pipe:

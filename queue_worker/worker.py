@@ -186,6 +186,18 @@ class OneLineHandler(logging.StreamHandler):  # type: ignore[type-arg]
             sys.stderr.write(f"chunkq: a worker log line was lost ({why}): {record.msg}\n")
 
 
+def _lost_redis(worker: ChunkWorker, exc: redis.RedisError) -> int:
+    """The exit code of a worker whose Redis went away."""
+    if worker.stop_signalled and not worker.in_job and not worker.ending:
+        # What the wait cutter concludes too, had its thread been first: asked to stop with no chunk
+        # in hand, a Redis that is gone is no failure (a job it moved meanwhile is one the supervisor
+        # finds lost and queues again). Seen under load: the main thread first.
+        log.warning("Worker %s: stopping as asked; Redis cannot be reached (%s)", worker.name, exc)
+        return EXIT_STOPPED
+    log.error("worker %s lost Redis: %s", worker.name, exc)
+    return ENDING_CODES[worker.ending] if worker.ending else EXIT_REDIS
+
+
 def main(argv: list[str] | None = None) -> int:
     early_stop = _EarlyStop()
     guard_process()  # its Redis URL is in its environment: never in a line it writes
@@ -262,8 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         log.info("worker %s: stop requested while starting its loop", name)
         return EXIT_STOPPED
     except redis.RedisError as exc:  # Redis went away mid-job or at teardown: not this GPU's fault
-        log.error("worker %s lost Redis: %s", name, exc)
-        return ENDING_CODES[worker.ending] if worker.ending else EXIT_REDIS
+        return _lost_redis(worker, exc)
     code = _exit_code(worker, args.max_jobs, connection)
     if args.burst and code == EXIT_ERROR:  # burst: an empty queue is the normal end
         code = EXIT_STOPPED

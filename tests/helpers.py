@@ -63,17 +63,22 @@ def write_corpus(path: Path, ids: list[str], texts: list[str], fmt: str) -> Path
     return path
 
 
-def cli_env(**extra: str) -> dict[str, str]:
+def cli_env(forks: bool = True, **extra: str) -> dict[str, str]:
     """The environment of a chunkq command in a test: offline, logging at INFO on the terminal
     (what most tests read; the tests of the quiet default pass CHUNKQ_LOG_LEVEL="" to drop it), and
     its workers forked by this test process's standing fork server (tests/warm_forks.py; pass
-    CHUNKQ_FORK_SERVER_SOCKET="" for a pool's own)."""
+    CHUNKQ_FORK_SERVER_SOCKET="" for a pool's own). ``forks=False``: a command that starts no pool,
+    which needs no server started for it."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", CHUNKQ_LOG_LEVEL="INFO")
     env.pop("CHUNKQ_REDIS_URL", None)
-    if warm_forks.SOCKET_ENV not in extra and warm_forks.SOCKET_ENV not in env:
+    if forks and warm_forks.SOCKET_ENV not in extra and warm_forks.SOCKET_ENV not in env:
         env[warm_forks.SOCKET_ENV] = warm_forks.standing_socket()
     env.update(extra)
     return {k: v for k, v in env.items() if v != "" or k != "CHUNKQ_LOG_LEVEL"}
+
+
+def _starts_a_pool(args: tuple[str, ...]) -> bool:
+    return "run" in args or "pool" in args
 
 
 def run_cli(
@@ -82,7 +87,7 @@ def run_cli(
     return subprocess.run(
         [*CLI, *args],
         cwd=cwd,
-        env=cli_env(**env),
+        env=cli_env(forks=_starts_a_pool(args), **env),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -109,7 +114,7 @@ def start_cli(log: Path, *args: str, **env: str) -> subprocess.Popen[bytes]:
     with open(log, "ab") as out:
         return subprocess.Popen(
             [*CLI, *args],
-            env=cli_env(**env),
+            env=cli_env(forks=_starts_a_pool(args), **env),
             stdout=out,
             stderr=subprocess.STDOUT,
         )

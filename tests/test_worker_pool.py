@@ -197,6 +197,36 @@ def test_a_busy_worker_whose_pool_is_killed_stops_at_once(
     assert job_statuses(connection, [job_id]) == ["failed"]
 
 
+def test_a_busy_worker_that_missed_its_pools_death_stops_within_a_beat(
+    tmp_path: Path, store: Path, connection: redis.Redis, redis_url: str
+) -> None:
+    """A worker whose pool died without the parent-death signal reaching it (a worker started by
+    hand naming a pool; one that took the signal while its pool still looked alive) learns it from
+    its next heartbeat, 5 s, rather than encoding on as an orphan (seen under load in the suite)."""
+    run = _submit(tmp_path, store, connection, rows=40, chunk=40)
+    job_id = chunk_job_id(run.run_id, 0)
+    pool = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # the pool it names
+    slow = json.dumps([{"kind": "slow", "chunks": [0], "attempts": [1], "seconds": 600}])
+    log = tmp_path / "worker.log"
+    env = cli_env(CHUNKQ_REDIS_URL=redis_url, CHUNKQ_FAULTS=slow, CHUNKQ_POOL_PID=str(pool.pid))
+    with open(log, "wb") as out:
+        worker = subprocess.Popen(
+            [*WORKER, "--queue", "t", "--store", str(store)], env=env, stdout=out, stderr=subprocess.STDOUT
+        )
+    try:
+        wait_for(lambda: job_statuses(connection, [job_id]) == ["started"], 120, "the chunk to start")
+        pool.kill()
+        pool.wait(timeout=10)
+        assert worker.wait(timeout=30) == exit_codes.EXIT_ORPHANED, log.read_text()[-3000:]
+    finally:
+        for proc in (pool, worker):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+    assert "its pool is gone; stopping now" in log.read_text()
+    assert job_statuses(connection, [job_id]) == ["failed"]  # for the supervisor to retry now
+
+
 def test_a_pool_restarted_under_its_name_fails_the_chunks_its_killed_predecessor_held(
     tmp_path: Path, store: Path, connection: redis.Redis, redis_url: str
 ) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import atexit
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -88,10 +89,11 @@ def standing_socket() -> str:
 
 
 def _stop() -> None:
-    proc, _path = _started.pop("server")
+    proc, path = _started.pop("server")
     proc.terminate()
     try:
         proc.wait(30)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(30)
+    shutil.rmtree(path.parent, ignore_errors=True)
