@@ -71,8 +71,6 @@ class Heartbeat:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            if not pool_alive():  # the main thread acts on the signal, as on the parent-death one
-                os.kill(os.getpid(), ORPHANED_SIGNAL)
             try:
                 self.worker.maintain_heartbeats(self.job, self.execution)
             except Exception as exc:  # Redis away for a moment: the next beat tries again
@@ -246,9 +244,12 @@ class ChunkWorker(SimpleWorker):
     def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
         # Each beat also looks at the pool: a worker that missed or misjudged its parent-death signal
         # (seen under load: a SIGKILLed pool's busy worker draining on as an orphan) learns it here.
-        # The busy worker's beats come from its Heartbeat thread, which signals the main one.
-        if threading.current_thread() is threading.main_thread() and not pool_alive():
-            self._orphaned(ORPHANED_SIGNAL, None)
+        # A busy worker's beats come from its Heartbeat thread, which signals the main one to act.
+        if not pool_alive():
+            if threading.current_thread() is threading.main_thread():
+                self._orphaned(ORPHANED_SIGNAL, None)
+            else:
+                os.kill(os.getpid(), ORPHANED_SIGNAL)
         try:
             if pipeline is None:  # RQ sends a heartbeat's three commands one round trip each
                 with self.connection.pipeline(transaction=False) as pipe:

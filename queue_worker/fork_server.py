@@ -12,8 +12,9 @@ at once if its pool is gone too, else drains; lifeline.ORPHANED_SIGNAL), and sho
 command line in ``ps``. The fork server dies with the pool and ignores the SIGTERM a batch system
 sends every process of its job.
 
-Requests and replies are JSON over a Unix socket pair (no pickle); the worker's notify pipe travels
-as SCM_RIGHTS. ``ForkServer`` and ``ForkedWorker`` offer the pool what it used of ``subprocess.Popen``.
+Requests and replies are JSON over a Unix socket pair (no pickle), or for a standing server over a
+Unix socket every pool connects to (``standing_forks.py``); the worker's notify pipe, stdout and
+stderr travel as SCM_RIGHTS. The pool's side is ``fork_client.py``.
 """
 
 from __future__ import annotations
@@ -294,10 +295,12 @@ class _Serving:
         self.clients[sock] = client
         self._tell(client, self.ready)
 
+    def _sockets(self) -> list[socket.socket]:
+        return [*self.clients, *([self.listener] if self.listener is not None else [])]
+
     def run(self) -> None:
         while self.clients or self.listener is not None:
-            watched = [*self.clients, *([self.listener] if self.listener is not None else [])]
-            for sock in select.select(watched, [], [], REAP_SECONDS)[0]:
+            for sock in select.select(self._sockets(), [], [], REAP_SECONDS)[0]:
                 if sock is self.listener:
                     self._accept()
                 elif sock in self.clients:
@@ -326,8 +329,7 @@ class _Serving:
                 os.close(fd)
             self._hang_up(client, goodbye=request is not None)
             return
-        sockets = [*self.clients, *([self.listener] if self.listener is not None else [])]
-        pid = _fork_worker(sockets, request, fds)
+        pid = _fork_worker(self._sockets(), request, fds)
         for fd in fds:
             os.close(fd)
         client.workers.add(pid)
