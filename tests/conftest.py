@@ -22,6 +22,14 @@ from tests.helpers import make_texts, write_corpus
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# torch in one thread, here and in every chunkq process a test starts (they inherit this): `make test`
+# runs three test processes on two cores, where a second OpenMP thread only waits for a core, spinning.
+# The reference encode of 1,500 texts beside one CPU-bound process: 10.6 s of CPU in one thread, 27.7 s
+# in two (and 24.6 s against 10.6 s wall). The tests of a fork server's own workers keep chunkq's own
+# choice, two threads here (helpers.CHUNKQS_OWN_THREADS), so a server that started OpenMP before
+# forking would still hang them.
+for _threads in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_threads, "1")
 
 
 @pytest.fixture(scope="session")

@@ -63,6 +63,12 @@ def write_corpus(path: Path, ids: list[str], texts: list[str], fmt: str) -> Path
     return path
 
 
+# cli_env(**CHUNKQS_OWN_THREADS): a command whose workers take the threads chunkq gives them (conftest.py
+# sets one for the suite). Like CHUNKQ_LOG_LEVEL, these variables given as "" are left unset.
+CHUNKQS_OWN_THREADS = {"OMP_NUM_THREADS": "", "MKL_NUM_THREADS": ""}
+_UNSET_WHEN_EMPTY = {"CHUNKQ_LOG_LEVEL", *CHUNKQS_OWN_THREADS}
+
+
 def cli_env(forks: bool = True, **extra: str) -> dict[str, str]:
     """The environment of a chunkq command in a test: offline, logging at INFO on the terminal
     (what most tests read; the tests of the quiet default pass CHUNKQ_LOG_LEVEL="" to drop it), and
@@ -74,7 +80,7 @@ def cli_env(forks: bool = True, **extra: str) -> dict[str, str]:
     if forks and warm_forks.SOCKET_ENV not in extra and warm_forks.SOCKET_ENV not in env:
         env[warm_forks.SOCKET_ENV] = warm_forks.standing_socket()
     env.update(extra)
-    return {k: v for k, v in env.items() if v != "" or k != "CHUNKQ_LOG_LEVEL"}
+    return {k: v for k, v in env.items() if v != "" or k not in _UNSET_WHEN_EMPTY}
 
 
 def _starts_a_pool(args: tuple[str, ...]) -> bool:

@@ -35,6 +35,7 @@ from chunkq.supervisor.submit.identity import SubmitRequest
 from chunkq.supervisor.submit.submission import SubmitResult, submit
 from tests import warm_forks
 from tests.helpers import (
+    CHUNKQS_OWN_THREADS,
     CLI,
     cli_env,
     make_texts,
@@ -48,8 +49,9 @@ from tests.helpers import (
 
 # Real pools, workers and CLI runs as subprocesses: the slow tier.
 pytestmark = pytest.mark.slow
-# These pools' claims are about a fork server of their own, not the test process's standing one.
-OWN = {warm_forks.SOCKET_ENV: ""}
+# These pools' claims are about a fork server of their own, not the test process's standing one, and
+# about workers forked with the threads chunkq gives them.
+OWN = {warm_forks.SOCKET_ENV: "", **CHUNKQS_OWN_THREADS}
 
 
 def _submit(tmp_path: Path, store: Path, connection: redis.Redis, rows: int, chunk: int) -> SubmitResult:
