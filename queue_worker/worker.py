@@ -55,7 +55,7 @@ from chunkq.queue_worker.exit_codes import (
     EXIT_REDIS,
     EXIT_STOPPED,
 )
-from chunkq.queue_worker.lifeline import PARENT_PID_ENV
+from chunkq.queue_worker.lifeline import PARENT_PID_ENV, STOP_SIGNALS
 from chunkq.queue_worker.standby import announce_model_loaded, wait_for_predecessor
 from chunkq.queue_worker.worker_args import WORKER_MODULE, add_worker_arguments
 
@@ -141,8 +141,10 @@ class _EarlyStop:
 
     def __init__(self) -> None:
         self.requested = False
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in STOP_SIGNALS:
             signal.signal(sig, self._on_signal)
+        # A forked worker starts with them held (lifeline.STOP_SIGNALS): one sent since arrives now.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self.requested = True

@@ -196,6 +196,34 @@ def test_a_forked_worker_lives_in_the_environment_it_was_given(tmp_path: Path) -
     assert server.proc is None
 
 
+@pytest.mark.parametrize("kind", ["own", "standing"])
+def test_a_worker_stopped_the_moment_it_is_forked_stops_as_asked(kind: str, redis_url: str) -> None:
+    """A pool may stop a worker the moment it learns its pid (a recycled worker's successor started
+    just before the pool was told to drain). A forked worker inherits the server's handling of
+    SIGTERM (ignored by a pool's own server, a standing server's own stop) until its handlers are in
+    place: a stop sent in between was lost, and the worker listened on until its pool killed it (a
+    full suite run saw test_pool_recycles_workers_and_finishes_every_chunk's pool wait 60 s for it)."""
+    env = cli_env(CHUNKQ_REDIS_URL=redis_url, CHUNKQ_DEVICE="cpu", CUDA_VISIBLE_DEVICES="", **OWN)
+    standing = warm_forks.standing_socket() if kind == "standing" else None
+    server = ForkServer(env, standing)
+    codes = []
+    try:
+        for _ in range(5):
+            read_fd, write_fd = os.pipe()
+            worker = server.spawn(["--queue", "stopped-at-once"], env, write_fd)
+            worker.send_signal(signal.SIGTERM)  # as Pool._signal_all does, right after the fork
+            os.close(write_fd)
+            try:
+                codes.append(worker.wait(timeout=30))
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                codes.append(worker.wait(timeout=30))
+            os.close(read_fd)
+    finally:
+        server.close()
+    assert codes == [exit_codes.EXIT_STOPPED] * 5
+
+
 def test_a_dead_fork_server_is_replaced_and_its_workers_are_not_left_behind(
     tmp_path: Path, store: Path, connection: redis.Redis, redis_url: str
 ) -> None:
