@@ -47,7 +47,7 @@ from chunkq.queue_worker.exit_codes import EXIT_FORKED_NO_CUDA, EXIT_NO_CONTEXT
 from chunkq.queue_worker.lifeline import (
     ORPHANED_SIGNAL,
     PARENT_PID_ENV,
-    STOP_SIGNALS,
+    fork_holding_stop_signals,
     process_alive,
     worker_dies_with_parent,
 )
@@ -156,14 +156,8 @@ def _fork_worker(sockets: list[socket.socket], request: dict[str, Any], fds: lis
     """Fork a worker for ``request``; the child closes ``sockets`` (every pool's connection and the
     listener: a worker holding another pool's would hide that pool's hang-up)."""
     server_pid = os.getpid()
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # until the worker's handlers exist
-    try:
-        pid = os.fork()
-    except OSError:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
-        raise
+    pid = fork_holding_stop_signals()
     if pid:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
         return pid
     code = 1
     try:

@@ -70,3 +70,16 @@ def killed_with_parent() -> None:
 def worker_dies_with_parent() -> None:
     """In a worker: ORPHANED_SIGNAL when its parent (the pool, or the pool's fork server) dies."""
     die_with_parent(ORPHANED_SIGNAL)
+
+
+def fork_holding_stop_signals() -> int:
+    """``os.fork()``, the child starting with STOP_SIGNALS held until its handlers exist (worker.py
+    lets them through), this process's own signal mask unchanged."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    pid = -1
+    try:
+        pid = os.fork()
+    finally:
+        if pid != 0:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+    return pid
