@@ -6,12 +6,13 @@ import hashlib
 import json
 import re
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from chunkq.jobs.contract.defaults import DEFAULT_BATCH_SIZE, DEFAULT_KIND, DEFAULT_PRECISION
 from chunkq.jobs.contract.errors import ConfigError, TamperedJobError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 FORMAT_VERSION = 1
 PRECISIONS = (DEFAULT_PRECISION, "fp16", "bf16")
@@ -65,6 +66,8 @@ PACKED_DTYPES = frozenset({"binary", "ubinary"})
 
 def storage_dtype(output_dtype: str) -> np.dtype[Any]:
     """The numpy dtype a result of ``output_dtype`` is stored in."""
+    import numpy as np  # here: the pool and most commands read specs and never need numpy
+
     return np.dtype(OUTPUT_DTYPES[output_dtype])
 
 
