@@ -84,16 +84,20 @@ def cli_env(forks: bool = True, **extra: str) -> dict[str, str]:
 
 
 def _starts_a_pool(args: tuple[str, ...]) -> bool:
-    return "run" in args or "pool" in args
+    """Whether the command is one that starts a pool (its subcommand, after --log-level's value)."""
+    command = args[2:3] if args[:1] == ("--log-level",) else args[:1]
+    return command in (("run",), ("pool",))
 
 
 def run_cli(
-    *args: str, cwd: Path | None = None, timeout: float = 240, **env: str
+    *args: str, cwd: Path | None = None, timeout: float = 240, forks: bool | None = None, **env: str
 ) -> subprocess.CompletedProcess[str]:
+    """``chunkq ARGS``; ``forks=False``: a run or pool refused before it starts, which needs no
+    standing fork server started for it (see cli_env)."""
     return subprocess.run(
         [*CLI, *args],
         cwd=cwd,
-        env=cli_env(forks=_starts_a_pool(args), **env),
+        env=cli_env(forks=_starts_a_pool(args) if forks is None else forks, **env),
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -107,6 +107,7 @@ def test_a_run_id_with_a_trailing_newline_is_refused_before_anything_is_written(
     assert connection.dbsize() == 0
 
 
+@pytest.mark.slow  # a real pool, started and killed (the slow tier's definition, docs/development.md)
 @pytest.mark.parametrize("case", ["empty-file", "invalid-json", "duplicate-ids"])
 def test_a_run_whose_corpus_fails_later_than_its_first_row_leaves_nothing(tmp_path: Path, case: str) -> None:
     """``chunkq run`` with the embedded Redis splits the corpus while its pool starts; a bad row

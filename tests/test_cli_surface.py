@@ -231,7 +231,7 @@ def test_the_pool_that_chunkq_run_starts_is_queue_worker_itself_and_says_what_it
     settings, it names the variable and the command people use, exit 2."""
     from chunkq.jobs.contract.settings import SETTINGS_JSON_ENV
 
-    env = {k: v for k, v in cli_env().items() if k != SETTINGS_JSON_ENV}
+    env = {k: v for k, v in cli_env(forks=False).items() if k != SETTINGS_JSON_ENV}
     done = subprocess.run(
         [sys.executable, "-m", "chunkq.queue_worker"], env=env, capture_output=True, text=True, timeout=60
     )

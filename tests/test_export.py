@@ -121,7 +121,7 @@ def test_out_is_never_replaced_unasked_and_streams_are_written_through(tmp_path:
     for out in ("-", "/dev/stdout"):
         piped = subprocess.run(
             [*CLI, "export", "big", "--store", str(layout.store), "--format", "jsonl", "--out", out],
-            env=cli_env(),
+            env=cli_env(forks=False),
             capture_output=True,
             timeout=120,
             check=False,
@@ -156,7 +156,7 @@ def test_an_export_is_written_with_the_callers_umask_and_the_store_stays_owner_o
                 "--out",
                 str(tmp_path / name),
             ],
-            env=cli_env(),
+            env=cli_env(forks=False),
             capture_output=True,
             text=True,
             timeout=120,

@@ -187,7 +187,7 @@ def test_a_gpu_memory_limit_is_checked_where_given_and_reaches_each_worker() -> 
     )
     for option in ("--gpu-memory-limit", "--min-free-memory"):
         for bad, said in refusals:
-            refused = run_cli("pool", "--redis-url", "redis://127.0.0.1:1/0", option, bad)
+            refused = run_cli("pool", "--redis-url", "redis://127.0.0.1:1/0", option, bad, forks=False)
             assert refused.returncode == 2 and f"Invalid value for '{option}'" in refused.stderr
             assert said in refused.stderr, refused.stderr
     # Nothing to cap on the CPU, or with no limit: torch.cuda is not touched (this torch has none).

@@ -80,7 +80,7 @@ def test_a_cpu_build_of_torch_on_a_gpu_host_is_refused_before_the_run(tmp_path: 
     installed = torch_build.build()
     assert installed is not None and installed["cuda"] is None and installed["__version__"].endswith("+cpu")
     store = tmp_path / "store"
-    done = run_cli("run", str(corpus), "--store", str(store), **_gpu_host(tmp_path))
+    done = run_cli("run", str(corpus), "--store", str(store), forks=False, **_gpu_host(tmp_path))
     assert done.returncode == EXIT_CONFIG, done.stderr
     (said,) = [line for line in done.stderr.splitlines() if line.startswith("chunkq:")]
     assert said == (

@@ -119,7 +119,7 @@ def _burst_worker(store: Path, redis_url: str) -> subprocess.CompletedProcess[st
     """A real worker on the attack queue until it is empty."""
     return subprocess.run(
         [*WORKER, "--queue", QUEUE, "--burst", "--store", str(store)],
-        env=cli_env(CHUNKQ_REDIS_URL=redis_url, CHUNKQ_DEVICE="cpu"),
+        env=cli_env(forks=False, CHUNKQ_REDIS_URL=redis_url, CHUNKQ_DEVICE="cpu"),
         capture_output=True,
         text=True,
         timeout=240,
@@ -213,7 +213,9 @@ def test_user_job_functions_can_be_allow_listed(
     _plant(connection, "u-getpid", _call("os.getpid"))
     result = subprocess.run(
         [*WORKER, "--queue", QUEUE, "--burst", "--store", str(store)],
-        env=cli_env(CHUNKQ_REDIS_URL=redis_url, CHUNKQ_DEVICE="cpu", CHUNKQ_ALLOWED_JOBS="os.getpid"),
+        env=cli_env(
+            forks=False, CHUNKQ_REDIS_URL=redis_url, CHUNKQ_DEVICE="cpu", CHUNKQ_ALLOWED_JOBS="os.getpid"
+        ),
         capture_output=True,
         text=True,
         timeout=240,
@@ -239,7 +241,7 @@ def test_rq_cli_reads_and_requeues_chunkq_queues(tmp_path: Path, store: Path, re
         text=True,
         timeout=60,
         check=False,
-        env=cli_env(),
+        env=cli_env(forks=False),
     )
     assert info.returncode == 0, info.stderr
     assert "rqcli        |██ 2, 0 executing, 0 finished, 0 failed" in info.stdout
@@ -255,7 +257,7 @@ def test_rq_cli_reads_and_requeues_chunkq_queues(tmp_path: Path, store: Path, re
         text=True,
         timeout=60,
         check=False,
-        env=cli_env(),
+        env=cli_env(forks=False),
     )
     assert requeue.returncode == 0, requeue.stderr
     assert "Requeueing 1 jobs" in requeue.stdout
