@@ -18,7 +18,7 @@ from chunkq.supervisor.store.embedded_redis import EmbeddedRedis
 from chunkq.supervisor.submit.corpus import CorpusOptions
 from chunkq.supervisor.submit.identity import SubmitRequest
 from chunkq.supervisor.submit.submission import submit
-from tests.helpers import make_texts, write_corpus
+from tests.helpers import CHUNKQS_OWN_THREADS, make_texts, write_corpus
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -28,7 +28,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # in two (and 24.6 s against 10.6 s wall). The tests of a fork server's own workers keep chunkq's own
 # choice, two threads here (helpers.CHUNKQS_OWN_THREADS), so a server that started OpenMP before
 # forking would still hang them.
-for _threads in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+for _threads in CHUNKQS_OWN_THREADS:
     os.environ.setdefault(_threads, "1")
 
 
