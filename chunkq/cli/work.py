@@ -31,7 +31,6 @@ from chunkq.jobs.contract.run_files import RunLayout
 from chunkq.jobs.contract.storage import is_local
 from chunkq.jobs.contract.units import size_text
 from chunkq.queue_worker.exit_codes import EXIT_CHUNKS_FAILED, EXIT_OK, EXIT_PARTIAL, EXIT_POOL_DIED
-from chunkq.queue_worker.pool import start as start_pool
 from chunkq.supervisor.local_run import RunOutcome, run
 from chunkq.supervisor.request import (
     RUN_DECIDES_FOR_THE_POOL,
@@ -160,6 +159,8 @@ def pool_cmd(redis_url: str | None, store: Path, queue: str, **kw: Any) -> None:
     settings = with_the_runs_model(settings)
     if settings.preload:  # a name people type, or one that cannot load here: before any worker
         settings = replace(settings, preload=check_model(settings.preload))
+    from chunkq.queue_worker.pool import start as start_pool  # the pool's modules: this command's alone
+
     sys.exit(start_pool(settings))
 
 

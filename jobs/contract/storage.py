@@ -41,6 +41,11 @@ caller_umask: int | None = None
 PRIVATE_DIR, PRIVATE_FILE = 0o700, 0o600  # modes set explicitly where chunkq runs in a caller's process
 
 
+def user_cache_dir() -> Path:
+    """chunkq's folder in the user's cache: what a host keeps for itself, and may lose."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "chunkq"
+
+
 def private_dirs(path: Path) -> None:
     """``mkdir -p`` with every folder it creates owner-only, whatever the process's umask: the API
     runs in the caller's process, whose umask is not chunkq's to change (threads share it)."""

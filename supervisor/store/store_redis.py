@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import os
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from chunkq.jobs.contract.run_files import atomic_write_bytes
-from chunkq.jobs.contract.storage import is_local, no_links_below, private_open
+from chunkq.jobs.contract.storage import is_local, no_links_below, private_open, user_cache_dir
 from chunkq.supervisor.store.embedded_redis import AUTH_FILE, LOOPBACK, EmbeddedRedis
 from chunkq.supervisor.store.store_lock import StoreLock
 
@@ -33,8 +32,7 @@ def local_state_dir(store: Path) -> Path:
     in the store when it is a filesystem, in the user's cache when it is an object store."""
     if is_local(store):
         return store
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "chunkq" / hashlib.sha256(str(store).encode()).hexdigest()[:16]
+    return user_cache_dir() / hashlib.sha256(str(store).encode()).hexdigest()[:16]
 
 
 def embedded_redis_dir(store: Path) -> Path:

@@ -6,13 +6,14 @@ import logging
 import sys
 import time
 from types import TracebackType
-
-from rich.console import Console
-from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+from typing import TYPE_CHECKING
 
 from chunkq.jobs.compute.device_busy import GPU_SOURCES
 from chunkq.supervisor.store.run_log import PROGRESS_LOGGER, TerminalLog
 from chunkq.supervisor.watch.snapshot import Snapshot
+
+if TYPE_CHECKING:
+    from rich.progress import Progress, TaskID
 
 log = logging.getLogger(PROGRESS_LOGGER)  # reaches the terminal at any log level (run_log)
 
@@ -87,6 +88,11 @@ class ProgressDisplay:
 
     def __enter__(self) -> ProgressDisplay:
         if self.live:
+            # Here, not at the top: rich costs 0.1 s of CPU to import, and a run whose stderr is a
+            # pipe or a file (a script, a batch job) draws no bar.
+            from rich.console import Console
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
             self._progress = Progress(
                 TextColumn("[bold]{task.description}"),
                 BarColumn(),

@@ -14,7 +14,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis
 from rq.job import Job
@@ -34,7 +34,6 @@ from chunkq.jobs.contract.manifest import RunManifest, load_manifest
 from chunkq.jobs.contract.queueing import give_back
 from chunkq.jobs.contract.run_files import RunLayout, read_json
 from chunkq.jobs.contract.specs import chunk_job_id
-from chunkq.queue_worker.metrics import serve as serve_metrics
 from chunkq.supervisor.result.assemble import Failure, assemble
 from chunkq.supervisor.store.run_lock import RunLock
 from chunkq.supervisor.store.store_lock import StoreLock
@@ -49,11 +48,13 @@ from chunkq.supervisor.submit.enqueue import (
 from chunkq.supervisor.watch import demand
 from chunkq.supervisor.watch.attempts import AttemptRecorder, FailedAttempt
 from chunkq.supervisor.watch.display import ProgressDisplay
-from chunkq.supervisor.watch.metrics import RunMetrics
 from chunkq.supervisor.watch.progress import Tracker
 from chunkq.supervisor.watch.retry import RetryPolicy, settle_failure
 from chunkq.supervisor.watch.snapshot import Snapshot
 from chunkq.supervisor.watch.wakeup import Wakeup
+
+if TYPE_CHECKING:
+    from chunkq.supervisor.watch.metrics import RunMetrics
 
 log = logging.getLogger(__name__)
 
@@ -359,6 +360,10 @@ def _supervise(
     lock = RunLock(connection, manifest.run_id)
     metrics = None
     if settings.metrics_port is not None:
+        # Here, not at the top: prometheus_client is for runs that asked for --metrics-port.
+        from chunkq.queue_worker.metrics import serve as serve_metrics
+        from chunkq.supervisor.watch.metrics import RunMetrics
+
         metrics = RunMetrics(manifest.run_id)
         serve_metrics(metrics.registry, settings.metrics_port)
     watch = Supervisor(connection, layout, manifest, settings, lock, owner, metrics)
