@@ -100,7 +100,7 @@ def test_an_entry_that_is_not_the_stamps_is_not_believed(
     identity = _fresh_identity(model)
     (entry,) = cache.glob("*.json")
     good = json.loads(entry.read_text())
-    other = [*good["stamp"][:1], *good["stamp"][2:]]
+    other = [*good["stamp"][:2], *good["stamp"][3:]]  # [0]: the host, [1]: the folder
     for bad in ("{", json.dumps({**good, "stamp": other}), json.dumps({**good, "digest": "files:0"})):
         entry.write_text(bad)
         assert _fresh_identity(model) == identity
@@ -116,3 +116,18 @@ def test_a_cache_that_cannot_be_written_costs_the_hashing_not_the_identity(
     _later(monkeypatch, digest_memo.SETTLED_SECONDS + 1)
     identity = _fresh_identity(model)
     assert identity.startswith("files:") and _fresh_identity(model) == identity
+
+
+def test_another_host_sharing_the_home_folder_hashes_its_own_files(
+    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cluster's nodes often share one home folder, and their local disks number devices and
+    inodes alike: one node's entry is not another's."""
+    model = str(bundled_copy(tmp_path / "model"))
+    _later(monkeypatch, digest_memo.SETTLED_SECONDS + 1)
+    identity = _fresh_identity(model)
+    monkeypatch.setattr(digest_memo.socket, "gethostname", lambda: "another-node")
+    _unhashable(monkeypatch)
+    with pytest.raises(AssertionError, match="read the model's bytes again"):
+        _fresh_identity(model)
+    assert identity.startswith("files:")

@@ -14,7 +14,7 @@ by the next run, and remembered then). Only the bytes' digest is remembered: wha
 for code in installed packages is read again by every process (``model_reads``).
 
 The memo lives in the user's cache (``user_cache_dir()/model-digests``, owner-only), one small
-file per stamp, and may be deleted at any time: a missing or unreadable entry is hashed again. A
+file per host and stamp, and may be deleted at any time: a missing or unreadable entry is hashed again. A
 cache that cannot be written (a read-only home) costs the hashing, never the run.
 """
 
@@ -24,6 +24,7 @@ import hashlib
 import json
 import logging
 import re
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,9 @@ def memo_dir() -> Path:
 
 
 def _entry(stamp: tuple[Any, ...]) -> tuple[Path, list[Any]]:
-    as_json = json.loads(json.dumps(stamp))  # tuples as lists: what an entry holds, to compare
+    # With the host's name: a home folder is often shared by the hosts of a cluster, whose local
+    # disks number devices and inodes alike.
+    as_json = json.loads(json.dumps([socket.gethostname(), *stamp]))  # as lists: what an entry holds
     key = hashlib.sha256(json.dumps(as_json, separators=(",", ":")).encode()).hexdigest()
     return memo_dir() / f"{key}.json", as_json
 
@@ -62,7 +65,7 @@ def recall(stamp: tuple[Any, ...]) -> str | None:
 def settled(stamp: tuple[Any, ...], hashing_began_ns: int) -> bool:
     """Whether every file of ``stamp`` was last changed well before its hashing began (``time.time_ns()``,
     the wall clock the kernel stamps files by)."""
-    newest = max((max(mtime, ctime) for *_, mtime, ctime in stamp[1:]), default=0)
+    newest = max((max(mtime, ctime) for *_, mtime, ctime in stamp[1:]), default=0)  # [0]: the folder
     return newest < hashing_began_ns - SETTLED_SECONDS * 1e9
 
 
