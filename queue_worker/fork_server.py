@@ -123,33 +123,14 @@ def _run_worker(request: dict[str, Any], fds: list[int], server_pid: int) -> int
     # OpenMP read OMP_NUM_THREADS when torch was imported, in the fork server.
     if env.get("OMP_NUM_THREADS", "").isdigit():
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-    _apply_allocator_settings(env)
+    if env.get(DEVICE_ENV) == "cuda" and env.get("PYTORCH_CUDA_ALLOC_CONF"):
+        cuda.apply_allocator_settings(env["PYTORCH_CUDA_ALLOC_CONF"])
     problem = forked_cuda_problem(env)
     if problem is not None:
         code, why = problem
         print(f"chunkq: a forked worker cannot create its CUDA context: {why}", file=sys.stderr)
         return code
     return main(args)
-
-
-def _apply_allocator_settings(env: dict[str, str]) -> None:
-    """Hand PYTORCH_CUDA_ALLOC_CONF to the allocator directly: whether torch read the variable
-    lazily or while the fork server imported it, the worker's own setting is the one in force."""
-    conf = env.get("PYTORCH_CUDA_ALLOC_CONF")
-    if not conf or env.get(DEVICE_ENV) != "cuda":
-        return
-    import torch
-
-    # torch >= 2.9 names it torch._C._accelerator_setAllocatorSettings; the old name still works there
-    # but warns in every worker's log.
-    setter = (
-        getattr(torch._C, "_accelerator_setAllocatorSettings", None)
-        or torch.cuda.memory._set_allocator_settings
-    )
-    try:
-        setter(conf)
-    except (AttributeError, RuntimeError) as exc:  # a CPU build of torch, or an older one
-        print(f"chunkq: could not apply PYTORCH_CUDA_ALLOC_CONF={conf!r}: {exc}", file=sys.stderr)
 
 
 def _fork_worker(sockets: list[socket.socket], request: dict[str, Any], fds: list[int]) -> int:
@@ -248,7 +229,22 @@ def _load_model_template(ref: str) -> dict[str, Any]:
 
 
 def _prepare() -> dict[str, Any]:
-    """Import the heavy modules and load the model: the message that says ready, or why not."""
+    """Import the heavy modules and load the model: the message that says ready, or why not.
+
+    The collector is off meanwhile, as Python's gc documentation advises for a process that forks
+    without exec: the imports create ~470,000 objects, and it walked them again and again (about
+    1 s of a 6-7 s start, the plain script's import of sentence-transformers pays it too); then
+    they are frozen, so no collection in the server or a worker writes to their pages. The cyclic
+    garbage of the imports (~10,000 objects) stays, frozen: collecting it would cost 0.4 s."""
+    gc.disable()
+    try:
+        return _imported_and_loaded()
+    finally:
+        gc.freeze()  # what exists now is shared by every worker: never written to by a collection
+        gc.enable()  # for the server's own life, and every worker's
+
+
+def _imported_and_loaded() -> dict[str, Any]:
     extra = [m.strip() for m in os.environ.get(PRELOAD_ENV, "").split(",") if m.strip()]
     for name in (*PRELOAD, *extra):
         importlib.import_module(name)
@@ -260,9 +256,6 @@ def _prepare() -> dict[str, Any]:
         return {"refused": "torch.cuda was initialised while importing; forked workers could not use it"}
     if not _forks_are_clean():
         return {"refused": "a child forked now is a bad fork for torch: an import reached CUDA"}
-    # Objects that exist now are shared by every worker: keep the collector from writing to them,
-    # which would copy their pages into each worker.
-    gc.freeze()
     return ready
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import sys
 
 from chunkq.jobs.compute import faults
 from chunkq.jobs.contract import errors
@@ -18,6 +19,24 @@ def free_cached_memory(device: str) -> None:
         import torch
 
         torch.cuda.empty_cache()
+
+
+def apply_allocator_settings(conf: str) -> None:
+    """Hand PYTORCH_CUDA_ALLOC_CONF to the allocator directly, in a worker forked from the fork
+    server: whether torch read the variable lazily or while the server imported it, the worker's
+    own setting is the one in force."""
+    import torch
+
+    # torch >= 2.9 names it torch._C._accelerator_setAllocatorSettings; the old name still works there
+    # but warns in every worker's log.
+    setter = (
+        getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+        or torch.cuda.memory._set_allocator_settings
+    )
+    try:
+        setter(conf)
+    except (AttributeError, RuntimeError) as exc:  # a CPU build of torch, or an older one
+        print(f"chunkq: could not apply PYTORCH_CUDA_ALLOC_CONF={conf!r}: {exc}", file=sys.stderr)
 
 
 def open_context(device: str) -> Exception | None:
