@@ -135,33 +135,31 @@ def test_a_worker_side_process_imports_nothing_of_the_front_door() -> None:
     """The pool, its fork server and each worker import the ``chunkq`` package; its API is loaded on
     first use, so they do not import the supervisor through it (0.3 s of CPU each: BENCHMARKS.md,
     "A small run's own cost"). ``chunkq.run`` still answers."""
-    import subprocess
-    import sys
-
-    probe = (
+    said = _a_new_interpreters_answer(
         "import sys, chunkq.queue_worker.pool, chunkq.queue_worker.worker, chunkq.queue_worker.fork_server\n"
         "print(sorted(m for m in sys.modules if m == 'chunkq.api' or m.startswith('chunkq.supervisor')))\n"
         "import chunkq; print(chunkq.run.__module__)"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
-    )
-    assert done.stdout.split("\n")[:2] == ["[]", "chunkq.api"], done.stdout
+    assert said.split("\n")[:2] == ["[]", "chunkq.api"], said
 
 
 def test_the_command_line_imports_what_only_some_commands_use_when_they_use_it() -> None:
     """rich (the bar on a terminal), prometheus_client (``--metrics-port``) and the pool's modules
     (``chunkq pool``) cost 10-100 ms of CPU each in every command that imports them: importing the
     command line imports none of them (BENCHMARKS.md, "A small run's own cost, again")."""
-    import subprocess
-    import sys
-
-    probe = (
+    said = _a_new_interpreters_answer(
         "import sys, chunkq.cli\n"
         "optional = ('rich', 'prometheus_client', 'chunkq.queue_worker.pool')\n"
         "print(sorted(m for m in optional if m in sys.modules))"
     )
-    done = subprocess.run(
+    assert said.strip() == "[]", said
+
+
+def _a_new_interpreters_answer(probe: str) -> str:
+    """What ``probe`` prints in a new interpreter: what it imports is its own, not this process's."""
+    import subprocess
+    import sys
+
+    return subprocess.run(
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
-    )
-    assert done.stdout.strip() == "[]", done.stdout
+    ).stdout
