@@ -131,3 +131,18 @@ def test_another_host_sharing_the_home_folder_hashes_its_own_files(
     with pytest.raises(AssertionError, match="read the model's bytes again"):
         _fresh_identity(model)
     assert identity.startswith("files:")
+
+
+def test_a_host_without_a_cache_folder_hashes_and_writes_nothing_where_it_was_started(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A relative XDG_CACHE_HOME is ignored (the XDG spec), and a user with no home folder (a
+    container under an arbitrary uid) has no cache: nothing lands in the working directory."""
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")
+    monkeypatch.setenv("HOME", "relative-home")
+    monkeypatch.chdir(tmp_path)
+    model = str(bundled_copy(tmp_path / "model"))
+    _later(monkeypatch, digest_memo.SETTLED_SECONDS + 1)
+    identity = _fresh_identity(model)
+    assert identity.startswith("files:") and _fresh_identity(model) == identity
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]

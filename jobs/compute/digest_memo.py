@@ -28,6 +28,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from chunkq.jobs.contract.errors import ConfigError
 from chunkq.jobs.contract.run_files import atomic_write_bytes
 from chunkq.jobs.contract.storage import user_cache_dir
 
@@ -37,21 +38,29 @@ SETTLED_SECONDS = 2.0  # file times tick coarsely (ms; FAT: 2 s): a file this fr
 _DIGEST = re.compile(r"files:[0-9a-f]{64}")
 
 
-def memo_dir() -> Path:
-    return user_cache_dir() / "model-digests"
+def memo_dir() -> Path | None:
+    """Where digests are kept; None where this host has no cache folder (the digest is then read
+    from the bytes each time, as before)."""
+    try:
+        return user_cache_dir() / "model-digests"
+    except ConfigError:
+        return None
 
 
-def _entry(stamp: tuple[Any, ...]) -> tuple[Path, list[Any]]:
+def _entry(stamp: tuple[Any, ...]) -> tuple[Path | None, list[Any]]:
     # With the host's name: a home folder is often shared by the hosts of a cluster, whose local
     # disks number devices and inodes alike.
     as_json = json.loads(json.dumps([socket.gethostname(), *stamp]))  # as lists: what an entry holds
     key = hashlib.sha256(json.dumps(as_json, separators=(",", ":")).encode()).hexdigest()
-    return memo_dir() / f"{key}.json", as_json
+    folder = memo_dir()
+    return None if folder is None else folder / f"{key}.json", as_json
 
 
 def recall(stamp: tuple[Any, ...]) -> str | None:
     """The digest remembered for exactly ``stamp``, or None."""
     path, as_json = _entry(stamp)
+    if path is None:
+        return None
     try:
         data = json.loads(path.read_bytes())
     except (OSError, ValueError):
@@ -74,6 +83,8 @@ def remember(stamp: tuple[Any, ...], digest: str, hashing_began_ns: int) -> None
     if not settled(stamp, hashing_began_ns):
         return
     path, as_json = _entry(stamp)
+    if path is None:
+        return
     try:
         atomic_write_bytes(path, json.dumps({"stamp": as_json, "digest": digest}).encode())
     except OSError as exc:

@@ -42,8 +42,18 @@ PRIVATE_DIR, PRIVATE_FILE = 0o700, 0o600  # modes set explicitly where chunkq ru
 
 
 def user_cache_dir() -> Path:
-    """chunkq's folder in the user's cache: what a host keeps for itself, and may lose."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "chunkq"
+    """chunkq's folder in the user's cache: what a host keeps for itself, and may lose. ConfigError
+    where there is none: a relative XDG_CACHE_HOME is ignored, as the XDG spec says, and a process
+    whose user has no home folder (a container run under an arbitrary uid) must not write into
+    whatever folder it was started in."""
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    try:
+        cache = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
+    except RuntimeError:  # Python 3.12+: no HOME and no password entry (3.11 leaves "~" as it is)
+        cache = Path("~")
+    if not cache.is_absolute():
+        raise ConfigError("no folder for this host's cache: set XDG_CACHE_HOME or HOME to an absolute path")
+    return cache / "chunkq"
 
 
 def private_dirs(path: Path) -> None:
