@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from chunkq.jobs.contract.chunk_output import verify_output
+from chunkq.jobs.contract.errors import ConfigError
 from chunkq.jobs.contract.run_files import RunLayout, save_npy_atomic, write_output
 from chunkq.jobs.contract.storage import open_store
 from tests.helpers import make_texts, max_abs_diff, result_of, run_cli, run_in_process, wait_for, write_corpus
@@ -342,3 +343,19 @@ def test_the_vector_cache_on_an_object_store(
     assert manifest.plan["cache_damaged_rows"] > 0 and encoded == manifest.plan["cache_damaged_rows"]
     assert first.name not in {s.name for s in cache.shards()}
     assert max_abs_diff(result_of(layout)[0], reference_model.encode(v2_texts)) <= 1e-5
+
+
+def test_the_users_cache_folder_is_absolute_or_none(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A relative XDG_CACHE_HOME is ignored (the XDG spec); a user with no home folder (a container
+    under an arbitrary uid) has no cache, said in one line, rather than one made in the working
+    directory (Python 3.11 left "~" as it was, 3.12 raises)."""
+    from chunkq.jobs.contract.storage import user_cache_dir
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert user_cache_dir() == tmp_path / "cache" / "chunkq"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert user_cache_dir() == tmp_path / "home" / ".cache" / "chunkq"
+    monkeypatch.setenv("HOME", "relative-home")
+    with pytest.raises(ConfigError, match="no folder for this host's cache"):
+        user_cache_dir()

@@ -13,9 +13,8 @@ replaced under the same path, and two paths can hold the same files.
 - What the load reads beyond those files (``model_reads``): module code from another installed
   package is named with its release; a path outside the folder is refused before the run.
 
-A folder is hashed once per host for as long as its files are unchanged (once per process, and
-across processes through ``digest_memo``); "unchanged" is each file's device, inode, size,
-modification and change time (``FolderStamp``). The change time cannot
+A folder is hashed once per process for as long as its files are unchanged; "unchanged" is each
+file's device, inode, size, modification and change time (``FolderStamp``). The change time cannot
 be set back by a user, and a file replaced under its name has another inode, so a copy that keeps
 the old size and modification time (``cp -p``, ``rsync -t``) is still seen.
 """
@@ -25,12 +24,11 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from chunkq.jobs.compute import digest_memo, hub_snapshot, model_reads
+from chunkq.jobs.compute import hub_snapshot, model_reads
 from chunkq.jobs.compute.models import resolve_model
 from chunkq.jobs.contract.errors import ConfigError
 
@@ -130,7 +128,6 @@ def identify(ref: str, revision: str | None = None) -> Identity | None:
     files = model_files(folder)
     stamp = folder_stamp(folder, files)
     if stamp not in _DIGESTS:
-        hashing_began = 0
         code = model_reads.check(ref, folder, files)  # before the bytes: a refusal costs no hashing
         if commit and hub_snapshot.intact(folder, files):
             # The commit, and which blob each file of the snapshot is: a download completed later
@@ -144,16 +141,11 @@ def identify(ref: str, revision: str | None = None) -> Identity | None:
                     ref,
                     commit[:12],
                 )
-            value = digest_memo.recall(stamp) or ""
-            if not value:
-                hashing_began = time.time_ns()
-                value = _digest(files)
+            value = _digest(files)
         if folder_stamp(folder, model_files(folder)) != stamp:
             # Written to while it was read: neither the old bytes nor the new. A run must not be
             # fixed to a half-copied folder.
             raise ConfigError(f"model {ref}: its files changed while chunkq read them; try again")
-        if hashing_began:
-            digest_memo.remember(stamp, value, hashing_began)
         _DIGESTS[stamp] = value + "".join(f"+{c}" for c in code)
     return Identity(_DIGESTS[stamp], stamp)
 
