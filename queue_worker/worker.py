@@ -183,6 +183,11 @@ class OneLineHandler(logging.StreamHandler):  # type: ignore[type-arg]
 
     def handleError(self, record: logging.LogRecord) -> None:
         exc = sys.exc_info()[1]
+        if isinstance(exc, StopRequested):
+            # RQ's stop, raised by its signal handler while a line was being written: kept here, the
+            # worker would wait for work after it was told to stop (seen: a pool's drain waiting on a
+            # worker signalled as it logged "cleaning registries").
+            raise exc
         with contextlib.suppress(Exception):
             why = f"{type(exc).__name__}: {exc}"
             sys.stderr.write(f"chunkq: a worker log line was lost ({why}): {record.msg}\n")

@@ -432,6 +432,35 @@ def test_a_worker_log_line_that_cannot_be_written_costs_one_line(capsys: pytest.
     assert "a worker log line was lost (ValueError" in err and "found an unhandled exception" in err, err
 
 
+def test_a_stop_signalled_while_a_worker_logs_is_not_lost() -> None:
+    """RQ's warm stop raises StopRequested from its signal handler; arriving while the worker writes
+    a log line, it went to logging's error handling and was swallowed ("a worker log line was lost
+    (StopRequested: )"), and the worker waited for work after it was told to stop. It leaves the
+    log call as it would any other call."""
+    import logging
+
+    from rq.exceptions import StopRequested
+
+    from chunkq.queue_worker.worker import OneLineHandler
+
+    class SignalledMidWrite:
+        def write(self, text: str) -> None:
+            raise StopRequested()  # as RQ's handler does, run between two bytecodes of this write
+
+        def flush(self) -> None:
+            pass
+
+    handler = OneLineHandler(SignalledMidWrite())
+    logger = logging.getLogger("chunkq.test.stopped-line")
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        with pytest.raises(StopRequested):
+            logger.warning("Worker %s: cleaning registries for queue: %s", "w0", "fs")
+    finally:
+        logger.removeHandler(handler)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("redis_is", ["gone", "hung"])
 def test_a_pool_told_to_stop_while_redis_is_gone_or_hung_stops(tmp_path: Path, redis_is: str) -> None:
