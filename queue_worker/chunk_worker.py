@@ -226,12 +226,15 @@ class ChunkWorker(SimpleWorker):
         return self.waiting or not (self._taking_job or self.in_job)
 
     def _shutdown(self) -> None:
-        # RQ raises StopRequested from the signal handler when the worker is not busy. Once Redis has
-        # moved a job to this worker and before it starts, that raise strands the job in RQ's
-        # intermediate list until a supervisor or RQ's ten-minute maintenance repairs it (seen in
-        # a test: a pool stopped as its workers took their first chunks).
+        # Marked whatever follows: RQ raises StopRequested from the signal handler when the worker is
+        # not busy, and a raise that lands in an ``except Exception`` of the code it interrupted is
+        # lost (seen: a log handler's error path, "a worker log line was lost (StopRequested: )";
+        # the worker then waited for work). The mark is not: RQ's loop and the wait for a job read it.
+        self._stop_requested = True
+        # Once Redis has moved a job to this worker and before it starts, RQ's raise strands the job
+        # in RQ's intermediate list until a supervisor or RQ's ten-minute maintenance repairs it
+        # (seen in a test: a pool stopped as its workers took their first chunks).
         if self._taking_job:
-            self._stop_requested = True
             if self.waiting:
                 self._cutter.asked.set()
             return

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -19,6 +21,7 @@ import psutil
 import pytest
 import redis
 from rq import Queue
+from rq.exceptions import StopRequested
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
@@ -358,6 +361,24 @@ def test_an_idle_worker_still_stops_on_a_signal(connection: redis.Redis) -> None
     assert time.monotonic() - signalled[0] < STOP_POLL_SECONDS + 5
 
 
+def test_a_stop_whose_raise_was_swallowed_still_stops_the_worker(
+    connection: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """RQ's stop of an idle worker is StopRequested raised from the signal handler; caught by any
+    ``except Exception`` it lands in (a log handler's error path, seen in the suite), it was lost
+    and the worker waited for work. The stop is marked before the raise, so the worker stops at its
+    loop's next look, not after an idle wait (here 30 s, its bound should the mark be lost)."""
+    from chunkq.queue_worker.chunk_worker import ChunkWorker
+
+    queue = Queue("swallowed-stop", connection=connection, serializer=JSONSerializer)
+    worker = ChunkWorker([queue], connection=connection, name="swallowed-stop", serializer=JSONSerializer)
+    with contextlib.suppress(StopRequested):
+        worker._shutdown()  # as the signal handler runs it, its raise then swallowed
+    with signal_handlers_restored(), caplog.at_level(logging.INFO, logger="rq.worker"):
+        worker.work(max_idle_time=30)
+    assert "stopping on request" in caplog.text and "idle for" not in caplog.text, caplog.text
+
+
 def test_a_stop_cuts_an_idle_workers_wait_for_a_job_short(connection: redis.Redis) -> None:
     """The drain at a run's end reached idle workers only when their wait for a job ended: every
     command ended about a second after its result. The stop now ends the wait itself (CLIENT
@@ -410,7 +431,6 @@ def test_a_worker_log_line_that_cannot_be_written_costs_one_line(capsys: pytest.
     """logging's own handleError prints a traceback and the whole call stack (through the CLI) when
     a handler fails, which reads like chunkq crashing; the worker's handler says it in one line."""
     import io
-    import logging
 
     from chunkq.queue_worker.worker import OneLineHandler
 
@@ -437,10 +457,6 @@ def test_a_stop_signalled_while_a_worker_logs_is_not_lost() -> None:
     a log line, it went to logging's error handling and was swallowed ("a worker log line was lost
     (StopRequested: )"), and the worker waited for work after it was told to stop. It leaves the
     log call as it would any other call."""
-    import logging
-
-    from rq.exceptions import StopRequested
-
     from chunkq.queue_worker.worker import OneLineHandler
 
     class SignalledMidWrite:
