@@ -35,7 +35,7 @@ from chunkq.jobs.compute import (
     runtime,
     token_batches,
 )
-from chunkq.jobs.compute.model_identity import short
+from chunkq.jobs.compute.model_identity import check_loaded
 from chunkq.jobs.compute.scope import check_spec
 from chunkq.jobs.compute.vector_cache import library_versions
 from chunkq.jobs.contract import errors, jobmeta
@@ -45,7 +45,6 @@ from chunkq.jobs.contract.errors import (
     BadInputError,
     BadRowsError,
     ChunkOutOfMemoryError,
-    ConfigError,
     CudaFatalError,
     DeviceUnsupportedError,
     NonFiniteError,
@@ -237,7 +236,7 @@ def encode_finite(at: Attempt, texts: list[str], start_batch: int) -> tuple[Enco
     wide = replace(chunk, options=replace(chunk.options, precision=DEFAULT_PRECISION))
     full = models.get_model(chunk.model, ctx.device, DEFAULT_PRECISION, chunk.options)
     try:
-        check_model(chunk, at.loaded.identity_value, full)
+        check_loaded(chunk, at.loaded.identity_value, full, at.loaded.code and at.loaded.code.to_json())
         again = encode_with_backoff(
             replace(at, loaded=full, chunk=wide, on_rows=None), [texts[int(i)] for i in bad], encoded.limit
         )
@@ -319,20 +318,6 @@ def _shown(rid: Any) -> str:
     return repr(rid)
 
 
-def check_model(chunk: ChunkSpec, expected: str | None, loaded: models.LoadedModel) -> None:
-    """ConfigError unless ``loaded`` was built from the bytes the run was submitted with
-    (``expected``, the manifest's; None: not known at submit). A run's rows come from one model."""
-    mine = loaded.identity_value
-    if expected is None or mine == expected:
-        return
-    raise ConfigError(
-        f"chunk {chunk.job_id}: model {chunk.model} on this host is {short(mine)}, but run {chunk.run_id} "
-        f"was submitted with {short(expected)}; refused rather than mix two models' rows. Give this "
-        f"host the run's files, or start the run again with the model as it is (`chunkq clean "
-        f"{chunk.run_id}`, then submit or run again)"
-    )
-
-
 def _embed(chunk: ChunkSpec) -> dict[str, Any]:
     ctx = runtime.current()
     # Who runs this attempt, before anything refuses it (a model this pool may not run): never '?'
@@ -353,7 +338,7 @@ def _embed(chunk: ChunkSpec) -> dict[str, Any]:
             f"chunk {chunk.job_id}: input holds {len(texts)} rows, the spec says {chunk.rows}"
         )
     loaded = models.get_model(chunk.model, ctx.device, chunk.options.precision, chunk.options)
-    check_model(chunk, manifest.model_identity, loaded)
+    recorded = check_loaded(chunk, manifest.model_identity, loaded, manifest.data.get("model_code"))
     # A static embedding has no padding to save: its batches are counted in texts.
     tokens_apply = kinds.get(chunk.options.kind).by_tokens and loaded.default_max_seq_length is not None
     work = replace(chunk, options=token_batches.for_device(chunk.options, ctx.device, tokens_apply))
@@ -388,7 +373,7 @@ def _embed(chunk: ChunkSpec) -> dict[str, Any]:
         "chunk": chunk.index,
         "first_row": chunk.first_row,
         **manifest.producer(),
-        "model_identity": loaded.identity_value,  # what encoded it: the run's, or (none recorded) its own
+        "model_identity": recorded,  # what encoded it: the run's, or (none recorded) its own
         "libraries": library_versions(),  # the vector cache takes the rows only if its key's are these
         "worker": ctx.name,
         "pid": ctx.pid,

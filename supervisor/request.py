@@ -173,6 +173,7 @@ def submit_request(
     window_tokens: int | None = None,
     window_stride: int | None = None,
     pool: str = POOLS[0],
+    accept_unidentified_code: bool = False,
     **encode: Any,
 ) -> SubmitRequest:
     """A checked SubmitRequest; ``encode`` takes EncodeOptions' fields (``normalize`` too)."""
@@ -202,6 +203,13 @@ def submit_request(
             f"--allow-missing with --pool {pool}: a text whose windows are all left out would have no "
             "vector of its own; leave --pool out, or drop the rows a run without --allow-missing names"
         )
+    if accept_unidentified_code and not encode_options.trust_remote_code:
+        raise ConfigError("--accept-unidentified-code is for a model run with --trust-remote-code")
+    if accept_unidentified_code and cache:
+        raise ConfigError(
+            "--cache with --accept-unidentified-code: code chunkq cannot identify is not in the cache's "
+            "key, so such a run neither reads nor fills the cache; leave --cache out"
+        )
     return SubmitRequest(
         corpus=paths[0] if len(paths) == 1 else paths,
         store=store,
@@ -218,6 +226,7 @@ def submit_request(
         window_tokens=window_tokens,
         window_stride=window_stride,
         pool=pool,
+        accept_unidentified_code=accept_unidentified_code,
     )
 
 

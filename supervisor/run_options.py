@@ -197,7 +197,16 @@ RUN_OPTIONS: tuple[Option, ...] = (
         "it too (chunkq run's own pool does).",
         kind="flag",
     ),
-    _submit("revision", None, "The model's hub revision: a branch, tag or commit."),
+    _submit(
+        "accept_unidentified_code",
+        False,
+        "Run remote code chunkq cannot identify. With --trust-remote-code, chunkq loads a "
+        "model once on the CPU at submit to list the code it runs; one that connects somewhere or runs a "
+        "program while it loads, or will not load there, is refused without this flag, which compares "
+        "its files alone and uses no vector cache.",
+        kind="flag",
+    ),
+    _submit("revision", None, "The hub revision: a branch, tag or commit."),
     _submit(
         "model_kwargs",
         None,

@@ -140,8 +140,6 @@ def test_the_keys_transformers_sets_from_the_load_path_are_not_read(tmp_path: Pa
 
 
 def test_code_the_folder_does_not_hold_is_refused_or_named_with_its_release(tmp_path: Path) -> None:
-    from importlib.metadata import version
-
     model = bundled_copy(tmp_path / "model")
     _edit_json(model / "config.json", auto_map={"AutoModel": "someone/else--modeling.Model"})
     with pytest.raises(ConfigError, match="takes code from another repository"):
@@ -152,14 +150,16 @@ def test_code_the_folder_does_not_hold_is_refused_or_named_with_its_release(tmp_
     modules_file = model / "modules.json"
     modules = json.loads(modules_file.read_text())
     for kind, refusal in (("other/repo--custom.Pooling", "from another repository"), ("", None)):
-        modules[1]["type"] = kind or "numpy.Pooling"  # an installed package's class: named with its release
+        modules[1]["type"] = kind or "numpy.Pooling"  # an installed package's class
         modules_file.write_text(json.dumps(modules))
         if refusal:
             with pytest.raises(ConfigError, match=refusal):
                 model_identity(str(model))
         else:
+            # Its files alone: such a class loads only under --trust-remote-code, whose load is
+            # watched for the code it runs (tests/test_model_code.py).
             named = model_identity(str(model))
-            assert named is not None and f"+numpy=={version('numpy')}:" in named  # and its code's sha256
+            assert named is not None and named.startswith("files:") and "+" not in named
     modules[1] = {**modules[1], "type": "sentence_transformers.models.Pooling", "path": ".git/pooling"}
     modules_file.write_text(json.dumps(modules))
     with pytest.raises(ConfigError, match="under version control's records"):
@@ -319,29 +319,13 @@ def test_two_files_never_hash_as_one_split_otherwise(tmp_path: Path) -> None:
     assert _digest(model_files(a)) != _digest(model_files(b))
 
 
-def test_an_editable_packages_code_is_in_the_identity_and_the_working_directory_is_not_imported(
+def test_the_working_directory_is_not_imported_by_a_worker(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import sys
 
     from chunkq.jobs.compute import model_reads
 
-    site = tmp_path / "site"
-    (site / "stplug").mkdir(parents=True)
-    (site / "stplug" / "__init__.py").write_text("SHIFT = 1\n")
-    dist = site / "stplug-1.0.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: stplug\nVersion: 1.0\n")
-    (dist / "top_level.txt").write_text("stplug\n")
-    monkeypatch.syspath_prepend(str(site))
-    import importlib.metadata
-
-    importlib.invalidate_caches()
-    monkeypatch.setattr(importlib.metadata, "packages_distributions", lambda: {"stplug": ["stplug"]})
-    before = model_reads._code_of("stplug", __import__("importlib.util").util.find_spec("stplug"))
-    (site / "stplug" / "__init__.py").write_text("SHIFT = 2\n")  # edited in place, same release
-    after = model_reads._code_of("stplug", __import__("importlib.util").util.find_spec("stplug"))
-    assert before.startswith("stplug==1.0:") and after.startswith("stplug==1.0:") and before != after
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", ["", str(tmp_path), *sys.path])
     model_reads.no_working_directory_imports()

@@ -16,6 +16,7 @@ SECTIONS: tuple[tuple[str, frozenset[str]], ...] = (
         "The model",
         frozenset(
             {"model", "kind", "role", "revision", "trust_remote_code", "model_kwargs", "precision"}
+            | {"accept_unidentified_code"}
             | {"allowed_models", "preload"}
         ),
     ),

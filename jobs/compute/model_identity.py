@@ -10,8 +10,9 @@ replaced under the same path, and two paths can hold the same files.
 - A model in the Hugging Face cache: its snapshot's commit, which the hub derives from the files,
   while every file of the snapshot is still the blob its link names (``hub_snapshot``); a snapshot
   edited in place is identified by its bytes instead, as a folder is.
-- What the load reads beyond those files (``model_reads``): module code from another installed
-  package is named with its release; a path outside the folder is refused before the run.
+- What the load reads beyond those files: a path its configs name outside the folder is refused
+  before the run (``model_reads``); the code a ``--trust-remote-code`` model runs is listed by
+  watching its load (``model_code``) and added as ``+code:<digest>``.
 
 A folder is hashed once per process for as long as its files are unchanged; "unchanged" is each
 file's device, inode, size, modification and change time (``FolderStamp``). The change time cannot
@@ -26,11 +27,15 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from chunkq.jobs.compute import hub_snapshot, model_reads
+from chunkq.jobs.compute import hub_snapshot, model_code, model_reads
 from chunkq.jobs.compute.models import resolve_model
 from chunkq.jobs.contract.errors import ConfigError
+
+if TYPE_CHECKING:
+    from chunkq.jobs.compute.models import LoadedModel
+    from chunkq.jobs.contract.specs import ChunkSpec
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +47,9 @@ FolderStamp = tuple[Any, ...]
 class Identity:
     """A model's identity and the stamp of the files it was read from (to notice a change later)."""
 
-    value: str  # "files:<sha256>" or "hub:<repo>@<commit>", then "+<package>==<release>" per module code
+    value: str  # "files:<sha256>" or "hub:<repo>@<commit>", then "+code:<digest>" for code it brings
     stamp: FolderStamp
+    code: Any = None  # jobs.compute.model_code.Listing: what a load of code it brings read
 
 
 def hub_cache() -> str | None:
@@ -128,7 +134,7 @@ def identify(ref: str, revision: str | None = None) -> Identity | None:
     files = model_files(folder)
     stamp = folder_stamp(folder, files)
     if stamp not in _DIGESTS:
-        code = model_reads.check(ref, folder, files)  # before the bytes: a refusal costs no hashing
+        model_reads.check(ref, folder, files)  # before the bytes: a refusal costs no hashing
         if commit and hub_snapshot.intact(folder, files):
             # The commit, and which blob each file of the snapshot is: a download completed later
             # under the same commit, or a link moved to another blob, is another listing.
@@ -146,8 +152,14 @@ def identify(ref: str, revision: str | None = None) -> Identity | None:
             # Written to while it was read: neither the old bytes nor the new. A run must not be
             # fixed to a half-copied folder.
             raise ConfigError(f"model {ref}: its files changed while chunkq read them; try again")
-        _DIGESTS[stamp] = value + "".join(f"+{c}" for c in code)
+        _DIGESTS[stamp] = value
     return Identity(_DIGESTS[stamp], stamp)
+
+
+def covered_paths(ref: str, revision: str | None = None) -> set[str]:
+    """The real paths of the files the identity hashes (what a load may read without a listing)."""
+    folder, _ = model_folder(ref, revision)
+    return set() if folder is None else {os.path.realpath(path) for _, path in model_files(folder)}
 
 
 def current_stamp(ref: str, revision: str | None = None) -> FolderStamp | None:
@@ -174,4 +186,36 @@ def short(identity: str | None) -> str:
         name, _, rest = files.partition("@")
         commit, _, listing = rest.partition(":")
         shown = f"{name}@{commit[:12]}" + (f" (files {listing[:8]})" if listing else "")
-    return shown + "".join(f" + {c.rsplit(':', 1)[0]} (code {c.rsplit(':', 1)[-1][:8]})" for c in code)
+    return shown + "".join(
+        f" + its code {c.removeprefix('code:')[:8]}" if c.startswith("code:") else f" + {c}" for c in code
+    )
+
+
+def check_loaded(
+    chunk: ChunkSpec, expected: str | None, loaded: LoadedModel, run_code: Any = None
+) -> str | None:
+    """The identity an output of ``loaded`` records; ConfigError unless ``loaded`` was built from the
+    bytes the run was submitted with (``expected``, the manifest's; None: not known at submit) and,
+    for a model that brings its own code, runs the code the run's load read (``run_code``, the
+    manifest's listing). A run's rows come from one model."""
+    mine = loaded.identity_value
+    if expected is None or mine == expected:
+        return mine
+    same_files = mine is not None and model_code.files_part(mine) == model_code.files_part(expected)
+    if same_files and model_code.accepted_unidentified(expected):
+        return expected  # the run accepted code it cannot identify: its files are what it compares
+    if same_files and loaded.code is not None:
+        differs = loaded.code.differences(run_code)
+        shown = "; ".join(differs[:3]) + (f" (and {len(differs) - 3} more)" if len(differs) > 3 else "")
+        raise ConfigError(
+            f"chunk {chunk.job_id}: model {chunk.model} runs other code on this host than run "
+            f"{chunk.run_id} was submitted with ({shown or 'its listing differs'}); refused rather than "
+            f"mix two codes' rows. Give this host the run's code, or start the run again with the code "
+            f"as it is (`chunkq clean {chunk.run_id}`, then submit or run again)"
+        )
+    raise ConfigError(
+        f"chunk {chunk.job_id}: model {chunk.model} on this host is {short(mine)}, but run {chunk.run_id} "
+        f"was submitted with {short(expected)}; refused rather than mix two models' rows. Give this "
+        f"host the run's files, or start the run again with the model as it is (`chunkq clean "
+        f"{chunk.run_id}`, then submit or run again)"
+    )

@@ -16,21 +16,19 @@ name code. Everything a JSON file of the folder names is checked here, whatever 
 - another model named by hub id (``org/name``) under a key a loader reads, or present in this host's
   hub cache: refused, its files are not this folder's;
 - code from another hub repository (``repo--module.Class``) is refused: it is not in this folder;
-- a class (``modules.json``'s types, a router's, any dotted name a config holds) imported from an
-  installed package other than sentence-transformers, transformers or torch is named by the
-  package's release and the sha256 of its source files (an editable install changes code in place).
+- a class from outside sentence-transformers (``modules.json``'s types, a router's, ``auto_map``)
+  loads only under ``--trust-remote-code``, and such a load is watched for the code it runs
+  (``model_code``).
 
 Two keys are exempt: ``_name_or_path`` and ``name_or_path``, which transformers overwrites with the
 path it loads from and never opens (``tests/test_model_reads.py`` loads a model whose keys name
 another model and checks the vectors). ``tokenizer.json`` is not searched: the tokenizers library
 reads that one file, and its vocabulary is tokens ("/", "~", "x/y") that only look like paths.
-What the identity cannot see, the docs say (docs/cache.md): code the model brings
-(``--trust-remote-code``) can read anything, and the copy transformers runs it from.
+What the identity cannot see, the docs say (docs/cache.md).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -44,11 +42,9 @@ from chunkq.jobs.contract.errors import ConfigError
 UNREAD_FOLDERS = frozenset({".git"})  # no load opens them; `git status` rewrites .git/index
 LOADER_SET_KEYS = frozenset({"_name_or_path", "name_or_path"})  # set from the load path, never opened
 TOKEN_DATA = frozenset({"tokenizer.json"})  # one self-contained file: tokens, not paths
-LIBRARY_CODE = ("sentence_transformers", "transformers", "torch")  # their releases are in the cache key
 # A key under which loaders read a path or a model by name, whatever file it is in.
 _PATH_KEY = re.compile(r"(?i)(path|file|dir|folder|model|tokenizer|repo)")
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9]")
-_CLASS = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+")
 
 
 class _Covered:
@@ -83,11 +79,9 @@ class _Covered:
         return True
 
 
-def check(ref: str, folder: Path, files: list[tuple[str, Path]]) -> list[str]:
-    """Refuse (ConfigError, one line) what the identity of ``folder`` could not cover; return the
-    code of installed packages the load uses ("name==release:sha256"), sorted."""
+def check(ref: str, folder: Path, files: list[tuple[str, Path]]) -> None:
+    """Refuse (ConfigError, one line) what the identity of ``folder`` could not cover."""
     covered = _Covered(folder, files)
-    code: set[str] = set()
     for name, path in files:
         if not name.endswith(".json") or Path(name).name in TOKEN_DATA:
             continue
@@ -101,12 +95,8 @@ def check(ref: str, folder: Path, files: list[tuple[str, Path]]) -> list[str]:
             where = f"model {ref}: {name} {'.'.join(keys) or 'value'}"
             _check_code(where, value, keys)
             _check_path(where, value, keys, path.parent, covered)
-            found = _package_code(value, folder) if _CLASS.fullmatch(value) else None
-            if found is not None:
-                code.add(found)
         if name == "modules.json" and isinstance(data, list):
             _check_modules(ref, data)
-    return sorted(code)
 
 
 def _strings(data: Any, keys: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], str]]:
@@ -195,53 +185,6 @@ def _check_modules(ref: str, modules: list[Any]) -> None:
                 f"model {ref}: modules.json puts module {module.get('name')!r} at {path!r}, under "
                 "version control's records, which chunkq does not read as the model; move it"
             )
-
-
-_PACKAGES: dict[str, str | None] = {}  # a top-level package's identity, once a process
-
-
-def _package_code(class_path: str, folder: Path) -> str | None:
-    """ "name==release:sha256" of the installed package a class path is imported from; None for the
-    libraries in the cache key, for code in the model's folder (hashed with it), and for what no
-    installed module provides (the load takes it from the folder's files, or fails)."""
-    from importlib.util import find_spec
-
-    top = class_path.split(".", 1)[0]
-    if top in LIBRARY_CODE or top in sys.stdlib_module_names:
-        return None
-    if top not in _PACKAGES:
-        try:
-            spec = find_spec(top)
-        except (ImportError, ValueError):
-            spec = None
-        _PACKAGES[top] = (
-            None if spec is None or spec.origin in (None, "built-in", "frozen") else _code_of(top, spec)
-        )
-    return _PACKAGES[top]
-
-
-def _code_of(top: str, spec: Any) -> str:
-    """A package's release and the sha256 of its source files (names and bytes): an editable
-    install's edits change it though its release does not."""
-    from importlib.metadata import PackageNotFoundError, packages_distributions, version
-
-    names = packages_distributions().get(top) or [top]
-    try:
-        release = version(names[0])
-    except PackageNotFoundError:
-        raise ConfigError(
-            f"module class code {top!r} is imported from {spec.origin}, which no installed package "
-            "owns, so chunkq cannot say which code made a vector; install it as a package"
-        ) from None
-    roots = list(spec.submodule_search_locations or [os.path.dirname(str(spec.origin))])
-    digest = hashlib.sha256()
-    sources = [str(spec.origin)] if not spec.submodule_search_locations else []
-    for root in roots:
-        sources += [str(p) for p in Path(root).rglob("*.py")]
-    for source in sorted(sources):
-        data = Path(source).read_bytes()
-        digest.update(f"{source}\0{len(data)}\0".encode() + data)
-    return f"{names[0]}=={release}:{digest.hexdigest()[:16]}"
 
 
 def no_working_directory_imports() -> None:

@@ -7,7 +7,7 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -138,6 +138,11 @@ class LoadedModel:
     identity: Identity | None = None  # the bytes it was loaded from (None: its files are not here)
 
     @property
+    def code(self) -> Any:
+        """For a model that brings its own code: what its load read (jobs.compute.model_code.Listing)."""
+        return self.identity.code if self.identity is not None else None
+
+    @property
     def identity_value(self) -> str | None:
         """What the manifest and each output record of the model (None: its files are not here)."""
         return self.identity.value if self.identity is not None else None
@@ -234,13 +239,47 @@ def _load_identified(ref: str, device: str, options: EncodeOptions) -> tuple[Any
         template = _templates.pop((ref, _model_class(options.kind)), None) if options.default_load else None
         if template is not None and identity is not None and template[1] == identity:
             return template[0].to(device), identity, True
-        model = _load(ref, device, options)
+        model, code = _load_watched(ref, device, options)
         if identity is None:  # fetched from the hub by this load: what it fetched
-            return model, identify(ref, options.revision), False
+            return model, _with_code(identify(ref, options.revision), code), False
         if current_stamp(ref, options.revision) == identity.stamp:
-            return model, identity, False
+            return model, _with_code(identity, code), False
         log.warning("model %s: its files changed while it loaded; loading it again", ref)
     raise ConfigError(f"model {ref}: its files kept changing while chunkq loaded them; try again once copied")
+
+
+# (model, how it loads, its class) -> what its loads in this process read beyond the shared environment:
+# a module imported by an earlier load is not imported again, yet it is what this load runs.
+_code_read: dict[tuple[Any, ...], Any] = {}
+
+
+def _load_watched(ref: str, device: str, options: EncodeOptions) -> tuple[Any, Any]:
+    """The model and, for one that brings its own code (trust_remote_code), the listing of what its
+    load and a warm-up input read (jobs.compute.model_code); None for any other model, whose code is
+    the libraries' own."""
+    if not options.trust_remote_code:
+        return _load(ref, device, options), None
+    from chunkq.jobs import kinds  # the kinds import this module's neighbours, not the other way
+    from chunkq.jobs.compute import model_code
+    from chunkq.jobs.compute.model_identity import covered_paths
+
+    def load_and_encode() -> Any:
+        model = _load(ref, device, options)
+        kinds.get(options.kind).warm_up(model, [16])
+        return model
+
+    model, listing = model_code.record(load_and_encode, covered_paths(ref, options.revision))
+    key = (ref, options.load_key(), _model_class(options.kind))
+    listing = _code_read[key] = model_code.merged(_code_read.get(key), listing)
+    return model, listing
+
+
+def _with_code(identity: Identity | None, code: Any) -> Identity | None:
+    if identity is None or code is None:
+        return identity
+    from chunkq.jobs.compute.model_code import with_code
+
+    return replace(identity, value=with_code(identity.value, code), code=code)
 
 
 def _model_class(kind: str) -> str:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from chunkq.jobs.compute import code_probe, model_code
 from chunkq.jobs.compute.model_identity import model_identity, short
 from chunkq.jobs.compute.vector_cache import cache_enabled
 from chunkq.jobs.contract.defaults import DEFAULT_CHUNK_SIZE, DEFAULT_QUEUE
@@ -64,6 +65,8 @@ class SubmitRequest:
     window_tokens: int | None = None  # None: the model's maximum length less special tokens and prompt
     window_stride: int | None = None  # None: a quarter of a window
     pool: str = POOLS[0]  # with windows: a vector per text as well (mean, or weighted by tokens)
+    # --accept-unidentified-code: a --trust-remote-code model whose code is not identified; no cache
+    accept_unidentified_code: bool = False
 
     def __post_init__(self) -> None:
         # A late run's rows are late rows (jobs.compute.late): its workers must encode them so.
@@ -72,7 +75,8 @@ class SubmitRequest:
 
     @property
     def cached(self) -> bool:
-        return cache_enabled(self.cache, self.encode)
+        # Code not identified is not in the cache's key: its vectors are never served nor kept.
+        return cache_enabled(self.cache, self.encode) and not self.accept_unidentified_code
 
     @property
     def windowed(self) -> bool:
@@ -239,6 +243,7 @@ class Identified:
     fingerprint: str
     model_identity: str | None  # the model's bytes (jobs.compute.model_identity); None: not on this host
     manifest: RunManifest | None = None  # the run's manifest, where identify read it already
+    model_code: list[dict[str, str]] | None = None  # what the model's own code read (model_code.Listing)
 
 
 def identify(req: SubmitRequest) -> Identified:
@@ -251,8 +256,30 @@ def identify(req: SubmitRequest) -> Identified:
     identity = _identity(req, inputs)
     run_fingerprint = fingerprint(identity)
     run_id = validate_run_id(req.run_id) if req.run_id else default_run_id(req.corpora[0], run_fingerprint)
-    model = model_identity(req.model, req.encode.revision)
-    return _begun_earlier(req, Identified(run_id, inputs, identity, run_fingerprint, model))
+    model, code = code_identity(req, model_identity(req.model, req.encode.revision))
+    return _begun_earlier(req, Identified(run_id, inputs, identity, run_fingerprint, model, model_code=code))
+
+
+LOAD_OPTIONS = ("trust_remote_code", "revision", "model_kwargs", "kind")  # what decides how a model loads
+
+
+def code_identity(req: SubmitRequest, files: str | None) -> tuple[str | None, list[dict[str, str]] | None]:
+    """The model's identity with the code it brings (``--trust-remote-code``: a probe's listing,
+    jobs.compute.model_code), and that listing for the manifest; a model that brings none as it is."""
+    if files is None or not req.encode.trust_remote_code:
+        return files, None
+    if req.accept_unidentified_code:
+        return model_code.with_code(files, None), None
+    options = {k: v for k, v in req.encode.to_dict().items() if k in LOAD_OPTIONS}
+    listing = code_probe.probe(req.model, options, files)
+    if listing.unidentified:
+        raise ConfigError(
+            f"model {req.model}: chunkq cannot identify the code it runs: {listing.unidentified[0]}"
+            f"{f' (and {len(listing.unidentified) - 1} more)' if len(listing.unidentified) > 1 else ''}; "
+            f"give {model_code.ACCEPT_FLAG} to run it all the same (its files alone are compared, and "
+            "no vector cache is used)"
+        )
+    return model_code.with_code(files, listing), listing.to_json()
 
 
 def _earlier_forms(req: SubmitRequest, identity: dict[str, Any]) -> list[tuple[dict[str, Any], str]]:
@@ -287,8 +314,8 @@ def _begun_earlier(req: SubmitRequest, identified: Identified) -> Identified:
         if found is not None and found.fingerprint == form_fingerprint:
             if why:
                 log.info("run %s was submitted %s", run_id, why)
-            return Identified(
-                run_id, identified.inputs, form, form_fingerprint, identified.model_identity, found
+            return replace(
+                identified, run_id=run_id, identity=form, fingerprint=form_fingerprint, manifest=found
             )
     found = read[identified.run_id]  # another run under this --run-id: prepare says how they differ
     return identified if found is None else replace(identified, manifest=found)

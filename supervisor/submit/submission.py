@@ -262,6 +262,7 @@ def _create_run(req: SubmitRequest, layout: RunLayout, identified: Identified) -
         "model": req.model,
         # What the model is as bytes, fixed now: a worker that loads other bytes refuses the chunk.
         "model_identity": identified.model_identity,
+        **({"model_code": identified.model_code} if identified.model_code is not None else {}),
         "options": req.encode.to_dict(),
         "unit_length": _unit_length(req),
         "chunk_size": req.chunk_size,

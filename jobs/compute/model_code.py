@@ -1,0 +1,251 @@
+"""The code a ``--trust-remote-code`` model runs, identified by what its load and first encode read.
+
+sentence-transformers 6 imports a module class from outside its own package, and transformers a
+config's ``auto_map`` code, only under ``trust_remote_code``; that code may import any installed module
+and read any file, so no reading of the model's folder can say what it runs (a hostile pass changed a
+helper package such a class imported, and a data file it read: every row came from the cache,
+max abs diff 1.25 and 15.2). Such a load is therefore watched: a Python audit hook (PEP 578) sees
+every module imported and every file opened while the model loads and encodes a warm-up input,
+and every file read that way is hashed, the *listing*, unless it is one of:
+
+- the model's own files (the identity hashed them), the standard library, and ``/proc``, ``/sys``,
+  ``/dev``;
+- chunkq, and the distributions chunkq itself requires, with theirs (torch, transformers,
+  sentence-transformers, numpy...): the environment every worker shares, whose releases of
+  sentence-transformers, transformers, tokenizers and torch are in the vector cache's key;
+- the hub's token file (a credential, not code); ``__pycache__`` bytecode (its source is listed).
+
+The listing's digest is part of the model's identity (``+code:<digest>``): the submit loads the
+model once on the CPU in a fresh interpreter to make it (``code_probe``; a later submit on this host
+re-hashes the files the last probe listed and reuses it when every byte and the installed
+distributions are the same), and each worker makes its own at its load. A worker whose listing
+differs is refused before it encodes a row, naming the files. What cannot be identified (a
+connection opened, another program run) refuses the run in one line, unless
+``--accept-unidentified-code`` accepts the risk by name: the run then compares the model's files
+alone and uses no vector cache. What the listing cannot see: code that runs only after the warm-up
+encode (on another path of the model), environment variables, and a change to one of chunkq's own
+requirements other than a new release (docs/cache.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from chunkq.jobs.compute.shared_environment import environment, under
+
+T = TypeVar("T")
+
+UNIDENTIFIED = "unidentified"  # the identity's code part when the run accepted that risk by name
+CODE_TAG = "+code:"
+ACCEPT_FLAG = "--accept-unidentified-code"
+# Audit events of a load that reaches beyond the files it reads: what another program does is not seen.
+_RUNS_PROGRAMS = frozenset({"subprocess.Popen", "os.system", "os.posix_spawn", "os.exec", "os.spawn"})
+
+
+@dataclass(frozen=True)
+class Listing:
+    """What a load read beyond its folder and the shared environment: (name, sha256, package) per
+    file, a name being the path below its import root (the same on every host of one environment)
+    or, outside any, the absolute path; and what could not be identified, each in words."""
+
+    files: tuple[tuple[str, str, str], ...] = ()
+    unidentified: tuple[str, ...] = ()
+    paths: dict[str, str] = field(default_factory=dict, compare=False)  # name -> this host's path
+
+    def digest(self) -> str:
+        data = json.dumps([list(f) for f in self.files], separators=(",", ":")).encode()
+        return hashlib.sha256(data).hexdigest()[:16]
+
+    def to_json(self) -> list[dict[str, str]]:
+        return [{"name": n, "sha256": s, "package": p} for n, s, p in self.files]
+
+    def to_record(self) -> dict[str, Any]:
+        """The listing whole, with this host's paths: what the probe hands back and its memo keeps."""
+        return {"files": self.to_json(), "unidentified": list(self.unidentified), "paths": self.paths}
+
+    def differences(self, run: list[dict[str, Any]] | None) -> list[str]:
+        """How this listing differs from the run's (``to_json``), file by file, in words."""
+        theirs = {str(f.get("name")): str(f.get("sha256")) for f in run or [] if isinstance(f, dict)}
+        mine = {n: s for n, s, _ in self.files}
+        found = [f"{n}: other bytes" for n in sorted(mine.keys() & theirs.keys()) if mine[n] != theirs[n]]
+        found += [f"{n}: read here, not by the run's load" for n in sorted(mine.keys() - theirs.keys())]
+        found += [f"{n}: read by the run's load, not here" for n in sorted(theirs.keys() - mine.keys())]
+        return found
+
+
+def with_code(identity: str, listing: Listing | None) -> str:
+    """A model's identity with its code part: the listing's digest, or ``unidentified`` (None)."""
+    return identity + CODE_TAG + (UNIDENTIFIED if listing is None else listing.digest())
+
+
+def files_part(identity: str) -> str:
+    """An identity without its code part: what the model's files alone are."""
+    return identity.split(CODE_TAG, 1)[0]
+
+
+def accepted_unidentified(identity: str | None) -> bool:
+    return identity is not None and identity.endswith(CODE_TAG + UNIDENTIFIED)
+
+
+def merged(earlier: Listing | None, now: Listing) -> Listing:
+    """What every load of one model in one process read: a module an earlier load imported is not
+    read again, yet the later load runs it (as it was read then)."""
+    if earlier is None:
+        return now
+    files = {n: (n, s, p) for n, s, p in earlier.files} | {n: (n, s, p) for n, s, p in now.files}
+    unidentified = tuple(dict.fromkeys(earlier.unidentified + now.unidentified))
+    return Listing(tuple(sorted(files.values())), unidentified, {**earlier.paths, **now.paths})
+
+
+# --- recording ---------------------------------------------------------------------------------
+
+_recording: threading.local = threading.local()
+_hook_lock = threading.Lock()
+_hooked = False
+
+
+@dataclass
+class _Seen:
+    opened: list[str] = field(default_factory=list)
+    elsewhere: list[str] = field(default_factory=list)  # what the load reached beyond files
+
+
+def _audit(event: str, args: tuple[Any, ...]) -> None:
+    seen: _Seen | None = getattr(_recording, "seen", None)
+    if seen is None:  # the hook stays for the process's life (PEP 578): cheap when nothing records
+        return
+    if event == "open":
+        path, mode, flags = args
+        if isinstance(path, int) or not _reads(mode, flags):
+            return
+        try:
+            seen.opened.append(os.path.abspath(os.fsdecode(path)))
+        except (TypeError, ValueError):
+            return
+    elif event == "socket.connect":
+        seen.elsewhere.append(f"it connects to {args[1]!r}"[:200])
+    elif event in _RUNS_PROGRAMS:
+        seen.elsewhere.append(f"it runs another program ({event}: {str(args[0])[:120]})")
+
+
+def _reads(mode: Any, flags: Any) -> bool:
+    if isinstance(mode, str):
+        return not set(mode) & set("wax+")
+    return isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR) == 0
+
+
+def record(load: Callable[[], T], covered: set[str]) -> tuple[T, Listing]:
+    """``load()``'s value and the listing of what it read (``covered``: the real paths the model's
+    identity hashed). Modules it imported are found as new entries of ``sys.modules``: an
+    extension module is mapped by the loader, which no open event shows."""
+    global _hooked
+    with _hook_lock:
+        if not _hooked:
+            sys.addaudithook(_audit)
+            _hooked = True
+    before = set(sys.modules)
+    callers = _callers()
+    seen = _Seen()
+    _recording.seen = seen
+    try:
+        value = load()
+    finally:
+        _recording.seen = None
+    unidentified = list(seen.elsewhere)
+    read = list(seen.opened)
+    read += filter(None, map(_module_file, sorted(set(sys.modules) - before)))
+    return value, _listing(read, covered | callers, unidentified)
+
+
+def _callers() -> set[str]:
+    """The files of the code that asked for the load (every frame above it): a warning raised in the
+    load reads its caller's source line to show it, which is the caller's code, not the model's."""
+    found = set()
+    frame = sys._getframe(1)
+    while frame is not None:
+        found.add(os.path.realpath(frame.f_code.co_filename))
+        frame = frame.f_back  # type: ignore[assignment]
+    main = getattr(sys.modules.get("__main__"), "__file__", None)
+    return found | ({os.path.realpath(main)} if main else set())
+
+
+def _module_file(name: str) -> str | None:
+    """A module's file, where it was loaded from one. A module made otherwise (built in, a namespace,
+    one a library builds at run time) brings no code of its own: what made it was read from a file."""
+    spec = getattr(sys.modules.get(name), "__spec__", None)
+    origin = getattr(spec, "origin", None)
+    if not getattr(spec, "has_location", False) or not origin or not os.path.isfile(origin):
+        return None
+    return os.path.abspath(str(origin))
+
+
+def _listing(read: list[str], covered: set[str], unidentified: list[str]) -> Listing:
+    exempt = environment()
+    roots = _import_roots()
+    files: dict[str, tuple[str, str]] = {}
+    paths: dict[str, str] = {}
+    for path in read:
+        real = os.path.realpath(path)
+        if real in covered or under(real, exempt) or "__pycache__" in Path(real).parts:
+            continue
+        if not os.path.isfile(real):
+            continue  # opened and failed, or a folder: nothing was read from it
+        name = _name(real, roots)
+        if name in files:
+            continue
+        try:
+            files[name] = (sha256_of(real), _package(name, real))
+        except OSError as exc:
+            unidentified.append(f"{real} could not be read again ({exc.strerror})")
+            continue
+        paths[name] = real
+    entries = tuple(sorted((n, s, p) for n, (s, p) in files.items()))
+    return Listing(entries, tuple(dict.fromkeys(unidentified)), paths)
+
+
+def sha256_of(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _import_roots() -> list[str]:
+    roots = {os.path.realpath(p) for p in sys.path if p and os.path.isdir(p)}
+    return sorted(roots, key=len, reverse=True)
+
+
+def _name(real: str, roots: list[str]) -> str:
+    for root in roots:
+        if real.startswith(root + os.sep):
+            return os.path.relpath(real, root)
+    return real
+
+
+def _package(name: str, real: str) -> str:
+    """The installed distribution that provides a listed file, as ``name==release`` ("" if none)."""
+    from importlib.metadata import PackageNotFoundError, packages_distributions, version
+
+    top = Path(name).parts[0] if not os.path.isabs(name) else ""
+    top = top.removesuffix(".py").split(".")[0]
+    for dist in packages_distributions().get(top, []):
+        try:
+            return f"{dist}=={version(dist)}"
+        except PackageNotFoundError:
+            continue
+    return ""
+
+
+def from_json(data: dict[str, Any]) -> Listing:
+    files = tuple((str(f["name"]), str(f["sha256"]), str(f["package"])) for f in data["files"])
+    paths = {str(k): str(v) for k, v in data["paths"].items()}
+    return Listing(files, tuple(map(str, data["unidentified"])), paths)

@@ -1,0 +1,293 @@
+"""Issue 63.1: a --trust-remote-code model's identity covers the code its load and first encode run
+outside its folder (jobs/compute/model_code.py); what cannot be identified is refused in one line
+unless --accept-unidentified-code, which turns the vector cache off."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from chunkq.jobs.compute import code_probe, model_code
+from chunkq.jobs.contract.errors import ConfigError
+from chunkq.jobs.contract.run_files import RunLayout
+from chunkq.queue_worker.exit_codes import EXIT_CONFIG
+from tests.helpers import make_texts, max_abs_diff, result_of, run_cli, write_corpus
+from tests.tiny_models import bundled_copy
+
+# An installed package's sentence-transformers module: it scales each vector by a number read from a
+# data file of its own, and adds one from another package it imports; neither is in the model's folder.
+_MODULE = """
+import json, os
+from sentence_transformers.base.modules.module import Module
+import {const}
+{extra}
+
+class Shift(Module):
+    config_keys: list = []
+
+    def forward(self, features):
+        with open(os.path.join(os.path.dirname(__file__), "scale.json")) as fh:
+            scale = json.load(fh)["scale"]
+        features["sentence_embedding"] = features["sentence_embedding"] * scale + {const}.SHIFT
+        return features
+
+    def save(self, output_path, *args, **kwargs):
+        self.save_config(output_path)
+
+    @classmethod
+    def load(cls, model_name_or_path="", subfolder="", **kwargs):
+        return cls()
+"""
+
+
+def _site(root: Path, name: str, extra: str = "") -> Path:
+    """Packages ``<name>pool`` (the module class) and ``<name>const`` (what it imports) under ``root``."""
+    (root / f"{name}pool").mkdir(parents=True)
+    (root / f"{name}const").mkdir()
+    (root / f"{name}pool" / "__init__.py").write_text(_MODULE.format(const=f"{name}const", extra=extra))
+    (root / f"{name}pool" / "scale.json").write_text('{"scale": 1.0}')
+    (root / f"{name}const" / "__init__.py").write_text("SHIFT = 0.0\n")
+    for package in (f"{name}pool", f"{name}const"):  # installed, as pip installs them
+        info = root / f"{package}-1.0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {package}\nVersion: 1.0\n")
+        (info / "top_level.txt").write_text(f"{package}\n")
+        files = [p.relative_to(root).as_posix() for p in (root / package).iterdir()]
+        (info / "RECORD").write_text("".join(f"{f},,\n" for f in [*files, f"{info.name}/RECORD"]))
+    return root
+
+
+def _shifted_model(folder: Path, name: str) -> Path:
+    """The bundled model with the package's module between its pooling and its normalisation."""
+    bundled_copy(folder)
+    modules = json.loads((folder / "modules.json").read_text())
+    modules.insert(2, {"idx": 2, "name": "shift", "path": "shift", "type": f"{name}pool.Shift"})
+    for index, module in enumerate(modules):
+        module["idx"] = index
+    (folder / "modules.json").write_text(json.dumps(modules))
+    (folder / "shift").mkdir()
+    (folder / "shift" / "config.json").write_text("{}")
+    return folder
+
+
+def _fresh_encode(model: Path, site: Path, texts: list[str]) -> np.ndarray:
+    """A plain encode in a fresh interpreter: the reference a user would compare with."""
+    script = (
+        "import sys, json, numpy as np\n"
+        "from sentence_transformers import SentenceTransformer\n"
+        "texts = json.loads(sys.stdin.read())\n"
+        f"m = SentenceTransformer({str(model)!r}, device='cpu', trust_remote_code=True)\n"
+        f"np.save({str(site / 'want.npy')!r}, m.encode(texts))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(site), HF_HUB_OFFLINE="1")
+    subprocess.run([sys.executable, "-c", script], input=json.dumps(texts), text=True, env=env, check=True)
+    return np.load(site / "want.npy")
+
+
+def _latest(store: Path) -> RunLayout:
+    runs = sorted((store / "runs").iterdir(), key=lambda p: p.stat().st_mtime)
+    return RunLayout(store, runs[-1].name)
+
+
+@pytest.mark.slow
+def test_code_outside_the_folder_changed_is_encoded_again_not_served_from_the_cache(tmp_path: Path) -> None:
+    """The hostile pass's two variants: the package a module class imports, then a data file it reads,
+    changed after a run; the same texts again in the same store are encoded again and equal a fresh
+    encode. Before: "0 encoded, 40 from the vector cache", max abs diff 1.25 and 15.2."""
+    site = _site(tmp_path / "site", "shift")
+    model = _shifted_model(tmp_path / "model", "shift")
+    ids, texts = make_texts(40, seed=63)
+    store = tmp_path / "store"
+    common = ["--store", str(store), "--chunk-size", "20", "--model", str(model), "--trust-remote-code"]
+    env = {"PYTHONPATH": str(site), "CHUNKQ_FORK_SERVER_SOCKET": ""}  # the pool's own imports the package
+    first = run_cli("run", str(write_corpus(tmp_path / "a.jsonl", ids, texts, "jsonl")), *common, **env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    changes = [
+        (site / "shiftconst" / "__init__.py", "SHIFT = 0.5\n"),
+        (site / "shiftpool" / "scale.json", '{"scale": 3.0}'),
+    ]
+    for round_, (path, text) in enumerate(changes):
+        path.write_text(text)
+        corpus = write_corpus(tmp_path / f"b{round_}.jsonl", [f"b{round_}-{i}" for i in ids], texts, "jsonl")
+        again = run_cli("run", str(corpus), *common, **env)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert "40 encoded, 0 from the vector cache" in again.stdout + again.stderr, again.stderr[-2000:]
+        got, got_ids = result_of(_latest(store))
+        assert got_ids == [f"b{round_}-{i}" for i in ids]
+        assert max_abs_diff(got, _fresh_encode(model, site, texts)) <= 1e-5
+    manifest = json.loads(_latest(store).manifest.read_text())
+    listed = {entry["name"] for entry in manifest["model_code"]}
+    assert listed == {"shiftconst/__init__.py", "shiftpool/__init__.py", "shiftpool/scale.json"}
+    assert manifest["model_identity"].endswith(
+        model_code.CODE_TAG
+        + model_code.Listing(
+            tuple((e["name"], e["sha256"], e["package"]) for e in manifest["model_code"])
+        ).digest()
+    )
+
+
+def test_a_load_is_listed_by_what_it_reads_outside_the_shared_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The recording itself: a package's module and data file are listed by their names below their
+    import root, with their bytes; the model's own files, the standard library, chunkq's requirements
+    and /proc are not; a file edited in place is other bytes; a program run is unidentified."""
+    site = tmp_path / "site"
+    (site / "recpkg").mkdir(parents=True)
+    (site / "recpkg" / "__init__.py").write_text("VALUE = 1\n")
+    (site / "recpkg" / "data.txt").write_text("one")
+    covered = tmp_path / "model.json"
+    covered.write_text("{}")
+    monkeypatch.syspath_prepend(str(site))
+    importlib.invalidate_caches()
+
+    def load() -> str:
+        importlib.import_module("recpkg")
+        importlib.import_module("numpy.polynomial.hermite")  # a requirement's (numpy), whatever is new
+        importlib.import_module("wave")  # the standard library
+        Path("/proc/self/status").read_text()
+        covered.read_text()
+        return (site / "recpkg" / "data.txt").read_text()
+
+    value, listing = model_code.record(load, {str(covered.resolve())})
+    assert value == "one" and listing.unidentified == ()
+    assert [name for name, _, _ in listing.files] == ["recpkg/__init__.py", "recpkg/data.txt"]
+    (site / "recpkg" / "data.txt").write_text("two")
+    _, edited = model_code.record(lambda: (site / "recpkg" / "data.txt").read_text(), set())
+    assert edited.files[0][0] == "recpkg/data.txt" and edited.files[0][1] != listing.files[1][1]
+    assert model_code.merged(listing, edited).digest() != listing.digest()
+    _, ran = model_code.record(lambda: subprocess.run(["true"], check=True), set())
+    assert ran.unidentified and "runs another program" in ran.unidentified[0]
+    differs = edited.differences(json.loads(json.dumps(listing.to_json())))
+    assert differs == ["recpkg/data.txt: other bytes", "recpkg/__init__.py: read by the run's load, not here"]
+
+
+def test_a_worker_whose_code_differs_from_the_runs_is_refused_naming_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker loads the model and lists what its load read; the run's listing (the manifest's) says
+    the package's data file had other bytes: the chunk is refused, naming the file."""
+    from chunkq.jobs.compute import models
+    from chunkq.jobs.compute.model_identity import check_loaded as check_model
+    from chunkq.jobs.contract.specs import ChunkSpec, EncodeOptions
+
+    site = _site(tmp_path / "site", "wrk")
+    model = _shifted_model(tmp_path / "model", "wrk")
+    monkeypatch.syspath_prepend(str(site))
+    importlib.invalidate_caches()
+    options = EncodeOptions(trust_remote_code=True)
+    loaded = models.get_model(str(model), "cpu", "fp32", options)
+    try:
+        listing = loaded.code
+        assert {n for n, _, _ in listing.files} == {
+            "wrkconst/__init__.py",
+            "wrkpool/__init__.py",
+            "wrkpool/scale.json",
+        }
+        chunk = ChunkSpec("r1", 0, 0, 1, str(model), str(tmp_path), options)
+        value = loaded.identity_value
+        assert check_model(chunk, value, loaded, listing.to_json()) == value
+        run = [
+            dict(e, sha256="0" * 64) if e["name"] == "wrkpool/scale.json" else e for e in listing.to_json()
+        ]
+        theirs = model_code.with_code(
+            model_code.files_part(value),
+            model_code.from_json({"files": run, "unidentified": [], "paths": {}}),
+        )
+        with pytest.raises(
+            ConfigError, match=r"runs other code on this host .*wrkpool/scale.json: other bytes"
+        ):
+            check_model(chunk, theirs, loaded, run)
+        accepted = model_code.with_code(model_code.files_part(value), None)
+        assert check_model(chunk, accepted, loaded, None) == accepted  # the run accepted the risk by name
+    finally:
+        models.forget(str(model), "cpu", "fp32", options)
+
+
+@pytest.mark.slow
+def test_code_that_connects_while_it_loads_is_refused_unless_accepted_by_name(tmp_path: Path) -> None:
+    """A module class that opens a connection while it loads: chunkq cannot say what it brought, so
+    the run is refused before it starts, in one line; --accept-unidentified-code runs it without the
+    vector cache, and --cache with it is refused."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def answer() -> None:  # every load connects: the probe's, then each worker's
+        with contextlib.suppress(OSError):
+            while True:
+                listener.accept()[0].close()
+
+    threading.Thread(target=answer, daemon=True).start()
+    try:
+        extra = f"import socket\nsocket.create_connection(('127.0.0.1', {port})).close()\n"
+        site = _site(tmp_path / "site", "net", extra)
+        model = _shifted_model(tmp_path / "model", "net")
+        ids, texts = make_texts(12, seed=7)
+        corpus = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")
+        store = tmp_path / "store"
+        common = ["--store", str(store), "--model", str(model), "--trust-remote-code", "--chunk-size", "6"]
+        env = {"PYTHONPATH": str(site), "CHUNKQ_FORK_SERVER_SOCKET": ""}
+        refused = run_cli("run", str(corpus), *common, forks=False, **env)
+        assert refused.returncode == EXIT_CONFIG, refused.stderr[-2000:]
+        line = refused.stderr.strip().splitlines()[-1]
+        assert "cannot identify the code it runs: it connects to ('127.0.0.1', " in line, line
+        assert "--accept-unidentified-code" in line and not (store / "runs").exists()
+        both = run_cli(
+            "run", str(corpus), *common, "--accept-unidentified-code", "--cache", forks=False, **env
+        )
+        assert both.returncode == EXIT_CONFIG and "leave --cache out" in both.stderr
+        accepted = run_cli("run", str(corpus), *common, "--accept-unidentified-code", **env)
+        assert accepted.returncode == 0, accepted.stderr[-3000:]
+        layout = _latest(store)
+        manifest = json.loads(layout.manifest.read_text())
+        assert manifest["model_identity"].endswith("+code:unidentified")
+        assert "vector_cache" not in manifest["identity"] and not (store / "cache").exists()
+        got, got_ids = result_of(layout)
+        assert got_ids == ids and max_abs_diff(got, _fresh_encode(model, site, texts)) <= 1e-5
+    finally:
+        listener.close()
+
+
+@pytest.mark.slow
+def test_transformers_copy_of_a_models_own_code_is_in_its_listing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model whose config maps AutoModel to code in its folder: transformers runs it from its copy
+    in HF_MODULES_CACHE, which the listing names; a hand edit of that copy (issue 51's case left
+    open) is either undone by the next load or another identity, never the same one."""
+    from chunkq.jobs.compute.model_identity import model_identity
+
+    model = bundled_copy(tmp_path / "model")
+    config = json.loads((model / "config.json").read_text())
+    auto_map = {"AutoModel": "modeling_x.XModel", "AutoConfig": "configuration_x.XConfig"}
+    config.update(auto_map=auto_map, model_type="xbert", architectures=["XModel"])
+    (model / "config.json").write_text(json.dumps(config))
+    (model / "configuration_x.py").write_text(
+        "from transformers import BertConfig\n\nclass XConfig(BertConfig):\n    model_type = 'xbert'\n"
+    )
+    (model / "modeling_x.py").write_text(
+        "from transformers import BertModel\nfrom .configuration_x import XConfig\n\n"
+        "class XModel(BertModel):\n    config_class = XConfig\n"
+    )
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # this test's own probe memo
+    identity = model_identity(str(model))
+    assert identity is not None
+    first = code_probe.probe(str(model), {"trust_remote_code": True}, identity)
+    (copy,) = [n for n, _, _ in first.files if n.endswith("modeling_x.py")]
+    assert copy.startswith("transformers_modules/model/") and not first.unidentified
+    copied = Path(first.paths[copy])
+    copied.write_text(copied.read_text() + "\nXModel.forward_edited = True\n")
+    again = code_probe.probe(str(model), {"trust_remote_code": True}, identity)
+    edited = copied.read_text().endswith("forward_edited = True\n")
+    assert (again.digest() != first.digest()) if edited else (again.digest() == first.digest())
