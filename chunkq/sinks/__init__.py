@@ -213,6 +213,8 @@ def export_to(
             check_same_rows(sink.label, held, _run_keys(result, rows), sink.columns())
         hashes = RowHashes(layout, run, level) if HASH_COLUMN in sink.columns() else None
         sink.prepare()
+        if on_progress is not None:
+            on_progress(progress)  # the destination ready, no row written yet
         for ids, block in batches:
             keys, extra = row_keys(ids, rows.windowed)
             if corpus is not None:

@@ -10,20 +10,27 @@ export's columns gains them (schema evolution, ``add_columns``), and the merge f
 leaves the others as they are: a dense and a sparse run of one corpus make one row per id with both.
 Each row's ``text_sha256`` says which text it is; a table that holds rows is checked against the run
 before anything is added (``same_rows``): another corpus's rows are refused, the table untouched.
+One export writes a table at a time: a lock file beside it (``TABLE.chunkq-export.lock``, the
+store's own lock: a dead holder's is taken over) is held from the check to the last merge, so a
+second export waits, then checks what the first left; other programs writing the table are not
+held off.
 """
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from chunkq.jobs.contract.errors import ConfigError
 from chunkq.jobs.contract.redaction import redacted
+from chunkq.jobs.contract.storage import open_store
 from chunkq.sinks.row_texts import HASH_COLUMN
 from chunkq.sinks.rows import SPARSE, WINDOW_FIELDS, Rows, SparseRows
 from chunkq.sinks.same_rows import Held
+from chunkq.supervisor.store.store_lock import StoreLock
 
 DENSE_COLUMN, SPARSE_COLUMN = "vector", "sparse"  # LanceDB's search reads "vector" by default
 
@@ -63,6 +70,7 @@ class LanceSink:
         self.added: list[str] = []
         self.missing: list[Any] = []
         self.label = f"--to {redacted(url)}: the table"
+        self.lock: StoreLock | None = None
 
     def writes_to(self) -> list[str]:
         return [] if "://" in self.where else [f"{self.where}/{self.name}.lance"]
@@ -87,9 +95,12 @@ class LanceSink:
         return pa.schema(fields)
 
     def open(self, rows: Rows) -> None:
-        """Connect, and check that an existing table can take this export's rows; nothing written."""
+        """Take the table's export lock, connect, and check that an existing table can take this
+        export's rows; nothing written."""
         import lancedb
 
+        self.lock = StoreLock(_lock_path(self.where, self.name), self.label)
+        self.lock.acquire(wait=True)
         self.rows = rows
         self.schema = self._schema(rows)
         self.db = lancedb.connect(self.where)
@@ -164,17 +175,30 @@ class LanceSink:
             data[name] = pa.FixedSizeListArray.from_arrays(flat, vectors.shape[1])
         data.update({name: pa.array(values) for name, values in columns.items()})
         batch = pa.table(data, schema=self.schema)
+        self.lock.check()  # a holder paused past the lock's staleness must not write after its successor
         self.table.merge_insert("id").when_matched_update_all().when_not_matched_insert_all().execute(batch)
 
     def close(self) -> dict[str, Any]:
-        return {
-            "table_rows": int(self.table.count_rows()),
-            "created": self.created,
-            "columns_added": self.added,
-        }
+        try:
+            return {
+                "table_rows": int(self.table.count_rows()),
+                "created": self.created,
+                "columns_added": self.added,
+            }
+        finally:
+            self.lock.release()
 
     def abort(self) -> None:
-        pass  # every batch is a whole merge: what was merged stays, a rerun merges the rest
+        # Every batch is a whole merge: what was merged stays, a rerun merges the rest.
+        if self.lock is not None:
+            self.lock.release()
+
+
+def _lock_path(where: str, name: str) -> Any:
+    """The export lock beside the table: a file in the database's folder, or an object beside it."""
+    if "://" in where:
+        return open_store(f"{where}/{name}.chunkq-export.lock")
+    return Path(where) / f"{name}.chunkq-export.lock"
 
 
 def _has_table(db: Any, name: str) -> bool:

@@ -11,10 +11,14 @@ table filled by a binary COPY (pgvector's own Python adapters: text literals of 
 says which text it is; a table that holds rows is checked against the run first (``same_rows``).
 Everything that can refuse an export is checked before the table is touched, and the table's
 creation or new columns are committed with the first batch: a refused export leaves it as it was.
+One export writes a table at a time (a session advisory lock, released when its connection ends,
+even by a kill), and an existing table is locked against every other writer from the check to the
+first batch's commit: another export waits, then checks what the first left.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
 from urllib.parse import parse_qs, urlencode, urlsplit
@@ -27,6 +31,7 @@ from chunkq.sinks.row_texts import HASH_COLUMN
 from chunkq.sinks.rows import SPARSE, Rows, SparseRows
 from chunkq.sinks.same_rows import Held
 
+log = logging.getLogger(__name__)
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
 CONNECT_SECONDS = 10
 # pgvector's own limit on a sparsevec (SPARSEVEC_MAX_NNZ in its src/sparsevec.h): past it the COPY
@@ -131,10 +136,25 @@ class PgvectorSink:
         self.regclass = self.name.as_string(self.conn)
         self.added: list[str] = []
         with self.conn.cursor() as cur:
+            self._one_export_at_a_time(cur)
             cur.execute("SELECT to_regclass(%s)", (self.regclass,))
             self.exists = cur.fetchone()[0] is not None
             if self.exists:
+                # Until the first batch commits, no other writer changes what the check reads.
+                cur.execute(sql.SQL("LOCK TABLE {} IN SHARE ROW EXCLUSIVE MODE").format(self.name))
                 self._fit(cur)
+
+    def _one_export_at_a_time(self, cur: Any) -> None:
+        """Hold the table's export lock (a session advisory lock, gone with the connection) for the
+        whole export: the check of what the table holds and every batch after it are one step
+        against any other chunkq export (two at once put two runs in one table, or raced to create
+        it: ``UniqueViolation ... pg_type_typname_nsp_index``). A second export waits its turn, then
+        checks what the first left: the same corpus's other columns go in, another corpus is refused."""
+        key = f"chunkq export into {self.regclass}"
+        cur.execute("SELECT pg_try_advisory_lock(hashtextextended(%s, 0))", (key,))
+        if not cur.fetchone()[0]:
+            log.warning("%s: another export is writing to this table; waiting for it to finish", self.label)
+            cur.execute("SELECT pg_advisory_lock(hashtextextended(%s, 0))", (key,))
 
     def columns(self) -> set[str]:
         return set(self.names)
@@ -167,6 +187,8 @@ class PgvectorSink:
         from psycopg import sql
 
         with self.conn.cursor() as cur:
+            # Two exports into two new tables of a new database would race to create it too.
+            cur.execute("SELECT pg_advisory_xact_lock(hashtextextended('chunkq create extension vector', 0))")
             cur.execute("CREATE EXTENSION IF NOT EXISTS vector")
             if not self.exists:
                 columns = sql.SQL(", ").join(

@@ -48,8 +48,8 @@ def check_same_rows(where: str, held: Held, run_keys: Any, writes: set[str]) -> 
     raise ConfigError(
         f"{where} holds other rows than this run's: {missing:,} the run does not have, {extra:,} the "
         f"table does not have, {changed:,} of another text (the table: {held.rows:,} rows, the run: "
-        f"{run_keys.num_rows:,}); every row of a table chunkq writes has all its columns from one text "
-        + (f"(this export does not write {', '.join(others)}); " if others else "; ")
+        f"{run_keys.num_rows:,}); every row of a table chunkq writes has all its columns from one text"
+        + (f" (this export does not write {', '.join(others)}); " if others else "; ")
         + "export to a new table, or run the other exports again on this run's corpus"
     )
 

@@ -164,7 +164,7 @@ class StoreLock:
                     "command with --wait"
                 )
             if not announced:
-                log.info("%s is in use by %s; waiting for it (--wait)", self.what, _describe(holder))
+                log.warning("%s is in use by %s; waiting for it", self.what, _describe(holder))
                 announced = True
             time.sleep(WAIT_POLL_SECONDS)
         self.held = True
