@@ -16,7 +16,6 @@ from chunkq.jobs.contract.redaction import redact, redacted, remember, secrets_o
 from chunkq.queue_worker.exit_codes import EXIT_INTERNAL
 from chunkq.supervisor.result.assemble import assemble
 from tests.helpers import make_texts, run_cli, write_corpus, write_encoded_run, write_ragged_run
-from tests.test_sinks import postgres  # noqa: F401 - the PostgreSQL server fixture
 
 SECRET = "S3cret/pa@Word9"  # noqa: S105 - an unencoded "/" and "@": the forms a hand-typed password takes
 PIECES = ("S3cret", "Word9")  # what a client quotes of it when it splits the URL at the "/"
@@ -63,7 +62,7 @@ def test_a_password_is_found_and_masked_in_every_form_a_url_is_written() -> None
 @pytest.mark.slow
 def test_no_command_shows_a_password_on_any_path(
     tmp_path: Path,
-    postgres: str,  # noqa: F811
+    postgres: str,
 ) -> None:
     store, crashes = tmp_path / "store", _crash_files()
     dense = write_encoded_run(store, "dense", 20, 10, 4)

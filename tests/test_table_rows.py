@@ -18,7 +18,6 @@ from chunkq.queue_worker.exit_codes import EXIT_CONFIG
 from chunkq.sinks import export_to
 from chunkq.supervisor.result.assemble import assemble
 from tests.helpers import make_texts, run_cli, write_corpus, write_encoded_run, write_ragged_run
-from tests.test_sinks import postgres  # noqa: F401 - the PostgreSQL server fixture
 from tests.tiny_models import splade_encoder
 
 ACTIVE = 16
@@ -45,7 +44,7 @@ def _said(done: Any) -> str:
 @pytest.mark.slow
 def test_a_sparse_run_of_another_corpus_is_refused_by_a_table_of_this_ones_dense_and_sparse_rows(
     tmp_path: Path,
-    postgres: str,  # noqa: F811
+    postgres: str,
 ) -> None:
     """51.4 end to end: a dense and a sparse run of corpus c1 exported into one LanceDB table and one
     pgvector table (every row's vectors equal sentence-transformers' own for its text); then the
@@ -112,7 +111,7 @@ def test_a_sparse_run_of_another_corpus_is_refused_by_a_table_of_this_ones_dense
 @pytest.mark.slow
 def test_a_table_is_refused_when_it_cannot_be_checked_and_a_rerun_after_a_kill_goes_on(
     tmp_path: Path,
-    postgres: str,  # noqa: F811
+    postgres: str,
 ) -> None:
     import lancedb
     import psycopg
@@ -146,7 +145,7 @@ def test_a_table_is_refused_when_it_cannot_be_checked_and_a_rerun_after_a_kill_g
 @pytest.mark.slow
 def test_a_sparse_run_pgvector_cannot_hold_is_refused_before_the_table_is_touched(
     tmp_path: Path,
-    postgres: str,  # noqa: F811
+    postgres: str,
 ) -> None:
     """51.5: a SPLADE run of ~29,000 non-zeros a row was refused only after ALTER TABLE ... ADD COLUMN
     was committed, leaving an empty column behind."""
