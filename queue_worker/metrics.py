@@ -29,14 +29,32 @@ def serve(registry: CollectorRegistry, port: int, host: str = METRICS_HOST) -> i
         raise ConfigError(f"metrics are served on loopback only (they have no authentication), not {host}")
     try:
         server, _thread = start_http_server(port, addr=host, registry=registry)
-    except OSError as exc:  # taken (EADDRINUSE), or below 1024 without the right
-        raise ConfigError(
-            f"metrics port {port}: cannot listen on {host}:{port} ({exc.strerror or exc}); give another "
-            "port, or 0 for any free one"
-        ) from exc
+    except (OSError, OverflowError) as exc:  # taken (EADDRINUSE), below 1024 without the right, past 65535
+        raise _cannot_listen(port, host, exc) from exc
     bound = int(server.server_address[1])
     log.info("metrics on http://%s:%d/metrics", host, bound)
     return bound
+
+
+def _cannot_listen(port: int, host: str, exc: BaseException) -> ConfigError:
+    why = getattr(exc, "strerror", None) or str(exc)
+    return ConfigError(
+        f"metrics port {port}: cannot listen on {host}:{port} ({why}); give another port, or 0 for any "
+        "free one"
+    )
+
+
+def check_listenable(port: int, host: str = METRICS_HOST) -> None:
+    """ConfigError unless ``serve`` could listen on ``port`` now: said before a run is created, not
+    by a pool that dies of it after (hostile pass: the run made, then an OverflowError traceback)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the HTTP server binds
+        try:
+            probe.bind((host, port))
+        except (OSError, OverflowError) as exc:
+            raise _cannot_listen(port, host, exc) from None
 
 
 def exit_reason(returncode: int) -> str:

@@ -20,6 +20,7 @@ import redis
 from chunkq.jobs import kinds
 from chunkq.jobs.compute.model_info import check_options, describe
 from chunkq.jobs.compute.models import check_model, check_precision, default_model
+from chunkq.jobs.contract.addresses import parse_redis
 from chunkq.jobs.contract.defaults import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_KIND,
@@ -30,7 +31,7 @@ from chunkq.jobs.contract.defaults import (
     WARN_IDLE_SECONDS,
 )
 from chunkq.jobs.contract.errors import ChunksFailedError, ConfigError, CorpusError
-from chunkq.jobs.contract.redaction import redact, redacted
+from chunkq.jobs.contract.redaction import redacted
 from chunkq.jobs.contract.run_files import RunLayout, read_json
 from chunkq.jobs.contract.settings import PoolSettings
 from chunkq.jobs.contract.specs import BATCH_TOKENS_OFF, EncodeOptions
@@ -289,6 +290,8 @@ def build_run_request(
     request = replace(submit_request(corpora, store, **submit), queue_window=settings.window)
     metrics_port = watch.get("metrics_port")  # the run's; its pool's on the next port (docs/observability.md)
     pool["metrics_port"] = None if metrics_port is None else (metrics_port + 1 if metrics_port else 0)
+    if metrics_port:
+        check_metrics_ports(metrics_port)
     pool_settings = replace(PoolSettings(), **{k: v for k, v in pool.items() if v is not None})
     # The devices its pool will use, or why it cannot use the host's GPUs: said now, and handed to
     # the pool rather than surveyed again there.
@@ -306,19 +309,32 @@ def build_run_request(
     )
 
 
+def check_metrics_ports(port: int) -> None:
+    """``chunkq run --metrics-port P`` serves the run's metrics on P and its pool's on P+1: both must
+    be free before anything starts."""
+    from chunkq.queue_worker.metrics import check_listenable
+
+    if port >= 65535:
+        raise ConfigError(
+            f"--metrics-port {port}: chunkq run serves its pool's metrics on the next port, {port + 1}, "
+            "past the last one (65535); give 65534 or less, or 0 for any free ports"
+        )
+    check_listenable(port)
+    try:
+        check_listenable(port + 1)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc} (chunkq run serves its pool's metrics on --metrics-port + 1)") from None
+
+
 def check_redis_url(url: str) -> None:
     """ConfigError, in one line without the password, for a URL Redis's client cannot read (a
     password's "/" or "@" not percent-encoded makes its rest a port: ``Port could not be cast``)."""
-    from redis.connection import parse_url
-
-    try:
-        parse_url(url)  # type: ignore[no-untyped-call]
-    except ValueError as exc:
+    if parse_redis(url) is None:  # its client's own message would quote the part it could not read
         raise ConfigError(
-            f"{redacted(url)} is not a URL Redis can read ({redact(str(exc))}); write it "
-            "redis://USER:PASSWORD@HOST:PORT/DB with the password's special characters "
-            "percent-encoded (/ as %2F, @ as %40, : as %3A)"
-        ) from None
+            f"{redacted(url)} is not a URL Redis can read (not shown: it may hold a password); write "
+            "it redis://USER:PASSWORD@HOST:PORT/DB with the password's special characters "
+            "percent-encoded (/ as %2F, @ as %40, : as %3A, # as %23, ? as %3F, % as %25, a space as %20)"
+        )
 
 
 def reach_redis(url: str) -> redis.Redis:

@@ -11,6 +11,7 @@ import pytest
 import redis
 
 from chunkq.jobs.contract.run_files import RunLayout, read_json
+from chunkq.queue_worker.exit_codes import EXIT_CONFIG
 from chunkq.supervisor.store.embedded_redis import free_port
 from tests.helpers import make_texts, run_cli, start_cli, stop_tree, wait_for, write_corpus
 
@@ -138,6 +139,32 @@ def test_a_metrics_port_that_is_taken_is_one_clear_error() -> None:
         port = taken.getsockname()[1]
         with pytest.raises(ConfigError, match=rf"metrics port {port}: cannot listen on 127.0.0.1:{port} "):
             serve(CollectorRegistry(), port)
+
+
+def test_a_runs_metrics_ports_are_checked_before_the_run_is_created(tmp_path: Path) -> None:
+    """Issue 63.4: `run --metrics-port 65535` was taken, the run created, and its pool died of an
+    OverflowError traceback (its port, 65536); a taken P + 1 was found only after the run was made.
+    Both are refused first, in one line, and nothing is left in the store."""
+    import socket
+
+    ids, texts = make_texts(4, seed=1)
+    corpus = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")
+    store = tmp_path / "store"
+    last = run_cli("run", str(corpus), "--store", str(store), "--metrics-port", "65535", forks=False)
+    assert last.returncode == EXIT_CONFIG, last.stderr[-2000:]
+    assert "the next port, 65536, past the last one (65535)" in last.stderr.strip().splitlines()[-1]
+    port = _two_free_ports()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port + 1))
+        taken.listen()
+        busy = run_cli("run", str(corpus), "--store", str(store), "--metrics-port", str(port), forks=False)
+    assert busy.returncode == EXIT_CONFIG, busy.stderr[-2000:]
+    line = busy.stderr.strip().splitlines()[-1]
+    assert (
+        f"metrics port {port + 1}: cannot listen on 127.0.0.1:{port + 1}" in line
+        and "Traceback" not in busy.stderr
+    )
+    assert not (store / "runs").exists()
 
 
 def test_chunkq_run_serves_its_metrics_on_the_port_and_its_pools_on_the_next(tmp_path: Path) -> None:

@@ -70,7 +70,7 @@ class LanceSink:
         self.added: list[str] = []
         self.missing: list[Any] = []
         self.label = f"--to {redacted(url)}: the table"
-        self.lock: StoreLock | None = None
+        self.lock = StoreLock(_lock_path(self.where, self.name), self.label)
 
     def writes_to(self) -> list[str]:
         return [] if "://" in self.where else [f"{self.where}/{self.name}.lance"]
@@ -99,7 +99,6 @@ class LanceSink:
         export's rows; nothing written."""
         import lancedb
 
-        self.lock = StoreLock(_lock_path(self.where, self.name), self.label)
         self.lock.acquire(wait=True)
         self.rows = rows
         self.schema = self._schema(rows)
@@ -189,9 +188,7 @@ class LanceSink:
             self.lock.release()
 
     def abort(self) -> None:
-        # Every batch is a whole merge: what was merged stays, a rerun merges the rest.
-        if self.lock is not None:
-            self.lock.release()
+        self.lock.release()  # every batch is a whole merge: what was merged stays, a rerun merges the rest
 
 
 def _lock_path(where: str, name: str) -> Any:

@@ -21,10 +21,10 @@ from __future__ import annotations
 import logging
 import re
 from typing import Any
-from urllib.parse import parse_qs, urlencode, urlsplit
 
 import numpy as np
 
+from chunkq.jobs.contract.addresses import parse_postgres, split_table
 from chunkq.jobs.contract.errors import ConfigError
 from chunkq.jobs.contract.redaction import redact, redacted
 from chunkq.sinks.row_texts import HASH_COLUMN
@@ -80,18 +80,20 @@ class PgvectorSink:
     whole = False  # rows upserted a transaction per batch
 
     def __init__(self, url: str) -> None:
-        parts = urlsplit(url)
-        query = parse_qs(parts.query)
-        table = (query.pop("table", None) or [""])[0]
-        if not _NAME.fullmatch(table):
+        dsn, table = split_table(url)
+        if parse_postgres(dsn) is None:
+            raise ConfigError(
+                f"--to {redacted(url)}: libpq cannot read this address (not shown: it may hold a "
+                "password); write it postgresql://USER:PASSWORD@HOST:PORT/DB?table=NAME with the "
+                "password's special characters percent-encoded (/ as %2F, @ as %40, : as %3A, # as "
+                "%23, ? as %3F, % as %25, a space as %20)"
+            )
+        if table is None or not _NAME.fullmatch(table):
             raise ConfigError(
                 f"--to {redacted(url)}: name the table as ?table=NAME (letters, digits, underscores)"
             )
         self.table = table
-        # The rest of the query is the connection's (host=/socket/dir, sslmode=...). Joined by hand:
-        # urlunsplit drops the "//" of an empty host (postgresql:///db?host=/socket, libpq's own form).
-        rest = urlencode(query, doseq=True)
-        self.dsn = f"{parts.scheme}://{parts.netloc}{parts.path}" + (f"?{rest}" if rest else "")
+        self.dsn = dsn  # the rest of the query is the connection's (host=/socket/dir, sslmode=...)
         self.url = url
         self.conn: Any = None
         self.exists = False

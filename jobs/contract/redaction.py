@@ -34,8 +34,11 @@ _REMEMBERED: set[str] = set()
 
 
 def secrets_of(text: str) -> list[str]:
-    """The passwords ``text`` carries where URLs do, as written and URL-decoded."""
-    found = [m.group(2) for m in _USER_PASSWORD.finditer(text)]
+    """The passwords ``text`` carries where URLs do, as written and URL-decoded: as the connecting
+    library reads them (``addresses``), and by their shape."""
+    from chunkq.jobs.contract.addresses import secrets_in  # it builds on this module
+
+    found = [*secrets_in(text), *(m.group(2) for m in _USER_PASSWORD.finditer(text))]
     for match in _QUERY_PASSWORD.finditer(text):
         found.append(match.group(0).split("=", 1)[1])
     if "?" in text:
@@ -52,8 +55,13 @@ def remember(*texts: str | None) -> None:
     encoded (libpq: 'invalid integer value "S3cr" for connection option "port"')."""
     for text in texts:
         for secret in secrets_of(text or ""):
-            pieces = [secret, *re.split(r"[/@:?#&=]", secret)]
-            _REMEMBERED.update(p for p in pieces if len(p) >= MIN_REMEMBERED)
+            remember_secret(secret)
+
+
+def remember_secret(secret: str) -> None:
+    """Mask ``secret`` (a password as read) and the pieces a client may quote of it from now on."""
+    pieces = [secret, unquote(secret), *re.split(r"[/@:?#&=\s%]", secret)]
+    _REMEMBERED.update(p for p in pieces if len(p) >= MIN_REMEMBERED)
 
 
 def redact(text: str) -> str:
@@ -71,9 +79,12 @@ def redact(text: str) -> str:
 
 
 def redacted(url: str) -> str:
-    """A URL as a message shows it: without its password."""
+    """A URL as a message shows it: as the library that connects reads it, without its password,
+    and nothing of one it cannot read (``addresses.shown``)."""
+    from chunkq.jobs.contract.addresses import shown  # it builds on this module
+
     remember(url)
-    return redact(url)
+    return shown(url)
 
 
 class RedactingStream(io.TextIOBase):
