@@ -118,3 +118,26 @@ def test_a_truncated_manifest_is_one_line_in_every_command_and_clean_removes_the
     assert cleaned.returncode == 0, cleaned.stderr
     assert [p.name for p in (store / "runs").iterdir()] == ["good"]
     assert run_cli("status", "good", "--store", str(store)).returncode == 0
+
+
+@pytest.mark.slow
+def test_an_export_to_a_full_disk_is_one_line_and_leaves_nothing_half_written(tmp_path: Path) -> None:
+    """Issue 63.5: LanceDB exited 6 with a Rust source path, FAISS left its half-written index, and
+    a Parquet file's full disk said "the store keeps every finished chunk: run the same command to
+    resume" of an export. Each is now exit 11, one line about the export, nothing of it left."""
+    store = tmp_path / "store"
+    assemble(write_encoded_run(store, "big", 4000, 1000, 64, seed=2))
+    with tmpfs(tmp_path / "disk", "2m") as disk:
+        fill(disk, leave=200 << 10)
+        targets = {
+            "lancedb": ["--to", f"lancedb://{disk}/db/docs"],
+            "faiss": ["--to", f"faiss:{disk}/docs.faiss"],
+            "parquet": ["--format", "parquet", "--out", str(disk / "docs.parquet")],
+            "npy": ["--format", "npy", "--out", str(disk / "docs.npy")],
+        }
+        for name, args in targets.items():
+            said = _one_line(run_cli("export", "big", "--store", str(store), *args), EXIT_STORAGE)
+            assert "No space left on device" in said and "run the same export again" in said, (name, said)
+            assert ".rs" not in said and "finished chunk" not in said and "resume" not in said, (name, said)
+            left = sorted(p.name for p in disk.iterdir() if p.name not in ("filler", "db"))
+            assert left == [], (name, left)

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from chunkq.jobs.contract.errors import ConfigError, StoreError
+from chunkq.jobs.contract.errors import ConfigError, StoreError, StoreWriteError, refused_write
 from chunkq.jobs.contract.redaction import redact, redacted
 from chunkq.jobs.contract.run_files import RunLayout
 from chunkq.jobs.contract.storage import is_local
@@ -129,6 +129,12 @@ CLIENT_MODULES = frozenset({"psycopg", "lancedb", "lance", "pyarrow", "faiss"})
 
 
 def _one_line(exc: BaseException, url: str) -> BaseException:
+    why = refused_write(exc)  # a full disk, in LanceDB's Rust and FAISS's C++ words too
+    if why is not None:
+        return StoreWriteError(
+            f"--to {redacted(url)}: {why} where the export writes; make room (or fix the permissions) "
+            "and run the same export again: it writes the run's rows by id, so it ends with exactly them"
+        )
     module = type(exc).__module__.split(".")[0]
     if module not in CLIENT_MODULES and type(exc) is not RuntimeError:
         return exc

@@ -119,9 +119,14 @@ class FaissSink:
         for path in (self.path, ids_path):
             remove_leftovers_beside(path)  # what a killed export left building (27-307 MB seen)
         tmp, ids_tmp = temp_beside(self.path), temp_beside(ids_path)
-        faiss.write_index(index, str(tmp))
-        with private_open(ids_tmp, "w", encoding="utf-8") as fh:
-            fh.writelines(json.dumps(rid, ensure_ascii=False) + "\n" for rid in self.ids)
+        try:
+            faiss.write_index(index, str(tmp))
+            with private_open(ids_tmp, "w", encoding="utf-8") as fh:
+                fh.writelines(json.dumps(rid, ensure_ascii=False) + "\n" for rid in self.ids)
+        except BaseException:  # a full disk, or a kill's exception: nothing half-built is left
+            tmp.unlink(missing_ok=True)
+            ids_tmp.unlink(missing_ok=True)
+            raise
         # Two renames a moment apart: a kill between them leaves the new ids beside the old index
         # (as many rows when the run is the same); the next export puts both right.
         os.replace(ids_tmp, ids_path)

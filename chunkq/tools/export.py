@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from chunkq.jobs import kinds
-from chunkq.jobs.contract.errors import ConfigError
+from chunkq.jobs.contract.errors import ConfigError, StoreWriteError, refused_write
 from chunkq.jobs.contract.manifest import load_manifest
 from chunkq.jobs.contract.run_files import RunLayout
 from chunkq.jobs.contract.storage import as_the_caller_would, is_local, remove_leftovers_beside, temp_beside
@@ -98,6 +98,14 @@ def _written_whole(target: _Target) -> Iterator[Path]:
         yield tmp
         as_the_caller_would(tmp)  # a result is for sharing; the store stays owner-only
         os.replace(tmp, out)
+    except Exception as exc:
+        why = refused_write(exc)  # said of the export's file, not of the store (which keeps the run)
+        if why is None:
+            raise
+        raise StoreWriteError(
+            f"{why} writing {out}; make room (or fix the permissions) and run the same export again "
+            "(nothing of it was left there)"
+        ) from exc
     finally:
         tmp.unlink(missing_ok=True)
 

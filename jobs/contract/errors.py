@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import os
 import re
 
 
@@ -109,6 +110,29 @@ TAMPERED = (
 ABANDONED = "abandoned"
 STORAGE = "storage"  # the store refused a write: the run stops with the path instead of retrying every chunk
 STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
+# A full or read-only disk as other runtimes word it: LanceDB's Rust ("No space left on device (os
+# error 28), /path/to/lance-io/src/..."), FAISS's C++ ("write error in F: ... (No space left on device)").
+_REFUSED_WRITE = re.compile(
+    r"No space left on device|Disk quota exceeded|Read-only file system|os error (?:28|30|122)\b"
+)
+
+
+def refused_write(exc: BaseException) -> str | None:
+    """Why a write was refused for want of room or of the right to write (in words), or None: an
+    OSError of STORAGE_ERRNOS, or a client's error whose text says so."""
+    if isinstance(exc, OSError) and exc.errno in STORAGE_ERRNOS:
+        return exc.strerror or os.strerror(exc.errno)
+    found = _REFUSED_WRITE.search(str(exc))
+    if found is None:
+        return None
+    code = {"28": errno.ENOSPC, "30": errno.EROFS, "122": errno.EDQUOT}
+    return (
+        os.strerror(code[found.group(0).split()[-1]])
+        if found.group(0).startswith("os error")
+        else found.group(0)
+    )
+
+
 UNSUPPORTED = "unsupported"  # this GPU cannot run this model: retried at once, on another device
 NON_FINITE = "non_finite"  # NaN or Inf rows: retried (once in float32 within the attempt, when lower)
 OTHER = "other"
