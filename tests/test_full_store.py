@@ -141,3 +141,26 @@ def test_an_export_to_a_full_disk_is_one_line_and_leaves_nothing_half_written(tm
             assert ".rs" not in said and "finished chunk" not in said and "resume" not in said, (name, said)
             left = sorted(p.name for p in disk.iterdir() if p.name not in ("filler", "db"))
             assert left == [], (name, left)
+
+
+def test_a_result_damaged_in_place_is_damaged_in_status_and_runs(tmp_path: Path) -> None:
+    """Issue 63.5: a byte changed inside embeddings.npy (its size and header as they were) was
+    "published" to status and runs; only export and assemble --verify noticed. A result this small
+    is read whole at every look."""
+    import json
+
+    store = tmp_path / "store"
+    layout = write_encoded_run(store, "hit", 300, 100, 16, seed=4)
+    assemble(layout)
+    looked = run_cli("status", "hit", "--store", str(store), forks=False)
+    assert "result published in" in looked.stdout and "every byte checked" in looked.stdout, looked.stdout
+    path = layout.result / "embeddings.npy"
+    data = bytearray(path.read_bytes())
+    data[-7] ^= 0x40
+    path.write_bytes(bytes(data))
+    status = run_cli("status", "hit", "--store", str(store), forks=False)
+    assert "is DAMAGED" in status.stdout and "chunkq assemble hit" in status.stdout, status.stdout
+    as_json = json.loads(run_cli("status", "hit", "--store", str(store), "--json", forks=False).stdout)
+    assert as_json["result_checked"]["every_byte"] and as_json["result_checked"]["problems"]
+    (listed,) = json.loads(run_cli("runs", "--store", str(store), "--json", forks=False).stdout)
+    assert listed["state"] == "damaged result", listed

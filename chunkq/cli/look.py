@@ -38,6 +38,7 @@ from chunkq.supervisor.watch.supervise import failure_report
 from chunkq.tools.dashboard import serve as serve_dashboard
 from chunkq.tools.doctor import examine, render
 from chunkq.tools.report import write_report
+from chunkq.tools.run_list import checked_at_a_look
 
 
 @command("dashboard")
@@ -122,8 +123,16 @@ def status_cmd(run_id: str, store: Path, redis_url: str | None, as_json: bool) -
     else:
         snap = store_snapshot(layout, manifest)
     attempts = failed_attempts(layout)
+    whole = snap.result_published and checked_at_a_look(layout)
+    damage = (
+        result_problems(layout, read_result_manifest(layout), manifest, checksums=whole)
+        if snap.result_published
+        else []
+    )
     if as_json:
-        click.echo(json.dumps({**snap.to_json(), "failed_attempts": to_json(attempts)}, indent=2))
+        checked = {"every_byte": whole, "problems": damage} if snap.result_published else None
+        body = {**snap.to_json(), "result_checked": checked, "failed_attempts": to_json(attempts)}
+        click.echo(json.dumps(body, indent=2))
         return
     click.echo(describe(snap))
     if snap.cache is not None:
@@ -132,7 +141,6 @@ def status_cmd(run_id: str, store: Path, redis_url: str | None, as_json: bool) -
     if snap.failures:
         click.echo(failure_report(snap.quarantined or snap.failures, snap.run_id))
     if snap.result_published:
-        damage = result_problems(layout, read_result_manifest(layout), manifest, checksums=False)
         if damage:
             click.echo(
                 f"result in {layout.result} is DAMAGED ({damage[0]}); `chunkq assemble {layout.run_id}` "
@@ -142,7 +150,12 @@ def status_cmd(run_id: str, store: Path, redis_url: str | None, as_json: bool) -
             left_out = (read_result_manifest(layout) or {}).get("bad_rows")
             if left_out:
                 click.echo(f"--allow-missing: {describe_left_out(left_out)}")
-            click.echo(f"result published in {layout.result}")
+            how = (
+                "every byte checked"
+                if whole
+                else "its files' sizes checked: `assemble --verify` reads every byte"
+            )
+            click.echo(f"result published in {layout.result} ({how})")
 
 
 @command("model")

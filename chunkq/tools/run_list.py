@@ -102,13 +102,27 @@ def owner_of(layout: RunLayout) -> dict[str, Any] | None:
     return StoreLock(layout.owner, f"run {layout.run_id}").live_holder()
 
 
+# A result up to this size is read whole against its checksums whenever a command looks at it
+# (status, runs): ~0.3 s here. A larger one is checked by its files' headers and sizes there, and
+# byte for byte by `assemble --verify` and every export.
+LOOK_VERIFIES_BYTES = 256 << 20
+
+
+def checked_at_a_look(layout: RunLayout) -> bool:
+    """Whether a look at the run reads its result whole (see LOOK_VERIFIES_BYTES)."""
+    return folder_bytes(layout.result) <= LOOK_VERIFIES_BYTES
+
+
 def state_of(
-    layout: RunLayout, manifest: RunManifest, checksums: bool = False, own: StoreLock | None = None
+    layout: RunLayout, manifest: RunManifest, checksums: bool | None = None, own: StoreLock | None = None
 ) -> tuple[str, int]:
     """(state, rows done) from the store. A result is checked against its run and its files'
-    headers and sizes (a truncated or missing shard shows), and with ``checksums`` byte for byte.
-    ``own``: the run's lock when the caller holds it (then no one else has the run in flight)."""
+    headers and sizes (a truncated or missing shard shows), and with ``checksums`` byte for byte
+    (None: where it is small enough, ``checked_at_a_look``). ``own``: the run's lock when the caller
+    holds it (then no one else has the run in flight)."""
     result = read_result_manifest(layout)
+    if checksums is None:
+        checksums = result is not None and checked_at_a_look(layout)
     damaged = result is not None and bool(result_problems(layout, result, manifest, checksums))
     if result is not None and not damaged:
         return (PUBLISHED if result.get("complete", True) else PARTIAL), int(result["rows"])
