@@ -164,3 +164,18 @@ def test_a_result_damaged_in_place_is_damaged_in_status_and_runs(tmp_path: Path)
     assert as_json["result_checked"]["every_byte"] and as_json["result_checked"]["problems"]
     (listed,) = json.loads(run_cli("runs", "--store", str(store), "--json", forks=False).stdout)
     assert listed["state"] == "damaged result", listed
+
+
+def test_a_truncated_ids_file_is_named_not_the_embeddings(tmp_path: Path) -> None:
+    """Issue 63.5: ids.jsonl cut short was reported as "embeddings.npy ends before its row 3000"."""
+    from chunkq.jobs.contract.manifest import load_manifest
+    from chunkq.supervisor.result.published import read_result_manifest
+    from chunkq.supervisor.result.reader import result_problems
+
+    layout = write_encoded_run(tmp_path / "store", "cut", 300, 100, 16, seed=5)
+    assemble(layout)
+    ids = layout.result / "ids.jsonl"
+    lines = ids.read_bytes().splitlines(keepends=True)
+    ids.write_bytes(b"".join(lines[:120]) + lines[120][:3])  # 120 whole lines, the 121st cut
+    problems = result_problems(layout, read_result_manifest(layout), load_manifest(layout))
+    assert problems == ["ids.jsonl ends before its row 121"], problems

@@ -117,3 +117,22 @@ def test_another_hosts_lock_is_taken_over_only_when_unrenewed(tmp_path: Path) ->
         lock.check()  # ours now
     finally:
         lock.release()
+
+
+def test_a_garbled_lock_file_says_what_to_do_and_clean_is_never_told_to_wait(tmp_path: Path) -> None:
+    """Issue 63.5: a garbled lock file made `chunkq clean` say "run the same command with --wait",
+    an option clean does not have. Its refusal names the file and when it is taken over."""
+    from tests.helpers import run_cli, write_encoded_run
+
+    store = tmp_path / "store"
+    layout = write_encoded_run(store, "r", 20, 10, 4)
+    layout.owner.write_text('{"pid": 12')  # half written
+    done = run_cli("clean", "r", "--store", str(store), forks=False)
+    said = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 10 and "--wait" not in said, said
+    assert f"its lock file {layout.owner} cannot be read" in said and "taken over once it is 60 s old" in said
+    _write_holder(layout.owner, os.getpid(), socket.gethostname(), psutil.Process().create_time(), age=0)
+    busy = run_cli("clean", "r", "--store", str(store), forks=False)
+    assert busy.returncode == 10 and "run `chunkq clean r` again once it has finished" in busy.stderr, (
+        busy.stderr
+    )

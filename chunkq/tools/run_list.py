@@ -248,7 +248,8 @@ def clean(layout: RunLayout, outputs_only: bool, connection: redis.Redis | None 
             raise  # what is left of it cannot be checked against a result: the whole run goes
         manifest = None
     # The command that frees space must work on a full disk: the lock then is an empty file.
-    with StoreLock(layout.owner, f"run {layout.run_id}", blank_on_full_disk=True) as lock:
+    again = f"run `chunkq clean {layout.run_id}` again once it has finished"  # clean has no --wait
+    with StoreLock(layout.owner, f"run {layout.run_id}", blank_on_full_disk=True, wait_hint=again) as lock:
         lock.acquire()  # RunLockedError, naming the supervisor, while one watches the run
         if connection is not None:
             busy = live_jobs(connection, manifest) if manifest else live_jobs_named(connection, layout.run_id)

@@ -242,8 +242,11 @@ def _read_part(
             n = min(batch, part.rows - done)
             raw = emb.read(n * row_bytes)
             lines = [ids.readline() for _ in range(n)]
-            if len(raw) != n * row_bytes or not all(line.endswith(b"\n") for line in lines):
-                raise _Damage(f"{name} ends before its row {done + n}")
+            if len(raw) != n * row_bytes:
+                raise _Damage(f"{name} ends before its row {done + len(raw) // row_bytes + 1:,}")
+            short = next((i for i, line in enumerate(lines) if not line.endswith(b"\n")), None)
+            if short is not None:  # the first row whose id line is missing or cut
+                raise _Damage(f"{ids_name} ends before its row {done + short + 1:,}")
             emb_hash.update(raw)
             for line in lines:
                 ids_hash.update(line)

@@ -45,15 +45,19 @@ class LockLostError(RunLockedError):
 STALE_SECONDS = 60.0  # a lock not renewed for this long belongs to a holder that died elsewhere
 RENEW_SECONDS = 10.0
 WAIT_POLL_SECONDS = 0.5
+WAIT_HINT = "run the same command with --wait"  # the commands that take an owner's lock have --wait
 
 
 class StoreLock:
     """``acquire`` / ``renew`` / ``release`` of one owner file; ``what`` says what it guards."""
 
-    def __init__(self, path: Path, what: str, blank_on_full_disk: bool = False) -> None:
+    def __init__(
+        self, path: Path, what: str, blank_on_full_disk: bool = False, wait_hint: str = WAIT_HINT
+    ) -> None:
         """``blank_on_full_disk``: on a full disk, hold the lock as an empty file (for a command that
-        frees space, which must work then) rather than fail."""
-        self.path, self.what = path, what
+        frees space, which must work then) rather than fail. ``wait_hint``: how the command that
+        holds this lock can be told to wait (a refusal's last words)."""
+        self.path, self.what, self.wait_hint = path, what, wait_hint
         self.blank_on_full_disk = blank_on_full_disk
         self.blank: int | None = None  # the inode of the empty file held on a full disk
         self.token = secrets.token_hex(8)
@@ -159,9 +163,15 @@ class StoreLock:
                 self.path.unlink(missing_ok=True)
                 continue
             if not wait:
+                if not holder:  # its words unreadable: judged by its age alone
+                    raise RunLockedError(
+                        f"{self.what}: its lock file {self.path} cannot be read (half written, or "
+                        f"damaged); it is taken over once it is {STALE_SECONDS:.0f} s old: run the same "
+                        "command again then, or remove the file if no chunkq process uses the run"
+                    )
+                who = _describe(holder)
                 raise RunLockedError(
-                    f"{self.what} is in use by {_describe(holder)}; wait for it to finish, or run the same "
-                    "command with --wait"
+                    f"{self.what} is in use by {who}; wait for it to finish, or {self.wait_hint}"
                 )
             if not announced:
                 log.warning("%s is in use by %s; waiting for it", self.what, _describe(holder))
