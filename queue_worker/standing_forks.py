@@ -52,9 +52,38 @@ def peer(sock: socket.socket) -> tuple[int, int]:
     return pid, uid
 
 
+# A Unix socket's address holds at most this many bytes of path (sun_path's 108, less its NUL).
+SOCKET_PATH_BYTES = 107
+
+
+def _said(path: Path | str, exc: OSError) -> OSError:
+    """``exc`` in words that name the socket's path and what to do (the kernel's say neither: "AF_UNIX
+    path too long", "[Errno 2] No such file or directory")."""
+    length = len(os.fsencode(str(path)))
+    if length > SOCKET_PATH_BYTES:
+        return OSError(
+            f"{path}: a Unix socket's path holds at most {SOCKET_PATH_BYTES} bytes, this one {length}; "
+            "give a shorter one (e.g. /tmp/chunkq-forks.sock)"
+        )
+    if isinstance(exc, FileNotFoundError):
+        folder = os.path.dirname(os.path.abspath(path))
+        missing = f"its folder {folder} does not exist" if not os.path.isdir(folder) else "no such socket"
+        return FileNotFoundError(f"{path}: {missing}")
+    return exc if str(path) in str(exc) else type(exc)(f"{path}: {exc.strerror or exc}")
+
+
 def listen(path: Path) -> socket.socket:
     """A listening socket at ``path`` that only its owner can connect to. A socket left there by a
     server that died is replaced; one a live server answers on is not (ConfigError's cousin: OSError)."""
+    try:
+        return _listen(path)
+    except OSError as exc:
+        raise _said(path, exc) from None
+
+
+def _listen(path: Path) -> socket.socket:
+    if len(os.fsencode(str(path))) > SOCKET_PATH_BYTES:
+        raise OSError("AF_UNIX path too long")
     if path.is_socket():
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as probe:
@@ -78,7 +107,10 @@ def listen(path: Path) -> socket.socket:
 def connect(path: str) -> socket.socket:
     """A connection to the standing server at ``path``: OSError when none serves there, or when the
     socket is not its owner's alone (someone else could have put a server of theirs there)."""
-    info = os.stat(path)
+    try:
+        info = os.stat(path)
+    except OSError as exc:
+        raise _said(path, exc) from None
     if not stat.S_ISSOCK(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
         raise PermissionError(f"{path}: not a socket of this user's alone")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -87,9 +119,9 @@ def connect(path: str) -> socket.socket:
         _pid, uid = peer(sock)
         if uid != os.getuid():
             raise PermissionError(f"{path}: served by another user (uid {uid})")
-    except OSError:
+    except OSError as exc:
         sock.close()
-        raise
+        raise _said(path, exc) from None
     return sock
 
 

@@ -45,6 +45,11 @@ CASES = {
         '{"id": "\\udfff", "text": "a"}\n',
         "c.jsonl:1: id 'id' holds a lone surrogate (\\udfff at character 0)",
     ),
+    "nul-in-id": (  # issue 63.5: accepted, then PostgreSQL's CharacterNotInRepertoire at export
+        "c.jsonl",
+        '{"id": "ok", "text": "a"}\n{"id": "a\\u0000b", "text": "b"}\n',
+        "c.jsonl:2: id 'id' holds a NUL character (\\u0000 at character 1)",
+    ),
     "csv-missing-column": ("c.csv", "id,body\n1,a\n", "c.csv:1: header has no column 'text'"),
     "csv-ragged": ("c.csv", "id,text\n1,a\n2,b,extra\n", "c.csv:3: row has 2 columns"),
     "over-long-line": (

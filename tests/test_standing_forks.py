@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -189,3 +190,18 @@ def test_a_pool_of_another_python_or_code_is_refused() -> None:
     assert "runs /other/python" in str(standing_forks.unlike(dict(server, executable="/other/python"), env))
     versions = dict(server["versions"], torch="0.0")
     assert "its libraries differ" in str(standing_forks.unlike(dict(server, versions=versions), env))
+
+
+def test_a_socket_path_too_long_or_in_a_missing_folder_is_named(tmp_path: Path) -> None:
+    """Issue 63.5: serve-forks said only "AF_UNIX path too long" or "[Errno 2] No such file or
+    directory", and a pool given such a path said the same of it."""
+    long_path = tmp_path / ("s" * 120 + ".sock")
+    missing = tmp_path / "nowhere" / "f.sock"
+    for path, said in (
+        (long_path, f"{long_path}: a Unix socket's path holds at most 107 bytes"),
+        (missing, f"{missing}: its folder {missing.parent} does not exist"),
+    ):
+        served = run_cli("serve-forks", str(path), forks=False, timeout=60)
+        assert served.returncode != 0 and said in served.stderr, served.stderr
+        with pytest.raises(OSError, match=re.escape(said)):
+            standing_forks.connect(str(path))

@@ -46,12 +46,29 @@ def _as_text(value: Any) -> str | None:
     return value if value is None or isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
+def check_present(manifest: Any, names: tuple[str, ...]) -> None:
+    """ConfigError for a field no row of the run's corpus has a value for (``--columns nosuch``
+    wrote a column of nulls): the corpus is read until each has one, its first row as a rule."""
+    from chunkq.supervisor.submit.identity import run_corpus_fields
+
+    wanting = set(names)
+    for record in run_corpus_fields(manifest, names):
+        wanting -= {name for name, value in (record.extra or {}).items() if value is not None}
+        if not wanting:
+            return
+    raise ConfigError(
+        f"--columns {', '.join(sorted(wanting))}: no row of run {manifest.run_id}'s corpus has a value "
+        "for it; name fields the corpus holds"
+    )
+
+
 class CorpusColumns:
     """The corpus fields of each result row."""
 
     def __init__(self, manifest: Any, names: tuple[str, ...], windowed: bool) -> None:
         from chunkq.supervisor.submit.identity import run_corpus_fields
 
+        check_present(manifest, names)
         self.names, self.windowed = names, windowed
         self.text_field = str(manifest.data["corpus"]["text_field"])
         self.records = run_corpus_fields(manifest, names)

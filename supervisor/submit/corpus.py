@@ -105,7 +105,13 @@ class _IdPolicy:
             raise CorpusError(
                 f"{where}: id {self.field!r} is {type(value).__name__}, expected a string or integer"
             )
-        return _unicode(str(value), f"id {self.field!r}", where)
+        rid = _unicode(str(value), f"id {self.field!r}", where)
+        if "\0" in rid:  # PostgreSQL's text, C strings and most stores cannot hold it (issue 63.5)
+            raise CorpusError(
+                f"{where}: id {self.field!r} holds a NUL character (\\u0000 at character "
+                f"{rid.index(chr(0))}), which an id cannot carry into every store; remove it"
+            )
+        return rid
 
 
 def _unicode(value: str, what: str, where: str) -> str:
