@@ -9,6 +9,8 @@ files, no keys and no processes behind.
 from __future__ import annotations
 
 import glob
+import logging
+import os
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import fields, replace
@@ -46,6 +48,7 @@ from chunkq.supervisor.submit.windows import LONG_TEXTS, POOLS
 from chunkq.supervisor.watch.retry import RetryPolicy
 from chunkq.supervisor.watch.supervise import WatchSettings, failure_report
 
+log = logging.getLogger(__name__)
 _GLOB_CHARS = frozenset("*?[")
 _ENCODE_NAMES = {"normalize": "normalize_embeddings"}  # the CLI's short name for a field
 POOL_NAMES = frozenset(f.name for f in fields(PoolSettings))
@@ -67,10 +70,18 @@ def _identity_key(path: Path) -> str:
     return str(path.resolve()) if is_local(path) else str(path)
 
 
-def expand_corpora(patterns: Sequence[str | Path]) -> tuple[Path, ...]:
+def _inside(path: Path, store: Path | None) -> bool:
+    if store is None or not is_local(store) or not is_local(path):
+        return False
+    return Path(os.path.realpath(path)).is_relative_to(os.path.realpath(store))
+
+
+def expand_corpora(patterns: Sequence[str | Path], store: Path | None = None) -> tuple[Path, ...]:
     """The files named, with glob patterns expanded (sorted); a pattern that matches nothing, or a
-    file named twice, is an error. A pattern may be an fsspec URL (``s3://``, ``gs://``): the
-    corpus is then read where it is, streaming."""
+    file named twice, is an error. A pattern may be an fsspec URL (``s3://b/c/*.parquet``): the
+    corpus is then read where it is, streaming. What a pattern matches inside ``store`` is left out
+    (``data/**/*.jsonl`` with the store in ``data/store`` matched its ledger's files); a file named
+    there is refused."""
     if not patterns:
         raise CorpusError("no corpus given")
     found: list[Path] = []
@@ -79,10 +90,16 @@ def expand_corpora(patterns: Sequence[str | Path]) -> tuple[Path, ...]:
         path = open_store(text) if "://" in text else Path(text)
         if _GLOB_CHARS & set(text) and not path.exists():
             matches = _matches(text)
-            if not matches:
-                raise CorpusError(f"{text}: no file matches this pattern")
-            found.extend(matches)
+            kept = [m for m in matches if not _inside(m, store)]
+            if not kept:
+                inside = f" (only inside the store {store}, which is chunkq's)" if matches else ""
+                raise CorpusError(f"{text}: no file matches this pattern{inside}")
+            if len(kept) < len(matches):
+                log.info("%s: %d file(s) inside the store %s left out", text, len(matches) - len(kept), store)
+            found.extend(kept)
         else:
+            if _inside(path, store):
+                raise CorpusError(f"{text} is inside the store {store}, which is chunkq's; not a corpus")
             found.append(path)
     counts = Counter(_identity_key(p) for p in found)
     twice = sorted({str(p) for p in found if counts[_identity_key(p)] > 1})
@@ -178,7 +195,7 @@ def submit_request(
     **encode: Any,
 ) -> SubmitRequest:
     """A checked SubmitRequest; ``encode`` takes EncodeOptions' fields (``normalize`` too)."""
-    paths = expand_corpora(corpora)
+    paths = expand_corpora(corpora, store)
     options = CorpusOptions(
         format=corpus_format(paths, fmt), text_field=text_field, id_field=id_field, pair_field=pair_field
     )

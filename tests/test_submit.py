@@ -73,6 +73,25 @@ def test_lost_jobs_are_enqueued_again_on_resubmit(
     assert queue.count == 4
 
 
+def test_two_stores_sharing_one_redis_and_a_run_id_never_take_each_others_jobs(
+    tmp_path: Path, store: Path, connection: redis.Redis
+) -> None:
+    """Issue 63.5: the second store's submit counted the first's jobs as its own ("1 already had a
+    job in Redis") and requeued a failed one as its own; now refused before anything is queued."""
+    corpus = write_corpus(tmp_path / "c.jsonl", *make_texts(35), "jsonl")
+    first = submit(_request(corpus, store, run_id="shared"), connection)
+    other_store = tmp_path / "other-store"
+    with pytest.raises(
+        RunConflictError, match=r"this Redis holds jobs of a run of that id from another store"
+    ):
+        submit(_request(corpus, other_store, run_id="shared"), connection)
+    queue = chunk_queue(connection, "t")
+    assert queue.count == first.chunks
+    for index in range(first.chunks):
+        job = Job.fetch(chunk_job_id("shared", index), connection=connection, serializer=queue.serializer)
+        assert job.args[0]["store"] == str(store)
+
+
 def test_run_id_follows_corpus_and_options(tmp_path: Path, store: Path, connection: redis.Redis) -> None:
     corpus = write_corpus(tmp_path / "c.jsonl", *make_texts(35), "jsonl")
     a = submit(_request(corpus, store), connection).run_id
@@ -243,3 +262,23 @@ def test_a_run_begun_with_its_batch_size_in_its_identity_is_resumed_by_the_same_
     atomic_write_json(RunLayout(store, old_id).manifest, old)
     again = submit(replace(req, queue="old2"), connection)
     assert (again.run_id, again.created) == (old_id, False)
+
+
+def test_a_glob_that_reaches_into_the_store_leaves_the_store_out(tmp_path: Path) -> None:
+    """Issue 63.5: `data/**/*.jsonl` with the store in data/store matched the store's own files and
+    was refused for a ledger line's missing text field."""
+    from chunkq.supervisor.request import expand_corpora
+
+    data = tmp_path / "data"
+    (data / "more").mkdir(parents=True)
+    write_corpus(data / "a.jsonl", *make_texts(3), "jsonl")
+    write_corpus(data / "more" / "b.jsonl", *make_texts(3, seed=1), "jsonl")
+    store = data / "store"
+    (store / "runs" / "r" / "ledger").mkdir(parents=True)
+    (store / "runs" / "r" / "ledger" / "done.jsonl").write_text('{"chunk": 0}\n')
+    found = expand_corpora([f"{data}/**/*.jsonl"], store)
+    assert found == (data / "a.jsonl", data / "more" / "b.jsonl")
+    with pytest.raises(CorpusError, match="only inside the store"):
+        expand_corpora([f"{store}/**/*.jsonl"], store)
+    with pytest.raises(CorpusError, match="is inside the store"):
+        expand_corpora([str(store / "runs" / "r" / "ledger" / "done.jsonl")], store)

@@ -16,6 +16,7 @@ from typing import Any
 
 import redis
 from rq import Queue
+from rq.exceptions import DeserializationError, NoSuchJobError
 from rq.job import Job
 from rq.queue import EnqueueData
 from rq.registry import FailedJobRegistry, FinishedJobRegistry
@@ -155,8 +156,10 @@ def enqueue_chunks(
         if not batch:
             break
         ids = [chunk_job_id(manifest.run_id, i) for i in batch]
+        statuses = job_statuses(connection, ids)
+        _same_store(connection, layout, manifest, [j for j, st in zip(ids, statuses, strict=True) if st])
         fresh = []
-        for index, job_id, status in zip(batch, ids, job_statuses(connection, ids), strict=True):
+        for index, job_id, status in zip(batch, ids, statuses, strict=True):
             if status in LIVE_STATUSES:
                 counts.in_flight += 1
             elif status == "failed":
@@ -175,6 +178,27 @@ def enqueue_chunks(
             counts.enqueued += len(fresh)
     counts.waiting = sum(1 for _ in it)
     return counts
+
+
+def _same_store(connection: redis.Redis, layout: RunLayout, manifest: RunManifest, found: list[str]) -> None:
+    """RunConflictError where the run's jobs in Redis are another store's run of the same id: job ids
+    are a run id and a chunk number, one namespace for a whole Redis, and two stores that shared one
+    took each other's jobs for their own ("1 already had a job in Redis", a failed one requeued as
+    this store's). One job of a batch tells: a run's jobs are all its store's."""
+    if not found:
+        return
+    try:
+        job = Job.fetch(found[0], connection=connection, serializer=JSONSerializer)
+        theirs = str(job.args[0].get("store")) if job.args and isinstance(job.args[0], dict) else None
+    except (NoSuchJobError, DeserializationError):  # gone meanwhile, or not a chunk job: nothing to compare
+        return
+    ours = manifest.chunk_spec(layout.store, 0).store
+    if theirs is not None and theirs != ours:
+        raise errors.RunConflictError(
+            f"run {manifest.run_id}: this Redis holds jobs of a run of that id from another store "
+            f"({theirs}); two stores cannot share a run id in one Redis. Give this run another "
+            "--run-id, or its own Redis"
+        )
 
 
 def forget_finished(connection: redis.Redis, queue_name: str, job_ids: list[str]) -> None:
