@@ -209,7 +209,7 @@ def test_corpus_fields_and_windows_go_beside_each_row(
     with pytest.raises(ConfigError, match="--columns 'id': a corpus field named"):
         export_to(layout, f"lancedb://{tmp_path / 'db'}/other", columns=("id",))
     # Issue 63.5: a field no row has wrote a column of nulls; now refused, nothing written.
-    with pytest.raises(ConfigError, match="--columns nosuch: no row of run .* has a value for it"):
+    with pytest.raises(ConfigError, match=r"--columns nosuch: no row of run .* has a value for it"):
         export_to(layout, f"lancedb://{tmp_path / 'db'}/third", columns=("title", "nosuch"))
     assert "third" not in lancedb.connect(str(tmp_path / "db")).table_names()
 
