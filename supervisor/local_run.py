@@ -34,11 +34,12 @@ from chunkq.queue_worker.lifeline import die_with_parent
 from chunkq.queue_worker.stopping import wait_or_kill
 from chunkq.supervisor.result.planned_rows import corpus_rows_of
 from chunkq.supervisor.store.embedded_redis import EmbeddedRedis
+from chunkq.supervisor.store.phases import IDENTIFY, QUEUE, SPLIT, Phases
 from chunkq.supervisor.store.run_log import RunLog, log_path, relay
 from chunkq.supervisor.store.start_marks import CHUNKS_QUEUED, POOL_STARTED, REDIS_READY, StartMarks
 from chunkq.supervisor.store.store_lock import StoreLock
 from chunkq.supervisor.store.store_redis import embedded_redis_dir, local_state_dir, serve
-from chunkq.supervisor.submit.identity import SubmitRequest, identify
+from chunkq.supervisor.submit.identity import Identified, SubmitRequest, identify
 from chunkq.supervisor.submit.submission import SubmitResult, prepare, removed_on_failure, submit
 from chunkq.supervisor.watch.display import ProgressDisplay
 from chunkq.supervisor.watch.supervise import (
@@ -254,10 +255,27 @@ def run(req: RunRequest, display: ProgressDisplay) -> RunOutcome:
     both. If the corpus turns out bad (a bad row far into it, no row at all), the pool is killed
     before it took anything and every file and folder this command created is removed.
     """
-    marks = StartMarks()
+    marks, phases = StartMarks(), Phases()
     store = req.submit.store
-    identified = identify(req.submit)
+    with phases.phase(IDENTIFY):
+        identified = identify(req.submit)
     layout = RunLayout(store, identified.run_id)
+    try:
+        return _run(req, display, marks, phases, identified, layout)
+    finally:
+        if layout.manifest.is_file():
+            phases.write(layout)
+
+
+def _run(
+    req: RunRequest,
+    display: ProgressDisplay,
+    marks: StartMarks,
+    phases: Phases,
+    identified: Identified,
+    layout: RunLayout,
+) -> RunOutcome:
+    store = req.submit.store
     with (
         removed_on_failure(store, store / "runs", layout.root),
         _CreatedHere(None if req.redis_url else embedded_redis_dir(store)) as redis_dir,
@@ -268,7 +286,8 @@ def run(req: RunRequest, display: ProgressDisplay) -> RunOutcome:
         owner = stack.enter_context(StoreLock(layout.owner, f"run {layout.run_id}"))
         owner.acquire(req.watch.wait_for_owner)
         run_log = _run_log(req, layout, stack)
-        prepared = prepare(req.submit, identified) if layout.manifest.is_file() else None
+        with phases.phase(SPLIT):
+            prepared = prepare(req.submit, identified) if layout.manifest.is_file() else None
         if prepared is not None and prepared.published:
             log.info("run %s: result already published in %s", layout.run_id, layout.result)
             return RunOutcome(SubmitResult.already_published(prepared.manifest), None)
@@ -279,13 +298,15 @@ def run(req: RunRequest, display: ProgressDisplay) -> RunOutcome:
             pool = stack.enter_context(PoolProcess(req, url, layout.run_id, run_log))
             marks.mark(POOL_STARTED)
             try:
-                prepared = prepare(req.submit, identified)
+                with phases.phase(SPLIT):
+                    prepared = prepare(req.submit, identified)
             except BaseException:
                 pool.kill()  # it has taken nothing: nothing was queued
                 redis_dir.remove_on_failure()  # it holds nothing of the run yet
                 raise
         connection = redis.Redis.from_url(url)
-        submitted = submit(req.submit, connection, identified, prepared)
+        with phases.phase(QUEUE):
+            submitted = submit(req.submit, connection, identified, prepared)
         if prepared.created:  # a resumed run's first rows were a first command's
             marks.mark(CHUNKS_QUEUED)
             marks.write(layout)
@@ -299,7 +320,7 @@ def run(req: RunRequest, display: ProgressDisplay) -> RunOutcome:
         keep_going = _always if pool is None else pool.alive
         watch = req.watch if pool is None else replace(req.watch, own_pool_started=pool.started_at)
         outcome = supervise(
-            connection, layout, display, watch, keep_going, redis_gone, owner, prepared.manifest
+            connection, layout, display, watch, keep_going, redis_gone, owner, prepared.manifest, phases
         )
         died = not keep_going()
         said = run_log.why_the_pool_ended() if died and run_log is not None else None

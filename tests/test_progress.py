@@ -260,8 +260,13 @@ def test_a_quiet_run_counts_rows_within_its_chunk_and_logs_everything_to_its_fil
         assert steps.index(earlier) < steps.index(later), before
     assert before["first_row_seconds"] == before["marks"][-1][1] > 0
     assert before["warm_up_seconds"] > 0 and 0 <= before["last_chunk_to_result_seconds"] < 60
+    phases = reported["phases"]  # issue 64.1: where the command's own seconds went
+    assert list(phases)[:4] == ["identify", "split", "queue", "watch"], phases
+    assert {"verify", "write", "publish"} <= set(phases) and phases["watch"]["seconds"] > 0
+    assert all(v["seconds"] >= 0 and v["cpu_seconds"] >= 0 for v in phases.values())
     shown = (layout.root / "report" / "report.md").read_text()
     assert "| before the first row (seconds since command started) | command started 0.00 s; " in shown
+    assert "| the command's phases, seconds (CPU seconds) | identify " in shown
     verbose = run_cli(*args, "-v", CHUNKQ_LOG_LEVEL="")
     assert (
         verbose.returncode == 0

@@ -17,7 +17,7 @@ import numpy as np
 
 from chunkq.jobs.compute import device_busy
 from chunkq.jobs.contract.errors import ABANDONED
-from chunkq.jobs.contract.run_files import RunLayout
+from chunkq.jobs.contract.run_files import RunLayout, read_json
 from chunkq.jobs.contract.specs import BATCH_TOKENS_AUTO, BATCH_TOKENS_OFF
 from chunkq.supervisor.result.planned_rows import corpus_rows_of, describe_savings, savings
 from chunkq.supervisor.result.published import describe_left_out
@@ -79,6 +79,7 @@ def summary(
         "first_row": None
         if layout is None
         else first_row.breakdown(layout, facts.first, facts.throughput.last_end),
+        "phases": _phases(layout),  # the commands' own: wall and CPU seconds (supervisor/store/phases.py)
         "model_loads": len(loads),
         "length_unit": unit,
         "length_sample": len(lengths),
@@ -275,6 +276,13 @@ def _lengths(ax: Any, lengths: list[int], limit: int | None, unit: str) -> None:
     ax.set_ylabel("texts")
 
 
+def _phases(layout: RunLayout | None) -> dict[str, Any] | None:
+    try:
+        return read_json(layout.phases) if layout is not None and layout.phases.is_file() else None
+    except (OSError, ValueError):
+        return None  # a figure lost, never the report
+
+
 def _markdown(s: dict[str, Any], png: Path) -> str:
     classes = ", ".join(f"{k}: {v}" for k, v in s["failures_by_class"].items()) or "none"
     batches = s["batches"]
@@ -305,6 +313,17 @@ def _markdown(s: dict[str, Any], png: Path) -> str:
                 f"| last chunk done to result written | {s['first_row']['last_chunk_to_result_seconds']} s |",
             ]
             if s.get("first_row") and s["first_row"]["marks"]
+            else []
+        ),
+        *(
+            [
+                "| the command's phases, seconds (CPU seconds) | "
+                + "; ".join(
+                    f"{k} {v['seconds']:.2f} ({v['cpu_seconds']:.2f})" for k, v in s["phases"].items()
+                )
+                + " |"
+            ]
+            if s.get("phases")
             else []
         ),
         f"| model loads | {s['model_loads']} (mean {_or_dash(s['model_load_seconds_mean'], ' s')}) |",

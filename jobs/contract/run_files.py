@@ -141,6 +141,11 @@ class RunLayout:
         """When the ``chunkq run`` that created the run reached each step before its first chunk."""
         return self._path("start.json")
 
+    @property
+    def phases(self) -> Path:
+        """Each phase of the commands that ran the run: wall and CPU seconds (supervisor/store/phases.py)."""
+        return self._path("phases.json")
+
     def learned_batch(self, device_kind: str) -> Path:
         """Where the batch size that fitted on this kind of device is kept for the run's later chunks."""
         safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in device_kind)[:80] or "device"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import time
 from array import array
 from collections import Counter
 from collections.abc import Callable
@@ -42,6 +43,7 @@ from chunkq.supervisor.result.published import TEXTS
 from chunkq.supervisor.result.reader import published_result
 from chunkq.supervisor.result.text_pooling import TextPooler
 from chunkq.supervisor.result.writer import PartWriter, ResultWriter, local_build_dir, publish
+from chunkq.supervisor.store.phases import CACHE, PUBLISH, VERIFY, WRITE, Phases, timed
 
 log = logging.getLogger(__name__)
 
@@ -195,6 +197,7 @@ def assemble(
     fence: Callable[[], None] | None = None,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     manifest: RunManifest | None = None,
+    phases: Phases | None = None,
 ) -> dict[str, Any]:
     """Verify every chunk and publish ``result/``; raise AssemblyError naming every problem.
 
@@ -203,20 +206,21 @@ def assemble(
     ``fence`` raises if this process no longer owns the run (``StoreLock.check``): it is called
     just before the result is put in place, so a supervisor that lost its lock never publishes.
     A result of more than ``shard_bytes`` of embeddings is published as shards (``writer.py``).
-    ``manifest``: the run's, where the caller has read it.
+    ``manifest``: the run's, where the caller has read it. ``phases``: where its steps' seconds go.
     """
     manifest = manifest or load_manifest(layout)
     existing = published_result(layout, manifest)
     if existing is not None:
         return existing
     skip = {f.chunk: f for f in missing or []}
-    verified, failed = _check_metas(layout, manifest, set(skip))
+    with timed(phases, VERIFY):
+        verified, failed = _check_metas(layout, manifest, set(skip))
     cache = CacheFeed.of(layout, manifest, partial=bool(skip))
     reads = ChunkReads(
         layout, manifest, set(skip) | set(failed), failed, cache, others=_models_problem(verified)
     )
     try:
-        return _assemble(reads, verified, skip, fence, shard_bytes)
+        return _assemble(reads, verified, skip, fence, shard_bytes, phases or Phases())
     except Unfit:
         reads.check_the_rest()
         raise AssemblyError(manifest.run_id, reads.listed()) from None
@@ -228,6 +232,7 @@ def _assemble(
     skip: dict[int, Failure],
     fence: Callable[[], None] | None,
     shard_bytes: int,
+    phases: Phases,
 ) -> dict[str, Any]:
     """Write the result from the chunk outputs, each read once (ChunkReads), and publish it."""
     layout, manifest = reads.layout, reads.manifest
@@ -259,6 +264,7 @@ def _assemble(
     writer = ResultWriter(
         built, total, columns, dtype, shard_bytes, upload_to=layout.result if remote else None
     )
+    writing = (time.time(), time.perf_counter(), time.process_time())
     try:
         if ragged:
             upload_to = layout.result if remote else None
@@ -303,9 +309,17 @@ def _assemble(
             "model_identity": manifest.model_identity or next(iter(verified.models), None),
         }
         atomic_write_json(built / MANIFEST_NAME, result)
-        if fence is not None:
-            fence()
-        publish(built, layout.result, uploaded=uploaded if remote else None)
+        cache_wall, cache_cpu = reads.cache.spent if reads.cache is not None else (0.0, 0.0)
+        phases.add(
+            WRITE,
+            writing[0],
+            time.perf_counter() - writing[1] - cache_wall,
+            time.process_time() - writing[2] - cache_cpu,
+        )
+        with phases.phase(PUBLISH):
+            if fence is not None:
+                fence()
+            publish(built, layout.result, uploaded=uploaded if remote else None)
     except BaseException:
         writer.abort()
         raise
@@ -322,4 +336,5 @@ def _assemble(
     log.info("run %s: published %d x %d embeddings in %s", manifest.run_id, total, columns, layout.result)
     if reads.cache is not None:
         reads.cache.close()
+        phases.add(CACHE, time.time(), *reads.cache.spent)
     return result

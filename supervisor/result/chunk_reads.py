@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
+import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -48,6 +49,7 @@ class CacheFeed:
     seconds: float = 0.0
     written: int = 0
     broken: bool = False
+    spent: tuple[float, float] = (0.0, 0.0)  # wall and CPU seconds spent here (supervisor/store/phases.py)
 
     @classmethod
     def of(cls, layout: RunLayout, manifest: RunManifest, partial: bool) -> CacheFeed | None:
@@ -68,6 +70,16 @@ class CacheFeed:
     def add(self, index: int, meta: dict[str, Any], vectors: np.ndarray[Any, Any], texts: list[str]) -> None:
         """Chunk ``index``'s vectors, if a worker encoded them with the libraries of the cache's key.
         The hashes are of the texts the worker was given, never a record that could disagree."""
+        wall, cpu = time.perf_counter(), time.process_time()
+        try:
+            self._add(index, meta, vectors, texts)
+        finally:
+            self._spent(wall, cpu)
+
+    def _spent(self, wall: float, cpu: float) -> None:
+        self.spent = (self.spent[0] + time.perf_counter() - wall, self.spent[1] + time.process_time() - cpu)
+
+    def _add(self, index: int, meta: dict[str, Any], vectors: np.ndarray[Any, Any], texts: list[str]) -> None:
         libraries = (self.manifest.plan or {}).get("libraries")
         if self.broken or meta.get("source") == "cache":
             return
@@ -105,7 +117,9 @@ class CacheFeed:
         self.hashes, self.vectors, self.seconds = [], [], 0.0
 
     def close(self) -> None:
+        wall, cpu = time.perf_counter(), time.process_time()
         self.flush()
+        self._spent(wall, cpu)
         if self.written:
             run, written = self.manifest.run_id, self.written
             log.info("run %s: %d encoded vectors added to the vector cache", run, written)

@@ -35,6 +35,7 @@ from chunkq.jobs.contract.queueing import give_back
 from chunkq.jobs.contract.run_files import RunLayout, read_json
 from chunkq.jobs.contract.specs import chunk_job_id
 from chunkq.supervisor.result.assemble import Failure, assemble
+from chunkq.supervisor.store.phases import WATCH, Phases
 from chunkq.supervisor.store.run_lock import RunLock
 from chunkq.supervisor.store.store_lock import StoreLock
 from chunkq.supervisor.submit.enqueue import (
@@ -330,6 +331,7 @@ def supervise(
     redis_gone: Callable[[], str | None] = redis_never_gone,
     owner: StoreLock | None = None,
     manifest: RunManifest | None = None,
+    phases: Phases | None = None,
 ) -> Outcome:
     """Watch until every chunk is done or quarantined, then assemble (partially only if allowed).
 
@@ -337,6 +339,7 @@ def supervise(
     ``redis_gone`` says why Redis will not come back (``chunkq run``'s embedded server), so an
     outage ends the watch at once rather than after the patience. ``owner``: the run's store lock,
     when the caller took it already; otherwise it is taken here (and released at the end).
+    ``phases``: where the watch's and assembly's seconds are kept (supervisor/store/phases.py).
     """
     settings = settings or WatchSettings()
     with contextlib.ExitStack() as stack:
@@ -344,7 +347,9 @@ def supervise(
             owner = stack.enter_context(StoreLock(layout.owner, f"run {layout.run_id}"))
             owner.acquire(settings.wait_for_owner)
         manifest = manifest or load_manifest(layout)
-        return _supervise(connection, layout, manifest, display, settings, keep_going, redis_gone, owner)
+        return _supervise(
+            connection, layout, manifest, display, settings, keep_going, redis_gone, owner, phases or Phases()
+        )
 
 
 def _supervise(
@@ -356,6 +361,7 @@ def _supervise(
     keep_going: Callable[[], bool],
     redis_gone: Callable[[], str | None],
     owner: StoreLock,
+    phases: Phases,
 ) -> Outcome:
     lock = RunLock(connection, manifest.run_id)
     metrics = None
@@ -378,17 +384,18 @@ def _supervise(
             retried,
         )
     wakeup = Wakeup(connection, manifest.queue)
-    try:
-        while True:
-            snap = _patiently(watch.look, settings, redis_gone)
-            display.update(snap)
-            if snap.settled or not keep_going():
-                break
-            wakeup.wait(settings.poll_seconds)
-    finally:
-        wakeup.close()
-        lock.release()
+    with phases.phase(WATCH):
+        try:
+            while True:
+                snap = _patiently(watch.look, settings, redis_gone)
+                display.update(snap)
+                if snap.settled or not keep_going():
+                    break
+                wakeup.wait(settings.poll_seconds)
+        finally:
+            wakeup.close()
+            lock.release()
     if not snap.settled or (snap.quarantined and not settings.allow_partial):
         return Outcome(snap, None)
     missing = snap.quarantined if settings.allow_partial else None
-    return Outcome(snap, assemble(layout, missing, owner.check, settings.shard_bytes, manifest))
+    return Outcome(snap, assemble(layout, missing, owner.check, settings.shard_bytes, manifest, phases))
