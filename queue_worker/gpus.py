@@ -209,6 +209,46 @@ def auto_workers_per_gpu(
     return max(1, n), why
 
 
+CPU_WORKER_BYTES = 512 << 20  # a CPU worker beside its weights: Python, torch, a chunk's activations
+
+
+def auto_cpu_workers(cores: int, weights: int | None, available: int) -> tuple[int, str]:
+    """``--cpu-workers`` unset: one single-threaded worker per core, as many as the host's available
+    memory holds (each its weights and CPU_WORKER_BYTES). Measured on two cores (BENCHMARKS.md,
+    "The whole command"): two one-thread workers against one worker of two threads, 1.6-2.3x for a
+    static-embedding model and MiniLM; OpenMP's second thread mostly waits on the first."""
+    model = weights if weights is not None else UNKNOWN_MODEL_BYTES
+    by_memory = max(1, int(0.8 * available // (model + CPU_WORKER_BYTES)))
+    n = max(1, min(cores, by_memory))
+    weights_text = f"{model / 2**20:.0f} MiB of weights" if weights is not None else "weights unknown"
+    why = (
+        f"one per core ({cores}), one thread each; {available / 2**30:.1f} GiB available holds {by_memory} "
+        f"({weights_text} + {CPU_WORKER_BYTES / 2**20:.0f} MiB each); --cpu-workers N for another count"
+    )
+    return n, why
+
+
+def resolve_cpu_workers(value: int | None, preload: str | None) -> int:
+    """``--cpu-workers``: as given, or worked out for this host and model."""
+    if value is not None:
+        return value
+    import psutil
+
+    weights = model_bytes(_model_path(preload), "fp32")
+    workers, why = auto_cpu_workers(os.cpu_count() or 1, weights, psutil.virtual_memory().available)
+    log.info("CPU workers: %d (%s)", workers, why)
+    return workers
+
+
+def _model_path(preload: str | None) -> str | None:
+    from chunkq.jobs.compute.models import default_model, resolve_model
+
+    try:
+        return resolve_model(preload or default_model())
+    except ConfigError:
+        return None
+
+
 def resolve_workers_per_gpu(
     value: str,
     gpus: list[GpuInfo],
@@ -220,13 +260,7 @@ def resolve_workers_per_gpu(
     """``--workers-per-gpu``: a number as given, or ``auto`` worked out for these GPUs and this model."""
     if value != WORKERS_AUTO:
         return int(value)
-    from chunkq.jobs.compute.models import default_model, resolve_model
-
-    try:
-        path: str | None = resolve_model(preload or default_model())
-    except ConfigError:
-        path = None
-    weights = model_bytes(path, precision)
+    weights = model_bytes(_model_path(preload), precision)
     workers, why = auto_workers_per_gpu(gpus, os.cpu_count() or 1, weights, standby, memory_limit)
     log.info("workers per GPU: auto means %d (%s)", workers, why)
     return workers

@@ -49,6 +49,7 @@ from chunkq.queue_worker.fork_server import ForkServerError
 from chunkq.queue_worker.gpus import (
     choose,
     cpu_threads_per_worker,
+    resolve_cpu_workers,
     resolve_workers_per_gpu,
     worker_environment,
 )
@@ -115,7 +116,8 @@ class Pool:
                 for n in range(1 if gpu.exclusive else per_gpu)  # EXCLUSIVE_PROCESS: one context
             ]
         else:
-            self.slots = [Slot(key=f"cpu-w{n}", gpu=None) for n in range(settings.cpu_workers)]
+            workers = resolve_cpu_workers(settings.cpu_workers, settings.preload)
+            self.slots = [Slot(key=f"cpu-w{n}", gpu=None) for n in range(workers)]
         self.connection = redis.Redis.from_url(settings.redis_url)
         self.rng = rng or random.Random()  # noqa: S311 - jitter, not security
         self._signals = 0
@@ -412,7 +414,7 @@ def start(settings: PoolSettings, chosen: list[GpuInfo] | None = None) -> int:
         chosen = choose(settings.gpus, settings.min_free_memory, settings.busy_gpus)
     if not chosen:
         check_precision(settings.precision, "cpu")  # every chunk would be refused: say it once, now
-        log.info("no GPU in use; running %d CPU worker(s)", settings.cpu_workers)
+        log.info("no GPU in use; running CPU workers")
         if parse_size(settings.gpu_memory_limit):
             log.warning("--gpu-memory-limit %s: no GPU in use, nothing to limit", settings.gpu_memory_limit)
     return Pool(settings, chosen).run()

@@ -30,6 +30,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # forking would still hang them.
 for _threads in CHUNKQS_OWN_THREADS:
     os.environ.setdefault(_threads, "1")
+# One CPU worker per pool unless a test asks for more: three test processes already share two cores,
+# and most tests count on one worker's order of work. The default (one per core) has tests of its own.
+os.environ.setdefault("CHUNKQ_CPU_WORKERS", "1")
 
 
 @pytest.fixture(scope="session")

@@ -149,6 +149,26 @@ def test_workers_per_gpu_auto_resolves_to_a_number_and_says_why(caplog: pytest.L
     assert caplog.text.count("auto means") == 1  # a number given is used as it is
 
 
+def test_cpu_workers_default_to_one_single_threaded_worker_per_core_as_memory_holds(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 64.4: with no GPU the default was one worker of every core's threads."""
+    from chunkq.jobs.compute.models import BUNDLED_MODEL
+    from chunkq.queue_worker.gpus import CPU_WORKER_BYTES, auto_cpu_workers, resolve_cpu_workers
+
+    gib = 1 << 30
+    assert auto_cpu_workers(2, 90 << 20, 20 * gib)[0] == 2
+    assert auto_cpu_workers(16, 90 << 20, 20 * gib)[0] == 16
+    workers, why = auto_cpu_workers(16, 2 * gib, 8 * gib)  # 2.5 GiB each: 80 % of 8 GiB holds 2
+    assert workers == 2 and "holds 2" in why and "one per core (16)" in why
+    assert auto_cpu_workers(4, None, CPU_WORKER_BYTES)[0] == 1  # never none
+    with caplog.at_level(logging.INFO, logger="chunkq.queue_worker.gpus"):
+        assert resolve_cpu_workers(3, BUNDLED_MODEL) == 3  # given: as it is, said nowhere
+        found = resolve_cpu_workers(None, BUNDLED_MODEL)
+    assert found == min(os.cpu_count() or 1, found) >= 1
+    assert caplog.text.count("CPU workers: ") == 1 and "one thread each" in caplog.text
+
+
 def test_auto_sizes_the_model_from_the_weights_that_load(tmp_path: Path) -> None:
     """An OpenVINO or ONNX export, or a .bin beside the .safetensors, is not loaded: not counted."""
     from chunkq.queue_worker.gpus import model_bytes

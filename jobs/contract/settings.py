@@ -115,7 +115,13 @@ class PoolSettings:
         "holds, at most 4 (logged with the reason).",
         parse=workers_per_gpu_value,
     )
-    cpu_workers: int = setting(1, "Workers when no GPU is used.", kind="int", low=1)
+    cpu_workers: int | None = setting(
+        None,
+        "Workers when no GPU is used. Default: one per core, each in one thread (as the host's memory "
+        "holds them; logged with the reason): on shared cores one thread per process wins.",
+        kind="int",
+        low=1,
+    )
     max_jobs: int | None = setting(
         None,
         "Chunks a worker runs before it exits and a fresh process replaces it (default: no count; "
