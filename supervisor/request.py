@@ -258,6 +258,7 @@ def watch_settings(
     stale_after: float = STALE_AFTER_SECONDS,
     queue_window: int | None = None,
     shard_size: int | str = DEFAULT_SHARD_BYTES,
+    keep_outputs: bool = False,
 ) -> WatchSettings:
     return WatchSettings(
         poll_seconds=poll,
@@ -269,6 +270,7 @@ def watch_settings(
         stale_after=stale_after,
         window=None if queue_window is None else positive_int("queue_window", queue_window),
         shard_bytes=shard_bytes(shard_size),
+        keep_outputs=keep_outputs,
     )
 
 

@@ -280,6 +280,14 @@ RUN_OPTIONS: tuple[Option, ...] = (
         "512MiB, 2GB), each written straight to the store; up to it, one embeddings.npy.",
     ),
     _watch(
+        "keep_outputs",
+        False,
+        "Keep the chunk arrays after publishing. By default they are deleted once the result, which "
+        "holds their rows, is published; kept, the disk holds the vectors twice and `chunkq assemble` "
+        "can publish the result again from them.",
+        kind="flag",
+    ),
+    _watch(
         "poll",
         WatchSettings.poll_seconds,
         "Seconds between looks at the run (a finished chunk wakes the supervisor sooner).",

@@ -159,7 +159,7 @@ def test_a_result_damaged_in_place_is_damaged_in_status_and_runs(tmp_path: Path)
     data[-7] ^= 0x40
     path.write_bytes(bytes(data))
     status = run_cli("status", "hit", "--store", str(store), forks=False)
-    assert "is DAMAGED" in status.stdout and "chunkq assemble hit" in status.stdout, status.stdout
+    assert "is DAMAGED" in status.stdout and "encodes its chunks again" in status.stdout, status.stdout
     as_json = json.loads(run_cli("status", "hit", "--store", str(store), "--json", forks=False).stdout)
     assert as_json["result_checked"]["every_byte"] and as_json["result_checked"]["problems"]
     (listed,) = json.loads(run_cli("runs", "--store", str(store), "--json", forks=False).stdout)

@@ -26,7 +26,8 @@ def _flip(path: Path, offset: int = 200) -> None:
 
 
 def _run(corpus: Path, store: Path) -> Any:
-    return run_cli("run", str(corpus), "--chunk-size", "20", "--store", str(store))
+    # The chunk outputs kept past the publish: these tests damage them, or rebuild from them.
+    return run_cli("run", str(corpus), "--chunk-size", "20", "--store", str(store), "--keep-outputs")
 
 
 def test_a_damaged_published_result_is_refused_and_assembled_again(
@@ -113,7 +114,7 @@ def test_a_damaged_result_is_never_called_published_nor_its_chunk_outputs_freed(
 
     store = tmp_path / "store"
     layout = write_encoded_run(store, "damaged", rows=40, chunk_size=20, dim=16)  # no model needed
-    assemble(layout)
+    assemble(layout, keep_outputs=True)
     embeddings = layout.result / "embeddings.npy"
     good = embeddings.read_bytes()
     embeddings.write_bytes(good[:-1000])  # truncated: seen by its size alone
@@ -129,6 +130,6 @@ def test_a_damaged_result_is_never_called_published_nor_its_chunk_outputs_freed(
     _flip(embeddings)  # same size: only its checksum tells, and clean checks it before freeing
     clean = run_cli("clean", layout.run_id, "--outputs-only", "--store", str(store))
     assert clean.returncode != 0 and len(list(layout.outputs.glob("*.npy"))) == 2
-    assert run_cli("assemble", layout.run_id, "--store", str(store)).returncode == 0
+    assert run_cli("assemble", layout.run_id, "--store", str(store), "--keep-outputs").returncode == 0
     assert run_cli("clean", layout.run_id, "--outputs-only", "--store", str(store)).returncode == 0
     assert not list(layout.outputs.glob("*.npy"))

@@ -40,8 +40,9 @@ NOW = {
 def _run(tmp_path: Path, name: str) -> Counter[str]:
     env = reading_env(tmp_path, tmp_path / f"hook-{name}")
     done = run_cli(
-        "run", "c.jsonl", "--store", "store", "--run-id", "r", "--chunk-size", "20", cwd=tmp_path, **env
-    )
+        "run", "c.jsonl", "--store", "store", "--run-id", "r", "--chunk-size", "20", "--keep-outputs",
+        cwd=tmp_path, **env,
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return reads(tmp_path / f"hook-{name}" / "reads.log", KINDS)
 

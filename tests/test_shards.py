@@ -42,7 +42,7 @@ def _api(layout: RunLayout, result: dict[str, Any]) -> RunResult:
 def test_a_sharded_result_verifies_and_exports_as_the_single_file_result_does(tmp_path: Path) -> None:
     """1,000 rows in chunks of 64; shards of 300 rows, so shard ends fall inside chunks."""
     layout = write_encoded_run(tmp_path / "store", "sh", rows=1000, chunk_size=64, dim=DIM)
-    single = assemble(layout)
+    single = assemble(layout, keep_outputs=True)  # assembled again below, from the same outputs
     assert "shards" not in single and (layout.result / "embeddings.npy").is_file()
     whole = np.load(layout.result / "embeddings.npy")
     single_files = _exports(layout, tmp_path / "single")
@@ -75,7 +75,7 @@ def test_a_sharded_result_verifies_and_exports_as_the_single_file_result_does(tm
 
 def test_a_damaged_or_misdirected_shard_is_named_and_the_result_assembled_again(tmp_path: Path) -> None:
     layout = write_encoded_run(tmp_path / "store", "dmg", rows=500, chunk_size=50, dim=DIM)
-    first = assemble(layout, shard_bytes=200 * ROW_BYTES)
+    first = assemble(layout, shard_bytes=200 * ROW_BYTES, keep_outputs=True)  # rebuilt below from them
     manifest = load_manifest(layout)
     shard = layout.result / first["shard_dir"] / "000001.npy"
     data = bytearray(shard.read_bytes())
@@ -132,7 +132,7 @@ def test_the_python_api_refuses_a_damaged_result_instead_of_returning_its_rows(t
     from chunkq.jobs.contract.errors import StoreError
 
     layout = write_encoded_run(tmp_path / "store", "dmg", rows=600, chunk_size=64, dim=DIM)
-    result = assemble(layout, shard_bytes=200 * ROW_BYTES)
+    result = assemble(layout, shard_bytes=200 * ROW_BYTES, keep_outputs=True)  # rebuilt below from them
     api = _api(layout, result)
     shard_dir = layout.result / result["shard_dir"]
     first, second = shard_dir / "000000.npy", shard_dir / "000001.npy"
@@ -161,7 +161,7 @@ def test_an_export_whose_result_is_published_again_meanwhile_stops_in_one_line(t
     from chunkq.supervisor.result.reader import BATCH_ROWS, open_result
 
     layout = write_encoded_run(tmp_path / "store", "moving", rows=3 * BATCH_ROWS, chunk_size=4096, dim=DIM)
-    first = assemble(layout, shard_bytes=BATCH_ROWS * ROW_BYTES)
+    first = assemble(layout, shard_bytes=BATCH_ROWS * ROW_BYTES, keep_outputs=True)  # rebuilt below
     reading = open_result(layout).batches()
     next(reading)  # the first shard is read; then its last shard is damaged and a rerun publishes again
     last = layout.result / first["shard_dir"] / "000002.npy"

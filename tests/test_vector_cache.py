@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import redis
 
+from chunkq.jobs.compute import cache_upkeep
 from chunkq.jobs.compute.model_identity import model_identity
 from chunkq.jobs.compute.models import BUNDLED_MODEL, resolve_model
 from chunkq.jobs.compute.vector_cache import VectorCache, producer, producer_key, text_hashes
@@ -69,7 +70,7 @@ def test_a_new_version_encodes_only_changed_and_added_texts(
     )
     assert encoded == 0 and manifest.plan is not None and manifest.plan["cached_rows"] == 61
     assert max_abs_diff(result_of(layout)[0], reference_model.encode(v2_texts)) <= 1e-5
-    (summary,) = VectorCache(store).summary()
+    (summary,) = cache_upkeep.summary(VectorCache(store))
     assert summary["rows"] == 63 and summary["hits"] == 58 + 61
 
 
@@ -303,7 +304,7 @@ def test_status_runs_report_metrics_and_the_cache_command_say_what_was_saved(
     assert bad.returncode != 0 and "--older-than 'soon'" in bad.stderr
     freed = run_cli("cache", "--store", str(store), "clean")
     assert freed.returncode == 0 and "removed 1 shard(s), 20 texts, 1 producer(s)" in freed.stdout
-    assert VectorCache(store).summary() == []
+    assert cache_upkeep.summary(VectorCache(store)) == []
 
 
 @pytest.mark.slow
@@ -336,7 +337,9 @@ def test_a_partial_result_leaves_out_every_row_of_a_missing_chunks_texts(
     matrix, got = result_of(layout)
     assert got == [ids[i] for i in kept]
     assert max_abs_diff(matrix, reference_model.encode([texts[i] for i in kept])) <= 1e-5
-    assert all(e["rows"] == 0 for e in VectorCache(store).summary())  # a partial result adds nothing
+    assert all(
+        e["rows"] == 0 for e in cache_upkeep.summary(VectorCache(store))
+    )  # a partial result adds nothing
 
 
 def test_clean_removes_a_dead_writers_files_but_not_a_live_ones(tmp_path: Path) -> None:
@@ -350,7 +353,7 @@ def test_clean_removes_a_dead_writers_files_but_not_a_live_ones(tmp_path: Path) 
     dead.write_bytes(b"x")
     live.write_bytes(b"x")
     os.utime(dead, (time.time() - 7200, time.time() - 7200))
-    removed = cache.clean(older_than=10**6)
+    removed = cache_upkeep.clean(cache, older_than=10**6)
     assert removed["orphans"] == 1 and removed["shards"] == 0
     assert not dead.exists() and live.exists() and len(cache.shards()) == 1
 

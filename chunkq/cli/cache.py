@@ -11,6 +11,7 @@ import click
 
 from chunkq.cli.common import log_level_option, redis_option, reports_errors, store_option
 from chunkq.cli.group import cli
+from chunkq.jobs.compute import cache_upkeep
 from chunkq.jobs.compute.vector_cache import VectorCache
 from chunkq.jobs.contract.errors import ConfigError
 from chunkq.jobs.contract.specs import EncodeOptions, vector_options
@@ -69,7 +70,7 @@ def cache_cmd(ctx: click.Context, store: Path, as_json: bool, redis_url: str | N
     ctx.obj = store
     if ctx.invoked_subcommand is not None:
         return
-    entries = VectorCache(store).summary()
+    entries = cache_upkeep.summary(VectorCache(store))
     if as_json:
         click.echo(json.dumps(entries, indent=2))
     elif entries:
@@ -100,7 +101,7 @@ def cache_clean_cmd(
         if len(matches) != 1:
             raise ConfigError(f"--producer {key!r} names {len(matches)} producers of the cache, not one")
         key = matches[0]
-    removed = cache.clean(None if older_than is None else age_seconds(older_than), key)
+    removed = cache_upkeep.clean(cache, None if older_than is None else age_seconds(older_than), key)
     click.echo(
         f"removed {removed['shards']} shard(s), {removed['rows']:,} texts, {removed['producers']} producer(s)"
     )

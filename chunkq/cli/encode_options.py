@@ -11,6 +11,7 @@ from chunkq.supervisor.run_options import SUBMIT, WATCH
 
 QUEUE_WINDOW_OPTION = run_option_flag("queue_window")
 SHARD_SIZE_OPTION = run_option_flag("shard_size")
+KEEP_OUTPUTS_OPTION = run_option_flag("keep_outputs")
 
 
 def submit_options(func: F) -> F:

@@ -41,6 +41,7 @@ SECTIONS: tuple[tuple[str, frozenset[str]], ...] = (
         "Watching the run and its result",
         frozenset(
             {"queue_window", "shard_size", "poll", "max_attempts", "allow_partial", "metrics_port"}
+            | {"keep_outputs"}
             | {"wait", "warn_idle", "stale_after"}
         ),
     ),

@@ -27,7 +27,7 @@ from chunkq.supervisor.request import (
     reach_redis,
 )
 from chunkq.supervisor.result.planned_rows import describe_savings
-from chunkq.supervisor.result.published import describe_left_out, read_result_manifest
+from chunkq.supervisor.result.published import describe_left_out, read_result_manifest, rebuild_advice
 from chunkq.supervisor.result.reader import result_problems
 from chunkq.supervisor.store.store_redis import served_url
 from chunkq.supervisor.watch.attempts import describe_attempts, failed_attempts, to_json
@@ -142,10 +142,7 @@ def status_cmd(run_id: str, store: Path, redis_url: str | None, as_json: bool) -
         click.echo(failure_report(snap.quarantined or snap.failures, snap.run_id))
     if snap.result_published:
         if damage:
-            click.echo(
-                f"result in {layout.result} is DAMAGED ({damage[0]}); `chunkq assemble {layout.run_id}` "
-                "publishes it again from the chunk outputs"
-            )
+            click.echo(f"result in {layout.result} is DAMAGED ({damage[0]}); {rebuild_advice(layout)}")
         else:
             left_out = (read_result_manifest(layout) or {}).get("bad_rows")
             if left_out:

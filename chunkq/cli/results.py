@@ -14,7 +14,7 @@ from chunkq.cli.common import (
     redis_option,
     store_option,
 )
-from chunkq.cli.encode_options import SHARD_SIZE_OPTION
+from chunkq.cli.encode_options import KEEP_OUTPUTS_OPTION, SHARD_SIZE_OPTION
 from chunkq.cli.group import command
 from chunkq.jobs.contract.errors import AssemblyError
 from chunkq.jobs.contract.manifest import load_manifest
@@ -22,7 +22,7 @@ from chunkq.jobs.contract.run_files import RunLayout, read_json
 from chunkq.jobs.contract.units import size_text
 from chunkq.queue_worker.exit_codes import EXIT_PARTIAL
 from chunkq.supervisor.result.assemble import assemble
-from chunkq.supervisor.result.published import shard_bytes
+from chunkq.supervisor.result.published import rebuild_advice, shard_bytes
 from chunkq.supervisor.result.reader import check_published
 from chunkq.tools.export import EXPORT_FORMATS, STDOUT, export
 from chunkq.tools.run_list import RunInfo, clean, list_runs
@@ -244,16 +244,19 @@ def _partial(result: dict[str, Any]) -> str:
     help="Only check the published result: its checksums, and that it is the run's (rows, model, options)",
 )
 @SHARD_SIZE_OPTION
+@KEEP_OUTPUTS_OPTION
 @store_option
 @redis_option("unused")
-def assemble_cmd(run_id: str, store: Path, verify: bool, shard_size: str, redis_url: str | None) -> None:
+def assemble_cmd(
+    run_id: str, store: Path, verify: bool, shard_size: str, keep_outputs: bool, redis_url: str | None
+) -> None:
     """Verify every chunk output of RUN_ID and publish result/ (whole, or not at all)."""
     del redis_url
     layout = RunLayout(store, run_id)
     if verify:
         damage = check_published(layout, load_manifest(layout))
         if damage:
-            raise AssemblyError(run_id, [*damage, "run `chunkq assemble RUN` to assemble it again"])
+            raise AssemblyError(run_id, [*damage, rebuild_advice(layout)])
         result = read_json(layout.result_manifest)
         click.echo(
             f"{layout.result}: {result['rows']} x {result['dim']}, every checksum matches its manifest "
@@ -263,6 +266,6 @@ def assemble_cmd(run_id: str, store: Path, verify: bool, shard_size: str, redis_
             click.echo(f"PARTIAL: {_partial(result)}")
             sys.exit(EXIT_PARTIAL)
         return
-    result = assemble(layout, shard_bytes=shard_bytes(shard_size))
+    result = assemble(layout, shard_bytes=shard_bytes(shard_size), keep_outputs=keep_outputs)
     shards = f" in {len(result['shards'])} shards" if result.get("shards") else ""
     click.echo(f"{layout.result}: {result['rows']} x {result['dim']}{shards}")

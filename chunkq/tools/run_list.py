@@ -22,7 +22,8 @@ from chunkq.jobs.contract.errors import ChunkqError, ConfigError, DamagedRunErro
 from chunkq.jobs.contract.manifest import RunManifest, load_manifest
 from chunkq.jobs.contract.run_files import MANIFEST_NAME, RunLayout
 from chunkq.jobs.contract.specs import EncodeOptions, chunk_job_id, chunk_job_prefix
-from chunkq.jobs.contract.storage import is_local, list_with_mtime, remove_leftovers_beside, remove_tree
+from chunkq.jobs.contract.storage import is_local, remove_leftovers_beside, remove_tree
+from chunkq.supervisor.result.assemble import free_outputs
 from chunkq.supervisor.result.planned_rows import corpus_rows_of, savings
 from chunkq.supervisor.result.published import read_result_manifest
 from chunkq.supervisor.result.reader import result_problems
@@ -282,10 +283,6 @@ def _free_outputs(layout: RunLayout) -> int:
         before = folder_bytes(layout.root)
         remove_leftovers_beside(layout.result)
         freed += before - folder_bytes(layout.root)
-    for name, _ in list(list_with_mtime(layout.outputs)):
-        if name.endswith(".npy"):
-            path = layout.outputs / name
-            freed += path.stat().st_size
-            path.unlink()
+    freed += free_outputs(layout)
     remove_tree(layout.damaged_outputs)
     return freed

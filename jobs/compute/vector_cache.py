@@ -26,8 +26,10 @@ import functools
 import hashlib
 import io
 import logging
+import os
 import secrets
-import time
+import shutil
+import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -43,11 +45,10 @@ from chunkq.jobs.contract.storage import (
     is_local,
     list_dirs,
     list_names,
-    list_with_mtime,
     no_links_below,
     open_store,
+    private_dirs,
     publish_file,
-    remove_tree,
 )
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,12 @@ HASH_BYTES = 16  # 128 bits: at 10^9 texts a collision has odds of about 10^-21
 BLOCK_ROWS = 1024  # vectors checked a block at a time: a hit reads and verifies one block, not the shard
 ORPHAN_SECONDS = 3600  # a shard's files without their marker this long after: a writer that died
 SHARD_BYTES = 256 << 20  # vectors a shard holds at most; a run writes as many shards as it needs
+
+
+def _copied(source: Path, target: Path) -> Path:
+    with source.open("rb") as src, target.open("wb") as dst:
+        shutil.copyfileobj(src, dst, 1 << 22)
+    return target
 
 
 class CacheDamage(Exception):
@@ -276,23 +283,67 @@ class VectorCache:
     def _write_shard(
         self, hashes: np.ndarray[Any, Any], vectors: np.ndarray[Any, Any], run_id: str, seconds: float
     ) -> str:
-        folder = self._dir("shards")
-        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
-        name = f"{run_id[:40]}-{stamp}-{secrets.token_hex(4)}"
+        name = self._new_name(run_id)
         vectors = np.ascontiguousarray(vectors, dtype="<f4")
-        hashes = np.ascontiguousarray(hashes, dtype=f"S{HASH_BYTES}")
-        save_npy_atomic(folder / f"{name}.vectors.npy", vectors)
-        hashes_sha = save_npy_atomic(folder / f"{name}.hashes.npy", hashes)
+        save_npy_atomic(self._dir("shards") / f"{name}.vectors.npy", vectors)
         blocks = [
             hashlib.sha256(vectors[i : i + BLOCK_ROWS].tobytes()).hexdigest()
             for i in range(0, len(vectors), BLOCK_ROWS)
         ]
+        self._commit(name, hashes, int(vectors.shape[1]), blocks, run_id, seconds)
+        return name
+
+    def link_shard(
+        self,
+        hashes: np.ndarray[Any, Any],
+        vectors_npy: Path,
+        dim: int,
+        blocks: list[str],
+        run_id: str,
+        seconds: float,
+    ) -> str:
+        """Add a shard whose vectors are a file already written and checked (a published result's
+        float32 ``.npy``, its checksums per BLOCK_ROWS rows ``blocks``) under a second name, a hard
+        link: one copy on disk serves the result and the cache, and either may be deleted without
+        the other losing a byte. A store where a link cannot be made (another filesystem, an object
+        store) gets a copy. The name written."""
+        name = self._new_name(run_id)
+        target = self._dir("shards") / f"{name}.vectors.npy"
+        if is_local(target):
+            private_dirs(Path(target).parent)
+        try:
+            if not is_local(target) or not is_local(vectors_npy):
+                raise OSError("not a filesystem")
+            os.link(vectors_npy, target)
+        except OSError:  # a copy, made aside and moved (or uploaded) into place whole
+            with tempfile.TemporaryDirectory(prefix="chunkq-cache-") as scratch:
+                publish_file(_copied(vectors_npy, Path(scratch) / "vectors.npy"), target)
+        self._commit(name, hashes, dim, blocks, run_id, seconds)
+        return name
+
+    def _new_name(self, run_id: str) -> str:
+        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
+        return f"{run_id[:40]}-{stamp}-{secrets.token_hex(4)}"
+
+    def _commit(
+        self,
+        name: str,
+        hashes: np.ndarray[Any, Any],
+        dim: int,
+        blocks: list[str],
+        run_id: str,
+        seconds: float,
+    ) -> None:
+        """The shard's hashes, then its marker, the commit: readers see it whole or not at all."""
+        folder = self._dir("shards")
+        hashes = np.ascontiguousarray(hashes, dtype=f"S{HASH_BYTES}")
+        hashes_sha = save_npy_atomic(folder / f"{name}.hashes.npy", hashes)
         atomic_write_json(
             folder / f"{name}.json",
             {
                 "producer": self.key,
                 "rows": len(hashes),
-                "dim": int(vectors.shape[1]),
+                "dim": dim,
                 "hashes_sha256": hashes_sha,
                 "block_rows": BLOCK_ROWS,
                 "blocks": blocks,
@@ -301,7 +352,6 @@ class VectorCache:
                 "created_at": datetime.now(UTC).isoformat(),
             },
         )
-        return name
 
     def record_use(self, run_id: str, **counts: int) -> None:
         """One file per run's look-up (no file is shared, so concurrent runs never contend)."""
@@ -315,99 +365,6 @@ class VectorCache:
 
     def producers(self) -> Iterator[str]:
         yield from sorted(list_dirs(self.root))
-
-    def summary(self) -> list[dict[str, Any]]:
-        """Per producer: its model and options, shards, rows, bytes, hits and when it was last used."""
-        out = []
-        for key in self.producers():
-            view = VectorCache(self.store, key)
-            try:
-                described = read_json(view._dir("producer.json"))
-            except (OSError, ValueError):
-                described = {}
-            shards = view.shards()
-            used = view._usage()
-            out.append(
-                {
-                    "producer": key,
-                    "model": described.get("model"),
-                    "model_identity": described.get("model_identity"),
-                    "options": described.get("options"),
-                    "shards": len(shards),
-                    "rows": sum(s.rows for s in shards),
-                    "bytes": sum(s.rows * (s.dim * 4 + HASH_BYTES) for s in shards),
-                    "hits": sum(int(u.get("hits") or 0) for u in used),
-                    "runs": len({u.get("run_id") for u in used}),
-                    "last_used": max((str(u.get("at")) for u in used), default=None),
-                    "encode_seconds": round(sum(float(s.meta.get("encode_seconds") or 0) for s in shards), 3),
-                }
-            )
-        return out
-
-    def _usage(self) -> list[dict[str, Any]]:
-        folder = self._dir("usage")
-        records = []
-        for name in list_names(folder):
-            try:
-                record = read_json(folder / name)
-            except (OSError, ValueError):
-                continue
-            if isinstance(record, dict):
-                records.append(record)
-        return records
-
-    def clean(self, older_than: float | None = None, key: str | None = None) -> dict[str, int]:
-        """Remove shards (of one producer, or all) written more than ``older_than`` seconds ago, or
-        every shard; a producer left with no shard goes whole. A run looking the cache up meanwhile
-        finds a shard gone and encodes its texts (a missing shard is damage, never a wrong vector)."""
-        removed = {"shards": 0, "rows": 0, "producers": 0, "orphans": 0}
-        cutoff = None if older_than is None else time.time() - older_than
-        for producer_key_ in [key] if key else list(self.producers()):
-            view = VectorCache(self.store, producer_key_)
-            for shard in view.shards():
-                created = _timestamp(shard.meta.get("created_at"))
-                if cutoff is not None and created > cutoff:
-                    continue
-                for suffix in (".json", ".hashes.npy", ".vectors.npy"):  # the marker first
-                    _unlink(shard.path(suffix))
-                removed["shards"] += 1
-                removed["rows"] += shard.rows
-            removed["orphans"] += view._remove_orphans()
-            if not view.shards():
-                remove_tree(view._dir())
-                removed["producers"] += 1
-        return removed
-
-    def _remove_orphans(self) -> int:
-        """Shard files with no marker, left by a writer that died, once older than ORPHAN_SECONDS
-        (a live writer's files are younger: its marker follows them within the write)."""
-        folder = self._dir("shards")
-        files = dict(list_with_mtime(folder))
-        stems = {name[: -len(".json")] for name in files if name.endswith(".json")}
-        orphans = [
-            name
-            for name, mtime in files.items()
-            if name.endswith(".npy")
-            and name.split(".", 1)[0] not in stems
-            and mtime < time.time() - ORPHAN_SECONDS
-        ]
-        for name in orphans:
-            _unlink(folder / name)
-        return len(orphans)
-
-
-def _unlink(path: Path) -> None:
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        pass
-
-
-def _timestamp(text: Any) -> float:
-    try:
-        return datetime.fromisoformat(str(text)).timestamp()
-    except ValueError:
-        return 0.0
 
 
 def _npy_data_offset(fh: Any, shape: tuple[int, int]) -> int:

@@ -35,11 +35,12 @@ from chunkq.jobs.contract.run_files import (
     read_chunk_input,
 )
 from chunkq.jobs.contract.specs import PACKED_DTYPES, storage_dtype
-from chunkq.jobs.contract.storage import is_local
+from chunkq.jobs.contract.storage import is_local, list_with_mtime
 from chunkq.supervisor.result import planned_rows
 from chunkq.supervisor.result import ragged as ragged_result
+from chunkq.supervisor.result.building import Build
 from chunkq.supervisor.result.chunk_reads import CacheFeed, ChunkReads, Unfit, set_aside_because
-from chunkq.supervisor.result.published import TEXTS
+from chunkq.supervisor.result.published import SINGLE, TEXTS, shard_names
 from chunkq.supervisor.result.reader import published_result
 from chunkq.supervisor.result.text_pooling import TextPooler
 from chunkq.supervisor.result.writer import PartWriter, ResultWriter, local_build_dir, publish
@@ -198,6 +199,8 @@ def assemble(
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     manifest: RunManifest | None = None,
     phases: Phases | None = None,
+    build: Build | None = None,
+    keep_outputs: bool = False,
 ) -> dict[str, Any]:
     """Verify every chunk and publish ``result/``; raise AssemblyError naming every problem.
 
@@ -207,23 +210,36 @@ def assemble(
     just before the result is put in place, so a supervisor that lost its lock never publishes.
     A result of more than ``shard_bytes`` of embeddings is published as shards (``writer.py``).
     ``manifest``: the run's, where the caller has read it. ``phases``: where its steps' seconds go.
+    ``build``: the result the watch wrote as the chunks landed (``building.py``), finished here
+    when it holds every chunk; otherwise it is dropped and the result written here. A whole
+    result's chunk arrays are then deleted (``free_outputs``) unless ``keep_outputs``.
     """
     manifest = manifest or load_manifest(layout)
     existing = published_result(layout, manifest)
     if existing is not None:
+        if build is not None:
+            build.abandon()
         return existing
     skip = {f.chunk: f for f in missing or []}
     with timed(phases, VERIFY):
         verified, failed = _check_metas(layout, manifest, set(skip))
-    cache = CacheFeed.of(layout, manifest, partial=bool(skip))
-    reads = ChunkReads(
-        layout, manifest, set(skip) | set(failed), failed, cache, others=_models_problem(verified)
-    )
+    others = _models_problem(verified)
+    if build is not None and (skip or failed or others or not build.complete):
+        build.abandon()
+        build = None
+    if build is not None:
+        reads = build.reads
+    else:
+        cache = CacheFeed.of(layout, manifest, partial=bool(skip))
+        reads = ChunkReads(layout, manifest, set(skip) | set(failed), failed, cache, others=others)
     try:
-        return _assemble(reads, verified, skip, fence, shard_bytes, phases or Phases())
+        result = _assemble(reads, verified, skip, fence, shard_bytes, phases or Phases(), build)
     except Unfit:
         reads.check_the_rest()
         raise AssemblyError(manifest.run_id, reads.listed()) from None
+    if not skip and not keep_outputs:
+        free_outputs(layout)  # the result holds them now: one copy on disk (issue 64.5)
+    return result
 
 
 def _assemble(
@@ -233,8 +249,10 @@ def _assemble(
     fence: Callable[[], None] | None,
     shard_bytes: int,
     phases: Phases,
+    build: Build | None = None,
 ) -> dict[str, Any]:
-    """Write the result from the chunk outputs, each read once (ChunkReads), and publish it."""
+    """Write the result from the chunk outputs, each read once (ChunkReads), and publish it (or
+    finish ``build``, which has written it already)."""
     layout, manifest = reads.layout, reads.manifest
     if reads.problems or reads.others:
         raise Unfit
@@ -252,7 +270,7 @@ def _assemble(
         planned_rows.rows_without_vector(layout, manifest, bad) if manifest.plan is not None else len(bad)
     )
     total = manifest.corpus_rows - sum(lost.values()) - left_out
-    built = local_build_dir(layout)
+    built = build.built if build is not None and build.built is not None else local_build_dir(layout)
     remote = not is_local(layout.root)
     dtype = storage_dtype(manifest.output_dtype)
     embedding_dim = verified.embedding_dim
@@ -261,12 +279,19 @@ def _assemble(
         embedding_dim = int(manifest.options.get("truncate_dim") or dim)
         columns = stored_columns(embedding_dim, manifest.output_dtype)
     ragged = kinds.get(manifest.kind).ragged
-    writer = ResultWriter(
-        built, total, columns, dtype, shard_bytes, upload_to=layout.result if remote else None
-    )
+    if build is not None and build.writer is not None:
+        writer = build.writer
+    else:
+        writer = ResultWriter(
+            built, total, columns, dtype, shard_bytes, upload_to=layout.result if remote else None
+        )
     writing = (time.time(), time.perf_counter(), time.process_time())
+    cache_before = reads.cache.spent if reads.cache is not None else (0.0, 0.0)
     try:
-        if ragged:
+        if build is not None:
+            files = writer.finish()
+            uploaded = writer.shard_dir
+        elif ragged:
             upload_to = layout.result if remote else None
             files = ragged_result.write(reads, set(skip), built, total, shard_bytes, upload_to)
             uploaded = files["ragged"].get("shard_dir")
@@ -277,44 +302,15 @@ def _assemble(
         if writer.extra is not None:
             windows = (manifest.plan or {}).get("windows") or {}
             files["texts"] = {**writer.extra.close(), "pool": windows.get("pool"), "dim": columns}
-        missing_rows = [
-            {
-                "chunk": f.chunk,
-                "first_row": f.first_row,
-                "rows": lost[f.chunk],
-                "error_class": f.error_class,
-                "error": f.error,
-            }
-            for f in skip.values()
-        ]
-        result = {
-            **manifest.data,
-            **files,
-            "complete": not skip,
-            "corpus_rows": manifest.corpus_rows,
-            "rows": total,
-            "missing": missing_rows,
-            **({"bad_rows": bad_rows} if bad_rows else {}),  # left out under --allow-missing, each with why
-            "dim": columns,  # the stored array's columns
-            "dtype": manifest.output_dtype,
-            "embedding_dim": embedding_dim,
-            "packed_bits": manifest.output_dtype in PACKED_DTYPES,  # binary/ubinary: 8 dimensions a byte
-            "assembled_at": datetime.now(UTC).isoformat(),
-            "workers": sorted(verified.workers),
-            # worker processes that encoded a chunk of the result: what report counts too
-            "worker_processes": len(verified.processes),
-            "devices": sorted(verified.devices),
-            "encode_seconds": round(verified.seconds, 3),
-            # The model every row came from: the run's, or where submit could not tell, the chunks' one
-            "model_identity": manifest.model_identity or next(iter(verified.models), None),
-        }
+        shape = {"rows": total, "dim": columns, "embedding_dim": embedding_dim}
+        result = _result_manifest(manifest, verified, files, skip, lost, bad_rows, shape)
         atomic_write_json(built / MANIFEST_NAME, result)
         cache_wall, cache_cpu = reads.cache.spent if reads.cache is not None else (0.0, 0.0)
         phases.add(
             WRITE,
             writing[0],
-            time.perf_counter() - writing[1] - cache_wall,
-            time.process_time() - writing[2] - cache_cpu,
+            time.perf_counter() - writing[1] - (cache_wall - cache_before[0]),
+            time.process_time() - writing[2] - (cache_cpu - cache_before[1]),
         )
         with phases.phase(PUBLISH):
             if fence is not None:
@@ -334,7 +330,88 @@ def _assemble(
             len(skip),
         )
     log.info("run %s: published %d x %d embeddings in %s", manifest.run_id, total, columns, layout.result)
-    if reads.cache is not None:
-        reads.cache.close()
-        phases.add(CACHE, time.time(), *reads.cache.spent)
+    _after_publish(reads, writer, dim, phases, cache_before)
     return result
+
+
+def _result_manifest(
+    manifest: RunManifest,
+    verified: Verified,
+    files: dict[str, Any],
+    skip: dict[int, Failure],
+    lost: dict[int, int],
+    bad_rows: list[dict[str, Any]],
+    shape: dict[str, int],
+) -> dict[str, Any]:
+    missing_rows = [
+        {
+            "chunk": f.chunk,
+            "first_row": f.first_row,
+            "rows": lost[f.chunk],
+            "error_class": f.error_class,
+            "error": f.error,
+        }
+        for f in skip.values()
+    ]
+    return {
+        **manifest.data,
+        **files,
+        "complete": not skip,
+        "corpus_rows": manifest.corpus_rows,
+        "rows": shape["rows"],
+        "missing": missing_rows,
+        **({"bad_rows": bad_rows} if bad_rows else {}),  # left out under --allow-missing, each with why
+        "dim": shape["dim"],  # the stored array's columns
+        "dtype": manifest.output_dtype,
+        "embedding_dim": shape["embedding_dim"],
+        "packed_bits": manifest.output_dtype in PACKED_DTYPES,  # binary/ubinary: 8 dimensions a byte
+        "assembled_at": datetime.now(UTC).isoformat(),
+        "workers": sorted(verified.workers),
+        # worker processes that encoded a chunk of the result: what report counts too
+        "worker_processes": len(verified.processes),
+        "devices": sorted(verified.devices),
+        "encode_seconds": round(verified.seconds, 3),
+        # The model every row came from: the run's, or where submit could not tell, the chunks' one
+        "model_identity": manifest.model_identity or next(iter(verified.models), None),
+    }
+
+
+def _after_publish(
+    reads: ChunkReads, writer: ResultWriter, dim: int, phases: Phases, before: tuple[float, float]
+) -> None:
+    """The run's encoded vectors to the cache: the published parts themselves, or copies."""
+    if reads.cache is None:
+        return
+    if reads.cache.linking:
+        reads.cache.link_result(_published_parts(reads.layout, writer), dim)
+    else:
+        reads.cache.close()
+    spent = reads.cache.spent
+    phases.add(CACHE, time.time(), spent[0] - before[0], spent[1] - before[1])
+
+
+def free_outputs(layout: RunLayout) -> int:
+    """Delete the chunk arrays (``.npy``) of a run whose whole result is published: the result holds
+    their rows (on a filesystem, often the same bytes under a second name). Their records stay, so
+    ``status`` and ``report`` tell the run's story and a rerun sees the result and does nothing; a
+    rerun after the result was lost encodes the chunks again from their inputs. The bytes freed."""
+    freed = 0
+    for name, _ in list(list_with_mtime(layout.outputs)):
+        if name.endswith(".npy"):
+            path = layout.outputs / name
+            try:
+                freed += path.stat().st_size
+                path.unlink()
+            except FileNotFoundError:
+                continue
+    return freed
+
+
+def _published_parts(layout: RunLayout, writer: ResultWriter) -> list[tuple[Path, int, list[str]]]:
+    """Each part of the published result: its embeddings file, rows and block checksums."""
+    if writer.shard_dir is None:
+        return [(layout.result / SINGLE[0], writer.rows, writer.part_blocks[0])]
+    return [
+        (layout.result / writer.shard_dir / shard_names(i)[0], int(part["rows"]), writer.part_blocks[i])
+        for i, part in enumerate(writer.done)
+    ]

@@ -50,6 +50,8 @@ class CacheFeed:
     written: int = 0
     broken: bool = False
     spent: tuple[float, float] = (0.0, 0.0)  # wall and CPU seconds spent here (supervisor/store/phases.py)
+    # The result's own parts become the cache's shards (``link_result``): only hashes are kept here.
+    linking: bool = False
 
     @classmethod
     def of(cls, layout: RunLayout, manifest: RunManifest, partial: bool) -> CacheFeed | None:
@@ -79,9 +81,28 @@ class CacheFeed:
     def _spent(self, wall: float, cpu: float) -> None:
         self.spent = (self.spent[0] + time.perf_counter() - wall, self.spent[1] + time.process_time() - cpu)
 
+    def link_later(self) -> None:
+        """Keep the hashes only: the result's float32 parts are linked in as shards once published."""
+        self.linking = True
+
     def _add(self, index: int, meta: dict[str, Any], vectors: np.ndarray[Any, Any], texts: list[str]) -> None:
         libraries = (self.manifest.plan or {}).get("libraries")
-        if self.broken or meta.get("source") == "cache":
+        if self.broken:
+            return
+        if self.linking and (
+            meta.get("source") == "cache"
+            or meta.get("bad_rows")
+            or (libraries and meta.get("libraries") != libraries)
+        ):
+            # A part of the result is linked whole, or not at all: this run adds nothing.
+            log.info(
+                "run %s: chunk %d cannot join the vector cache; nothing of the run is added",
+                self.manifest.run_id,
+                index,
+            )
+            self.broken = True
+            return
+        if meta.get("source") == "cache":
             return
         if libraries and meta.get("libraries") != libraries:
             log.info(
@@ -100,12 +121,43 @@ class CacheFeed:
             keep = ~np.isin(np.arange(first, first + len(texts)), left_out)
             hashes, vectors = hashes[keep], vectors[keep]
         self.hashes.append(hashes)
-        self.vectors.append(vectors)
         self.seconds += float(meta.get("seconds") or 0)
+        if self.linking:
+            return
+        self.vectors.append(vectors)
         if sum(len(h) for h in self.hashes) >= CACHE_WRITE_ROWS:
             self.flush()
 
+    def link_result(self, parts: list[tuple[Path, int, list[str]]], dim: int) -> None:
+        """Each published part of the result (its float32 ``.npy``, rows and block checksums), in
+        order, added as a shard under a second name (``VectorCache.link_shard``)."""
+        wall, cpu = time.perf_counter(), time.process_time()
+        try:
+            if self.broken or not self.linking or not self.hashes:
+                return
+            hashes, offset = np.concatenate(self.hashes), 0
+            total = sum(rows for _, rows, _ in parts)
+            if total != len(hashes):
+                raise ValueError(f"{len(hashes)} hashes for {total} rows")
+            for path, rows, blocks in parts:
+                share = self.seconds * rows / max(1, total)
+                self.cache.link_shard(
+                    hashes[offset : offset + rows], path, dim, blocks, self.manifest.run_id, share
+                )
+                offset += rows
+            self.written = offset
+            log.info(
+                "run %s: its %d vectors are the vector cache's too (one copy)", self.manifest.run_id, offset
+            )
+        except (OSError, ValueError) as exc:
+            log.warning("run %s: the vector cache was not updated: %s", self.manifest.run_id, exc)
+        finally:
+            self.hashes, self.seconds = [], 0.0
+            self._spent(wall, cpu)
+
     def flush(self) -> None:
+        if self.linking:
+            return  # linked once the result is published (link_result)
         if self.hashes and not self.broken:
             try:
                 hashes, vectors = np.concatenate(self.hashes), np.concatenate(self.vectors)

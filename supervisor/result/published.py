@@ -35,6 +35,7 @@ from chunkq.jobs.contract.run_files import (
 from chunkq.jobs.contract.specs import storage_dtype
 from chunkq.jobs.contract.storage import (
     is_local,
+    list_with_mtime,
 )
 
 SINGLE = ("embeddings.npy", "ids.jsonl")
@@ -219,3 +220,14 @@ def result_disagreement(layout: RunLayout, result: Any, manifest: RunManifest) -
 def result_name(layout: RunLayout, path: Path) -> str:
     """A result file's name as the manifest's reader knows it: relative to result/."""
     return str(path.relative_to(layout.result)) if is_local(path) else path.name
+
+
+def rebuild_advice(layout: RunLayout) -> str:
+    """What publishes a damaged result again: assembly from the chunk outputs while they are there,
+    else the command that made the run, which encodes the chunks again from their inputs."""
+    if any(name.endswith(".npy") for name, _ in list_with_mtime(layout.outputs)):
+        return f"`chunkq assemble {layout.run_id}` publishes it again from the chunk outputs"
+    return (
+        "its chunk outputs were freed once it was published: the command that made the run (chunkq "
+        "run, or submit with a pool) encodes its chunks again from their inputs and publishes it again"
+    )

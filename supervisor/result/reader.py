@@ -32,6 +32,7 @@ from chunkq.supervisor.result.published import (
     TEXTS,
     ResultPart,
     read_result_manifest,
+    rebuild_advice,
     result_disagreement,
     result_name,
     result_parts,
@@ -166,7 +167,7 @@ class OpenedResult:
     # --- what a damaged result says -----------------------------------------------------------
 
     def _damaged(self, why: str) -> AssemblyError:
-        return damaged(self.layout.run_id, why)
+        return damaged(self.layout, why)
 
     def _gone(self, part: ResultPart) -> StoreError | AssemblyError:
         return self._gone_file(part.embeddings.name)
@@ -182,10 +183,9 @@ class OpenedResult:
         return self._damaged(f"{name} or its ids are missing")
 
 
-def damaged(run_id: str, why: str) -> AssemblyError:
-    """What a reader raises for a result its manifest does not vouch for."""
-    lines = [f"the published result is damaged: {why}", "run `chunkq assemble RUN` again"]
-    return AssemblyError(run_id, lines)
+def damaged(layout: RunLayout, why: str) -> AssemblyError:
+    """What a reader raises for a result its manifest does not vouch for, and what publishes it again."""
+    return AssemblyError(layout.run_id, [f"the published result is damaged: {why}", rebuild_advice(layout)])
 
 
 def open_result(layout: RunLayout, level: str = "window", run: RunManifest | None = None) -> OpenedResult:
@@ -203,7 +203,7 @@ def open_result(layout: RunLayout, level: str = "window", run: RunManifest | Non
         manifest, torn = None, f"result/manifest.json is unreadable ({exc})"
     disagreement = [torn] if manifest is None else result_disagreement(layout, manifest, run)
     if disagreement:
-        raise damaged(layout.run_id, "; ".join(disagreement))
+        raise damaged(layout, "; ".join(disagreement))
     windowed = bool((run.plan or {}).get("windows")) and level == "window"
     rows, dim = int(manifest["rows"]), int(manifest["dim"])
     parts = [] if kinds.get(run.kind).ragged else result_parts(layout, manifest)
@@ -331,7 +331,8 @@ def published_result(layout: RunLayout, run: RunManifest) -> dict[str, Any] | No
     damage = result_problems(layout, result, run)
     if damage:
         log.warning(
-            "run %s: the published result is damaged (%s); assembling it again from the chunk outputs",
+            "run %s: the published result is damaged (%s); it is made again (from the chunk outputs "
+            "where they were kept, else by encoding the chunks again)",
             run.run_id,
             "; ".join(damage),
         )
@@ -363,7 +364,7 @@ class ShardedEmbeddings:
             if hashlib.sha256(raw).hexdigest() != part.embeddings_sha256:  # swapped or rewritten
                 raise StoreError(
                     f"{part.embeddings} does not match the checksum in its result/manifest.json: the "
-                    "result is damaged; `chunkq assemble RUN` publishes it again from the chunk outputs"
+                    "result is damaged; `chunkq status RUN` says how to publish it again"
                 )
             self._cached = (index, npy_from_bytes(raw))
         return self._cached[1]

@@ -42,12 +42,19 @@ class PartWriter:
     appended with plain writes (dirty pages of a memory map would count as resident memory), both
     hashed as they are written, so nothing is read back."""
 
-    def __init__(self, embeddings: Path, ids: Path, rows: int, dim: int, dtype: np.dtype[Any]) -> None:
+    def __init__(
+        self, embeddings: Path, ids: Path, rows: int, dim: int, dtype: np.dtype[Any], block_rows: int = 0
+    ) -> None:
+        """``block_rows``: also the sha256 of each block of that many rows (the vector cache's
+        checksums, for a result part the cache takes as a shard of its own)."""
         private_dirs(embeddings.parent)
         self.paths, self.rows, self.written = (embeddings, ids), rows, 0
         self._emb, self._ids = private_open(embeddings, "wb"), private_open(ids, "wb")
         self.dtype = dtype
         self._emb_hash, self._ids_hash = hashlib.sha256(), hashlib.sha256()
+        self.block_rows = block_rows
+        self.blocks: list[str] = []
+        self._block, self._block_filled = hashlib.sha256(), 0
         header = io.BytesIO()
         np.lib.format.write_array_header_1_0(
             header,
@@ -61,10 +68,27 @@ class PartWriter:
         digest.update(data)
 
     def write(self, ids: list[Any], block: np.ndarray[Any, Any]) -> None:
-        self._write(self._emb, self._emb_hash, np.ascontiguousarray(block, dtype=self.dtype).data)
+        rows = np.ascontiguousarray(block, dtype=self.dtype)
+        self._write(self._emb, self._emb_hash, rows.data)
+        if self.block_rows:
+            self._hash_blocks(rows)
         lines = "".join(json.dumps(rid, ensure_ascii=False) + "\n" for rid in ids).encode()
         self._write(self._ids, self._ids_hash, lines)
         self.written += len(ids)
+
+    def _hash_blocks(self, rows: np.ndarray[Any, Any]) -> None:
+        start = 0
+        while start < len(rows):
+            take = min(len(rows) - start, self.block_rows - self._block_filled)
+            self._block.update(rows[start : start + take].data)
+            self._block_filled += take
+            start += take
+            if self._block_filled == self.block_rows:
+                self._end_block()
+
+    def _end_block(self) -> None:
+        self.blocks.append(self._block.hexdigest())
+        self._block, self._block_filled = hashlib.sha256(), 0
 
     def close(self) -> dict[str, Any]:
         for fh in (self._emb, self._ids):
@@ -73,6 +97,8 @@ class PartWriter:
             fh.close()
         if self.written != self.rows:
             raise ValueError(f"{self.paths[0].name}: wrote {self.written} rows, expected {self.rows}")
+        if self.block_rows and self._block_filled:
+            self._end_block()
         return {
             "rows": self.rows,
             "embeddings_sha256": self._emb_hash.hexdigest(),
@@ -100,8 +126,12 @@ class ResultWriter:
         dtype: np.dtype[Any],
         shard_bytes: int,
         upload_to: Path | None = None,
+        block_rows: int = 0,
     ) -> None:
+        """``block_rows``: each part's block checksums too (``PartWriter``), in ``part_blocks``."""
         self.built, self.rows, self.dim, self.dtype, self.upload_to = built, rows, dim, dtype, upload_to
+        self.block_rows = block_rows
+        self.part_blocks: list[list[str]] = []  # each finished part's block checksums, in order
         self.shard_rows = max(1, shard_bytes // (dim * dtype.itemsize))
         self.sharded = rows > self.shard_rows
         self.shard_dir = new_shard_dir() if self.sharded else None
@@ -113,10 +143,10 @@ class ResultWriter:
     def _open_part(self) -> PartWriter:
         if self.shard_dir is None:
             embeddings, ids = (self.built / name for name in SINGLE)
-            return PartWriter(embeddings, ids, self.rows, self.dim, self.dtype)
+            return PartWriter(embeddings, ids, self.rows, self.dim, self.dtype, self.block_rows)
         rows = min(self.shard_rows, self.rows - self.total)
         embeddings, ids = (self.built / self.shard_dir / name for name in shard_names(len(self.done)))
-        return PartWriter(embeddings, ids, rows, self.dim, self.dtype)
+        return PartWriter(embeddings, ids, rows, self.dim, self.dtype, self.block_rows)
 
     def write(self, ids: list[Any], block: np.ndarray[Any, Any]) -> None:
         """Append rows; a block that crosses a shard's end is split there."""
@@ -138,6 +168,7 @@ class ResultWriter:
         if part is None:
             return
         self.done.append(part.close())
+        self.part_blocks.append(part.blocks)
         if self.upload_to is not None and self.shard_dir is not None:
             for local in part.paths:
                 publish_file(local, self.upload_to / self.shard_dir / local.name)

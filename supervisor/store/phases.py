@@ -26,6 +26,7 @@ IDENTIFY = "identify"  # the corpus files read for their checksums, the model's 
 SPLIT = "split"  # the corpus read, hashed, deduplicated, looked up in the cache, written as chunk inputs
 QUEUE = "queue"  # the chunks enqueued
 WATCH = "watch"  # the workers at work, the supervisor watching: until every chunk settled
+BUILD = "build"  # during the watch: the result written as the chunks land (supervisor/result/building.py)
 VERIFY = "verify"  # assembly: the chunk outputs' records checked
 WRITE = "write"  # assembly: the result written from the chunk outputs (each read once, checksummed)
 CACHE = "cache"  # assembly: the run's encoded vectors added to the store's cache

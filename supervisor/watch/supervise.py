@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import random
 import time
 from collections.abc import Callable
@@ -35,6 +36,7 @@ from chunkq.jobs.contract.queueing import give_back
 from chunkq.jobs.contract.run_files import RunLayout, read_json
 from chunkq.jobs.contract.specs import chunk_job_id
 from chunkq.supervisor.result.assemble import Failure, assemble
+from chunkq.supervisor.result.building import Build
 from chunkq.supervisor.store.phases import WATCH, Phases
 from chunkq.supervisor.store.run_lock import RunLock
 from chunkq.supervisor.store.store_lock import StoreLock
@@ -79,6 +81,7 @@ class WatchSettings:
     stale_after: float = STALE_AFTER_SECONDS  # a running chunk's heartbeat silent this long: stuck
     window: int | None = None  # jobs of the run in Redis at once; None: enqueue.window_size decides
     shard_bytes: int = DEFAULT_SHARD_BYTES  # a larger result is published as shards of this size
+    keep_outputs: bool = False  # keep the chunk arrays once the result is published (assemble.free_outputs)
     # When chunkq started the pool itself (chunkq run, the API): time.monotonic() then. Its idle
     # warnings then speak of that pool, never ask the user to start another.
     own_pool_started: float | None = None
@@ -384,6 +387,7 @@ def _supervise(
             retried,
         )
     wakeup = Wakeup(connection, manifest.queue)
+    build = Build.start(layout, manifest, settings.shard_bytes)  # the result, written as chunks land
     with phases.phase(WATCH):
         try:
             while True:
@@ -391,11 +395,22 @@ def _supervise(
                 display.update(snap)
                 if snap.settled or not keep_going():
                     break
+                if build is not None:
+                    build.advance(watch.tracker.pending, phases=phases)
                 wakeup.wait(settings.poll_seconds)
         finally:
             wakeup.close()
             lock.release()
     if not snap.settled or (snap.quarantined and not settings.allow_partial):
+        if build is not None:
+            build.abandon()
         return Outcome(snap, None)
     missing = snap.quarantined if settings.allow_partial else None
-    return Outcome(snap, assemble(layout, missing, owner.check, settings.shard_bytes, manifest, phases))
+    if build is not None:
+        build.advance(watch.tracker.pending, seconds=math.inf, phases=phases)  # the last chunks
+    return Outcome(
+        snap,
+        assemble(
+            layout, missing, owner.check, settings.shard_bytes, manifest, phases, build, settings.keep_outputs
+        ),
+    )
