@@ -338,7 +338,13 @@ def _embed(chunk: ChunkSpec) -> dict[str, Any]:
             f"chunk {chunk.job_id}: input holds {len(texts)} rows, the spec says {chunk.rows}"
         )
     loaded = models.get_model(chunk.model, ctx.device, chunk.options.precision, chunk.options)
-    recorded = check_loaded(chunk, manifest.model_identity, loaded, manifest.data.get("model_code"))
+    recorded = check_loaded(
+        chunk,
+        manifest.model_identity,
+        loaded,
+        manifest.data.get("model_code"),
+        manifest.data.get("model_canary"),
+    )
     # A static embedding has no padding to save: its batches are counted in texts.
     tokens_apply = kinds.get(chunk.options.kind).by_tokens and loaded.default_max_seq_length is not None
     work = replace(chunk, options=token_batches.for_device(chunk.options, ctx.device, tokens_apply))

@@ -8,6 +8,7 @@ import contextlib
 import importlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -80,7 +81,7 @@ def _shifted_model(folder: Path, name: str) -> Path:
     return folder
 
 
-def _fresh_encode(model: Path, site: Path, texts: list[str]) -> np.ndarray:
+def _fresh_encode(model: Path, site: Path, texts: list[str], **env_extra: str) -> np.ndarray:
     """A plain encode in a fresh interpreter: the reference a user would compare with."""
     script = (
         "import sys, json, numpy as np\n"
@@ -89,7 +90,7 @@ def _fresh_encode(model: Path, site: Path, texts: list[str]) -> np.ndarray:
         f"m = SentenceTransformer({str(model)!r}, device='cpu', trust_remote_code=True)\n"
         f"np.save({str(site / 'want.npy')!r}, m.encode(texts))\n"
     )
-    env = dict(os.environ, PYTHONPATH=str(site), HF_HUB_OFFLINE="1")
+    env = dict(os.environ, PYTHONPATH=str(site), HF_HUB_OFFLINE="1", **env_extra)
     subprocess.run([sys.executable, "-c", script], input=json.dumps(texts), text=True, env=env, check=True)
     return np.load(site / "want.npy")
 
@@ -280,14 +281,105 @@ def test_transformers_copy_of_a_models_own_code_is_in_its_listing(
         "class XModel(BertModel):\n    config_class = XConfig\n"
     )
     monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # this test's own probe memo
     identity = model_identity(str(model))
     assert identity is not None
-    first = code_probe.probe(str(model), {"trust_remote_code": True}, identity)
+    first = code_probe.probe(str(model), {"trust_remote_code": True})
     (copy,) = [n for n, _, _ in first.files if n.endswith("modeling_x.py")]
     assert copy.startswith("transformers_modules/model/") and not first.unidentified
     copied = Path(first.paths[copy])
     copied.write_text(copied.read_text() + "\nXModel.forward_edited = True\n")
-    again = code_probe.probe(str(model), {"trust_remote_code": True}, identity)
+    again = code_probe.probe(str(model), {"trust_remote_code": True})
     edited = copied.read_text().endswith("forward_edited = True\n")
     assert (again.digest() != first.digest()) if edited else (again.digest() == first.digest())
+
+
+_SEEN_ELSEWHERE = """
+import json, os, threading
+from sentence_transformers.base.modules.module import Module
+
+class Shift(Module):
+    config_keys: list = []
+
+    def __init__(self):
+        super().__init__()
+        box = []
+        reader = threading.Thread(target=lambda: box.append(float(open({data!r}).read())))
+        reader.start()
+        reader.join()
+        flagged = 1.0 if os.path.exists({flag!r}) else 0.0
+        self.shift = box[0] + float(os.environ.get("SHIFT_BY", "0")) + flagged
+
+    def forward(self, features):
+        features["sentence_embedding"] = features["sentence_embedding"] + self.shift
+        return features
+
+    def save(self, output_path, *args, **kwargs):
+        self.save_config(output_path)
+
+    @classmethod
+    def load(cls, model_name_or_path="", subfolder="", **kwargs):
+        return cls()
+"""
+
+
+@pytest.mark.slow
+def test_what_the_listing_cannot_see_is_caught_by_the_canary_and_never_served(tmp_path: Path) -> None:
+    """The hostile pass's round two: a file read in a thread of its own (now listed: every thread's
+    opens are recorded), an environment variable and a file's mere existence (no file is read: the
+    canary's vectors moved, so the cache refuses to serve, and --no-cache encodes every row)."""
+    data, flag = tmp_path / "shift.txt", tmp_path / "flag"
+    data.write_text("0.0")
+    site = _site(tmp_path / "site", "seen")
+    (site / "seenpool" / "__init__.py").write_text(_SEEN_ELSEWHERE.format(data=str(data), flag=str(flag)))
+    model = _shifted_model(tmp_path / "model", "seen")
+    ids, texts = make_texts(12, seed=9)
+    store = tmp_path / "store"
+    common = ["--store", str(store), "--model", str(model), "--trust-remote-code", "--chunk-size", "6"]
+    env = {"PYTHONPATH": str(site), "CHUNKQ_FORK_SERVER_SOCKET": ""}
+
+    def run(name: str, *extra: str, **more: str) -> object:
+        corpus = write_corpus(tmp_path / f"{name}.jsonl", [f"{name}{i}" for i in ids], texts, "jsonl")
+        return run_cli("run", str(corpus), *common, *extra, **env, **more)
+
+    assert run("a").returncode == 0  # type: ignore[attr-defined]
+    data.write_text("0.5")  # read in a thread: listed, another identity, encoded again
+    again = run("b")
+    assert again.returncode == 0 and "12 encoded, 0 from the vector cache" in again.stdout  # type: ignore[attr-defined]
+    assert max_abs_diff(result_of(_latest(store))[0], _fresh_encode(model, site, texts)) <= 1e-5
+    for change in ("env", "flag"):
+        more = {"SHIFT_BY": "2.0"} if change == "env" else {}
+        if change == "flag":
+            flag.write_text("")
+        refused = run(f"c{change}", forks=False, **more)
+        line = refused.stderr.strip().splitlines()[-1]  # type: ignore[attr-defined]
+        assert (
+            refused.returncode == EXIT_CONFIG
+            and "behaves differently than when the store's vector cache" in line
+        )  # type: ignore[attr-defined]
+        assert "give --no-cache" in line
+        fresh = run(f"d{change}", "--no-cache", **more)
+        assert fresh.returncode == 0, fresh.stderr[-2000:]  # type: ignore[attr-defined]
+        want = _fresh_encode(model, site, texts, **more)
+        assert max_abs_diff(result_of(_latest(store))[0], want) <= 1e-5
+        flag.unlink(missing_ok=True)
+
+
+def test_native_code_and_datagrams_cannot_be_identified(tmp_path: Path) -> None:
+    """The process's own native symbols (``ctypes.CDLL(None)``: libc's ``system``) and a datagram
+    sent without a connection are reported as unidentified; a library opened by path is read."""
+    import ctypes
+    import ctypes.util
+
+    _, native = model_code.record(lambda: ctypes.CDLL(None), set())
+    assert native.unidentified == ("it calls the process's own native code (ctypes.CDLL(None))",)
+    _, sent = model_code.record(
+        lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b"x", ("127.0.0.1", 9)), set()
+    )
+    assert sent.unidentified and sent.unidentified[0].startswith("it sends to ('127.0.0.1', 9)")
+    lib = tmp_path / "libmine.so"  # a library of the model's own, outside the system's folders
+    found = ctypes.util.find_library("m")
+    assert found is not None
+    system = [Path(folder) / found for folder in ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu")]
+    shutil.copyfile(next(p for p in system if p.exists()), lib)
+    _, opened = model_code.record(lambda: ctypes.CDLL(str(lib)), set())
+    assert str(lib) in [name for name, _, _ in opened.files] and opened.unidentified == ()

@@ -8,8 +8,8 @@ max abs diff 1.25 and 15.2). Such a load is therefore watched: a Python audit ho
 every module imported and every file opened while the model loads and encodes a warm-up input,
 and every file read that way is hashed, the *listing*, unless it is one of:
 
-- the model's own files (the identity hashed them), the standard library, and ``/proc``, ``/sys``,
-  ``/dev``;
+- the model's own files (the identity hashed them), the standard library, ``/proc``, ``/sys``,
+  ``/dev`` and the system's own libraries (``/usr/lib``, ``/lib``);
 - chunkq, and the distributions chunkq itself requires, with theirs (torch, transformers,
   sentence-transformers, numpy...): the environment every worker shares, whose releases of
   sentence-transformers, transformers, tokenizers and torch are in the vector cache's key;
@@ -59,6 +59,9 @@ class Listing:
     files: tuple[tuple[str, str, str], ...] = ()
     unidentified: tuple[str, ...] = ()
     paths: dict[str, str] = field(default_factory=dict, compare=False)  # name -> this host's path
+    # The load's vectors of CANARY_TEXTS (a dense model's), rows of floats: what its code does, seen
+    # from outside, whatever it read to do it (canary_difference).
+    canary: list[list[float]] | None = field(default=None, compare=False)
 
     def digest(self) -> str:
         data = json.dumps([list(f) for f in self.files], separators=(",", ":")).encode()
@@ -68,8 +71,13 @@ class Listing:
         return [{"name": n, "sha256": s, "package": p} for n, s, p in self.files]
 
     def to_record(self) -> dict[str, Any]:
-        """The listing whole, with this host's paths: what the probe hands back and its memo keeps."""
-        return {"files": self.to_json(), "unidentified": list(self.unidentified), "paths": self.paths}
+        """The listing whole, with this host's paths and its canary: what the probe hands back."""
+        return {
+            "files": self.to_json(),
+            "unidentified": list(self.unidentified),
+            "paths": self.paths,
+            "canary": self.canary,
+        }
 
     def differences(self, run: list[dict[str, Any]] | None) -> list[str]:
         """How this listing differs from the run's (``to_json``), file by file, in words."""
@@ -102,13 +110,52 @@ def merged(earlier: Listing | None, now: Listing) -> Listing:
         return now
     files = {n: (n, s, p) for n, s, p in earlier.files} | {n: (n, s, p) for n, s, p in now.files}
     unidentified = tuple(dict.fromkeys(earlier.unidentified + now.unidentified))
-    return Listing(tuple(sorted(files.values())), unidentified, {**earlier.paths, **now.paths})
+    paths, canary = {**earlier.paths, **now.paths}, now.canary if now.canary is not None else earlier.canary
+    return Listing(tuple(sorted(files.values())), unidentified, paths, canary)
+
+
+# Texts every load of a model that brings its own code encodes while it is watched: a word, a
+# sentence, a text past any model's maximum length (its truncated path: code can read a file only
+# for long inputs), and one outside ASCII. Their vectors are the code's behaviour seen from outside.
+CANARY_TEXTS = (
+    "canary",
+    "A plain sentence of an ordinary length, about a river, a bridge and the town between them.",
+    " ".join(f"word{i} and more" for i in range(400)),
+    "Ünïcödé, 数字 123, punctuation: (a) [b] {c}!",
+)
+SAME_BEHAVIOUR_COSINE = 0.999  # a canary row at least this close on another host or device: same code
+SAME_CACHE_DIFF = 1e-4  # what the cache holds must come from code whose canary is this close (CPU, fp32)
+
+
+def canary_vectors(model: Any, kind: str) -> list[list[float]] | None:
+    """A dense model's vectors of CANARY_TEXTS, as plain floats (None for other kinds: their rows
+    are scores or tokens, and their own warm-up runs instead)."""
+    if kind != "dense":
+        return None
+    import numpy as np
+
+    vectors = model.encode(list(CANARY_TEXTS), batch_size=len(CANARY_TEXTS), convert_to_numpy=True)
+    return np.asarray(vectors, dtype=np.float64).tolist()  # type: ignore[no-any-return]
+
+
+def canary_difference(mine: list[list[float]] | None, theirs: Any) -> tuple[float, float] | None:
+    """(the largest absolute difference, the lowest cosine) between two canaries' rows; None where
+    either is missing or they are not of one shape."""
+    import numpy as np
+
+    if mine is None or not isinstance(theirs, list) or not theirs:
+        return None
+    a, b = np.asarray(mine, dtype=np.float64), np.asarray(theirs, dtype=np.float64)
+    if a.shape != b.shape or a.ndim != 2:
+        return None
+    cosine = (a * b).sum(1) / np.maximum(np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1), 1e-12)
+    return float(np.abs(a - b).max()), float(cosine.min())
 
 
 # --- recording ---------------------------------------------------------------------------------
 
-_recording: threading.local = threading.local()
-_hook_lock = threading.Lock()
+_SEEN: list[_Seen] = []  # the recording under way (one at a time), seen by every thread's events
+_record_lock = threading.Lock()
 _hooked = False
 
 
@@ -119,9 +166,9 @@ class _Seen:
 
 
 def _audit(event: str, args: tuple[Any, ...]) -> None:
-    seen: _Seen | None = getattr(_recording, "seen", None)
-    if seen is None:  # the hook stays for the process's life (PEP 578): cheap when nothing records
+    if not _SEEN:  # the hook stays for the process's life (PEP 578): cheap when nothing records
         return
+    seen = _SEEN[0]  # whichever thread: a load may read in a thread of its own
     if event == "open":
         path, mode, flags = args
         if isinstance(path, int) or not _reads(mode, flags):
@@ -130,10 +177,27 @@ def _audit(event: str, args: tuple[Any, ...]) -> None:
             seen.opened.append(os.path.abspath(os.fsdecode(path)))
         except (TypeError, ValueError):
             return
-    elif event == "socket.connect":
-        seen.elsewhere.append(f"it connects to {args[1]!r}"[:200])
+    elif event in ("socket.connect", "socket.sendto", "socket.sendmsg"):
+        verb = "connects to" if event == "socket.connect" else "sends to"
+        seen.elsewhere.append(f"it {verb} {args[1]!r}"[:200])
     elif event in _RUNS_PROGRAMS:
         seen.elsewhere.append(f"it runs another program ({event}: {str(args[0])[:120]})")
+    elif event == "ctypes.dlopen":
+        _native(seen, args[0])
+
+
+def _native(seen: _Seen, name: Any) -> None:
+    """A library the load opens through ctypes: its file is read like any other; the process's own
+    symbols (``CDLL(None)``: libc's ``system``, say) are code no file names."""
+    if name is None:
+        seen.elsewhere.append("it calls the process's own native code (ctypes.CDLL(None))")
+        return
+    try:
+        text = os.fsdecode(name)
+    except (TypeError, ValueError):
+        return
+    if os.sep in text:  # a library found by the loader's search is among the files mapped meanwhile
+        seen.opened.append(os.path.abspath(text))
 
 
 def _reads(mode: Any, flags: Any) -> bool:
@@ -147,22 +211,39 @@ def record(load: Callable[[], T], covered: set[str]) -> tuple[T, Listing]:
     identity hashed). Modules it imported are found as new entries of ``sys.modules``: an
     extension module is mapped by the loader, which no open event shows."""
     global _hooked
-    with _hook_lock:
+    with _record_lock:  # one recording at a time: every thread's events are this one's
         if not _hooked:
             sys.addaudithook(_audit)
             _hooked = True
-    before = set(sys.modules)
-    callers = _callers()
-    seen = _Seen()
-    _recording.seen = seen
+        before, mapped = set(sys.modules), _mapped_files()
+        callers = _callers()
+        seen = _Seen()
+        _SEEN.append(seen)
+        try:
+            value = load()
+        finally:
+            _SEEN.clear()
+        unidentified = list(seen.elsewhere)
+        read = list(seen.opened)
+        read += filter(None, map(_module_file, sorted(set(sys.modules) - before)))
+        # Files mapped meanwhile (shared libraries, whatever native code maps): no open event shows them.
+        read += sorted(_mapped_files() - mapped)
+        return value, _listing(read, covered | callers, unidentified)
+
+
+def _mapped_files() -> set[str]:
+    """The files this process has mapped (Linux's /proc/self/maps); empty elsewhere."""
     try:
-        value = load()
-    finally:
-        _recording.seen = None
-    unidentified = list(seen.elsewhere)
-    read = list(seen.opened)
-    read += filter(None, map(_module_file, sorted(set(sys.modules) - before)))
-    return value, _listing(read, covered | callers, unidentified)
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return set()
+    found = set()
+    for line in lines:
+        parts = line.split(maxsplit=5)
+        if len(parts) == 6 and parts[5].startswith("/") and not parts[5].endswith(" (deleted)"):
+            found.add(parts[5])
+    return found
 
 
 def _callers() -> set[str]:
@@ -237,15 +318,23 @@ def _package(name: str, real: str) -> str:
 
     top = Path(name).parts[0] if not os.path.isabs(name) else ""
     top = top.removesuffix(".py").split(".")[0]
-    for dist in packages_distributions().get(top, []):
+    try:  # any distribution's damaged metadata costs the label, never the run
+        owners = packages_distributions().get(top, [])
+    except (OSError, ValueError, KeyError):
+        return ""
+    for dist in owners:
         try:
             return f"{dist}=={version(dist)}"
-        except PackageNotFoundError:
+        except (PackageNotFoundError, ValueError):
             continue
     return ""
 
 
 def from_json(data: dict[str, Any]) -> Listing:
+    """A listing as ``to_record`` wrote it."""
     files = tuple((str(f["name"]), str(f["sha256"]), str(f["package"])) for f in data["files"])
     paths = {str(k): str(v) for k, v in data["paths"].items()}
-    return Listing(files, tuple(map(str, data["unidentified"])), paths)
+    canary = data.get("canary")
+    return Listing(
+        files, tuple(map(str, data["unidentified"])), paths, canary if isinstance(canary, list) else None
+    )

@@ -192,13 +192,14 @@ def short(identity: str | None) -> str:
 
 
 def check_loaded(
-    chunk: ChunkSpec, expected: str | None, loaded: LoadedModel, run_code: Any = None
+    chunk: ChunkSpec, expected: str | None, loaded: LoadedModel, run_code: Any = None, run_canary: Any = None
 ) -> str | None:
     """The identity an output of ``loaded`` records; ConfigError unless ``loaded`` was built from the
     bytes the run was submitted with (``expected``, the manifest's; None: not known at submit) and,
     for a model that brings its own code, runs the code the run's load read (``run_code``, the
     manifest's listing). A run's rows come from one model."""
     mine = loaded.identity_value
+    _same_behaviour(chunk, loaded, run_canary)
     if expected is None or mine == expected:
         return mine
     same_files = mine is not None and model_code.files_part(mine) == model_code.files_part(expected)
@@ -218,4 +219,22 @@ def check_loaded(
         f"was submitted with {short(expected)}; refused rather than mix two models' rows. Give this "
         f"host the run's files, or start the run again with the model as it is (`chunkq clean "
         f"{chunk.run_id}`, then submit or run again)"
+    )
+
+
+def _same_behaviour(chunk: ChunkSpec, loaded: LoadedModel, run_canary: Any) -> None:
+    """ConfigError where a model that brings its own code gives this host's load other vectors of
+    the canary texts than the submit's did (on another device too: cosine ``SAME_BEHAVIOUR_COSINE``):
+    its code read something here that chunkq cannot list (an environment variable, a file its
+    native code opened), and this host's rows would not be the run's."""
+    canary = loaded.code.canary if loaded.code is not None else None
+    moved = model_code.canary_difference(canary, run_canary)
+    if moved is None or moved[1] >= model_code.SAME_BEHAVIOUR_COSINE:
+        return
+    raise ConfigError(
+        f"chunk {chunk.job_id}: model {chunk.model} behaves differently on this host than when run "
+        f"{chunk.run_id} was submitted (chunkq's canary texts: cosine {moved[1]:.4f}), though the code "
+        "it lists is the same: an environment variable or a file its native code reads differs here; "
+        "refused rather than mix two behaviours' rows. Give this host the submitting host's "
+        "environment, or start the run again"
     )

@@ -263,12 +263,15 @@ def _load_watched(ref: str, device: str, options: EncodeOptions) -> tuple[Any, A
     from chunkq.jobs.compute import model_code
     from chunkq.jobs.compute.model_identity import covered_paths
 
-    def load_and_encode() -> Any:
+    def load_and_encode() -> tuple[Any, Any]:
         model = _load(ref, device, options)
-        kinds.get(options.kind).warm_up(model, [16])
-        return model
+        canary = model_code.canary_vectors(model, options.kind)
+        if canary is None:
+            kinds.get(options.kind).warm_up(model, [16])
+        return model, canary
 
-    model, listing = model_code.record(load_and_encode, covered_paths(ref, options.revision))
+    (model, canary), listing = model_code.record(load_and_encode, covered_paths(ref, options.revision))
+    listing = replace(listing, canary=canary)
     key = (ref, options.load_key(), _model_class(options.kind))
     listing = _code_read[key] = model_code.merged(_code_read.get(key), listing)
     return model, listing

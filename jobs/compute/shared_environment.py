@@ -14,7 +14,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-SYSTEM_TREES = ("/proc", "/sys", "/dev")
+# The system's pseudo-files, and its own libraries (libc, librt: the distribution's packages; a
+# model's code that a user changes is not there).
+SYSTEM_TREES = ("/proc", "/sys", "/dev", "/usr/lib", "/lib", "/lib64", "/usr/lib64")
 _ENVIRONMENT: frozenset[str] | None = None
 
 
@@ -111,7 +113,11 @@ def _distribution_roots(dists: list[Any]) -> set[str]:
     roots: set[str] = set()
     for dist in dists:
         below: dict[str, set[str]] = {}
-        for name in _recorded_files(dist):
+        try:
+            names = _recorded_files(dist)
+        except (OSError, ValueError, csv.Error):  # its metadata damaged: its files count as anyone's
+            continue
+        for name in names:
             parts = name.split("/")
             if parts and parts[0] not in ("", ".."):
                 below.setdefault(parts[0], set()).update(parts[1:2] if len(parts) > 2 else ())

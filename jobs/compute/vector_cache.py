@@ -256,6 +256,27 @@ class VectorCache:
 
     # --- writing -------------------------------------------------------------------------------
 
+    def check_canary(self, canary: list[list[float]]) -> float | None:
+        """For a model that brings its own code: its vectors of ``model_code.CANARY_TEXTS`` now,
+        against those kept when this producer's cache was first filled (kept now where none is):
+        None while they agree within ``SAME_CACHE_DIFF``, else how far they moved. What its code
+        read that chunkq cannot list (an environment variable, a file native code opened) shows
+        here, and no vector its earlier behaviour made is served."""
+        from chunkq.jobs.compute import model_code
+
+        path = self._dir("canary.json")
+        if not path.is_file():
+            atomic_write_json(path, {"texts": list(model_code.CANARY_TEXTS), "vectors": canary})
+            return None
+        try:
+            kept = read_json(path).get("vectors")
+        except (OSError, ValueError, AttributeError):
+            kept = None
+        moved = model_code.canary_difference(canary, kept)
+        if moved is None:  # damaged or of another shape: trust nothing the cache holds for it
+            return float("inf")
+        return moved[0] if moved[0] > model_code.SAME_CACHE_DIFF else None
+
     def describe(self, described: dict[str, Any]) -> None:
         """Write producer.json once: what made this producer's vectors, for ``chunkq cache``."""
         path = self._dir("producer.json")

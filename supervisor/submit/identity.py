@@ -219,10 +219,20 @@ def conflict(manifest: RunManifest, identity: dict[str, Any]) -> RunConflictErro
     )
 
 
-def same_model(manifest: RunManifest, now: str | None) -> None:
+def same_model(manifest: RunManifest, now: str | None, canary: list[list[float]] | None = None) -> None:
     """Refuse to go on with (or answer for) a run whose model's files are not the bytes it was
-    submitted with: its chunks so far and its result are the old model's."""
+    submitted with: its chunks so far and its result are the old model's. ``canary``: the vectors
+    of the model's canary texts now (a model that brings its own code), which must be the run's."""
     then = manifest.model_identity
+    moved = model_code.canary_difference(canary, manifest.data.get("model_canary"))
+    if moved is not None and moved[0] > model_code.SAME_CACHE_DIFF:
+        raise ModelChangedError(
+            f"run {manifest.run_id}: model {manifest.model} behaves differently than when the run was "
+            f"submitted (its vectors of chunkq's canary texts moved by up to {moved[0]:.3g}) though the "
+            "files its code reads are the same: something chunkq cannot see changed (an environment "
+            f"variable, a file its native code reads). To encode with it as it is now: `chunkq clean "
+            f"{manifest.run_id}` and the same command again"
+        )
     if then is None or now is None or then == now:
         return
     raise ModelChangedError(
@@ -244,6 +254,7 @@ class Identified:
     model_identity: str | None  # the model's bytes (jobs.compute.model_identity); None: not on this host
     manifest: RunManifest | None = None  # the run's manifest, where identify read it already
     model_code: list[dict[str, str]] | None = None  # what the model's own code read (model_code.Listing)
+    model_canary: list[list[float]] | None = None  # its vectors of model_code.CANARY_TEXTS at submit
 
 
 def identify(req: SubmitRequest) -> Identified:
@@ -256,22 +267,26 @@ def identify(req: SubmitRequest) -> Identified:
     identity = _identity(req, inputs)
     run_fingerprint = fingerprint(identity)
     run_id = validate_run_id(req.run_id) if req.run_id else default_run_id(req.corpora[0], run_fingerprint)
-    model, code = code_identity(req, model_identity(req.model, req.encode.revision))
-    return _begun_earlier(req, Identified(run_id, inputs, identity, run_fingerprint, model, model_code=code))
+    model, listing = code_identity(req, model_identity(req.model, req.encode.revision))
+    code = listing.to_json() if listing is not None else None
+    canary = listing.canary if listing is not None else None
+    found = Identified(run_id, inputs, identity, run_fingerprint, model, model_code=code, model_canary=canary)
+    return _begun_earlier(req, found)
 
 
 LOAD_OPTIONS = ("trust_remote_code", "revision", "model_kwargs", "kind")  # what decides how a model loads
 
 
-def code_identity(req: SubmitRequest, files: str | None) -> tuple[str | None, list[dict[str, str]] | None]:
+def code_identity(req: SubmitRequest, files: str | None) -> tuple[str | None, model_code.Listing | None]:
     """The model's identity with the code it brings (``--trust-remote-code``: a probe's listing,
-    jobs.compute.model_code), and that listing for the manifest; a model that brings none as it is."""
+    jobs.compute.model_code), and that listing (its canary too) for the manifest; a model that brings
+    none as it is."""
     if files is None or not req.encode.trust_remote_code:
         return files, None
     if req.accept_unidentified_code:
         return model_code.with_code(files, None), None
     options = {k: v for k, v in req.encode.to_dict().items() if k in LOAD_OPTIONS}
-    listing = code_probe.probe(req.model, options, files)
+    listing = code_probe.probe(req.model, options)
     if listing.unidentified:
         raise ConfigError(
             f"model {req.model}: chunkq cannot identify the code it runs: {listing.unidentified[0]}"
@@ -279,7 +294,7 @@ def code_identity(req: SubmitRequest, files: str | None) -> tuple[str | None, li
             f"give {model_code.ACCEPT_FLAG} to run it all the same (its files alone are compared, and "
             "no vector cache is used)"
         )
-    return model_code.with_code(files, listing), listing.to_json()
+    return model_code.with_code(files, listing), listing
 
 
 def _earlier_forms(req: SubmitRequest, identity: dict[str, Any]) -> list[tuple[dict[str, Any], str]]:

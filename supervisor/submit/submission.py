@@ -18,7 +18,6 @@ from typing import Any
 import redis
 
 from chunkq.jobs.calibrate import CALIBRATION_ROWS, ranges_for
-from chunkq.jobs.compute import late
 from chunkq.jobs.compute.model_info import describe
 from chunkq.jobs.compute.vector_cache import VectorCache, producer, producer_key
 from chunkq.jobs.contract.errors import (
@@ -52,11 +51,9 @@ from chunkq.supervisor.submit.identity import (
 )
 from chunkq.supervisor.submit.plan import write_planned_inputs
 from chunkq.supervisor.submit.windows import (
-    LATE_WINDOWS_PER_SEGMENT,
     WindowCounts,
-    default_size,
     late_rows,
-    load_tokenizer,
+    window_plan,
     window_rows,
 )
 
@@ -121,7 +118,7 @@ def chunk_options(req: SubmitRequest) -> dict[str, Any]:
 
 
 def _vector_cache(
-    req: SubmitRequest, identity: str | None
+    req: SubmitRequest, identity: str | None, canary: list[list[float]] | None = None
 ) -> tuple[VectorCache | None, dict[str, Any] | None]:
     """The store's cache for this run's model and options, and what they are; (None, None) when the
     model's files are not on this host, so its identity cannot be known (duplicates are still
@@ -130,44 +127,29 @@ def _vector_cache(
         log.warning("model %s: its files are not on this host; the vector cache is not used", req.model)
         return None, None
     described = producer(req.model, identity, req.encode)
-    return VectorCache(req.store, producer_key(described)), described
-
-
-def _window_plan(req: SubmitRequest) -> tuple[Any, int, int | None, bool, int | None]:
-    """(tokenizer, window tokens, overlap, whether pooled vectors are normalised, late chunking's
-    context or None). --long-texts window: by default the model's maximum length less its special
-    tokens and prompt; a larger window would be truncated, so it is refused. late: segments of that
-    many tokens, windows of a quarter of it by default; a model that does not mean-pool is refused."""
-    info = describe(req.model, req.encode.revision)
-    if info.folder is None:
-        raise ConfigError(
-            f"model {req.model}: its files are not on this host; texts cannot be cut into windows"
-        )
-    tokenizer = load_tokenizer(info.folder)
-    longest = req.encode.max_seq_length or info.max_seq_length
-    if longest is None:
-        raise ConfigError(f"model {req.model}: no maximum sequence length found; give --max-seq-length")
-    name = req.encode.prompt_name or info.default_prompt_name
-    prompt = req.encode.prompt or (info.prompts.get(name) if name else None)
-    room = default_size(tokenizer, longest, prompt)
-    if req.long_texts == "late":
-        late.check_pooling(info.pooling, req.model)
-        size = req.window_tokens or room // LATE_WINDOWS_PER_SEGMENT
-        return tokenizer, size, req.window_stride, req.encode.normalize_embeddings or info.normalizes, room
-    size = req.window_tokens or room
-    if size > room:
-        raise ConfigError(
-            f"--window-tokens {size}: the model reads {room} tokens of text at most (its maximum length "
-            f"{longest} less its special tokens and prompt); a larger window would be truncated"
-        )
-    return tokenizer, size, req.window_stride, req.encode.normalize_embeddings or info.normalizes, None
+    cache = VectorCache(req.store, producer_key(described))
+    if canary is not None:
+        moved = cache.check_canary(canary)  # a model that brings its own code: what it does now
+        if moved is not None:
+            raise ConfigError(
+                f"model {req.model}: its code behaves differently than when the store's vector cache "
+                f"was filled from these files and options (its vectors of chunkq's canary texts moved "
+                f"by up to {moved:.3g}), a change chunkq cannot see in the files it lists (an "
+                "environment variable, a file its native code reads); give --no-cache to encode every "
+                "row, and `chunkq cache clean --producer KEY` drops what the cache holds of it"
+            )
+    return cache, described
 
 
 def _write_planned(
-    req: SubmitRequest, layout: RunLayout, run_fingerprint: str, identity: str | None
+    req: SubmitRequest,
+    layout: RunLayout,
+    run_fingerprint: str,
+    identity: str | None,
+    canary: list[list[float]] | None = None,
 ) -> dict[str, Any]:
     """The chunk inputs by plan (``plan.py``), and the manifest's fields that describe it."""
-    cache, described = _vector_cache(req, identity) if req.cached else (None, None)
+    cache, described = _vector_cache(req, identity, canary) if req.cached else (None, None)
     options = chunk_options(req)
     output_producer = producer_record(run_fingerprint, req.model, options, identity)
     counts = WindowCounts()
@@ -175,7 +157,7 @@ def _write_planned(
         rows: Any = read_inputs(req)
         check: Any = seen.add
         if req.windowed:
-            tokenizer, size, overlap, normalize, context = _window_plan(req)
+            tokenizer, size, overlap, normalize, context = window_plan(req)
             if context is None:
                 rows = window_rows(rows, tokenizer, size, overlap, seen.add, counts)
             else:
@@ -227,7 +209,9 @@ def _create_run(req: SubmitRequest, layout: RunLayout, identified: Identified) -
     run_fingerprint = fingerprint(identity)
     try:
         if req.planned:
-            chunking = _write_planned(req, layout, run_fingerprint, identified.model_identity)
+            chunking = _write_planned(
+                req, layout, run_fingerprint, identified.model_identity, identified.model_canary
+            )
         else:
             rows = _write_inputs(req, layout)
             chunking = {"rows": rows, "chunks": -(-rows // req.chunk_size)}
@@ -263,6 +247,7 @@ def _create_run(req: SubmitRequest, layout: RunLayout, identified: Identified) -
         # What the model is as bytes, fixed now: a worker that loads other bytes refuses the chunk.
         "model_identity": identified.model_identity,
         **({"model_code": identified.model_code} if identified.model_code is not None else {}),
+        **({"model_canary": identified.model_canary} if identified.model_canary is not None else {}),
         "options": req.encode.to_dict(),
         "unit_length": _unit_length(req),
         "chunk_size": req.chunk_size,
@@ -367,7 +352,7 @@ def prepare(req: SubmitRequest, identified: Identified | None = None) -> Prepare
     manifest = identified.manifest or load_manifest(layout)
     if manifest.fingerprint != identified.fingerprint:
         raise conflict(manifest, identified.identity)
-    same_model(manifest, identified.model_identity)
+    same_model(manifest, identified.model_identity, identified.model_canary)
     # Whole and intact: nothing to encode, even where `chunkq clean --outputs-only` freed the chunk
     # outputs it was assembled from.
     if published_result(layout, manifest) is not None:

@@ -20,15 +20,19 @@ import bisect
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from chunkq.jobs.compute import late
+from chunkq.jobs.compute.model_info import describe
 from chunkq.jobs.contract.defaults import DEFAULT_OVERLAP_SHARE
 from chunkq.jobs.contract.errors import ConfigError
 
 # truncate: what a plain encode does (the default); window: each window encoded alone; late: windows
 # pooled from one pass over the segment of the model's context around them (jobs.compute.late)
 LONG_TEXTS = ("truncate", "window", "late")
+if TYPE_CHECKING:
+    from chunkq.supervisor.submit.identity import SubmitRequest
+
 LATE_WINDOWS_PER_SEGMENT = 4  # late chunking's default window: a quarter of the model's context
 POOLS = ("none", "mean", "weighted")  # a vector per windowed text: none, the mean, or weighted by tokens
 
@@ -218,3 +222,33 @@ def late_rows(
             yield WindowRow({**meta, "tokens": w.tokens}, late.row_text(text, *span))
 
     return _rows_of(records, cut, check, counts)
+
+
+def window_plan(req: SubmitRequest) -> tuple[Any, int, int | None, bool, int | None]:
+    """(tokenizer, window tokens, overlap, whether pooled vectors are normalised, late chunking's
+    context or None). --long-texts window: by default the model's maximum length less its special
+    tokens and prompt; a larger window would be truncated, so it is refused. late: segments of that
+    many tokens, windows of a quarter of it by default; a model that does not mean-pool is refused."""
+    info = describe(req.model, req.encode.revision)
+    if info.folder is None:
+        raise ConfigError(
+            f"model {req.model}: its files are not on this host; texts cannot be cut into windows"
+        )
+    tokenizer = load_tokenizer(info.folder)
+    longest = req.encode.max_seq_length or info.max_seq_length
+    if longest is None:
+        raise ConfigError(f"model {req.model}: no maximum sequence length found; give --max-seq-length")
+    name = req.encode.prompt_name or info.default_prompt_name
+    prompt = req.encode.prompt or (info.prompts.get(name) if name else None)
+    room = default_size(tokenizer, longest, prompt)
+    if req.long_texts == "late":
+        late.check_pooling(info.pooling, req.model)
+        size = req.window_tokens or room // LATE_WINDOWS_PER_SEGMENT
+        return tokenizer, size, req.window_stride, req.encode.normalize_embeddings or info.normalizes, room
+    size = req.window_tokens or room
+    if size > room:
+        raise ConfigError(
+            f"--window-tokens {size}: the model reads {room} tokens of text at most (its maximum length "
+            f"{longest} less its special tokens and prompt); a larger window would be truncated"
+        )
+    return tokenizer, size, req.window_stride, req.encode.normalize_embeddings or info.normalizes, None
