@@ -352,7 +352,8 @@ def check_redis_url(url: str) -> None:
         raise ConfigError(
             f"{redacted(url)} is not a URL Redis can read (not shown: it may hold a password); write "
             "it redis://USER:PASSWORD@HOST:PORT/DB with the password's special characters "
-            "percent-encoded (/ as %2F, @ as %40, : as %3A, # as %23, ? as %3F, % as %25, a space as %20)"
+            "percent-encoded (/ as %2F, @ as %40, : as %3A, # as %23, ? as %3F, % as %25, a space as %20), "
+            "and only the query parameters its client takes (db, socket_timeout, ...)"
         )
 
 

@@ -141,6 +141,8 @@ def test_an_export_to_a_full_disk_is_one_line_and_leaves_nothing_half_written(tm
             assert ".rs" not in said and "finished chunk" not in said and "resume" not in said, (name, said)
             left = sorted(p.name for p in disk.iterdir() if p.name not in ("filler", "db"))
             assert left == [], (name, left)
+        tables = sorted(p.name for p in (disk / "db").iterdir() if p.suffix == ".lance")
+        assert tables == []  # the table the export created, empty, went with it
 
 
 def test_a_result_damaged_in_place_is_damaged_in_status_and_runs(tmp_path: Path) -> None:

@@ -136,3 +136,18 @@ def test_a_garbled_lock_file_says_what_to_do_and_clean_is_never_told_to_wait(tmp
     assert busy.returncode == 10 and "run `chunkq clean r` again once it has finished" in busy.stderr, (
         busy.stderr
     )
+
+
+def test_a_lock_path_that_is_no_file_is_refused_at_once(tmp_path: Path) -> None:
+    """Issue 63's hostile pass: a folder at the lock's path waited a minute and then failed as an
+    internal error; a link to nothing made the wait spin without a word."""
+    for make, said in (
+        (lambda path: path.mkdir(), "is not a file"),
+        (lambda path: path.symlink_to(tmp_path / "nowhere"), "is a link to nothing"),
+    ):
+        path = tmp_path / f"lock-{said.split()[-1]}"
+        make(path)
+        started = time.monotonic()
+        with pytest.raises(RunLockedError, match=f"its lock file {path} {said}; remove it"):
+            StoreLock(path, "run r").acquire(wait=True)
+        assert time.monotonic() - started < 5

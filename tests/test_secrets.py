@@ -42,9 +42,9 @@ def _everything_written(store: Path, done: Any, before: set[Path]) -> str:
 
 def test_a_password_is_found_and_masked_in_every_form_a_url_is_written() -> None:
     forms = {  # what libpq and redis-py cannot read is shown as its scheme alone (issue 63.3)
-        f"postgresql://u:{SECRET}@127.0.0.1:5999/db": "postgresql://…",
-        f"postgresql:u:{SECRET}@host/db": "postgresql:…",
-        f"redis://:{SECRET}@127.0.0.1:6379/0": "redis://…",
+        f"postgresql://u:{SECRET}@127.0.0.1:5999/db": "postgresql://...",
+        f"postgresql:u:{SECRET}@host/db": "postgresql:...",
+        f"redis://:{SECRET}@127.0.0.1:6379/0": "redis://...",
         f"postgresql://u@/db?host=/run&password={SECRET}&table=t": "postgresql://u:***@/db?host=/run&table=t",
         f"postgresql://u:{PLAIN}@127.0.0.1:5999/db?table=t": "postgresql://u:***@127.0.0.1:5999/db?table=t",
         f"redis://:{PLAIN}@127.0.0.1:6379/0": "redis://:***@127.0.0.1:6379/0",
@@ -81,6 +81,8 @@ def malformed_forms(port: int) -> list[tuple[str, str]]:
             (pw, f"rediss://me:{pw}@127.0.0.1:{port}/1"),
             (pw, f"redis://127.0.0.1:{port}/0?password={pw}"),
             (pw, f"unix:///nowhere/redis.sock?password={pw}"),
+            (pw, f"unix://:{pw}@/nowhere/redis.sock"),
+            (pw, f"redis://127.0.0.1:{port}/0?password={pw}&db=0"),
             (pw, f"postgresql://u:{pw}@127.0.0.1:{port}/db?table=t"),
             (pw, f"postgresql://u@corp:{pw}@127.0.0.1:{port}/db?table=t"),
             (pw, f"postgresql:u:{pw}@127.0.0.1:{port}/db?table=t"),
@@ -112,12 +114,18 @@ def test_no_command_shows_a_malformed_forms_password(tmp_path: Path) -> None:
     assemble(write_encoded_run(store, "dense", 20, 10, 4))
     port = _free_port()
     # Through the commands, the characters the hostile pass used; the unit test above takes them all.
-    for pw, form in [(pw, form) for pw, form in malformed_forms(port) if set(pw) & set("/@# ")]:
+    for pw, form in [(pw, form) for pw, form in malformed_forms(port) if set(pw) & set("/@# &")]:
         if form.startswith(("redis", "unix")):
             runs = [run_cli("status", "dense", "--store", str(store), "--redis-url", form, timeout=60)]
             runs.append(run_cli("status", "dense", "--store", str(store), CHUNKQ_REDIS_URL=form, timeout=60))
         else:
             runs = [run_cli("export", "dense", "--store", str(store), "--to", form, timeout=60)]
+        if form.startswith("unix://:"):  # a terminal that cannot show every character: still masked
+            runs.append(
+                run_cli(
+                    "status", "dense", "--store", str(store), "--redis-url", form, PYTHONIOENCODING="ascii"
+                )
+            )
         for done in runs:
             written = _everything_written(store, done, crashes)
             assert _leaks(written, pw) == [], (form, done.stderr)
@@ -149,6 +157,7 @@ def test_no_command_shows_a_password_on_any_path(
         f"postgresql://postgres:{SECRET}@/postgres?host={socket_folder}&table=ok3",
         f"postgresql://u:{SECRET}@127.0.0.1:{port}/db?table=bad-name",
         f"lancedb://u:{SECRET}@nowhere",
+        f"lancedb://me:{PLAIN}@/{socket_folder}/t",  # read by LanceDB as an object store named "me"
         f"mysql://u:{SECRET}@127.0.0.1/db",
     ]
     commands: list[list[str]] = []

@@ -85,6 +85,7 @@ def test_two_stores_sharing_one_redis_and_a_run_id_never_take_each_others_jobs(
         RunConflictError, match=r"this Redis holds jobs of a run of that id from another store"
     ):
         submit(_request(corpus, other_store, run_id="shared"), connection)
+    assert not (other_store / "runs" / "shared").exists()  # the refused store is as it was
     queue = chunk_queue(connection, "t")
     assert queue.count == first.chunks
     for index in range(first.chunks):

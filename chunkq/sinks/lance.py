@@ -18,6 +18,7 @@ held off.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,13 @@ def _split(url: str) -> tuple[str, str]:
         raise ConfigError(
             f"--to {redacted(url)}: expected lancedb://PATH/TABLE (a folder and the table's name)"
         )
+    if "://" not in where and re.match(r"[A-Za-z][A-Za-z0-9+.-]*:", where):
+        # "lancedb://me:secret@/data/t": LanceDB took "me" for an object store (a raw ValueError).
+        raise ConfigError(
+            "--to lancedb://...: expected lancedb://PATH/TABLE or lancedb://s3://BUCKET/PATH/TABLE; "
+            "what follows lancedb:// is neither a path nor an object store's URL (not shown: it may "
+            "hold a user and password; an object store's credentials go in its own settings)"
+        )
     if not _TABLE_NAME.fullmatch(table):
         raise ConfigError(
             f"--to {redacted(url)}: a LanceDB table's name holds letters, digits, underscores, hyphens "
@@ -67,6 +75,7 @@ class LanceSink:
         self.table: Any = None
         self.db: Any = None
         self.created = False
+        self.merged = 0  # batches merged by this export
         self.added: list[str] = []
         self.missing: list[Any] = []
         self.label = f"--to {redacted(url)}: the table"
@@ -176,6 +185,7 @@ class LanceSink:
         batch = pa.table(data, schema=self.schema)
         self.lock.check()  # a holder paused past the lock's staleness must not write after its successor
         self.table.merge_insert("id").when_matched_update_all().when_not_matched_insert_all().execute(batch)
+        self.merged += 1
 
     def close(self) -> dict[str, Any]:
         try:
@@ -188,7 +198,12 @@ class LanceSink:
             self.lock.release()
 
     def abort(self) -> None:
-        self.lock.release()  # every batch is a whole merge: what was merged stays, a rerun merges the rest
+        # Every batch is a whole merge: what was merged stays, a rerun merges the rest. A table this
+        # export created and wrote nothing into goes (a full disk left an empty one).
+        if self.created and not self.merged and self.db is not None:
+            with contextlib.suppress(Exception):
+                self.db.drop_table(self.name)
+        self.lock.release()
 
 
 def _lock_path(where: str, name: str) -> Any:

@@ -24,7 +24,7 @@ from chunkq.jobs.contract.redaction import MASK, redact, remember_secret
 
 REDIS_SCHEMES = ("redis", "rediss", "unix")
 POSTGRES_SCHEMES = ("postgresql", "postgres")
-HIDDEN = "…"
+HIDDEN = "..."  # ASCII: a terminal of any encoding shows it
 _SECRET_KEYS = ("password", "sslpassword")  # libpq's keywords whose values are secrets
 _TABLE = re.compile(r"([?&])table=([^&#]*)&?")  # chunkq's own parameter of a pgvector URL
 
@@ -49,13 +49,18 @@ def keyword_form(value: str) -> bool:
 
 def parse_redis(url: str) -> dict[str, Any] | None:
     """redis-py's reading of ``url``, or None where it cannot read it."""
-    from redis.connection import parse_url
+    from redis.connection import ConnectionPool, parse_url
 
     try:
         parsed = dict(parse_url(url))  # type: ignore[no-untyped-call]
+        # Every query parameter becomes a keyword of the connection: one it does not take failed only
+        # at the first command, as a TypeError that named it (a password's unencoded "&" made one).
+        ConnectionPool.from_url(url).make_connection()
     except (ValueError, TypeError):
         return None
-    return parsed if _plain_host(str(parsed.get("host") or "")) else None
+    if not _plain_host(str(parsed.get("host") or "")) or "@" in str(parsed.get("path") or ""):
+        return None  # what a password's stray "@" or "/" left in the host, or in a socket's path
+    return parsed
 
 
 def split_table(url: str) -> tuple[str, str | None]:

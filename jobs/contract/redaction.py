@@ -94,7 +94,12 @@ class RedactingStream(io.TextIOBase):
         self.stream = stream
 
     def write(self, text: str) -> int:
-        self.stream.write(redact(text))
+        shown = redact(text)
+        try:
+            self.stream.write(shown)
+        except UnicodeEncodeError:  # a terminal that cannot show a character: replaced, still redacted
+            encoding = str(getattr(self.stream, "encoding", None) or "ascii")
+            self.stream.write(shown.encode(encoding, "replace").decode(encoding))
         return len(text)
 
     def flush(self) -> None:
@@ -119,9 +124,31 @@ class RedactingStream(io.TextIOBase):
 
     @property
     def buffer(self) -> Any:
-        return getattr(
-            self.stream, "buffer", None
-        )  # binary writes (rare: a pipe's raw bytes) pass as they are
+        """The binary side redacts too: click writes bytes there (a terminal whose encoding cannot
+        show the text), and the raw buffer printed a password on an ASCII terminal."""
+        raw = getattr(self.stream, "buffer", None)
+        return None if raw is None else _RedactingBuffer(raw, self.encoding)
+
+
+class _RedactingBuffer(io.RawIOBase):
+    """A binary stream that redacts what it is given, read as text in ``encoding``."""
+
+    def __init__(self, raw: Any, encoding: str) -> None:
+        self.raw, self._encoding = raw, encoding
+
+    def write(self, data: Any) -> int:
+        text = bytes(data).decode(self._encoding, "replace")
+        self.raw.write(redact(text).encode(self._encoding, "replace"))
+        return len(data)
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return int(self.raw.fileno())
 
 
 _FACTORY = logging.getLogRecordFactory()

@@ -152,6 +152,7 @@ class StoreLock:
     def acquire(self, wait: bool = False) -> None:
         """Take the lock; without ``wait``, refuse at once naming its holder."""
         announced = False
+        self._a_file_or_nothing()
         while not self._create():
             holder = self.holder()
             if holder is None:
@@ -181,6 +182,18 @@ class StoreLock:
         self._stop.clear()
         self._renewer = threading.Thread(target=self._renew_while_held, name="lock-renewer", daemon=True)
         self._renewer.start()
+
+    def _a_file_or_nothing(self) -> None:
+        """RunLockedError for a lock path that is no lock file: a folder waited a minute, then failed
+        as an internal error; a link to nothing made the wait spin silently."""
+        if not is_local(self.path):
+            return
+        if os.path.lexists(self.path) and not os.path.isfile(self.path):
+            kind = "a link to nothing" if os.path.islink(self.path) else "not a file"
+            raise RunLockedError(
+                f"{self.what}: its lock file {self.path} is {kind}; remove it, if no chunkq process "
+                "uses it, and run the same command again"
+            )
 
     def _renew_while_held(self) -> None:
         while not self._stop.wait(RENEW_SECONDS):

@@ -24,6 +24,7 @@ from chunkq.jobs.contract.errors import (
     STORAGE_ERRNOS,
     ConfigError,
     CorpusError,
+    RunConflictError,
     StoreWriteError,
 )
 from chunkq.jobs.contract.manifest import RunManifest, load_manifest, producer_record
@@ -404,13 +405,18 @@ def submit(
         done.discard(index)
     if req.queue_window is not None:  # kept for a later `chunkq supervise` that is not told again
         atomic_write_json(layout.queue_window, {"queue_window": req.queue_window})
-    counts = enqueue_chunks(
-        connection,
-        layout,
-        manifest,
-        (i for i in range(manifest.chunks) if i not in done),
-        limit=window_size(connection, req.queue, req.queue_window),
-    )
+    try:
+        counts = enqueue_chunks(
+            connection,
+            layout,
+            manifest,
+            (i for i in range(manifest.chunks) if i not in done),
+            limit=window_size(connection, req.queue, req.queue_window),
+        )
+    except RunConflictError:
+        if created:  # nothing of it was queued: the store is left as this command found it
+            remove_tree(layout.root)
+        raise
     log.info(
         # "in flight" read as running: after a stop these are jobs left queued (or taken by workers now
         # gone, which the supervisor gives back), not work going on.
