@@ -116,3 +116,29 @@ def test_a_run_killed_while_its_result_is_built_resumes_to_the_exact_result(
     got, got_ids = result_of(layout)
     assert got_ids == ids and max_abs_diff(got, reference_model.encode(texts)) <= 1e-5  # type: ignore[attr-defined]
     assert not list((store / "runs").glob("*/.result.tmp-*"))
+
+
+@pytest.mark.slow
+def test_a_corpus_with_repeated_texts_and_cache_hits_is_built_as_it_lands_and_kept_once(
+    tmp_path: Path, reference_model: object
+) -> None:
+    """Duplicates and vector-cache hits make the corpus rows not the chunk rows in order: the result
+    is built by the row map as chunks land (supervisor/result/mapped_building.py), equal to a plain
+    encode, and the cache takes it as a shard too."""
+    ids, texts = make_texts(50, seed=67)
+    texts = texts + texts[:20]  # 20 rows repeat earlier texts
+    ids = ids + [f"again{i}" for i in range(20)]
+    store = tmp_path / "store"
+    want = reference_model.encode(texts)  # type: ignore[attr-defined]
+    for name in ("a", "b"):  # b: every text from the cache, hits written at submit
+        corpus = write_corpus(tmp_path / f"{name}.jsonl", [f"{name}{i}" for i in ids], texts, "jsonl")
+        done = run_cli("run", str(corpus), "--store", str(store), "--chunk-size", "10")
+        assert done.returncode == 0, done.stderr[-3000:]
+        newest = sorted((store / "runs").iterdir(), key=lambda p: p.stat().st_mtime)[-1]
+        layout = RunLayout(store, newest.name)
+        got, got_ids = result_of(layout)
+        assert got_ids == [f"{name}{i}" for i in ids] and max_abs_diff(got, want) <= 1e-5
+        phases = read_json(layout.phases)
+        assert phases["build"]["seconds"] > 0 and phases["write"]["seconds"] < 1.0, phases
+        assert (layout.result / "embeddings.npy").stat().st_nlink == 2  # the cache's shard too
+    assert "70 rows: 0 encoded, 50 from the vector cache, 20 repeating" in done.stdout

@@ -228,6 +228,7 @@ def assemble(
         build.abandon()
         build = None
     if build is not None:
+        build.ready_for_assembly()
         reads = build.reads
     else:
         cache = CacheFeed.of(layout, manifest, partial=bool(skip))

@@ -49,20 +49,29 @@ class Build:
         self.metas: list[dict[str, Any]] = []  # each chunk's record, in order
         self.writer: ResultWriter | None = None
         self.built: Path | None = None
-        self.reads = ChunkReads(layout, manifest, set(), {}, CacheFeed.of(layout, manifest, partial=False))
+        self.feed = CacheFeed.of(layout, manifest, partial=False)  # the cache's share of the work
+        self.reads = ChunkReads(layout, manifest, set(), {}, self.feed)
         self.stood_aside = ""  # why it stopped, once it did
 
     @classmethod
     def start(cls, layout: RunLayout, manifest: RunManifest, shard_bytes: int) -> Build | None:
-        """A build for this run, or None where its result is not its chunk rows in order."""
+        """A build for this run: in chunk order, or by the row map (``mapped_building.py``) where
+        its corpus rows are not its chunk rows in order; None where neither applies."""
         plan = manifest.plan
-        if kinds.get(manifest.kind).ragged or not is_local(layout.root):
+        if kinds.get(manifest.kind).ragged or not is_local(layout.root) or manifest.chunks == 0:
             return None
+        if plan is not None and plan.get("windows"):
+            return None  # a row per window, and a vector per text beside them: assembly's
         if plan is not None and not plan.get("identity", True):
-            return None
-        if manifest.chunks == 0 or manifest.corpus_rows != manifest.rows:
+            from chunkq.supervisor.result.mapped_building import MappedBuild  # it builds on this one
+
+            return MappedBuild(layout, manifest, shard_bytes)
+        if manifest.corpus_rows != manifest.rows:
             return None
         return cls(layout, manifest, shard_bytes)
+
+    def ready_for_assembly(self) -> None:
+        """Before assembly finishes the build: what it needs handed over (nothing, here)."""
 
     @property
     def complete(self) -> bool:
@@ -117,17 +126,12 @@ class Build:
         dtype = storage_dtype(manifest.output_dtype)
         self.built = local_build_dir(self.layout)
         # The cache may take the result's parts as shards of its own when they are its float32 rows.
-        linkable = self.reads.cache is not None and dtype.str == "<f4" and columns == dim
-        self.writer = ResultWriter(
-            self.built,
-            manifest.rows,
-            columns,
-            dtype,
-            self.shard_bytes,
-            block_rows=BLOCK_ROWS if linkable else 0,
-        )
-        if self.reads.cache is not None and linkable:
-            self.reads.cache.link_later()
+        linkable = self.feed is not None and dtype.str == "<f4" and columns == dim
+        rows = manifest.corpus_rows  # the result's: a corpus row each
+        block_rows = BLOCK_ROWS if linkable else 0
+        self.writer = ResultWriter(self.built, rows, columns, dtype, self.shard_bytes, block_rows=block_rows)
+        if self.feed is not None and linkable:
+            self.feed.link_later()
 
     def _stand_aside(self, why: str) -> bool:
         self.stood_aside = why
