@@ -300,9 +300,10 @@ def check_against_manifest(layout: RunLayout, chunk: ChunkSpec, job_id: str | No
 
     Anyone who can write to Redis can enqueue ``embed_chunk`` for a real run and chunk with other
     options or another allowed model; the output would then pass every checksum. The manifest,
-    written by submit to the store before any job existed, is the authority.
+    written by submit to the store before any job existed, is the authority (while ``chunkq run``
+    still splits a new run's corpus, the manifest so far, ``splitting.json``, names its chunks).
     """
-    manifest = load_manifest(layout)
+    manifest = load_manifest(layout, splitting=True)  # `chunkq run` queues chunks while it splits
     why = manifest.spec_mismatch(chunk)
     if job_id is not None and job_id != chunk.job_id:
         why = "; ".join(filter(None, [why, f"job id {job_id!r} is not the chunk's {chunk.job_id!r}"]))

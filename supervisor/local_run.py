@@ -39,6 +39,7 @@ from chunkq.supervisor.store.run_log import RunLog, log_path, relay
 from chunkq.supervisor.store.start_marks import CHUNKS_QUEUED, POOL_STARTED, REDIS_READY, StartMarks
 from chunkq.supervisor.store.store_lock import StoreLock
 from chunkq.supervisor.store.store_redis import embedded_redis_dir, local_state_dir, serve
+from chunkq.supervisor.submit.enqueue import drop_run_jobs, enqueue_chunks, window_size
 from chunkq.supervisor.submit.identity import Identified, SubmitRequest, identify
 from chunkq.supervisor.submit.submission import SubmitResult, prepare, removed_on_failure, submit
 from chunkq.supervisor.watch.display import ProgressDisplay
@@ -202,6 +203,35 @@ class _CreatedHere:
             shutil.rmtree(self.path, ignore_errors=True)
 
 
+class _QueueWhileSplitting:
+    """Where a new run's chunks go while its corpus is split (``streaming.SplitFeed``): the queue,
+    within the run's window (the supervisor queues the rest once it watches)."""
+
+    def __init__(
+        self,
+        connection: redis.Redis,
+        layout: RunLayout,
+        req: RunRequest,
+        pool: PoolProcess,
+        marks: StartMarks,
+    ) -> None:
+        self.connection, self.layout, self.pool, self.marks = connection, layout, pool, marks
+        self.room = window_size(connection, req.submit.queue, req.submit.queue_window)
+
+    def queue(self, manifest: RunManifest, indices: list[int]) -> None:
+        if self.room > 0:
+            counts = enqueue_chunks(self.connection, self.layout, manifest, indices, limit=self.room)
+            self.room -= counts.in_redis
+            self.marks.mark(CHUNKS_QUEUED)
+
+    def restart(self) -> None:
+        drop_run_jobs(self.connection, self.layout.run_id)
+
+    def abandon(self) -> None:
+        self.pool.kill()  # before the run's files go: no worker writes into them after
+        drop_run_jobs(self.connection, self.layout.run_id)
+
+
 def _always() -> bool:
     return True
 
@@ -297,9 +327,10 @@ def _run(
         if prepared is None:  # a new run: its corpus is split while the pool loads the model
             pool = stack.enter_context(PoolProcess(req, url, layout.run_id, run_log))
             marks.mark(POOL_STARTED)
+            feed = _QueueWhileSplitting(redis.Redis.from_url(url), layout, req, pool, marks)
             try:
                 with phases.phase(SPLIT):
-                    prepared = prepare(req.submit, identified)
+                    prepared = prepare(req.submit, identified, feed)
             except BaseException:
                 pool.kill()  # it has taken nothing: nothing was queued
                 redis_dir.remove_on_failure()  # it holds nothing of the run yet

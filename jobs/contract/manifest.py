@@ -217,16 +217,26 @@ def producer_record(
     return {**record, "model_identity": model_identity} if model_identity else record
 
 
-def load_manifest(layout: RunLayout) -> RunManifest:
-    if not layout.manifest.is_file():
+def load_manifest(layout: RunLayout, splitting: bool = False) -> RunManifest:
+    """The run's manifest; with ``splitting``, the manifest so far of a run still being split where
+    there is no other yet (what a worker checks a chunk against: the chunks written until then)."""
+    data: Any = None
+    for path in (layout.manifest, layout.splitting, layout.manifest)[: 3 if splitting else 1]:
+        try:
+            data = read_json(path)  # the split may end between two looks: then the manifest is there
+            break
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            continue
+        except (
+            ValueError,
+            UnicodeDecodeError,
+        ) as exc:  # torn or truncated: a disk that filled, a copy cut short
+            raise damaged(layout, f"not JSON: {exc}") from None
+    else:
         raise RunNotFoundError(
             f"run {layout.run_id} not found in store {layout.store} (no {layout.manifest.name}); "
             "`chunkq runs` lists the store's runs"
         )
-    try:
-        data = read_json(layout.manifest)
-    except (ValueError, UnicodeDecodeError) as exc:  # torn or truncated: a disk that filled, a copy cut short
-        raise damaged(layout, f"not JSON: {exc}") from None
     if not isinstance(data, dict):
         raise damaged(layout, f"a JSON {type(data).__name__}, not an object")
     return RunManifest(data)

@@ -1,6 +1,8 @@
 """The store layout and its atomic writes.
 
     <store>/runs/<run>/manifest.json           run manifest (written last by submit)
+    <store>/runs/<run>/splitting.json          the manifest so far, while `chunkq run` still splits
+                                               the corpus and workers take its first chunks
     <store>/runs/<run>/inputs/<chunk>.jsonl    {"id": ..., "text": ...} per row
     <store>/runs/<run>/outputs/<chunk>.npy     float32 rows x dim
     <store>/runs/<run>/outputs/<chunk>.json    output metadata; its presence commits the .npy
@@ -59,6 +61,12 @@ class RunLayout:
     @property
     def manifest(self) -> Path:
         return self._path(MANIFEST_NAME)
+
+    @property
+    def splitting(self) -> Path:
+        """The manifest so far of a run whose corpus is still being split (supervisor.submit.streaming):
+        its chunks written until now, which workers may take; gone once ``manifest`` is written."""
+        return self._path("splitting.json")
 
     @property
     def inputs(self) -> Path:

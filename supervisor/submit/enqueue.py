@@ -201,6 +201,18 @@ def _same_store(connection: redis.Redis, layout: RunLayout, manifest: RunManifes
         )
 
 
+def drop_run_jobs(connection: redis.Redis, run_id: str) -> int:
+    """Delete every job of the run Redis holds, from its queue and registries (those of a split cut
+    short or abandoned: their chunks are to be made again, or never); how many there were."""
+    prefix = f"rq:job:{chunk_job_prefix(run_id)}"
+    ids = [key.decode()[len("rq:job:") :] for key in connection.scan_iter(match=f"{prefix}*", count=1000)]
+    jobs = Job.fetch_many([i for i in ids if ":" not in i], connection=connection, serializer=JSONSerializer)
+    for job in jobs:
+        if job is not None:
+            job.delete()
+    return sum(job is not None for job in jobs)
+
+
 def forget_finished(connection: redis.Redis, queue_name: str, job_ids: list[str]) -> None:
     """Delete finished jobs whose outputs the supervisor has counted: the job hash, its results
     stream and its entry in the finished registry (what RQ's own ``Job.delete`` removes for them)."""

@@ -60,13 +60,15 @@ CACHE_WORKER = "cache"  # who "encoded" a chunk read from the vector cache at su
 
 
 @dataclass
-class _Chunker:
-    """Rows into chunk inputs of ``size``, numbered from ``index``."""
+class Chunker:
+    """Rows into chunk inputs of ``size``, numbered from ``index``; ``written`` is told each one
+    (its index and rows) once it is in the store."""
 
     layout: RunLayout
     size: int
     index: int
     buffer: list[tuple[str, str]]
+    written: Callable[[int, int], None] | None = None
 
     def add(self, rid: str, text: str) -> None:
         self.buffer.append((rid, text))
@@ -76,6 +78,8 @@ class _Chunker:
     def flush(self) -> None:
         if self.buffer:
             write_chunk_input(self.layout, self.index, self.buffer)
+            if self.written is not None:
+                self.written(self.index, len(self.buffer))
             self.index, self.buffer = self.index + 1, []
 
 
@@ -121,7 +125,7 @@ def _write(
     n, encode_rows = spooled.rows, joined.misses
     chunk_row = new_memmap(folder / "chunk_row.bin", np.int64, (n,))
     reader = CorpusReader(spooled)
-    encode = _Chunker(layout, chunk_size, 0, [])
+    encode = Chunker(layout, chunk_size, 0, [])
     hits_path, refs_path = folder / "hits.jsonl", folder / "hits.refs"
     next_miss = next_hit = 0
     identity = True
@@ -152,16 +156,16 @@ def _write(
                 )
             encode.flush()
         identity = identity and not row_map
-        parts = [] if identity else _write_row_map(layout, chunk_row, spooled.path("ids.jsonl"), n)
+        parts = [] if identity else write_row_map(layout, chunk_row, spooled.path("ids.jsonl"), n)
         if not identity:
-            _write_corpus_rows_per_chunk(layout, chunk_row, chunk_size, encode_rows, next_hit)
-        cached = _write_cached_chunks(
+            write_corpus_rows_per_chunk(layout, chunk_row, chunk_size, encode_rows, next_hit)
+        cached = write_cached_chunks(
             layout,
             chunk_size,
             encode.index,
             encode_rows,
             hits_path,
-            _pairs(refs_path),
+            pairs_file(refs_path),
             joined.shards,
             cache,
             output_producer,
@@ -183,7 +187,7 @@ def _write(
     }
 
 
-def _write_corpus_rows_per_chunk(
+def write_corpus_rows_per_chunk(
     layout: RunLayout, chunk_row: np.ndarray[Any, Any], chunk_size: int, encode_rows: int, cached_rows: int
 ) -> None:
     """How many corpus rows each chunk gives the result (a duplicate text's rows all count to the
@@ -196,13 +200,13 @@ def _write_corpus_rows_per_chunk(
     save_npy_atomic(layout.plan_chunk_rows, counts)
 
 
-def _pairs(path: Path) -> np.ndarray[Any, Any]:
+def pairs_file(path: Path) -> np.ndarray[Any, Any]:
     """A file of int64 pairs, memory-mapped (16 bytes a hit, never all in memory)."""
     size = path.stat().st_size // 16
     return np.memmap(path, dtype=np.int64, mode="r", shape=(size, 2)) if size else np.empty((0, 2), np.int64)
 
 
-def _write_row_map(
+def write_row_map(
     layout: RunLayout, chunk_row: np.ndarray[Any, Any], spooled_ids: Path, n: int
 ) -> list[dict[str, Any]]:
     """plan/rows-<k>.npy (each corpus row's chunk row) and plan/ids-<k>.jsonl, PART_ROWS rows a file."""
@@ -223,7 +227,7 @@ def _write_row_map(
     return parts
 
 
-def _write_cached_chunks(
+def write_cached_chunks(
     layout: RunLayout,
     chunk_size: int,
     first_index: int,
@@ -238,7 +242,7 @@ def _write_cached_chunks(
     outputs read from the cache. A chunk that touches a damaged shard gets no output: it is encoded."""
     damaged_shards: set[int] = set()
     damaged_rows = 0
-    chunker = _Chunker(layout, chunk_size, first_index, [])
+    chunker = Chunker(layout, chunk_size, first_index, [])
     with open(hits_path, "rb") as hits:
         for offset in range(0, len(refs), chunk_size):
             chunk_refs = refs[offset : offset + chunk_size]

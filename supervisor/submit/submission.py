@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -19,14 +19,7 @@ import redis
 
 from chunkq.jobs.calibrate import CALIBRATION_ROWS, ranges_for
 from chunkq.jobs.compute.model_info import describe
-from chunkq.jobs.compute.vector_cache import VectorCache, producer, producer_key
-from chunkq.jobs.contract.errors import (
-    STORAGE_ERRNOS,
-    ConfigError,
-    CorpusError,
-    RunConflictError,
-    StoreWriteError,
-)
+from chunkq.jobs.contract.errors import STORAGE_ERRNOS, CorpusError, RunConflictError, StoreWriteError
 from chunkq.jobs.contract.manifest import RunManifest, load_manifest, producer_record
 from chunkq.jobs.contract.run_files import (
     RunLayout,
@@ -51,6 +44,9 @@ from chunkq.supervisor.submit.identity import (
     unchanged,
 )
 from chunkq.supervisor.submit.plan import write_planned_inputs
+from chunkq.supervisor.submit.run_cache import record_cache_use, vector_cache
+from chunkq.supervisor.submit.streamed_plan import cache_index, write_streamed_inputs
+from chunkq.supervisor.submit.streaming import SplitFeed, SplitManifest, leftovers_of_a_split
 from chunkq.supervisor.submit.windows import (
     WindowCounts,
     late_rows,
@@ -59,6 +55,8 @@ from chunkq.supervisor.submit.windows import (
 )
 
 log = logging.getLogger(__name__)
+
+Written = Callable[[int, int], None]  # told each chunk input (its index, its rows) once it is written
 
 
 @dataclass(frozen=True)
@@ -79,14 +77,17 @@ class SubmitResult:
         )
 
 
-def _write_inputs(req: SubmitRequest, layout: RunLayout) -> int:
-    """Stream the corpus into chunk files; return the row count. Only one chunk is ever in memory."""
+def _write_inputs(req: SubmitRequest, layout: RunLayout, written: Written | None = None) -> int:
+    """Stream the corpus into chunk files (``written`` told each); return the row count. Only one
+    chunk is ever in memory."""
     rows, index, buffer = 0, 0, list[Record]()
     with local_scratch(layout.root) as scratch, IdRegistry(scratch / ".ids.sqlite") as seen:
 
         def flush() -> None:
             seen.add(buffer)
             write_chunk_input(layout, index, [(r.id, r.text) for r in buffer])
+            if written is not None:
+                written(index, len(buffer))
 
         for record in read_inputs(req):
             buffer.append(record)
@@ -118,62 +119,52 @@ def chunk_options(req: SubmitRequest) -> dict[str, Any]:
     return replace(req.encode, truncate_dim=None, output_dtype="float32").to_dict()
 
 
-def _vector_cache(
-    req: SubmitRequest, identity: str | None, canary: list[list[float]] | None = None
-) -> tuple[VectorCache | None, dict[str, Any] | None]:
-    """The store's cache for this run's model and options, and what they are; (None, None) when the
-    model's files are not on this host, so its identity cannot be known (duplicates are still
-    encoded once)."""
-    if identity is None:
-        log.warning("model %s: its files are not on this host; the vector cache is not used", req.model)
-        return None, None
-    described = producer(req.model, identity, req.encode)
-    cache = VectorCache(req.store, producer_key(described))
-    if canary is not None:
-        moved = cache.check_canary(canary)  # a model that brings its own code: what it does now
-        if moved is not None:
-            raise ConfigError(
-                f"model {req.model}: its code behaves differently than when the store's vector cache "
-                f"was filled from these files and options (its vectors of chunkq's canary texts moved "
-                f"by up to {moved:.3g}), a change chunkq cannot see in the files it lists (an "
-                "environment variable, a file its native code reads); give --no-cache to encode every "
-                "row, and `chunkq cache clean --producer KEY` drops what the cache holds of it"
-            )
-    return cache, described
-
-
 def _write_planned(
     req: SubmitRequest,
     layout: RunLayout,
     run_fingerprint: str,
     identity: str | None,
     canary: list[list[float]] | None = None,
+    split: SplitManifest | None = None,
 ) -> dict[str, Any]:
-    """The chunk inputs by plan (``plan.py``), and the manifest's fields that describe it."""
-    cache, described = _vector_cache(req, identity, canary) if req.cached else (None, None)
+    """The chunk inputs by plan (``plan.py``, or ``streamed_plan.py`` where ``split`` is told each
+    chunk as it is written), and the manifest's fields that describe it."""
+    cache, described = vector_cache(req, identity, canary) if req.cached else (None, None)
     options = chunk_options(req)
     output_producer = producer_record(run_fingerprint, req.model, options, identity)
+    known = {
+        "producer": cache.key if cache is not None else None,
+        "model_identity": described["model_identity"] if described is not None else None,
+        "libraries": described["libraries"] if described is not None else None,
+    }
+    found = cache_index(cache) if split is not None and not req.windowed else None
     counts = WindowCounts()
     with local_scratch(layout.root) as scratch, IdRegistry(scratch / ".ids.sqlite") as seen:
         rows: Any = read_inputs(req)
         check: Any = seen.add
-        if req.windowed:
+        if split is not None and found is not None:
+            split.plan, split.extra = {**known, "identity": False}, {"chunk_options": options}
+            plan = write_streamed_inputs(
+                rows, layout, req.chunk_size, cache, found, output_producer, check, split.written
+            )
+        elif req.windowed:
             tokenizer, size, overlap, normalize, context = window_plan(req)
             if context is None:
                 rows = window_rows(rows, tokenizer, size, overlap, seen.add, counts)
             else:
                 rows = late_rows(rows, tokenizer, context, size, overlap, seen.add, counts)
             check = _nothing
-        plan = write_planned_inputs(
-            rows,
-            layout,
-            req.chunk_size,
-            cache,
-            output_producer,
-            check,
-            dedup=req.cached,
-            row_map=req.windowed,
-        )
+        if found is None:
+            plan = write_planned_inputs(
+                rows,
+                layout,
+                req.chunk_size,
+                cache,
+                output_producer,
+                check,
+                dedup=req.cached,
+                row_map=req.windowed,
+            )
     _not_empty(req, plan["corpus_rows"])
     if req.windowed:
         plan["windows"] = {
@@ -184,9 +175,7 @@ def _write_planned(
             "normalize": normalize,  # what a pooled vector is scaled to: unit length where windows are
             **asdict(counts),
         }
-    plan["producer"] = cache.key if cache is not None else None
-    plan["model_identity"] = described["model_identity"] if described is not None else None
-    plan["libraries"] = described["libraries"] if described is not None else None
+    plan.update(known)
     encode_rows, cached_rows = plan["encode_rows"], plan["cached_rows"]
     size = req.chunk_size
     log.info(
@@ -205,37 +194,15 @@ def _write_planned(
     }
 
 
-def _create_run(req: SubmitRequest, layout: RunLayout, identified: Identified) -> RunManifest:
-    identity, inputs = identified.identity, identified.inputs
-    run_fingerprint = fingerprint(identity)
-    try:
-        if req.planned:
-            chunking = _write_planned(
-                req, layout, run_fingerprint, identified.model_identity, identified.model_canary
-            )
-        else:
-            rows = _write_inputs(req, layout)
-            chunking = {"rows": rows, "chunks": -(-rows // req.chunk_size)}
-        # The checksums were taken in an earlier pass: the rows just copied must be of those bytes.
-        for path, described in zip(req.corpora, inputs, strict=True):
-            unchanged(path, (described["size"], described["version"]))
-        calibration = _calibration(req, layout, chunking["chunks"]) if req.encode.calibrated else None
-    except BaseException as exc:
-        # No manifest was written, so nothing refers to these inputs: leave the store as it was.
-        remove_tree(layout.root)
-        if isinstance(exc, OSError) and exc.errno in STORAGE_ERRNOS:
-            where = f" writing {exc.filename}" if exc.filename else ""
-            raise StoreWriteError(
-                f"{exc.strerror}{where} while run {layout.run_id} was being created; nothing of it "
-                "was kept: make room (or fix the permissions) and run the same command again"
-            ) from exc
-        raise
-    data = {
+def _base_manifest(req: SubmitRequest, layout: RunLayout, identified: Identified) -> dict[str, Any]:
+    """The run's manifest but for what the split finds (its rows, chunks and plan)."""
+    inputs = identified.inputs
+    return {
         "format_version": FORMAT_VERSION,
         "run_id": layout.run_id,
         "created_at": datetime.now(UTC).isoformat(),
-        "fingerprint": run_fingerprint,
-        "identity": identity,
+        "fingerprint": fingerprint(identified.identity),
+        "identity": identified.identity,
         "corpus": {
             **inputs[0],
             "format": req.corpus_options.format,
@@ -252,15 +219,58 @@ def _create_run(req: SubmitRequest, layout: RunLayout, identified: Identified) -
         "options": req.encode.to_dict(),
         "unit_length": _unit_length(req),
         "chunk_size": req.chunk_size,
-        **chunking,
         "queue": req.queue,
         "job_timeout": req.timeout(),
     }
+
+
+def _streams(req: SubmitRequest) -> bool:
+    """Whether a new run's chunks may be queued while its corpus is split: not where the windows of a
+    text need its tokenizer's plan, nor where the run's int8 ranges come from texts across every chunk."""
+    return not req.windowed and not req.encode.calibrated
+
+
+def _create_run(
+    req: SubmitRequest, layout: RunLayout, identified: Identified, feed: SplitFeed | None = None
+) -> RunManifest:
+    base = _base_manifest(req, layout, identified)
+    if leftovers_of_a_split(layout):
+        log.warning(
+            "run %s: its corpus was being split when its command stopped; splitting it again", layout.run_id
+        )
+    split = SplitManifest(layout, base, feed) if feed is not None and _streams(req) else None
+    try:
+        if req.planned:
+            chunking = _write_planned(
+                req, layout, base["fingerprint"], identified.model_identity, identified.model_canary, split
+            )
+        else:
+            rows = _write_inputs(req, layout, split.written if split is not None else None)
+            chunking = {"rows": rows, "chunks": -(-rows // req.chunk_size)}
+        # The checksums were taken in an earlier pass: the rows just copied must be of those bytes.
+        for path, described in zip(req.corpora, identified.inputs, strict=True):
+            unchanged(path, (described["size"], described["version"]))
+        calibration = _calibration(req, layout, chunking["chunks"]) if req.encode.calibrated else None
+    except BaseException as exc:
+        if split is not None and split.chunks:
+            split.feed.abandon()  # what took its chunks stops before they go
+        # No manifest was written, so nothing refers to these inputs: leave the store as it was.
+        remove_tree(layout.root)
+        if isinstance(exc, OSError) and exc.errno in STORAGE_ERRNOS:
+            where = f" writing {exc.filename}" if exc.filename else ""
+            raise StoreWriteError(
+                f"{exc.strerror}{where} while run {layout.run_id} was being created; nothing of it "
+                "was kept: make room (or fix the permissions) and run the same command again"
+            ) from exc
+        raise
+    data = {**base, **chunking}
     if calibration is not None:
         data["calibration"] = calibration
     atomic_write_json(layout.manifest, data)
+    if split is not None:
+        split.finished()
     manifest = RunManifest(data)
-    _record_cache_use(layout, manifest)
+    record_cache_use(layout, manifest)
     return manifest
 
 
@@ -277,24 +287,6 @@ def _unit_length(req: SubmitRequest) -> bool | None:
     if info.folder is None:
         return None
     return info.normalizes and req.encode.truncate_dim is None
-
-
-def _record_cache_use(layout: RunLayout, manifest: RunManifest) -> None:
-    """What the run took from the cache, for ``chunkq cache`` (once the run exists: a failed submit
-    leaves no trace in the store)."""
-    plan = manifest.plan or {}
-    if not plan.get("producer"):
-        return
-    try:
-        VectorCache(layout.store, str(plan["producer"])).record_use(
-            manifest.run_id,
-            rows=int(plan["corpus_rows"]),
-            distinct=int(plan["distinct_rows"]),
-            hits=int(plan["cached_rows"]),
-            damaged=int(plan["cache_damaged_rows"]),
-        )
-    except OSError as exc:  # derived data: a cache that cannot be written costs time, not the run
-        log.warning("the vector cache cannot be written (%s); the run goes on without adding to it", exc)
 
 
 def _calibration(req: SubmitRequest, layout: RunLayout, chunks: int) -> dict[str, Any]:
@@ -332,16 +324,18 @@ class Prepared:
     published: bool  # a whole, intact result exists: nothing to encode
 
 
-def prepare(req: SubmitRequest, identified: Identified | None = None) -> Prepared:
+def prepare(
+    req: SubmitRequest, identified: Identified | None = None, feed: SplitFeed | None = None
+) -> Prepared:
     """Create the run for ``req`` in the store (the whole corpus read and split into chunk inputs),
-    or find it there; no Redis. ``chunkq run`` does this before it starts any server or process, so
-    a bad line on row 9,000 leaves nothing behind. ``identified``: ``identify(req)``, when the caller
-    needed the run id first (to lock the run)."""
+    or find it there. A bad line on row 9,000 leaves nothing behind. ``identified``:
+    ``identify(req)``, when the caller needed the run id first (to lock the run). ``feed``: where a
+    new run's chunks go as they are written (``streaming.py``); without it, no Redis."""
     identified = identified or identify(req)
     layout = RunLayout(req.store, identified.run_id)
     if not layout.manifest.is_file():
         with removed_on_failure(req.store, req.store / "runs"):
-            manifest = _create_run(req, layout, identified)
+            manifest = _create_run(req, layout, identified, feed)
         log.info(
             "run %s: %d rows in %d chunks written to %s",
             layout.run_id,
