@@ -126,7 +126,14 @@ def _measured(cmd: list[str], env: dict[str, str]) -> dict[str, Any]:
 
 
 def _folder_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+    """The bytes the folder's files hold, a file under two names (a hard link) once, as ``du`` counts."""
+    sizes = {
+        (s.st_dev, s.st_ino): s.st_size
+        for p in path.rglob("*")
+        if p.is_file() and not p.is_symlink()
+        for s in [p.stat()]
+    }
+    return sum(sizes.values())
 
 
 def plain(work: Path, corpus: Path, model: str, threads: str) -> dict[str, Any]:

@@ -294,9 +294,18 @@ def non_finite_rows(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     return np.concatenate(found) if found else np.empty(0, dtype=np.int64)
 
 
-def write_chunk_input(layout: RunLayout, index: int, rows: list[tuple[str, str]]) -> None:
-    """Write one chunk's (id, text) rows as JSON lines."""
-    lines = [json.dumps({"id": rid, "text": text}, ensure_ascii=False) for rid, text in rows]
+def json_string(value: Any) -> str:
+    """``json.dumps(value, ensure_ascii=False)``, byte for byte; for a str without its 2 us a call."""
+    return str(_encode_string(value)) if type(value) is str else json.dumps(value, ensure_ascii=False)
+
+
+_encode_string: Any = json.encoder.encode_basestring
+
+
+def write_chunk_input(layout: RunLayout, index: int, rows: list[tuple[Any, str]]) -> None:
+    """Write one chunk's (id, text) rows as JSON lines: ``{"id": ..., "text": ...}`` as json.dumps
+    writes them (a window's id is an object)."""
+    lines = [f'{{"id": {json_string(rid)}, "text": {json_string(text)}}}' for rid, text in rows]
     atomic_write_bytes(layout.input_path(index), ("\n".join(lines) + "\n").encode())
 
 

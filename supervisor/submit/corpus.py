@@ -88,7 +88,7 @@ class _IdPolicy:
         self.path, self.field, self.prefix = path, field, prefix
         self.from_field: bool | None = None
 
-    def pick(self, record: dict[str, Any], where: str, number: int) -> str:
+    def pick(self, record: dict[str, Any], where: str, number: int, escaped: bool = True) -> str:
         # The field's presence decides, not its value: a first record with a null id must not turn
         # every later id into a line number.
         present = self.field in record
@@ -105,7 +105,7 @@ class _IdPolicy:
             raise CorpusError(
                 f"{where}: id {self.field!r} is {type(value).__name__}, expected a string or integer"
             )
-        rid = _unicode(str(value), f"id {self.field!r}", where)
+        rid = _unicode(str(value), f"id {self.field!r}", where) if escaped else str(value)
         if "\0" in rid:  # PostgreSQL's text, C strings and most stores cannot hold it (issue 63.5)
             raise CorpusError(
                 f"{where}: id {self.field!r} holds a NUL character (\\u0000 at character "
@@ -128,15 +128,16 @@ def _unicode(value: str, what: str, where: str) -> str:
     return value
 
 
-def _text_of(record: dict[str, Any], opts: CorpusOptions, where: str) -> str:
-    """The row's text; with a pair field, the pair as one row text (jobs.kinds.cross.pair_text)."""
-    text = _field_text(record, opts.text_field, opts, where)
+def _text_of(record: dict[str, Any], opts: CorpusOptions, where: str, escaped: bool = True) -> str:
+    """The row's text; with a pair field, the pair as one row text (jobs.kinds.cross.pair_text).
+    ``escaped``: whether the text may hold a lone surrogate (checked then)."""
+    text = _field_text(record, opts.text_field, opts, where, escaped)
     if opts.pair_field is None:
         return text
-    return pair_text(text, _field_text(record, opts.pair_field, opts, where))
+    return pair_text(text, _field_text(record, opts.pair_field, opts, where, escaped))
 
 
-def _field_text(record: dict[str, Any], field: str, opts: CorpusOptions, where: str) -> str:
+def _field_text(record: dict[str, Any], field: str, opts: CorpusOptions, where: str, escaped: bool) -> str:
     if field not in record:
         raise CorpusError(f"{where}: missing text field {field!r}")
     text = record[field]
@@ -147,7 +148,7 @@ def _field_text(record: dict[str, Any], field: str, opts: CorpusOptions, where: 
         raise CorpusError(f"{where}: text field {field!r} is empty")
     if _utf8_length_over(text, opts.max_text_bytes):
         raise CorpusError(f"{where}: text is over the limit of {opts.max_text_bytes} bytes")
-    return _unicode(text, f"text field {field!r}", where)
+    return _unicode(text, f"text field {field!r}", where) if escaped else text
 
 
 def _utf8_length_over(text: str, limit: int) -> bool:
@@ -201,20 +202,41 @@ def _lines(path: Path, limit: int) -> Iterator[tuple[int, str]]:
                 ) from None
 
 
+# json.loads's own scanner, without the 1.4 us a call json.loads spends around it
+_scan_json: Any = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
+
+
+def _json_line(line: str, where: str) -> Any:
+    """The line's one JSON value, as ``json.loads`` reads it (which also names what is wrong)."""
+    try:
+        value, end = _scan_json(line, 0)
+        if not line[end:].strip():
+            return value
+    except (StopIteration, json.JSONDecodeError):  # leading blanks, or no value: json.loads says which
+        pass
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise CorpusError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+
+
 def _read_jsonl(path: Path, opts: CorpusOptions, prefix: str) -> Iterator[Record]:
     ids = _IdPolicy(path, opts.id_field, prefix)
+    name = str(path)
     for lineno, line in _lines(path, opts.max_text_bytes):
         if not line.strip():
             continue
-        where = f"{path}:{lineno}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise CorpusError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+        where = f"{name}:{lineno}"
+        record = _json_line(line, where)
         if not isinstance(record, dict):
             raise CorpusError(f"{where}: expected a JSON object, got {type(record).__name__}")
+        # A lone surrogate comes only from a \u escape: raw UTF-8 holding one does not decode.
+        escaped = "\\u" in line
         yield Record(
-            ids.pick(record, where, lineno), _text_of(record, opts, where), where, _extra(record, opts)
+            ids.pick(record, where, lineno, escaped),
+            _text_of(record, opts, where, escaped),
+            where,
+            _extra(record, opts),
         )
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from chunkq.jobs.compute.vector_cache import CacheDamage, Shard, VectorCache, text_hashes
-from chunkq.jobs.contract.run_files import RunLayout
+from chunkq.jobs.contract.run_files import RunLayout, json_string
 from chunkq.jobs.contract.storage import local_scratch, remove_tree
 from chunkq.supervisor.submit.hash_index import MISSING, HashIndex
 from chunkq.supervisor.submit.hash_join import ROW_BLOCK, PlanRow
@@ -145,7 +145,7 @@ def _write(
                     )
                 )
             misses, hits = misses + len(miss), hits + len(hit)
-            ids.write("".join(json.dumps(r.id, ensure_ascii=False) + "\n" for r in block).encode())
+            ids.write("".join(json_string(r.id) + "\n" for r in block).encode())
             chunk_rows.write(numbers[inverse.reshape(-1)].astype(np.int64).tobytes())
             rows += len(block)
         encode.flush()
