@@ -5,6 +5,7 @@ Real processes, a real Redis and the real model; faults are injected with CHUNKQ
 
 from __future__ import annotations
 
+import gzip
 import json
 import signal
 import time
@@ -203,15 +204,15 @@ def test_bad_row_in_the_store_is_quarantined_without_retry(
 ) -> None:
     run = _submit(tmp_path, store, connection, rows=20, chunk=10)
     bad = RunLayout(store, run.run_id).input_path(1)
-    lines = bad.read_text().splitlines()
+    lines = gzip.decompress(bad.read_bytes()).decode().splitlines()
     lines[4] = json.dumps({"id": "x", "text": 5})
-    bad.write_text("\n".join(lines) + "\n")
+    bad.write_bytes(gzip.compress(("\n".join(lines) + "\n").encode()))
     env = {"CHUNKQ_REDIS_URL": redis_url, "CHUNKQ_QUEUE": "r", "CHUNKQ_STORE": str(store)}
     procs.append(start_cli(tmp_path / "pool.log", "pool", "--gpus", "none", **env))
     supervised = run_cli("supervise", run.run_id, "--poll", "0.2", **env)
     assert supervised.returncode == 1
     assert "chunk 1 (rows 10-19" in supervised.stderr and "bad_input, attempt 1" in supervised.stderr
-    assert "000001.jsonl:5: text is int, not a string" in supervised.stderr
+    assert "000001.jsonl.gz:5: text is int, not a string" in supervised.stderr
     status = json.loads(run_cli("status", run.run_id, "--json", **env).stdout)
     (failure,) = status["failures"]
     assert failure["quarantined"] and "Traceback" in failure["traceback"]

@@ -20,7 +20,7 @@ CHUNKS = 3
 KINDS = {
     "manifest": r"store/runs/r/manifest\.json",
     "corpus": r"c\.jsonl",
-    "chunk inputs": r"store/runs/r/inputs/\d{6}\.jsonl",
+    "chunk inputs": r"store/runs/r/inputs/\d{6}\.jsonl\.gz",
     "chunk outputs": r"store/runs/r/outputs/\d{6}\.npy",
 }
 # Measured at b6682ca (tests/test_run_reads.py run against that tree) and now.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import re
 from pathlib import Path
 
@@ -115,7 +116,7 @@ def test_verify_output_detects_every_defect(tmp_path: Path) -> None:
 def test_a_chunk_input_is_read_in_one_parse_and_a_bad_row_is_still_named(tmp_path: Path) -> None:
     """Issue 52: the chunk's rows are parsed in one call, split at "\\n" alone (a text may hold
     U+2028 or U+0085, where splitlines() would cut it); a malformed row still names its line."""
-    from chunkq.jobs.contract.errors import BadInputError
+    from chunkq.jobs.contract.errors import BadInputError, StoreError
     from chunkq.jobs.contract.run_files import RunLayout, read_chunk_input, write_chunk_input
 
     layout = RunLayout(tmp_path, "r")
@@ -123,6 +124,13 @@ def test_a_chunk_input_is_read_in_one_parse_and_a_bad_row_is_still_named(tmp_pat
     write_chunk_input(layout, 0, rows)
     assert read_chunk_input(layout, 0) == (["a", "b", "c"], [text for _, text in rows])
     path = layout.input_path(0)
-    path.write_text(path.read_text().replace('"plain"}', '"plain"'))
-    with pytest.raises(BadInputError, match=r"000000.jsonl:2: invalid JSON"):
+    assert path.name == "000000.jsonl.gz" and gzip.decompress(path.read_bytes()).count(b"\n") == 3
+    path.write_bytes(gzip.compress(gzip.decompress(path.read_bytes()).replace(b'"plain"}', b'"plain"')))
+    with pytest.raises(BadInputError, match=r"000000.jsonl.gz:2: invalid JSON"):
         read_chunk_input(layout, 0)
+    path.write_bytes(path.read_bytes()[:-9])  # cut short: its gzip trailer gone
+    with pytest.raises(StoreError, match=r"000000.jsonl.gz is damaged .* cannot be read back"):
+        read_chunk_input(layout, 0)
+    path.unlink()  # a store written before inputs were compressed: plain JSON Lines, read as they are
+    layout.plain_input_path(0).write_text('{"id": "a", "text": "old"}\n')
+    assert read_chunk_input(layout, 0) == (["a"], ["old"])

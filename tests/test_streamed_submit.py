@@ -16,7 +16,7 @@ import pytest
 
 from chunkq.jobs.compute.models import BUNDLED_MODEL
 from chunkq.jobs.contract.manifest import RunManifest, load_manifest
-from chunkq.jobs.contract.run_files import RunLayout
+from chunkq.jobs.contract.run_files import RunLayout, read_chunk_input
 from chunkq.jobs.embed import check_against_manifest
 from chunkq.supervisor.submit.corpus import CorpusOptions
 from chunkq.supervisor.submit.identity import SubmitRequest
@@ -47,7 +47,7 @@ class _Recorded:
         for index in indices:
             spec = manifest.chunk_spec(self.layout.store, index)
             check_against_manifest(self.layout, spec, None)  # what the worker does first
-            assert spec.rows == len(self.layout.input_path(index).read_text().splitlines())
+            assert spec.rows == len(read_chunk_input(self.layout, index)[0])
             self.specs[index] = spec.to_dict()
 
     def restart(self) -> None:

@@ -21,7 +21,7 @@ from chunkq.jobs.compute import cache_upkeep
 from chunkq.jobs.compute.model_identity import model_identity
 from chunkq.jobs.compute.models import BUNDLED_MODEL, resolve_model
 from chunkq.jobs.compute.vector_cache import VectorCache, producer, producer_key, text_hashes
-from chunkq.jobs.contract.run_files import read_json
+from chunkq.jobs.contract.run_files import read_chunk_input, read_json
 from chunkq.jobs.contract.specs import EncodeOptions
 from tests.helpers import make_texts, max_abs_diff, result_of, run_cli, run_in_process, write_corpus
 
@@ -327,7 +327,7 @@ def test_a_partial_result_leaves_out_every_row_of_a_missing_chunks_texts(
     manifest = load_manifest(layout)
     for index in range(1, manifest.chunks):  # chunk 0 is quarantined
         embed_chunk(manifest.chunk_spec(store, index).to_dict())
-    chunk0 = {json.loads(x)["text"] for x in layout.input_path(0).read_text().splitlines()}
+    chunk0 = set(read_chunk_input(layout, 0)[1])
     failure = Failure(0, 0, 10, "j", "other", 3, "boom", "", True)
     result = assemble(layout, missing=[failure])
     kept = [i for i, t in enumerate(texts) if t not in chunk0]

@@ -3,7 +3,7 @@
     <store>/runs/<run>/manifest.json           run manifest (written last by submit)
     <store>/runs/<run>/splitting.json          the manifest so far, while `chunkq run` still splits
                                                the corpus and workers take its first chunks
-    <store>/runs/<run>/inputs/<chunk>.jsonl    {"id": ..., "text": ...} per row
+    <store>/runs/<run>/inputs/<chunk>.jsonl.gz {"id": ..., "text": ...} per row (plain .jsonl in older stores)
     <store>/runs/<run>/outputs/<chunk>.npy     float32 rows x dim
     <store>/runs/<run>/outputs/<chunk>.json    output metadata; its presence commits the .npy
     <store>/runs/<run>/failures/<chunk>-a<N>.json  each failed attempt, recorded by the supervisor
@@ -17,10 +17,12 @@ and a chunk output counts only once its metadata, written after the .npy, exists
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import io
 import json
 import os
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -91,6 +93,10 @@ class RunLayout:
         return self._path("result", MANIFEST_NAME)
 
     def input_path(self, index: int) -> Path:
+        return self._path("inputs", f"{chunk_name(index)}.jsonl.gz")
+
+    def plain_input_path(self, index: int) -> Path:
+        """A chunk input as a store written before inputs were compressed holds it."""
         return self._path("inputs", f"{chunk_name(index)}.jsonl")
 
     def output_npy(self, index: int) -> Path:
@@ -306,17 +312,31 @@ def write_chunk_input(layout: RunLayout, index: int, rows: list[tuple[Any, str]]
     """Write one chunk's (id, text) rows as JSON lines: ``{"id": ..., "text": ...}`` as json.dumps
     writes them (a window's id is an object)."""
     lines = [f'{{"id": {json_string(rid)}, "text": {json_string(text)}}}' for rid, text in rows]
-    atomic_write_bytes(layout.input_path(index), ("\n".join(lines) + "\n").encode())
+    # Compressed: beside 256-dim vectors the texts were 15 % of a store's bytes after publish; zlib's
+    # fastest level takes them to 40 % of that at 60 MB/s (3 us a row of a 10^5-row split's 11).
+    data = gzip.compress(("\n".join(lines) + "\n").encode(), compresslevel=1, mtime=0)
+    atomic_write_bytes(layout.input_path(index), data)
 
 
 def read_chunk_input(layout: RunLayout, index: int) -> tuple[list[Any], list[str]]:
     """Return (ids, texts) of one chunk; a malformed row raises BadInputError naming it. An id is a
     string, or a window's object (its text's id, window number and span) as submit wrote it."""
     path = layout.input_path(index)
+    if not path.is_file() and layout.plain_input_path(index).is_file():
+        path = layout.plain_input_path(index)
     if not path.is_file():
         raise StoreError(f"chunk input {path} is missing")
+    data = path.read_bytes()
+    if path.name.endswith(".gz"):
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError, zlib.error) as exc:
+            raise StoreError(
+                f"chunk input {path} is damaged ({exc}) and cannot be read back; remove the run "
+                f"(`chunkq clean {layout.run_id}`) and run the command that made it again"
+            ) from None
     # Split at "\n" alone: a text may hold U+2028 or U+0085, which splitlines() would split at too.
-    lines = path.read_bytes().decode("utf-8").split("\n")
+    lines = data.decode("utf-8").split("\n")
     if lines and not lines[-1]:
         lines.pop()
     try:
