@@ -21,7 +21,7 @@ def test_a_run_resumed_with_another_batch_size_is_the_same_run_and_the_same_vect
     ids, texts = make_texts(60)
     write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")
     args = ("run", "c.jsonl", "--store", "store", "--chunk-size", "20")
-    first = run_cli(*args, "--batch-size", "4", cwd=tmp_path)
+    first = run_cli(*args, "--batch-size", "4", "--keep-outputs", cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     layout = only_run(tmp_path / "store")
     shutil.rmtree(layout.result)  # the last chunk's output lost with the result: one chunk to encode

@@ -97,7 +97,7 @@ def test_a_sharded_ragged_result_goes_to_the_object_store_and_reads_back_whole(
     local = write_ragged_run(tmp_path / "store", "sparse")
     remote = write_ragged_run(open_store(f"s3://{BUCKET}/ragged-{time.time_ns()}"), "sparse")
     assemble(local)
-    made = assemble(remote, shard_bytes=4096)
+    made = assemble(remote, shard_bytes=4096, keep_outputs=True)  # assembled again below
     assert len(made["ragged"]["shards"]) > 2
     assert check_published(remote, load_manifest(remote)) == []
     one, many = (RunResult(x.run_id, x.store, 200, 1000, 0.0, 1, None).ragged() for x in (local, remote))
@@ -254,7 +254,7 @@ def test_a_sharded_result_goes_to_the_object_store_a_shard_at_a_time(
         upload(local, remote)
 
     monkeypatch.setattr(writer, "publish_file", measured)
-    made = assemble(layout, shard_bytes=shard_rows * dim * 4)
+    made = assemble(layout, shard_bytes=shard_rows * dim * 4, keep_outputs=True)  # read and assembled again
 
     assert [s["rows"] for s in made["shards"]] == [300] * 6 + [200]
     one_shard = shard_rows * dim * 4 + 128 + shard_rows * len('"r1999"\n')  # array, header, ids
@@ -269,7 +269,7 @@ def test_a_sharded_result_goes_to_the_object_store_a_shard_at_a_time(
 
     # Assembled again (a damaged manifest), then as one file: nothing the new manifest does not name stays.
     (layout.result / "manifest.json").write_text("{")
-    again = assemble(layout, shard_bytes=shard_rows * dim * 4)
+    again = assemble(layout, shard_bytes=shard_rows * dim * 4, keep_outputs=True)
     folders = {p.name for p in layout.result.iterdir() if p.is_dir()}
     assert folders == {again["shard_dir"]} != {made["shard_dir"]}
     (layout.result / "manifest.json").write_text("{")

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from chunkq.jobs.contract.addresses import shown
 from chunkq.jobs.contract.errors import ConfigError, StoreError
 from chunkq.sinks import export_to
 from chunkq.supervisor.result.assemble import assemble
@@ -106,7 +107,7 @@ def test_pgvector_upserts_by_id_and_refuses_a_table_of_another_dimension(
     done = run_cli("export", "narrow", "--store", str(other.store), "--to", url)
     assert done.returncode != 0
     assert done.stderr.strip().splitlines()[-1] == (
-        f"chunkq: error: --to {url}: table docs holds vector(32) in embedding, this run's are "
+        f"chunkq: error: --to {shown(url)}: table docs holds vector(32) in embedding, this run's are "
         "vector(8); export to another table, or name another column with --column"
     )
     assert "Traceback" not in done.stderr

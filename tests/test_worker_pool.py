@@ -570,7 +570,13 @@ def test_a_pool_acts_on_a_drain_and_its_workers_exits_at_once(
     monkeypatch.setattr(pool_module, "POLL_SECONDS", 60.0)
     queue = f"pause-{'forked' if fork_server else 'fresh'}"
     settings = PoolSettings(
-        redis_url=redis_url, queue=queue, name=queue, preload=None, standby=False, fork_server=fork_server
+        redis_url=redis_url,
+        queue=queue,
+        name=queue,
+        preload=None,
+        standby=False,
+        fork_server=fork_server,
+        cpu_workers=1,
     )
     pool = pool_module.Pool(settings, [])
     connection = redis.Redis.from_url(redis_url)

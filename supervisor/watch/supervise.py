@@ -388,6 +388,24 @@ def _supervise(
         )
     wakeup = Wakeup(connection, manifest.queue)
     build = Build.start(layout, manifest, settings.shard_bytes)  # the result, written as chunks land
+    try:
+        return _watch_and_assemble(watch, wakeup, display, keep_going, build, phases, redis_gone)
+    except BaseException:
+        if build is not None:  # a full disk, a lost lock, ^C: no half-built result left beside it
+            build.abandon()
+        raise
+
+
+def _watch_and_assemble(
+    watch: Supervisor,
+    wakeup: Wakeup,
+    display: ProgressDisplay,
+    keep_going: Callable[[], bool],
+    build: Build | None,
+    phases: Phases,
+    redis_gone: Callable[[], str | None],
+) -> Outcome:
+    settings, layout, manifest = watch.settings, watch.layout, watch.manifest
     with phases.phase(WATCH):
         try:
             while True:
@@ -400,7 +418,7 @@ def _supervise(
                 wakeup.wait(settings.poll_seconds)
         finally:
             wakeup.close()
-            lock.release()
+            watch.lock.release()
     if not snap.settled or (snap.quarantined and not settings.allow_partial):
         if build is not None:
             build.abandon()
@@ -408,9 +426,5 @@ def _supervise(
     missing = snap.quarantined if settings.allow_partial else None
     if build is not None:
         build.advance(watch.tracker.pending, seconds=math.inf, phases=phases)  # the last chunks
-    return Outcome(
-        snap,
-        assemble(
-            layout, missing, owner.check, settings.shard_bytes, manifest, phases, build, settings.keep_outputs
-        ),
-    )
+    fence, shards, keep = watch.owner.check, settings.shard_bytes, settings.keep_outputs
+    return Outcome(snap, assemble(layout, missing, fence, shards, manifest, phases, build, keep))
