@@ -5,6 +5,7 @@ written last, then published, and what no manifest names removed.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -12,6 +13,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -35,6 +37,18 @@ from chunkq.jobs.contract.storage import (
 from chunkq.supervisor.result.published import RAGGED_FILES, SINGLE, TEXTS, new_shard_dir, shard_names
 
 log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _named(path: Path) -> Iterator[None]:
+    """A write to an open file fails with no file name ("No space left on device"): the user is
+    told which store filled up, as for any other write of the run."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is None:
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc
+        raise
 
 
 class PartWriter:
@@ -62,9 +76,9 @@ class PartWriter:
         )
         self._write(self._emb, self._emb_hash, header.getvalue())
 
-    @staticmethod
-    def _write(fh: IO[bytes], digest: Any, data: bytes | memoryview) -> None:
-        fh.write(data)
+    def _write(self, fh: IO[bytes], digest: Any, data: bytes | memoryview) -> None:
+        with _named(self.paths[fh is self._ids]):
+            fh.write(data)
         digest.update(data)
 
     def write(self, ids: list[Any], block: np.ndarray[Any, Any]) -> None:
@@ -91,9 +105,10 @@ class PartWriter:
         self._block, self._block_filled = hashlib.sha256(), 0
 
     def close(self) -> dict[str, Any]:
-        for fh in (self._emb, self._ids):
-            fh.flush()
-            os.fsync(fh.fileno())
+        for fh, path in zip((self._emb, self._ids), self.paths, strict=True):
+            with _named(path):
+                fh.flush()
+                os.fsync(fh.fileno())
             fh.close()
         if self.written != self.rows:
             raise ValueError(f"{self.paths[0].name}: wrote {self.written} rows, expected {self.rows}")
@@ -106,8 +121,11 @@ class PartWriter:
         }
 
     def abort(self) -> None:
+        """Close the files being thrown away; their unwritten buffers may meet the full disk that
+        stopped the run, and that error is the one to tell, not this one."""
         for fh in (self._emb, self._ids):
-            fh.close()
+            with contextlib.suppress(OSError):
+                fh.close()
 
 
 class ResultWriter:
