@@ -104,6 +104,12 @@ def test_the_plan_made_in_one_pass_is_the_two_pass_plan_and_its_chunks_are_taken
     assert not layout.splitting.exists() and load_manifest(layout).data == one.data
 
 
+def _short_texts(n: int, seed: int) -> tuple[list[str], list[str]]:
+    """Many rows, so that the split lasts, of a few tokens each, so that encoding them is quick."""
+    ids, texts = make_texts(n, seed)
+    return ids, [f"{i} {' '.join(text.split()[:2])}" for i, text in enumerate(texts)]
+
+
 def _stop_at_split(run: Any, store: Path) -> RunLayout:
     """Freeze the command once its first chunks are queued, its split not done; the layout."""
     wait_for(lambda: any((store / "runs").glob("*/splitting.json")), 180, "the split's first chunks")
@@ -120,7 +126,7 @@ def test_a_run_killed_while_its_corpus_is_split_resumes_to_the_exact_result(
 ) -> None:
     """SIGKILL of the command and everything it started mid-split, after a worker encoded a chunk
     queued then: the same command splits the corpus again and publishes the exact result."""
-    ids, texts = make_texts(3000, seed=73)
+    ids, texts = _short_texts(3000, seed=73)
     store = tmp_path / "store"
     args = ["run", str(write_corpus(tmp_path / "a.jsonl", ids, texts, "jsonl")), "--store", str(store)]
     args += ["--chunk-size", "10"]
@@ -142,7 +148,7 @@ def test_a_run_killed_while_its_corpus_is_split_resumes_to_the_exact_result(
 def test_a_bad_row_after_chunks_were_encoded_still_leaves_nothing(tmp_path: Path) -> None:
     """A duplicate id on the last row, found after a worker encoded a chunk queued mid-split: the
     command stops with the pool killed and removes every file and folder it created."""
-    ids, texts = make_texts(3000, seed=74)
+    ids, texts = _short_texts(3000, seed=74)
     ids[-1] = ids[0]
     store = tmp_path / "store"
     corpus = write_corpus(tmp_path / "a.jsonl", ids, texts, "jsonl")
