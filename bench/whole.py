@@ -72,8 +72,21 @@ print(json.dumps({"started": t0, "loaded": loaded, "first_batch": first_batch, "
 PHASES = ("identify", "split", "queue", "watch", "verify", "write", "cache", "publish")
 
 
+def _pss(pid: int) -> int:
+    """A process's PSS from /proc/PID/smaps_rollup: psutil's memory_full_info parses every mapping
+    of smaps, which for a 4.6 GiB plain script at 10^6 rows took half a core from the runs timed."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", "rb") as fh:
+            for line in fh:
+                if line.startswith(b"Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 class TreeMemory:
-    """The peak of a process tree's summed PSS (bytes), sampled every 0.2 s in a thread."""
+    """The peak of a process tree's summed PSS (bytes), sampled every 0.25 s in a thread."""
 
     def __init__(self, pid: int) -> None:
         self.root, self.peak = psutil.Process(pid), 0
@@ -82,18 +95,12 @@ class TreeMemory:
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.wait(0.2):
-            total = 0
+        while not self._stop.wait(0.25):
             try:
                 procs = [self.root, *self.root.children(recursive=True)]
             except psutil.Error:
                 continue
-            for proc in procs:
-                try:
-                    total += proc.memory_full_info().pss
-                except psutil.Error:
-                    continue
-            self.peak = max(self.peak, total)
+            self.peak = max(self.peak, sum(_pss(proc.pid) for proc in procs))
 
     def stop(self) -> int:
         self._stop.set()
