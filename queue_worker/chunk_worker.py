@@ -7,6 +7,7 @@ stops at once), and ends after its work time or job count with a named exit code
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -22,7 +23,7 @@ from rq.exceptions import StopRequested
 from rq.worker import SimpleWorker, WorkerStatus
 
 from chunkq.jobs.compute import runtime
-from chunkq.jobs.contract import errors, jobmeta
+from chunkq.jobs.contract import errors, jobmeta, run_queues
 from chunkq.jobs.contract.defaults import HEARTBEAT_SECONDS
 from chunkq.jobs.contract.events import announce_settled
 from chunkq.jobs.contract.queueing import give_back
@@ -218,6 +219,8 @@ class ChunkWorker(SimpleWorker):
         # sets the cutter's event.
         self._cutter = WaitCutter(self)
         self._cutter.start()
+        self.pool_queue = self.queues[0].name  # the one it was started on; the runs' come and go
+        self.turn = 0  # jobs taken: where its round of the runs' queues starts (run_queues)
 
     @property
     def holds_nothing(self) -> bool:
@@ -278,17 +281,33 @@ class ChunkWorker(SimpleWorker):
         # stop must give that job back (execute_job), not end the wait and strand it in RQ's
         # intermediate list (seen in CI: a pool's fork server killed as its workers took chunks).
         self.waiting = False
+        self.turn += 1
         super().reorder_queues(reference_queue)
+
+    def _take_turns(self) -> None:
+        """Look in the runs' queues in this turn's order (jobs/contract/run_queues.py)."""
+        try:
+            names = run_queues.serving_order(
+                run_queues.listed(self.connection, self.pool_queue), self.turn, self.pool_queue
+            )
+        except redis.exceptions.RedisError:
+            return  # the wait that follows meets the same error, and RQ's retry handles it
+        if names != self.queue_names():
+            make = functools.partial(self.queue_class, connection=self.connection, serializer=self.serializer)
+            self.queues = [make(name, job_class=self.job_class) for name in names]
+            self._ordered_queues = self.queues[:]
 
     def dequeue_job_and_maintain_ttl(self, timeout: int | None, max_idle_time: int | None = None) -> Any:
         self._taking_job = True
         try:
             if timeout is None or max_idle_time is not None:  # burst: one look, no wait
+                self._take_turns()
                 result = super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
             else:
                 # Short waits, since a signal no longer interrupts one: a stop is seen within a wait.
                 result = None
                 while result is None and not self._stop_requested:
+                    self._take_turns()
                     self.waiting = True
                     try:
                         result = super().dequeue_job_and_maintain_ttl(

@@ -27,6 +27,7 @@ from rq.queue import Queue
 
 from chunkq.jobs.compute.models import check_precision
 from chunkq.jobs.compute.runtime import POOL_STARTED_ENV
+from chunkq.jobs.contract import run_queues
 from chunkq.jobs.contract.errors import ChunkqError
 from chunkq.jobs.contract.nopickle import forbid_pickle
 from chunkq.jobs.contract.process_clock import process_started_at
@@ -216,8 +217,10 @@ class Pool:
         """Whether jobs wait in the queue: at a run's end a standby would load its model beside the
         last chunks (on a CPU, on the same cores) and take nothing. The slot is refilled anyway
         when its worker exits, should work come."""
+        pools = self.settings.queue
         try:
-            return bool(self.connection.llen(Queue(self.settings.queue, connection=self.connection).key))
+            names = [name for name, _ in run_queues.listed(self.connection, pools)] + [pools]
+            return any(self.connection.llen(Queue(name, connection=self.connection).key) for name in names)
         except redis.RedisError:
             return True  # cannot tell: the standby costs less than a cold start would
 

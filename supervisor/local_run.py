@@ -18,10 +18,13 @@ from types import TracebackType
 
 import redis
 from rq import Queue
+from rq.exceptions import NoSuchJobError
+from rq.job import Job
 from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 
 from chunkq.jobs.compute.runtime import POOL_FOR_RUN_ENV
+from chunkq.jobs.contract import jobmeta
 from chunkq.jobs.contract.abandon import mark_abandoned
 from chunkq.jobs.contract.errors import StoreWriteError
 from chunkq.jobs.contract.manifest import RunManifest
@@ -42,6 +45,7 @@ from chunkq.supervisor.store.store_redis import embedded_redis_dir, local_state_
 from chunkq.supervisor.submit.enqueue import drop_run_jobs, enqueue_chunks, window_size
 from chunkq.supervisor.submit.identity import Identified, SubmitRequest, identify
 from chunkq.supervisor.submit.submission import SubmitResult, prepare, removed_on_failure, submit
+from chunkq.supervisor.watch.attempts import AttemptRecorder, FailedAttempt
 from chunkq.supervisor.watch.display import ProgressDisplay
 from chunkq.supervisor.watch.supervise import (
     Outcome,
@@ -158,14 +162,24 @@ class PoolProcess:
             self._relay.join(timeout=RELAY_DRAIN_SECONDS)  # the pool's last lines, before the log closes
 
 
-def _release_orphans(connection: redis.Redis, previous: str) -> None:
+def _release_orphans(connection: redis.Redis, previous: str, store: Path) -> None:
     """The embedded server is private to the run that owns it: a job it shows as started belongs
     to a worker of the previous owner, which is dead. Fail it as abandoned now, so it is retried at
-    once instead of after its heartbeat goes stale (60 s)."""
+    once instead of after its heartbeat goes stale (60 s), and record the attempt in its run's
+    store: the resumed submit requeues the job before any supervisor sees it failed, and status and
+    report said "failed attempts: 0" where the log had said it failed (issue 65.2)."""
+    why = f"its worker died with the previous chunkq run, {previous}"
     for queue in Queue.all(connection=connection, serializer=JSONSerializer):
         registry = StartedJobRegistry(queue.name, connection=connection, serializer=JSONSerializer)
         for job_id in registry.get_job_ids():
-            mark_abandoned(connection, job_id, f"its worker died with the previous chunkq run, {previous}")
+            if mark_abandoned(connection, job_id, why):
+                run_id, _, chunk = job_id.rpartition("__c")
+                try:
+                    job = Job.fetch(job_id, connection=connection, serializer=JSONSerializer)
+                    attempt = FailedAttempt.from_job(job, int(chunk), jobmeta.attempt(job.meta), None)
+                    AttemptRecorder(RunLayout(store, run_id)).record(attempt)
+                except (redis.RedisError, NoSuchJobError, ValueError, OSError) as exc:
+                    log.warning("the abandoned attempt of job %s is not recorded (%s)", job_id, exc)
 
 
 @contextlib.contextmanager
@@ -273,7 +287,7 @@ def _start_redis(req: RunRequest, stack: contextlib.ExitStack) -> tuple[str, Cal
     served = serve(req.submit.store, stack, wait=req.watch.wait_for_owner)
     stack.enter_context(_full_disk_is_a_storage_error(served.server))
     if served.took_over:
-        _release_orphans(redis.Redis.from_url(served.server.url), served.took_over)
+        _release_orphans(redis.Redis.from_url(served.server.url), served.took_over, req.submit.store)
     return served.server.url, lambda: served.server.failure
 
 

@@ -24,6 +24,7 @@ from chunkq.jobs.contract.defaults import (
     STALE_AFTER_SECONDS,
     WARN_IDLE_SECONDS,
 )
+from chunkq.jobs.contract.run_queues import DEFAULT_PRIORITY, MAX_PRIORITY
 from chunkq.jobs.contract.settings import Meta
 from chunkq.jobs.contract.specs import (
     MODEL_KWARGS,
@@ -264,6 +265,15 @@ RUN_OPTIONS: tuple[Option, ...] = (
         "Seconds a chunk may take before its worker is stopped. Default: grows with --chunk-size.",
         kind="int",
         low=1,
+    ),
+    _submit(
+        "priority",
+        DEFAULT_PRIORITY,
+        "Turns at workers shared with other runs. A run of priority N takes N turns for each turn of a "
+        f"priority-1 run (1-{MAX_PRIORITY}); every run gets turns, none waits behind another's backlog.",
+        kind="int",
+        low=1,
+        high=MAX_PRIORITY,
     ),
     _watch(
         "queue_window",

@@ -448,3 +448,13 @@ def fill(disk: Path, leave: int = 0) -> Path:
     with open(filler, "ab") as fh:
         fh.write(b"\0" * max(0, free - leave))
     return filler
+
+
+def queued(connection: Any, pool_queue: str) -> int:
+    """Jobs waiting for the pools of ``pool_queue``: in its runs' own queues (jobs/contract/run_queues.py)
+    and in its own."""
+    from chunkq.jobs.contract.run_queues import listed
+    from chunkq.supervisor.submit.enqueue import chunk_queue
+
+    names = [name for name, _ in listed(connection, pool_queue)] + [pool_queue]
+    return sum(chunk_queue(connection, name).count for name in names)

@@ -348,13 +348,15 @@ def test_failed_chunk_page_in_a_real_browser(
             [*flags, "--dump-dom", f"{base}/"], capture_output=True, text=True, timeout=120, check=False
         )
         # The shortcuts a user types (README) reach rq-dashboard's page of the queue's failed jobs.
-        for shortcut in ("/0/view/jobs/dash/failed", "/failed"):
+        for shortcut in ("/0/view/jobs/dash.dash-run/failed", "/failed"):
             status, _ = _get(base + shortcut)
             assert status == 200, shortcut
         assert _get(base + "/no/such/page")[0] == 404
     # The front page's first line links to the failed chunks (issue 24.6).
     assert front.returncode == 0, front.stderr[-2000:]
-    assert 'href="/0/view/jobs/dash/failed/20/asc/1">1 failed chunk(s) in queue dash</a>' in front.stdout
+    # Each run's chunks are in a queue of their own (jobs/contract/run_queues.py).
+    link = 'href="/0/view/jobs/dash.dash-run/failed/20/asc/1">1 failed chunk(s) in queue dash.dash-run</a>'
+    assert link in front.stdout
     # Finished jobs leave Redis: the page says so, with the count from the store (issue 37.7).
     assert f"the store {store} holds 1 of 2 chunks done in 1 run(s)" in front.stdout
     assert dom.returncode == 0, dom.stderr[-2000:]

@@ -6,6 +6,7 @@ window; the pods run the commands and environment compose.yaml runs; the Slurm r
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -120,18 +121,19 @@ def test_the_keda_trigger_reads_the_list_chunkq_fills_and_its_threshold_follows_
         cache=False,
     )
     submitted = submit(request, connection)
-    key = chunk_queue(connection, request.queue).key
+    from chunkq.jobs.contract.manifest import load_manifest
+    from chunkq.jobs.contract.run_files import RunLayout
+
+    layout = RunLayout(store, submitted.run_id)
+    key = chunk_queue(connection, load_manifest(layout).queue).key  # the run's own (run_queues.py)
     assert connection.llen(key) == window  # the list never holds more than the window
     # Issue 53.5: KEDA reads the run's demand (queued, running, retrying), which a supervisor's look
     # writes; RQ's list alone empties while the last chunks still run.
-    from chunkq.jobs.contract.manifest import load_manifest
-    from chunkq.jobs.contract.run_files import RunLayout
     from chunkq.supervisor.store.run_lock import RunLock
     from chunkq.supervisor.store.store_lock import StoreLock
     from chunkq.supervisor.watch.demand import demand_key
     from chunkq.supervisor.watch.supervise import Supervisor, WatchSettings
 
-    layout = RunLayout(store, submitted.run_id)
     with StoreLock(layout.owner, "the test's look") as owner:
         owner.acquire()
         lock = RunLock(connection, submitted.run_id)
@@ -255,3 +257,69 @@ def test_the_runs_job_waits_for_its_corpus_and_model_to_be_copied_in(tmp_path: P
         and "no input after" in gave_up.stderr
         and "kubectl cp the corpus" in gave_up.stderr
     )
+
+
+def _kustomized(folder: str) -> list[dict[str, Any]]:
+    """What `kubectl apply -k deploy/FOLDER` applies: kustomize's own build, offline."""
+    import shutil
+
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl (its kustomize) is not installed")
+    built = subprocess.run(
+        [kubectl, "kustomize", str(ROOT / "deploy" / folder)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert built.returncode == 0, built.stderr
+    return [doc for doc in yaml.safe_load_all(built.stdout) if doc]
+
+
+@pytest.mark.parametrize("folder", ["k8s", "k8s-cpu"])
+def test_the_manifests_as_one_system(folder: str) -> None:
+    """Issue 65.6: as written, KEDA's trigger named Redis by a short name its operator (in its own
+    namespace) does not resolve, so the pools never scaled; its list repeated the queue by hand; the
+    store's claim named no class that offers ReadWriteMany; the pools were GPU-only, with no CPU or
+    memory requests. Checked on what kustomize builds, names resolved across the whole set."""
+    from chunkq.supervisor.watch.demand import demand_key
+
+    docs = _kustomized(folder)
+    by = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    namespace = by[("Namespace", "chunkq")]["metadata"]["name"]
+    assert {d["metadata"].get("namespace") for d in docs if d["kind"] != "Namespace"} == {namespace}
+    settings = by[("ConfigMap", "chunkq-settings")]["data"]
+    (trigger,) = by[("ScaledObject", "chunkq-pool")]["spec"]["triggers"]
+    service = by[("Service", "chunkq-redis")]
+    port = service["spec"]["ports"][0]["port"]
+    assert trigger["metadata"]["address"] == f"chunkq-redis.{namespace}.svc.cluster.local:{port}"
+    assert trigger["metadata"]["listName"] == demand_key(settings["CHUNKQ_QUEUE"])
+    claim = by[("PersistentVolumeClaim", "chunkq-store")]["spec"]
+    assert claim["accessModes"] == ["ReadWriteMany"] and claim.get("storageClassName")
+    # Every name a pod refers to is in the set (the Redis secret is the user's, from secret.example.yaml).
+    given, seen = {("Secret", "chunkq-redis")}, set()
+    for doc in docs:
+        text = yaml.safe_dump(doc)
+        for ref, kind in (
+            ("configMapRef", "ConfigMap"),
+            ("secretKeyRef", "Secret"),
+            ("claimName", "PersistentVolumeClaim"),
+        ):
+            for found in re.findall(rf"{ref}:\n\s+(?:key: \S+\n\s+)?name: (\S+)|{ref}: (\S+)", text):
+                name = found[0] or found[1]
+                assert (kind, name) in by or (kind, name) in given, (doc["metadata"]["name"], kind, name)
+                seen.add((kind, name))
+    assert {
+        ("ConfigMap", "chunkq-settings"),
+        ("Secret", "chunkq-redis"),
+        ("PersistentVolumeClaim", "chunkq-store"),
+    } <= seen
+    pool = by[("Deployment", "chunkq-pool")]["spec"]["template"]["spec"]["containers"][0]
+    requests, limits = pool["resources"]["requests"], pool["resources"].get("limits", {})
+    assert requests["cpu"] and requests["memory"]
+    if folder == "k8s":
+        assert pool["args"][:3] == ["pool", "--gpus", "all"] and limits["nvidia.com/gpu"] == 1
+    else:  # no GPU anywhere; the CPU limit is what the pool counts its workers by (queue_worker/gpus.py)
+        assert pool["args"][:3] == ["pool", "--gpus", "none"] and "nvidia.com/gpu" not in yaml.safe_dump(docs)
+        assert limits["cpu"] == requests["cpu"]

@@ -16,16 +16,21 @@ from tests.helpers import cli_env
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# The check's own budget is for a GPU lease; here it must not decide the test. ~120 s at rest; a
+# budget of 420 s timed MiniLM out beside other work at load 7-10 (issue 65.8).
+BUDGET = 2400
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(480)
+@pytest.mark.timeout(BUDGET + 120)
 def test_the_gpu_check_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
     out = tmp_path / "check"
     done = subprocess.run(
-        [sys.executable, "bench/gpu_check.py", "--device", "cpu", "--out", str(out), "--budget", "420"],
+        [sys.executable, "bench/gpu_check.py", "--device", "cpu", "--out", str(out), "--budget", str(BUDGET)],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=460,
+        timeout=BUDGET + 60,
         env=cli_env(),
     )
     assert done.returncode == 0, done.stderr[-3000:]

@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -167,6 +170,21 @@ def test_cpu_workers_default_to_one_single_threaded_worker_per_core_as_memory_ho
         found = resolve_cpu_workers(None, BUNDLED_MODEL)
     assert found == min(os.cpu_count() or 1, found) >= 1
     assert caplog.text.count("CPU workers: ") == 1 and "one thread each" in caplog.text
+
+
+def test_cpu_workers_follow_the_cores_this_process_may_use_not_the_hosts() -> None:
+    """Issue 65.7: a pool given 1 CPU of a bigger node (Slurm's task plugin, taskset, a cpuset)
+    counted the node's cores: one worker per core it cannot run on."""
+    if shutil.which("taskset") is None or (os.cpu_count() or 1) < 2:
+        pytest.skip("needs taskset and two cores")
+    code = (
+        "from chunkq.jobs.compute.models import BUNDLED_MODEL\n"
+        "from chunkq.queue_worker.gpus import cpu_threads_per_worker, resolve_cpu_workers, usable_cores\n"
+        "print(usable_cores(), resolve_cpu_workers(None, BUNDLED_MODEL), cpu_threads_per_worker(1))"
+    )
+    cmd = ["taskset", "-c", "0", sys.executable, "-c", code]
+    pinned = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True)
+    assert pinned.stdout.split() == ["1", "1", "1"], pinned.stderr[-2000:]
 
 
 def test_auto_sizes_the_model_from_the_weights_that_load(tmp_path: Path) -> None:

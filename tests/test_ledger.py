@@ -255,21 +255,21 @@ def test_when_chunkq_started_the_pool_it_never_asks_for_another(
     """Issue 37.2: after a resume and under chunkq.embed the warning said "start one: chunkq pool"
     while chunkq's own pool was still loading."""
     import time
+    from collections import Counter
     from types import SimpleNamespace
 
-    from chunkq.supervisor.watch import supervise as supervise_module
+    from chunkq.supervisor.watch import idle as idle_module
     from chunkq.supervisor.watch.display import describe
     from chunkq.supervisor.watch.snapshot import Snapshot
     from chunkq.supervisor.watch.supervise import Supervisor, WatchSettings
 
-    monkeypatch.setattr(supervise_module.Worker, "count", lambda **kw: 0)
-    monkeypatch.setattr(supervise_module, "chunk_queue", lambda connection, name: name)
+    monkeypatch.setattr(idle_module, "busy_with", lambda connection, queue: (0, Counter()))  # no worker yet
     now = time.monotonic()
     watcher: Any = SimpleNamespace(
         settings=WatchSettings(warn_idle=30.0, own_pool_started=now - 45),
         idle_since=now - 31,
         idle_warned=0.0,
-        manifest=SimpleNamespace(run_id="r", queue="chunkq"),
+        manifest=SimpleNamespace(run_id="r", queue="chunkq.r", pool_queue="chunkq"),
         connection=None,
     )
     snap = Snapshot("r", 4, 40, chunks_queued=4, queue="chunkq")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import threading
 from datetime import UTC, datetime, timedelta
@@ -272,3 +273,38 @@ def test_a_quiet_run_counts_rows_within_its_chunk_and_logs_everything_to_its_fil
         verbose.returncode == 0
         and " INFO chunkq.supervisor.local_run: run prog: result already published" in verbose.stderr
     )
+
+
+@pytest.mark.parametrize("width", [80, 100, 160])
+def test_the_bar_fits_the_terminal_whole(width: int) -> None:
+    """Issue 65.5: at 80 columns the bar's one line was cut off mid-field ("ETA 0:…")."""
+    import io
+
+    from rich.console import Console
+
+    from chunkq.supervisor.watch.display import ProgressDisplay
+
+    out = io.StringIO()
+    console = Console(file=out, width=width, force_terminal=True, color_system=None)
+    run = "corpus-2026-11-28-9f8e7d6c5b4a"
+    snap = Snapshot(run, chunks=1000, rows=1_000_000, chunks_done=512, rows_done=512_000, chunks_retrying=3)
+    snap.rows_per_second, snap.eta_seconds = 12_345.0, 3_923.0
+    with ProgressDisplay(live=True, console=console) as display:
+        display.update(snap)
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.getvalue()).replace("\r", "\n")
+    shown = [line.rstrip() for line in text.splitlines() if "rows" in line]
+    assert shown, text
+    last = shown[-1]
+    assert "…" not in last and len(last) <= width and "ETA 1:05:23 " in last and "3 failed" in last, last
+    assert "512/1000 chunks" in last and "12.3k/s" in last if width < 120 else "12,345/s" in last, last
+    assert ("512,000/1,000,000" in last and run in last) if width >= 120 else ("512k/1.0M" in last), last
+
+
+def test_chunk_labels_are_drawn_where_they_fit_only() -> None:
+    """Issue 65.5: the report's PNG labelled every chunk, 1,000 of them an unreadable strip."""
+    from chunkq.tools.report import labelled_chunks
+
+    many = [(i * 0.1, i * 0.1 + 0.1, i) for i in range(1000)]  # 100 s of 0.1 s chunks
+    assert labelled_chunks(many, 100.0, 7) == []
+    few = [(0.0, 30.0, 0), (30.0, 60.0, 1), (60.0, 60.2, 2)]  # two wide chunks and a sliver
+    assert [c for _, _, c in labelled_chunks(few, 60.0, 10)] == [0, 1]

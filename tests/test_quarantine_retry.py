@@ -188,7 +188,7 @@ def test_lifted_quarantines_are_queued_as_the_window_has_room_and_number_their_a
     assert retry_quarantined(connection, layout, manifest, room=2) == [0, 1, 2, 3, 4]
     statuses = job_statuses(connection, [chunk_job_id(run_id, i) for i in range(5)])
     assert statuses == ["queued", "queued", None, None, None], statuses
-    assert Queue("windowed", connection=connection, serializer=JSONSerializer).count == 2
+    assert Queue(manifest.queue, connection=connection, serializer=JSONSerializer).count == 2
     pool = start_cli(tmp_path / "pool2.log", "pool", "--gpus", "none", "--allow-model", str(model), **env)
     try:
         done = run_cli("supervise", run_id, "--poll", "0.2", **env, timeout=240)

@@ -27,7 +27,7 @@ def _failed_job(tmp_path: Path, store: Path, connection: redis.Redis, meta: dict
     corpus = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")
     request = SubmitRequest(corpus, store, BUNDLED_MODEL, CorpusOptions("jsonl"), chunk_size=5, queue="r")
     run_id = submit(request, connection).run_id
-    queue = chunk_queue(connection, "r")
+    queue = chunk_queue(connection, f"r.{run_id}")  # the run's own queue (jobs/contract/run_queues.py)
     job = Job.fetch(chunk_job_id(run_id, 0), connection=connection, serializer=JSONSerializer)
     queue.remove(job.id)
     job.meta.update(meta)
@@ -50,7 +50,7 @@ def test_unreadable_attempt_and_retry_at_count_as_a_first_attempt_not_a_crash(
     assert isinstance(job.meta[jobmeta.RETRY_AT], float) and job.meta[jobmeta.RETRY_AT] > now
     assert settle_failure(connection, job, policy, rng, now=now + 3600) == "requeued"
     assert Job.fetch(job.id, connection=connection, serializer=JSONSerializer).meta[jobmeta.ATTEMPT] == 2
-    assert job.id in chunk_queue(connection, "r").job_ids
+    assert job.id in chunk_queue(connection, job.origin).job_ids
 
 
 def test_a_numeric_string_attempt_is_read_as_its_number() -> None:
@@ -64,7 +64,7 @@ def test_a_retried_chunk_goes_to_the_front_of_the_queue(
     """With a bounded window the back of the queue is a window away: a chunk that failed (or whose
     worker was killed) is the next one taken, not the last."""
     job = _failed_job(tmp_path, store, connection, {jobmeta.ERROR_CLASS: "abandoned"})
-    queue = chunk_queue(connection, "r")
+    queue = chunk_queue(connection, job.origin)
     queue.enqueue("chunkq.jobs.embed.embed_chunk", {}, job_id="someone-else")
     assert settle_failure(connection, job, RetryPolicy(), random.Random(0), now=0.0) == "requeued"
     assert queue.job_ids[0] == job.id

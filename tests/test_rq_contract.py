@@ -37,6 +37,8 @@ SIGNATURES: list[tuple[Callable[..., Any], tuple[str, ...]]] = [
     (SimpleWorker.request_stop, ("self", "signum", "frame")),
     (SimpleWorker.request_force_stop, ("self", "signum", "frame")),
     (SimpleWorker.procline, ("self", "message")),
+    (SimpleWorker.reorder_queues, ("self", "reference_queue")),
+    (SimpleWorker.queue_names, ("self",)),
     (SimpleWorker.find_by_key, ("worker_key", "connection")),
     (record_job_failure, ("job", "exc_string", "pipeline")),
     (StartedJobRegistry.remove_executions, ("self", "job", "pipeline")),
@@ -70,6 +72,9 @@ def test_an_rq_callable_chunkq_uses_keeps_its_parameters(
 def test_the_rq_attributes_and_keys_chunkq_reads_exist(connection: redis.Redis) -> None:
     worker = SimpleWorker(["contract"], connection=connection, serializer=JSONSerializer)
     for attribute in ("_stop_requested", "pubsub_thread", "redis_worker_namespace_prefix", "log", "name"):
+        assert hasattr(worker, attribute), f"SimpleWorker lost {attribute}"
+    # The runs' turns (jobs/contract/run_queues.py): the queues a worker looks in, set before each wait.
+    for attribute in ("queues", "_ordered_queues", "queue_class", "serializer", "job_class"):
         assert hasattr(worker, attribute), f"SimpleWorker lost {attribute}"
     assert ":w-contract:" in WORKER_EXECUTIONS_KEY_TEMPLATE.format("w-contract")  # its running executions
     queue = Queue("contract", connection=connection)

@@ -10,6 +10,7 @@ import http.server
 import json
 import os
 import pickle
+import re
 import select
 import shutil
 import socket
@@ -234,9 +235,10 @@ def test_rq_cli_reads_and_requeues_chunkq_queues(tmp_path: Path, store: Path, re
     submitted = run_cli("submit", str(corpus), "--chunk-size", "10", "--run-id", "rqcli", **env)
     assert submitted.returncode == 0, submitted.stderr
     rq_bin = str(Path(sys.executable).parent / "rq")
+    own = "rqcli.rqcli"  # the run's own queue: <queue>.<run id> (jobs/contract/run_queues.py)
 
     info = subprocess.run(
-        [rq_bin, "info", "-u", redis_url, "-S", "json", "rqcli"],
+        [rq_bin, "info", "-u", redis_url, "-S", "json", own],
         capture_output=True,
         text=True,
         timeout=60,
@@ -244,15 +246,15 @@ def test_rq_cli_reads_and_requeues_chunkq_queues(tmp_path: Path, store: Path, re
         env=cli_env(forks=False),
     )
     assert info.returncode == 0, info.stderr
-    assert "rqcli        |██ 2, 0 executing, 0 finished, 0 failed" in info.stdout
+    assert re.search(r"rqcli\.rqcli +\|██ 2, 0 executing, 0 finished, 0 failed", info.stdout), info.stdout
 
     # Fail one chunk the way a worker would, then requeue it with the stock CLI.
     client = redis.Redis.from_url(redis_url)
     job = Job.fetch("rqcli__c000000", connection=client, serializer=JSONSerializer)
-    client.lrem("rq:queue:rqcli", 0, job.id)
-    FailedJobRegistry("rqcli", connection=client, serializer=JSONSerializer).add(job, exc_string="boom")
+    client.lrem(f"rq:queue:{own}", 0, job.id)
+    FailedJobRegistry(own, connection=client, serializer=JSONSerializer).add(job, exc_string="boom")
     requeue = subprocess.run(
-        [rq_bin, "requeue", "-u", redis_url, "-S", "json", "--queue", "rqcli", "--all"],
+        [rq_bin, "requeue", "-u", redis_url, "-S", "json", "--queue", own, "--all"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -261,7 +263,7 @@ def test_rq_cli_reads_and_requeues_chunkq_queues(tmp_path: Path, store: Path, re
     )
     assert requeue.returncode == 0, requeue.stderr
     assert "Requeueing 1 jobs" in requeue.stdout
-    assert "rqcli__c000000" in [j.decode() for j in client.lrange("rq:queue:rqcli", 0, -1)]
+    assert "rqcli__c000000" in [j.decode() for j in client.lrange(f"rq:queue:{own}", 0, -1)]
 
 
 def _submit_through(tmp_path: Path, store: Path, url: str, run: str, connection: redis.Redis) -> None:
@@ -271,7 +273,7 @@ def _submit_through(tmp_path: Path, store: Path, url: str, run: str, connection:
     env = {"CHUNKQ_REDIS_URL": url, "CHUNKQ_STORE": str(store), "CHUNKQ_QUEUE": run}
     submitted = run_cli("submit", str(corpus), "--chunk-size", "5", "--run-id", run, **env)
     assert submitted.returncode == 0, submitted.stderr
-    assert connection.llen(f"rq:queue:{run}") == 2
+    assert connection.llen(f"rq:queue:{run}.{run}") == 2  # the run's own queue
 
 
 def test_redis_urls_with_an_acl_user_pass_through(

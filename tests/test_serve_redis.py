@@ -88,8 +88,9 @@ def test_commands_given_no_redis_url_use_the_served_one_and_serve_redis_stops_cl
         submitted = run_cli("submit", str(corpus), "--store", str(store), "--chunk-size", "10", "--json")
         assert submitted.returncode == 0, submitted.stderr
         assert json.loads(submitted.stdout)["chunks"] == 3
+        own = f"rq:queue:chunkq.{json.loads(submitted.stdout)['run_id']}"  # the run's own queue
         url = served_url(store)
-        assert url is not None and redis.Redis.from_url(url).llen("rq:queue:chunkq") == 3
+        assert url is not None and redis.Redis.from_url(url).llen(own) == 3
         # Issue 53.7: doctor said "embedded" beside the store's served server.
         found = json.loads(run_cli("doctor", "--json", "--store", str(store)).stdout)["redis"]
         assert found["mode"].startswith("served by chunkq serve-redis") and found["reachable"], found
@@ -105,7 +106,7 @@ def test_commands_given_no_redis_url_use_the_served_one_and_serve_redis_stops_cl
     try:
         wait_for(lambda: served_url(store) is not None, 60, "the served Redis, again")
         url = served_url(store)
-        assert url is not None and redis.Redis.from_url(url).llen("rq:queue:chunkq") == 3
+        assert url is not None and redis.Redis.from_url(url).llen(own) == 3
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=60)

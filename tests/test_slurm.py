@@ -254,3 +254,58 @@ def test_the_recipe_runs_on_slurm_and_cancelled_or_preempted_pools_lose_nothing(
     commands = [" ".join(p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"])]
     job = cancelled.split("_")[0]
     assert [c for c in commands if str(store) in c or f"--name slurm-{job}-" in c] == []
+
+
+def test_on_a_cpu_partition_the_pools_run_on_their_cpus_and_a_refused_submit_releases_them(
+    tmp_path: Path, slurm: dict[str, str], reference_model: Any
+) -> None:
+    """Issue 65.7: the pool's resources come from chunkq.env (the script hard-coded a GPU, 8 CPUs
+    and 32G), so a CPU partition runs the recipe as written; a submit that fails ends the
+    supervisor job with the pools released, not left waiting 900 s for a Redis that is gone."""
+    ids, texts = make_texts(20, seed=37)
+    store, logs = tmp_path / "store", tmp_path / "logs"
+    logs.mkdir()
+    env = {
+        **slurm,
+        "CHUNKQ_VENV": sys.prefix,
+        "CHUNKQ_STORE": str(store),
+        "CHUNKQ_CORPUS": str(write_corpus(tmp_path / "corpus.jsonl", ids, texts, "jsonl")),
+        "CHUNKQ_RUN_ID": "cpu-run",
+        "CHUNKQ_SUBMIT_OPTIONS": "--chunk-size 10",
+        "CHUNKQ_POOL_RESOURCES": "--cpus-per-task=1 --mem=2G",
+        "CHUNKQ_REDIS_WAIT": "900",
+        "CHUNKQ_LOG_LEVEL": "INFO",
+        "HF_HUB_OFFLINE": "1",
+    }
+    env.pop("CHUNKQ_REDIS_URL", None)
+    env.pop("CHUNKQ_CPU_WORKERS", None)  # the suite's one worker a pool: here the pool counts its CPUs
+
+    def submit(**more: str) -> str:
+        done = subprocess.run(
+            [str(RECIPE / "run.sh"), "1"],
+            cwd=logs,
+            env={**env, **more},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        found = re.search(r"pool array (\d+)", done.stdout)
+        assert found, done.stdout
+        return found.group(1)
+
+    pool = submit()
+    shown = _client(env, "scontrol", "show", "job", pool)
+    assert "gpu" not in shown and "NumCPUs=1" in shown, shown
+    wait_for(lambda: not _squeue(env), 300, "the CPU run to finish and release its pool", interval=1)
+    assert result_matches(RunLayout(store, "cpu-run"), texts, reference_model)
+    (pool_log,) = _pool_logs(logs).values()
+    said = pool_log.read_text(errors="replace")
+    assert "CUDA_VISIBLE_DEVICES=unset" in said and "CPU workers: 1 (one per core (1)" in said, said[-3000:]
+
+    submit(CHUNKQ_CORPUS=str(tmp_path / "missing.jsonl"), CHUNKQ_RUN_ID="refused")
+    wait_for(lambda: not _squeue(env), 90, "the refused run's pools to be released", interval=1)
+    supervisor_logs = [p.read_text(errors="replace") for p in logs.glob("chunkq-supervisor-*.log")]
+    assert any("missing.jsonl" in text and "chunkq: error" in text for text in supervisor_logs), (
+        supervisor_logs
+    )

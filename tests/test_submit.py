@@ -21,7 +21,7 @@ from chunkq.supervisor.submit.corpus import CorpusOptions
 from chunkq.supervisor.submit.enqueue import chunk_queue
 from chunkq.supervisor.submit.identity import SubmitRequest
 from chunkq.supervisor.submit.submission import submit
-from tests.helpers import make_texts, write_corpus
+from tests.helpers import make_texts, queued, write_corpus
 
 
 def _request(corpus: Path, store: Path, **kw: object) -> SubmitRequest:
@@ -40,7 +40,7 @@ def test_submit_writes_chunks_manifest_and_jobs(tmp_path: Path, store: Path, con
     assert len(manifest["corpus"]["sha256"]) == 64 and manifest["created_at"]
     assert read_chunk_input(layout, 3) == (ids[30:], texts[30:])
     queue = chunk_queue(connection, "t")
-    assert queue.count == 4
+    assert queued(connection, "t") == 4
     job = Job.fetch(chunk_job_id(result.run_id, 1), connection=connection, serializer=queue.serializer)
     assert job.func_name == EMBED_CHUNK and job.timeout == 600
     assert job.args[0]["first_row"] == 10 and job.args[0]["rows"] == 10
@@ -58,7 +58,7 @@ def test_resubmit_enqueues_nothing_new(tmp_path: Path, store: Path, connection: 
     again = submit(_request(corpus, store), connection)
     assert again.run_id == first.run_id and not again.created
     assert (again.counts.enqueued, again.counts.in_flight) == (0, 4)
-    assert chunk_queue(connection, "t").count == 4
+    assert queued(connection, "t") == 4
 
 
 def test_lost_jobs_are_enqueued_again_on_resubmit(
@@ -70,7 +70,7 @@ def test_lost_jobs_are_enqueued_again_on_resubmit(
     Job.fetch(chunk_job_id(first.run_id, 2), connection=connection, serializer=queue.serializer).delete()
     again = submit(_request(corpus, store), connection)
     assert (again.counts.enqueued, again.counts.in_flight) == (1, 3)
-    assert queue.count == 4
+    assert queued(connection, "t") == 4
 
 
 def test_two_stores_sharing_one_redis_and_a_run_id_never_take_each_others_jobs(
@@ -87,7 +87,7 @@ def test_two_stores_sharing_one_redis_and_a_run_id_never_take_each_others_jobs(
         submit(_request(corpus, other_store, run_id="shared"), connection)
     assert not (other_store / "runs" / "shared").exists()  # the refused store is as it was
     queue = chunk_queue(connection, "t")
-    assert queue.count == first.chunks
+    assert queued(connection, "t") == first.chunks
     for index in range(first.chunks):
         job = Job.fetch(chunk_job_id("shared", index), connection=connection, serializer=queue.serializer)
         assert job.args[0]["store"] == str(store)
@@ -111,7 +111,7 @@ def test_different_options_under_a_taken_run_id_are_refused(
     other = write_corpus(tmp_path / "d.jsonl", *make_texts(35, seed=5), "jsonl")
     with pytest.raises(RunConflictError, match="corpus_sha256"):
         submit(_request(other, store, run_id="mine"), connection)
-    assert chunk_queue(connection, "t").count == 4
+    assert queued(connection, "t") == 4
 
 
 def test_bad_corpus_leaves_store_and_redis_untouched(
@@ -124,7 +124,7 @@ def test_bad_corpus_leaves_store_and_redis_untouched(
     with pytest.raises(CorpusError, match=r"c.jsonl:36: invalid JSON"):
         submit(_request(corpus, store, run_id="bad"), connection)
     assert not RunLayout(store, "bad").root.exists()
-    assert chunk_queue(connection, "t").count == 0
+    assert queued(connection, "t") == 0
     corpus.write_text(
         "".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in zip(ids, texts, strict=True))
     )
@@ -148,7 +148,7 @@ def test_duplicate_ids_are_named_with_both_places(
     with pytest.raises(CorpusError, match=r"c.jsonl:28: duplicate id 'doc-0-3' \(first at .*c.jsonl:4\)"):
         submit(_request(corpus, store, run_id="dup"), connection)
     assert not RunLayout(store, "dup").root.exists()
-    assert chunk_queue(connection, "t").count == 0
+    assert queued(connection, "t") == 0
 
 
 def test_a_corpus_appended_while_submit_reads_it_is_refused(

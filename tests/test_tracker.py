@@ -105,6 +105,28 @@ def test_incremental_looks_follow_a_run_and_the_reconcile_finds_what_they_cannot
     assert tracker.full_looks == 2
     assert (look.lost, look.chunks_done) == ([5], 5)
 
+    # Issue 65.2: a chunk whose worker lost Redis as it finished is marked failed by whoever sees
+    # it abandoned, though its output is in the store: it counts as done, and its job leaves RQ's
+    # failed registry (the dashboard and `rq info` showed it failed for good, `ended_at` null).
+    from rq.job import JobStatus
+    from rq.registry import FailedJobRegistry
+
+    from chunkq.jobs.contract.abandon import mark_abandoned
+    from chunkq.supervisor.submit.enqueue import chunk_queue, forget_finished
+
+    manifest = load_manifest(layout)
+    fresh = Tracker(connection, layout, manifest, min_reconcile_seconds=3600)
+    job_id = chunk_job_id(run.run_id, 0)
+    job = Job.fetch(job_id, connection=connection)
+    job.set_status(JobStatus.STARTED)  # as its worker left it when Redis went away mid-report
+    assert mark_abandoned(connection, job_id, "worker w1 lost Redis")
+    failed = FailedJobRegistry(queue=chunk_queue(connection, manifest.queue))
+    assert job_id in failed.get_job_ids()
+    look = fresh.poll()  # a supervisor's first look: a full one
+    assert 0 not in [f.chunk for f in look.failures] and look.chunks_done == 5
+    forget_finished(connection, manifest.queue, fresh.take_finished())
+    assert job_id not in failed.get_job_ids() and not connection.exists(Job.key_for(job_id))
+
 
 def test_a_started_chunk_whose_job_has_an_empty_heartbeat_is_neither_stale_nor_a_crash(
     tmp_path: Path, store: Path, connection: redis.Redis
@@ -151,7 +173,7 @@ def test_a_stranded_chunk_is_counted_once_not_also_as_queued(
 
     run = _submit(tmp_path, store, connection, rows=6, chunk=2, queue="strand")
     layout = RunLayout(store, run.run_id)
-    queue = chunk_queue(connection, "strand")
+    queue = chunk_queue(connection, load_manifest(layout).queue)  # the run's own
     taken = connection.lmove(queue.key, queue.intermediate_queue_key, "LEFT", "RIGHT")  # as a worker takes it
     intermediate = IntermediateQueue(queue.key, connection)
     seen = datetime.now(UTC) - timedelta(seconds=STRANDED_SECONDS + 5)  # taken, then its worker died

@@ -107,6 +107,7 @@ def test_two_files_one_run_listed_exported_cleaned_and_resumed_from_the_store(
     for fmt, out in (("parquet", parquet), ("npy", npy), ("jsonl", jsonl)):
         exported = run_cli("export", run_id, "--store", str(store), "--format", fmt, "--out", str(out))
         assert exported.returncode == 0, exported.stderr
+        assert exported.stdout.startswith(f"65 rows x 384 of run {run_id} written to {out}"), exported.stdout
     table_pq = pq.read_table(parquet)
     assert str(table_pq.schema.field("embedding").type) == "fixed_size_list<element: float>[384]"
     assert table_pq.column("id").to_pylist() == ids

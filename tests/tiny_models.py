@@ -194,3 +194,36 @@ def static_embedding(folder: Path, dim: int = 256) -> Path:
     model = SentenceTransformer(modules=[StaticEmbedding(tokenizer, embedding_dim=dim)], device="cpu")
     model.save(str(folder))
     return folder
+
+
+def model2vec_folder(folder: Path, dim: int = 64, normalize: bool = True) -> Path:
+    """A model as model2vec's own ``save_pretrained`` writes it (model2vec/hf_utils.py): the token
+    vectors as ``embeddings`` in model.safetensors at the folder's top, tokenizer.json, its
+    config.json (model_type "model2vec"), and a modules.json naming sentence-transformers'
+    StaticEmbedding at "." and, where the config normalises, Normalize. Random vectors over the
+    bundled model's tokenizer."""
+    import json
+
+    import numpy as np
+    from safetensors.numpy import save_file
+    from tokenizers import Tokenizer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = Tokenizer.from_file(str(Path(tokenizer_source()) / "tokenizer.json"))
+    vectors = np.random.default_rng(12).standard_normal((tokenizer.get_vocab_size(), dim)).astype(np.float32)
+    save_file({"embeddings": vectors}, str(folder / "model.safetensors"))
+    tokenizer.save(str(folder / "tokenizer.json"), pretty=False)
+    config = {
+        "model_type": "model2vec",
+        "architectures": ["StaticModel"],
+        "hidden_dim": dim,
+        "normalize": normalize,
+    }
+    (folder / "config.json").write_text(json.dumps(config, indent=4))
+    modules = [{"idx": 0, "name": "0", "path": ".", "type": "sentence_transformers.models.StaticEmbedding"}]
+    if normalize:
+        modules.append(
+            {"idx": 1, "name": "1", "path": "1_Normalize", "type": "sentence_transformers.models.Normalize"}
+        )
+    (folder / "modules.json").write_text(json.dumps(modules, indent=4))
+    return folder

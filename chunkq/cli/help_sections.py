@@ -45,7 +45,7 @@ SECTIONS: tuple[tuple[str, frozenset[str]], ...] = (
             | {"wait", "warn_idle", "stale_after"}
         ),
     ),
-    ("Where", frozenset({"store", "queue", "redis_url"})),
+    ("Where", frozenset({"store", "queue", "priority", "redis_url"})),
 )
 OTHER = "Other"
 HELP_ALL = "--help-all"

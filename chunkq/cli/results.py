@@ -187,12 +187,21 @@ def export_cmd(
     stream = out == STDOUT or (out.exists() and not out.is_file())
     layout = RunLayout(store, run_id)
     written = export(layout, fmt, out, force, tokens=tokens, level=level, columns=names)
-    if not stream:  # to stdout or a pipe there is no file to name: the data is what was written
-        click.echo(", ".join(str(p) for p in written))
     result = read_json(layout.result_manifest)
+    if not stream:  # to stdout or a pipe there is no file to name: the data is what was written
+        click.echo(_written_line(layout.run_id, result, written))
     if not result.get("complete", True):
         click.echo(f"chunkq: PARTIAL: {_partial(result)}; the export holds only those rows", err=True)
         sys.exit(EXIT_PARTIAL)
+
+
+def _written_line(run_id: str, result: dict[str, Any], written: list[Path]) -> str:
+    """What a file export wrote, as --to says it: rows, of which run, where, how many bytes (it
+    printed the file's name alone)."""
+    rows, dim = result.get("rows"), result.get("dim")
+    shape = f"{rows:,} rows" + (f" x {dim}" if dim else "") if isinstance(rows, int) else "the rows"
+    size = sum(p.stat().st_size for p in written if p.is_file())
+    return f"{shape} of run {run_id} written to {', '.join(str(p) for p in written)} ({size_text(size)})"
 
 
 def _export_to(

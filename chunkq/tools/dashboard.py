@@ -178,12 +178,18 @@ def _finished_note(store: Path | None) -> str:
     )
 
 
-def _failed_banner(connection: redis.Redis) -> str:
-    """The front page's first line: each queue's failed chunks, a link to them, or that there are none."""
+def _failed_counts(connection: redis.Redis) -> list[tuple[str, int]]:
+    """Each queue with failed chunks (a run's own, jobs/contract/run_queues.py), and how many."""
     counts = [
         (queue.name, FailedJobRegistry(queue=queue).count)
         for queue in Queue.all(connection=connection, serializer=JSONSerializer)
     ]
+    return [(name, count) for name, count in counts if count]
+
+
+def _failed_banner(connection: redis.Redis) -> str:
+    """The front page's first line: each queue's failed chunks, a link to them, or that there are none."""
+    counts = _failed_counts(connection)
     links = [
         f'<a href="{jobs_url(name)}">{count} failed chunk(s) in queue {html.escape(name)}</a>'
         for name, count in counts
@@ -267,8 +273,12 @@ def create_app(
             return Response("cross-origin request refused", 403)
         return None
 
-    def shortcut(instance: int = 0, queue: str = DEFAULT_QUEUE, registry: str = "failed") -> Any:
+    def shortcut(instance: int = 0, queue: str | None = None, registry: str = "failed") -> Any:
         # /failed and /0/view/jobs/<queue>/<registry>: rq-dashboard's page wants paging parts too.
+        # /failed alone: the queue with the most failed chunks (each run has its own), else the pools'.
+        if queue is None:
+            counts = _failed_counts(current_app.redis_conn)  # type: ignore[attr-defined]
+            queue = max(counts, key=lambda found: found[1])[0] if counts else DEFAULT_QUEUE
         return redirect(jobs_url(queue, registry, instance))
 
     app.add_url_rule("/failed", "chunkq_failed", shortcut)

@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 MIN_BAR_SHARE = 0.004  # a bar this share of the timeline at least: a 0.01 s model load stays visible
 LENGTH_AXIS_QUANTILE = 0.995  # a long tail past this is cut from the length histogram's axis
 LONG_TAIL = 1.5  # ... when the longest text is this many times the quantile (the count beyond is said)
+LANE_PIXELS = 1000  # the timeline's width in the PNG (12 inches at 100 dpi, less the axis labels)
 LABELLED_FAILURES = 30  # up to this many failed attempts, each is labelled with its chunk and class
 
 
@@ -90,6 +91,17 @@ def summary(
         "rows_left_out": facts.bad_rows,  # --allow-missing: rows whose input could not be read, and why
         "oom_halvings": facts.halvings,  # each chunk that halved its batch after an out-of-memory
     }
+
+
+def _truncated_line(s: dict[str, Any]) -> str:
+    """A static-embedding model reads a text of any length: nothing is cut ("0 longer than None
+    tokens" said so badly)."""
+    if s["truncation_point"] is None:
+        return "| truncated texts | none: the model reads a text of any length |"
+    return (
+        f"| truncated texts (sample of {s['length_sample']}) | {s['truncated_in_sample']} "
+        f"longer than {s['truncation_point']} {s['length_unit']} |"
+    )
 
 
 def _saved(facts: RunFacts) -> dict[str, Any] | None:
@@ -154,6 +166,16 @@ def _plot(facts: RunFacts, lengths: list[int], limit: int | None, unit: str, pat
     plt.close(fig)
 
 
+def labelled_chunks(
+    chunks: list[tuple[float, float, int]], seconds: float, fontsize: float
+) -> list[tuple[float, float, int]]:
+    """The chunks whose bar is wide enough for their number at ``fontsize`` on a timeline of
+    ``seconds``: a label on every chunk of a long run overlapped into an unreadable strip."""
+    per_second = LANE_PIXELS / max(seconds, 1e-9)
+    char = fontsize * 0.75  # a digit's width in pixels at 100 dpi, roughly
+    return [c for c in chunks if (c[1] - c[0]) * per_second >= char * len(str(c[2])) + 2]
+
+
 def _lanes(ax: Any, facts: RunFacts, left: float) -> None:
     """One lane per worker process: its start-up, model load, chunks, failed attempts and end."""
     span = facts.span
@@ -161,9 +183,9 @@ def _lanes(ax: Any, facts: RunFacts, left: float) -> None:
     lane_of_worker = {lane.worker: y for y, lane in enumerate(lanes)}
     bin_seconds = span / TIMELINE_BINS
     least = (span - left) * MIN_BAR_SHARE
+    size = 10 if facts.chunks_done <= 50 else 7
     for y, lane in enumerate(lanes):
-        for start, end, chunk in lane.chunks:
-            size = 10 if facts.chunks_done <= 50 else 7
+        for start, end, chunk in labelled_chunks(lane.chunks, span - left, size):
             ax.text((start + end) / 2, y, str(chunk), ha="center", va="center", fontsize=size)
         # One artist a lane, of at most TIMELINE_BINS bars: a 10^6-chunk run draws like a small one.
         ax.broken_barh(
@@ -327,8 +349,7 @@ def _markdown(s: dict[str, Any], png: Path) -> str:
             else []
         ),
         f"| model loads | {s['model_loads']} (mean {_or_dash(s['model_load_seconds_mean'], ' s')}) |",
-        f"| truncated texts (sample of {s['length_sample']}) | {s['truncated_in_sample']} "
-        f"longer than {s['truncation_point']} {s['length_unit']} |",
+        _truncated_line(s),
     ]
     if s["windows"]:
         w = s["windows"]

@@ -19,6 +19,7 @@ shift || true
 supervisor=$(sbatch --parsable --job-name="chunkq-supervisor-${CHUNKQ_RUN_ID}" "$@" "$here/supervisor.sbatch")
 # The pools start once the supervisor has started (it serves Redis); more can be added any time
 # with the same command, and each leaves on its own drain.
+# shellcheck disable=SC2086 # CHUNKQ_POOL_RESOURCES holds sbatch options, split as written
 pool=$(sbatch --parsable --array="0-$((pools - 1))" --job-name="$(chunkq_pool_job_name)" \
-    --dependency="after:${supervisor}" "$@" "$here/pool.sbatch")
+    --dependency="after:${supervisor}" $CHUNKQ_POOL_RESOURCES "$@" "$here/pool.sbatch")
 echo "run ${CHUNKQ_RUN_ID}: supervisor job ${supervisor}, pool array ${pool} (${pools} pools)"

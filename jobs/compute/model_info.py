@@ -100,7 +100,11 @@ def _dimension(folder: Path) -> int | None:
     for kind, path in _modules(folder):
         config = _json(path / "config.json") or {}
         if kind.endswith(STATIC):
-            shape = _safetensors_shape(path / "model.safetensors", "embedding.weight")
+            weights = path / "model.safetensors"
+            # sentence-transformers saves "embedding.weight"; model2vec's own folders (which
+            # sentence-transformers loads as they are) keep "embeddings"
+            shape = _safetensors_shape(weights, "embedding.weight")
+            shape = shape or _safetensors_shape(weights, "embeddings")
             dim = shape[1] if shape and len(shape) == 2 else dim
         elif kind.endswith("Pooling"):
             dim = _pooling_dimension(config) or dim

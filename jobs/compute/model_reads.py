@@ -94,7 +94,9 @@ def check(ref: str, folder: Path, files: list[tuple[str, Path]]) -> None:
                 continue
             where = f"model {ref}: {name} {'.'.join(keys) or 'value'}"
             _check_code(where, value, keys)
-            _check_path(where, value, keys, path.parent, covered)
+            # sentence-transformers joins modules.json's paths to the model's folder, never to the
+            # working directory ("." is the folder itself: a model2vec folder's one module)
+            _check_path(where, value, keys, path.parent, covered, cwd=name != "modules.json")
         if name == "modules.json" and isinstance(data, list):
             _check_modules(ref, data)
 
@@ -113,22 +115,24 @@ def _strings(data: Any, keys: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str,
             stack.extend(((*at, f"[{i}]"), v) for i, v in reversed(list(enumerate(value))))
 
 
-def _candidates(value: str, keys: tuple[str, ...], base: Path, folder: Path) -> list[str]:
+def _candidates(value: str, keys: tuple[str, ...], base: Path, folder: Path, cwd: bool = True) -> list[str]:
     """Where a load could open ``value``: as given (absolute, ``~/``), from the config's folder, the
-    model's, and, under a key that names a path, the working directory."""
+    model's, and, under a key that names a path (``cwd``), the working directory."""
     if not value or len(value) > 4096 or "\0" in value:
         return []
     named = os.path.expanduser(value) if value.startswith("~/") else value
     if os.path.isabs(named):
         return [named]
     found = [os.path.join(base, named), os.path.join(folder, named)]
-    if keys and _PATH_KEY.search(keys[-1]):
+    if cwd and keys and _PATH_KEY.search(keys[-1]):
         found.append(os.path.abspath(named))
     return found
 
 
-def _check_path(where: str, value: str, keys: tuple[str, ...], base: Path, covered: _Covered) -> None:
-    for candidate in _candidates(value, keys, base, covered.folder):
+def _check_path(
+    where: str, value: str, keys: tuple[str, ...], base: Path, covered: _Covered, cwd: bool = True
+) -> None:
+    for candidate in _candidates(value, keys, base, covered.folder, cwd):
         try:
             exists = os.path.exists(candidate) and os.path.realpath(candidate) != os.sep
         except (OSError, ValueError):

@@ -15,6 +15,7 @@ from typing import Any
 from chunkq.jobs.contract.defaults import DEFAULT_KIND
 from chunkq.jobs.contract.errors import DamagedRunError, RunNotFoundError
 from chunkq.jobs.contract.run_files import RunLayout, read_json
+from chunkq.jobs.contract.run_queues import DEFAULT_PRIORITY
 from chunkq.jobs.contract.specs import BATCHING, ChunkSpec, EncodeOptions, without_batching
 
 
@@ -88,7 +89,18 @@ class RunManifest:
 
     @property
     def queue(self) -> str:
+        """The RQ queue the run's chunk jobs go to: its own (jobs/contract/run_queues.py), or, for a
+        run submitted before runs had one, the pools' queue."""
+        return str(self.data.get("run_queue") or self.data["queue"])
+
+    @property
+    def pool_queue(self) -> str:
+        """The queue the pools that serve the run listen on (``--queue``)."""
         return str(self.data["queue"])
+
+    @property
+    def priority(self) -> int:
+        return int(self.data.get("priority") or DEFAULT_PRIORITY)
 
     @property
     def job_timeout(self) -> int:

@@ -200,7 +200,7 @@ class PoolSettings:
     )
     fork_server_socket: str | None = setting(
         None,
-        "Fork workers from the standing fork server at this Unix socket (`chunkq serve-forks`), which "
+        "Fork workers from the standing fork server at this Unix socket (`chunkq serve-forks`). It "
         "imported torch and loaded the model once for every run; a pool that cannot use it starts its own.",
         flag="--fork-server-at",
     )

@@ -24,8 +24,9 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 from rq.worker import Worker
 
-from chunkq.jobs.contract import errors, jobmeta
+from chunkq.jobs.contract import errors, jobmeta, run_queues
 from chunkq.jobs.contract.allowlist import EMBED_CHUNK, AllowListedJob
+from chunkq.jobs.contract.attempt_records import keep_failed_attempt
 from chunkq.jobs.contract.defaults import DEFAULT_WINDOW
 from chunkq.jobs.contract.manifest import RunManifest
 from chunkq.jobs.contract.run_files import RunLayout
@@ -88,6 +89,7 @@ def try_again(
 ) -> None:
     """A failed (or quarantined) chunk's job queued again at the front with fresh attempts, its call
     restored from the manifest."""
+    keep_failed_attempt(job.connection, job, jobmeta.attempt(job.meta))  # shown where the dashboard looks
     for key in jobmeta.RETRY_STATE:
         job.meta.pop(key, None)
     jobmeta.next_attempt(job.meta, new_round=True)  # numbered on: each attempt keeps its own record
@@ -109,7 +111,7 @@ def retry_quarantined(
     prefix = chunk_job_prefix(manifest.run_id)
     lifted: list[tuple[int, Job]] = []
     for job_id in failed.get_job_ids():
-        if not job_id.startswith(prefix):
+        if not (job_id.startswith(prefix) and job_id[len(prefix) :].isdigit()):  # a chunk's, not a record
             continue
         job = Job.fetch(job_id, connection=connection, serializer=JSONSerializer)
         if not jobmeta.quarantined(job.meta) or jobmeta.error_class(job.meta) == errors.BAD_INPUT:
@@ -120,6 +122,7 @@ def retry_quarantined(
         if room is None or n < room:
             try_again(job, failed, layout, manifest, index)
         else:  # its next attempt is numbered from its records when the window queues it
+            keep_failed_attempt(connection, job, jobmeta.attempt(job.meta))
             failed.remove(job, delete_job=True)
     return [index for index, _ in lifted]
 
@@ -148,6 +151,7 @@ def enqueue_chunks(
     queue = chunk_queue(connection, manifest.queue)
     failed = FailedJobRegistry(queue=queue)
     counts = EnqueueCounts()
+    run_queues.register(connection, manifest.pool_queue, manifest.queue, manifest.priority)  # served from now
     it = iter(indices)
     numbered = next_attempts(layout)
     while True:
@@ -215,14 +219,17 @@ def drop_run_jobs(connection: redis.Redis, run_id: str) -> int:
 
 def forget_finished(connection: redis.Redis, queue_name: str, job_ids: list[str]) -> None:
     """Delete finished jobs whose outputs the supervisor has counted: the job hash, its results
-    stream and its entry in the finished registry (what RQ's own ``Job.delete`` removes for them)."""
+    stream and its entry in the finished registry, or the failed one for a job marked failed after
+    its output was written (what RQ's own ``Job.delete`` removes for them)."""
     if not job_ids:
         return
     finished_key = FinishedJobRegistry(queue_name, connection=connection, serializer=JSONSerializer).key
+    failed_key = FailedJobRegistry(queue_name, connection=connection, serializer=JSONSerializer).key
     with connection.pipeline(transaction=False) as pipe:
         for job_id in job_ids:
             pipe.delete(Job.key_for(job_id), Result.get_key(job_id))  # type: ignore[no-untyped-call]
         pipe.zrem(finished_key, *job_ids)
+        pipe.zrem(failed_key, *job_ids)
         pipe.execute()
 
 

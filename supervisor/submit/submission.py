@@ -27,6 +27,7 @@ from chunkq.jobs.contract.run_files import (
     read_chunk_input,
     write_chunk_input,
 )
+from chunkq.jobs.contract.run_queues import run_queue
 from chunkq.jobs.contract.specs import BATCHING, FORMAT_VERSION, EncodeOptions, fingerprint
 from chunkq.jobs.contract.storage import is_local, local_scratch, remove_tree
 from chunkq.supervisor.result.chunk_reads import set_aside
@@ -220,6 +221,8 @@ def _base_manifest(req: SubmitRequest, layout: RunLayout, identified: Identified
         "unit_length": _unit_length(req),
         "chunk_size": req.chunk_size,
         "queue": req.queue,
+        "run_queue": run_queue(req.queue, layout.run_id),
+        "priority": req.priority,
         "job_timeout": req.timeout(),
     }
 

@@ -13,11 +13,31 @@ from chunkq.supervisor.store.run_log import PROGRESS_LOGGER, TerminalLog
 from chunkq.supervisor.watch.snapshot import Snapshot
 
 if TYPE_CHECKING:
+    from rich.console import Console
     from rich.progress import Progress, TaskID
 
 log = logging.getLogger(PROGRESS_LOGGER)  # reaches the terminal at any log level (run_log)
 
 PLAIN_EVERY_SECONDS = 5.0
+WIDE_COLUMNS = 120  # narrower terminals get the narrow bar
+WIDE_FIELDS = (
+    "rows {task.fields[rows]}  chunks {task.fields[chunks]}  {task.fields[rate]}  "
+    "ETA {task.fields[eta]}  [red]{task.fields[failed]} failed"
+)
+NARROW_BAR = 10
+NARROW_FIELDS = (
+    "{task.percentage:>3.0f}% {task.fields[rows]} rows {task.fields[chunks]} chunks {task.fields[rate]} "
+    "ETA {task.fields[eta]} [red]{task.fields[failed]} failed"
+)
+
+
+def _short(n: int) -> str:
+    """A count in at most 5 characters: 999, 12.3k, 512k, 1.0M."""
+    for unit, size in (("G", 10**9), ("M", 10**6), ("k", 10**3)):
+        if n >= size:
+            value = n / size
+            return f"{value:.1f}{unit}" if value < 100 else f"{value:.0f}{unit}"
+    return str(n)
 
 
 def _duration(seconds: float | None) -> str:
@@ -79,12 +99,15 @@ def _chunk_list(chunks: list[int], shown: int = 10) -> str:
 class ProgressDisplay:
     """``update()`` with each snapshot; a context manager so the live bar is always closed."""
 
-    def __init__(self, live: bool | None = None) -> None:
+    def __init__(self, live: bool | None = None, console: Console | None = None) -> None:
+        """``console``: where the bar is drawn (stderr's terminal unless given)."""
         self.live = sys.stderr.isatty() if live is None else live
+        self._console = console
         self._last_plain = 0.0
         self._last_line = ""
         self._progress: Progress | None = None
         self._task: TaskID | None = None
+        self._wide = True
 
     def __enter__(self) -> ProgressDisplay:
         if self.live:
@@ -93,16 +116,14 @@ class ProgressDisplay:
             from rich.console import Console
             from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-            self._progress = Progress(
-                TextColumn("[bold]{task.description}"),
-                BarColumn(),
-                TextColumn(
-                    "rows {task.fields[rows]}  chunks {task.fields[chunks]}  {task.fields[rate]}  "
-                    "ETA {task.fields[eta]}  [red]{task.fields[failed]} failed"
-                ),
-                TimeElapsedColumn(),
-                console=Console(stderr=True),
-            )
+            console = self._console or Console(stderr=True)
+            # An 80-column terminal cut the one line of the wide layout off mid-field ("ETA 0:…");
+            # the narrow one drops the run's name (every log line says it) and shortens the counts.
+            self._wide = console.width >= WIDE_COLUMNS
+            wide = [TextColumn("[bold]{task.description}"), BarColumn(), TextColumn(WIDE_FIELDS)]
+            narrow = [BarColumn(bar_width=NARROW_BAR), TextColumn(NARROW_FIELDS)]
+            columns = [*wide, TimeElapsedColumn()] if self._wide else narrow
+            self._progress = Progress(*columns, console=console)
             self._progress.start()
             TerminalLog.live = self._progress.console  # log lines print above the bar
         return self
@@ -114,12 +135,15 @@ class ProgressDisplay:
                     f"run {snap.run_id}", total=snap.rows, rows="", chunks="", rate="", eta="", failed=0
                 )
             # The bar moves with the rows running chunks have encoded, not only when a chunk is published.
+            done = snap.rows_done + snap.rows_encoding
+            count = (lambda n: f"{n:,}") if self._wide else _short
+            rate = snap.rows_per_second
             self._progress.update(
                 self._task,
-                completed=snap.rows_done + snap.rows_encoding,
-                rows=f"{snap.rows_done + snap.rows_encoding:,}/{snap.rows:,}",
+                completed=done,
+                rows=f"{count(done)}/{count(snap.rows)}",
                 chunks=f"{snap.chunks_done}/{snap.chunks}",
-                rate=f"{snap.rows_per_second:,.0f}/s" if snap.rows_per_second else "-/s",
+                rate=f"{count(round(rate))}/s" if rate else "-/s",
                 eta="no worker"
                 if snap.idle_seconds
                 else ("starting" if snap.starting else _duration(snap.eta_seconds)),

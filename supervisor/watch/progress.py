@@ -167,7 +167,7 @@ class Tracker:
             self.manifest.run_id,
             self.manifest.chunks,
             self.manifest.rows,
-            queue=self.manifest.queue,
+            queue=self.manifest.pool_queue,
             cache=savings(self.manifest.plan),
         )
         if now >= self._next_full:
@@ -225,7 +225,14 @@ class Tracker:
     def _full_look(self, snap: Snapshot) -> tuple[set[int], set[int]]:
         finished = self._run_indices(self._registry_tail(self._finished_key))  # to forget, once counted
         self._set_cursors()  # before the scan: whatever lands during it is read by the next look
-        self._mark_done(i for i in self.layout.done_indices(self.manifest.chunks) if i in self.pending)
+        done = [i for i in self.layout.done_indices(self.manifest.chunks) if i in self.pending]
+        self._mark_done(done)
+        # A job marked failed whose output is in the store (its worker lost Redis as it finished)
+        # counts as done: it goes from RQ's failed registry too, where the dashboard showed it failed
+        # for good (issue 65.2). A job of such a chunk still running is left alone.
+        ids = [self._job_id(i) for i in done]
+        statuses = job_statuses(self.connection, ids)
+        self.finished_jobs += [job for job, st in zip(ids, statuses, strict=True) if st == "failed"]
         failed, running, finished_late, in_redis, waiting = set(), set(), set(), set(), ChunkSet()
         queued: list[int] = []
         for index, status in self._pending_statuses():

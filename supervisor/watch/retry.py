@@ -17,6 +17,7 @@ from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
 from chunkq.jobs.contract import errors, jobmeta
+from chunkq.jobs.contract.attempt_records import keep_failed_attempt
 from chunkq.jobs.contract.defaults import (
     BACKOFF_BASE_SECONDS,
     BACKOFF_CAP_SECONDS,
@@ -83,6 +84,7 @@ def settle_failure(
         )
     if due > now:
         return "waiting"
+    keep_failed_attempt(connection, job, jobmeta.attempt(meta))  # shown where the dashboard looks
     jobmeta.next_attempt(meta)
     meta.pop(jobmeta.RETRY_AT, None)
     job.save_meta()  # type: ignore[no-untyped-call]

@@ -19,10 +19,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis
 from rq.job import Job
-from rq.worker import Worker
 
 from chunkq.jobs.compute import chunk_progress
-from chunkq.jobs.contract import errors, jobmeta
+from chunkq.jobs.contract import errors, jobmeta, run_queues
 from chunkq.jobs.contract.abandon import mark_abandoned
 from chunkq.jobs.contract.defaults import (
     DEFAULT_SHARD_BYTES,
@@ -32,6 +31,7 @@ from chunkq.jobs.contract.defaults import (
 )
 from chunkq.jobs.contract.errors import ChunkqError, StoreWriteError
 from chunkq.jobs.contract.manifest import RunManifest, load_manifest
+from chunkq.jobs.contract.outage import OutageLog
 from chunkq.jobs.contract.queueing import give_back
 from chunkq.jobs.contract.run_files import RunLayout, read_json
 from chunkq.jobs.contract.specs import chunk_job_id
@@ -51,6 +51,7 @@ from chunkq.supervisor.submit.enqueue import (
 from chunkq.supervisor.watch import demand
 from chunkq.supervisor.watch.attempts import AttemptRecorder, FailedAttempt
 from chunkq.supervisor.watch.display import ProgressDisplay
+from chunkq.supervisor.watch.idle import warn_idle
 from chunkq.supervisor.watch.progress import Tracker
 from chunkq.supervisor.watch.retry import RetryPolicy, settle_failure
 from chunkq.supervisor.watch.snapshot import Snapshot
@@ -174,31 +175,7 @@ class Supervisor:
         if now - self.idle_warned < self.settings.warn_idle:
             return
         self.idle_warned = now
-        queue = self.manifest.queue
-        workers = Worker.count(connection=self.connection, queue=chunk_queue(self.connection, queue))
-        if snap.own_pool_seconds is not None:
-            log.warning(
-                "run %s: the pool chunkq started %.0f s ago has taken no job from queue %r for %.0f s "
-                "(%d worker(s) listen on it)%s",
-                self.manifest.run_id,
-                snap.own_pool_seconds,
-                queue,
-                idle,
-                workers,
-                "; its workers are still starting (importing torch, loading the model)"
-                if not workers
-                else "",
-            )
-            return
-        log.warning(
-            "run %s: no worker has taken a job from queue %r for %.0f s (%d worker(s) listen on it); "
-            "start one: chunkq pool --queue %s (with this Redis)",
-            self.manifest.run_id,
-            queue,
-            idle,
-            workers,
-            queue,
-        )
+        warn_idle(self.connection, self.manifest, snap, idle)
 
     def look(self) -> Snapshot:
         self.owner.check()  # stop at once if another process took the run over while we were paused
@@ -209,7 +186,13 @@ class Supervisor:
         snap = self._poll() if snap.failures or snap.stale or snap.stranded or snap.unlisted else snap
         self._watch_idle(snap)
         busy = 0 if snap.settled else snap.chunks_queued + snap.chunks_running + snap.chunks_retrying
-        demand.publish(self.connection, self.manifest.queue, self.manifest.run_id, busy)
+        pools, own = self.manifest.pool_queue, self.manifest.queue
+        demand.publish(self.connection, pools, self.manifest.run_id, busy)
+        # Each look, not once: a Redis restarted without its data has the run's turn back at once.
+        if snap.settled:
+            run_queues.unregister(self.connection, pools, own)
+        else:
+            run_queues.register(self.connection, pools, own, self.manifest.priority)
         if self.metrics is not None:
             self.metrics.observe(snap)
         return snap
@@ -236,7 +219,7 @@ class Supervisor:
         if not snap.chunks_waiting:
             return
         window = window_size(
-            self.connection, self.manifest.queue, self.settings.window or self.submitted_window
+            self.connection, self.manifest.pool_queue, self.settings.window or self.submitted_window
         )
         room = window - (snap.chunks_queued + snap.chunks_running + snap.chunks_retrying)
         if room < max(1, window // TOP_UP_FRACTION) and snap.chunks_queued:
@@ -309,20 +292,21 @@ def _patiently(
 ) -> T:
     """Run ``step``, riding out a Redis outage (a restart with append-only persistence) up to the
     patience, or until ``gone`` says why the server will not come back."""
-    lost_at: float | None = None
+    outage = OutageLog(log, "Redis", "the run goes on when it is back")
     while True:
         try:
-            return step()
+            done = step()
         except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError) as exc:
             why = gone()
             if why:
                 raise RedisGoneError(why) from exc
-            now = time.monotonic()
-            lost_at = lost_at or now
-            if now - lost_at > settings.redis_patience:
-                raise RedisGoneError(f"Redis unreachable for {now - lost_at:.0f} s: {exc}") from exc
-            log.warning("Redis unreachable (%s); the run goes on when it is back", exc)
+            if outage.seconds > settings.redis_patience:
+                raise RedisGoneError(f"Redis unreachable for {outage.seconds:.0f} s: {exc}") from exc
+            outage.failed(exc)
             time.sleep(settings.poll_seconds)
+            continue
+        outage.recovered()
+        return done
 
 
 def supervise(
@@ -377,7 +361,7 @@ def _supervise(
         serve_metrics(metrics.registry, settings.metrics_port)
     watch = Supervisor(connection, layout, manifest, settings, lock, owner, metrics)
     _patiently(lock.acquire, settings, redis_gone)
-    room = window_size(connection, manifest.queue, settings.window or submitted_window(layout))
+    room = window_size(connection, manifest.pool_queue, settings.window or submitted_window(layout))
     retried = _patiently(lambda: retry_quarantined(connection, layout, manifest, room), settings, redis_gone)
     if retried:
         log.warning(
