@@ -40,7 +40,8 @@ def test_run_matches_plain_encode_and_reruns_from_the_store(tmp_path: Path, refe
     result = _check_result(layout, ids, texts, reference_model)
     metas = [read_json(layout.output_meta(i)) for i in range(12)]
     pids = {m["pid"] for m in metas}
-    assert len(pids) == 6, pids  # 12 chunks, 2 per worker process: six fresh processes
+    # 12 chunks, 2 per worker process: six fresh processes (seen once as 7 under the full suite's load)
+    assert len(pids) == 6, [(m["chunk"], m["pid"], m["attempt"], m["worker"]) for m in metas]
     assert len(result["workers"]) == 6 and result["devices"] == ["cpu"]
     # Warm standby: each replacement loaded while its predecessor worked, yet never computed beside it.
     spans = sorted((m["started_at"], m["finished_at"]) for m in metas)

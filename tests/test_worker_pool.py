@@ -244,7 +244,7 @@ def test_a_pool_restarted_under_its_name_fails_the_chunks_its_killed_predecessor
     with running_pool(tmp_path, redis_url, "--name", "p1") as (pool, log):
         wait_for(lambda: job_statuses(connection, [job_id]) == ["failed"], 60, "the held chunk to fail")
         # The pool records the failure first and logs it after: wait for the line, don't race it.
-        wait_for(lambda: "died with an earlier run of pool p1" in log.read_text(), 30, "the reason logged")
+        wait_for(lambda: "died with an earlier run of pool p1" in log.read_text(), 120, "the reason logged")
         text = log.read_text()
         assert "exists an active worker" not in text and "crashed" not in text, text[-2000:]
 
