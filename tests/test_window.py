@@ -111,7 +111,10 @@ def test_queued_jobs_in_no_queue_list_are_queued_again(
     queue = chunk_queue(connection, manifest.queue)
     assert Tracker(connection, layout, manifest).poll().unlisted == []  # listed: nothing to do
     connection.delete(queue.key)
-    look = Tracker(connection, layout, manifest).poll()  # a restarted supervisor's first look
+    restarted = Tracker(connection, layout, manifest, min_reconcile_seconds=0)  # every look a full one
+    assert restarted.poll().unlisted == []  # its first look only notes them: a worker may be taking one
+    restarted._next_full = 0  # the next look is a full one now, not after its cost-based gap
+    look = restarted.poll()  # the second finds them in no list still
     assert look.unlisted == [0, 1, 2, 3] and look.chunks_queued == 4
     from chunkq.queue_worker.chunk_worker import ChunkWorker  # noqa: F401 - the job class's functions import
     from chunkq.supervisor.store.run_lock import RunLock

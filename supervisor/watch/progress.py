@@ -102,6 +102,7 @@ class Tracker:
         self._queue = queue
         self._cursors: dict[str, float] = {}
         self._failed: set[int] = set()
+        self._unlisted_before: set[int] = set()  # found in no list by the last full look
         self._next_full = 0.0
         self._counted: list[int] = []  # chunks counted done since the last look: their reports go
 
@@ -266,7 +267,16 @@ class Tracker:
     def _unlisted(self, queued: list[int]) -> list[int]:
         """Chunks whose job says queued but that neither the queue's list nor its intermediate list
         holds (the list was deleted, or evicted): no worker would ever take them. The lists and the
-        statuses are read in one transaction, so a job a worker takes meanwhile is never among them."""
+        statuses are read in one transaction; still, a worker starting a job takes it out of the
+        intermediate list a moment before it marks it started, so only a chunk found so in two
+        full looks in a row is named (one found in a single look was queued again as it was being
+        taken, and run twice: seen under load)."""
+        found = self._unlisted_once(queued)
+        confirmed = sorted(set(found) & self._unlisted_before)
+        self._unlisted_before = set(found)
+        return confirmed
+
+    def _unlisted_once(self, queued: list[int]) -> list[int]:
         job_ids = [self._job_id(i) for i in queued]
         with self.connection.pipeline(transaction=True) as pipe:
             pipe.lrange(self._queue.key, 0, -1)
