@@ -92,16 +92,27 @@ class Build:
                 if time.monotonic() > deadline:
                     return
 
-    def _take(self, index: int) -> bool:
+    def _meta_to_take(self, index: int) -> dict[str, Any] | None:
+        """A finished chunk's record, checked as the build needs it (the result opened on the first),
+        or None once the build stood aside for it."""
         meta, why = output_meta(self.layout, index, self.manifest.producer())
         if meta is None:
-            return self._stand_aside(f"chunk {index}: {why}")
+            self._stand_aside(f"chunk {index}: {why}")
+            return None
         if meta.get("bad_rows"):
-            return self._stand_aside(f"chunk {index} left rows out (--allow-missing)")
+            self._stand_aside(f"chunk {index} left rows out (--allow-missing)")
+            return None
         if self.writer is None:
             self._open(int(meta["dim"]))
         if int(meta["dim"]) != self.dim:
-            return self._stand_aside(f"chunk {index} has dimension {meta['dim']}, the first {self.dim}")
+            self._stand_aside(f"chunk {index} has dimension {meta['dim']}, the first {self.dim}")
+            return None
+        return meta
+
+    def _take(self, index: int) -> bool:
+        meta = self._meta_to_take(index)
+        if meta is None:
+            return False
         ids, texts = read_chunk_input(self.layout, index)
         try:
             block = self.reads.rows(index, texts)

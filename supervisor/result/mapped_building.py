@@ -23,7 +23,6 @@ import numpy as np
 
 from chunkq.jobs.compute.quantize import convert, derived_floats
 from chunkq.jobs.compute.vector_cache import HASH_BYTES, text_hashes
-from chunkq.jobs.contract.chunk_output import output_meta
 from chunkq.jobs.contract.manifest import RunManifest
 from chunkq.jobs.contract.run_files import RunLayout, new_memmap, read_chunk_input
 from chunkq.supervisor.result.building import Build
@@ -82,16 +81,15 @@ class MappedBuild(Build):
         if mapped is not None and hasattr(mmap, "MADV_DONTNEED"):
             mapped.madvise(mmap.MADV_DONTNEED)
 
+    def _open(self, dim: int) -> None:
+        super()._open(dim)
+        self.distinct = new_memmap(self._scratch(), np.float32, (max(1, self.manifest.rows), self.dim))
+
     def _take_distinct(self, index: int) -> bool:
-        meta, why = output_meta(self.layout, index, self.manifest.producer())
+        meta = self._meta_to_take(index)
         if meta is None:
-            return self._stand_aside(f"chunk {index}: {why}")
-        if meta.get("bad_rows"):
-            return self._stand_aside(f"chunk {index} left rows out (--allow-missing)")
-        if self.writer is None:
-            self._open(int(meta["dim"]))
-            self.distinct = new_memmap(self._scratch(), np.float32, (max(1, self.manifest.rows), self.dim))
-        if int(meta["dim"]) != self.dim or self.distinct is None:
+            return False
+        if self.distinct is None:
             return self._stand_aside(f"chunk {index} has dimension {meta['dim']}, the first {self.dim}")
         _, texts = read_chunk_input(self.layout, index)
         try:
