@@ -79,8 +79,8 @@ class RowHashes:
             return
         with tempfile.TemporaryDirectory(prefix="chunkq-row-texts-") as scratch:
             digests = self._chunk_row_digests(layout, manifest, Path(scratch), late)
-            for rows, ids in row_map_parts(layout, manifest):
-                for rid, digest in zip(ids, digests[rows], strict=True):
+            for rows, part_ids in row_map_parts(layout, manifest):
+                for rid, digest in zip(part_ids, digests[rows], strict=True):
                     yield _key(rid), digest.tobytes().hex()
             del digests
 

@@ -27,12 +27,10 @@ from chunkq.jobs.contract.manifest import RunManifest
 from chunkq.jobs.contract.run_files import RunLayout, new_memmap, read_chunk_input
 from chunkq.supervisor.result.building import Build
 from chunkq.supervisor.result.chunk_reads import ChunkReads, Unfit
-from chunkq.supervisor.result.planned_rows import row_map_parts
+from chunkq.supervisor.result.planned_rows import PartIds, row_map_parts, rows_at_a_time
 from chunkq.supervisor.store.phases import BUILD, Phases
 
 log = logging.getLogger(__name__)
-
-RESULT_BLOCK = 1 << 16  # corpus rows written to the result at a time, once all their vectors are there
 
 
 class MappedBuild(Build):
@@ -43,10 +41,10 @@ class MappedBuild(Build):
         self.untaken = set(range(manifest.chunks))
         self.have = np.zeros(manifest.rows, dtype=bool)
         self.distinct: np.ndarray[Any, Any] | None = None
-        self.hashes = np.zeros(manifest.rows, dtype=f"S{HASH_BYTES}")
-        self.result_hashes: list[np.ndarray[Any, Any]] = []
-        self.parts: Iterator[tuple[np.ndarray[Any, Any], list[Any]]] = row_map_parts(layout, manifest)
-        self.part: tuple[np.ndarray[Any, Any], list[Any]] | None = None
+        self.hashes: np.ndarray[Any, Any] | None = None  # each distinct text's, beside its vector
+        self.any_written = False
+        self.parts: Iterator[tuple[np.ndarray[Any, Any], PartIds]] = row_map_parts(layout, manifest)
+        self.part: tuple[np.ndarray[Any, Any], PartIds] | None = None
         self.offset = 0  # the next corpus row of the current part
         self.corpus_done = 0
         self.libraries = (manifest.plan or {}).get("libraries")
@@ -77,19 +75,22 @@ class MappedBuild(Build):
         """Let go of the scratch's pages this look touched: they stay in the page cache (written
         back, the kernel's to evict), not in this process's memory. Mapped, every vector of the run
         counted in its resident set: 1.6 GiB at 10^6 rows of 256 dims against 0.7 at 10^5."""
-        mapped = getattr(self.distinct, "_mmap", None)  # numpy's memmap keeps its mmap.mmap there
-        if mapped is not None and hasattr(mmap, "MADV_DONTNEED"):
-            mapped.madvise(mmap.MADV_DONTNEED)
+        for scratch in (self.distinct, self.hashes):
+            mapped = getattr(scratch, "_mmap", None)  # numpy's memmap keeps its mmap.mmap there
+            if mapped is not None and hasattr(mmap, "MADV_DONTNEED"):
+                mapped.madvise(mmap.MADV_DONTNEED)
 
     def _open(self, dim: int) -> None:
         super()._open(dim)
-        self.distinct = new_memmap(self._scratch(), np.float32, (max(1, self.manifest.rows), self.dim))
+        rows = max(1, self.manifest.rows)
+        self.distinct = new_memmap(self._scratch(), np.float32, (rows, self.dim))
+        self.hashes = new_memmap(self._scratch(".hashes"), f"S{HASH_BYTES}", (rows,))
 
     def _take_distinct(self, index: int) -> bool:
         meta = self._meta_to_take(index)
         if meta is None:
             return False
-        if self.distinct is None:
+        if self.distinct is None or self.hashes is None:
             return self._stand_aside(f"chunk {index} has dimension {meta['dim']}, the first {self.dim}")
         _, texts = read_chunk_input(self.layout, index)
         try:
@@ -102,15 +103,16 @@ class MappedBuild(Build):
         self.distinct[first : first + len(texts)] = block
         self.have[first : first + len(texts)] = True
         self.hashes[first : first + len(texts)] = text_hashes(texts)
+        self._unmap_pages()  # a look may take many chunks: their pages go one chunk at a time
         if self.libraries and meta.get("libraries") != self.libraries and meta.get("source") != "cache":
             self.feed = None  # rows of other releases: the cache's key would not be theirs
         self.metas.append(meta)
         return True
 
-    def _scratch(self) -> Any:
+    def _scratch(self, name: str = ".distinct.f32") -> Any:
         """Inside the result being made (a killed supervisor's goes with its leftovers), deleted
         before the result is published."""
-        return (self.built or self.layout.result) / ".distinct.f32"
+        return (self.built or self.layout.result) / name
 
     def _write_ready(self, deadline: float) -> None:
         """The result's next corpus rows, a block at a time, while their vectors are all there."""
@@ -120,13 +122,14 @@ class MappedBuild(Build):
                 if self.part is None:
                     return
             rows, ids = self.part
-            block = rows[self.offset : self.offset + RESULT_BLOCK]
+            block = rows[self.offset : self.offset + rows_at_a_time(self.dim)]
             if not self.have[block].all():
                 return
             floats = derived_floats(np.asarray(self.distinct[block]), self.manifest.options)
             stored = convert(floats, self.manifest.output_dtype, self.manifest.ranges)
             self.writer.write(ids[self.offset : self.offset + len(block)], stored)
-            self.result_hashes.append(self.hashes[block])
+            self._unmap_pages()
+            self.any_written = True
             self.offset += len(block)
             self.corpus_done += len(block)
             if time.monotonic() > deadline:
@@ -134,16 +137,24 @@ class MappedBuild(Build):
 
     def ready_for_assembly(self) -> None:
         """The scratch of distinct vectors goes; the cache is handed the result's hashes."""
-        self._drop_scratch()
-        if self.feed is not None and self.feed.linking and self.result_hashes:
-            self.feed.hashes = [np.concatenate(self.result_hashes)]
+        if self.feed is not None and self.feed.linking and self.any_written and self.hashes is not None:
+            # each corpus row's, in the result's order (the row map read again: kept whole while the
+            # chunks landed, they cost 16 bytes a row the whole run)
+            self.feed.hashes = [
+                np.concatenate([self.hashes[rows] for rows, _ in row_map_parts(self.layout, self.manifest)])
+            ]
             self.reads.cache = self.feed
+        self._drop_scratch()
 
     def _drop_scratch(self) -> None:
         if self.distinct is not None:
             del self.distinct
             self.distinct = None
             self._scratch().unlink(missing_ok=True)
+        if self.hashes is not None:
+            del self.hashes
+            self.hashes = None
+            self._scratch(".hashes").unlink(missing_ok=True)
 
     def abandon(self) -> None:
         self._drop_scratch()

@@ -9,9 +9,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
@@ -27,6 +27,14 @@ from chunkq.jobs.contract.run_files import (
 from chunkq.supervisor.result.chunk_reads import ChunkReads
 
 log = logging.getLogger(__name__)
+
+ROWS_AT_A_TIME = 1 << 16  # corpus rows of the row map put in the result at a time, at most
+BLOCK_BYTES = 8 << 20  # and of their float32 vectors: 65,536 rows of 256 dims took 64 MB and copies
+
+
+def rows_at_a_time(dim: int) -> int:
+    """Corpus rows put in the result at a time for vectors of ``dim``."""
+    return max(1, min(ROWS_AT_A_TIME, BLOCK_BYTES // (4 * max(1, dim))))
 
 
 def chunk_of_row(rows: np.ndarray[Any, Any], chunk_size: int, encode_rows: int) -> np.ndarray[Any, Any]:
@@ -89,9 +97,51 @@ def chunk_of(manifest: RunManifest, rows: np.ndarray[Any, Any]) -> np.ndarray[An
     return chunk_of_row(rows, manifest.chunk_size, encode_rows)
 
 
-def row_map_parts(
-    layout: RunLayout, manifest: RunManifest
-) -> Iterator[tuple[np.ndarray[Any, Any], list[Any]]]:
+class PartIds(Sequence[Any]):
+    """A part's ids, each decoded when it is taken. A part is up to PART_ROWS rows: as a list of
+    str, 10^6 ids held ~64 MB in the supervisor for the whole build (issue 64.6, the one cost a row
+    its watch kept); as the file's bytes and where each line ends, the file's size and 4 bytes a row."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        ends = np.flatnonzero(np.frombuffer(data, dtype=np.uint8) == ord("\n"))
+        if data and not data.endswith(b"\n"):
+            ends = np.append(ends, len(data))
+        self.ends = ends.astype(np.uint32) if len(data) < 1 << 32 else ends
+
+    def _lines(self, at: slice) -> Iterator[bytes]:
+        first, stop, step = at.indices(len(self.ends))
+        if step != 1:
+            raise ValueError("a part's ids are taken a run of rows at a time")
+        start = int(self.ends[first - 1]) + 1 if first else 0
+        for end in self.ends[first:stop].tolist():
+            yield self.data[start:end]
+            start = end + 1
+
+    def __len__(self) -> int:
+        return len(self.ends)
+
+    @overload
+    def __getitem__(self, at: int) -> Any: ...
+    @overload
+    def __getitem__(self, at: slice) -> list[Any]: ...
+    def __getitem__(self, at: int | slice) -> Any:
+        if isinstance(at, slice):
+            return [self._id(line) for line in self._lines(at)]
+        row = range(len(self.ends))[at]
+        return self._id(next(self._lines(slice(row, row + 1))))
+
+    def __iter__(self) -> Iterator[Any]:
+        for start in range(0, len(self), ROWS_AT_A_TIME):
+            yield from self[start : start + ROWS_AT_A_TIME]
+
+    @staticmethod
+    def _id(line: bytes) -> Any:
+        value = json.loads(line)
+        return value if isinstance(value, dict) else str(value)
+
+
+def row_map_parts(layout: RunLayout, manifest: RunManifest) -> Iterator[tuple[np.ndarray[Any, Any], PartIds]]:
     """Each part of the row map (chunk rows) and its ids, checked against the manifest's checksums."""
     plan = manifest.plan or {}
     for part, described in enumerate(plan.get("parts") or []):
@@ -102,14 +152,14 @@ def row_map_parts(
         if file_sha256(map_path) != described.get("map_sha256"):
             raise BadInputError(f"{map_path}: does not match the checksum in the run's manifest")
         rows = np.asarray(load_npy(map_path), dtype=np.int64)
-        ids = [json.loads(line) for line in data.splitlines()]
+        ids = PartIds(data)
         if len(ids) != len(rows) or len(rows) != described.get("rows"):
             raise BadInputError(
                 f"{map_path}: {len(rows)} rows, {len(ids)} ids, the manifest says {described.get('rows')}"
             )
         if len(rows) and (rows.min() < 0 or rows.max() >= manifest.rows):
             raise BadInputError(f"{map_path}: a row outside the run's {manifest.rows} chunk rows")
-        yield rows, [i if isinstance(i, dict) else str(i) for i in ids]
+        yield rows, ids
 
 
 def lost_rows(layout: RunLayout, manifest: RunManifest, skip: set[int]) -> dict[int, int]:
@@ -165,11 +215,14 @@ def result_rows(
         vectors[first : first + count] = reads.rows(index)
         have[first : first + count] = True
     have[bad] = False
-    for rows, ids in row_map_parts(layout, manifest):
-        keep = have[rows]
-        if not keep.all():
-            ids = [i for i, k in zip(ids, keep, strict=True) if k]
-            rows = rows[keep]
-        yield ids, np.asarray(vectors[rows])
+    for part_rows, part_ids in row_map_parts(layout, manifest):
+        step = rows_at_a_time(dim)
+        for start in range(0, len(part_rows), step):
+            rows, ids = part_rows[start : start + step], part_ids[start : start + step]
+            keep = have[rows]
+            if not keep.all():
+                ids = [i for i, k in zip(ids, keep, strict=True) if k]
+                rows = rows[keep]
+            yield ids, np.asarray(vectors[rows])
     del vectors
     (scratch / "distinct.f32").unlink(missing_ok=True)

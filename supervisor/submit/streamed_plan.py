@@ -92,8 +92,12 @@ def _blocks(records: Iterable[PlanRow], first: int) -> Iterator[list[PlanRow]]:
     """``first`` rows (a chunk: the first worker's work comes before the rest is read), then blocks
     growing to ROW_BLOCK (each costs a round of hashing and an id check)."""
     it, size = iter(records), first
-    while block := list(islice(it, size)):
+    while True:
+        block = list(islice(it, size))
+        if not block:
+            return
         yield block
+        del block  # the next block is read without this one: two alive at once held ~50 MB at 10^6
         size = min(ROW_BLOCK, 2 * size)
 
 
@@ -148,6 +152,7 @@ def _write(
             ids.write("".join(json_string(r.id) + "\n" for r in block).encode())
             chunk_rows.write(numbers[inverse.reshape(-1)].astype(np.int64).tobytes())
             rows += len(block)
+            del block  # before the next one is read (see _blocks)
         encode.flush()
     if not rows:
         return {"corpus_rows": 0}

@@ -35,6 +35,7 @@ from chunkq.supervisor.result.reader import published_result
 from chunkq.supervisor.submit.corpus import Record
 from chunkq.supervisor.submit.dupes import IdRegistry
 from chunkq.supervisor.submit.enqueue import EnqueueCounts, enqueue_chunks, window_size
+from chunkq.supervisor.submit.heap import give_back_free_heap
 from chunkq.supervisor.submit.identity import (
     Identified,
     SubmitRequest,
@@ -274,6 +275,7 @@ def _create_run(
         split.finished()
     manifest = RunManifest(data)
     record_cache_use(layout, manifest)
+    give_back_free_heap()
     return manifest
 
 
