@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from chunkq.jobs.contract import redaction
 from chunkq.jobs.contract.redaction import redact, redacted, remember, secrets_of
 from chunkq.queue_worker.exit_codes import EXIT_INTERNAL
 from chunkq.supervisor.result.assemble import assemble
@@ -70,6 +71,9 @@ SPECIALS = "/@:#?% &=+'\"\\"
 WORDS = ("Xq7Zk", "Wp3Lm")
 
 
+NO_SCHEME = (":", "", "me:", "redis//:", "redis:/:", "redis:", "//:")
+
+
 def malformed_forms(port: int) -> list[tuple[str, str]]:
     """(password, address) for every special character and form."""
     forms = []
@@ -90,6 +94,13 @@ def malformed_forms(port: int) -> list[tuple[str, str]]:
             (pw, f"postgres://u:{pw}@[::1:{port}/db?table=t"),
             (pw, f"host=127.0.0.1 port={port} user=u password={pw} dbname=db"),
             (pw, f"host=127.0.0.1 port={port} user=u password='{pw}' dbname=db"),
+            # a Redis URL without its scheme, or with it mistyped (the hostile pass's 3b)
+            # ("A:B@host" and "redis:A:B@host" are user A, password B: those with ":"-free ones)
+            *(
+                (pw, f"{t}{pw}@127.0.0.1:{port}")
+                for t in NO_SCHEME
+                if t not in ("", "redis:") or ":" not in pw
+            ),
         ]
     return forms
 
@@ -100,6 +111,7 @@ def _leaks(text: str, pw: str) -> list[str]:
 
 def test_every_malformed_form_is_shown_as_its_library_reads_it_and_never_with_its_password() -> None:
     for pw, form in malformed_forms(5999):
+        redaction._REMEMBERED.clear()  # each form alone, as a fresh process is given it
         remember(form)  # as every chunkq process does with its arguments
         shown = redacted(form)
         assert _leaks(shown, pw) == [], (form, shown)
@@ -114,8 +126,12 @@ def test_no_command_shows_a_malformed_forms_password(tmp_path: Path) -> None:
     assemble(write_encoded_run(store, "dense", 20, 10, 4))
     port = _free_port()
     # Through the commands, the characters the hostile pass used; the unit test above takes them all.
-    for pw, form in [(pw, form) for pw, form in malformed_forms(port) if set(pw) & set("/@# &")]:
-        if form.startswith(("redis", "unix")):
+    typed = ("redis://", "rediss://", "unix://", "postgres", "host=")  # a scheme-less form: "@" alone
+    forms = [
+        (pw, f) for pw, f in malformed_forms(port) if set(pw) & set("/@# &" if f.startswith(typed) else "@")
+    ]
+    for pw, form in forms:
+        if form.startswith(("redis", "unix", "//", ":", "me:", WORDS[0])):
             runs = [run_cli("status", "dense", "--store", str(store), "--redis-url", form, timeout=60)]
             runs.append(run_cli("status", "dense", "--store", str(store), CHUNKQ_REDIS_URL=form, timeout=60))
         else:

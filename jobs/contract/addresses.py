@@ -26,6 +26,11 @@ REDIS_SCHEMES = ("redis", "rediss", "unix")
 POSTGRES_SCHEMES = ("postgresql", "postgres")
 HIDDEN = "..."  # ASCII: a terminal of any encoding shows it
 _SECRET_KEYS = ("password", "sslpassword")  # libpq's keywords whose values are secrets
+# a secret keyword's value as written, up to the next "key=" (a space in it, unquoted, is unreadable)
+_KEYWORD_SECRET = re.compile(
+    r"\b(password|sslpassword)\s*=\s*('(?:[^'\\]|\\.)*'|.*?)(?=\s+[A-Za-z_]+\s*=|\s*$)"
+)
+_QUERY_SECRET = re.compile(r"[?&](password|sslpassword)=(.*?)(?=&[A-Za-z_]+=|#|$)")
 _TABLE = re.compile(r"([?&])table=([^&#]*)&?")  # chunkq's own parameter of a pgvector URL
 
 
@@ -60,6 +65,9 @@ def parse_redis(url: str) -> dict[str, Any] | None:
         return None
     if not _plain_host(str(parsed.get("host") or "")) or "@" in str(parsed.get("path") or ""):
         return None  # what a password's stray "@" or "/" left in the host, or in a socket's path
+    query = url.partition("?")[2].partition("#")[0]
+    if any("=" not in piece for piece in query.split("&") if piece):
+        return None  # a piece its client drops: the rest of a password's unencoded "&"
     return parsed
 
 
@@ -99,18 +107,43 @@ def shown(value: str) -> str:
     scheme, sep, rest = scheme_and_rest(value)
     if scheme in REDIS_SCHEMES:
         parsed = parse_redis(value)
-        return _redis_shown(scheme, parsed) if parsed is not None else f"{scheme}{sep}{HIDDEN}"
+        if parsed is not None:
+            return _redis_shown(scheme, parsed)
+        _remember_unreadable(value, rest)
+        return f"{scheme}{sep}{HIDDEN}"
     if scheme in POSTGRES_SCHEMES or keyword_form(value):
         dsn, table = split_table(value)
         parsed = parse_postgres(dsn)
         if parsed is None:
+            _remember_unreadable(value, rest)
             return f"{scheme}{sep}{HIDDEN}" if scheme else HIDDEN
         return _postgres_shown(scheme, parsed, table)
-    head, at, tail = rest.rpartition("@")
-    if scheme and at:
-        remember_secret(head.partition(":")[2])
-        return redact(f"{scheme}{sep}{MASK}@{tail}")
+    if sep != "://":  # "me:PW@host" is user and password, not a scheme "me"
+        scheme, sep, rest = "", "", value
+    if _remember_before_at(rest):
+        return redact(f"{scheme}{sep}{MASK}@{rest.rpartition('@')[2]}")
     return redact(value)
+
+
+def _remember_unreadable(value: str, rest: str) -> None:
+    """The secrets an address its library could not read may hold, remembered: before an "@", a
+    query's password up to the next parameter (an unencoded "&" in it), a keyword's up to the next
+    keyword (an unquoted space in it)."""
+    _remember_before_at(rest)
+    for pattern in (_QUERY_SECRET, _KEYWORD_SECRET):
+        for found in pattern.finditer(value):
+            remember_secret(found.group(2).strip("'"))
+
+
+def _remember_before_at(rest: str) -> bool:
+    """Whether ``rest`` (an address less its scheme) holds an "@": then what comes before it is
+    user:password, or a password alone where the scheme is missing or mistyped (``:PW@host``,
+    ``redis//:PW@host``), remembered as a secret."""
+    head, at, _ = rest.rpartition("@")
+    secret = head.partition(":")[2] if ":" in head else head
+    if at and secret:
+        remember_secret(secret)
+    return bool(at)
 
 
 def _redis_shown(scheme: str, parsed: dict[str, Any]) -> str:
@@ -159,4 +192,6 @@ def secrets_in(text: str) -> list[str]:
         found += [parsed_pg[k] for k in _SECRET_KEYS if parsed_pg and parsed_pg.get(k)]
     if scheme and "@" in rest:  # what follows the user name, up to the host: however malformed
         found.append(rest.rpartition("@")[0].partition(":")[2])
+    if scheme in REDIS_SCHEMES or scheme in POSTGRES_SCHEMES or keyword_form(text):  # as written
+        found += [m.group(2).strip("'") for p in (_QUERY_SECRET, _KEYWORD_SECRET) for m in p.finditer(text)]
     return [s for s in found if s]
