@@ -367,6 +367,14 @@ def _embed(chunk: ChunkSpec) -> dict[str, Any]:
             "them, or give --allow-missing to leave them out of the result"
         ) from exc
     seconds = time.perf_counter() - t0
+    late = models.late_code_reads(loaded, layout.store)  # none: every file it ran is in the identity
+    if late:
+        log.warning(
+            "chunk %s: the model's code read %s as it encoded, not as it loaded: the run's "
+            "vectors stay out of the vector cache",
+            chunk.job_id,
+            ", ".join(late[:3]),
+        )
     speed = sum(map(len, texts)) / max(seconds, 1e-9)
     fitted, backed_off = encoded.limit, bool(encoded.backoffs)
     learned.update(
@@ -382,6 +390,7 @@ def _embed(chunk: ChunkSpec) -> dict[str, Any]:
         **manifest.producer(),
         "model_identity": recorded,  # what encoded it: the run's, or (none recorded) its own
         "libraries": library_versions(),  # the vector cache takes the rows only if its key's are these
+        "code_read_late": late,  # files the model's code read in this encode that its load did not
         "worker": ctx.name,
         "pid": ctx.pid,
         "host": ctx.host,

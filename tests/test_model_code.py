@@ -137,6 +137,54 @@ def test_code_outside_the_folder_changed_is_encoded_again_not_served_from_the_ca
     )
 
 
+# A module class whose forward imports a helper only for batches larger than the canary's four texts:
+# code the load and its warm-up never run (the hostile pass's 1a, a lazy import for some inputs).
+_LATE_MODULE = """
+from sentence_transformers.base.modules.module import Module
+
+class Shift(Module):
+    config_keys: list = []
+
+    def forward(self, features):
+        if features["sentence_embedding"].shape[0] > 4:
+            import {name}late
+            features["sentence_embedding"] = features["sentence_embedding"] + {name}late.SHIFT
+        return features
+
+    def save(self, output_path, *args, **kwargs):
+        self.save_config(output_path)
+
+    @classmethod
+    def load(cls, model_name_or_path="", subfolder="", **kwargs):
+        return cls()
+"""
+
+
+@pytest.mark.slow
+def test_code_only_the_encode_reads_keeps_the_runs_vectors_out_of_the_cache(tmp_path: Path) -> None:
+    """A helper the forward imports only for some inputs, changed after a run: the same texts again
+    are encoded again, equal to a fresh encode (on the code before, all 40 came from the cache)."""
+    site = _site(tmp_path / "site", "late")
+    (site / "latepool" / "__init__.py").write_text(_LATE_MODULE.format(name="late"))
+    (site / "latelate").mkdir()
+    (site / "latelate" / "__init__.py").write_text("SHIFT = 0.0\n")
+    model = _shifted_model(tmp_path / "model", "late")
+    ids, texts = make_texts(40, seed=64)
+    store = tmp_path / "store"
+    common = ["--store", str(store), "--chunk-size", "20", "--model", str(model), "--trust-remote-code"]
+    env = {"PYTHONPATH": str(site), "CHUNKQ_FORK_SERVER_SOCKET": ""}
+    first = run_cli("run", str(write_corpus(tmp_path / "a.jsonl", ids, texts, "jsonl")), *common, **env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "latelate/__init__.py" in first.stderr and "stay out of the vector cache" in first.stderr
+    (site / "latelate" / "__init__.py").write_text("SHIFT = 0.5\n")
+    corpus = write_corpus(tmp_path / "b.jsonl", [f"b-{i}" for i in ids], texts, "jsonl")
+    again = run_cli("run", str(corpus), *common, **env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "40 encoded, 0 from the vector cache" in again.stdout + again.stderr, again.stderr[-2000:]
+    got, _ = result_of(_latest(store))
+    assert max_abs_diff(got, _fresh_encode(model, site, texts)) <= 1e-5
+
+
 def test_a_load_is_listed_by_what_it_reads_outside_the_shared_environment(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -171,6 +219,59 @@ def test_a_load_is_listed_by_what_it_reads_outside_the_shared_environment(
     assert ran.unidentified and "runs another program" in ran.unidentified[0]
     differs = edited.differences(json.loads(json.dumps(listing.to_json())))
     assert differs == ["recpkg/data.txt: other bytes", "recpkg/__init__.py: read by the run's load, not here"]
+
+
+def test_a_watched_load_runs_its_modules_source_never_a_forged_bytecode(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A .pyc beside a listed module, forged with its source's mtime and size (the hostile pass's
+    1b: Python trusts the header, so the workers ran 0.9 where the listed source says 0.5, and every
+    row came from the cache), is not what the load runs: it compiles the source the listing hashed."""
+    import importlib.util
+    import marshal
+
+    site = tmp_path / "site"
+    (site / "forgedpkg").mkdir(parents=True)
+    source = site / "forgedpkg" / "__init__.py"
+    source.write_text("BIAS = 0.5\n")
+    forged = compile("BIAS = 0.9\n", str(source), "exec")
+    stat = source.stat()
+    header = importlib.util.MAGIC_NUMBER + (0).to_bytes(4, "little")
+    header += int(stat.st_mtime).to_bytes(4, "little") + (stat.st_size & 0xFFFFFFFF).to_bytes(4, "little")
+    cached = Path(importlib.util.cache_from_source(str(source)))
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    cached.write_bytes(header + marshal.dumps(forged))
+    monkeypatch.syspath_prepend(str(site))
+    importlib.invalidate_caches()
+
+    bias, listing = model_code.record(lambda: importlib.import_module("forgedpkg").BIAS, set())
+    assert bias == 0.5
+    assert [name for name, _, _ in listing.files] == ["forgedpkg/__init__.py"]
+    assert cached.read_bytes() == header + marshal.dumps(forged)  # nothing written in its place
+    del sys.modules["forgedpkg"]
+    assert importlib.import_module("forgedpkg").BIAS == 0.9  # unwatched, Python runs the forged one
+    del sys.modules["forgedpkg"]
+
+
+def test_a_file_opened_relative_to_a_folder_held_open_cannot_be_identified(tmp_path: Path) -> None:
+    """os.open(name, dir_fd=folder): its audit event names no folder, so what was read cannot be
+    hashed (the hostile pass's 1g: a data file read so was left out of the listing)."""
+    (tmp_path / "load.txt").write_text("0.5")
+
+    def load() -> bytes:
+        folder = os.open(tmp_path, os.O_RDONLY)
+        try:
+            fd = os.open("load.txt", os.O_RDONLY, dir_fd=folder)
+            try:
+                return os.read(fd, 100)
+            finally:
+                os.close(fd)
+        finally:
+            os.close(folder)
+
+    value, listing = model_code.record(load, set())
+    assert value == b"0.5"
+    assert any("'load.txt' relative to a folder" in why for why in listing.unidentified), listing
 
 
 def test_a_worker_whose_code_differs_from_the_runs_is_refused_naming_the_file(

@@ -13,7 +13,8 @@ and every file read that way is hashed, the *listing*, unless it is one of:
 - chunkq, and the distributions chunkq itself requires, with theirs (torch, transformers,
   sentence-transformers, numpy...): the environment every worker shares, whose releases of
   sentence-transformers, transformers, tokenizers and torch are in the vector cache's key;
-- the hub's token file (a credential, not code); ``__pycache__`` bytecode (its source is listed).
+- the hub's token file (a credential, not code); ``__pycache__`` bytecode: a watched load reads
+  none, and writes none, every module it imports is compiled from its source, which is listed.
 
 The listing's digest is part of the model's identity (``+code:<digest>``): the submit loads the
 model once on the CPU in a fresh interpreter to make it (``code_probe``; a later submit on this host
@@ -22,9 +23,10 @@ distributions are the same), and each worker makes its own at its load. A worker
 differs is refused before it encodes a row, naming the files. What cannot be identified (a
 connection opened, another program run) refuses the run in one line, unless
 ``--accept-unidentified-code`` accepts the risk by name: the run then compares the model's files
-alone and uses no vector cache. What the listing cannot see: code that runs only after the warm-up
-encode (on another path of the model), environment variables, and a change to one of chunkq's own
-requirements other than a new release (docs/cache.md).
+alone and uses no vector cache. After the load a worker goes on watching (``LateReads``): what the
+code reads only on some inputs keeps the run's vectors out of the cache. What no listing sees:
+environment variables, what native code reads, and a change to one of chunkq's own requirements
+other than a new release (docs/cache.md).
 """
 
 from __future__ import annotations
@@ -154,6 +156,7 @@ def canary_difference(mine: list[list[float]] | None, theirs: Any) -> tuple[floa
 
 # --- recording ---------------------------------------------------------------------------------
 
+NO_BYTECODE = os.path.join(os.devnull, "chunkq-reads-no-bytecode")  # below a file: never a folder
 _SEEN: list[_Seen] = []  # the recording under way (one at a time), seen by every thread's events
 _record_lock = threading.Lock()
 _hooked = False
@@ -166,17 +169,26 @@ class _Seen:
 
 
 def _audit(event: str, args: tuple[Any, ...]) -> None:
-    if not _SEEN:  # the hook stays for the process's life (PEP 578): cheap when nothing records
+    if not _SEEN and not _LATE:  # the hook stays for the process's life (PEP 578): cheap when idle
         return
-    seen = _SEEN[0]  # whichever thread: a load may read in a thread of its own
+    for seen in (*_SEEN[:1], *(late.seen for late in _LATE[:1])):  # whichever thread reads
+        _note(seen, event, args)
+
+
+def _note(seen: _Seen, event: str, args: tuple[Any, ...]) -> None:
     if event == "open":
         path, mode, flags = args
         if isinstance(path, int) or not _reads(mode, flags):
             return
         try:
-            seen.opened.append(os.path.abspath(os.fsdecode(path)))
+            text = os.fsdecode(path)
         except (TypeError, ValueError):
             return
+        if mode is None and not os.path.isabs(text):
+            # os.open's event does not say its dir_fd: a relative path may be below any folder held
+            # open (the hostile pass read a data file so, unlisted: 40 rows from a stale cache)
+            seen.elsewhere.append(f"it opens {text!r} relative to a folder it cannot be told (os.open)"[:200])
+        seen.opened.append(os.path.abspath(text))
     elif event in ("socket.connect", "socket.sendto", "socket.sendmsg"):
         verb = "connects to" if event == "socket.connect" else "sends to"
         seen.elsewhere.append(f"it {verb} {args[1]!r}"[:200])
@@ -219,16 +231,70 @@ def record(load: Callable[[], T], covered: set[str]) -> tuple[T, Listing]:
         callers = _callers()
         seen = _Seen()
         _SEEN.append(seen)
+        bytecode = sys.pycache_prefix, sys.dont_write_bytecode
+        # What is imported meanwhile runs from its source, which the listing hashes: a module's
+        # __pycache__ is trusted by its source's mtime and size alone, so a forged .pyc ran unseen.
+        sys.pycache_prefix, sys.dont_write_bytecode = NO_BYTECODE, True
         try:
             value = load()
         finally:
             _SEEN.clear()
+            sys.pycache_prefix, sys.dont_write_bytecode = bytecode
         unidentified = list(seen.elsewhere)
         read = list(seen.opened)
         read += filter(None, map(_module_file, sorted(set(sys.modules) - before)))
         # Files mapped meanwhile (shared libraries, whatever native code maps): no open event shows them.
         read += sorted(_mapped_files() - mapped)
         return value, _listing(read, covered | callers, unidentified)
+
+
+class LateReads:
+    """What the code of a watched model reads after its load, in any thread (an import, or a file,
+    that only some inputs reach: the hostile pass's lazy import, and a module a thread imported after
+    the second forward, each changed after a run, were served from the cache). The worker drains it
+    after each chunk's encode (what a thread read between chunks counts too); a chunk whose code
+    read what its load did not, or other bytes of it, says so, and the run's vectors stay out of the
+    vector cache. Imports from then on compile from source."""
+
+    def __init__(self, load: Listing, covered: set[str]) -> None:
+        self.listed, self.covered = set(load.files), set(covered)
+        self.seen, self.modules, self.mapped = _Seen(), set(sys.modules), _mapped_files()
+
+    def also(self, load: Listing, covered: set[str]) -> None:
+        self.listed |= set(load.files)
+        self.covered |= covered
+
+    def drain(self, store: str) -> list[str]:
+        """The files read since the last drain that the loads did not list with these bytes, but for
+        those below ``store`` (the worker's own: the chunk's input, the run's manifest)."""
+        seen, self.seen = self.seen, _Seen()
+        modules, mapped = set(sys.modules), _mapped_files()
+        read = seen.opened + list(filter(None, map(_module_file, sorted(modules - self.modules))))
+        read += sorted(mapped - self.mapped)
+        read = [path for path in read if not under(os.path.realpath(path), frozenset({store}))]
+        self.modules, self.mapped = modules, mapped
+        listing = _listing(read, self.covered, [])
+        return [name for name, sha, package in listing.files if (name, sha, package) not in self.listed]
+
+
+_LATE: list[LateReads] = []  # the process's watch after its loads (a worker of a model with code)
+
+
+def watch_after_load(load: Listing, covered: set[str]) -> None:
+    """Go on watching what the model's code reads once ``load`` was recorded (see ``LateReads``)."""
+    with _record_lock:
+        if _LATE:
+            _LATE[0].also(load, covered)
+            return
+        _LATE.append(LateReads(load, covered))
+        sys.pycache_prefix, sys.dont_write_bytecode = NO_BYTECODE, True
+
+
+def late_reads(store: str) -> list[str]:
+    """What the watched code read since the last call that its loads did not, but for the files
+    below ``store`` (see ``LateReads``)."""
+    with _record_lock:
+        return _LATE[0].drain(os.path.realpath(store)) if _LATE else []
 
 
 def _mapped_files() -> set[str]:

@@ -270,11 +270,23 @@ def _load_watched(ref: str, device: str, options: EncodeOptions) -> tuple[Any, A
             kinds.get(options.kind).warm_up(model, [16])
         return model, canary
 
-    (model, canary), listing = model_code.record(load_and_encode, covered_paths(ref, options.revision))
+    covered = covered_paths(ref, options.revision)
+    (model, canary), listing = model_code.record(load_and_encode, covered)
+    model_code.watch_after_load(listing, covered)
     listing = replace(listing, canary=canary)
     key = (ref, options.load_key(), _model_class(options.kind))
     listing = _code_read[key] = model_code.merged(_code_read.get(key), listing)
     return model, listing
+
+
+def late_code_reads(loaded: LoadedModel, store: Any) -> list[str]:
+    """For a model that brings its own code: the files it read since the last call that its load did
+    not, but for the store's (jobs.compute.model_code.LateReads); nothing for any other model."""
+    if loaded.code is None:
+        return []
+    from chunkq.jobs.compute import model_code
+
+    return model_code.late_reads(str(store))
 
 
 def _with_code(identity: Identity | None, code: Any) -> Identity | None:

@@ -89,6 +89,16 @@ class CacheFeed:
         libraries = (self.manifest.plan or {}).get("libraries")
         if self.broken:
             return
+        if meta.get("code_read_late"):  # the identity the cache keys does not cover that code
+            log.warning(
+                "run %s: chunk %d's encode read %s, which the model's load did not: nothing of the run "
+                "is added to the vector cache (docs/cache.md)",
+                self.manifest.run_id,
+                index,
+                ", ".join(map(str, meta["code_read_late"][:3])),
+            )
+            self.broken = True
+            return
         if self.linking and (
             meta.get("source") == "cache"
             or meta.get("bad_rows")
