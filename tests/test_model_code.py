@@ -25,9 +25,20 @@ from chunkq.queue_worker.exit_codes import EXIT_CONFIG
 from tests.helpers import make_texts, max_abs_diff, result_of, run_cli, write_corpus
 from tests.tiny_models import bundled_copy
 
+# What every test module class ends with: sentence-transformers saves and loads it by its config.
+_SAVE_AND_LOAD = """
+    def save(self, output_path, *args, **kwargs):
+        self.save_config(output_path)
+
+    @classmethod
+    def load(cls, model_name_or_path="", subfolder="", **kwargs):
+        return cls()
+"""
+
 # An installed package's sentence-transformers module: it scales each vector by a number read from a
 # data file of its own, and adds one from another package it imports; neither is in the model's folder.
-_MODULE = """
+_MODULE = (
+    """
 import json, os
 from sentence_transformers.base.modules.module import Module
 import {const}
@@ -41,14 +52,9 @@ class Shift(Module):
             scale = json.load(fh)["scale"]
         features["sentence_embedding"] = features["sentence_embedding"] * scale + {const}.SHIFT
         return features
-
-    def save(self, output_path, *args, **kwargs):
-        self.save_config(output_path)
-
-    @classmethod
-    def load(cls, model_name_or_path="", subfolder="", **kwargs):
-        return cls()
 """
+    + _SAVE_AND_LOAD
+)
 
 
 def _site(root: Path, name: str, extra: str = "") -> Path:
@@ -139,7 +145,8 @@ def test_code_outside_the_folder_changed_is_encoded_again_not_served_from_the_ca
 
 # A module class whose forward imports a helper only for batches larger than the canary's four texts:
 # code the load and its warm-up never run (the hostile pass's 1a, a lazy import for some inputs).
-_LATE_MODULE = """
+_LATE_MODULE = (
+    """
 from sentence_transformers.base.modules.module import Module
 
 class Shift(Module):
@@ -150,14 +157,9 @@ class Shift(Module):
             import {name}late
             features["sentence_embedding"] = features["sentence_embedding"] + {name}late.SHIFT
         return features
-
-    def save(self, output_path, *args, **kwargs):
-        self.save_config(output_path)
-
-    @classmethod
-    def load(cls, model_name_or_path="", subfolder="", **kwargs):
-        return cls()
 """
+    + _SAVE_AND_LOAD
+)
 
 
 @pytest.mark.slow
@@ -394,7 +396,8 @@ def test_transformers_copy_of_a_models_own_code_is_in_its_listing(
     assert (again.digest() != first.digest()) if edited else (again.digest() == first.digest())
 
 
-_SEEN_ELSEWHERE = """
+_SEEN_ELSEWHERE = (
+    """
 import json, os, threading
 from sentence_transformers.base.modules.module import Module
 
@@ -413,14 +416,9 @@ class Shift(Module):
     def forward(self, features):
         features["sentence_embedding"] = features["sentence_embedding"] + self.shift
         return features
-
-    def save(self, output_path, *args, **kwargs):
-        self.save_config(output_path)
-
-    @classmethod
-    def load(cls, model_name_or_path="", subfolder="", **kwargs):
-        return cls()
 """
+    + _SAVE_AND_LOAD
+)
 
 
 @pytest.mark.slow
