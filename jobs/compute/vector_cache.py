@@ -22,6 +22,7 @@ is the only reader and writer of ``cache/``: submit, assembly and ``chunkq cache
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import io
@@ -234,6 +235,9 @@ class VectorCache:
 
     def set_aside(self, shard: Shard, why: str) -> CacheDamage:
         """Move a damaged shard to ``damaged/`` (marker first, so no reader takes it meanwhile)."""
+        if shard.meta.get("until_published") and not shard.path(".json").exists():
+            log.info("vector cache: shard %s went as its run published; its texts are encoded", shard.name)
+            return CacheDamage(f"cache shard {shard.name}: replaced by its run's result")
         stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S%f")
         target = self._dir("damaged")
         for suffix in (".json", ".hashes.npy", ".vectors.npy"):
@@ -322,12 +326,14 @@ class VectorCache:
         blocks: list[str],
         run_id: str,
         seconds: float,
+        until_published: bool = False,
     ) -> str:
         """Add a shard whose vectors are a file already written and checked (a published result's
         float32 ``.npy``, its checksums per BLOCK_ROWS rows ``blocks``) under a second name, a hard
         link: one copy on disk serves the result and the cache, and either may be deleted without
         the other losing a byte. A store where a link cannot be made (another filesystem, an object
-        store) gets a copy. The name written."""
+        store) gets a copy. ``until_published``: a finished chunk's output, serving while its run
+        goes on, forgotten when the run's result takes its place (``forget_early``). The name."""
         name = self._new_name(run_id)
         target = self._dir("shards") / f"{name}.vectors.npy"
         if is_local(target):
@@ -339,8 +345,21 @@ class VectorCache:
         except OSError:  # a copy, made aside and moved (or uploaded) into place whole
             with tempfile.TemporaryDirectory(prefix="chunkq-cache-") as scratch:
                 publish_file(_copied(vectors_npy, Path(scratch) / "vectors.npy"), target)
-        self._commit(name, hashes, dim, blocks, run_id, seconds)
+        self._commit(name, hashes, dim, blocks, run_id, seconds, until_published)
         return name
+
+    def forget_early(self, run_id: str) -> int:
+        """Remove the shards of ``run_id``'s finished chunks (``link_shard(until_published=True)``),
+        by any supervisor of it, the marker first: the run's result serves their rows now. A reader
+        that found one before it went encodes its texts (``set_aside``). How many went."""
+        gone = 0
+        for shard in self.shards():
+            if shard.meta.get("run_id") == run_id and shard.meta.get("until_published"):
+                for suffix in (".json", ".hashes.npy", ".vectors.npy"):
+                    with contextlib.suppress(FileNotFoundError):
+                        shard.path(suffix).unlink()
+                gone += 1
+        return gone
 
     def _new_name(self, run_id: str) -> str:
         stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
@@ -354,6 +373,7 @@ class VectorCache:
         blocks: list[str],
         run_id: str,
         seconds: float,
+        until_published: bool = False,
     ) -> None:
         """The shard's hashes, then its marker, the commit: readers see it whole or not at all."""
         folder = self._dir("shards")
@@ -371,6 +391,7 @@ class VectorCache:
                 "run_id": run_id,
                 "encode_seconds": round(seconds, 3),
                 "created_at": datetime.now(UTC).isoformat(),
+                **({"until_published": True} if until_published else {}),
             },
         )
 

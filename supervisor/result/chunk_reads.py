@@ -9,6 +9,7 @@ built is then abandoned; vectors already given to the cache were checked and sta
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import tempfile
 import time
@@ -19,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from chunkq.jobs.compute.vector_cache import VectorCache, producer, text_hashes
+from chunkq.jobs.compute.vector_cache import BLOCK_ROWS, VectorCache, producer, text_hashes
 from chunkq.jobs.contract.chunk_output import ROWS, output_arrays, output_meta
 from chunkq.jobs.contract.manifest import RunManifest
 from chunkq.jobs.contract.ragged import SCHEMAS
@@ -69,14 +70,49 @@ class CacheFeed:
             return None
         return cls(manifest, cache)
 
-    def add(self, index: int, meta: dict[str, Any], vectors: np.ndarray[Any, Any], texts: list[str]) -> None:
-        """Chunk ``index``'s vectors, if a worker encoded them with the libraries of the cache's key.
-        The hashes are of the texts the worker was given, never a record that could disagree."""
+    def add(
+        self,
+        index: int,
+        meta: dict[str, Any],
+        vectors: np.ndarray[Any, Any],
+        texts: list[str],
+        source: Path | None = None,
+    ) -> None:
+        """Chunk ``index``'s vectors, if a worker encoded them with the libraries of the cache's key
+        (``source``: the checked file they were read from). The hashes are of the texts the worker
+        was given, never a record that could disagree."""
         wall, cpu = time.perf_counter(), time.process_time()
         try:
-            self._add(index, meta, vectors, texts)
+            self._add(index, meta, vectors, texts, source)
         finally:
             self._spent(wall, cpu)
+
+    def _break(self) -> None:
+        """Nothing of the run joins the cache: what its finished chunks served goes too."""
+        self.broken = True
+        if self.linking:
+            try:
+                self.cache.forget_early(self.manifest.run_id)
+            except OSError as exc:
+                log.warning(
+                    "run %s: the vector cache keeps its finished chunks: %s", self.manifest.run_id, exc
+                )
+
+    def _serve_now(self, hashes: np.ndarray[Any, Any], vectors: np.ndarray[Any, Any], source: Path) -> None:
+        """A finished, checked chunk serves the cache at once (issue 65.4: a run submitted beside a
+        long one that held its texts got none of them until it published): its output file, linked
+        as a shard until the run's result takes its place (``link_result``)."""
+        blocks = [
+            hashlib.sha256(vectors[i : i + BLOCK_ROWS].tobytes()).hexdigest()
+            for i in range(0, len(vectors), BLOCK_ROWS)
+        ]
+        try:
+            dim = int(vectors.shape[1])
+            self.cache.link_shard(
+                hashes, source, dim, blocks, self.manifest.run_id, 0.0, until_published=True
+            )
+        except (OSError, ValueError) as exc:
+            log.info("run %s: a finished chunk does not serve the cache yet: %s", self.manifest.run_id, exc)
 
     def _spent(self, wall: float, cpu: float) -> None:
         self.spent = (self.spent[0] + time.perf_counter() - wall, self.spent[1] + time.process_time() - cpu)
@@ -85,8 +121,16 @@ class CacheFeed:
         """Keep the hashes only: the result's float32 parts are linked in as shards once published."""
         self.linking = True
 
-    def _add(self, index: int, meta: dict[str, Any], vectors: np.ndarray[Any, Any], texts: list[str]) -> None:
+    def _add(
+        self,
+        index: int,
+        meta: dict[str, Any],
+        vectors: np.ndarray[Any, Any],
+        texts: list[str],
+        source: Path | None,
+    ) -> None:
         libraries = (self.manifest.plan or {}).get("libraries")
+        as_written = vectors.dtype == np.dtype("<f4") and vectors.ndim == 2  # the file is the shard's
         if self.broken:
             return
         if meta.get("code_read_late"):  # the identity the cache keys does not cover that code
@@ -97,7 +141,7 @@ class CacheFeed:
                 index,
                 ", ".join(map(str, meta["code_read_late"][:3])),
             )
-            self.broken = True
+            self._break()
             return
         if self.linking and (
             meta.get("source") == "cache"
@@ -110,7 +154,7 @@ class CacheFeed:
                 self.manifest.run_id,
                 index,
             )
-            self.broken = True
+            self._break()
             return
         if meta.get("source") == "cache":
             return
@@ -133,6 +177,8 @@ class CacheFeed:
         self.hashes.append(hashes)
         self.seconds += float(meta.get("seconds") or 0)
         if self.linking:
+            if source is not None and as_written and not meta.get("bad_rows"):
+                self._serve_now(hashes, vectors, source)
             return
         self.vectors.append(vectors)
         if sum(len(h) for h in self.hashes) >= CACHE_WRITE_ROWS:
@@ -156,6 +202,7 @@ class CacheFeed:
                 )
                 offset += rows
             self.written = offset
+            self.cache.forget_early(self.manifest.run_id)  # its finished chunks served until now
             log.info(
                 "run %s: its %d vectors are the vector cache's too (one copy)", self.manifest.run_id, offset
             )
@@ -225,7 +272,7 @@ class ChunkReads:
         if self.cache is not None and ROWS in arrays:
             if texts is None:
                 texts = read_chunk_input(self.layout, index)[1]
-            self.cache.add(index, meta, arrays[ROWS], texts)
+            self.cache.add(index, meta, arrays[ROWS], texts, self.layout.output_npy(index))
         return arrays
 
     def check_the_rest(self) -> None:
