@@ -25,6 +25,10 @@ from chunkq.queue_worker.exit_codes import EXIT_CONFIG
 from tests.helpers import make_texts, max_abs_diff, result_of, run_cli, write_corpus
 from tests.tiny_models import bundled_copy
 
+# A bound for the tests that run several watched loads (each a fresh interpreter loading the model
+# and compiling its modules from source): 120-240 s at rest, over 300 s beside two busy cores.
+LOADS_TIMEOUT = 900
+
 # What every test module class ends with: sentence-transformers saves and loads it by its config.
 _SAVE_AND_LOAD = """
     def save(self, output_path, *args, **kwargs):
@@ -107,6 +111,7 @@ def _latest(store: Path) -> RunLayout:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(LOADS_TIMEOUT)
 def test_code_outside_the_folder_changed_is_encoded_again_not_served_from_the_cache(tmp_path: Path) -> None:
     """The hostile pass's two variants: the package a module class imports, then a data file it reads,
     changed after a run; the same texts again in the same store are encoded again and equal a fresh
@@ -163,6 +168,7 @@ class Shift(Module):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(LOADS_TIMEOUT)
 def test_code_only_the_encode_reads_keeps_the_runs_vectors_out_of_the_cache(tmp_path: Path) -> None:
     """A helper the forward imports only for some inputs, changed after a run: the same texts again
     are encoded again, equal to a fresh encode (on the code before, all 40 came from the cache)."""
@@ -319,6 +325,7 @@ def test_a_worker_whose_code_differs_from_the_runs_is_refused_naming_the_file(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(LOADS_TIMEOUT)
 def test_code_that_connects_while_it_loads_is_refused_unless_accepted_by_name(tmp_path: Path) -> None:
     """A module class that opens a connection while it loads: chunkq cannot say what it brought, so
     the run is refused before it starts, in one line; --accept-unidentified-code runs it without the
@@ -422,6 +429,7 @@ class Shift(Module):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(LOADS_TIMEOUT)
 def test_what_the_listing_cannot_see_is_caught_by_the_canary_and_never_served(tmp_path: Path) -> None:
     """The hostile pass's round two: a file read in a thread of its own (now listed: every thread's
     opens are recorded), an environment variable and a file's mere existence (no file is read: the
