@@ -33,7 +33,6 @@ from chunkq.jobs.contract.defaults import (
     WARN_IDLE_SECONDS,
 )
 from chunkq.jobs.contract.errors import ChunksFailedError, ConfigError, CorpusError
-from chunkq.jobs.contract.redaction import redacted
 from chunkq.jobs.contract.run_files import RunLayout, read_json
 from chunkq.jobs.contract.run_queues import DEFAULT_PRIORITY, MAX_PRIORITY
 from chunkq.jobs.contract.settings import PoolSettings
@@ -355,7 +354,7 @@ def check_redis_url(url: str) -> None:
     password's "/" or "@" not percent-encoded makes its rest a port: ``Port could not be cast``)."""
     if parse_redis(url) is None:  # its client's own message would quote the part it could not read
         raise ConfigError(
-            f"{redacted(url)} is not a URL Redis can read (not shown: it may hold a password); write "
+            "the Redis address given is not a URL Redis can read (not shown: it may hold a password); write "
             "it redis://USER:PASSWORD@HOST:PORT/DB with the password's special characters "
             "percent-encoded (/ as %2F, @ as %40, : as %3A, # as %23, ? as %3F, % as %25, a space as %20), "
             "and only the query parameters its client takes (db, socket_timeout, ...)"

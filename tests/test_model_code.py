@@ -280,6 +280,13 @@ def test_a_file_opened_relative_to_a_folder_held_open_cannot_be_identified(tmp_p
     value, listing = model_code.record(load, set())
     assert value == b"0.5"
     assert any("'load.txt' relative to a folder" in why for why in listing.unidentified), listing
+    late = model_code.LateReads(model_code.Listing(), set())  # the same read in an encode, after the load
+    model_code._LATE.append(late)
+    try:
+        load()
+        assert any("'load.txt' relative to a folder" in why for why in late.drain("/nonexistent")), late
+    finally:
+        model_code._LATE.remove(late)
 
 
 def test_a_worker_whose_code_differs_from_the_runs_is_refused_naming_the_file(

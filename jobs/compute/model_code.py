@@ -156,6 +156,7 @@ def canary_difference(mine: list[list[float]] | None, theirs: Any) -> tuple[floa
 
 # --- recording ---------------------------------------------------------------------------------
 
+_RELATIVE_OPEN = "it opens "  # an os.open whose folder its event does not say: never identified
 NO_BYTECODE = os.path.join(os.devnull, "chunkq-reads-no-bytecode")  # below a file: never a folder
 _SEEN: list[_Seen] = []  # the recording under way (one at a time), seen by every thread's events
 _record_lock = threading.Lock()
@@ -187,7 +188,9 @@ def _note(seen: _Seen, event: str, args: tuple[Any, ...]) -> None:
         if mode is None and not os.path.isabs(text):
             # os.open's event does not say its dir_fd: a relative path may be below any folder held
             # open (the hostile pass read a data file so, unlisted: 40 rows from a stale cache)
-            seen.elsewhere.append(f"it opens {text!r} relative to a folder it cannot be told (os.open)"[:200])
+            seen.elsewhere.append(
+                f"{_RELATIVE_OPEN}{text!r} relative to a folder it cannot be told (os.open)"[:200]
+            )
         seen.opened.append(os.path.abspath(text))
     elif event in ("socket.connect", "socket.sendto", "socket.sendmsg"):
         verb = "connects to" if event == "socket.connect" else "sends to"
@@ -274,7 +277,8 @@ class LateReads:
         read = [path for path in read if not under(os.path.realpath(path), frozenset({store}))]
         self.modules, self.mapped = modules, mapped
         listing = _listing(read, self.covered, [])
-        return [name for name, sha, package in listing.files if (name, sha, package) not in self.listed]
+        late = [name for name, sha, package in listing.files if (name, sha, package) not in self.listed]
+        return late + [why for why in seen.elsewhere if why.startswith(_RELATIVE_OPEN)]
 
 
 _LATE: list[LateReads] = []  # the process's watch after its loads (a worker of a model with code)
