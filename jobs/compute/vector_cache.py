@@ -74,6 +74,15 @@ class CacheDamage(Exception):
     """A cache shard failed a check; it has been set aside."""
 
 
+def block_digests(vectors: np.ndarray[Any, Any]) -> list[str]:
+    """The sha256 of each BLOCK_ROWS rows of a shard's float32 ``vectors``, as its marker keeps them."""
+    rows = np.ascontiguousarray(vectors, dtype="<f4")
+    return [
+        hashlib.sha256(rows[i : i + BLOCK_ROWS].tobytes()).hexdigest()
+        for i in range(0, len(rows), BLOCK_ROWS)
+    ]
+
+
 def text_hashes(texts: Iterable[str]) -> np.ndarray[Any, Any]:
     """Each text's key: the first HASH_BYTES of the sha256 of its UTF-8 bytes, as an (n,) 'S16'
     array (fixed-width bytes compare and sort as the hashes do)."""
@@ -311,11 +320,7 @@ class VectorCache:
         name = self._new_name(run_id)
         vectors = np.ascontiguousarray(vectors, dtype="<f4")
         save_npy_atomic(self._dir("shards") / f"{name}.vectors.npy", vectors)
-        blocks = [
-            hashlib.sha256(vectors[i : i + BLOCK_ROWS].tobytes()).hexdigest()
-            for i in range(0, len(vectors), BLOCK_ROWS)
-        ]
-        self._commit(name, hashes, int(vectors.shape[1]), blocks, run_id, seconds)
+        self._commit(name, hashes, int(vectors.shape[1]), block_digests(vectors), run_id, seconds)
         return name
 
     def link_shard(

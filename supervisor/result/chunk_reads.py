@@ -9,7 +9,6 @@ built is then abandoned; vectors already given to the cache were checked and sta
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import tempfile
 import time
@@ -20,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from chunkq.jobs.compute.vector_cache import BLOCK_ROWS, VectorCache, producer, text_hashes
+from chunkq.jobs.compute.vector_cache import VectorCache, block_digests, producer, text_hashes
 from chunkq.jobs.contract.chunk_output import ROWS, output_arrays, output_meta
 from chunkq.jobs.contract.manifest import RunManifest
 from chunkq.jobs.contract.ragged import SCHEMAS
@@ -102,12 +101,8 @@ class CacheFeed:
         """A finished, checked chunk serves the cache at once (issue 65.4: a run submitted beside a
         long one that held its texts got none of them until it published): its output file, linked
         as a shard until the run's result takes its place (``link_result``)."""
-        blocks = [
-            hashlib.sha256(vectors[i : i + BLOCK_ROWS].tobytes()).hexdigest()
-            for i in range(0, len(vectors), BLOCK_ROWS)
-        ]
         try:
-            dim = int(vectors.shape[1])
+            dim, blocks = int(vectors.shape[1]), block_digests(vectors)
             self.cache.link_shard(
                 hashes, source, dim, blocks, self.manifest.run_id, 0.0, until_published=True
             )

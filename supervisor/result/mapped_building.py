@@ -42,7 +42,6 @@ class MappedBuild(Build):
         self.have = np.zeros(manifest.rows, dtype=bool)
         self.distinct: np.ndarray[Any, Any] | None = None
         self.hashes: np.ndarray[Any, Any] | None = None  # each distinct text's, beside its vector
-        self.any_written = False
         self.parts: Iterator[tuple[np.ndarray[Any, Any], PartIds]] = row_map_parts(layout, manifest)
         self.part: tuple[np.ndarray[Any, Any], PartIds] | None = None
         self.offset = 0  # the next corpus row of the current part
@@ -129,7 +128,6 @@ class MappedBuild(Build):
             stored = convert(floats, self.manifest.output_dtype, self.manifest.ranges)
             self.writer.write(ids[self.offset : self.offset + len(block)], stored)
             self._unmap_pages()
-            self.any_written = True
             self.offset += len(block)
             self.corpus_done += len(block)
             if time.monotonic() > deadline:
@@ -137,7 +135,7 @@ class MappedBuild(Build):
 
     def ready_for_assembly(self) -> None:
         """The scratch of distinct vectors goes; the cache is handed the result's hashes."""
-        if self.feed is not None and self.feed.linking and self.any_written and self.hashes is not None:
+        if self.feed is not None and self.feed.linking and self.corpus_done and self.hashes is not None:
             # each corpus row's, in the result's order (the row map read again: kept whole while the
             # chunks landed, they cost 16 bytes a row the whole run)
             self.feed.hashes = [
