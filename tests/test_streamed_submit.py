@@ -164,11 +164,15 @@ def test_a_bad_row_after_chunks_were_encoded_still_leaves_nothing(tmp_path: Path
     assert not store.exists()
 
 
-def test_the_hash_index_is_a_dict_of_its_keys_through_growth_and_collisions() -> None:
+def test_the_hash_index_is_a_dict_of_its_keys_through_growth_and_collisions(monkeypatch: Any) -> None:
     """Blocks of keys put and looked up as the streamed plan does, negative numbers included, with
-    keys whose slots collide (equal first 8 bytes): every lookup is the dict's."""
+    keys whose slots collide (equal first 8 bytes), the table moved a few keys at a time as it grows:
+    every lookup is the dict's."""
     from chunkq.jobs.compute.vector_cache import text_hashes
+    from chunkq.supervisor.submit import hash_index
     from chunkq.supervisor.submit.hash_index import MISSING, HashIndex
+
+    monkeypatch.setattr(hash_index, "_MOVED_AT_A_TIME", 333)
 
     index, truth = HashIndex(capacity=4), dict[bytes, int]()
     keys = text_hashes(str(i) for i in range(20_000))

@@ -30,7 +30,7 @@ from chunkq.jobs.contract.chunk_output import output_meta
 from chunkq.jobs.contract.manifest import RunManifest
 from chunkq.jobs.contract.run_files import RunLayout, read_chunk_input
 from chunkq.jobs.contract.specs import storage_dtype
-from chunkq.jobs.contract.storage import is_local
+from chunkq.jobs.contract.storage import is_local, remove_leftovers_beside, temp_beside
 from chunkq.supervisor.result.chunk_reads import CacheFeed, ChunkReads, Unfit
 from chunkq.supervisor.result.writer import ResultWriter, local_build_dir
 from chunkq.supervisor.store.phases import BUILD, Phases
@@ -46,7 +46,6 @@ class Build:
     def __init__(self, layout: RunLayout, manifest: RunManifest, shard_bytes: int) -> None:
         self.layout, self.manifest, self.shard_bytes = layout, manifest, shard_bytes
         self.next = 0  # the first chunk not yet in the result
-        self.metas: list[dict[str, Any]] = []  # each chunk's record, in order
         self.writer: ResultWriter | None = None
         self.built: Path | None = None
         self.feed = CacheFeed.of(layout, manifest, partial=False)  # the cache's share of the work
@@ -125,7 +124,6 @@ class Build:
         if len(ids) != len(block) or self.writer is None:
             return self._stand_aside(f"chunk {index}: {len(ids)} ids and {len(block)} rows")
         self.writer.write(ids, block)
-        self.metas.append(meta)
         return True
 
     def _open(self, dim: int) -> None:
@@ -142,7 +140,10 @@ class Build:
         block_rows = BLOCK_ROWS if linkable else 0
         self.writer = ResultWriter(self.built, rows, columns, dtype, self.shard_bytes, block_rows=block_rows)
         if self.feed is not None and linkable:
-            self.feed.link_later()
+            # beside the result, not in it (renamed into place); a killed supervisor's goes here
+            spool = self.layout.result.with_name("cache-hashes")
+            remove_leftovers_beside(spool)
+            self.feed.link_later(temp_beside(spool))
 
     def _stand_aside(self, why: str) -> bool:
         self.stood_aside = why
@@ -155,6 +156,8 @@ class Build:
 
         if self.writer is not None:
             self.writer.abort()
+        if self.feed is not None and self.feed.spool is not None:
+            self.feed.spool.unlink(missing_ok=True)
         if self.built is not None:
             shutil.rmtree(self.built, ignore_errors=True)
         self.writer = self.built = None

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from chunkq.jobs.compute.vector_cache import VectorCache, block_digests, producer, text_hashes
+from chunkq.jobs.compute.vector_cache import HASH_BYTES, VectorCache, block_digests, producer, text_hashes
 from chunkq.jobs.contract.chunk_output import ROWS, output_arrays, output_meta
 from chunkq.jobs.contract.manifest import RunManifest
 from chunkq.jobs.contract.ragged import SCHEMAS
@@ -50,8 +50,14 @@ class CacheFeed:
     written: int = 0
     broken: bool = False
     spent: tuple[float, float] = (0.0, 0.0)  # wall and CPU seconds spent here (supervisor/store/phases.py)
-    # The result's own parts become the cache's shards (``link_result``): only hashes are kept here.
-    linking: bool = False
+    # The result's own parts become the cache's shards (``link_result``): only their hashes are kept,
+    # in a file beside the result being made (16 bytes a row held for the whole watch, in memory).
+    spool: Path | None = None
+    spooled: int = 0  # rows whose hashes the spool holds
+
+    @property
+    def linking(self) -> bool:
+        return self.spool is not None
 
     @classmethod
     def of(cls, layout: RunLayout, manifest: RunManifest, partial: bool) -> CacheFeed | None:
@@ -112,9 +118,18 @@ class CacheFeed:
     def _spent(self, wall: float, cpu: float) -> None:
         self.spent = (self.spent[0] + time.perf_counter() - wall, self.spent[1] + time.process_time() - cpu)
 
-    def link_later(self) -> None:
-        """Keep the hashes only: the result's float32 parts are linked in as shards once published."""
-        self.linking = True
+    def link_later(self, spool: Path) -> None:
+        """Keep the hashes only, in ``spool``: the result's float32 parts are linked in as shards
+        once published."""
+        spool.write_bytes(b"")
+        self.spool, self.spooled = spool, 0
+
+    def spool_hashes(self, hashes: np.ndarray[Any, Any]) -> None:
+        """The next rows' hashes, in the result's order."""
+        if self.spool is not None:
+            with open(self.spool, "ab") as out:
+                out.write(np.ascontiguousarray(hashes, dtype=f"S{HASH_BYTES}").tobytes())
+            self.spooled += len(hashes)
 
     def _add(
         self,
@@ -169,12 +184,13 @@ class CacheFeed:
             left_out = [int(r["row"]) for r in meta["bad_rows"]]
             keep = ~np.isin(np.arange(first, first + len(texts)), left_out)
             hashes, vectors = hashes[keep], vectors[keep]
-        self.hashes.append(hashes)
         self.seconds += float(meta.get("seconds") or 0)
         if self.linking:
+            self.spool_hashes(hashes)
             if source is not None and as_written and not meta.get("bad_rows"):
                 self._serve_now(hashes, vectors, source)
             return
+        self.hashes.append(hashes)
         self.vectors.append(vectors)
         if sum(len(h) for h in self.hashes) >= CACHE_WRITE_ROWS:
             self.flush()
@@ -184,17 +200,17 @@ class CacheFeed:
         order, added as a shard under a second name (``VectorCache.link_shard``)."""
         wall, cpu = time.perf_counter(), time.process_time()
         try:
-            if self.broken or not self.linking or not self.hashes:
+            if self.broken or self.spool is None or not self.spooled:
                 return
-            hashes, offset = np.concatenate(self.hashes), 0
-            total = sum(rows for _, rows, _ in parts)
-            if total != len(hashes):
-                raise ValueError(f"{len(hashes)} hashes for {total} rows")
+            total, offset = sum(rows for _, rows, _ in parts), 0
+            if total != self.spooled:
+                raise ValueError(f"{self.spooled} hashes for {total} rows")
             for path, rows, blocks in parts:
                 share = self.seconds * rows / max(1, total)
-                self.cache.link_shard(
-                    hashes[offset : offset + rows], path, dim, blocks, self.manifest.run_id, share
-                )
+                # mapped a part at a time: the run's hashes are never all in memory
+                hashes = np.memmap(self.spool, f"S{HASH_BYTES}", "r", offset * HASH_BYTES, (rows,))
+                self.cache.link_shard(hashes, path, dim, blocks, self.manifest.run_id, share)
+                del hashes
                 offset += rows
             self.written = offset
             self.cache.forget_early(self.manifest.run_id)  # its finished chunks served until now
@@ -204,7 +220,9 @@ class CacheFeed:
         except (OSError, ValueError) as exc:
             log.warning("run %s: the vector cache was not updated: %s", self.manifest.run_id, exc)
         finally:
-            self.hashes, self.seconds = [], 0.0
+            if self.spool is not None:
+                self.spool.unlink(missing_ok=True)
+            self.spooled, self.seconds = 0, 0.0
             self._spent(wall, cpu)
 
     def flush(self) -> None:

@@ -105,7 +105,6 @@ class MappedBuild(Build):
         self._unmap_pages()  # a look may take many chunks: their pages go one chunk at a time
         if self.libraries and meta.get("libraries") != self.libraries and meta.get("source") != "cache":
             self.feed = None  # rows of other releases: the cache's key would not be theirs
-        self.metas.append(meta)
         return True
 
     def _scratch(self, name: str = ".distinct.f32") -> Any:
@@ -138,9 +137,9 @@ class MappedBuild(Build):
         if self.feed is not None and self.feed.linking and self.corpus_done and self.hashes is not None:
             # each corpus row's, in the result's order (the row map read again: kept whole while the
             # chunks landed, they cost 16 bytes a row the whole run)
-            self.feed.hashes = [
-                np.concatenate([self.hashes[rows] for rows, _ in row_map_parts(self.layout, self.manifest)])
-            ]
+            for rows, _ in row_map_parts(self.layout, self.manifest):
+                self.feed.spool_hashes(self.hashes[rows])
+                self._unmap_pages()
             self.reads.cache = self.feed
         self._drop_scratch()
 

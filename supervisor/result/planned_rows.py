@@ -29,7 +29,9 @@ from chunkq.supervisor.result.chunk_reads import ChunkReads
 log = logging.getLogger(__name__)
 
 ROWS_AT_A_TIME = 1 << 16  # corpus rows of the row map put in the result at a time, at most
-BLOCK_BYTES = 8 << 20  # and of their float32 vectors: 65,536 rows of 256 dims took 64 MB and copies
+# and of their float32 vectors: 65,536 rows of 256 dims took 64 MB and copies; 8 MiB still held ~50 MB
+# for a moment (the block, its copies, and the distinct vectors' pages a gather of its rows touches)
+BLOCK_BYTES = 2 << 20
 
 
 def rows_at_a_time(dim: int) -> int:

@@ -26,21 +26,21 @@ import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from itertools import islice
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
 from chunkq.jobs.compute.vector_cache import CacheDamage, Shard, VectorCache
 from chunkq.jobs.contract.run_files import (
     RunLayout,
-    atomic_write_bytes,
     new_memmap,
     save_npy_atomic,
     write_chunk_input,
     write_output,
 )
-from chunkq.jobs.contract.storage import local_scratch, remove_tree
+from chunkq.jobs.contract.storage import atomic_path, local_scratch, remove_tree
 from chunkq.supervisor.result.planned_rows import chunk_of_row
 from chunkq.supervisor.submit.hash_join import (
     ROW_BLOCK,
@@ -55,7 +55,7 @@ from chunkq.supervisor.submit.hash_join import (
 
 log = logging.getLogger(__name__)
 
-PART_ROWS = 1 << 20  # corpus rows a file of the row map (and of its ids) holds
+PART_ROWS = 1 << 18  # corpus rows a file of the row map (and of its ids) holds: what assembly holds of it
 CACHE_WORKER = "cache"  # who "encoded" a chunk read from the vector cache at submit (its output's worker)
 
 
@@ -210,21 +210,28 @@ def write_row_map(
     layout: RunLayout, chunk_row: np.ndarray[Any, Any], spooled_ids: Path, n: int
 ) -> list[dict[str, Any]]:
     """plan/rows-<k>.npy (each corpus row's chunk row) and plan/ids-<k>.jsonl, PART_ROWS rows a file."""
-    ids = open(spooled_ids, "rb")
     dtype = np.uint32 if n <= np.iinfo(np.uint32).max else np.uint64
     parts = []
-    try:
+    with open(spooled_ids, "rb") as ids:
         for part, start in enumerate(range(0, n, PART_ROWS)):
             stop = min(n, start + PART_ROWS)
             map_sha = save_npy_atomic(layout.plan_map(part), np.asarray(chunk_row[start:stop], dtype=dtype))
-            data = b"".join(ids.readline() for _ in range(start, stop))
-            atomic_write_bytes(layout.plan_ids(part), data)
-            parts.append(
-                {"rows": stop - start, "map_sha256": map_sha, "ids_sha256": hashlib.sha256(data).hexdigest()}
-            )
-    finally:
-        ids.close()
+            ids_sha = _copy_lines(ids, stop - start, layout.plan_ids(part))
+            parts.append({"rows": stop - start, "map_sha256": map_sha, "ids_sha256": ids_sha})
     return parts
+
+
+def _copy_lines(source: BinaryIO, count: int, path: Path) -> str:
+    """The next ``count`` lines of ``source`` into ``path`` (atomically), a block at a time; their
+    sha256. A part's lines joined in one go held ~60 MB of bytes objects at 2^20 rows."""
+    digest = hashlib.sha256()
+    with atomic_path(path) as tmp, open(tmp, "wb") as out:
+        while count > 0:
+            data = b"".join(islice(source, min(count, ROW_BLOCK)))
+            count -= min(count, ROW_BLOCK)
+            digest.update(data)
+            out.write(data)
+    return digest.hexdigest()
 
 
 def write_cached_chunks(

@@ -45,15 +45,16 @@ STREAM_MAX_CACHE_ROWS = 1 << 22  # the cache's texts under the run's producer, h
 POSITION_BITS = 40  # a cached text's number: its shard << 40 | its row in the shard
 
 
-def cache_index(cache: VectorCache | None) -> tuple[HashIndex, list[Shard]] | None:
+def cache_index(cache: VectorCache | None, scratch: Path) -> tuple[HashIndex, list[Shard]] | None:
     """Each cached text's hash to its shard and row, and the shards; None where they are too many to
-    hold (the two-pass plan then). A damaged shard is set aside and its texts are encoded."""
+    hold (the two-pass plan then). A damaged shard is set aside and its texts are encoded.
+    ``scratch``: a local folder for the index's records."""
     if cache is None:
-        return HashIndex(), []
+        return HashIndex(folder=scratch), []
     shards = cache.shards()
     if sum(s.rows for s in shards) > STREAM_MAX_CACHE_ROWS:
         return None
-    index, kept = HashIndex(), list[Shard]()
+    index, kept = HashIndex(folder=scratch), list[Shard]()
     for shard in shards:
         try:
             hashes = cache.hashes(shard)
@@ -101,6 +102,18 @@ def _blocks(records: Iterable[PlanRow], first: int) -> Iterator[list[PlanRow]]:
         size = min(ROW_BLOCK, 2 * size)
 
 
+def _number_cached(chunk_row: np.ndarray[Any, Any], misses: int) -> bool:
+    """Give the cache's texts their chunk rows (they follow the others), a block at a time; whether
+    every row is its own chunk row."""
+    identity = True
+    for start in range(0, len(chunk_row), ROW_BLOCK):
+        block = chunk_row[start : start + ROW_BLOCK]
+        from_cache = block < 0
+        block[from_cache] = misses + (-block[from_cache] - 1)
+        identity = identity and bool(np.array_equal(block, np.arange(start, start + len(block))))
+    return identity
+
+
 def _write(
     records: Iterable[PlanRow],
     layout: RunLayout,
@@ -114,7 +127,7 @@ def _write(
     folder: Path,
 ) -> dict[str, Any]:
     encode = Chunker(layout, chunk_size, 0, [], written)
-    seen = HashIndex()  # a distinct text's chunk row; a cached one's as -(its hit number + 1)
+    seen = HashIndex(folder=folder)  # a distinct text's chunk row; a cached one's as -(its hit number + 1)
     rows = misses = hits = 0
     paths = {name: folder / name for name in ("ids.jsonl", "chunk_row.bin", "hits.jsonl", "hits.refs")}
     with (
@@ -154,12 +167,12 @@ def _write(
             rows += len(block)
             del block  # before the next one is read (see _blocks)
         encode.flush()
+    seen.close()  # the split's largest part (~25 MB at 10^6 distinct texts): not kept for what follows
+    del seen
     if not rows:
         return {"corpus_rows": 0}
     chunk_row = np.memmap(paths["chunk_row.bin"], dtype=np.int64, mode="r+", shape=(rows,))
-    from_cache = chunk_row < 0
-    chunk_row[from_cache] = misses + (-chunk_row[from_cache] - 1)  # the cache's texts follow the others
-    identity = bool(np.array_equal(chunk_row, np.arange(rows)))
+    identity = _number_cached(chunk_row, misses)
     parts = [] if identity else write_row_map(layout, chunk_row, paths["ids.jsonl"], rows)
     if not identity:
         write_corpus_rows_per_chunk(layout, chunk_row, chunk_size, misses, hits)

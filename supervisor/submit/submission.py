@@ -139,9 +139,9 @@ def _write_planned(
         "model_identity": described["model_identity"] if described is not None else None,
         "libraries": described["libraries"] if described is not None else None,
     }
-    found = cache_index(cache) if split is not None and not req.windowed else None
     counts = WindowCounts()
     with local_scratch(layout.root) as scratch, IdRegistry(scratch / ".ids.sqlite") as seen:
+        found = cache_index(cache, scratch) if split is not None and not req.windowed else None
         rows: Any = read_inputs(req)
         check: Any = seen.add
         if split is not None and found is not None:
