@@ -40,6 +40,9 @@ from chunkq.supervisor.submit.plan import (
 log = logging.getLogger(__name__)
 
 STREAM_MAX_CACHE_ROWS = 1 << 22  # the cache's texts under the run's producer, held in memory
+# corpus rows read at a time at most: a row read is ~340 bytes of Python objects, and 2^16 of them were
+# a sixth of the supervisor at the end of a 10^6-row split
+READ_BLOCK_ROWS = 1 << 15
 
 
 POSITION_BITS = 40  # a cached text's number: its shard << 40 | its row in the shard
@@ -91,7 +94,7 @@ def write_streamed_inputs(
 
 def _blocks(records: Iterable[PlanRow], first: int) -> Iterator[list[PlanRow]]:
     """``first`` rows (a chunk: the first worker's work comes before the rest is read), then blocks
-    growing to ROW_BLOCK (each costs a round of hashing and an id check)."""
+    growing to READ_BLOCK_ROWS (each costs a round of hashing and an id check)."""
     it, size = iter(records), first
     while True:
         block = list(islice(it, size))
@@ -99,7 +102,7 @@ def _blocks(records: Iterable[PlanRow], first: int) -> Iterator[list[PlanRow]]:
             return
         yield block
         del block  # the next block is read without this one: two alive at once held ~50 MB at 10^6
-        size = min(ROW_BLOCK, 2 * size)
+        size = min(READ_BLOCK_ROWS, 2 * size)
 
 
 def _number_cached(chunk_row: np.ndarray[Any, Any], misses: int) -> bool:
