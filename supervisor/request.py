@@ -34,7 +34,7 @@ from chunkq.jobs.contract.defaults import (
 )
 from chunkq.jobs.contract.errors import ChunksFailedError, ConfigError, CorpusError
 from chunkq.jobs.contract.run_files import RunLayout, read_json
-from chunkq.jobs.contract.run_queues import DEFAULT_PRIORITY, MAX_PRIORITY
+from chunkq.jobs.contract.run_queues import MAX_PRIORITY
 from chunkq.jobs.contract.settings import PoolSettings
 from chunkq.jobs.contract.specs import BATCH_TOKENS_OFF, EncodeOptions
 from chunkq.jobs.contract.storage import is_local, open_store
@@ -184,7 +184,7 @@ def submit_request(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     run_id: str | None = None,
     queue: str = DEFAULT_QUEUE,
-    priority: int = DEFAULT_PRIORITY,
+    priority: int | None = None,
     job_timeout: int | None = None,
     queue_window: int | None = None,
     cache: bool | None = None,
@@ -204,7 +204,7 @@ def submit_request(
     positive_int("chunk_size", chunk_size)
     if job_timeout is not None:
         positive_int("job_timeout", job_timeout)
-    if not 1 <= priority <= MAX_PRIORITY:
+    if priority is not None and not 1 <= priority <= MAX_PRIORITY:
         raise ConfigError(f"--priority {priority}: from 1 to {MAX_PRIORITY}")
     if long_texts not in LONG_TEXTS:
         raise ConfigError(f"long_texts {long_texts!r}: one of {', '.join(LONG_TEXTS)}")

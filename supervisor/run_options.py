@@ -268,9 +268,10 @@ RUN_OPTIONS: tuple[Option, ...] = (
     ),
     _submit(
         "priority",
-        DEFAULT_PRIORITY,
+        None,
         "Turns at workers shared with other runs. A run of priority N takes N turns for each turn of a "
-        f"priority-1 run (1-{MAX_PRIORITY}); every run gets turns, none waits behind another's backlog.",
+        f"priority-1 run (1-{MAX_PRIORITY}); every run gets turns, none waits behind another's backlog. "
+        f"Default: {DEFAULT_PRIORITY}; a resumed run keeps its own unless given.",
         kind="int",
         low=1,
         high=MAX_PRIORITY,

@@ -242,6 +242,29 @@ def test_another_batch_size_resumes_the_run_and_the_chunks_left_use_it(
     assert mine.created
 
 
+def test_a_run_resumed_with_another_priority_takes_its_turns_with_it_and_without_one_keeps_its_own(
+    tmp_path: Path, store: Path, connection: redis.Redis
+) -> None:
+    """Issue 65.1: --priority given again to a resumed run is its priority from then on (the
+    manifest, and the score its queue is listed with for the workers); left out, the run keeps the
+    one it had (a resume without it put a priority-5 run back to 1)."""
+    from chunkq.jobs.contract.manifest import load_manifest
+    from chunkq.jobs.contract.run_queues import listed
+
+    corpus = write_corpus(tmp_path / "c.jsonl", *make_texts(35), "jsonl")
+    first = submit(_request(corpus, store, priority=5), connection)
+    layout = RunLayout(store, first.run_id)
+    own = load_manifest(layout).queue
+    assert load_manifest(layout).priority == 5 and listed(connection, "t") == [(own, 5)]
+    submit(_request(corpus, store), connection)
+    assert load_manifest(layout).priority == 5 and listed(connection, "t") == [(own, 5)]
+    again = submit(_request(corpus, store, priority=9), connection)
+    assert (again.run_id, again.created) == (first.run_id, False)
+    assert load_manifest(layout).priority == 9 and listed(connection, "t") == [(own, 9)]
+    other = submit(_request(write_corpus(tmp_path / "d.jsonl", *make_texts(5), "jsonl"), store), connection)
+    assert load_manifest(RunLayout(store, other.run_id)).priority == 1  # a new run's default
+
+
 def test_a_run_begun_with_its_batch_size_in_its_identity_is_resumed_by_the_same_command(
     tmp_path: Path, store: Path, connection: redis.Redis
 ) -> None:

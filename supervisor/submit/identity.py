@@ -29,7 +29,6 @@ from chunkq.jobs.contract.run_files import (
     RunLayout,
     file_sha256,
 )
-from chunkq.jobs.contract.run_queues import DEFAULT_PRIORITY
 from chunkq.jobs.contract.specs import BATCHING, EncodeOptions, fingerprint, validate_run_id, without_batching
 from chunkq.jobs.contract.storage import is_local, open_store
 from chunkq.supervisor.submit.corpus import (
@@ -59,7 +58,8 @@ class SubmitRequest:
     encode: EncodeOptions = field(default_factory=EncodeOptions)
     run_id: str | None = None
     queue: str = DEFAULT_QUEUE
-    priority: int = DEFAULT_PRIORITY  # its turns at shared workers (jobs/contract/run_queues.py)
+    # its turns at shared workers (jobs/contract/run_queues.py); None: the default, or a resumed run's own
+    priority: int | None = None
     job_timeout: int | None = None  # seconds per chunk; default scales with the chunk size
     queue_window: int | None = None  # jobs in Redis at once (enqueue.window_size); the rest wait in the store
     cache: bool | None = None  # the vector cache and in-run deduplication; None: on for float outputs

@@ -27,7 +27,7 @@ from chunkq.jobs.contract.run_files import (
     read_chunk_input,
     write_chunk_input,
 )
-from chunkq.jobs.contract.run_queues import run_queue
+from chunkq.jobs.contract.run_queues import DEFAULT_PRIORITY, run_queue
 from chunkq.jobs.contract.specs import BATCHING, FORMAT_VERSION, EncodeOptions, fingerprint
 from chunkq.jobs.contract.storage import is_local, local_scratch, remove_tree
 from chunkq.supervisor.result.chunk_reads import set_aside
@@ -223,7 +223,7 @@ def _base_manifest(req: SubmitRequest, layout: RunLayout, identified: Identified
         "chunk_size": req.chunk_size,
         "queue": req.queue,
         "run_queue": run_queue(req.queue, layout.run_id),
-        "priority": req.priority,
+        "priority": req.priority or DEFAULT_PRIORITY,
         "job_timeout": req.timeout(),
     }
 
@@ -357,7 +357,19 @@ def prepare(
     # outputs it was assembled from.
     if published_result(layout, manifest) is not None:
         return Prepared(manifest, created=False, published=True)
-    return Prepared(_with_batching(layout, manifest, req.encode), created=False, published=False)
+    manifest = _with_priority(layout, _with_batching(layout, manifest, req.encode), req.priority)
+    return Prepared(manifest, created=False, published=False)
+
+
+def _with_priority(layout: RunLayout, manifest: RunManifest, asked: int | None) -> RunManifest:
+    """A run resumed with another --priority takes its turns with it from now on (its supervisor
+    lists its queue with the manifest's priority at each look); without one it keeps its own."""
+    if asked is None or asked == manifest.priority:
+        return manifest
+    log.info("run %s: resumed with --priority %d (it had %d)", manifest.run_id, asked, manifest.priority)
+    data = {**manifest.data, "priority": asked}
+    atomic_write_json(layout.manifest, data)
+    return RunManifest(data)
 
 
 def _with_batching(layout: RunLayout, manifest: RunManifest, encode: EncodeOptions) -> RunManifest:
