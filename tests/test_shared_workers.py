@@ -64,6 +64,36 @@ def test_a_flood_run_does_not_keep_a_small_run_waiting_behind_its_backlog(
     # the flood's, not after its 160.
     assert flood_before <= 20, flood_before
     assert listed(connection, "shared") == []  # settled runs leave the rotation
+    from rq import Queue
+
+    # and RQ's list of queues (`rq info`, the dashboard): nothing failed, nothing left in them
+    assert not {q.name for q in Queue.all(connection=connection)} & {"shared.flood", "shared.small"}
+
+
+def test_a_settled_runs_queue_leaves_rqs_list_unless_something_is_left_in_it(connection: redis.Redis) -> None:
+    """One RQ queue a run, kept for good, piled up in `rq info` and the dashboard a line a run; a
+    queue with failed chunks (their tracebacks) or a job in it stays."""
+    from rq import Queue
+    from rq.registry import FailedJobRegistry
+    from rq.serializers import JSONSerializer
+
+    from chunkq.jobs.contract.run_queues import retire
+
+    def names() -> set[str]:
+        return {q.name for q in Queue.all(connection=connection)}
+
+    queues = {n: Queue(f"rq1.{n}", connection=connection, serializer=JSONSerializer) for n in "abc"}
+    for name, queue in queues.items():
+        queue.enqueue_call("chunkq.jobs.embed.embed_chunk", job_id=f"{name}__c000001")
+    queues["a"].remove("a__c000001")
+    failed = queues["b"].fetch_job("b__c000001")
+    assert failed is not None
+    queues["b"].remove(failed.id)
+    FailedJobRegistry(queue=queues["b"]).add(failed, ttl=60)
+    assert {"rq1.a", "rq1.b", "rq1.c"} <= names()
+    assert [retire(connection, "rq1", f"rq1.{n}") for n in "abc"] == [True, False, False]
+    assert "rq1.a" not in names() and {"rq1.b", "rq1.c"} <= names()
+    assert not retire(connection, "rq1", "rq1")  # the pools' own queue is never retired
 
 
 def test_a_waiting_run_is_told_what_the_workers_are_busy_with(

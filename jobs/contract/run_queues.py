@@ -16,6 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 import redis
+from rq.queue import Queue
+from rq.registry import DeferredJobRegistry, FailedJobRegistry, ScheduledJobRegistry, StartedJobRegistry
 
 RUN_QUEUES_PREFIX = "chunkq:run-queues:"
 DEFAULT_PRIORITY = 1
@@ -41,6 +43,32 @@ def unregister(connection: redis.Redis, pool_queue: str, queue: str) -> None:
     """A settled run's queue is no longer looked at (its registries stay, for RQ's tools)."""
     if queue != pool_queue:
         connection.zrem(run_queues_key(pool_queue), queue)
+
+
+def retire(connection: redis.Redis, pool_queue: str, queue: str) -> bool:
+    """Take a settled run's queue out of RQ's list of queues (``rq info``, the dashboard) if nothing
+    is left in it or its registries: one queue a run, kept for good, piled up a line a run there.
+    A queue with failed chunks stays, for their tracebacks. A job queued meanwhile keeps it (RQ
+    lists a queue again as it queues into it); whether it was removed."""
+    if queue == pool_queue:
+        return False
+    rq_queue = Queue(queue, connection=connection)
+    registries = [
+        kind(queue, connection=connection).key
+        for kind in (FailedJobRegistry, StartedJobRegistry, DeferredJobRegistry, ScheduledJobRegistry)
+    ]
+    with connection.pipeline() as pipe:
+        try:
+            pipe.watch(rq_queue.key, *registries)  # type: ignore[no-untyped-call]
+            if pipe.llen(rq_queue.key) or any(pipe.zcard(key) for key in registries):
+                return False
+            pipe.multi()
+            pipe.srem(Queue.redis_queues_keys, rq_queue.key)
+            pipe.delete(rq_queue.key)
+            pipe.execute()
+        except redis.WatchError:
+            return False
+    return True
 
 
 def listed(connection: redis.Redis, pool_queue: str) -> list[tuple[str, int]]:

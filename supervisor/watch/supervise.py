@@ -191,6 +191,7 @@ class Supervisor:
         # Each look, not once: a Redis restarted without its data has the run's turn back at once.
         if snap.settled:
             run_queues.unregister(self.connection, pools, own)
+            run_queues.retire(self.connection, pools, own)
         else:
             run_queues.register(self.connection, pools, own, self.manifest.priority)
         if self.metrics is not None:
