@@ -23,7 +23,7 @@ from rq.exceptions import StopRequested
 from rq.worker import SimpleWorker, WorkerStatus
 
 from chunkq.jobs.compute import runtime
-from chunkq.jobs.contract import errors, jobmeta, run_queues
+from chunkq.jobs.contract import attempt_records, errors, jobmeta, run_queues
 from chunkq.jobs.contract.defaults import HEARTBEAT_SECONDS
 from chunkq.jobs.contract.events import announce_settled
 from chunkq.jobs.contract.queueing import give_back
@@ -327,6 +327,9 @@ class ChunkWorker(SimpleWorker):
         return result
 
     def execute_job(self, job: Any, queue: Any) -> None:
+        if attempt_records.is_record(job):  # requeued by hand: it runs nothing (attempt_records.py)
+            self._taking_job = False
+            return attempt_records.put_back(self.connection, job, self.name)
         if self._stop_requested:  # the stop came while this worker took the job: it goes back, unstarted
             self._give_back(job, queue)
             self._taking_job = False

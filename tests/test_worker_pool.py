@@ -318,6 +318,39 @@ def test_a_stop_signalled_during_start_up_is_not_lost(connection: redis.Redis) -
     assert job.get_status(refresh=True) == "queued"
 
 
+def test_an_attempt_record_requeued_by_hand_is_put_back_as_it_was(
+    connection: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 65.2: a failed attempt's record in the failed registry, requeued by hand (`rq requeue
+    --all`, the dashboard's Requeue), was taken by a worker and failed again as "not on chunkq's
+    allow-list", the attempt's own traceback replaced. A worker puts it back as it was; nothing runs."""
+    from rq.job import JobStatus
+    from rq.results import Result
+
+    from chunkq.jobs.contract.attempt_records import keep_failed_attempt, record_id
+    from chunkq.queue_worker.chunk_worker import ChunkWorker
+
+    queue = Queue("byhand", connection=connection, serializer=JSONSerializer)
+    job = queue.enqueue_call("chunkq.jobs.embed.embed_chunk", job_id="r__c000001", meta={"attempt": 1})
+    queue.remove(job.id)
+    Result.create_failure(job, 60, "Traceback (most recent call last):\nRuntimeError: the first attempt's")
+    keep_failed_attempt(connection, job, 1)
+    failed = FailedJobRegistry(queue=queue)
+    record = record_id(job.id, 1)
+    failed.requeue(record)
+    assert record not in failed.get_job_ids() and queue.count == 1
+    worker = ChunkWorker([queue], connection=connection, name="byhand", serializer=JSONSerializer)
+    with signal_handlers_restored(), caplog.at_level(logging.WARNING):
+        worker.work(burst=True)
+    assert worker.jobs_run == 0 and queue.count == 0 and record in failed.get_job_ids()
+    kept = queue.fetch_job(record)
+    assert kept is not None and kept.get_status() == JobStatus.FAILED
+    latest = kept.latest_result()
+    assert latest is not None and "the first attempt's" in (latest.exc_string or "")
+    assert "allow-list" not in (latest.exc_string or "")
+    assert any("record of a failed attempt" in r.getMessage() for r in caplog.records)
+
+
 def test_a_stop_signalled_as_a_job_is_taken_gives_it_back_unstarted(connection: redis.Redis) -> None:
     """A signal after Redis moved a job to the worker and before it started: the job goes back to
     the front of its queue, not into RQ's intermediate list where nothing runs it for minutes."""

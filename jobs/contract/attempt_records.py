@@ -5,11 +5,15 @@ job takes it out of the failed registry: a chunk that failed and was retried sho
 dashboard or `rq info`, while `chunkq status` listed the attempt (issue 65.2). So before the job
 goes back, a record of the attempt as it failed joins the same failed registry, under
 ``<job id>__a<attempt>``: its traceback, meta and times, and which job runs the chunk now. A record
-runs nothing: its call names a function on no allow-list, so a "Requeue" from the dashboard fails at
-once. It expires with RQ's failed-job TTL, and goes with the run's jobs.
+runs nothing: its call names a function on no allow-list. Requeued by hand (the dashboard's
+"Requeue", `rq requeue --all`), a worker that takes it puts it back as it was (``put_back``): it
+failed again as "not on the allow-list", its own traceback lost. It expires with RQ's failed-job
+TTL, and goes with the run's jobs.
 """
 
 from __future__ import annotations
+
+import logging
 
 import redis
 from rq.defaults import DEFAULT_FAILURE_TTL
@@ -17,6 +21,8 @@ from rq.job import Job, JobStatus
 from rq.registry import FailedJobRegistry
 from rq.results import Result
 from rq.serializers import JSONSerializer
+
+log = logging.getLogger(__name__)
 
 RECORD_MARK = "__a"
 RECORD_CALL = "chunkq.failed_attempt_record"  # not a function: a record requeued by hand is refused
@@ -49,4 +55,27 @@ def keep_failed_attempt(connection: redis.Redis, job: Job, attempt: int) -> None
         Result.create_failure(
             record, RECORD_TTL, traceback, worker_name=str(job.meta.get("worker", "")), pipeline=pipe
         )
+        pipe.execute()
+
+
+def is_record(job: Job) -> bool:
+    return job.func_name == RECORD_CALL
+
+
+def put_back(connection: redis.Redis, job: Job, worker: str) -> None:
+    """A record ``worker`` took (it was requeued by hand) back in its failed registry, with the
+    traceback of the attempt it records: nothing ran, no attempt is counted."""
+    log.warning(
+        "Worker %s: %s is the record of a failed attempt, not a job (requeued by hand?); put back in the "
+        "failed registry as it was (the chunk's own job is %s)",
+        worker,
+        job.id,
+        job.id.rpartition(RECORD_MARK)[0],
+    )
+    failed = job.latest_result()
+    traceback = failed.exc_string if failed is not None and failed.exc_string else ""
+    registry = FailedJobRegistry(job.origin, connection=connection, serializer=JSONSerializer)
+    with connection.pipeline() as pipe:
+        job.set_status(JobStatus.FAILED, pipeline=pipe)
+        registry.add(job, ttl=RECORD_TTL, exc_string=traceback, pipeline=pipe)
         pipe.execute()
