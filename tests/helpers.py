@@ -223,6 +223,40 @@ def result_matches(layout: Any, texts: list[str], reference_model: Any) -> bool:
     return max_abs_diff(np.load(layout.result / "embeddings.npy"), reference_model.encode(texts)) <= 1e-5
 
 
+def failure_counts(store: Path, run_id: str, redis_url: str) -> dict[str, int]:
+    """A run's failed attempts as each view counts them (issue 65.2, one truth for failures):
+    `status --json`, `report`, the run queue's failed registry (the dashboard's) and `rq info`."""
+    import re
+
+    import redis
+    from rq.registry import FailedJobRegistry
+    from rq.serializers import JSONSerializer
+
+    from chunkq.jobs.contract.manifest import load_manifest
+    from chunkq.jobs.contract.run_files import RunLayout
+
+    status = run_cli("status", run_id, "--store", str(store), "--json")
+    report = run_cli("report", run_id, "--store", str(store))
+    queue = load_manifest(RunLayout(store, run_id)).queue
+    connection = redis.Redis.from_url(redis_url)
+    registry = FailedJobRegistry(queue, connection=connection, serializer=JSONSerializer).count
+    info = subprocess.run(
+        [str(Path(sys.executable).parent / "rq"), "info", "-u", redis_url, "-S", "json", queue],
+        capture_output=True, text=True, timeout=60, check=False, env=cli_env(forks=False),
+    )  # fmt: skip
+    said = re.search(r"(\d+) failed attempt\(s\)", report.stdout)
+    listed = re.search(r"\b(\d+) failed\b", info.stdout)
+    assert status.returncode == 0 and said and listed, (
+        status.stderr + report.stdout + info.stdout + info.stderr
+    )
+    return {
+        "status": len(json.loads(status.stdout)["failed_attempts"]),
+        "report": int(said.group(1)),
+        "registry": registry,
+        "rq info": int(listed.group(1)),
+    }
+
+
 def start_run_with_a_slow_chunk(
     tmp_path: Path, seed: int, seconds: float, chunk: int = 0, store: Path | None = None, rows: int = 60
 ) -> tuple[subprocess.Popen[bytes], Path, tuple[str, ...], list[str]]:

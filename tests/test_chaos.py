@@ -20,6 +20,7 @@ from chunkq.jobs.contract.specs import chunk_job_id
 from chunkq.supervisor.store.embedded_redis import EmbeddedRedis
 from chunkq.supervisor.submit.enqueue import job_statuses
 from tests.helpers import (
+    failure_counts,
     make_texts,
     max_abs_diff,
     run_cli,
@@ -151,3 +152,13 @@ def test_chaos_run_loses_and_duplicates_nothing(tmp_path: Path, reference_model:
     assert "recycled: ran its max jobs" in pool_log
     assert "queued" in supervisor_logs and "attempt 2 queued" in supervisor_logs  # requeue
     assert "Redis unreachable" in supervisor_logs  # rode out the Redis restart
+
+    # One truth for the night's failures (issue 65.2): every view counts the same events, at least
+    # the injected CUDA errors and the slow chunks' killed workers.
+    server = EmbeddedRedis(tmp_path / "redis", password=server.password, port=server.port).start()
+    try:
+        counts = failure_counts(store, "chaos", server.url)
+    finally:
+        server.stop()
+    assert len(set(counts.values())) == 1, counts
+    assert counts["status"] >= len(CUDA_CHUNKS) + len(SLOW_CHUNKS), counts

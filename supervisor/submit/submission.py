@@ -28,7 +28,7 @@ from chunkq.jobs.contract.run_files import (
     write_chunk_input,
 )
 from chunkq.jobs.contract.run_queues import DEFAULT_PRIORITY, run_queue
-from chunkq.jobs.contract.specs import BATCHING, FORMAT_VERSION, EncodeOptions, fingerprint
+from chunkq.jobs.contract.specs import FORMAT_VERSION, fingerprint
 from chunkq.jobs.contract.storage import is_local, local_scratch, remove_tree
 from chunkq.supervisor.result.chunk_reads import set_aside
 from chunkq.supervisor.result.reader import published_result
@@ -46,6 +46,7 @@ from chunkq.supervisor.submit.identity import (
     unchanged,
 )
 from chunkq.supervisor.submit.plan import write_planned_inputs
+from chunkq.supervisor.submit.resumed import with_batching, with_priority
 from chunkq.supervisor.submit.run_cache import record_cache_use, vector_cache
 from chunkq.supervisor.submit.streamed_plan import cache_index, write_streamed_inputs
 from chunkq.supervisor.submit.streaming import SplitFeed, SplitManifest, leftovers_of_a_split
@@ -357,41 +358,8 @@ def prepare(
     # outputs it was assembled from.
     if published_result(layout, manifest) is not None:
         return Prepared(manifest, created=False, published=True)
-    manifest = _with_priority(layout, _with_batching(layout, manifest, req.encode), req.priority)
+    manifest = with_priority(layout, with_batching(layout, manifest, req.encode), req.priority)
     return Prepared(manifest, created=False, published=False)
-
-
-def _with_priority(layout: RunLayout, manifest: RunManifest, asked: int | None) -> RunManifest:
-    """A run resumed with another --priority takes its turns with it from now on (its supervisor
-    lists its queue with the manifest's priority at each look); without one it keeps its own."""
-    if asked is None or asked == manifest.priority:
-        return manifest
-    log.info("run %s: resumed with --priority %d (it had %d)", manifest.run_id, asked, manifest.priority)
-    data = {**manifest.data, "priority": asked}
-    atomic_write_json(layout.manifest, data)
-    return RunManifest(data)
-
-
-def _with_batching(layout: RunLayout, manifest: RunManifest, encode: EncodeOptions) -> RunManifest:
-    """A run resumed with other batch settings (``specs.BATCHING``: speed, not vectors) queues its
-    chunks from now on with them; the chunks done keep theirs. Recorded in the manifest apart from
-    the run's options, so its identity and what its outputs record of their producer stay as they
-    were."""
-    asked = {name: getattr(encode, name) for name in BATCHING}
-    if asked == manifest.batching:
-        return manifest
-    log.warning(
-        "run %s: resumed with --batch-size %s and --batch-tokens %s (it had %s and %s); the chunks "
-        "not yet done use them",
-        manifest.run_id,
-        asked["batch_size"],
-        asked["batch_tokens"] or "unset",
-        manifest.batching.get("batch_size"),
-        manifest.batching.get("batch_tokens") or "unset",
-    )
-    data = {**manifest.data, "batching": asked}
-    atomic_write_json(layout.manifest, data)
-    return RunManifest(data)
 
 
 def submit(

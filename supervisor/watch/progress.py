@@ -151,6 +151,12 @@ class Tracker:
         """Finished jobs whose outputs are counted: the supervisor deletes them from Redis."""
         self.finished_jobs += [self._job_id(i) for i in sorted(finished) if i not in self.pending]
 
+    def _forget_failed_of_done(self, job_ids: Iterable[bytes | str]) -> None:
+        """Jobs in the failed registry whose chunks are counted done: deleted with the finished."""
+        self.finished_jobs += [
+            self._job_id(i) for i in sorted(self._run_indices(job_ids)) if i not in self.pending
+        ]
+
     def take_finished(self) -> list[str]:
         """The finished jobs counted since the last call, for the supervisor to delete from Redis."""
         taken, self.finished_jobs = self.finished_jobs, []
@@ -231,9 +237,10 @@ class Tracker:
         # A job marked failed whose output is in the store (its worker lost Redis as it finished)
         # counts as done: it goes from RQ's failed registry too, where the dashboard showed it failed
         # for good (issue 65.2). A job of such a chunk still running is left alone.
-        ids = [self._job_id(i) for i in done]
-        statuses = job_statuses(self.connection, ids)
-        self.finished_jobs += [job for job, st in zip(ids, statuses, strict=True) if st == "failed"]
+        # So does one marked failed after its chunk was counted done (a chaos night's pool found its
+        # worker gone, "lost Redis", once the output was in): the whole registry, not its tail, since
+        # a supervisor started after it failed never reads that part of the tail.
+        self._forget_failed_of_done(cast(list[bytes], self.connection.zrange(self._failed_key, 0, -1)))
         failed, running, finished_late, in_redis, waiting = set(), set(), set(), set(), ChunkSet()
         queued: list[int] = []
         for index, status in self._pending_statuses():
@@ -298,7 +305,9 @@ class Tracker:
         finished = self._run_indices(self._registry_tail(self._finished_key))
         self._mark_done(i for i in finished if i in self.pending and self.layout.output_meta(i).is_file())
         self._forget(finished)
-        gained = self._pending_indices(self._registry_tail(self._failed_key))
+        tail = self._registry_tail(self._failed_key)
+        self._forget_failed_of_done(tail)
+        gained = self._pending_indices(tail)
         self._failed = {i for i in self._failed | gained if i in self.pending}
         known = sorted(self._failed)
         statuses = job_statuses(self.connection, [self._job_id(i) for i in known])
