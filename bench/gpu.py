@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from chunkq.jobs.contract.run_files import RunLayout
-from chunkq.supervisor.store.throughput import of_run
+from chunkq.supervisor.store.ledger import of_run
 from chunkq.tools import first_row
 from chunkq.tools.run_facts import gather
 

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from chunkq.jobs.contract.defaults import DEFAULT_CHUNK_SIZE
-from chunkq.supervisor.store.throughput import of_run
+from chunkq.supervisor.store.ledger import of_run
 
 NEVER = 1_000_000  # --max-jobs for the run without recycling, which isolates the per-chunk cost
 WORDS = "alpha beta gamma delta river mountain queue worker chunk embed vector model sentence graph".split()

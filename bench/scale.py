@@ -33,7 +33,7 @@ import redis
 
 from chunkq.jobs.contract.run_files import RunLayout
 from chunkq.supervisor.store.embedded_redis import EmbeddedRedis
-from chunkq.supervisor.store.throughput import of_run
+from chunkq.supervisor.store.ledger import of_run
 
 CLI = [sys.executable, "-m", "chunkq.cli"]
 WORDS = "alpha beta gamma delta river mountain queue worker chunk embed vector model".split()

@@ -33,7 +33,7 @@ from typing import Any
 
 from chunkq.jobs.compute.models import BUNDLED_MODEL, resolve_model
 from chunkq.jobs.contract.run_files import RunLayout
-from chunkq.supervisor.store.throughput import of_run
+from chunkq.supervisor.store.ledger import of_run
 from chunkq.tools import first_row
 from chunkq.tools.run_facts import gather
 

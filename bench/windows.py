@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from chunkq.jobs.compute.models import BUNDLED_MODEL, resolve_model
-from chunkq.supervisor.store.throughput import of_run
+from chunkq.supervisor.store.ledger import of_run
 from chunkq.supervisor.submit.windows import load_tokenizer
 
 CHUNKQ = str(Path(sys.executable).parent / "chunkq")

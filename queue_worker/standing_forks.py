@@ -127,10 +127,9 @@ def connect(path: str) -> socket.socket:
 
 def _code_stamp() -> str:
     """chunkq's own source as this process would import it: its files' names, sizes and times."""
-    import chunkq
-
     digest = hashlib.sha256()
-    root = Path(chunkq.__file__).parent
+    # the package, loaded before any of its modules: its files, without importing the front door
+    root = Path(str(sys.modules[__name__.split(".")[0]].__file__)).parent
     for folder, dirs, files in os.walk(root, followlinks=True):
         dirs.sort()
         for name in sorted(files):

@@ -15,7 +15,7 @@ from chunkq.jobs.contract.manifest import load_manifest
 from chunkq.jobs.contract.run_files import RunLayout
 from chunkq.jobs.embed import embed_chunk
 from chunkq.supervisor.result.assemble import assemble
-from chunkq.supervisor.result.building import Build
+from chunkq.supervisor.result.mapped_building import start_build
 from chunkq.supervisor.submit.corpus import CorpusOptions
 from chunkq.supervisor.submit.identity import SubmitRequest
 from chunkq.supervisor.submit.submission import submit
@@ -42,7 +42,7 @@ def test_a_runs_finished_chunks_serve_the_cache_before_it_publishes(
     manifest = load_manifest(first)
     for index in (0, 1):  # two of its four chunks finished; the run goes on
         embed_chunk(manifest.chunk_spec(store, index).to_dict())
-    build = Build.start(first, manifest, 1 << 30)
+    build = start_build(first, manifest, 1 << 30)
     assert build is not None
     build.advance(pending={2, 3})
     assert build.next == 2 and len(_early_shards(store, first)) == 2
@@ -82,7 +82,7 @@ def test_a_run_that_stops_feeding_the_cache_takes_back_what_its_finished_chunks_
     first = _submit(store, write_corpus(tmp_path / "a.jsonl", ids, texts, "jsonl"), connection)
     manifest = load_manifest(first)
     embed_chunk(manifest.chunk_spec(store, 0).to_dict())
-    build = Build.start(first, manifest, 1 << 30)
+    build = start_build(first, manifest, 1 << 30)
     assert build is not None and build.feed is not None
     build.advance(pending={1})
     assert len(_early_shards(store, first)) == 1

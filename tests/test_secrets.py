@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from chunkq.jobs.contract import redaction
+from chunkq.jobs.contract import masking
 from chunkq.jobs.contract.redaction import redact, redacted, remember, secrets_of
 from chunkq.queue_worker.exit_codes import EXIT_INTERNAL
 from chunkq.supervisor.result.assemble import assemble
@@ -111,7 +111,7 @@ def _leaks(text: str, pw: str) -> list[str]:
 
 def test_every_malformed_form_is_shown_as_its_library_reads_it_and_never_with_its_password() -> None:
     for pw, form in malformed_forms(5999):
-        redaction._REMEMBERED.clear()  # each form alone, as a fresh process is given it
+        masking._REMEMBERED.clear()  # each form alone, as a fresh process is given it
         remember(form)  # as every chunkq process does with its arguments
         shown = redacted(form)
         assert _leaks(shown, pw) == [], (form, shown)

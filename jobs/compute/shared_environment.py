@@ -20,15 +20,19 @@ SYSTEM_TREES = ("/proc", "/sys", "/dev", "/usr/lib", "/lib", "/lib64", "/usr/lib
 _ENVIRONMENT: frozenset[str] | None = None
 
 
+def _front_package() -> Any:
+    """The ``chunkq`` package, loaded before any of its modules: where its files are, without this
+    room importing the front door (tests/test_layers.py)."""
+    return sys.modules[__name__.split(".")[0]]
+
+
 def environment() -> frozenset[str]:
     """The real paths whose files are the shared environment's."""
     global _ENVIRONMENT
     if _ENVIRONMENT is None:
         roots = set(SYSTEM_TREES)
         roots |= _stdlib()
-        import chunkq
-
-        roots |= {os.path.realpath(p) for p in _package_dirs(chunkq)}
+        roots |= {os.path.realpath(p) for p in _package_dirs(_front_package())}
         roots |= _distribution_roots(_requirements_closure())
         try:
             from huggingface_hub import constants
@@ -72,9 +76,7 @@ def _chunkq_requirements() -> list[str]:
     except PackageNotFoundError:
         import tomllib
 
-        import chunkq
-
-        pyproject = Path(chunkq.__path__[0]).resolve().parent / "pyproject.toml"
+        pyproject = Path(_front_package().__path__[0]).resolve().parent / "pyproject.toml"
         try:
             return list(tomllib.loads(pyproject.read_text())["project"]["dependencies"])
         except (OSError, KeyError, ValueError):

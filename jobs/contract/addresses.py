@@ -20,7 +20,7 @@ import re
 from typing import Any
 from urllib.parse import quote
 
-from chunkq.jobs.contract.redaction import MASK, redact, remember_secret
+from chunkq.jobs.contract.masking import MASK, redact, remember_secret
 
 REDIS_SCHEMES = ("redis", "rediss", "unix")
 POSTGRES_SCHEMES = ("postgresql", "postgres")

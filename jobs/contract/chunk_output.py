@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from chunkq.jobs.contract.ragged import OFFSETS, SCHEMAS, entry_shape
 from chunkq.jobs.contract.run_files import RunLayout, non_finite_rows, read_json, read_npy_header
 from chunkq.jobs.contract.specs import OUTPUT_DTYPES
 
@@ -90,11 +91,41 @@ def output_arrays(
     if first is None:
         return None, why
     if "arrays" in meta:  # a ragged output: the .npy holds its row offsets
-        from chunkq.jobs.contract.ragged import ragged_arrays  # it writes with this module's names
-
         return ragged_arrays(layout, index, first, meta, expected_rows)
     why = _array_problem(npy_path.name, first, meta, expected_rows, producer)
     return (None, why) if why else ({ROWS: first}, "")
+
+
+def ragged_arrays(
+    layout: RunLayout, index: int, offsets: np.ndarray[Any, Any], meta: dict[str, Any], expected_rows: int
+) -> tuple[dict[str, np.ndarray[Any, Any]] | None, str]:
+    """A ragged chunk output's offsets (already read and checked against their checksum) and entry
+    arrays by name, each read once and checked; (None, why) when one is wrong."""
+    schema = SCHEMAS.get(str(meta.get("dtype")))
+    if schema is None or not isinstance(meta["arrays"], dict) or set(meta["arrays"]) != set(schema):
+        return None, f"ragged output of kind {meta.get('dtype')!r} names arrays {meta.get('arrays')!r}"
+    if offsets.ndim != 1 or offsets.dtype != np.int64 or len(offsets) != expected_rows + 1:
+        return None, f"offsets hold {offsets.shape} {offsets.dtype}, expected ({expected_rows + 1},) int64"
+    if meta.get("rows") != expected_rows:
+        return None, f"its metadata says {meta.get('rows')} rows, expected {expected_rows}"
+    entries = int(offsets[-1]) if len(offsets) else 0
+    if offsets[0] != 0 or bool(np.any(np.diff(offsets) < 0)) or meta.get("entries") != entries:
+        return None, "offsets do not rise from 0 to its entries"
+    arrays = {OFFSETS: offsets}
+    for name, dtype in schema.items():
+        path = layout.output_array(index, name)
+        array, why = read_checked_npy(path, meta["arrays"][name])
+        if array is None:
+            return None, why
+        shape = entry_shape(name, entries, int(meta.get("dim") or 0))
+        if array.shape != shape or array.dtype != np.dtype(dtype):
+            return None, f"{path.name} holds {array.shape} {array.dtype}, expected {shape} {np.dtype(dtype)}"
+        if array.dtype.kind == "f" and not bool(np.isfinite(array).all()):
+            return None, f"{path.name} has NaN or infinite values"
+        if name == "indices" and entries and (int(array.min()) < 0 or int(array.max()) >= int(meta["dim"])):
+            return None, f"{path.name} indexes outside 0..{int(meta['dim']) - 1}"
+        arrays[name] = array
+    return arrays, ""
 
 
 def verify_output(

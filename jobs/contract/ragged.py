@@ -78,40 +78,6 @@ def write_ragged_output(
     return full
 
 
-def ragged_arrays(
-    layout: RunLayout, index: int, offsets: np.ndarray[Any, Any], meta: dict[str, Any], expected_rows: int
-) -> tuple[dict[str, np.ndarray[Any, Any]] | None, str]:
-    """A ragged chunk output's offsets (already read and checked against their checksum) and entry
-    arrays by name, each read once and checked; (None, why) when one is wrong."""
-    from chunkq.jobs.contract.chunk_output import read_checked_npy  # it reads outputs of both forms
-
-    schema = SCHEMAS.get(str(meta.get("dtype")))
-    if schema is None or not isinstance(meta["arrays"], dict) or set(meta["arrays"]) != set(schema):
-        return None, f"ragged output of kind {meta.get('dtype')!r} names arrays {meta.get('arrays')!r}"
-    if offsets.ndim != 1 or offsets.dtype != np.int64 or len(offsets) != expected_rows + 1:
-        return None, f"offsets hold {offsets.shape} {offsets.dtype}, expected ({expected_rows + 1},) int64"
-    if meta.get("rows") != expected_rows:
-        return None, f"its metadata says {meta.get('rows')} rows, expected {expected_rows}"
-    entries = int(offsets[-1]) if len(offsets) else 0
-    if offsets[0] != 0 or bool(np.any(np.diff(offsets) < 0)) or meta.get("entries") != entries:
-        return None, "offsets do not rise from 0 to its entries"
-    arrays = {OFFSETS: offsets}
-    for name, dtype in schema.items():
-        path = layout.output_array(index, name)
-        array, why = read_checked_npy(path, meta["arrays"][name])
-        if array is None:
-            return None, why
-        shape = entry_shape(name, entries, int(meta.get("dim") or 0))
-        if array.shape != shape or array.dtype != np.dtype(dtype):
-            return None, f"{path.name} holds {array.shape} {array.dtype}, expected {shape} {np.dtype(dtype)}"
-        if array.dtype.kind == "f" and not bool(np.isfinite(array).all()):
-            return None, f"{path.name} has NaN or infinite values"
-        if name == "indices" and entries and (int(array.min()) < 0 or int(array.max()) >= int(meta["dim"])):
-            return None, f"{path.name} indexes outside 0..{int(meta['dim']) - 1}"
-        arrays[name] = array
-    return arrays, ""
-
-
 def entry_paths(layout: RunLayout, index: int, kind: str) -> list[Any]:
     """A ragged chunk output's entry arrays (set aside with it)."""
     return [layout.output_array(index, name) for name in SCHEMAS.get(kind, {})]

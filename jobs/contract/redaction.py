@@ -18,28 +18,21 @@ from __future__ import annotations
 import io
 import logging
 import os
-import re
 import sys
 from typing import IO, Any
 from urllib.parse import parse_qs, unquote
 
-MASK = "***"
-MIN_REMEMBERED = 4
-PLACEHOLDER = "PASSWORD"  # what messages and help write where the user's password goes
-# scheme ":" ["//"] user ":" password "@": the password is everything up to the last "@" before a
-# space, so one with an unencoded "/" or "@" is masked whole.
-_USER_PASSWORD = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*:(?://)?[^\s:/@?#]*:)([^\s]+)@(?=[^\s@]*(?:\s|$))")
-_QUERY_PASSWORD = re.compile(r"(?i)((?:^|[?&;\s])password=)[^&;\s]*")
-_REMEMBERED: set[str] = set()
+from chunkq.jobs.contract.addresses import secrets_in, shown
+from chunkq.jobs.contract.masking import MASK, QUERY_PASSWORD, USER_PASSWORD, redact, remember_secret
+
+__all__ = ["MASK", "redact", "remember_secret"]  # masking.py's, where most callers look for them
 
 
 def secrets_of(text: str) -> list[str]:
     """The passwords ``text`` carries where URLs do, as written and URL-decoded: as the connecting
     library reads them (``addresses``), and by their shape."""
-    from chunkq.jobs.contract.addresses import secrets_in  # it builds on this module
-
-    found = [*secrets_in(text), *(m.group(2) for m in _USER_PASSWORD.finditer(text))]
-    for match in _QUERY_PASSWORD.finditer(text):
+    found = [*secrets_in(text), *(m.group(2) for m in USER_PASSWORD.finditer(text))]
+    for match in QUERY_PASSWORD.finditer(text):
         found.append(match.group(0).split("=", 1)[1])
     if "?" in text:
         try:
@@ -58,31 +51,9 @@ def remember(*texts: str | None) -> None:
             remember_secret(secret)
 
 
-def remember_secret(secret: str) -> None:
-    """Mask ``secret`` (a password as read) and the pieces a client may quote of it from now on."""
-    pieces = [secret, unquote(secret), *re.split(r"[/@:?#&=\s%]", secret)]
-    _REMEMBERED.update(p for p in pieces if len(p) >= MIN_REMEMBERED)
-
-
-def redact(text: str) -> str:
-    """``text`` with every URL's password and every remembered one replaced by ***."""
-    if not text:
-        return text
-    text = _USER_PASSWORD.sub(
-        lambda m: m.group(0) if m.group(2) == PLACEHOLDER else f"{m.group(1)}{MASK}@", text
-    )
-    text = _QUERY_PASSWORD.sub(lambda m: f"{m.group(1)}{MASK}", text)
-    for secret in sorted(_REMEMBERED, key=len, reverse=True):
-        if secret in text:
-            text = text.replace(secret, MASK)
-    return text
-
-
 def redacted(url: str) -> str:
     """A URL as a message shows it: as the library that connects reads it, without its password,
     and nothing of one it cannot read (``addresses.shown``)."""
-    from chunkq.jobs.contract.addresses import shown  # it builds on this module
-
     remember(url)
     return shown(url)
 

@@ -40,8 +40,9 @@ from chunkq.supervisor.result import planned_rows
 from chunkq.supervisor.result import ragged as ragged_result
 from chunkq.supervisor.result.building import Build
 from chunkq.supervisor.result.chunk_reads import CacheFeed, ChunkReads, Unfit, set_aside_because
-from chunkq.supervisor.result.published import SINGLE, TEXTS, shard_names
+from chunkq.supervisor.result.published import TEXTS, shard_names
 from chunkq.supervisor.result.reader import published_result
+from chunkq.supervisor.result.result_names import SINGLE
 from chunkq.supervisor.result.text_pooling import TextPooler
 from chunkq.supervisor.result.writer import PartWriter, ResultWriter, local_build_dir, publish
 from chunkq.supervisor.store.phases import CACHE, PUBLISH, VERIFY, WRITE, Phases, timed

@@ -23,14 +23,13 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
-from chunkq.jobs import kinds
 from chunkq.jobs.compute.quantize import convert, derived_floats, stored_columns
 from chunkq.jobs.compute.vector_cache import BLOCK_ROWS
 from chunkq.jobs.contract.chunk_output import output_meta
 from chunkq.jobs.contract.manifest import RunManifest
 from chunkq.jobs.contract.run_files import RunLayout, read_chunk_input
 from chunkq.jobs.contract.specs import storage_dtype
-from chunkq.jobs.contract.storage import is_local, remove_leftovers_beside, temp_beside
+from chunkq.jobs.contract.storage import remove_leftovers_beside, temp_beside
 from chunkq.supervisor.result.chunk_reads import CacheFeed, ChunkReads, Unfit
 from chunkq.supervisor.result.writer import ResultWriter, local_build_dir
 from chunkq.supervisor.store.phases import BUILD, Phases
@@ -51,23 +50,6 @@ class Build:
         self.feed = CacheFeed.of(layout, manifest, partial=False)  # the cache's share of the work
         self.reads = ChunkReads(layout, manifest, set(), {}, self.feed)
         self.stood_aside = ""  # why it stopped, once it did
-
-    @classmethod
-    def start(cls, layout: RunLayout, manifest: RunManifest, shard_bytes: int) -> Build | None:
-        """A build for this run: in chunk order, or by the row map (``mapped_building.py``) where
-        its corpus rows are not its chunk rows in order; None where neither applies."""
-        plan = manifest.plan
-        if kinds.get(manifest.kind).ragged or not is_local(layout.root) or manifest.chunks == 0:
-            return None
-        if plan is not None and plan.get("windows"):
-            return None  # a row per window, and a vector per text beside them: assembly's
-        if plan is not None and not plan.get("identity", True):
-            from chunkq.supervisor.result.mapped_building import MappedBuild  # it builds on this one
-
-            return MappedBuild(layout, manifest, shard_bytes)
-        if manifest.corpus_rows != manifest.rows:
-            return None
-        return cls(layout, manifest, shard_bytes)
 
     def ready_for_assembly(self) -> None:
         """Before assembly finishes the build: what it needs handed over (nothing, here)."""

@@ -21,10 +21,12 @@ from typing import Any
 
 import numpy as np
 
+from chunkq.jobs import kinds
 from chunkq.jobs.compute.quantize import convert, derived_floats
 from chunkq.jobs.compute.vector_cache import HASH_BYTES, text_hashes
 from chunkq.jobs.contract.manifest import RunManifest
 from chunkq.jobs.contract.run_files import RunLayout, new_memmap, read_chunk_input
+from chunkq.jobs.contract.storage import is_local
 from chunkq.supervisor.result.building import Build
 from chunkq.supervisor.result.chunk_reads import ChunkReads, Unfit
 from chunkq.supervisor.result.planned_rows import PartIds, row_map_parts, rows_at_a_time
@@ -156,3 +158,18 @@ class MappedBuild(Build):
     def abandon(self) -> None:
         self._drop_scratch()
         super().abandon()
+
+
+def start_build(layout: RunLayout, manifest: RunManifest, shard_bytes: int) -> Build | None:
+    """A build for this run: in chunk order (``building.py``), or by the row map where its corpus
+    rows are not its chunk rows in order; None where neither applies. Here, beside both."""
+    plan = manifest.plan
+    if kinds.get(manifest.kind).ragged or not is_local(layout.root) or manifest.chunks == 0:
+        return None
+    if plan is not None and plan.get("windows"):
+        return None  # a row per window, and a vector per text beside them: assembly's
+    if plan is not None and not plan.get("identity", True):
+        return MappedBuild(layout, manifest, shard_bytes)
+    if manifest.corpus_rows != manifest.rows:
+        return None
+    return Build(layout, manifest, shard_bytes)

@@ -16,10 +16,8 @@ lock) are removed by the next one.
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +35,13 @@ from chunkq.jobs.contract.storage import (
     is_local,
     list_with_mtime,
 )
+from chunkq.supervisor.result import ragged as ragged_result
+from chunkq.supervisor.result.result_names import SHARD_DIR, SINGLE
 
-SINGLE = ("embeddings.npy", "ids.jsonl")
 # A ragged result's arrays (``ragged.py``), uploaded before the manifest as SINGLE's are.
 RAGGED_FILES = tuple(f"{name}.npy" for name in (OFFSETS, *sorted({n for s in SCHEMAS.values() for n in s})))
 WINDOW_COLUMNS = ("window", "char_start", "char_end", "tokens")  # a windowed result's id fields, after id
 TEXTS = ("texts.npy", "texts.ids.jsonl")  # --long-texts window --pool: a vector per text, beside the windows
-SHARD_DIR = re.compile(r"shards-[0-9A-Za-z]{1,64}")  # what a result manifest may name as its shard folder
 
 
 _UNITS = {
@@ -70,12 +68,6 @@ def shard_bytes(value: int | str) -> int:
     if size < 1024:
         raise ConfigError(f"shard size {value!r}: at least 1 KiB")
     return size
-
-
-def new_shard_dir() -> str:
-    """A shard folder's name no earlier result of the run has used (older ones are removed once
-    the new manifest is in place)."""
-    return f"shards-{datetime.now(UTC).strftime('%Y%m%dT%H%M%S%f')}{os.getpid()}"
 
 
 def shard_names(index: int) -> tuple[str, str]:
@@ -190,8 +182,6 @@ def result_disagreement(layout: RunLayout, result: Any, manifest: RunManifest) -
             f"the run's manifest and its missing chunks make {expected_rows}"
         )
     if kinds.get(manifest.kind).ragged:
-        from chunkq.supervisor.result import ragged as ragged_result  # it writes with this module's names
-
         return [*problems, *ragged_result.problems(layout, result, expected_rows, checksums=False)]
     # The dtype the run's manifest asks for: the result manifest's own word could be edited.
     expected_dtype = storage_dtype(manifest.output_dtype).str

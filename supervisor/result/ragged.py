@@ -33,7 +33,7 @@ from chunkq.jobs.contract.run_files import (
 )
 from chunkq.jobs.contract.storage import private_dirs, private_open, publish_file, remove_tree
 from chunkq.supervisor.result.chunk_reads import ChunkReads
-from chunkq.supervisor.result.published import SHARD_DIR, SINGLE, new_shard_dir
+from chunkq.supervisor.result.result_names import SHARD_DIR, SINGLE, new_shard_dir
 
 
 def files(kind: str) -> tuple[str, ...]:

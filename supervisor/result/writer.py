@@ -34,7 +34,8 @@ from chunkq.jobs.contract.storage import (
     remove_tree,
     temp_beside,
 )
-from chunkq.supervisor.result.published import RAGGED_FILES, SINGLE, TEXTS, new_shard_dir, shard_names
+from chunkq.supervisor.result.published import RAGGED_FILES, TEXTS, shard_names
+from chunkq.supervisor.result.result_names import SINGLE, new_shard_dir
 
 log = logging.getLogger(__name__)
 

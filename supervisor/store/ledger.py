@@ -224,6 +224,13 @@ def stream_records(layout: RunLayout, done: Collection[int]) -> Iterator[dict[st
     _rebuild(layout, read)
 
 
+def of_run(store: Any, run_id: str) -> Throughput:
+    """A run's throughput from its committed chunk outputs (the ledger's summary where it covers
+    them): for tools and benches that measure a run the way ``status`` reports it."""
+    layout = RunLayout(store, run_id)
+    return throughput_of(layout, layout.done_chunks())
+
+
 def throughput_of(layout: RunLayout, done: Collection[int]) -> Throughput:
     """The rate's inputs of the chunks in ``done``: ``summary.json`` when it covers them all (one
     small file), else the ledger (a file per LEDGER_BATCH chunks)."""

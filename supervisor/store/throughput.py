@@ -108,16 +108,6 @@ def _merge(spans: list[list[datetime]], start: datetime, end: datetime) -> None:
             i += 1
 
 
-def of_run(store: Any, run_id: str) -> Throughput:
-    """A run's throughput from its committed chunk outputs (the ledger's summary where it covers
-    them): for tools and benches that measure a run the way ``status`` reports it."""
-    from chunkq.jobs.contract.run_files import RunLayout
-    from chunkq.supervisor.store.ledger import throughput_of
-
-    layout = RunLayout(store, run_id)
-    return throughput_of(layout, layout.done_chunks())
-
-
 def of_outputs(metas: Iterable[Mapping[str, Any]]) -> Throughput:
     throughput = Throughput()
     for meta in metas:

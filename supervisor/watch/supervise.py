@@ -37,6 +37,7 @@ from chunkq.jobs.contract.run_files import RunLayout, read_json
 from chunkq.jobs.contract.specs import chunk_job_id
 from chunkq.supervisor.result.assemble import Failure, assemble
 from chunkq.supervisor.result.building import Build
+from chunkq.supervisor.result.mapped_building import start_build
 from chunkq.supervisor.store.phases import WATCH, Phases
 from chunkq.supervisor.store.run_lock import RunLock
 from chunkq.supervisor.store.store_lock import StoreLock
@@ -372,7 +373,7 @@ def _supervise(
             retried,
         )
     wakeup = Wakeup(connection, manifest.queue)
-    build = Build.start(layout, manifest, settings.shard_bytes)  # the result, written as chunks land
+    build = start_build(layout, manifest, settings.shard_bytes)  # the result, written as chunks land
     try:
         return _watch_and_assemble(watch, wakeup, display, keep_going, build, phases, redis_gone)
     except BaseException:
