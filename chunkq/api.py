@@ -55,15 +55,6 @@ class RunResult:
     def result_dir(self) -> Path:
         return RunLayout(self.store, self.run_id).result
 
-    @property
-    def embeddings_path(self) -> Path:
-        """The single-file result's matrix (a sharded result lists its files in its manifest)."""
-        return self.result_dir / "embeddings.npy"
-
-    @property
-    def ids_path(self) -> Path:
-        return self.result_dir / "ids.jsonl"
-
     def _opened(self) -> OpenedResult:
         """The published result, checked against the run and against its files' headers and sizes (a
         missing, truncated or foreign file is refused in one line, StoreError); what is read of it

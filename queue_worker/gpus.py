@@ -11,7 +11,7 @@ from chunkq.jobs.compute.runtime import DEVICE_ENV, GPU_ENV
 from chunkq.jobs.contract.errors import ConfigError
 from chunkq.jobs.contract.settings import WORKERS_AUTO
 from chunkq.jobs.contract.units import parse_size
-from chunkq.queue_worker.discovery import VISIBLE_ENV, GpuInfo, allowed, read_all, survey, visible
+from chunkq.queue_worker.discovery import VISIBLE_ENV, GpuInfo, allowed, survey
 from chunkq.queue_worker.torch_build import check_gpus_usable
 
 log = logging.getLogger(__name__)
@@ -290,13 +290,6 @@ def resolve_workers_per_gpu(
 
 
 CPU_SPECS = ("none", "cpu")  # --gpus in so many words: the CPU, even where GPUs are
-
-
-def selected(spec: str) -> list[GpuInfo]:
-    """``--gpus`` resolved on this host for this process: refused if it names a GPU that is not
-    there or not this process's to use."""
-    host = read_all()
-    return select(spec, host, visible(host, os.environ.get(VISIBLE_ENV)))
 
 
 def choose(spec: str, min_free_memory: str, busy: str) -> list[GpuInfo]:

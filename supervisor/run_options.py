@@ -35,7 +35,7 @@ from chunkq.jobs.contract.specs import (
     batch_tokens_value,
     model_kwargs_value,
 )
-from chunkq.jobs.kinds import KINDS, NOT_BUILT
+from chunkq.jobs.kinds import KINDS
 from chunkq.supervisor.submit.corpus import FORMATS, CorpusOptions
 from chunkq.supervisor.submit.enqueue import WINDOW_PER_WORKER
 from chunkq.supervisor.submit.windows import LONG_TEXTS, POOLS
@@ -71,7 +71,7 @@ RUN_OPTIONS: tuple[Option, ...] = (
         "(MultiVectorEncoder: token vectors) or image (a multimodal model's encode of images by path or "
         "URL). Default: what the model's files say; a kind they contradict is refused.",
         kind="choice",
-        choices=(*KINDS, *NOT_BUILT),
+        choices=tuple(KINDS),
     ),
     _submit(
         "role",

@@ -76,8 +76,3 @@ def write_ragged_output(
     }
     atomic_write_json(layout.output_meta(index), full)
     return full
-
-
-def entry_paths(layout: RunLayout, index: int, kind: str) -> list[Any]:
-    """A ragged chunk output's entry arrays (set aside with it)."""
-    return [layout.output_array(index, name) for name in SCHEMAS.get(kind, {})]
