@@ -126,10 +126,18 @@ class CacheFeed:
 
     def spool_hashes(self, hashes: np.ndarray[Any, Any]) -> None:
         """The next rows' hashes, in the result's order."""
-        if self.spool is not None:
+        if self.spool is None or self.broken:
+            return
+        try:
             with open(self.spool, "ab") as out:
                 out.write(np.ascontiguousarray(hashes, dtype=f"S{HASH_BYTES}").tobytes())
-            self.spooled += len(hashes)
+        except OSError as exc:  # a full disk: the run's own writes say so, naming their files
+            log.warning(
+                "run %s: the vector cache was not updated: %s (%s)", self.manifest.run_id, exc, self.spool
+            )
+            self._break()
+            return
+        self.spooled += len(hashes)
 
     def _add(
         self,

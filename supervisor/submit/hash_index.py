@@ -30,6 +30,7 @@ class HashIndex:
     def __init__(self, capacity: int = 1 << 12, folder: Path | None = None) -> None:
         self.count = 0
         self._records = tempfile.TemporaryFile(dir=folder)
+        self._folder = folder or Path(tempfile.gettempdir())
         self._empty(capacity)
 
     def _empty(self, capacity: int) -> None:
@@ -90,7 +91,12 @@ class HashIndex:
         added = np.empty(len(words), dtype=_RECORD)
         added["key"], added["value"] = words, np.asarray(values, dtype=np.int64)
         self._records.seek(0, 2)
-        self._records.write(added.tobytes())
+        try:
+            self._records.write(added.tobytes())
+            self._records.flush()
+        except OSError as exc:  # an unnamed file: a full disk's message names its folder
+            exc.filename = exc.filename or str(self._folder)
+            raise
         self._place(
             words[:, 0].copy(), np.arange(self.count, self.count + len(words), dtype=self.record.dtype)
         )
