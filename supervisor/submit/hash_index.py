@@ -53,8 +53,8 @@ class HashIndex:
         return np.ascontiguousarray(keys).view(np.uint64).reshape(-1, 2)
 
     def _mapped(self) -> Array:
-        """The records, mapped while one call reads them (their pages are not kept)."""
-        self._records.flush()
+        """The records (each put flushed them), mapped while one call reads them (their pages are
+        not kept)."""
         return np.memmap(self._records, dtype=_RECORD, mode="r", shape=(self.count,))
 
     def get(self, keys: Array) -> Array:
