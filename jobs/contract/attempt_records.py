@@ -6,9 +6,9 @@ dashboard or `rq info`, while `chunkq status` listed the attempt (issue 65.2). S
 goes back, a record of the attempt as it failed joins the same failed registry, under
 ``<job id>__a<attempt>``: its traceback, meta and times, and which job runs the chunk now. A record
 runs nothing: its call names a function on no allow-list. Requeued by hand (the dashboard's
-"Requeue", `rq requeue --all`), a worker that takes it puts it back as it was (``put_back``): it
-failed again as "not on the allow-list", its own traceback lost. It expires with RQ's failed-job
-TTL, and goes with the run's jobs.
+"Requeue", `rq requeue --all`), a worker that takes it puts it back as it was (``put_back``),
+where it used to fail again as "not on the allow-list", its own traceback lost. It expires with
+RQ's failed-job TTL, and goes with the run's jobs.
 """
 
 from __future__ import annotations
