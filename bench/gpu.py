@@ -53,6 +53,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from chunkq.jobs.contract.run import Run
 from chunkq.jobs.contract.run_files import RunLayout
 from chunkq.supervisor.store.ledger import of_run
 from chunkq.tools import first_row
@@ -71,7 +72,7 @@ PLAIN = """
 import json, sys, time
 import numpy as np, torch
 from sentence_transformers import SentenceTransformer
-from chunkq.jobs.compute.models import resolve_model
+from chunkq.jobs.compute.model_refs import resolve_model
 corpus, model_ref, out, device, precision, batch, piece = sys.argv[1:8]
 model = SentenceTransformer(resolve_model(model_ref), device=device)
 if precision != "fp32":
@@ -98,7 +99,7 @@ POOL = """
 import json, sys, time
 import torch
 from sentence_transformers import SentenceTransformer
-from chunkq.jobs.compute.models import resolve_model
+from chunkq.jobs.compute.model_refs import resolve_model
 corpus, model_ref, device, precision, processes = sys.argv[1:6]
 model = SentenceTransformer(resolve_model(model_ref), device="cpu")
 texts = [json.loads(line)["text"] for line in open(corpus, encoding="utf-8")]
@@ -145,7 +146,7 @@ def large_model(work: Path, tokenizer_of: str) -> str:
     from sentence_transformers import SentenceTransformer, models
     from transformers import AutoTokenizer, BertConfig, BertModel
 
-    from chunkq.jobs.compute.models import resolve_model
+    from chunkq.jobs.compute.model_refs import resolve_model
 
     target = work / "bert-large-random"
     config = BertConfig(
@@ -279,8 +280,9 @@ def chunkq(
     assert first is not None and last is not None
     young = [m["seconds"] for m in metas if m.get("attempt", 1) == 1]
     layout = RunLayout(store, run_dir.name)
-    facts = gather(layout)
-    before = first_row.breakdown(layout, facts.first, facts.throughput.last_end)
+    run = Run.of(layout)
+    facts = gather(run)
+    before = first_row.breakdown(run, facts.first, facts.throughput.last_end)
     return {
         "wall": wall,
         "span": (last - first).total_seconds(),

@@ -59,7 +59,7 @@ def pack(dest: Path) -> None:
 def _model_fp16(target: Path) -> None:
     from safetensors.torch import load_file, save_file
 
-    from chunkq.jobs.compute.models import BUNDLED_MODEL, resolve_model
+    from chunkq.jobs.compute.model_refs import BUNDLED_MODEL, resolve_model
 
     shutil.copytree(resolve_model(BUNDLED_MODEL), target, dirs_exist_ok=True)
     weights = target / "model.safetensors"

@@ -45,7 +45,7 @@ import json, sys, time
 t0 = time.perf_counter()
 import numpy as np
 from sentence_transformers import SentenceTransformer
-from chunkq.jobs.compute.models import resolve_model
+from chunkq.jobs.compute.model_refs import resolve_model
 model = SentenceTransformer(resolve_model(sys.argv[2]), device=sys.argv[4])
 if sys.argv[5] != "fp32":
     import torch

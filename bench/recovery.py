@@ -34,7 +34,7 @@ import redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from chunkq.jobs.compute.models import BUNDLED_MODEL
+from chunkq.jobs.compute.model_refs import BUNDLED_MODEL
 from chunkq.jobs.contract.specs import chunk_job_id
 from chunkq.queue_worker.worker_args import WORKER_MODULE
 from chunkq.supervisor.store.embedded_redis import EmbeddedRedis

@@ -31,7 +31,7 @@ from typing import Any
 
 import psutil
 
-from chunkq.jobs.compute.models import BUNDLED_MODEL, resolve_model
+from chunkq.jobs.compute.model_refs import BUNDLED_MODEL, resolve_model
 from chunkq.jobs.contract.settings import env_of
 
 CHUNKQ = str(Path(sys.executable).parent / "chunkq")

@@ -120,6 +120,7 @@ def main() -> None:
     try:
         from chunkq.api import RunResult
         from chunkq.jobs.contract.manifest import load_manifest
+        from chunkq.jobs.contract.run import Run
         from chunkq.jobs.contract.storage import open_store
         from chunkq.supervisor.result.assemble import assemble
         from chunkq.supervisor.result.published import shard_bytes
@@ -142,7 +143,7 @@ def main() -> None:
             layout.result_manifest.unlink(missing_ok=True)  # assemble anew
             with Peak(scratch) as peak:
                 t0 = time.perf_counter()
-                result = assemble(layout, shard_bytes=limit)
+                result = assemble(Run.of(layout), shard_bytes=limit)
                 seconds = time.perf_counter() - t0
             t0 = time.perf_counter()
             problems = check_published(layout, manifest)

@@ -26,7 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from chunkq.jobs.compute.models import BUNDLED_MODEL
+from chunkq.jobs.compute.model_refs import BUNDLED_MODEL
+from chunkq.jobs.contract.run import Run
 from chunkq.jobs.contract.run_files import RunLayout, atomic_write_json, write_chunk_input, write_output
 from chunkq.jobs.contract.specs import EncodeOptions, fingerprint
 from chunkq.supervisor.result.assemble import assemble
@@ -69,7 +70,7 @@ def published_run(store: Path, rows: int, dim: int) -> RunLayout:
         meta |= {"started_at": now, "finished_at": now}
         vectors = rng.standard_normal((n, dim), dtype=np.float32)
         write_output(layout, index, vectors / np.linalg.norm(vectors, axis=1, keepdims=True), meta)
-    assemble(layout)
+    assemble(Run.of(layout))
     return layout
 
 

@@ -31,7 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from chunkq.jobs.compute.models import BUNDLED_MODEL, resolve_model
+from chunkq.jobs.compute.model_refs import BUNDLED_MODEL, resolve_model
+from chunkq.jobs.contract.run import Run
 from chunkq.jobs.contract.run_files import RunLayout
 from chunkq.supervisor.store.ledger import of_run
 from chunkq.tools import first_row
@@ -71,8 +72,9 @@ def _first_chunk(scratch: Path, round_: int) -> tuple[float, float, dict[str, An
     first = of_run(store, run_dir.name).first_start
     assert first is not None
     layout = RunLayout(store, run_dir.name)
-    facts = gather(layout)
-    before = first_row.breakdown(layout, facts.first, facts.throughput.last_end)
+    run = Run.of(layout)
+    facts = gather(run)
+    before = first_row.breakdown(run, facts.first, facts.throughput.last_end)
     return first.timestamp() - launched, total, before
 
 

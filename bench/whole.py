@@ -46,7 +46,8 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.gpu import docstring_corpus
-from chunkq.jobs.compute.models import BUNDLED_MODEL, resolve_model
+from chunkq.jobs.compute.model_refs import BUNDLED_MODEL, resolve_model
+from chunkq.jobs.contract.run import Run
 from chunkq.jobs.contract.run_files import RunLayout, read_json
 from chunkq.tools import first_row
 from chunkq.tools.run_facts import gather
@@ -167,8 +168,9 @@ def chunkq(work: Path, corpus: Path, model: str, rows: int, run_args: list[str])
     (run_dir,) = (store / "runs").iterdir()
     layout = RunLayout(store, run_dir.name)
     phases = read_json(layout.phases) if layout.phases.is_file() else {}
-    facts = gather(layout)
-    before = first_row.breakdown(layout, facts.first, facts.throughput.last_end)
+    run = Run.of(layout)
+    facts = gather(run)
+    before = first_row.breakdown(run, facts.first, facts.throughput.last_end)
     metas = [json.loads(p.read_text()) for p in layout.outputs.glob("*.json")]
     encoded = [m for m in metas if m.get("source") != "cache"]
     first, last = facts.throughput.first_start, facts.throughput.last_end

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from chunkq.jobs.compute.models import BUNDLED_MODEL, resolve_model
+from chunkq.jobs.compute.model_refs import BUNDLED_MODEL, resolve_model
 from chunkq.supervisor.store.ledger import of_run
 from chunkq.supervisor.submit.windows import load_tokenizer
 

@@ -9,7 +9,6 @@ either. Options are ``chunkq run``'s, by their Python names: ``chunk_size``, ``b
 from __future__ import annotations
 
 import glob
-import io
 import json
 import tempfile
 import time
@@ -19,19 +18,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from chunkq.jobs.compute.model_info import describe
-from chunkq.jobs.compute.models import check_model, default_model, resolve_model
+from chunkq.jobs.compute.model_refs import check_model, default_model, resolve_model
 from chunkq.jobs.compute.quantize import stored_columns
 from chunkq.jobs.contract.defaults import DEFAULT_STORE
 from chunkq.jobs.contract.errors import AssemblyError, ConfigError, NonFiniteError, StoreError
-from chunkq.jobs.contract.manifest import load_manifest
 from chunkq.jobs.contract.ragged import Ragged
+from chunkq.jobs.contract.run import Run
 from chunkq.jobs.contract.run_files import RunLayout, load_npy
 from chunkq.jobs.contract.specs import CALIBRATED_DTYPES, EncodeOptions, storage_dtype
 from chunkq.jobs.contract.storage import is_local, open_store, private_open
 from chunkq.jobs.kinds.cross import pair_text
 from chunkq.supervisor.request import ENCODE_NAMES, build_run_request, encode_options_for, finished_result
-from chunkq.supervisor.result.published import read_result_manifest
-from chunkq.supervisor.result.reader import OpenedResult, ShardedEmbeddings, open_result
+from chunkq.supervisor.result.reader import PublishedResult, ShardedEmbeddings, open_result
 from chunkq.supervisor.watch.display import ProgressDisplay
 from chunkq.supervisor.watch.snapshot import store_snapshot
 
@@ -55,13 +53,12 @@ class RunResult:
     def result_dir(self) -> Path:
         return RunLayout(self.store, self.run_id).result
 
-    def _opened(self) -> OpenedResult:
+    def _opened(self, level: str = "window") -> PublishedResult:
         """The published result, checked against the run and against its files' headers and sizes (a
         missing, truncated or foreign file is refused in one line, StoreError); what is read of it
         is checked against its checksums as it is read."""
-        layout = RunLayout(self.store, self.run_id)
         try:
-            return open_result(layout)
+            return open_result(Run.open(self.store, self.run_id), level)
         except AssemblyError as exc:
             raise StoreError(
                 f"run {self.run_id}: {exc.problems[0]}; `chunkq assemble RUN` publishes it "
@@ -78,7 +75,7 @@ class RunResult:
         parts = opened.parts
         if opened.ragged is not None:
             raise ConfigError(f"run {self.run_id} holds ragged rows, not a matrix: use .ragged()")
-        if len(parts) > 1 or opened.manifest.get("shards") is not None:
+        if len(parts) > 1 or opened.manifest.shards is not None:
             return ShardedEmbeddings(parts, opened.dim, opened.dtype)
         if mmap or not is_local(parts[0].embeddings):
             return load_npy(parts[0].embeddings)  # memory-mapped here, read whole from an object store
@@ -116,7 +113,7 @@ class RunResult:
         from chunkq.sinks import export_to
 
         options = {"index": index, "force": force, "column": column, "level": level}
-        return export_to(RunLayout(self.store, self.run_id), url, options, columns=tuple(columns))
+        return export_to(Run.open(self.store, self.run_id), url, options, columns=tuple(columns))
 
     def ids(self) -> list[Any]:
         """Each row's id, in order: a string, or with ``long_texts="window"`` an object (the text's
@@ -128,11 +125,11 @@ class RunResult:
         corpus order; None without ``pool``."""
         import numpy as np
 
-        path = self.result_dir / "texts.npy"
-        if not path.exists():
+        run = Run.open(self.store, self.run_id)
+        if run.result is None or run.result.fields.get("texts") is None:
             return None
-        array: np.ndarray = np.load(io.BytesIO(path.read_bytes()), allow_pickle=False)
-        return array
+        blocks = [block for _, block in self._opened("document").batches()]  # each file checked
+        return np.concatenate(blocks) if blocks else None
 
 
 @dataclass(frozen=True)
@@ -172,7 +169,7 @@ def run(
     with ProgressDisplay(live=progress) as display:
         outcome = run_locally(request, display)
     result = finished_result(outcome, request)
-    layout = RunLayout(request.submit.store, result["run_id"])
+    published = Run.open(request.submit.store, result["run_id"])
     return RunResult(
         run_id=result["run_id"],
         store=request.submit.store,
@@ -180,7 +177,7 @@ def run(
         dim=int(result["dim"]),
         seconds=time.monotonic() - started,
         workers=len(result.get("workers", ())),
-        rows_per_second=store_snapshot(layout, load_manifest(layout)).rows_per_second,
+        rows_per_second=store_snapshot(published.layout, published.manifest).rows_per_second,
     )
 
 
@@ -246,7 +243,7 @@ def embed(
         result = run(corpus, model, store=store or Path(scratch) / "store", **options)
         if options.get("long_texts") in ("window", "late"):
             return _windowed(result)  # type: ignore[return-value]
-        if read_result_manifest(RunLayout(result.store, result.run_id)).get("ragged") is not None:
+        if result._opened().ragged is not None:
             return result.ragged()  # type: ignore[return-value]
         return np.array(result.embeddings(mmap=False))
 

@@ -49,11 +49,11 @@ def ranges_here(model: str, options: EncodeOptions, texts: list[str], device: st
 
 
 def _main() -> None:
-    from chunkq.jobs.compute import models
+    from chunkq.jobs.compute import model_refs
 
     request = json.loads(sys.stdin.buffer.read())
     options = EncodeOptions.from_dict(request["options"])
-    models.assume_offline()
+    model_refs.assume_offline()
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -28,6 +28,8 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+# Spelt here, as jobs/contract/environment.py declares it: this file runs as a script with the
+# standard library alone (above), so it imports nothing of chunkq.
 SIMULATED_ENV = "CHUNKQ_SIMULATED_CUDA"
 ASK_SECONDS = 60  # cuInit on a host with many GPUs takes seconds; a hung driver must not hang the pool
 LIBCUDA = "libcuda.so.1"

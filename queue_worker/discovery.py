@@ -30,9 +30,11 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from chunkq.jobs.contract import environment
+
 log = logging.getLogger(__name__)
 
-SIMULATED_ENV = "CHUNKQ_SIMULATED_GPUS"
+SIMULATED_ENV = environment.SIMULATED_GPUS
 VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
 # NVML's compute modes (nvml.h): 1 is the deprecated EXCLUSIVE_THREAD, which acts as EXCLUSIVE_PROCESS.
 COMPUTE_MODES = {0: "default", 1: "exclusive_process", 2: "prohibited", 3: "exclusive_process"}

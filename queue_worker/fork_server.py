@@ -41,7 +41,7 @@ import setproctitle
 from chunkq.jobs.compute import cuda
 from chunkq.jobs.compute.model_reads import no_working_directory_imports
 from chunkq.jobs.compute.runtime import DEVICE_ENV
-from chunkq.jobs.contract import errors
+from chunkq.jobs.contract import environment, errors
 from chunkq.queue_worker import standing_forks
 from chunkq.queue_worker.exit_codes import EXIT_FORKED_NO_CUDA, EXIT_NO_CONTEXT
 from chunkq.queue_worker.lifeline import (
@@ -55,10 +55,10 @@ from chunkq.queue_worker.standby import NOTIFY_FD_ENV
 from chunkq.queue_worker.worker_args import WORKER_MODULE, worker_title
 
 SERVER_MODULE = "chunkq.queue_worker.fork_server"
-SOCKET_FD_ENV = "CHUNKQ_FORK_SERVER_FD"
+SOCKET_FD_ENV = environment.FORK_SERVER_FD
 PRELOAD = ("torch", "sentence_transformers", WORKER_MODULE)
-PRELOAD_ENV = "CHUNKQ_FORK_SERVER_PRELOAD"  # more modules to import once, e.g. your own job functions
-MODEL_ENV = "CHUNKQ_FORK_SERVER_MODEL"  # the pool's --preload model, loaded once on the CPU
+PRELOAD_ENV = environment.FORK_SERVER_PRELOAD  # more modules to import once, e.g. your own job functions
+MODEL_ENV = environment.FORK_SERVER_MODEL  # the pool's --preload model, loaded once on the CPU
 TEMPLATE_MEMORY_SHARE = 0.25  # of host memory; a larger model is loaded by each worker instead
 # torch.cuda.is_available() and device_count() then ask NVML, not the driver (whose cuInit a forked
 # child would inherit), should an import call them in the fork server.

@@ -264,7 +264,7 @@ def resolve_cpu_workers(value: int | None, preload: str | None) -> int:
 
 
 def _model_path(preload: str | None) -> str | None:
-    from chunkq.jobs.compute.models import default_model, resolve_model
+    from chunkq.jobs.compute.model_refs import default_model, resolve_model
 
     try:
         return resolve_model(preload or default_model())

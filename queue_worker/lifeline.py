@@ -9,20 +9,22 @@ import sys
 
 import psutil
 
+from chunkq.jobs.contract import environment
+
 _PR_SET_PDEATHSIG = 1
 # Loaded here, once: a preexec_fn runs in the child between fork and exec, where loading a library
 # could deadlock on the loader's lock if another thread (the metrics server) held it at the fork.
 _LIBC = ctypes.CDLL("libc.so.6", use_errno=True) if sys.platform.startswith("linux") else None
 # The pid a worker's parent had when it was started; a worker whose parent differs was orphaned
 # before it began, and exits.
-PARENT_PID_ENV = "CHUNKQ_PARENT_PID"
+PARENT_PID_ENV = environment.PARENT_PID
 # What a pool stops a worker with (SIGTERM drains, a second one stops now; SIGINT as SIGTERM). A pool
 # may send it the moment it learns a forked worker's pid: the fork server holds these signals across
 # the fork, and the worker lets them through once its handlers are in place (worker.py), so a stop
 # sent in between is neither lost (the server ignores SIGTERM, or handles it as its own stop) nor fatal.
 STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
 # The pool's pid, for a worker whose parent died (ORPHANED_SIGNAL) to tell whether its pool lives on.
-POOL_PID_ENV = "CHUNKQ_POOL_PID"
+POOL_PID_ENV = environment.POOL_PID
 
 
 # What a worker gets when the process that started it dies (its pool, or the pool's fork server).

@@ -13,10 +13,12 @@ import os
 import select
 import time
 
+from chunkq.jobs.contract import environment
+
 log = logging.getLogger(__name__)
 
-NOTIFY_FD_ENV = "CHUNKQ_NOTIFY_FD"  # the worker writes one line here when it starts its last job
-WAIT_FOR_PID_ENV = "CHUNKQ_WAIT_FOR_PID"  # a standby waits for this process to exit first
+NOTIFY_FD_ENV = environment.NOTIFY_FD  # the worker writes one line here when it starts its last job
+WAIT_FOR_PID_ENV = environment.WAIT_FOR_PID  # a standby waits for this process to exit first
 LAST_JOB = b"last\n"
 MODEL_LOADED = b"loaded"  # followed by the seconds the load took, for the pool's metrics
 

@@ -28,6 +28,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from chunkq.jobs.contract import environment
+
 # The variables read while the modules are imported (huggingface_hub's HF_HUB_OFFLINE and HF_HOME,
 # Python's own, the dynamic loader's): a worker forked there lives with the values the server had.
 # Those applied to each worker after the fork (OMP_NUM_THREADS, PYTORCH_CUDA_ALLOC_CONF,
@@ -39,7 +41,7 @@ IMPORT_TIME_ENV_PREFIXES = (
     "SENTENCE_TRANSFORMERS_",
     "TORCH_",
     "LD_",
-    "CHUNKQ_FORK_SERVER_PRELOAD",
+    environment.FORK_SERVER_PRELOAD,
 )
 LIBRARIES = ("torch", "transformers", "sentence-transformers", "tokenizers", "numpy", "rq", "redis")
 CONNECT_SECONDS = 10.0  # a server that accepted but does not say it is ready is not used

@@ -15,9 +15,10 @@ import re
 from importlib.util import find_spec
 from pathlib import Path
 
+from chunkq.jobs.contract import environment
 from chunkq.jobs.contract.errors import ConfigError
 
-SIMULATED_ENV = "CHUNKQ_SIMULATED_TORCH_CUDA"
+SIMULATED_ENV = environment.SIMULATED_TORCH_CUDA
 _FIELD = re.compile(r"^(__version__|cuda|hip)\s*(?::[^=]*)?=\s*(.+?)\s*$", re.MULTILINE)
 
 

@@ -27,9 +27,10 @@ from rq.exceptions import StopRequested
 from rq.serializers import JSONSerializer
 
 from chunkq.jobs import kinds
-from chunkq.jobs.compute import cuda, faults, models, runtime
+from chunkq.jobs.compute import cuda, faults, model_refs, models, runtime
 from chunkq.jobs.compute.model_info import describe
 from chunkq.jobs.compute.model_reads import no_working_directory_imports
+from chunkq.jobs.contract import environment
 from chunkq.jobs.contract.allowlist import AllowListedJob
 from chunkq.jobs.contract.defaults import DEFAULT_KIND, DEFAULT_STORE
 from chunkq.jobs.contract.errors import ConfigError
@@ -97,7 +98,7 @@ def _context(name: str, args: argparse.Namespace) -> runtime.WorkerContext:
             )
         device, kind = "cuda:0", torch.cuda.get_device_name(0)  # the one GPU left visible
     named = [*args.allowed_models, *([args.preload] if args.preload else [])]
-    allowed = {models.BUNDLED_MODEL, *(models.canonical_model(m) for m in named)}
+    allowed = {model_refs.BUNDLED_MODEL, *(model_refs.canonical_model(m) for m in named)}
     return runtime.WorkerContext(
         name=name,
         host=socket.gethostname(),
@@ -212,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     forbid_pickle()
     args = _parse(argv)
     name = args.name or f"cq-{socket.gethostname()}-{os.getpid()}"
-    where = f"{name} gpu={os.environ.get('CHUNKQ_GPU', '-')}"
+    where = f"{name} gpu={os.environ.get(environment.GPU, '-')}"
     handler = OneLineHandler(sys.stderr)
     line_format = f"%(asctime)s %(levelname)s [{where}] %(name)s: %(message)s"
     debug = args.log_level.upper() == "DEBUG"

@@ -21,7 +21,8 @@ import redis
 
 from chunkq.jobs import kinds
 from chunkq.jobs.compute.model_info import check_options, describe
-from chunkq.jobs.compute.models import check_model, check_precision, default_model
+from chunkq.jobs.compute.model_refs import check_model, default_model
+from chunkq.jobs.compute.models import check_precision
 from chunkq.jobs.contract.addresses import parse_redis
 from chunkq.jobs.contract.defaults import (
     DEFAULT_CHUNK_SIZE,
@@ -32,8 +33,8 @@ from chunkq.jobs.contract.defaults import (
     STALE_AFTER_SECONDS,
     WARN_IDLE_SECONDS,
 )
-from chunkq.jobs.contract.errors import ChunksFailedError, ConfigError, CorpusError
-from chunkq.jobs.contract.run_files import RunLayout, read_json
+from chunkq.jobs.contract.errors import ChunksFailedError, ConfigError, CorpusError, StoreError
+from chunkq.jobs.contract.run import Run
 from chunkq.jobs.contract.run_queues import MAX_PRIORITY
 from chunkq.jobs.contract.settings import PoolSettings
 from chunkq.jobs.contract.specs import BATCH_TOKENS_OFF, EncodeOptions
@@ -373,8 +374,10 @@ def reach_redis(url: str) -> redis.Redis:
 def finished_result(outcome: RunOutcome, request: RunRequest) -> dict[str, Any]:
     """The published result manifest of a run that ``supervisor.local_run.run`` returned, or the error."""
     if outcome.outcome is None:
-        layout = RunLayout(request.submit.store, outcome.submitted.run_id)
-        return dict(read_json(layout.result_manifest))
+        published = Run.open(request.submit.store, outcome.submitted.run_id).result
+        if published is None or published.unreadable:
+            raise StoreError(f"run {outcome.submitted.run_id}: no readable result is published")
+        return dict(published.fields)
     watched = outcome.outcome
     if watched.quarantined and not watched.partial:
         raise ChunksFailedError(failure_report(watched.quarantined, watched.snapshot.run_id))

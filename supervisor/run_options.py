@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from chunkq.jobs.compute.models import BUNDLED_MODEL
+from chunkq.jobs.compute.model_refs import BUNDLED_MODEL
 from chunkq.jobs.contract.defaults import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_PRECISION,

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import redis
 
-from chunkq.jobs.compute.models import BUNDLED_MODEL, resolve_model
+from chunkq.jobs.compute.model_refs import BUNDLED_MODEL, resolve_model
 from chunkq.jobs.contract.manifest import load_manifest
 from chunkq.jobs.contract.run_files import RunLayout
 from chunkq.jobs.embed import embed_chunk

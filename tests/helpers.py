@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from chunkq.jobs.contract.run import Run
 from chunkq.queue_worker.worker_args import WORKER_MODULE
 from tests import warm_forks
 
@@ -292,7 +293,7 @@ def _write_manifest(
     model: str | None = None,
 ) -> Any:
     """A run manifest as submit writes it (without Redis); the RunManifest."""
-    from chunkq.jobs.compute.models import BUNDLED_MODEL
+    from chunkq.jobs.compute.model_refs import BUNDLED_MODEL
     from chunkq.jobs.contract.manifest import RunManifest
     from chunkq.jobs.contract.run_files import RunLayout, atomic_write_json
     from chunkq.jobs.contract.specs import EncodeOptions, fingerprint
@@ -419,7 +420,7 @@ def run_in_process(
 ) -> tuple[Any, Any, int]:
     """Submit ``texts`` as ``name``.jsonl, encode every chunk in this process with the real job
     function, assemble: (layout, manifest, rows a worker encoded, not read from the vector cache)."""
-    from chunkq.jobs.compute.models import BUNDLED_MODEL
+    from chunkq.jobs.compute.model_refs import BUNDLED_MODEL
     from chunkq.jobs.contract.manifest import load_manifest
     from chunkq.jobs.contract.run_files import RunLayout
     from chunkq.jobs.contract.specs import EncodeOptions
@@ -443,7 +444,7 @@ def run_in_process(
     for index in range(manifest.chunks):
         out = embed_chunk(manifest.chunk_spec(layout.store, index).to_dict())
         encoded += 0 if out["skipped"] else int(out["rows"])
-    assemble(layout)
+    assemble(Run.of(layout))
     assert check_published(layout, manifest) == []
     return layout, manifest, encoded
 

@@ -8,9 +8,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from chunkq.jobs.compute.models import BUNDLED_MODEL
+from chunkq.jobs.compute.model_refs import BUNDLED_MODEL
 from chunkq.jobs.contract.errors import AssemblyError
 from chunkq.jobs.contract.manifest import load_manifest
+from chunkq.jobs.contract.run import Run
 from chunkq.jobs.contract.run_files import RunLayout, file_sha256
 from chunkq.jobs.embed import embed_chunk
 from chunkq.supervisor.result.assemble import assemble
@@ -26,7 +27,7 @@ def _reencode(layout: RunLayout, *indices: int) -> None:
 @pytest.mark.slow
 def test_result_is_ordered_and_equals_plain_encode(encoded_run: Any, reference_model: Any) -> None:
     layout, ids, texts = encoded_run
-    result = assemble(layout)
+    result = assemble(Run.of(layout))
     matrix = np.load(layout.result / "embeddings.npy")
     assert matrix.shape == (47, 384) and matrix.dtype == np.float32
     assert max_abs_diff(matrix, reference_model.encode(texts)) <= 1e-5
@@ -35,7 +36,7 @@ def test_result_is_ordered_and_equals_plain_encode(encoded_run: Any, reference_m
     assert result["rows"] == 47 and result["dim"] == 384 and len(result["embeddings_sha256"]) == 64
     assert sorted(p.name for p in layout.result.iterdir()) == ["embeddings.npy", "ids.jsonl", "manifest.json"]
     assert not list(layout.root.glob(".result.tmp-*"))
-    assert assemble(layout) == result  # assembling again returns the published result
+    assert assemble(Run.of(layout)) == result  # assembling again returns the published result
 
 
 @pytest.mark.slow
@@ -48,7 +49,7 @@ def test_missing_and_corrupt_chunks_are_all_named(encoded_run: Any) -> None:
     raw[200] ^= 0x01
     npy.write_bytes(bytes(raw))
     with pytest.raises(AssemblyError) as caught:
-        assemble(layout)
+        assemble(Run.of(layout))
     moved = f"; moved to {layout.damaged_outputs}, the next run encodes it again"
     assert caught.value.problems == [
         "chunk 1 (rows 10-19): 000001.npy missing" + moved,
@@ -58,7 +59,7 @@ def test_missing_and_corrupt_chunks_are_all_named(encoded_run: Any) -> None:
     assert not layout.result.exists()
     assert layout.done_chunks() == {0, 2}  # set aside: none of them counts as done any more
     _reencode(layout, 1, 3, 4)
-    assert assemble(layout)["rows"] == 47
+    assert assemble(Run.of(layout))["rows"] == 47
 
 
 @pytest.mark.slow
@@ -81,14 +82,14 @@ def test_a_lone_output_of_another_dimension_is_set_aside_not_the_healthy_chunks(
     meta.update(dim=383, sha256=file_sha256(layout.output_npy(2)))
     layout.output_meta(2).write_text(json.dumps(meta))
     with pytest.raises(AssemblyError) as caught:
-        assemble(layout)
+        assemble(Run.of(layout))
     assert caught.value.problems == [
         "chunk 2 (rows 20-29): dimension 383, while 4 other chunk(s) have 384; "
         f"moved to {layout.damaged_outputs}, the next run encodes it again"
     ]
     assert layout.done_chunks() == {0, 1, 3, 4}
     _reencode(layout, 2)
-    assert assemble(layout)["dim"] == 384
+    assert assemble(Run.of(layout))["dim"] == 384
 
 
 @pytest.mark.slow
@@ -99,7 +100,7 @@ def test_an_output_made_with_other_options_is_never_assembled(encoded_run: Any) 
     meta["options"] = {**meta["options"], "max_seq_length": 3}
     layout.output_meta(1).write_text(json.dumps(meta))
     with pytest.raises(AssemblyError, match=r"chunk 1 .* produced with options other than the run manifest"):
-        assemble(layout)
+        assemble(Run.of(layout))
     assert 1 not in layout.done_chunks()
 
 
@@ -107,7 +108,7 @@ def test_an_output_made_with_other_options_is_never_assembled(encoded_run: Any) 
 def test_verify_checks_the_result_manifest_against_the_runs(encoded_run: Any) -> None:
     """Issue 21.7: result/manifest.json edited to 46 rows and another model, checksums untouched."""
     layout, _, _ = encoded_run
-    assemble(layout, keep_outputs=True)  # repaired below from the chunk outputs
+    assemble(Run.of(layout), keep_outputs=True)  # repaired below from the chunk outputs
     store = str(layout.store)
     assert run_cli("assemble", layout.run_id, "--verify", "--store", store).returncode == 0
     path = layout.result / "manifest.json"
@@ -141,6 +142,6 @@ def test_a_supervisor_that_lost_its_lock_publishes_nothing(encoded_run: Any) -> 
         raise LockLostError("run r: another process took the lock over")
 
     with pytest.raises(LockLostError):
-        assemble(layout, fence=lost)
+        assemble(Run.of(layout), fence=lost)
     assert not layout.result.exists() and not list(layout.root.glob(".result.tmp-*"))
-    assert assemble(layout, fence=lambda: None)["rows"] == 47
+    assert assemble(Run.of(layout), fence=lambda: None)["rows"] == 47

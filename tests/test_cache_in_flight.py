@@ -9,9 +9,10 @@ from pathlib import Path
 import numpy as np
 import redis
 
-from chunkq.jobs.compute.models import BUNDLED_MODEL
+from chunkq.jobs.compute.model_refs import BUNDLED_MODEL
 from chunkq.jobs.compute.vector_cache import VectorCache
 from chunkq.jobs.contract.manifest import load_manifest
+from chunkq.jobs.contract.run import Run
 from chunkq.jobs.contract.run_files import RunLayout
 from chunkq.jobs.embed import embed_chunk
 from chunkq.supervisor.result.assemble import assemble
@@ -59,14 +60,14 @@ def test_a_runs_finished_chunks_serve_the_cache_before_it_publishes(
     for index in (2, 3):
         embed_chunk(manifest.chunk_spec(store, index).to_dict())
     build.advance(pending=set())
-    assemble(first, manifest=manifest, build=build)
+    assemble(Run(first, manifest), build=build)
     assert _early_shards(store, first) == []  # the result's own parts serve them now
     assert not list((first.root / "outputs").glob("*.npy"))  # one copy: the chunk arrays went
 
     manifest2 = load_manifest(second)
     for index in range(manifest2.chunks):
         embed_chunk(manifest2.chunk_spec(store, index).to_dict())
-    assemble(second, manifest=manifest2)
+    assemble(Run(second, manifest2))
     got, got_ids = result_of(second)
     want, _ = result_of(first)
     assert got_ids == [f"b{i}" for i in ids[:20]] + new_ids

@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from chunkq.cli import cli
-from chunkq.jobs.compute import models
+from chunkq.jobs.compute import model_refs
 from chunkq.jobs.contract.errors import ConfigError
 from tests.helpers import cli_env, run_cli
 
@@ -82,10 +82,15 @@ def test_log_level_works_after_the_subcommand_and_help_shows_the_variables(tmp_p
 
 @pytest.mark.parametrize(
     "name",
-    ["all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2", "all-minilm-l6-v2", models.BUNDLED_MODEL],
+    [
+        "all-MiniLM-L6-v2",
+        "sentence-transformers/all-MiniLM-L6-v2",
+        "all-minilm-l6-v2",
+        model_refs.BUNDLED_MODEL,
+    ],
 )
 def test_the_bundled_models_names_resolve_to_the_installed_copy(name: str) -> None:
-    assert models.check_model(name) == models.BUNDLED_MODEL
+    assert model_refs.check_model(name) == model_refs.BUNDLED_MODEL
 
 
 def _cache_a_model(cache: Path, repo_id: str) -> None:
@@ -106,16 +111,16 @@ def test_a_model_in_the_hub_cache_is_used_and_one_missing_is_refused_with_advice
     _cache_a_model(cache, "BAAI/bge-small-en-v1.5")
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert models.check_model("BAAI/bge-small-en-v1.5") == "BAAI/bge-small-en-v1.5"
-    assert models.check_model("all-mpnet-base-v2") == "sentence-transformers/all-mpnet-base-v2"
-    assert models.check_model(str(tmp_path)) == str(tmp_path)  # a local folder
+    assert model_refs.check_model("BAAI/bge-small-en-v1.5") == "BAAI/bge-small-en-v1.5"
+    assert model_refs.check_model("all-mpnet-base-v2") == "sentence-transformers/all-mpnet-base-v2"
+    assert model_refs.check_model(str(tmp_path)) == str(tmp_path)  # a local folder
     with pytest.raises(ConfigError, match="neither a local folder nor in the Hugging Face cache") as err:
-        models.check_model("BAAI/bge-large-en-v1.5")
+        model_refs.check_model("BAAI/bge-large-en-v1.5")
     assert "hf download BAAI/bge-large-en-v1.5" in str(err.value)
     with pytest.raises(ConfigError, match="no such folder"):
-        models.check_model(str(tmp_path / "nosuch" / "model"))
+        model_refs.check_model(str(tmp_path / "nosuch" / "model"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # downloads allowed: the workers fetch it
-    assert models.check_model("BAAI/bge-large-en-v1.5") == "BAAI/bge-large-en-v1.5"
+    assert model_refs.check_model("BAAI/bge-large-en-v1.5") == "BAAI/bge-large-en-v1.5"
 
 
 def test_the_wheel_installs_one_top_level_name(tmp_path: Path) -> None:
@@ -199,7 +204,7 @@ def test_runs_tells_runs_of_one_corpus_apart_by_file_format_and_options(
     tmp_path: Path, connection: Any
 ) -> None:
     """Issue 24.8: the same texts as JSONL, CSV and Parquet, one with other options."""
-    from chunkq.jobs.compute.models import BUNDLED_MODEL
+    from chunkq.jobs.compute.model_refs import BUNDLED_MODEL
     from chunkq.jobs.contract.specs import EncodeOptions
     from chunkq.supervisor.submit.corpus import CorpusOptions
     from chunkq.supervisor.submit.identity import SubmitRequest

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from chunkq.jobs.compute import device_busy, models
+from chunkq.jobs.compute import device_busy, model_refs, models
 from chunkq.jobs.contract.specs import EncodeOptions
 from chunkq.jobs.embed import encode_texts
 from chunkq.queue_worker import metrics, utilisation
@@ -63,7 +63,7 @@ def test_the_pool_serves_each_gpus_utilisation_where_nvml_gives_it(simulated: No
 
 
 def test_on_the_cpu_the_share_is_the_time_in_the_models_forward() -> None:
-    loaded = models.get_model(models.BUNDLED_MODEL, "cpu", "fp32", EncodeOptions())
+    loaded = models.get_model(model_refs.BUNDLED_MODEL, "cpu", "fp32", EncodeOptions())
     _, texts = make_texts(64, seed=3)
     with device_busy.measured(loaded.model, "cpu", None) as busy:
         encode_texts(loaded, texts, EncodeOptions())

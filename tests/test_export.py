@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from chunkq.jobs.contract.errors import AssemblyError
+from chunkq.jobs.contract.run import Run
 from chunkq.jobs.contract.run_files import RunLayout, atomic_write_json, file_sha256
 from chunkq.supervisor.result.reader import BATCH_ROWS
 from chunkq.tools.export import export
@@ -55,8 +56,8 @@ def test_parquet_and_npy_exports_stream_with_flat_memory(tmp_path: Path) -> None
     arrow_before = pool.max_memory()
     tracemalloc.start()
     try:
-        export(layout, "parquet", tmp_path / "out.parquet")
-        export(layout, "npy", tmp_path / "out.npy")
+        export(Run.of(layout), "parquet", tmp_path / "out.parquet")
+        export(Run.of(layout), "npy", tmp_path / "out.npy")
         _, python_peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -80,7 +81,7 @@ def test_a_damaged_result_is_refused_and_nothing_is_written(tmp_path: Path) -> N
     for fmt in ("parquet", "npy", "jsonl"):
         out = tmp_path / f"out.{fmt}"
         with pytest.raises(AssemblyError, match=r"embeddings\.npy does not match the checksum"):
-            export(layout, fmt, out)
+            export(Run.of(layout), fmt, out)
         assert sorted(p.name for p in tmp_path.iterdir()) == ["store"], fmt  # no file, whole or partial
 
 
@@ -97,26 +98,26 @@ def test_out_is_never_replaced_unasked_and_streams_are_written_through(tmp_path:
     existing = tmp_path / "kept.jsonl"
     existing.write_text("mine\n")
     with pytest.raises(ConfigError, match="exists; pass --force to replace it"):
-        export(layout, "jsonl", existing)
+        export(Run.of(layout), "jsonl", existing)
     assert existing.read_text() == "mine\n"
     link = tmp_path / "link.jsonl"
     link.symlink_to(existing)
-    export(layout, "jsonl", link, force=True)  # replaces the file the link names; the link stays
+    export(Run.of(layout), "jsonl", link, force=True)  # replaces the file the link names; the link stays
     assert link.is_symlink() and len(existing.read_text().splitlines()) == 50
     with pytest.raises(ConfigError, match="no such folder"):
-        export(layout, "jsonl", tmp_path / "missing" / "out.jsonl")
+        export(Run.of(layout), "jsonl", tmp_path / "missing" / "out.jsonl")
     assert not (tmp_path / "missing").exists()
 
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     reader = subprocess.Popen(["cat", str(fifo)], stdout=subprocess.PIPE)
-    export(layout, "parquet", fifo)
+    export(Run.of(layout), "parquet", fifo)
     parquet_bytes, _ = reader.communicate(timeout=60)
     assert fifo.exists() and not fifo.is_file()  # still the FIFO, not replaced by a regular file
     (tmp_path / "from-fifo.parquet").write_bytes(parquet_bytes)
     assert pq.read_table(tmp_path / "from-fifo.parquet").column("id").to_pylist() == ids
     with pytest.raises(ConfigError, match="npy writes two files"):
-        export(layout, "npy", fifo)
+        export(Run.of(layout), "npy", fifo)
 
     for out in ("-", "/dev/stdout"):
         piped = subprocess.run(
@@ -180,7 +181,7 @@ def test_an_export_into_the_store_is_refused_even_with_force(tmp_path: Path) -> 
     link.symlink_to(published)
     for out in (published, layout.root / "copy.jsonl", link):
         with pytest.raises(ConfigError, match="is inside the store"):
-            export(layout, "npy" if out.suffix == ".npy" else "jsonl", out, force=True)
+            export(Run.of(layout), "npy" if out.suffix == ".npy" else "jsonl", out, force=True)
     assert published.read_bytes() == before and not (layout.root / "copy.jsonl").exists()
 
 
@@ -191,7 +192,7 @@ def test_corpus_fields_go_beside_each_row_of_a_parquet_or_jsonl_file_or_are_refu
     """Issue 51.12: `export --format parquet --columns text` (and npy, jsonl) ignored --columns. Each
     row carries its own text, a window its own span (over several batches: the value column was
     renamed by the window loop after the first), an .npy or a sparse run refuses them."""
-    from chunkq.jobs.compute.models import BUNDLED_MODEL
+    from chunkq.jobs.compute.model_refs import BUNDLED_MODEL
     from chunkq.jobs.contract.errors import ConfigError
     from chunkq.supervisor.submit.corpus import CorpusOptions
     from chunkq.supervisor.submit.identity import SubmitRequest
@@ -209,9 +210,11 @@ def test_corpus_fields_go_beside_each_row_of_a_parquet_or_jsonl_file_or_are_refu
         options = {"long_texts": "window", "window_tokens": 32, "pool": "mean"} if windowed else {}
         request = SubmitRequest(corpus, store, BUNDLED_MODEL, CorpusOptions("jsonl"), chunk_size=8, **options)
         layout = _encode_in_process(request, connection)
-        parquet = export(layout, "parquet", tmp_path / f"w{windowed}.parquet", columns=("text", "n"))[0]
+        parquet = export(Run.of(layout), "parquet", tmp_path / f"w{windowed}.parquet", columns=("text", "n"))[
+            0
+        ]
         table = pq.read_table(parquet).to_pylist()
-        jsonl = export(layout, "jsonl", tmp_path / f"w{windowed}.jsonl", columns=("text", "n"))[0]
+        jsonl = export(Run.of(layout), "jsonl", tmp_path / f"w{windowed}.jsonl", columns=("text", "n"))[0]
         lines = [json.loads(line) for line in jsonl.read_text().splitlines()]
         assert len(table) == len(lines) > 5 and [r["id"] for r in table] == [r["id"] for r in lines]
         for got in (*table, *lines):
@@ -220,12 +223,12 @@ def test_corpus_fields_go_beside_each_row_of_a_parquet_or_jsonl_file_or_are_refu
             assert got["text"] == want and got["n"] == str(by_id[got["id"]]["n"])
             assert len(got["embedding"]) == 384
         with pytest.raises(ConfigError, match=r"--columns: an .npy file holds the matrix alone"):
-            export(layout, "npy", tmp_path / f"w{windowed}.npy", columns=("text",))
+            export(Run.of(layout), "npy", tmp_path / f"w{windowed}.npy", columns=("text",))
         with pytest.raises(ConfigError, match=r"--columns 'embedding'"):
-            export(layout, "parquet", tmp_path / "x.parquet", columns=("embedding",))
+            export(Run.of(layout), "parquet", tmp_path / "x.parquet", columns=("embedding",))
     sparse = write_ragged_run(tmp_path / "s", "sparse")
     from chunkq.supervisor.result.assemble import assemble
 
-    assemble(sparse)
+    assemble(Run.of(sparse))
     with pytest.raises(ConfigError, match=r"--columns: a sparse run takes no corpus fields here"):
-        export(sparse, "parquet", tmp_path / "s.parquet", columns=("text",))
+        export(Run.of(sparse), "parquet", tmp_path / "s.parquet", columns=("text",))

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from chunkq.jobs.contract.errors import ConfigError
+from chunkq.jobs.contract.run import Run
 from chunkq.sinks import export_to
 from chunkq.supervisor.result.assemble import assemble
 from tests.helpers import wait_for, write_encoded_run, write_ragged_run
@@ -101,12 +102,12 @@ def test_two_exports_of_two_runs_into_one_new_table_never_mix(
     pgvector every time the first was held between its check and its create)."""
     first = write_encoded_run(tmp_path / "a", "first", 600, 200, 16, seed=1, texts="alpha")
     second = write_encoded_run(tmp_path / "b", "second", 600, 200, 16, seed=2, texts="beta")
-    assemble(first)
-    assemble(second)
+    assemble(Run.of(first))
+    assemble(Run.of(second))
     url = _url(sink, tmp_path, postgres)
     (done,) = _at_once(
-        lambda **kw: export_to(first, url, batch_rows=200, **kw),
-        lambda **kw: export_to(second, url, batch_rows=200, **kw),
+        lambda **kw: export_to(Run.of(first), url, batch_rows=200, **kw),
+        lambda **kw: export_to(Run.of(second), url, batch_rows=200, **kw),
     )
     assert done["first"]["table_rows"] == 600, done
     refused = done["second"]
@@ -125,12 +126,12 @@ def test_a_dense_and_a_sparse_export_of_one_corpus_at_once_both_land(
 ) -> None:
     dense = write_encoded_run(tmp_path / "d", "dense", 200, 20, 16, seed=3)
     sparse = write_ragged_run(tmp_path / "s", "sparse", rows=200, chunk_size=20, seed=4)
-    assemble(dense)
-    assemble(sparse)
+    assemble(Run.of(dense))
+    assemble(Run.of(sparse))
     url = _url(sink, tmp_path, postgres)
     (done,) = _at_once(
-        lambda **kw: export_to(dense, url, batch_rows=50, **kw),
-        lambda **kw: export_to(sparse, url, batch_rows=50, **kw),
+        lambda **kw: export_to(Run.of(dense), url, batch_rows=50, **kw),
+        lambda **kw: export_to(Run.of(sparse), url, batch_rows=50, **kw),
     )
     assert done["first"]["written"] == done["second"]["written"] == 200, done
     rows = _rows(sink, url, postgres)

@@ -23,7 +23,7 @@ import pytest
 import redis
 
 from chunkq.jobs.compute import models
-from chunkq.jobs.compute.models import BUNDLED_MODEL
+from chunkq.jobs.compute.model_refs import BUNDLED_MODEL
 from chunkq.jobs.contract.errors import ConfigError
 from chunkq.jobs.contract.run_files import RunLayout, read_json
 from chunkq.jobs.contract.settings import PoolSettings

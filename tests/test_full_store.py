@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from chunkq.jobs.contract.run import Run
 from chunkq.jobs.contract.run_files import RunLayout, new_memmap, save_npy_atomic
 from chunkq.queue_worker.exit_codes import EXIT_ASSEMBLY, EXIT_STORAGE
 from chunkq.supervisor.result.assemble import assemble
@@ -76,7 +77,7 @@ def test_clean_frees_a_full_store(tmp_path: Path) -> None:
     with tmpfs(tmp_path / "disk", "2m") as disk:
         store = disk / "store"
         for run_id in ("a", "b"):
-            assemble(write_encoded_run(store, run_id, 200, 50, 64))
+            assemble(Run.of(write_encoded_run(store, run_id, 200, 50, 64)))
         fill(disk)
         freed = run_cli("clean", "a", "--store", str(store), "--outputs-only")
         assert freed.returncode == 0 and "freed" in freed.stdout, freed.stderr
@@ -91,7 +92,7 @@ def test_a_truncated_manifest_is_one_line_in_every_command_and_clean_removes_the
     damaged run broke `chunkq runs` for the whole store."""
     store = tmp_path / "store"
     for run_id in ("good", "bad"):
-        assemble(write_encoded_run(store, run_id, 20, 10, 4))
+        assemble(Run.of(write_encoded_run(store, run_id, 20, 10, 4)))
     manifest = RunLayout(store, "bad").manifest
     manifest.write_bytes(manifest.read_bytes()[:100])
     ids, texts = make_texts(3, seed=1)
@@ -126,7 +127,7 @@ def test_an_export_to_a_full_disk_is_one_line_and_leaves_nothing_half_written(tm
     a Parquet file's full disk said "the store keeps every finished chunk: run the same command to
     resume" of an export. Each is now exit 11, one line about the export, nothing of it left."""
     store = tmp_path / "store"
-    assemble(write_encoded_run(store, "big", 4000, 1000, 64, seed=2))
+    assemble(Run.of(write_encoded_run(store, "big", 4000, 1000, 64, seed=2)))
     with tmpfs(tmp_path / "disk", "2m") as disk:
         fill(disk, leave=200 << 10)
         targets = {
@@ -153,7 +154,7 @@ def test_a_result_damaged_in_place_is_damaged_in_status_and_runs(tmp_path: Path)
 
     store = tmp_path / "store"
     layout = write_encoded_run(store, "hit", 300, 100, 16, seed=4)
-    assemble(layout)
+    assemble(Run.of(layout))
     looked = run_cli("status", "hit", "--store", str(store), forks=False)
     assert "result published in" in looked.stdout and "every byte checked" in looked.stdout, looked.stdout
     path = layout.result / "embeddings.npy"
@@ -170,14 +171,12 @@ def test_a_result_damaged_in_place_is_damaged_in_status_and_runs(tmp_path: Path)
 
 def test_a_truncated_ids_file_is_named_not_the_embeddings(tmp_path: Path) -> None:
     """Issue 63.5: ids.jsonl cut short was reported as "embeddings.npy ends before its row 3000"."""
-    from chunkq.jobs.contract.manifest import load_manifest
-    from chunkq.supervisor.result.published import read_result_manifest
     from chunkq.supervisor.result.reader import result_problems
 
     layout = write_encoded_run(tmp_path / "store", "cut", 300, 100, 16, seed=5)
-    assemble(layout)
+    assemble(Run.of(layout))
     ids = layout.result / "ids.jsonl"
     lines = ids.read_bytes().splitlines(keepends=True)
     ids.write_bytes(b"".join(lines[:120]) + lines[120][:3])  # 120 whole lines, the 121st cut
-    problems = result_problems(layout, read_result_manifest(layout), load_manifest(layout))
+    problems = result_problems(Run.of(layout))
     assert problems == ["ids.jsonl ends before its row 121"], problems

@@ -108,7 +108,7 @@ def test_doctor_on_a_machine_without_gpus(tmp_path: Path, redis_url: str) -> Non
 
 
 def test_workers_per_gpu_auto_resolves_to_a_number_and_says_why(caplog: pytest.LogCaptureFixture) -> None:
-    from chunkq.jobs.compute.models import BUNDLED_MODEL, resolve_model
+    from chunkq.jobs.compute.model_refs import BUNDLED_MODEL, resolve_model
     from chunkq.queue_worker.gpus import (
         AUTO_MAX_WORKERS,
         auto_workers_per_gpu,
@@ -156,7 +156,7 @@ def test_cpu_workers_default_to_one_single_threaded_worker_per_core_as_memory_ho
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Issue 64.4: with no GPU the default was one worker of every core's threads."""
-    from chunkq.jobs.compute.models import BUNDLED_MODEL
+    from chunkq.jobs.compute.model_refs import BUNDLED_MODEL
     from chunkq.queue_worker.gpus import CPU_WORKER_BYTES, auto_cpu_workers, resolve_cpu_workers
 
     gib = 1 << 30
@@ -178,7 +178,7 @@ def test_cpu_workers_follow_the_cores_this_process_may_use_not_the_hosts() -> No
     if shutil.which("taskset") is None or (os.cpu_count() or 1) < 2:
         pytest.skip("needs taskset and two cores")
     code = (
-        "from chunkq.jobs.compute.models import BUNDLED_MODEL\n"
+        "from chunkq.jobs.compute.model_refs import BUNDLED_MODEL\n"
         "from chunkq.queue_worker.gpus import cpu_threads_per_worker, resolve_cpu_workers, usable_cores\n"
         "print(usable_cores(), resolve_cpu_workers(None, BUNDLED_MODEL), cpu_threads_per_worker(1))"
     )

@@ -41,7 +41,7 @@ def _by_hand(texts: list[str], ids: list[str], query: str, splade: Path) -> list
     """The fused top 10 from sentence-transformers' own calls, ranked and fused here."""
     from sentence_transformers import SentenceTransformer, SparseEncoder
 
-    from chunkq.jobs.compute.models import BUNDLED_MODEL, resolve_model
+    from chunkq.jobs.compute.model_refs import BUNDLED_MODEL, resolve_model
 
     dense = SentenceTransformer(resolve_model(BUNDLED_MODEL), device="cpu")
     docs, q = dense.encode(texts).astype(np.float64), dense.encode_query([query])[0].astype(np.float64)

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from chunkq.jobs.contract.run import Run
 from chunkq.jobs.contract.run_files import read_json
 from chunkq.supervisor.result.writer import publish
 from tests.helpers import make_texts, only_run, result_matches, run_cli, write_corpus
@@ -114,7 +115,7 @@ def test_a_damaged_result_is_never_called_published_nor_its_chunk_outputs_freed(
 
     store = tmp_path / "store"
     layout = write_encoded_run(store, "damaged", rows=40, chunk_size=20, dim=16)  # no model needed
-    assemble(layout, keep_outputs=True)
+    assemble(Run.of(layout), keep_outputs=True)
     embeddings = layout.result / "embeddings.npy"
     good = embeddings.read_bytes()
     embeddings.write_bytes(good[:-1000])  # truncated: seen by its size alone

@@ -15,8 +15,9 @@ import pytest
 
 from chunkq.jobs import kinds
 from chunkq.jobs.compute.model_info import describe
-from chunkq.jobs.compute.models import BUNDLED_MODEL
+from chunkq.jobs.compute.model_refs import BUNDLED_MODEL
 from chunkq.jobs.contract.errors import ConfigError
+from chunkq.jobs.contract.run import Run
 from tests.helpers import WORDS, max_abs_diff, only_run, run_cli
 from tests.tiny_models import colbert_encoder, cross_encoder, splade_encoder, tiny_clip
 
@@ -208,7 +209,7 @@ def _encode_in_process(request: Any, connection: Any) -> Any:
     manifest = load_manifest(layout)
     for index in range(manifest.chunks):
         embed_chunk(manifest.chunk_spec(layout.store, index).to_dict())
-    assemble(layout)
+    assemble(Run.of(layout))
     return layout
 
 

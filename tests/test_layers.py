@@ -263,21 +263,12 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return sorted(found)
 
 
-# Issue 66.3, not yet broken: the kinds (jobs/kinds) and the model modules they describe (jobs/compute)
-# import each other, each side inside functions. Listed so that the test fails on any other cycle, and
-# on this one once it is gone (then delete it here).
-_KINDS = ("cross", "dense", "image", "multivector", "sparse")
-_MODEL_MODULES = ("model_identity", "model_info", "model_reads", "models", "token_batches")
-KNOWN_CYCLE = sorted(
-    ["chunkq.jobs.kinds", *(f"chunkq.jobs.kinds.{k}" for k in _KINDS)]
-    + [f"chunkq.jobs.compute.{m}" for m in _MODEL_MODULES]
-)
-
-
 def test_the_import_graph_has_no_cycle_function_level_imports_included() -> None:
     """Issue 66.3: four import circles were hidden by function-level imports; the layer tests read
     each import but never the graph."""
-    assert cycles(import_graph()) == [KNOWN_CYCLE]
+    graph = import_graph()
+    assert len(graph) > 150 and sum(map(len, graph.values())) > 500  # the whole graph, not a sample
+    assert cycles(graph) == []
 
 
 def test_the_cycle_check_sees_an_injected_cycle_and_the_front_door() -> None:

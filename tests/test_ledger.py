@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from chunkq.jobs.contract.manifest import load_manifest
+from chunkq.jobs.contract.run import Run
 from chunkq.jobs.contract.run_files import read_json
 from chunkq.supervisor.store import ledger as ledger_module
 from chunkq.supervisor.store.ledger import Ledger, read_ledger
@@ -44,7 +45,9 @@ def test_the_ledger_is_built_once_from_the_outputs_and_then_read_instead_of_them
 
     first = store_snapshot(layout, manifest)  # no ledger yet: every output is read, then recorded
     assert sorted(opened) == [f"{i:06d}.json" for i in range(manifest.chunks)]
-    assert sorted(r["chunk"] for r in read_ledger(layout)) == list(range(manifest.chunks))
+    assert sorted(r["chunk"] for r in read_ledger(layout, load_manifest(layout))) == list(
+        range(manifest.chunks)
+    )
     summary = json.loads(layout.summary.read_text())
     assert summary["chunks_recorded"] == manifest.chunks and summary["rows_recorded"] == 47
 
@@ -74,13 +77,13 @@ def test_an_owner_writes_batches_and_never_records_a_chunk_twice(
 ) -> None:
     layout, _, _ = encoded_run
     monkeypatch.setattr(ledger_module, "LEDGER_BATCH", 2)
-    ledger = Ledger.open(layout)
+    ledger = Ledger.open(layout, load_manifest(layout))
     metas = [read_json(layout.output_meta(i)) for i in range(5)]
     for meta in metas + metas[:2]:
         ledger.add(meta)
     ledger.flush()  # five pending, two to a batch: written at once
     assert sorted(p.name for p in layout.ledger.iterdir()) == ["000000.jsonl", "000001.jsonl", "000002.jsonl"]
-    reopened = Ledger.open(layout)
+    reopened = Ledger.open(layout, load_manifest(layout))
     assert set(reopened.recorded) == set(range(5)) and reopened.throughput == of_outputs(metas)
     reopened.add(metas[0])
     assert reopened.pending == []
@@ -97,7 +100,7 @@ def _synthetic_run(store: Path, run_id: str, chunks: int, processes: int) -> Any
     write_test_run(store, run_id, chunks - 1, 1, seed=0)
     layout = RunLayout(store, run_id)
     layout.outputs.mkdir(parents=True, exist_ok=True)
-    ledger = Ledger.open(layout)
+    ledger = Ledger.open(layout, load_manifest(layout))
     t0 = datetime(2026, 11, 1, tzinfo=UTC)
     step = timedelta(hours=4) / chunks * processes
     for index in range(chunks):
@@ -134,7 +137,7 @@ def test_a_report_streams_the_ledger_and_holds_bins_not_records(store: Path) -> 
     for chunks in (2_000, 20_000):
         layout = _synthetic_run(store, f"big{chunks}", chunks, processes=4)
         tracemalloc.start()
-        facts = run_facts.gather(layout)
+        facts = run_facts.gather(Run.of(layout))
         peaks[chunks] = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
         assert facts.chunks_done == chunks and facts.rate.sum() == chunks == facts.throughput.rows
@@ -182,10 +185,10 @@ def test_the_report_of_a_run_numbers_each_chunk_when_few_and_bins_them_when_many
     from chunkq.tools import report, run_facts
 
     layout, _, _ = encoded_run
-    numbered = run_facts.gather(layout)
+    numbered = run_facts.gather(Run.of(layout))
     assert sorted(c for lane in numbered.lanes.values() for _, _, c in lane.chunks) == list(range(5))
     monkeypatch.setattr(run_facts, "LABELLED_CHUNKS", 0)
-    binned = run_facts.gather(layout)
+    binned = run_facts.gather(Run.of(layout))
     assert all(
         not lane.chunks and lane.spans(binned.span / run_facts.TIMELINE_BINS)
         for lane in binned.lanes.values()
@@ -196,13 +199,13 @@ def test_the_report_of_a_run_numbers_each_chunk_when_few_and_bins_them_when_many
     # bound on a rate sampled from the real run depends on how the scheduler placed its chunks
     # (issue 55: 41.7 against 2.5 x 13.2 at rest, a slow first chunk beside fast ones).
     _on_a_schedule(layout, chunk_seconds=1.0, batch_rows=4)
-    even = run_facts.gather(layout)
+    even = run_facts.gather(Run.of(layout))
     _, rates, window = even.rate_curve()
     assert even.samples == 5 and even.span == pytest.approx(4.9)
     assert window >= run_facts.RATE_WINDOW_SAMPLES * even.sample_seconds / even.samples
     # Each batch's 4 rows arrive at one instant: unsmoothed, one slice of the span reads 4 / 0.0245 s.
     assert rates.max() <= 2.5 * even.throughput.rows_per_second(running=False)
-    numbers = report.write_report(layout, tmp_path / "r")
+    numbers = report.write_report(Run.of(layout), tmp_path / "r")
     assert (tmp_path / "r" / "report.png").stat().st_size > 20_000
     assert (numbers["chunks_done"], numbers["rows_done"], numbers["worker_processes"]) == (5, 47, 1)
 
@@ -293,7 +296,7 @@ def test_a_damaged_ledger_line_costs_only_that_record(tmp_path: Path) -> None:
         "\n".join([*lines[:2], '{"chunk": 9, "ro', *lines[2:]]) + "\n"
     )
     (layout.ledger / "000001.jsonl").write_text(json.dumps({"chunk": 4, "rows": 1}) + "\n")
-    assert [r["chunk"] for r in read_ledger(layout)] == [0, 1, 2, 3, 4]
+    assert [r["chunk"] for r in read_ledger(layout, load_manifest(layout))] == [0, 1, 2, 3, 4]
 
 
 @pytest.mark.slow
@@ -333,7 +336,7 @@ def test_a_rebuilt_ledger_of_one_file_is_read_a_batch_at_a_time(tmp_path: Path) 
     del lines
     tracemalloc.start()
     try:
-        count = sum(1 for _ in read_ledger(layout))
+        count = sum(1 for _ in read_ledger(layout, load_manifest(layout)))
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -364,8 +367,8 @@ def test_a_ledger_record_outside_the_run_is_skipped_and_sizes_nothing(
     ]
     (layout.ledger / "000000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     with caplog.at_level(logging.WARNING):
-        assert [r["chunk"] for r in read_ledger(layout)] == [0, 2]
-        ledger = ledger_module.Ledger.open(layout)
+        assert [r["chunk"] for r in read_ledger(layout, load_manifest(layout))] == [0, 2]
+        ledger = ledger_module.Ledger.open(layout, load_manifest(layout))
     assert sorted(ledger.recorded) == [0, 2] and ledger.throughput.rows == 3
     assert "4 ledger record(s) not of this run's chunks skipped" in caplog.text
 
@@ -385,7 +388,7 @@ def test_a_stray_output_or_an_inflated_summary_never_shows_as_done(tmp_path: Pat
     assert (snap.chunks_done, snap.rows_done) == (10, 200)
     summary = json.loads(layout.summary.read_text()) if layout.summary.is_file() else None
     if summary is None:
-        ledger_module.Ledger.open(layout).flush(force=True)
+        ledger_module.Ledger.open(layout, load_manifest(layout)).flush(force=True)
         summary = json.loads(layout.summary.read_text())
     atomic_write_json(layout.summary, {**summary, "rows_recorded": 2_000_000})
     again = store_snapshot(RunLayout(tmp_path, "stray"), manifest)

@@ -192,7 +192,7 @@ def test_a_hub_snapshot_edited_in_place_is_identified_by_its_bytes_not_its_commi
     """51.3: the commit names the snapshot while each file is still its blob; an edit through the link
     (the blob changed under its name) or over it (the link replaced by a file, as `sed -i` does) makes
     it another model, whose vectors no earlier run of the commit is served for."""
-    from chunkq.jobs.compute.models import BUNDLED_MODEL, resolve_model
+    from chunkq.jobs.compute.model_refs import BUNDLED_MODEL, resolve_model
 
     commit = "0123456789abcdef0123456789abcdef01234567"
     import huggingface_hub.constants
@@ -339,7 +339,7 @@ def test_a_hub_snapshot_completed_later_or_relinked_under_one_commit_is_another_
     of the same repository, kept the commit and changed the vectors."""
     import huggingface_hub.constants
 
-    from chunkq.jobs.compute.models import BUNDLED_MODEL, resolve_model
+    from chunkq.jobs.compute.model_refs import BUNDLED_MODEL, resolve_model
 
     commit = "fedcba9876543210fedcba9876543210fedcba98"
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
@@ -363,7 +363,7 @@ def test_sentence_transformers_own_cache_is_the_one_identified(
 ) -> None:
     """With SENTENCE_TRANSFORMERS_HOME set, sentence-transformers loads hub models from it; the
     identity read the hub's default cache instead."""
-    from chunkq.jobs.compute.models import BUNDLED_MODEL, resolve_model
+    from chunkq.jobs.compute.model_refs import BUNDLED_MODEL, resolve_model
 
     commit = "0011223344556677889900112233445566778899"
     _hub_cache(tmp_path / "st-home", Path(resolve_model(BUNDLED_MODEL)), commit)

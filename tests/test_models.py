@@ -19,11 +19,12 @@ import pytest
 import redis
 
 from chunkq.jobs.compute.model_info import describe
-from chunkq.jobs.compute.models import BUNDLED_MODEL, resolve_model
+from chunkq.jobs.compute.model_refs import BUNDLED_MODEL, resolve_model
 from chunkq.jobs.compute.runtime import WorkerContext
 from chunkq.jobs.compute.scope import check_spec
 from chunkq.jobs.contract.errors import ConfigError, TamperedJobError
 from chunkq.jobs.contract.manifest import load_manifest
+from chunkq.jobs.contract.run import Run
 from chunkq.jobs.contract.run_files import RunLayout
 from chunkq.jobs.contract.settings import PoolSettings
 from chunkq.jobs.contract.specs import EncodeOptions
@@ -56,7 +57,7 @@ def _run(
     manifest = load_manifest(layout)
     for index in range(manifest.chunks):
         embed_chunk(manifest.chunk_spec(store, index).to_dict())
-    return layout, texts, assemble(layout)
+    return layout, texts, assemble(Run.of(layout))
 
 
 def _result(layout: RunLayout) -> np.ndarray:
@@ -117,12 +118,12 @@ def test_every_output_dtype_is_stored_verified_and_exported_as_sentence_transfor
 
     out = tmp_path / "out"
     out.mkdir()
-    export(layout, "npy", out / "e.npy")
+    export(Run.of(layout), "npy", out / "e.npy")
     assert np.array_equal(np.load(out / "e.npy"), got) and np.load(out / "e.npy").dtype == got.dtype
-    export(layout, "parquet", out / "e.parquet")
+    export(Run.of(layout), "parquet", out / "e.parquet")
     column = pq.read_table(out / "e.parquet").column("embedding").combine_chunks()
     assert np.array_equal(column.flatten().to_numpy().reshape(got.shape), got)
-    export(layout, "jsonl", out / "e.jsonl")
+    export(Run.of(layout), "jsonl", out / "e.jsonl")
     first = json.loads((out / "e.jsonl").read_text().splitlines()[0])
     assert np.allclose(first["embedding"], got[0].astype(np.float64))
 

@@ -23,6 +23,7 @@ import pytest
 
 from chunkq.jobs.contract.chunk_output import verify_output
 from chunkq.jobs.contract.errors import ConfigError
+from chunkq.jobs.contract.run import Run
 from chunkq.jobs.contract.run_files import RunLayout, save_npy_atomic, write_output
 from chunkq.jobs.contract.storage import open_store
 from tests.helpers import make_texts, max_abs_diff, result_of, run_cli, run_in_process, wait_for, write_corpus
@@ -96,8 +97,8 @@ def test_a_sharded_ragged_result_goes_to_the_object_store_and_reads_back_whole(
 
     local = write_ragged_run(tmp_path / "store", "sparse")
     remote = write_ragged_run(open_store(f"s3://{BUCKET}/ragged-{time.time_ns()}"), "sparse")
-    assemble(local)
-    made = assemble(remote, shard_bytes=4096, keep_outputs=True)  # assembled again below
+    assemble(Run.of(local))
+    made = assemble(Run.of(remote), shard_bytes=4096, keep_outputs=True)  # assembled again below
     assert len(made["ragged"]["shards"]) > 2
     assert check_published(remote, load_manifest(remote)) == []
     one, many = (RunResult(x.run_id, x.store, 200, 1000, 0.0, 1, None).ragged() for x in (local, remote))
@@ -105,7 +106,7 @@ def test_a_sharded_ragged_result_goes_to_the_object_store_and_reads_back_whole(
     assert np.array_equal(one.arrays["indices"], many.arrays["indices"])
     assert np.array_equal(one.arrays["values"], many.arrays["values"])
     (remote.result / "manifest.json").write_text("{")
-    assemble(remote)
+    assemble(Run.of(remote))
     names = {p.name for p in remote.result.iterdir()}
     assert names == {"offsets.npy", "indices.npy", "values.npy", "ids.jsonl", "manifest.json"}, names
 
@@ -254,7 +255,9 @@ def test_a_sharded_result_goes_to_the_object_store_a_shard_at_a_time(
         upload(local, remote)
 
     monkeypatch.setattr(writer, "publish_file", measured)
-    made = assemble(layout, shard_bytes=shard_rows * dim * 4, keep_outputs=True)  # read and assembled again
+    made = assemble(
+        Run.of(layout), shard_bytes=shard_rows * dim * 4, keep_outputs=True
+    )  # read and assembled again
 
     assert [s["rows"] for s in made["shards"]] == [300] * 6 + [200]
     one_shard = shard_rows * dim * 4 + 128 + shard_rows * len('"r1999"\n')  # array, header, ids
@@ -269,11 +272,11 @@ def test_a_sharded_result_goes_to_the_object_store_a_shard_at_a_time(
 
     # Assembled again (a damaged manifest), then as one file: nothing the new manifest does not name stays.
     (layout.result / "manifest.json").write_text("{")
-    again = assemble(layout, shard_bytes=shard_rows * dim * 4, keep_outputs=True)
+    again = assemble(Run.of(layout), shard_bytes=shard_rows * dim * 4, keep_outputs=True)
     folders = {p.name for p in layout.result.iterdir() if p.is_dir()}
     assert folders == {again["shard_dir"]} != {made["shard_dir"]}
     (layout.result / "manifest.json").write_text("{")
-    single = assemble(layout)
+    single = assemble(Run.of(layout))
     assert "shards" not in single and result_module.check_published(layout, manifest) == []
     assert {p.name for p in layout.result.iterdir()} == {"embeddings.npy", "ids.jsonl", "manifest.json"}
 

@@ -17,6 +17,7 @@ from chunkq.api import RunResult
 from chunkq.jobs.contract.errors import AssemblyError
 from chunkq.jobs.contract.manifest import load_manifest
 from chunkq.jobs.contract.ragged import SCHEMAS, WIDE
+from chunkq.jobs.contract.run import Run
 from chunkq.jobs.contract.run_files import RunLayout, read_json
 from chunkq.supervisor.result.assemble import assemble
 from chunkq.supervisor.result.reader import check_published, open_result
@@ -40,8 +41,8 @@ def test_a_ragged_result_over_the_shard_size_is_shards_of_whole_chunks_equal_to_
 ) -> None:
     whole = write_ragged_run(tmp_path / "one", kind)
     sharded = write_ragged_run(tmp_path / "many", kind)
-    assemble(whole)
-    assemble(sharded, shard_bytes=3 * _bytes_of_chunk(sharded, kind))  # about 3 chunks a shard
+    assemble(Run.of(whole))
+    assemble(Run.of(sharded), shard_bytes=3 * _bytes_of_chunk(sharded, kind))  # about 3 chunks a shard
     result = read_json(sharded.result_manifest)
     shards = result["ragged"]["shards"]
     assert 3 <= len(shards) <= 8 and sum(s["rows"] for s in shards) == 200
@@ -57,8 +58,8 @@ def test_a_ragged_result_over_the_shard_size_is_shards_of_whole_chunks_equal_to_
     assert all(np.array_equal(one.arrays[name], many.arrays[name]) for name in SCHEMAS[kind])
     assert results[1].ids() == [f"r{i}" for i in range(200)] == results[0].ids()
     for layout in (whole, sharded):
-        export(layout, "parquet", tmp_path / f"{layout.store.name}.parquet")
-        export(layout, "jsonl", tmp_path / f"{layout.store.name}.jsonl")
+        export(Run.of(layout), "parquet", tmp_path / f"{layout.store.name}.parquet")
+        export(Run.of(layout), "jsonl", tmp_path / f"{layout.store.name}.jsonl")
     assert pq.read_table(tmp_path / "one.parquet").equals(pq.read_table(tmp_path / "many.parquet"))
     lines = (tmp_path / "many.jsonl").read_text().splitlines()
     assert (tmp_path / "one.jsonl").read_text().splitlines() == lines
@@ -67,7 +68,9 @@ def test_a_ragged_result_over_the_shard_size_is_shards_of_whole_chunks_equal_to_
 
 def test_a_damaged_shard_is_found_and_the_result_assembled_again(tmp_path: Path) -> None:
     layout = write_ragged_run(tmp_path / "store", "sparse")
-    assemble(layout, shard_bytes=2 * _bytes_of_chunk(layout, "sparse"), keep_outputs=True)  # rebuilt below
+    assemble(
+        Run.of(layout), shard_bytes=2 * _bytes_of_chunk(layout, "sparse"), keep_outputs=True
+    )  # rebuilt below
     result: dict[str, Any] = read_json(layout.result_manifest)
     shard = layout.result / result["ragged"]["shard_dir"] / "000002.values.npy"
     data = bytearray(shard.read_bytes())
@@ -77,11 +80,13 @@ def test_a_damaged_shard_is_found_and_the_result_assembled_again(tmp_path: Path)
         "000002.values.npy does not match" in p for p in check_published(layout, load_manifest(layout))
     )
     with pytest.raises(AssemblyError, match=r"000002\.values\.npy"):
-        open_result(layout).verify()
+        open_result(Run.of(layout)).verify()
     with pytest.raises(AssemblyError):
-        export(layout, "parquet", tmp_path / "out.parquet")  # nothing damaged goes out
+        export(Run.of(layout), "parquet", tmp_path / "out.parquet")  # nothing damaged goes out
     assert not (tmp_path / "out.parquet").exists()
-    assemble(layout, shard_bytes=2 * _bytes_of_chunk(layout, "sparse"))  # made again from the chunk outputs
+    assemble(
+        Run.of(layout), shard_bytes=2 * _bytes_of_chunk(layout, "sparse")
+    )  # made again from the chunk outputs
     assert check_published(layout, load_manifest(layout)) == []
     # A manifest edited to name a folder outside the result is refused, never followed.
     edited = read_json(layout.result_manifest)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from chunkq.jobs.compute.model_info import describe
-from chunkq.jobs.compute.models import BUNDLED_MODEL
+from chunkq.jobs.compute.model_refs import BUNDLED_MODEL
 from chunkq.jobs.contract.errors import ConfigError
 from chunkq.queue_worker.exit_codes import EXIT_CONFIG
 from chunkq.supervisor.request import build_run_request

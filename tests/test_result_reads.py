@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from chunkq.jobs.contract.manifest import load_manifest
+from chunkq.jobs.contract.run import Run
 from chunkq.supervisor.result.assemble import assemble
 from chunkq.supervisor.result.reader import check_published
 from tests.helpers import write_encoded_run
@@ -60,7 +61,7 @@ def reads_of(folder: Path) -> Iterator[list[int]]:
 def published(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, int]:
     store = tmp_path_factory.mktemp("reads") / "store"
     layout = write_encoded_run(store, "reads", ROWS, 10_000, DIM)
-    assemble(layout, shard_bytes=4 << 20)  # three shards
+    assemble(Run.of(layout), shard_bytes=4 << 20)  # three shards
     size = sum(
         p.stat().st_size for p in layout.result.rglob("*") if p.is_file() and p.name != "manifest.json"
     )
@@ -72,11 +73,11 @@ def _export(layout: Any, target: str, out: Path) -> None:
     from chunkq.tools.export import export
 
     if target in ("npy", "parquet", "jsonl"):
-        export(layout, target, out.with_suffix(f".{target}"))
+        export(Run.of(layout), target, out.with_suffix(f".{target}"))
     elif target == "faiss":
-        export_to(layout, f"faiss:{out.with_suffix('.faiss')}")
+        export_to(Run.of(layout), f"faiss:{out.with_suffix('.faiss')}")
     else:
-        export_to(layout, f"lancedb://{out.parent / 'lance'}/{out.name}")
+        export_to(Run.of(layout), f"lancedb://{out.parent / 'lance'}/{out.name}")
 
 
 @pytest.mark.parametrize(("target", "passes"), [("npy", 1), ("parquet", 1), ("faiss", 1), ("lancedb", 2)])
@@ -119,7 +120,7 @@ def test_a_damaged_result_reaches_no_file_index_or_table(tmp_path: Path, damage:
     from chunkq.jobs.contract.errors import AssemblyError
 
     layout = write_encoded_run(tmp_path / "store", "damaged", 3000, 1000, DIM)
-    result = assemble(layout, shard_bytes=1000 * DIM * 4)
+    result = assemble(Run.of(layout), shard_bytes=1000 * DIM * 4)
     last = layout.result / result["shard_dir"] / "000002.npy"
     data = bytearray(last.read_bytes())
     if damage == "a flipped byte":

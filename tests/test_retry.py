@@ -11,7 +11,7 @@ from rq.job import Job
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
-from chunkq.jobs.compute.models import BUNDLED_MODEL
+from chunkq.jobs.compute.model_refs import BUNDLED_MODEL
 from chunkq.jobs.contract import jobmeta
 from chunkq.jobs.contract.specs import chunk_job_id
 from chunkq.supervisor.submit.corpus import CorpusOptions

@@ -37,6 +37,36 @@ NOW = {
 }
 
 
+# Issue 66.1: the commands that read a run, each opening it once (``Run.open``) and its published
+# result's manifest once. Measured at 3781510 and now.
+COMMANDS = {
+    "status": ("status", "r"),
+    "report": ("report", "r"),
+    "export": ("export", "r", "--out", "x.parquet"),
+    "assemble --verify": ("assemble", "r", "--verify"),
+}
+MANIFESTS = {
+    "manifest": KINDS["manifest"],
+    "result manifest": r"store/runs/r/result/manifest\.json",
+}
+COMMANDS_BEFORE = {
+    "status": {"manifest": 2, "result manifest": 3},
+    "report": {"manifest": 3, "result manifest": 1},
+    "export": {"manifest": 1, "result manifest": 2},
+    "assemble --verify": {"manifest": 1, "result manifest": 3},
+}
+
+
+def _command_reads(tmp_path: Path) -> dict[str, Counter[str]]:
+    counted = {}
+    for name, args in COMMANDS.items():
+        hook = tmp_path / f"hook-{name.replace(' ', '')}"
+        done = run_cli(*args, "--store", "store", cwd=tmp_path, **reading_env(tmp_path, hook))
+        assert done.returncode == 0, (name, done.stderr[-3000:])
+        counted[name] = reads(hook / "reads.log", MANIFESTS)
+    return counted
+
+
 def _run(tmp_path: Path, name: str) -> Counter[str]:
     env = reading_env(tmp_path, tmp_path / f"hook-{name}")
     done = run_cli(
@@ -48,11 +78,12 @@ def _run(tmp_path: Path, name: str) -> Counter[str]:
 
 
 @pytest.mark.slow
-def test_a_fresh_and_a_resumed_run_read_the_run_once(tmp_path: Path) -> None:
+def test_a_fresh_and_a_resumed_run_and_the_commands_that_read_it_read_the_run_once(tmp_path: Path) -> None:
     with (tmp_path / "c.jsonl").open("w") as fh:
         for i in range(20 * CHUNKS):
             fh.write(json.dumps({"id": f"d{i}", "text": f"text number {i} " * (i % 5 + 1)}) + "\n")
     fresh = _run(tmp_path, "fresh")
+    commands = _command_reads(tmp_path)
     layout = RunLayout(tmp_path / "store", "r")
     shutil.rmtree(layout.result)
     for path in (layout.output_meta(1), layout.output_npy(1)):
@@ -61,3 +92,6 @@ def test_a_fresh_and_a_resumed_run_read_the_run_once(tmp_path: Path) -> None:
     for name, counted in (("fresh", fresh), ("resumed", resumed)):
         # Every kind is seen (the hook counts), none more often than now, each less than before.
         assert all(0 < counted[k] <= NOW[name][k] < BEFORE[name][k] for k in KINDS), (name, counted)
+    for name, counted in commands.items():  # once each, where every one read more before
+        assert dict(counted) == {"manifest": 1, "result manifest": 1}, (name, counted)
+        assert sum(COMMANDS_BEFORE[name].values()) > 2, name

@@ -14,6 +14,7 @@ import pytest
 
 from chunkq.jobs.contract import masking
 from chunkq.jobs.contract.redaction import redact, redacted, remember, secrets_of
+from chunkq.jobs.contract.run import Run
 from chunkq.queue_worker.exit_codes import EXIT_INTERNAL
 from chunkq.supervisor.result.assemble import assemble
 from tests.helpers import make_texts, run_cli, write_corpus, write_encoded_run, write_ragged_run
@@ -123,7 +124,7 @@ def test_no_command_shows_a_malformed_forms_password(tmp_path: Path) -> None:
     """Every form through the commands that take it: status (--redis-url, and CHUNKQ_REDIS_URL) and
     export (--to). Nothing of the password is written, and each ends in one line (no traceback)."""
     store, crashes = tmp_path / "store", _crash_files()
-    assemble(write_encoded_run(store, "dense", 20, 10, 4))
+    assemble(Run.of(write_encoded_run(store, "dense", 20, 10, 4)))
     port = _free_port()
     # Through the commands, the characters the hostile pass used; the unit test above takes them all.
     typed = ("redis://", "rediss://", "unix://", "postgres", "host=")  # a scheme-less form: "@" alone
@@ -158,8 +159,8 @@ def test_no_command_shows_a_password_on_any_path(
 ) -> None:
     store, crashes = tmp_path / "store", _crash_files()
     dense = write_encoded_run(store, "dense", 20, 10, 4)
-    assemble(dense)
-    assemble(write_ragged_run(store, "sparse", rows=20, chunk_size=10))
+    assemble(Run.of(dense))
+    assemble(Run.of(write_ragged_run(store, "sparse", rows=20, chunk_size=10)))
     ids, texts = make_texts(5, seed=6)
     corpus = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")
     port, socket_folder = _free_port(), postgres.split("host=", 1)[1]

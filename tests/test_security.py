@@ -32,7 +32,7 @@ from rq.job import Job
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
-from chunkq.jobs.compute.models import BUNDLED_MODEL
+from chunkq.jobs.compute.model_refs import BUNDLED_MODEL
 from chunkq.jobs.contract.nopickle import PickleRefusedError, forbid_pickle
 from chunkq.queue_worker import exit_codes
 from tests.helpers import WORKER, cli_env, make_texts, max_abs_diff, run_cli, write_corpus

@@ -15,6 +15,7 @@ import pytest
 from chunkq.api import RunResult
 from chunkq.jobs.contract.errors import AssemblyError, ConfigError
 from chunkq.jobs.contract.manifest import load_manifest
+from chunkq.jobs.contract.run import Run
 from chunkq.jobs.contract.run_files import RunLayout, read_json
 from chunkq.supervisor.result.assemble import assemble
 from chunkq.supervisor.result.published import shard_bytes
@@ -30,7 +31,7 @@ def _exports(layout: RunLayout, folder: Path) -> dict[str, bytes]:
     folder.mkdir()
     files = {}
     for fmt in EXPORT_FORMATS:
-        for path in export(layout, fmt, folder / f"out.{fmt}"):
+        for path in export(Run.of(layout), fmt, folder / f"out.{fmt}"):
             files[path.name] = path.read_bytes()
     return files
 
@@ -42,13 +43,13 @@ def _api(layout: RunLayout, result: dict[str, Any]) -> RunResult:
 def test_a_sharded_result_verifies_and_exports_as_the_single_file_result_does(tmp_path: Path) -> None:
     """1,000 rows in chunks of 64; shards of 300 rows, so shard ends fall inside chunks."""
     layout = write_encoded_run(tmp_path / "store", "sh", rows=1000, chunk_size=64, dim=DIM)
-    single = assemble(layout, keep_outputs=True)  # assembled again below, from the same outputs
+    single = assemble(Run.of(layout), keep_outputs=True)  # assembled again below, from the same outputs
     assert "shards" not in single and (layout.result / "embeddings.npy").is_file()
     whole = np.load(layout.result / "embeddings.npy")
     single_files = _exports(layout, tmp_path / "single")
 
     shutil.rmtree(layout.result)
-    sharded = assemble(layout, shard_bytes=300 * ROW_BYTES)
+    sharded = assemble(Run.of(layout), shard_bytes=300 * ROW_BYTES)
     assert [s["rows"] for s in sharded["shards"]] == [300, 300, 300, 100]
     assert not (layout.result / "embeddings.npy").exists()
     shard_dir = layout.result / sharded["shard_dir"]
@@ -75,7 +76,9 @@ def test_a_sharded_result_verifies_and_exports_as_the_single_file_result_does(tm
 
 def test_a_damaged_or_misdirected_shard_is_named_and_the_result_assembled_again(tmp_path: Path) -> None:
     layout = write_encoded_run(tmp_path / "store", "dmg", rows=500, chunk_size=50, dim=DIM)
-    first = assemble(layout, shard_bytes=200 * ROW_BYTES, keep_outputs=True)  # rebuilt below from them
+    first = assemble(
+        Run.of(layout), shard_bytes=200 * ROW_BYTES, keep_outputs=True
+    )  # rebuilt below from them
     manifest = load_manifest(layout)
     shard = layout.result / first["shard_dir"] / "000001.npy"
     data = bytearray(shard.read_bytes())
@@ -86,11 +89,11 @@ def test_a_damaged_or_misdirected_shard_is_named_and_the_result_assembled_again(
         f"{first['shard_dir']}/000001.npy does not match the checksum in result/manifest.json"
     ]
     with pytest.raises(AssemblyError, match=r"000001\.npy does not match the checksum"):
-        export(layout, "npy", tmp_path / "out.npy")
+        export(Run.of(layout), "npy", tmp_path / "out.npy")
     assert not (tmp_path / "out.npy").exists()
 
     assert published_result(layout, manifest) is None  # damaged: assembled again, into a new folder
-    again = assemble(layout, shard_bytes=200 * ROW_BYTES)
+    again = assemble(Run.of(layout), shard_bytes=200 * ROW_BYTES)
     assert again["shard_dir"] != first["shard_dir"] and check_published(layout, manifest) == []
     assert [p.name for p in layout.result.iterdir() if p.is_dir()] == [again["shard_dir"]]
 
@@ -132,7 +135,9 @@ def test_the_python_api_refuses_a_damaged_result_instead_of_returning_its_rows(t
     from chunkq.jobs.contract.errors import StoreError
 
     layout = write_encoded_run(tmp_path / "store", "dmg", rows=600, chunk_size=64, dim=DIM)
-    result = assemble(layout, shard_bytes=200 * ROW_BYTES, keep_outputs=True)  # rebuilt below from them
+    result = assemble(
+        Run.of(layout), shard_bytes=200 * ROW_BYTES, keep_outputs=True
+    )  # rebuilt below from them
     api = _api(layout, result)
     shard_dir = layout.result / result["shard_dir"]
     first, second = shard_dir / "000000.npy", shard_dir / "000001.npy"
@@ -146,7 +151,7 @@ def test_the_python_api_refuses_a_damaged_result_instead_of_returning_its_rows(t
     with pytest.raises(StoreError, match=r"the published result is damaged: .*000001\.npy unreadable"):
         api.embeddings()
     shutil.rmtree(layout.result)
-    assemble(layout)  # one file
+    assemble(Run.of(layout))  # one file
     single = _api(layout, read_json(layout.result_manifest))
     (layout.result / "embeddings.npy").write_bytes((layout.result / "embeddings.npy").read_bytes()[:-100])
     with pytest.raises(StoreError, match=r"embeddings\.npy is \d+ bytes, its header makes \d+"):
@@ -161,14 +166,14 @@ def test_an_export_whose_result_is_published_again_meanwhile_stops_in_one_line(t
     from chunkq.supervisor.result.reader import BATCH_ROWS, open_result
 
     layout = write_encoded_run(tmp_path / "store", "moving", rows=3 * BATCH_ROWS, chunk_size=4096, dim=DIM)
-    first = assemble(layout, shard_bytes=BATCH_ROWS * ROW_BYTES, keep_outputs=True)  # rebuilt below
-    reading = open_result(layout).batches()
+    first = assemble(Run.of(layout), shard_bytes=BATCH_ROWS * ROW_BYTES, keep_outputs=True)  # rebuilt below
+    reading = open_result(Run.of(layout)).batches()
     next(reading)  # the first shard is read; then its last shard is damaged and a rerun publishes again
     last = layout.result / first["shard_dir"] / "000002.npy"
     data = bytearray(last.read_bytes())
     data[-1] ^= 0xFF
     last.write_bytes(bytes(data))
-    assemble(layout, shard_bytes=2 * BATCH_ROWS * ROW_BYTES)
+    assemble(Run.of(layout), shard_bytes=2 * BATCH_ROWS * ROW_BYTES)
     assert not (layout.result / first["shard_dir"]).exists()
     with pytest.raises(StoreError, match="was published again while this export read it"):
         list(reading)
@@ -176,5 +181,5 @@ def test_an_export_whose_result_is_published_again_meanwhile_stops_in_one_line(t
     manifest = layout.result / "manifest.json"
     manifest.write_text(manifest.read_text()[:50])
     with pytest.raises(AssemblyError, match=r"result/manifest\.json is unreadable"):
-        export(layout, "jsonl", out)
+        export(Run.of(layout), "jsonl", out)
     assert not out.exists()

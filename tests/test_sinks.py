@@ -15,6 +15,7 @@ import pytest
 
 from chunkq.jobs.contract.addresses import shown
 from chunkq.jobs.contract.errors import ConfigError, StoreError
+from chunkq.jobs.contract.run import Run
 from chunkq.sinks import export_to
 from chunkq.supervisor.result.assemble import assemble
 from tests.helpers import run_cli, write_encoded_run
@@ -25,7 +26,7 @@ ROWS, DIM = 2_000, 32
 @pytest.fixture(scope="module")
 def published(tmp_path_factory: pytest.TempPathFactory) -> Any:
     layout = write_encoded_run(tmp_path_factory.mktemp("store"), "sinks", ROWS, 300, DIM, seed=3)
-    assemble(layout)
+    assemble(Run.of(layout))
     return layout
 
 
@@ -54,11 +55,11 @@ def test_lancedb_holds_exactly_the_runs_rows_after_a_killed_export_and_a_rerun(
 
     url = f"lancedb://{tmp_path / 'db'}/docs"
     with pytest.raises(_Killed):
-        export_to(published, url, on_progress=_killed_after(2), batch_rows=500)
+        export_to(Run.of(published), url, on_progress=_killed_after(2), batch_rows=500)
     table = lancedb.connect(str(tmp_path / "db")).open_table("docs")
     assert table.count_rows() == 1_000  # two whole batches, nothing of the third
-    summary = export_to(published, url, batch_rows=500)
-    again = export_to(published, url, batch_rows=500)
+    summary = export_to(Run.of(published), url, batch_rows=500)
+    again = export_to(Run.of(published), url, batch_rows=500)
     assert summary["written"] == again["written"] == ROWS and again["table_rows"] == ROWS
     table = lancedb.connect(str(tmp_path / "db")).open_table("docs")  # the latest version
     data = table.to_arrow().sort_by("id")
@@ -71,8 +72,8 @@ def test_lancedb_holds_exactly_the_runs_rows_after_a_killed_export_and_a_rerun(
         ConfigError, match="the table's vector column is fixed_size_list<item: float>\\[32\\]"
     ):
         other = write_encoded_run(tmp_path / "other", "wide", 10, 10, 8)
-        assemble(other)
-        export_to(other, url)
+        assemble(Run.of(other))
+        export_to(Run.of(other), url)
 
 
 @pytest.mark.slow
@@ -83,9 +84,9 @@ def test_pgvector_upserts_by_id_and_refuses_a_table_of_another_dimension(
 
     url = f"{postgres}&table=docs"
     with pytest.raises(_Killed):
-        export_to(published, url, on_progress=_killed_after(1), batch_rows=500)
-    export_to(published, url, batch_rows=500)
-    summary = export_to(published, url, batch_rows=700)
+        export_to(Run.of(published), url, on_progress=_killed_after(1), batch_rows=500)
+    export_to(Run.of(published), url, batch_rows=500)
+    summary = export_to(Run.of(published), url, batch_rows=700)
     assert summary["table_rows"] == ROWS and summary["column"] == f"vector({DIM})"
     ids, vectors = _result(published)
     with psycopg.connect(postgres) as conn:
@@ -95,15 +96,15 @@ def test_pgvector_upserts_by_id_and_refuses_a_table_of_another_dimension(
     got = np.stack([by_id[rid] for rid in ids])
     assert np.array_equal(got.view(np.uint32), vectors.view(np.uint32))  # bitwise
     half = write_encoded_run(tmp_path / "half", "half", 30, 10, 8, output_dtype="float16")
-    assemble(half)
-    assert export_to(half, f"{postgres}&table=half")["column"] == "halfvec(8)"
+    assemble(Run.of(half))
+    assert export_to(Run.of(half), f"{postgres}&table=half")["column"] == "halfvec(8)"
     with psycopg.connect(postgres) as conn:
         stored = conn.execute("SELECT embedding::text FROM half ORDER BY id").fetchall()
     _, halves = _result(half)
     order = np.argsort(np.array(_result(half)[0]))
     assert np.array_equal(np.array([json.loads(t) for (t,) in stored], np.float16), halves[order])
     other = write_encoded_run(tmp_path / "other", "narrow", 10, 10, 8)
-    assemble(other)
+    assemble(Run.of(other))
     done = run_cli("export", "narrow", "--store", str(other.store), "--to", url)
     assert done.returncode != 0
     assert done.stderr.strip().splitlines()[-1] == (
@@ -121,7 +122,7 @@ def test_a_flat_faiss_index_finds_the_exact_neighbours_and_ivf_pq_its_stated_rec
 
     ids, vectors = _result(published)
     queries = vectors[:50]
-    flat = export_to(published, f"faiss:{tmp_path / 'flat.faiss'}")
+    flat = export_to(Run.of(published), f"faiss:{tmp_path / 'flat.faiss'}")
     assert flat["index_rows"] == ROWS and flat["metric"] == "inner_product"  # the bundled model normalises
     index = faiss.read_index(str(tmp_path / "flat.faiss"))
     _, found = index.search(queries, 10)
@@ -130,7 +131,7 @@ def test_a_flat_faiss_index_finds_the_exact_neighbours_and_ivf_pq_its_stated_rec
     assert (tmp_path / "flat.faiss.ids.jsonl").read_text().splitlines() == [json.dumps(i) for i in ids]
     # IVF with product quantisation: trained on the run, searched over every list; quantisation alone
     # costs recall. Measured 0.714 on this data (random Gaussian rows, the hardest case); stated: 0.4.
-    export_to(published, f"faiss:{tmp_path / 'ivf.faiss'}", {"index": "IVF16,PQ8"})
+    export_to(Run.of(published), f"faiss:{tmp_path / 'ivf.faiss'}", {"index": "IVF16,PQ8"})
     ivf = faiss.read_index(str(tmp_path / "ivf.faiss"))
     ivf.nprobe = 16
     _, approx = ivf.search(queries, 10)
@@ -138,18 +139,18 @@ def test_a_flat_faiss_index_finds_the_exact_neighbours_and_ivf_pq_its_stated_rec
     print(f"IVF16,PQ8 recall@10 over {ROWS} rows of {DIM} dimensions: {recall:.3f}")
     assert recall >= 0.4, recall
     with pytest.raises(ConfigError, match="--index 'Nonsense99': FAISS cannot build it"):
-        export_to(published, f"faiss:{tmp_path / 'bad.faiss'}", {"index": "Nonsense99"})
+        export_to(Run.of(published), f"faiss:{tmp_path / 'bad.faiss'}", {"index": "Nonsense99"})
 
 
 def test_only_a_published_result_is_exported_and_urls_are_checked(tmp_path: Path) -> None:
     layout = write_encoded_run(tmp_path / "store", "unpublished", 20, 10, 4)
     with pytest.raises(StoreError, match="run unpublished has no published result"):
-        export_to(layout, f"lancedb://{tmp_path / 'db'}/t")
-    assemble(layout)
+        export_to(Run.of(layout), f"lancedb://{tmp_path / 'db'}/t")
+    assemble(Run.of(layout))
     with pytest.raises(ConfigError, match="chunkq writes to lancedb://PATH/TABLE, faiss:PATH"):
-        export_to(layout, "qdrant://localhost:6333/c")
+        export_to(Run.of(layout), "qdrant://localhost:6333/c")
     with pytest.raises(ConfigError, match="name the table as \\?table=NAME"):
-        export_to(layout, "postgresql://u@/db?table=drop table x")
+        export_to(Run.of(layout), "postgresql://u@/db?table=drop table x")
 
 
 @pytest.mark.slow
@@ -161,7 +162,7 @@ def test_corpus_fields_and_windows_go_beside_each_row(
     import lancedb
     import psycopg
 
-    from chunkq.jobs.compute.models import BUNDLED_MODEL
+    from chunkq.jobs.compute.model_refs import BUNDLED_MODEL
     from chunkq.jobs.contract.manifest import load_manifest
     from chunkq.supervisor.submit.corpus import CorpusOptions
     from chunkq.supervisor.submit.identity import SubmitRequest
@@ -192,7 +193,7 @@ def test_corpus_fields_and_windows_go_beside_each_row(
     windows = load_manifest(layout).plan["windows"]["windows"]
     assert windows > len(rows)
 
-    summary = export_to(layout, f"lancedb://{tmp_path / 'db'}/docs", columns=("title", "year"))
+    summary = export_to(Run.of(layout), f"lancedb://{tmp_path / 'db'}/docs", columns=("title", "year"))
     assert summary["table_rows"] == windows
     table = lancedb.connect(str(tmp_path / "db")).open_table("docs").to_arrow().to_pylist()
     by_text = {r["id"]: r for r in rows}
@@ -203,15 +204,15 @@ def test_corpus_fields_and_windows_go_beside_each_row(
         assert 0 <= row["char_start"] < row["char_end"] <= len(text["text"])
     assert {row["text_id"] for row in table} == set(by_text)
 
-    export_to(layout, f"{postgres}&table=windows", columns=("title",))
+    export_to(Run.of(layout), f"{postgres}&table=windows", columns=("title",))
     with psycopg.connect(postgres) as conn:
         found = conn.execute('SELECT id, text_id, title, "window" FROM windows').fetchall()
     assert len(found) == windows and all(title == by_text[tid]["title"] for _, tid, title, _ in found)
     with pytest.raises(ConfigError, match="--columns 'id': a corpus field named"):
-        export_to(layout, f"lancedb://{tmp_path / 'db'}/other", columns=("id",))
+        export_to(Run.of(layout), f"lancedb://{tmp_path / 'db'}/other", columns=("id",))
     # Issue 63.5: a field no row has wrote a column of nulls; now refused, nothing written.
     with pytest.raises(ConfigError, match=r"--columns nosuch: no row of run .* has a value for it"):
-        export_to(layout, f"lancedb://{tmp_path / 'db'}/third", columns=("title", "nosuch"))
+        export_to(Run.of(layout), f"lancedb://{tmp_path / 'db'}/third", columns=("title", "nosuch"))
     assert "third" not in lancedb.connect(str(tmp_path / "db")).table_names()
 
 
@@ -220,9 +221,9 @@ def test_a_sharded_result_streams_shard_by_shard_into_a_table(tmp_path: Path) ->
     import lancedb
 
     layout = write_encoded_run(tmp_path / "store", "sharded", 500, 50, 16, seed=5)
-    result = assemble(layout, shard_bytes=16 * 4 * 120)  # shards of 120 rows
+    result = assemble(Run.of(layout), shard_bytes=16 * 4 * 120)  # shards of 120 rows
     assert len(result["shards"]) == 5
-    export_to(layout, f"lancedb://{tmp_path / 'db'}/t", batch_rows=64)  # batches across shard ends
+    export_to(Run.of(layout), f"lancedb://{tmp_path / 'db'}/t", batch_rows=64)  # batches across shard ends
     table = lancedb.connect(str(tmp_path / "db")).open_table("t").to_arrow().sort_by("id")
     from chunkq.api import RunResult
 
@@ -256,7 +257,7 @@ def test_a_faiss_export_writes_only_its_own_files_and_clears_what_a_killed_one_l
     chunkq wrote (or --force), a folder refused; a killed export's half-written files (27-307 MB)
     are removed by the next one; an index too large for the run says how many rows it needs."""
     layout = write_encoded_run(tmp_path / "store", "faiss", 300, 100, 8, seed=1)
-    assemble(layout)
+    assemble(Run.of(layout))
     result = layout.result / "embeddings.npy"
     before = result.read_bytes()
     said = _said(_export(layout, "--to", f"faiss:{result}"))
@@ -289,7 +290,7 @@ def test_a_faiss_export_writes_only_its_own_files_and_clears_what_a_killed_one_l
     assert _export(layout, "--to", f"faiss:{notes}", "--force").returncode == 0
     assert _export(layout, "--to", f"faiss:{tmp_path / 'ivf.faiss'}", "--index", "IVF256,PQ8").returncode == 0
     small = write_encoded_run(tmp_path / "small", "small", 100, 50, 8, seed=2)
-    assemble(small)
+    assemble(Run.of(small))
     said = _said(_export(small, "--to", f"faiss:{tmp_path / 'ivf.faiss'}", "--index", "IVF256,PQ8"))
     assert "--index 'IVF256,PQ8' needs at least 256 rows to train, and run small has 100" in said
 
@@ -302,7 +303,7 @@ def test_a_killed_assemblys_leftovers_go_at_the_next_assembly_and_with_clean(tmp
     left = layout.root / ".result.tmp-999999999"
     left.mkdir()
     (left / "embeddings.npy").write_bytes(b"\0" * 4096)
-    assemble(layout)
+    assemble(Run.of(layout))
     assert not left.exists()
     left.mkdir()
     (left / "embeddings.npy").write_bytes(b"\0" * 4096)
@@ -315,7 +316,7 @@ def test_lancedb_refuses_the_store_and_tables_it_cannot_merge_into(tmp_path: Pat
     import pyarrow as pa
 
     layout = write_encoded_run(tmp_path / "store", "lance", 30, 10, 4)
-    assemble(layout)
+    assemble(Run.of(layout))
     assert "inside the store" in _said(_export(layout, "--to", f"lancedb://{layout.store}/t"))
     db = lancedb.connect(str(tmp_path / "db"))
     vector = pa.list_(pa.float32(), 4)
@@ -347,7 +348,7 @@ def test_pgvector_names_tables_as_given_checks_existing_ones_and_never_shows_a_p
     import psycopg
 
     layout = write_encoded_run(tmp_path / "store", "pg", 30, 10, 4)
-    assemble(layout)
+    assemble(Run.of(layout))
     with psycopg.connect(postgres, autocommit=True) as conn:
         conn.execute("CREATE EXTENSION IF NOT EXISTS vector")
         conn.execute("CREATE TABLE lower_docs (id text PRIMARY KEY, embedding vector(4))")
@@ -400,7 +401,7 @@ def test_a_table_gains_the_columns_a_later_export_writes_and_windows_carry_their
     import lancedb
     import psycopg
 
-    from chunkq.jobs.compute.models import BUNDLED_MODEL
+    from chunkq.jobs.compute.model_refs import BUNDLED_MODEL
     from chunkq.supervisor.submit.corpus import CorpusOptions
     from chunkq.supervisor.submit.identity import SubmitRequest
     from tests.test_kinds import _encode_in_process
@@ -415,14 +416,14 @@ def test_a_table_gains_the_columns_a_later_export_writes_and_windows_carry_their
     )  # fmt: skip
     layout = _encode_in_process(request, connection)
     url = f"lancedb://{tmp_path / 'db'}/docs"
-    first = export_to(layout, url)
-    later = export_to(layout, url, columns=("text",))
+    first = export_to(Run.of(layout), url)
+    later = export_to(Run.of(layout), url, columns=("text",))
     assert later["columns_added"] == ["text"] and later["table_rows"] == first["table_rows"]
     by_text = {r["id"]: r["text"] for r in rows}
     for row in lancedb.connect(str(tmp_path / "db")).open_table("docs").to_arrow().to_pylist():
         assert row["text"] == by_text[row["text_id"]][row["char_start"] : row["char_end"]]  # its own span
         assert len(row["text"]) < len(by_text[row["text_id"]]) or row["window"] == 0
-    pooled = export_to(layout, f"{postgres}&table=texts", {"level": "document"})
+    pooled = export_to(Run.of(layout), f"{postgres}&table=texts", {"level": "document"})
     assert pooled["level"] == "document" and pooled["table_rows"] == len(rows)
     want = np.load(layout.result / "texts.npy")
     with psycopg.connect(postgres) as conn:
@@ -435,14 +436,15 @@ def test_a_table_gains_the_columns_a_later_export_writes_and_windows_carry_their
 def test_faiss_takes_its_metric_from_what_submit_recorded_not_the_model_files(tmp_path: Path) -> None:
     """Issue 54.2: whether the vectors are unit length is the run's record, so an export on a host
     without the model (or after its files changed) picks the same metric as one beside it."""
+    from chunkq.jobs.contract.run import Run
     from chunkq.jobs.contract.run_files import atomic_write_json, read_json
 
     layout = write_encoded_run(tmp_path / "store", "m", 40, 20, 8)
-    assemble(layout)
+    assemble(Run.of(layout))
     manifest = read_json(layout.manifest)
     metrics = {}
     for recorded in (True, False, None):  # the bundled model's files say it normalises
         atomic_write_json(layout.manifest, {**manifest, "unit_length": recorded})
-        metrics[recorded] = export_to(layout, f"faiss:{tmp_path / f'{recorded}.faiss'}")["metric"]
+        metrics[recorded] = export_to(Run.of(layout), f"faiss:{tmp_path / f'{recorded}.faiss'}")["metric"]
     # False: the record wins over the model's files; None (a run from before it): they are read
     assert metrics == {True: "inner_product", False: "l2", None: "inner_product"}

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from chunkq.jobs.contract.run import Run
 from chunkq.jobs.contract.storage import StoreLinkError
 from chunkq.supervisor.result.assemble import assemble
 from chunkq.tools.run_list import clean
@@ -26,7 +27,7 @@ def test_clean_outputs_only_never_deletes_through_a_linked_outputs_folder(
     encoded_run: Any, tmp_path: Path
 ) -> None:
     layout, _, _ = encoded_run
-    assemble(layout)
+    assemble(Run.of(layout))
     elsewhere = tmp_path / "elsewhere"
     _moved_out(layout.outputs, elsewhere)
     (elsewhere / "unrelated.npy").write_bytes(b"someone else's")
@@ -60,7 +61,7 @@ def test_assembly_never_replaces_a_linked_result(encoded_run: Any, tmp_path: Pat
     (elsewhere / "keep.txt").write_text("mine")
     layout.result.symlink_to(elsewhere, target_is_directory=True)
     with pytest.raises(StoreLinkError, match="result is a symbolic link"):
-        assemble(layout)
+        assemble(Run.of(layout))
     assert [p.name for p in elsewhere.iterdir()] == ["keep.txt"]
     assert not list(layout.store.glob("runs/*/.result.tmp-*"))
 

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from chunkq.jobs.compute.models import BUNDLED_MODEL
+from chunkq.jobs.compute.model_refs import BUNDLED_MODEL
 from chunkq.jobs.contract.manifest import RunManifest, load_manifest
 from chunkq.jobs.contract.run_files import RunLayout, read_chunk_input
 from chunkq.jobs.embed import check_against_manifest

@@ -12,7 +12,7 @@ import pytest
 import redis
 from rq.job import Job
 
-from chunkq.jobs.compute.models import BUNDLED_MODEL
+from chunkq.jobs.compute.model_refs import BUNDLED_MODEL
 from chunkq.jobs.contract.allowlist import EMBED_CHUNK
 from chunkq.jobs.contract.errors import CorpusError, RunConflictError
 from chunkq.jobs.contract.run_files import RunLayout, read_chunk_input, read_json

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from chunkq.jobs.contract.errors import ConfigError
+from chunkq.jobs.contract.run import Run
 from chunkq.queue_worker.exit_codes import EXIT_CONFIG
 from chunkq.sinks import export_to
 from chunkq.supervisor.result.assemble import assemble
@@ -54,7 +55,7 @@ def test_a_sparse_run_of_another_corpus_is_refused_by_a_table_of_this_ones_dense
     import lancedb
     from sentence_transformers import SentenceTransformer, SparseEncoder
 
-    from chunkq.jobs.compute.models import BUNDLED_MODEL, resolve_model
+    from chunkq.jobs.compute.model_refs import BUNDLED_MODEL, resolve_model
 
     ids, texts = make_texts(40, seed=514)
     c2_ids = ids[:30] + [f"new{i}" for i in range(5)]
@@ -118,7 +119,7 @@ def test_a_table_is_refused_when_it_cannot_be_checked_and_a_rerun_after_a_kill_g
     import pyarrow as pa
 
     layout = write_encoded_run(tmp_path / "store", "plain", 30, 10, 4)
-    assemble(layout)
+    assemble(Run.of(layout))
     url = f"lancedb://{tmp_path / 'db'}/t"
 
     def killed(progress: Any) -> None:
@@ -126,19 +127,19 @@ def test_a_table_is_refused_when_it_cannot_be_checked_and_a_rerun_after_a_kill_g
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        export_to(layout, url, on_progress=killed, batch_rows=10)
-    assert export_to(layout, url)["table_rows"] == 30  # the rows it lacked, from the same run
+        export_to(Run.of(layout), url, on_progress=killed, batch_rows=10)
+    assert export_to(Run.of(layout), url)["table_rows"] == 30  # the rows it lacked, from the same run
     db = lancedb.connect(str(tmp_path / "db"))
     legacy = pa.table({"id": ["r0", "r1"], "vector": pa.array([[0.0] * 4] * 2, pa.list_(pa.float32(), 4))})
     db.create_table("legacy", data=legacy)  # rows, and no text hash: written before 51.4 or by hand
     with pytest.raises(ConfigError, match=r"holds 2 rows and no text_sha256 column, so chunkq cannot check"):
-        export_to(layout, f"lancedb://{tmp_path / 'db'}/legacy")
+        export_to(Run.of(layout), f"lancedb://{tmp_path / 'db'}/legacy")
     with psycopg.connect(postgres, autocommit=True) as conn:
         conn.execute("CREATE EXTENSION IF NOT EXISTS vector")
         conn.execute("CREATE TABLE legacy (id text PRIMARY KEY, embedding vector(4))")
         conn.execute("INSERT INTO legacy VALUES ('r0', '[0,0,0,0]')")
     with pytest.raises(ConfigError, match="holds 1 rows and no text_sha256 column"):
-        export_to(layout, f"{postgres}&table=legacy")
+        export_to(Run.of(layout), f"{postgres}&table=legacy")
     assert _pg_rows(postgres, "legacy") == [("r0", "[0,0,0,0]")]  # no column added
 
 
@@ -152,13 +153,13 @@ def test_a_sparse_run_pgvector_cannot_hold_is_refused_before_the_table_is_touche
     import psycopg
 
     dense = write_encoded_run(tmp_path / "a", "dense", 20, 10, 4)
-    assemble(dense)
-    export_to(dense, f"{postgres}&table=wide")
+    assemble(Run.of(dense))
+    export_to(Run.of(dense), f"{postgres}&table=wide")
     before = _pg_rows(postgres, "wide")
     sparse = write_ragged_run(tmp_path / "b", "sparse", rows=20, chunk_size=10, entries=16_001, dim=30_522)
-    assemble(sparse)
+    assemble(Run.of(sparse))
     with pytest.raises(ConfigError, match=r"hold up to 16,001 non-zero values, and pgvector's sparsevec"):
-        export_to(sparse, f"{postgres}&table=wide")
+        export_to(Run.of(sparse), f"{postgres}&table=wide")
     with psycopg.connect(postgres) as conn:
         names = [r[0] for r in conn.execute("SELECT column_name FROM information_schema.columns "
                                             "WHERE table_name = 'wide'").fetchall()]  # fmt: skip
@@ -169,12 +170,12 @@ def test_columns_chunkq_writes_itself_are_refused_by_name(tmp_path: Path) -> Non
     """51.13: --columns sparse_values (or any column chunkq writes) failed inside LanceDB and
     PostgreSQL; chunkq's own check names them, as it did vector and embedding."""
     layout = write_encoded_run(tmp_path / "store", "names", 10, 10, 4)
-    assemble(layout)
+    assemble(Run.of(layout))
     for name in ("sparse", "sparse_indices", "sparse_values", "text_sha256", "vector", "embedding", "window"):
         with pytest.raises(ConfigError, match=rf"--columns '{name}': a corpus field named with letters"):
-            export_to(layout, f"lancedb://{tmp_path / 'db'}/t", columns=(name,))
+            export_to(Run.of(layout), f"lancedb://{tmp_path / 'db'}/t", columns=(name,))
     for name in ("dense", "dense_indices", "dense_values"):
         with pytest.raises(ConfigError, match=rf"--columns '{name}'"):
-            export_to(layout, f"lancedb://{tmp_path / 'db'}/t", {"column": "dense"}, columns=(name,))
+            export_to(Run.of(layout), f"lancedb://{tmp_path / 'db'}/t", {"column": "dense"}, columns=(name,))
     with pytest.raises(ConfigError, match=r"--column 'text_sha256'"):
-        export_to(layout, f"lancedb://{tmp_path / 'db'}/t", {"column": "text_sha256"})
+        export_to(Run.of(layout), f"lancedb://{tmp_path / 'db'}/t", {"column": "text_sha256"})

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from chunkq.jobs.compute import models, token_batches
-from chunkq.jobs.compute.models import BUNDLED_MODEL
+from chunkq.jobs.compute.model_refs import BUNDLED_MODEL
 from tests.helpers import make_texts, max_abs_diff
 
 PROMPTS = ("query: ", "passage: ")  # the prompts these tests give

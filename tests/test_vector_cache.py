@@ -19,8 +19,9 @@ import redis
 
 from chunkq.jobs.compute import cache_upkeep
 from chunkq.jobs.compute.model_identity import model_identity
-from chunkq.jobs.compute.models import BUNDLED_MODEL, resolve_model
+from chunkq.jobs.compute.model_refs import BUNDLED_MODEL, resolve_model
 from chunkq.jobs.compute.vector_cache import VectorCache, producer, producer_key, text_hashes
+from chunkq.jobs.contract.run import Run
 from chunkq.jobs.contract.run_files import read_chunk_input, read_json
 from chunkq.jobs.contract.specs import EncodeOptions
 from tests.helpers import make_texts, max_abs_diff, result_of, run_cli, run_in_process, write_corpus
@@ -278,11 +279,11 @@ def test_status_runs_report_metrics_and_the_cache_command_say_what_was_saved(
     want = {"rows": 26, "distinct": 20, "encoded": 0, "from_cache": 20, "deduplicated": 6}
     assert {k: store_snapshot(layout, manifest).cache[k] for k in want} == want  # type: ignore[index]
     assert {k: describe_run(store, layout.run_id).to_json()["cache"][k] for k in want} == want
-    facts = gather(layout)
+    facts = gather(Run.of(layout))
     saved = report_summary(facts, [], None, "tokens")["cache"]
     assert saved["chunks_from_cache"] == manifest.chunks and saved["encode_seconds_saved"] > 0
     # Every chunk read from the cache: the run is done, and the figures no chunk gave read "-".
-    reported = write_report(layout, tmp_path / "report")
+    reported = write_report(Run.of(layout), tmp_path / "report")
     assert (reported["chunks_done"], reported["chunks_encoded"]) == (manifest.chunks, 0)
     assert reported["ran_seconds"] == 0 and reported["rows_per_second"] is None
     page = (tmp_path / "report" / "report.md").read_text()
@@ -329,7 +330,7 @@ def test_a_partial_result_leaves_out_every_row_of_a_missing_chunks_texts(
         embed_chunk(manifest.chunk_spec(store, index).to_dict())
     chunk0 = set(read_chunk_input(layout, 0)[1])
     failure = Failure(0, 0, 10, "j", "other", 3, "boom", "", True)
-    result = assemble(layout, missing=[failure])
+    result = assemble(Run.of(layout), missing=[failure])
     kept = [i for i, t in enumerate(texts) if t not in chunk0]
     assert result["rows"] == len(kept) < len(texts) and not result["complete"]
     assert result["missing"][0]["rows"] == len(texts) - len(kept)
@@ -466,7 +467,7 @@ def test_rows_encoded_by_other_library_releases_stay_out_of_the_cache(
     assert meta["libraries"] == library_versions()
     meta["libraries"] = {**meta["libraries"], "transformers": "4.9"}  # as an older worker records it
     layout.output_meta(1).write_text(json.dumps(meta))
-    assemble(layout)
+    assemble(Run.of(layout))
     cache = VectorCache(store, manifest.plan["producer"])
     assert sum(s.rows for s in cache.shards()) == 20
 

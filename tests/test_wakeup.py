@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from chunkq.jobs.compute.models import BUNDLED_MODEL
+from chunkq.jobs.compute.model_refs import BUNDLED_MODEL
 from chunkq.jobs.contract.events import announce_settled
 from chunkq.jobs.contract.run_files import RunLayout
 from chunkq.supervisor.submit.corpus import CorpusOptions

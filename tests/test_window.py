@@ -12,8 +12,9 @@ import pytest
 import redis
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 
-from chunkq.jobs.compute.models import BUNDLED_MODEL
+from chunkq.jobs.compute.model_refs import BUNDLED_MODEL
 from chunkq.jobs.contract.attempt_records import RECORD_MARK
+from chunkq.jobs.contract.manifest import load_manifest
 from chunkq.jobs.contract.run_queues import listed, run_queue
 from chunkq.supervisor.store.ledger import read_ledger
 from chunkq.supervisor.submit.corpus import CorpusOptions
@@ -90,7 +91,7 @@ def test_a_run_never_holds_more_than_its_window_in_redis_and_forgets_finished_jo
     # What stays: the record of chunk 9's failed attempt, where the dashboard shows it (issue 65.2).
     kept = [key.decode() for key in connection.scan_iter(f"rq:job:{layout.run_id}__*")]
     assert kept == [f"rq:job:{layout.run_id}__c000009{RECORD_MARK}1"], kept
-    assert sorted(r["chunk"] for r in read_ledger(layout)) == list(range(18))
+    assert sorted(r["chunk"] for r in read_ledger(layout, load_manifest(layout))) == list(range(18))
 
 
 def test_queued_jobs_in_no_queue_list_are_queued_again(

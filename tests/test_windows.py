@@ -7,8 +7,9 @@ import random
 
 import pytest
 
-from chunkq.jobs.compute.models import BUNDLED_MODEL, resolve_model
+from chunkq.jobs.compute.model_refs import BUNDLED_MODEL, resolve_model
 from chunkq.jobs.contract.errors import ConfigError
+from chunkq.jobs.contract.run import Run
 from chunkq.supervisor.submit.windows import default_size, load_tokenizer, windows
 from tests.helpers import WORDS
 
@@ -99,7 +100,7 @@ def test_a_run_with_windows_gives_a_row_per_window_equal_to_a_plain_encode_of_it
         assert [r["window"] for r in mine] == list(range(len(mine))) and len(mine) > 1
         assert all(r["tokens"] <= 32 for r in mine)
     out = tmp_path / "w.parquet"
-    export(layout, "parquet", out)
+    export(Run.of(layout), "parquet", out)
     table = pq.read_table(out)
     assert table.column_names == ["id", "window", "char_start", "char_end", "tokens", "embedding"]
     assert table.column("char_end").to_pylist() == [r["char_end"] for r in rows]

@@ -25,7 +25,7 @@ from rq.exceptions import StopRequested
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
-from chunkq.jobs.compute.models import BUNDLED_MODEL
+from chunkq.jobs.compute.model_refs import BUNDLED_MODEL
 from chunkq.jobs.contract.run_files import RunLayout, read_json
 from chunkq.jobs.contract.settings import SIGNAL_REPEAT_SECONDS, PoolSettings
 from chunkq.jobs.contract.specs import chunk_job_id

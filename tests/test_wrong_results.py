@@ -227,7 +227,7 @@ def test_a_kind_the_models_files_contradict_is_refused_before_the_run_starts(
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from chunkq.jobs.compute.models import BUNDLED_MODEL, resolve_model
+    from chunkq.jobs.compute.model_refs import BUNDLED_MODEL, resolve_model
     from tests.tiny_models import bare_bert, splade_encoder, tiny_clip
 
     folder = tmp_path_factory.mktemp("tiny")

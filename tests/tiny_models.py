@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from chunkq.jobs.compute.models import BUNDLED_MODEL, resolve_model
+from chunkq.jobs.compute.model_refs import BUNDLED_MODEL, resolve_model
 from tests.helpers import WORDS
 
 # A GPU host may carry all-MiniLM-L6-v2's folder without the bundled package (tests/gpu/conftest.py):

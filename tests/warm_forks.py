@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from chunkq.jobs.compute.models import BUNDLED_MODEL
+from chunkq.jobs.compute.model_refs import BUNDLED_MODEL
 from chunkq.jobs.contract.settings import env_of
 from chunkq.queue_worker.lifeline import die_with_parent
 

@@ -10,7 +10,7 @@ import os
 from chunkq.cli import cache, look, rerank, results, serve, work
 from chunkq.cli.common import interrupt_on_sigterm
 from chunkq.cli.group import cli
-from chunkq.jobs.compute.models import assume_offline
+from chunkq.jobs.compute.model_refs import assume_offline
 from chunkq.jobs.contract import storage
 from chunkq.jobs.contract.nopickle import forbid_pickle
 from chunkq.jobs.contract.redaction import guard_process

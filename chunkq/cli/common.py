@@ -167,7 +167,7 @@ def _store_refused(exc: BaseException, what: str) -> NoReturn:
 def _redis_error(exc: redis.RedisError, url: str | None) -> str:
     """Redis's own words (``invalid username-password pair or user is disabled.``) name neither Redis
     nor the server: say both, the password masked, and what to check."""
-    url = url or os.environ.get("CHUNKQ_REDIS_URL")
+    url = url or os.environ.get(env_of("redis_url"))
     where = f"Redis at {redacted(url)}" if url else "Redis"
     if isinstance(exc, redis.AuthenticationError):
         return (

@@ -17,17 +17,17 @@ from chunkq.cli.common import (
 from chunkq.cli.group import command
 from chunkq.jobs import kinds
 from chunkq.jobs.compute import model_info
-from chunkq.jobs.compute.models import check_model, default_model
+from chunkq.jobs.compute.model_refs import check_model, default_model
+from chunkq.jobs.contract import environment
 from chunkq.jobs.contract.defaults import DASHBOARD_PORT as DEFAULT_DASHBOARD_PORT
-from chunkq.jobs.contract.manifest import load_manifest
-from chunkq.jobs.contract.run_files import RunLayout
+from chunkq.jobs.contract.run import Run
 from chunkq.jobs.contract.storage import is_local
 from chunkq.queue_worker.exit_codes import EXIT_CHUNKS_FAILED, EXIT_OK
 from chunkq.supervisor.request import (
     reach_redis,
 )
 from chunkq.supervisor.result.planned_rows import describe_savings
-from chunkq.supervisor.result.published import describe_left_out, read_result_manifest, rebuild_advice
+from chunkq.supervisor.result.published import describe_left_out, rebuild_advice
 from chunkq.supervisor.result.reader import result_problems
 from chunkq.supervisor.store.store_redis import served_url
 from chunkq.supervisor.watch.attempts import describe_attempts, failed_attempts, to_json
@@ -45,7 +45,7 @@ from chunkq.tools.run_list import checked_at_a_look
 @click.option(
     "--bind",
     default="127.0.0.1",
-    envvar="CHUNKQ_DASHBOARD_BIND",
+    envvar=environment.DASHBOARD_BIND,
     show_envvar=True,
     show_default=True,
     help="Address to serve on; anything but loopback needs --username and --password.",
@@ -54,7 +54,7 @@ from chunkq.tools.run_list import checked_at_a_look
     "--port",
     type=click.IntRange(1, 65535),
     default=DEFAULT_DASHBOARD_PORT,
-    envvar="CHUNKQ_DASHBOARD_PORT",
+    envvar=environment.DASHBOARD_PORT,
     show_envvar=True,
     show_default=True,
     help="Port to serve on.",
@@ -62,14 +62,14 @@ from chunkq.tools.run_list import checked_at_a_look
 @click.option(
     "--username",
     default=None,
-    envvar="CHUNKQ_DASHBOARD_USERNAME",
+    envvar=environment.DASHBOARD_USERNAME,
     show_envvar=True,
     help="Basic-auth user name.",
 )
 @click.option(
     "--password",
     default=None,
-    envvar="CHUNKQ_DASHBOARD_PASSWORD",
+    envvar=environment.DASHBOARD_PASSWORD,
     show_envvar=True,
     help="Basic-auth password. Prefer the variable: a command line is visible to every user of the host.",
 )
@@ -98,10 +98,10 @@ def dashboard_cmd(
 def report_cmd(run_id: str, out: Path | None, store: Path, redis_url: str | None) -> None:
     """A timeline PNG and a summary of RUN: chunks per process, model loads, failures, throughput, lengths."""
     del redis_url  # the report reads the store alone, Redis gone or not
-    layout = RunLayout(store, run_id)
+    run = Run.open(store, run_id)
     if out is None:
-        out = layout.root / "report" if is_local(store) else Path(f"chunkq-report-{run_id}")
-    numbers = write_report(layout, out)
+        out = run.layout.root / "report" if is_local(store) else Path(f"chunkq-report-{run_id}")
+    numbers = write_report(run, out)
     click.echo(
         f"{out / 'report.png'}, {out / 'report.md'}: {numbers['rows_done']} rows, "
         f"{numbers['worker_processes']} worker processes, {numbers['failed_attempts']} failed attempt(s)"
@@ -115,8 +115,8 @@ def report_cmd(run_id: str, out: Path | None, store: Path, redis_url: str | None
 @redis_option("status")
 def status_cmd(run_id: str, store: Path, redis_url: str | None, as_json: bool) -> None:
     """Print where RUN_ID stands, once: from the store, and from Redis when one is given."""
-    layout = RunLayout(store, run_id)
-    manifest = load_manifest(layout)
+    run = Run.open(store, run_id)
+    layout, manifest = run.layout, run.manifest
     redis_url = redis_url or served_url(store)  # a `chunkq run` or `serve-redis` serving it now
     if redis_url:
         snap = Tracker(reach_redis(redis_url), layout, manifest, records=False).poll()
@@ -124,11 +124,7 @@ def status_cmd(run_id: str, store: Path, redis_url: str | None, as_json: bool) -
         snap = store_snapshot(layout, manifest)
     attempts = failed_attempts(layout)
     whole = snap.result_published and checked_at_a_look(layout)
-    damage = (
-        result_problems(layout, read_result_manifest(layout), manifest, checksums=whole)
-        if snap.result_published
-        else []
-    )
+    damage = result_problems(run, checksums=whole) if snap.result_published else []
     if as_json:
         checked = {"every_byte": whole, "problems": damage} if snap.result_published else None
         body = {**snap.to_json(), "result_checked": checked, "failed_attempts": to_json(attempts)}
@@ -144,7 +140,7 @@ def status_cmd(run_id: str, store: Path, redis_url: str | None, as_json: bool) -
         if damage:
             click.echo(f"result in {layout.result} is DAMAGED ({damage[0]}); {rebuild_advice(layout)}")
         else:
-            left_out = (read_result_manifest(layout) or {}).get("bad_rows")
+            left_out = run.result.bad_rows if run.result is not None else []
             if left_out:
                 click.echo(f"--allow-missing: {describe_left_out(left_out)}")
             how = (

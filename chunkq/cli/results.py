@@ -16,14 +16,14 @@ from chunkq.cli.common import (
 )
 from chunkq.cli.encode_options import KEEP_OUTPUTS_OPTION, SHARD_SIZE_OPTION
 from chunkq.cli.group import command
-from chunkq.jobs.contract.errors import AssemblyError
-from chunkq.jobs.contract.manifest import load_manifest
-from chunkq.jobs.contract.run_files import RunLayout, read_json
+from chunkq.jobs.contract.errors import AssemblyError, StoreError
+from chunkq.jobs.contract.run import ResultManifest, Run
+from chunkq.jobs.contract.run_files import RunLayout
 from chunkq.jobs.contract.units import size_text
 from chunkq.queue_worker.exit_codes import EXIT_PARTIAL
 from chunkq.supervisor.result.assemble import assemble
 from chunkq.supervisor.result.published import rebuild_advice, shard_bytes
-from chunkq.supervisor.result.reader import check_published
+from chunkq.supervisor.result.reader import result_problems
 from chunkq.tools.export import EXPORT_FORMATS, STDOUT, export
 from chunkq.tools.run_list import RunInfo, clean, list_runs
 
@@ -181,32 +181,32 @@ def export_cmd(
     names = tuple(name.strip() for name in columns.split(",") if name.strip())
     if to is not None or out is None:
         options = {"index": index, "force": force, "column": vector_column, "level": level}
-        _export_to(RunLayout(store, run_id), str(to), options, names, as_json)
+        _export_to(Run.open(store, run_id), str(to), options, names, as_json)
         return
     # Where the data itself goes to stdout, a pipe or a device, the note of what was written must not join it.
     stream = out == STDOUT or (out.exists() and not out.is_file())
-    layout = RunLayout(store, run_id)
-    written = export(layout, fmt, out, force, tokens=tokens, level=level, columns=names)
-    result = read_json(layout.result_manifest)
+    run = Run.open(store, run_id)
+    written = export(run, fmt, out, force, tokens=tokens, level=level, columns=names)
+    result = run.result  # as export read it: the rows written are this manifest's
+    if result is None:
+        raise StoreError(f"run {run_id} has no published result")
     if not stream:  # to stdout or a pipe there is no file to name: the data is what was written
-        click.echo(_written_line(layout.run_id, result, written))
-    if not result.get("complete", True):
-        click.echo(f"chunkq: PARTIAL: {_partial(result)}; the export holds only those rows", err=True)
+        click.echo(_written_line(run_id, result, written))
+    if not result.complete:
+        click.echo(f"chunkq: PARTIAL: {result.partial_note()}; the export holds only those rows", err=True)
         sys.exit(EXIT_PARTIAL)
 
 
-def _written_line(run_id: str, result: dict[str, Any], written: list[Path]) -> str:
+def _written_line(run_id: str, result: ResultManifest, written: list[Path]) -> str:
     """What a file export wrote, as --to says it: rows, of which run, where, how many bytes (it
     printed the file's name alone)."""
-    rows, dim = result.get("rows"), result.get("dim")
+    rows, dim = result.rows, result.dim
     shape = f"{rows:,} rows" + (f" x {dim}" if dim else "") if isinstance(rows, int) else "the rows"
     size = sum(p.stat().st_size for p in written if p.is_file())
     return f"{shape} of run {run_id} written to {', '.join(str(p) for p in written)} ({size_text(size)})"
 
 
-def _export_to(
-    layout: RunLayout, url: str, options: dict[str, Any], columns: tuple[str, ...], as_json: bool
-) -> None:
+def _export_to(run: Run, url: str, options: dict[str, Any], columns: tuple[str, ...], as_json: bool) -> None:
     from chunkq.sinks import export_to
 
     shown = False
@@ -218,7 +218,7 @@ def _export_to(
             shown = True
 
     try:
-        summary = export_to(layout, url, options, on_progress=say, columns=columns)
+        summary = export_to(run, url, options, on_progress=say, columns=columns)
     except BaseException:
         if shown:
             click.echo("", err=True)  # the error on a line of its own, not after the count
@@ -228,20 +228,9 @@ def _export_to(
         return
     click.echo("", err=True)
     click.echo(
-        f"{summary['written']:,} rows of run {layout.run_id} written to {summary['url']} in "
+        f"{summary['written']:,} rows of run {run.run_id} written to {summary['url']} in "
         f"{summary['seconds']} s ({summary['rows_per_second']} rows/s)"
         + (f"; the table holds {summary['table_rows']:,} rows" if "table_rows" in summary else "")
-    )
-
-
-def _partial(result: dict[str, Any]) -> str:
-    """What a partial result (--allow-partial) lacks, in one line."""
-    missing = result.get("missing") or []
-    rows = sum(int(m.get("rows", 0)) for m in missing if isinstance(m, dict))
-    chunks = [m.get("chunk") for m in missing if isinstance(m, dict)]
-    return (
-        f"the result holds {result.get('rows')} of {result.get('corpus_rows')} rows; "
-        f"{len(missing)} quarantined chunk(s) ({rows} rows) are missing: {chunks[:10]}"
     )
 
 
@@ -263,18 +252,18 @@ def assemble_cmd(
     del redis_url
     layout = RunLayout(store, run_id)
     if verify:
-        damage = check_published(layout, load_manifest(layout))
-        if damage:
+        run = Run.open(store, run_id)
+        damage = result_problems(run)
+        if damage or run.result is None:
             raise AssemblyError(run_id, [*damage, rebuild_advice(layout)])
-        result = read_json(layout.result_manifest)
         click.echo(
-            f"{layout.result}: {result['rows']} x {result['dim']}, every checksum matches its manifest "
+            f"{layout.result}: {run.result.rows} x {run.result.dim}, every checksum matches its manifest "
             "and the result is the run's (fingerprint, model, options, rows)"
         )
-        if not result.get("complete", True):
-            click.echo(f"PARTIAL: {_partial(result)}")
+        if not run.result.complete:
+            click.echo(f"PARTIAL: {run.result.partial_note()}")
             sys.exit(EXIT_PARTIAL)
         return
-    result = assemble(layout, shard_bytes=shard_bytes(shard_size), keep_outputs=keep_outputs)
+    result = assemble(Run.of(layout), shard_bytes=shard_bytes(shard_size), keep_outputs=keep_outputs)
     shards = f" in {len(result['shards'])} shards" if result.get("shards") else ""
     click.echo(f"{layout.result}: {result['rows']} x {result['dim']}{shards}")

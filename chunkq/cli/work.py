@@ -24,7 +24,7 @@ from chunkq.cli.encode_options import QUEUE_WINDOW_OPTION, submit_options, watch
 from chunkq.cli.group import command, current_log_level
 from chunkq.cli.settings_options import pool_setting_options, pool_settings, pop_pool_values
 from chunkq.jobs import kinds
-from chunkq.jobs.compute.models import check_model
+from chunkq.jobs.compute.model_refs import check_model
 from chunkq.jobs.contract.defaults import DEFAULT_KIND
 from chunkq.jobs.contract.manifest import load_manifest
 from chunkq.jobs.contract.run_files import RunLayout
@@ -188,7 +188,8 @@ def supervise_cmd(run_id: str, store: Path, redis_url: str | None, verbose: int,
     quiet_unless(verbose)
     connection = reach_redis(need_redis(redis_url, store))
     layout = RunLayout(store, run_id)
-    load_manifest(layout)  # a run that is not there is said before its log file would be made
+    if not layout.manifest.is_file():  # said before its log file would be made; read under its lock
+        load_manifest(layout)
     with RunLog(log_path(local_state_dir(store), run_id)), ProgressDisplay() as display:
         outcome = supervise(connection, layout, display, watch_settings(**watch))
     sys.exit(_finish(outcome))

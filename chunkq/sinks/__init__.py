@@ -25,13 +25,14 @@ from typing import Any, Protocol
 
 from chunkq.jobs.contract.errors import ConfigError, StoreError, StoreWriteError, refused_write
 from chunkq.jobs.contract.redaction import redact, redacted
+from chunkq.jobs.contract.run import Run
 from chunkq.jobs.contract.run_files import RunLayout
 from chunkq.jobs.contract.storage import is_local
 from chunkq.sinks.corpus_columns import CorpusColumns, check_columns
 from chunkq.sinks.row_texts import HASH_COLUMN, RowHashes
 from chunkq.sinks.rows import SPARSE, Rows, most_active, row_keys, row_kind, sparse_batches
 from chunkq.sinks.same_rows import Held, check_same_rows
-from chunkq.supervisor.result.reader import LEVELS, OpenedResult, open_result
+from chunkq.supervisor.result.reader import LEVELS, PublishedResult, open_result
 
 SINK_BATCH_ROWS = 4096  # rows a sink is given at once: memory stays one batch whatever the run's size
 
@@ -142,9 +143,9 @@ def _one_line(exc: BaseException, url: str) -> BaseException:
     return StoreError(f"--to {redacted(url)}: {type(exc).__name__}: {redact(first)}")
 
 
-def _shape(layout: RunLayout, options: dict[str, Any], columns: tuple[str, ...]) -> tuple[OpenedResult, Rows]:
+def _shape(published: Run, options: dict[str, Any], columns: tuple[str, ...]) -> tuple[PublishedResult, Rows]:
     """The published result, opened at its level, and what its rows are as the sink is told."""
-    result = open_result(layout, str(options.get("level") or LEVELS[0]))
+    result = open_result(published, str(options.get("level") or LEVELS[0]))
     run = result.run
     kind = row_kind(run)
     if result.level == "document":
@@ -160,7 +161,7 @@ def _shape(layout: RunLayout, options: dict[str, Any], columns: tuple[str, ...])
     column = options.get("column")
     check_columns(columns, column)
     rows = Rows(
-        layout.run_id,
+        published.run_id,
         result.rows,
         result.dim,
         run.output_dtype,
@@ -174,7 +175,7 @@ def _shape(layout: RunLayout, options: dict[str, Any], columns: tuple[str, ...])
     return result, rows
 
 
-def _run_keys(result: OpenedResult, rows: Rows) -> Any:
+def _run_keys(result: PublishedResult, rows: Rows) -> Any:
     """The run's rows as a table is keyed: each row's id and text hash (pyarrow)."""
     import pyarrow as pa
 
@@ -188,7 +189,7 @@ def _run_keys(result: OpenedResult, rows: Rows) -> Any:
 
 
 def export_to(
-    layout: RunLayout,
+    published: Run,
     url: str,
     options: dict[str, Any] | None = None,
     on_progress: Callable[[Progress], None] | None = None,
@@ -201,7 +202,8 @@ def export_to(
     ``options``: ``index`` (FAISS), ``force`` (FAISS), ``column`` (the vector column's name),
     ``level`` (``document``: a windowed run's vectors per text)."""
     options = options or {}
-    result, rows = _shape(layout, options, columns)
+    layout = published.layout
+    result, rows = _shape(published, options, columns)
     run, level = result.run, result.level
     corpus = CorpusColumns(run, columns, rows.windowed) if columns else None
     sink = open_sink(url, options)

@@ -14,7 +14,7 @@ from chunkq.jobs.contract.errors import ConfigError
 from chunkq.jobs.contract.manifest import RunManifest
 from chunkq.supervisor.result import ragged as ragged_result
 from chunkq.supervisor.result.published import WINDOW_COLUMNS
-from chunkq.supervisor.result.reader import OpenedResult
+from chunkq.supervisor.result.reader import PublishedResult
 
 DENSE, SPARSE = "dense", "sparse"  # the row kinds a sink writes (a cross run's scores are dense rows)
 WINDOW_FIELDS = WINDOW_COLUMNS  # a window's columns beside text_id, as every export writes them
@@ -76,7 +76,7 @@ def row_keys(ids: list[Any], windowed: bool) -> tuple[list[str], dict[str, list[
     return [f"{rid['id']}#{rid['window']}" for rid in ids], columns
 
 
-def sparse_batches(result: OpenedResult, batch_rows: int) -> Iterator[tuple[list[Any], SparseRows]]:
+def sparse_batches(result: PublishedResult, batch_rows: int) -> Iterator[tuple[list[Any], SparseRows]]:
     """A sparse result's rows ``batch_rows`` at a time, a block (the result, or a shard) read at once."""
     for ids, arrays in result.ragged_blocks():
         offsets, indices, values = arrays["offsets"], arrays["indices"], arrays["values"]
@@ -91,10 +91,10 @@ def sparse_batches(result: OpenedResult, batch_rows: int) -> Iterator[tuple[list
             yield ids[start:end], part
 
 
-def most_active(result: OpenedResult) -> int:
+def most_active(result: PublishedResult) -> int:
     """A sparse result's most non-zero entries in one row (its offsets alone are read)."""
     most = 0
-    for block in ragged_result.blocks(result.layout.result, result.manifest):
+    for block in ragged_result.blocks(result.layout.result, result.manifest.fields):
         offsets = ragged_result.block_arrays(block, SPARSE)["offsets"]
         if len(offsets) > 1:
             most = max(most, int(np.diff(np.asarray(offsets, dtype=np.int64)).max()))

@@ -25,11 +25,12 @@ import numpy as np
 
 from chunkq.jobs import kinds
 from chunkq.jobs.contract.errors import ConfigError, StoreWriteError, refused_write
-from chunkq.jobs.contract.manifest import load_manifest
+from chunkq.jobs.contract.manifest import RunManifest
+from chunkq.jobs.contract.run import Run
 from chunkq.jobs.contract.run_files import RunLayout
 from chunkq.jobs.contract.storage import as_the_caller_would, is_local, remove_leftovers_beside, temp_beside
 from chunkq.supervisor.result.published import WINDOW_COLUMNS
-from chunkq.supervisor.result.reader import BATCH_ROWS, OpenedResult, open_result
+from chunkq.supervisor.result.reader import BATCH_ROWS, PublishedResult, open_result
 
 EXPORT_FORMATS = ("parquet", "npy", "jsonl")
 
@@ -123,7 +124,7 @@ def _outside_the_store(layout: RunLayout, out: Path) -> None:
 
 
 def export(
-    layout: RunLayout,
+    published: Run,
     fmt: str,
     out: Path,
     force: bool = False,
@@ -135,8 +136,8 @@ def export(
     active dimensions as the model's vocabulary words too. ``level`` document: a windowed run's
     vectors per text instead of its windows. ``columns``: corpus fields written beside each row, as
     text (Parquet and JSON Lines; a window's text field is its own span)."""
+    layout, run = published.layout, published.manifest
     _outside_the_store(layout, out)
-    run = load_manifest(layout)
     kind = run.kind
     if tokens and kind != "sparse":
         raise ConfigError(f"--tokens names a sparse vector's dimensions; run {layout.run_id} is {kind}")
@@ -147,9 +148,9 @@ def export(
             "run, or --to a table, for fields beside each row"
         )
     if kinds.get(kind).ragged:
-        return _export_ragged(layout, fmt, _target(out, force, fmt), tokens)
+        return _export_ragged(published, fmt, _target(out, force, fmt), tokens)
     target = _target(out, force, fmt)
-    reader = open_result(layout, level, run)
+    reader = open_result(published, level)
     value = value_column(kind, reader.dim)
     from chunkq.sinks.corpus_columns import beside_rows  # the sinks read this module
 
@@ -180,7 +181,7 @@ def export(
     return [target.path, ids_target.path]
 
 
-def _parquet(reader: OpenedResult, name: str, out: _Target, fields: Any = None) -> None:
+def _parquet(reader: PublishedResult, name: str, out: _Target, fields: Any = None) -> None:
     if out.through:
         # Arrow's Parquet writer seeks, which a pipe cannot: build the file privately, then stream it.
         with tempfile.TemporaryDirectory(prefix="chunkq-export-") as scratch:
@@ -225,12 +226,11 @@ def _arrow_type(pa: Any, array: Any) -> Any:
     return pa.from_numpy_dtype(array.dtype)
 
 
-def _vocabulary(layout: RunLayout) -> Any:
+def _vocabulary(run: RunManifest) -> Any:
     """The run's model's tokens by id (its tokenizer.json): a sparse vector's dimensions by name."""
     from chunkq.jobs.compute.model_info import describe
     from chunkq.supervisor.submit.windows import load_tokenizer
 
-    run = load_manifest(layout)
     folder = describe(run.model, run.options.get("revision")).folder
     if folder is None:
         raise ConfigError(f"--tokens: model {run.model}'s files are not on this host")
@@ -254,7 +254,7 @@ def _ragged_batch(
     return pa.table(data, schema=schema)
 
 
-def _export_ragged(layout: RunLayout, fmt: str, target: _Target, tokens: bool = False) -> list[Path]:
+def _export_ragged(published: Run, fmt: str, target: _Target, tokens: bool = False) -> list[Path]:
     """A ragged result as Parquet or JSON Lines: ``id`` and each entry array as a list per row
     (sparse: ``indices`` list<int32>, ``values`` list<float32>; multivector: ``vectors``, a list of
     fixed-size lists), read once a block (the result, or one shard) at a time, each file checked
@@ -262,11 +262,11 @@ def _export_ragged(layout: RunLayout, fmt: str, target: _Target, tokens: bool = 
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    reader = open_result(layout)
+    reader = open_result(published)
     if fmt == "npy":
         kind = reader.run.kind
         raise ConfigError(f"a {kind} result has no matrix to write as .npy; export parquet or jsonl")
-    vocabulary = _vocabulary(layout) if tokens else None
+    vocabulary = _vocabulary(published.manifest) if tokens else None
 
     def each_block() -> Iterator[tuple[list[Any], np.ndarray[Any, Any], dict[str, np.ndarray[Any, Any]]]]:
         for ids, arrays in reader.ragged_blocks():

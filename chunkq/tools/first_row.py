@@ -12,6 +12,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
+from chunkq.jobs.contract.run import Run
 from chunkq.jobs.contract.run_files import RunLayout, read_json
 from chunkq.supervisor.store import start_marks
 from chunkq.supervisor.store.throughput import parse_time
@@ -59,18 +60,14 @@ def _worker_marks(first: dict[str, Any]) -> list[tuple[str, float | None]]:
     ]
 
 
-def breakdown(layout: RunLayout, first: dict[str, Any] | None, last_end: datetime | None) -> dict[str, Any]:
+def breakdown(run: Run, first: dict[str, Any] | None, last_end: datetime | None) -> dict[str, Any]:
     """``marks``: [step, seconds since the first mark], in time order; ``first_row_seconds``: the
     first rows' mark; ``from``: what the marks count from; ``warm_up_seconds`` of that worker;
     ``last_chunk_to_result_seconds``: from the last chunk's end to the result being written."""
-    known = _command_marks(layout)
+    known = _command_marks(run.layout)
     if first is not None:
         known += [(name, at) for name, at in _worker_marks(first) if at is not None]
-    published = None
-    try:
-        published = _epoch(read_json(layout.result_manifest).get("assembled_at"))
-    except (OSError, ValueError):
-        pass  # not published yet
+    published = None if run.result is None else _epoch(run.result.assembled_at)
     if not known:
         return {"marks": [], "first_row_seconds": None, "from": None, "last_chunk_to_result_seconds": None}
     origin_name, origin = min(known, key=lambda mark: mark[1])

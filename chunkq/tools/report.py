@@ -17,6 +17,7 @@ import numpy as np
 
 from chunkq.jobs.compute import device_busy
 from chunkq.jobs.contract.errors import ABANDONED
+from chunkq.jobs.contract.run import Run
 from chunkq.jobs.contract.run_files import RunLayout, read_json
 from chunkq.jobs.contract.specs import BATCH_TOKENS_AUTO, BATCH_TOKENS_OFF
 from chunkq.supervisor.result.planned_rows import corpus_rows_of, describe_savings, savings
@@ -42,9 +43,10 @@ LABELLED_FAILURES = 30  # up to this many failed attempts, each is labelled with
 
 
 def summary(
-    facts: RunFacts, lengths: list[int], limit: int | None, unit: str, layout: RunLayout | None = None
+    facts: RunFacts, lengths: list[int], limit: int | None, unit: str, run: Run | None = None
 ) -> dict[str, Any]:
     m = facts.manifest
+    layout = None if run is None else run.layout
     published = len(facts.done)  # encoded and read from the vector cache alike
     running = published + len(facts.quarantined) < m.chunks
     ran = facts.throughput.seconds(running) or 0.0  # pauses of a stopped run not counted
@@ -78,8 +80,8 @@ def summary(
         "startup_seconds": None if facts.startup_began is None else round(-facts.startup_began, 2),
         # where the seconds before the first row went, and after the last chunk (tools.first_row)
         "first_row": None
-        if layout is None
-        else first_row.breakdown(layout, facts.first, facts.throughput.last_end),
+        if run is None
+        else first_row.breakdown(run, facts.first, facts.throughput.last_end),
         "phases": _phases(layout),  # the commands' own: wall and CPU seconds (supervisor/store/phases.py)
         "model_loads": len(loads),
         "length_unit": unit,
@@ -378,16 +380,16 @@ def _or_dash(value: Any, unit: str) -> str:
     return "-" if value is None else f"{value}{unit}"
 
 
-def write_report(layout: RunLayout, out: Path) -> dict[str, Any]:
+def write_report(run: Run, out: Path) -> dict[str, Any]:
     """Write ``report.png``, ``report.md`` and ``report.json`` under ``out``; return the summary."""
     import json
 
-    facts = gather(layout)
-    lengths, limit, unit = _token_lengths(layout, facts.manifest)
+    facts = gather(run)
+    lengths, limit, unit = _token_lengths(run.layout, facts.manifest)
     out.mkdir(parents=True, exist_ok=True)
     png = out / "report.png"
     _plot(facts, lengths, limit, unit, png)
-    numbers = summary(facts, lengths, limit, unit, layout)
+    numbers = summary(facts, lengths, limit, unit, run)
     (out / "report.md").write_text(_markdown(numbers, png), encoding="utf-8")
     (out / "report.json").write_text(json.dumps(numbers, indent=2) + "\n", encoding="utf-8")
     return numbers

@@ -19,8 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from chunkq.jobs.compute.models import resolve_model
-from chunkq.jobs.contract.manifest import RunManifest, load_manifest
+from chunkq.jobs.compute.model_refs import resolve_model
+from chunkq.jobs.contract.manifest import RunManifest
+from chunkq.jobs.contract.run import Run
 from chunkq.jobs.contract.run_files import RunLayout, read_chunk_input, read_json
 from chunkq.supervisor.store.ledger import stream_records, throughput_of
 from chunkq.supervisor.store.throughput import Throughput, parse_time
@@ -218,15 +219,17 @@ class RunFacts:
         return (np.arange(1, len(self.rate) + 1) * width, rows / covered, bins * width)
 
 
-def gather(layout: RunLayout) -> RunFacts:
+def gather(run: Run) -> RunFacts:
     """What the store says of a run, read as a stream: the ledger (a file per LEDGER_BATCH chunks)
     twice, once for the run's span (or ``summary.json`` alone) and once to bin the timeline, and
     every failed attempt (no Redis needed)."""
-    manifest = load_manifest(layout)
+    layout, manifest = run.layout, run.manifest
     done = layout.done_chunks(manifest.chunks)
-    facts = RunFacts(manifest, throughput_of(layout, done), failures=failed_attempts(layout), done=done)
+    facts = RunFacts(
+        manifest, throughput_of(layout, manifest, done), failures=failed_attempts(layout), done=done
+    )
     labelled = len(done) <= LABELLED_CHUNKS
-    for record in stream_records(layout, done):
+    for record in stream_records(layout, manifest, done):
         if record.get("source") == "cache":
             facts.cached_chunks += 1  # read from the vector cache at submit: no part of the timeline
             continue

@@ -20,12 +20,12 @@ from chunkq.jobs.contract import errors
 from chunkq.jobs.contract.defaults import DEFAULT_CHUNK_SIZE
 from chunkq.jobs.contract.errors import ChunkqError, ConfigError, DamagedRunError, StoreError
 from chunkq.jobs.contract.manifest import RunManifest, load_manifest
+from chunkq.jobs.contract.run import Run
 from chunkq.jobs.contract.run_files import MANIFEST_NAME, RunLayout
 from chunkq.jobs.contract.specs import EncodeOptions, chunk_job_id, chunk_job_prefix
 from chunkq.jobs.contract.storage import is_local, remove_leftovers_beside, remove_tree
 from chunkq.supervisor.result.assemble import free_outputs
 from chunkq.supervisor.result.planned_rows import corpus_rows_of, savings
-from chunkq.supervisor.result.published import read_result_manifest
 from chunkq.supervisor.result.reader import result_problems
 from chunkq.supervisor.store.store_lock import StoreLock
 from chunkq.supervisor.submit.enqueue import LIVE_STATUSES, job_statuses
@@ -114,19 +114,17 @@ def checked_at_a_look(layout: RunLayout) -> bool:
     return folder_bytes(layout.result) <= LOOK_VERIFIES_BYTES
 
 
-def state_of(
-    layout: RunLayout, manifest: RunManifest, checksums: bool | None = None, own: StoreLock | None = None
-) -> tuple[str, int]:
+def state_of(run: Run, checksums: bool | None = None, own: StoreLock | None = None) -> tuple[str, int]:
     """(state, rows done) from the store. A result is checked against its run and its files'
     headers and sizes (a truncated or missing shard shows), and with ``checksums`` byte for byte
     (None: where it is small enough, ``checked_at_a_look``). ``own``: the run's lock when the caller
     holds it (then no one else has the run in flight)."""
-    result = read_result_manifest(layout)
+    layout, manifest, result = run.layout, run.manifest, run.result
     if checksums is None:
         checksums = result is not None and checked_at_a_look(layout)
-    damaged = result is not None and bool(result_problems(layout, result, manifest, checksums))
+    damaged = result is not None and bool(result_problems(run, checksums))
     if result is not None and not damaged:
-        return (PUBLISHED if result.get("complete", True) else PARTIAL), int(result["rows"])
+        return (PUBLISHED if result.complete else PARTIAL), int(result.fields["rows"])
     done = layout.done_chunks(manifest.chunks)
     rows_done = corpus_rows_of(layout, manifest, done)
     if damaged:
@@ -146,9 +144,9 @@ def state_of(
 
 
 def describe_run(store: Path, run_id: str) -> RunInfo:
-    layout = RunLayout(store, run_id)
-    manifest = load_manifest(layout)
-    state, rows_done = state_of(layout, manifest)
+    run = Run.open(store, run_id)
+    layout, manifest = run.layout, run.manifest
+    state, rows_done = state_of(run)
     return RunInfo(
         run_id=run_id,
         state=state,
@@ -200,8 +198,8 @@ def chunks_done(store: Path) -> tuple[int, int, int]:
             continue  # a run being submitted, or damaged: `chunkq runs` names it
         runs += 1
         total += manifest.chunks
-        published = read_result_manifest(layout)
-        done += manifest.chunks if published is not None else len(layout.done_chunks(manifest.chunks))
+        published = layout.result_manifest.is_file()
+        done += manifest.chunks if published else len(layout.done_chunks(manifest.chunks))
     return done, total, runs
 
 
@@ -264,7 +262,7 @@ def clean(layout: RunLayout, outputs_only: bool, connection: redis.Redis | None 
             remove_tree(layout.root)  # the lock file goes with it: nobody can take the run meanwhile
             return freed
         # Every byte of the result is checked first: its chunk outputs are what could rebuild it.
-        state, _ = state_of(layout, manifest, checksums=True, own=lock)
+        state, _ = state_of(Run(layout, manifest), checksums=True, own=lock)
         if state != PUBLISHED:
             raise StoreError(
                 f"run {layout.run_id} is {state}: its chunk outputs are all there is until a whole, "

@@ -48,9 +48,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from chunkq.jobs.contract import environment
 from chunkq.jobs.contract.errors import ConfigError
 
-ENV = "CHUNKQ_FAULTS"
+ENV = environment.FAULTS
 SLOW_SLICE_SECONDS = 0.1  # a batch's forward on the CPU takes about this long
 KINDS = (
     "oom",

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from chunkq.jobs.compute import hub_snapshot, model_code, model_reads
-from chunkq.jobs.compute.models import resolve_model
+from chunkq.jobs.compute.model_refs import model_folder, resolve_model
 from chunkq.jobs.contract.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -50,26 +50,6 @@ class Identity:
     value: str  # "files:<sha256>" or "hub:<repo>@<commit>", then "+code:<digest>" for code it brings
     stamp: FolderStamp
     code: Any = None  # jobs.compute.model_code.Listing: what a load of code it brings read
-
-
-def hub_cache() -> str | None:
-    """The cache sentence-transformers loads hub models from: its own where SENTENCE_TRANSFORMERS_HOME
-    says (the identity read another cache's commit), else the hub's."""
-    return os.environ.get("SENTENCE_TRANSFORMERS_HOME") or None
-
-
-def model_folder(ref: str, revision: str | None = None) -> tuple[Path | None, str | None]:
-    """The model's files on this host and, for the Hugging Face cache, the snapshot's commit."""
-    path = resolve_model(ref)
-    if os.path.isdir(os.path.expanduser(path)):
-        return Path(os.path.expanduser(path)), None
-    try:
-        from huggingface_hub import snapshot_download
-
-        snapshot = snapshot_download(path, revision=revision, local_files_only=True, cache_dir=hub_cache())
-    except Exception:
-        return None, None
-    return Path(snapshot), Path(snapshot).name
 
 
 def model_files(folder: Path) -> list[tuple[str, Path]]:

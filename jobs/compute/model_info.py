@@ -10,8 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from chunkq.jobs.compute.model_identity import model_folder
-from chunkq.jobs.compute.models import hub_reachable
+from chunkq.jobs.compute.model_refs import hub_reachable, model_folder
 from chunkq.jobs.contract.defaults import DEFAULT_KIND
 from chunkq.jobs.contract.errors import ConfigError
 from chunkq.jobs.contract.specs import EncodeOptions

@@ -153,7 +153,7 @@ def _check_path(
 
 
 def _in_hub_cache(repo: str) -> bool:
-    from chunkq.jobs.compute.model_identity import hub_cache
+    from chunkq.jobs.compute.model_refs import hub_cache
 
     try:
         from huggingface_hub import constants

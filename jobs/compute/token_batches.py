@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 
 from chunkq.jobs.compute import tokenized
-from chunkq.jobs.compute.models import length_limit
+from chunkq.jobs.compute.tokenized import length_limit
+from chunkq.jobs.contract import environment
 from chunkq.jobs.contract.specs import BATCH_TOKENS_AUTO, BATCH_TOKENS_OFF, EncodeOptions
 
 AUTO_START_TOKENS = 8192
@@ -88,7 +89,7 @@ PIPELINE_ROWS = 256  # rows tokenised ahead, in a thread, while the model runs t
 # the model runs on a GPU. On the CPU it lost (MiniLM, 1,000 docstrings, 2 cores: 125 against 134
 # rows/s with one torch thread, 239 against 248 with two): the forward takes the cores the thread
 # would use, and slices pad a little more than the whole chunk. For bench/gpu.py's comparison.
-AHEAD_ENV = "CHUNKQ_TOKENISE_AHEAD"
+AHEAD_ENV = environment.TOKENISE_AHEAD
 
 
 def tokenise_ahead(model: Any) -> bool:

@@ -21,9 +21,17 @@ and the caller encodes batch by batch as before.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
+
+
+def length_limit(model: Any) -> int | None:
+    """The tokens ``model`` truncates a text at; None where it truncates none (a StaticEmbedding
+    says infinity, and has no setter for it)."""
+    limit = getattr(model, "max_seq_length", None)
+    return int(limit) if isinstance(limit, int | float) and math.isfinite(limit) else None
 
 
 def prompt_of(model: Any, encode_kwargs: dict[str, Any]) -> str | None:

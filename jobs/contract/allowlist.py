@@ -14,11 +14,12 @@ from typing import Any
 from rq.job import Job
 from rq.utils import import_attribute
 
+from chunkq.jobs.contract import environment
 from chunkq.jobs.contract.errors import JobNotAllowedError
 
 EMBED_CHUNK = "chunkq.jobs.embed.embed_chunk"
 DEFAULT_ALLOWED = frozenset({EMBED_CHUNK})
-ALLOW_ENV = "CHUNKQ_ALLOWED_JOBS"  # comma-separated extra dotted paths for users' own job functions
+ALLOW_ENV = environment.ALLOWED_JOBS  # comma-separated extra dotted paths for users' own job functions
 
 
 def allowed_functions() -> frozenset[str]:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
+from chunkq.jobs.contract import environment
 from chunkq.jobs.contract.defaults import (
     DEFAULT_PRECISION,
     DEFAULT_QUEUE,
@@ -34,8 +35,8 @@ from chunkq.jobs.contract.units import size_value
 SIGNAL_REPEAT_SECONDS = 1.0
 ENV_PREFIX = "CHUNKQ_"
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # every chunkq command and pool
-SETTINGS_JSON_ENV = "CHUNKQ_POOL_SETTINGS_JSON"  # chunkq run hands its pool every setting at once
-DEVICES_JSON_ENV = "CHUNKQ_POOL_DEVICES_JSON"  # ... and the devices it chose for it (not surveyed twice)
+SETTINGS_JSON_ENV = environment.POOL_SETTINGS_JSON  # chunkq run hands its pool every setting at once
+DEVICES_JSON_ENV = environment.POOL_DEVICES_JSON  # ... and the devices it chose for it (not surveyed twice)
 
 
 WORKERS_AUTO = "auto"  # --workers-per-gpu auto: as many as pay off on each GPU

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from chunkq.jobs.compute import token_batches
-from chunkq.jobs.compute.models import length_limit
+from chunkq.jobs.compute.tokenized import length_limit
 from chunkq.jobs.contract.ragged import SCHEMAS, Ragged
 from chunkq.jobs.contract.specs import EncodeOptions
 from chunkq.jobs.kinds.contract import Kind, OnRows, warm_up_texts

@@ -27,7 +27,8 @@ from chunkq.jobs.compute.quantize import convert, derived_floats, stored_columns
 from chunkq.jobs.contract.chunk_output import output_meta
 from chunkq.jobs.contract.defaults import DEFAULT_SHARD_BYTES
 from chunkq.jobs.contract.errors import AssemblyError, BadInputError
-from chunkq.jobs.contract.manifest import RunManifest, load_manifest
+from chunkq.jobs.contract.manifest import RunManifest
+from chunkq.jobs.contract.run import Run
 from chunkq.jobs.contract.run_files import (
     MANIFEST_NAME,
     RunLayout,
@@ -194,11 +195,10 @@ def _pooler(manifest: RunManifest, writer: ResultWriter, skip: set[int]) -> Text
 
 
 def assemble(
-    layout: RunLayout,
+    run: Run,
     missing: list[Failure] | None = None,
     fence: Callable[[], None] | None = None,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
-    manifest: RunManifest | None = None,
     phases: Phases | None = None,
     build: Build | None = None,
     keep_outputs: bool = False,
@@ -210,12 +210,12 @@ def assemble(
     ``fence`` raises if this process no longer owns the run (``StoreLock.check``): it is called
     just before the result is put in place, so a supervisor that lost its lock never publishes.
     A result of more than ``shard_bytes`` of embeddings is published as shards (``writer.py``).
-    ``manifest``: the run's, where the caller has read it. ``phases``: where its steps' seconds go.
+    ``phases``: where its steps' seconds go.
     ``build``: the result the watch wrote as the chunks landed (``building.py``), finished here
     when it holds every chunk; otherwise it is dropped and the result written here. A whole
     result's chunk arrays are then deleted (``free_outputs``) unless ``keep_outputs``.
     """
-    manifest = manifest or load_manifest(layout)
+    layout, manifest = run.layout, run.manifest
     existing = published_result(layout, manifest)
     if existing is not None:
         if build is not None:

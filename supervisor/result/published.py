@@ -25,9 +25,9 @@ from chunkq.jobs import kinds
 from chunkq.jobs.contract.errors import ConfigError
 from chunkq.jobs.contract.manifest import RunManifest
 from chunkq.jobs.contract.ragged import OFFSETS, SCHEMAS
+from chunkq.jobs.contract.run import ResultManifest
 from chunkq.jobs.contract.run_files import (
     RunLayout,
-    read_json,
     read_npy_header,
 )
 from chunkq.jobs.contract.specs import storage_dtype
@@ -133,15 +133,6 @@ def result_parts(layout: RunLayout, result: dict[str, Any]) -> list[ResultPart]:
     return parts
 
 
-def read_result_manifest(layout: RunLayout) -> Any:
-    """The published result's manifest.json, parsed; None when there is none, {} when unreadable."""
-    path = layout.result_manifest
-    try:
-        return read_json(path) if path.is_file() else None
-    except (OSError, ValueError):
-        return {}
-
-
 def _declared_shape(part: ResultPart) -> tuple[tuple[int, ...], str, int]:
     """The shape and dtype a shard's header declares, and the bytes the file must then hold."""
     with part.embeddings.open("rb") as fh:
@@ -153,12 +144,13 @@ def _declared_shape(part: ResultPart) -> tuple[tuple[int, ...], str, int]:
     return shape, dtype.str + (" Fortran-ordered" if fortran else ""), data_offset + rows_bytes
 
 
-def result_disagreement(layout: RunLayout, result: Any, manifest: RunManifest) -> list[str]:
+def result_disagreement(layout: RunLayout, published: ResultManifest, manifest: RunManifest) -> list[str]:
     """How the result manifest disagrees with the run's manifest or its own files' headers (cheap:
     no hashing). An edited result manifest keeps checksums that still match its files, so only the
     run manifest can tell that its rows, model or options are not the run's."""
-    if not isinstance(result, dict):
-        return ["result/manifest.json is not a JSON object"]
+    if published.unreadable:
+        return [published.unreadable]
+    result = published.fields
     problems = [
         f"result/manifest.json says {key} {result.get(key)!r}, the run's manifest {value!r}"
         for key, value in (

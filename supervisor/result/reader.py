@@ -24,14 +24,14 @@ import numpy as np
 from chunkq.jobs import kinds
 from chunkq.jobs.contract.chunk_output import npy_from_bytes
 from chunkq.jobs.contract.errors import AssemblyError, ConfigError, StoreError
-from chunkq.jobs.contract.manifest import RunManifest, load_manifest
-from chunkq.jobs.contract.run_files import RunLayout, read_json, read_npy_header
+from chunkq.jobs.contract.manifest import RunManifest
+from chunkq.jobs.contract.run import ResultManifest, Run
+from chunkq.jobs.contract.run_files import RunLayout, read_npy_header
 from chunkq.jobs.contract.specs import storage_dtype
 from chunkq.supervisor.result import ragged as ragged_result
 from chunkq.supervisor.result.published import (
     TEXTS,
     ResultPart,
-    read_result_manifest,
     rebuild_advice,
     result_disagreement,
     result_name,
@@ -49,9 +49,9 @@ class _Damage(Exception):
     """What one file of the result says against its manifest (a line of ``problems``)."""
 
 
-def texts_of(run: RunManifest, result: dict[str, Any]) -> dict[str, Any]:
+def texts_of(run: RunManifest, result: ResultManifest) -> dict[str, Any]:
     """A windowed run's vectors per text as its result manifest records them (``--level document``)."""
-    texts = result.get("texts")
+    texts = result.fields.get("texts")
     if not isinstance(texts, dict):
         raise ConfigError(
             f"--level document: run {run.run_id} has no vector per text (a windowed run with --pool "
@@ -61,13 +61,14 @@ def texts_of(run: RunManifest, result: dict[str, Any]) -> dict[str, Any]:
 
 
 @dataclass
-class OpenedResult:
-    """A run's published result at ``level``: what it holds (rows, width, stored dtype, whether each
-    row is a window or the run's rows are ragged), checked against the run without reading a row."""
+class PublishedResult:
+    """A run's published result at ``level``, the one door to its rows: what it holds (rows, width,
+    stored dtype, whether each row is a window or the run's rows are ragged), checked against the
+    run without reading a row; ``batches``, ``ragged_blocks``, ``ids`` and ``verify`` read it."""
 
     layout: RunLayout
     run: RunManifest
-    manifest: dict[str, Any]  # result/manifest.json as it was when opened
+    manifest: ResultManifest  # result/manifest.json as it was when opened
     level: str
     rows: int
     dim: int
@@ -78,7 +79,7 @@ class OpenedResult:
     @property
     def ragged(self) -> str | None:
         """A ragged result's kind (sparse, multivector); None for a matrix."""
-        ragged = self.manifest.get("ragged")
+        ragged = self.manifest.ragged
         return str(ragged["kind"]) if isinstance(ragged, dict) else None
 
     # --- dense rows ---------------------------------------------------------------------------
@@ -121,7 +122,7 @@ class OpenedResult:
         kind = self.ragged
         if kind is None:
             raise ConfigError(f"run {self.run.run_id} holds a matrix, not ragged rows")
-        for block in ragged_result.blocks(self.layout.result, self.manifest):
+        for block in ragged_result.blocks(self.layout.result, self.manifest.fields):
             arrays: dict[str, np.ndarray[Any, Any]] = {}
             for name in ragged_result.files(kind):
                 path = block.path(name)
@@ -147,7 +148,7 @@ class OpenedResult:
         """The rows' ids a file at a time, each ids file checked against its checksum, no vector read
         (what an existing table is compared with before an export writes a row)."""
         if self.ragged is not None:
-            blocks = ragged_result.blocks(self.layout.result, self.manifest)
+            blocks = ragged_result.blocks(self.layout.result, self.manifest.fields)
             files = [(block.ids_path, block.ids_sha256) for block in blocks]
         else:
             files = [(part.ids, part.ids_sha256) for part in self.parts]
@@ -175,7 +176,7 @@ class OpenedResult:
     def _gone_file(self, name: str) -> StoreError | AssemblyError:
         """A file of the result vanished while it was read: published again meanwhile (a rerun, an
         assemble removes the old shards once its manifest is in place), or damaged."""
-        if read_result_manifest(self.layout) != self.manifest:
+        if ResultManifest.read(self.layout) != self.manifest:
             return StoreError(
                 f"run {self.layout.run_id}: the result was published again while this export read it "
                 f"({name} was replaced); nothing was written: run the same export again"
@@ -188,33 +189,29 @@ def damaged(layout: RunLayout, why: str) -> AssemblyError:
     return AssemblyError(layout.run_id, [f"the published result is damaged: {why}", rebuild_advice(layout)])
 
 
-def open_result(layout: RunLayout, level: str = "window", run: RunManifest | None = None) -> OpenedResult:
+def open_result(run: Run, level: str = "window") -> PublishedResult:
     """The run's published result at ``level`` (``document``: a windowed run's vectors per text);
-    RunNotFoundError for no run, StoreError when nothing is published, AssemblyError when its
-    manifest disagrees with the run's or with its files' headers. No row is read."""
+    StoreError when nothing is published, AssemblyError when its manifest disagrees with the run's
+    or with its files' headers. No row is read."""
     if level not in LEVELS:
         raise ConfigError(f"--level {level!r}: one of {', '.join(LEVELS)}")
-    run = run or load_manifest(layout)  # no such run: RunNotFoundError, before "no result"
-    if not layout.result_manifest.is_file():
+    layout, manifest = run.layout, run.result
+    if manifest is None:
         raise StoreError(f"run {layout.run_id} has no published result; run it to the end first")
-    try:
-        manifest = read_json(layout.result_manifest)
-    except (OSError, ValueError) as exc:  # torn or truncated: `assemble --verify` says the same
-        manifest, torn = None, f"result/manifest.json is unreadable ({exc})"
-    disagreement = [torn] if manifest is None else result_disagreement(layout, manifest, run)
+    disagreement = result_disagreement(layout, manifest, run.manifest)
     if disagreement:
         raise damaged(layout, "; ".join(disagreement))
-    windowed = bool((run.plan or {}).get("windows")) and level == "window"
-    rows, dim = int(manifest["rows"]), int(manifest["dim"])
-    parts = [] if kinds.get(run.kind).ragged else result_parts(layout, manifest)
+    windowed = bool((run.manifest.plan or {}).get("windows")) and level == "window"
+    rows, dim = int(manifest.fields["rows"]), int(manifest.fields["dim"])
+    parts = [] if kinds.get(run.manifest.kind).ragged else result_parts(layout, manifest.fields)
     if level == "document":
-        texts = texts_of(run, manifest)
+        texts = texts_of(run.manifest, manifest)
         rows, dim = int(texts["rows"]), int(texts["dim"])
         embeddings, ids = TEXTS
         sums = str(texts.get("embeddings_sha256")), str(texts.get("ids_sha256"))
         parts = [ResultPart(layout.result / embeddings, layout.result / ids, rows, *sums)]
-    dtype = storage_dtype(run.output_dtype)
-    return OpenedResult(layout, run, manifest, level, rows, dim, dtype, parts, windowed)
+    dtype = storage_dtype(run.manifest.output_dtype)
+    return PublishedResult(layout, run.manifest, manifest, level, rows, dim, dtype, parts, windowed)
 
 
 def _names(layout: RunLayout, part: ResultPart) -> tuple[str, str]:
@@ -279,23 +276,23 @@ def _header(fh: IO[bytes], digest: Any, name: str, expected: np.dtype[Any]) -> t
     return tuple(shape)
 
 
-def result_problems(layout: RunLayout, result: Any, run: RunManifest, checksums: bool = True) -> list[str]:
-    """Everything wrong with a published result (a result manifest already read; None: none is
-    published): its manifest against the run's and its files' headers, and with ``checksums`` every
-    file read once against its checksum and (floats) for NaN or infinite rows. Empty: whole, intact
-    and this run's."""
+def result_problems(run: Run, checksums: bool = True) -> list[str]:
+    """Everything wrong with the run's published result: its manifest against the run's and its
+    files' headers, and with ``checksums`` every file read once against its checksum and (floats)
+    for NaN or infinite rows. Empty: whole, intact and this run's."""
+    layout, result = run.layout, run.result
     if result is None:
         return [f"no result is published in {layout.result}"]
-    problems = result_disagreement(layout, result, run)
+    problems = result_disagreement(layout, result, run.manifest)
     if problems or not checksums:
         return problems
-    opened = open_result(layout, run=run)
+    opened = open_result(run)
     if opened.ragged is not None:
-        return ragged_result.problems(layout, result, int(result["rows"]), checksums=True)
+        return ragged_result.problems(layout, result.fields, int(result.fields["rows"]), checksums=True)
     views = [opened]
-    if result.get("texts") is not None:  # a windowed run's vectors per text, beside its windows
+    if result.fields.get("texts") is not None:  # a windowed run's vectors per text, beside its windows
         try:
-            views.append(open_result(layout, "document", run))
+            views.append(open_result(run, "document"))
         except (KeyError, TypeError, ValueError) as exc:
             return [*problems, f"result/manifest.json describes its texts wrongly: {exc}"]
     for view in views:
@@ -313,8 +310,8 @@ def result_problems(layout: RunLayout, result: Any, run: RunManifest, checksums:
 
 
 def check_published(layout: RunLayout, run: RunManifest, checksums: bool = True) -> list[str]:
-    """Everything wrong with the published result (empty: whole, intact and this run's)."""
-    return result_problems(layout, read_result_manifest(layout), run, checksums)
+    """Everything wrong with the published result as it is now (empty: whole, intact and this run's)."""
+    return result_problems(Run(layout, run), checksums)
 
 
 def published_result(layout: RunLayout, run: RunManifest) -> dict[str, Any] | None:
@@ -322,13 +319,13 @@ def published_result(layout: RunLayout, run: RunManifest) -> dict[str, Any] | No
 
     Its files are read once against the run's manifest and its checksums: a damaged result is never
     vouched for; it is assembled again from the chunk outputs."""
-    result = read_result_manifest(layout)
+    opened = Run(layout, run)
+    result = opened.result
     if result is None:
         return None
-    if isinstance(result, dict) and result.get("fingerprint") == run.fingerprint:
-        if not result.get("complete", True):
-            return None  # partial: a rerun tries the missing chunks again
-    damage = result_problems(layout, result, run)
+    if result.fingerprint == run.fingerprint and not result.complete:
+        return None  # partial: a rerun tries the missing chunks again
+    damage = result_problems(opened)
     if damage:
         log.warning(
             "run %s: the published result is damaged (%s); it is made again (from the chunk outputs "
@@ -337,7 +334,7 @@ def published_result(layout: RunLayout, run: RunManifest) -> dict[str, Any] | No
             "; ".join(damage),
         )
         return None
-    return dict(result)
+    return dict(result.fields)
 
 
 class ShardedEmbeddings:

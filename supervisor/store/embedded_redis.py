@@ -23,6 +23,7 @@ from types import TracebackType
 
 import redis
 
+from chunkq.jobs.contract import environment
 from chunkq.jobs.contract.errors import ConfigError
 from chunkq.jobs.contract.storage import OWNER_ONLY, private_dirs
 from chunkq.queue_worker.lifeline import die_with_parent
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 LOOPBACK = "127.0.0.1"
 WILDCARDS = ("0.0.0.0", "*", "::")  # noqa: S104 - only serve-redis --bind, always with a password
 AUTH_FILE = "auth.conf"  # the password, owner-only: on the command line ``ps`` would show it
-SERVER_ENV = "CHUNKQ_REDIS_SERVER"  # path of a redis-server or valkey-server binary to use instead
+SERVER_ENV = environment.REDIS_SERVER  # path of a redis-server or valkey-server binary to use instead
 START_TIMEOUT = 15.0
 WATCH_SECONDS = 0.2  # how often the watcher looks at the server process
 LOW_DISK_BYTES = 1 << 20

@@ -68,12 +68,10 @@ def _batches(layout: RunLayout) -> list[str]:
     return sorted(name for name, _ in list_with_mtime(layout.ledger) if name.endswith(".jsonl"))
 
 
-def read_ledger(layout: RunLayout, manifest: RunManifest | None = None) -> Iterator[dict[str, Any]]:
+def read_ledger(layout: RunLayout, manifest: RunManifest) -> Iterator[dict[str, Any]]:
     """Every record of this run, batch by batch. The ledger is derived (the outputs are the
     truth), so it sizes nothing it is not checked against: a damaged line, or a record of a chunk
-    the run does not have or with rows that chunk does not hold, is skipped and said once.
-    ``manifest``: the run's, where the caller has it."""
-    manifest = manifest or load_manifest(layout)
+    the run does not have or with rows that chunk does not hold, is skipped and said once."""
     skipped = 0
     for name in _batches(layout):
         # A reader's rebuild is one file of every record: read and parsed a batch at a time.
@@ -125,7 +123,7 @@ class Ledger:
     _flushed_at: float = field(default_factory=time.monotonic)
 
     @classmethod
-    def open(cls, layout: RunLayout, manifest: RunManifest | None = None) -> Ledger:
+    def open(cls, layout: RunLayout, manifest: RunManifest) -> Ledger:
         """The ledger as the store holds it, ready to record what it lacks."""
         numbered = [int(name[:-6]) for name in _batches(layout) if name[:-6].isdigit()]
         ledger = cls(layout, _next=max(numbered, default=-1) + 1)
@@ -202,13 +200,15 @@ def count_record(throughput: Throughput, record: Mapping[str, Any]) -> None:
         pass  # a record without times (a damaged output) counts no rate
 
 
-def stream_records(layout: RunLayout, done: Collection[int]) -> Iterator[dict[str, Any]]:
+def stream_records(
+    layout: RunLayout, manifest: RunManifest, done: Collection[int]
+) -> Iterator[dict[str, Any]]:
     """A record for every chunk in ``done``, each once: from the ledger, and for what it lacks,
     from the chunk outputs themselves. Memory holds the chunks seen, never their records, so a
     reader of 10^6 chunks streams. When nobody owns the run, what had to be read from the outputs
     is added to the ledger, so the next reader need not read it again."""
     seen = bytearray(max(done, default=-1) + 1)  # a byte a chunk: 1 MB at 10^6, not ~60 MB of ints
-    for record in read_ledger(layout):
+    for record in read_ledger(layout, manifest):
         chunk = record["chunk"]
         if 0 <= chunk < len(seen) and not seen[chunk] and chunk in done:
             seen[chunk] = 1
@@ -221,36 +221,36 @@ def stream_records(layout: RunLayout, done: Collection[int]) -> Iterator[dict[st
             continue  # a damaged output is the assembler's to name
         read.append(meta)
         yield record_of(meta)
-    _rebuild(layout, read)
+    _rebuild(layout, manifest, read)
 
 
 def of_run(store: Any, run_id: str) -> Throughput:
     """A run's throughput from its committed chunk outputs (the ledger's summary where it covers
     them): for tools and benches that measure a run the way ``status`` reports it."""
     layout = RunLayout(store, run_id)
-    return throughput_of(layout, layout.done_chunks())
+    return throughput_of(layout, load_manifest(layout), layout.done_chunks())
 
 
-def throughput_of(layout: RunLayout, done: Collection[int]) -> Throughput:
+def throughput_of(layout: RunLayout, manifest: RunManifest, done: Collection[int]) -> Throughput:
     """The rate's inputs of the chunks in ``done``: ``summary.json`` when it covers them all (one
     small file), else the ledger (a file per LEDGER_BATCH chunks)."""
     throughput = summarised(layout, len(done))
-    if throughput is not None and throughput.rows != load_manifest(layout).rows_of(done):
+    if throughput is not None and throughput.rows != manifest.rows_of(done):
         throughput = None  # a summary that counts rows these chunks do not hold: not trusted
     if throughput is None:
         throughput = Throughput()
-        for record in stream_records(layout, done):
+        for record in stream_records(layout, manifest, done):
             count_record(throughput, record)
     return throughput
 
 
-def _rebuild(layout: RunLayout, metas: list[dict[str, Any]]) -> None:
+def _rebuild(layout: RunLayout, manifest: RunManifest, metas: list[dict[str, Any]]) -> None:
     """Record outputs the ledger lacks, when no process owns the run (an owner records them itself)."""
     from chunkq.supervisor.store.store_lock import StoreLock
 
     if not metas or StoreLock(layout.owner, "").live_holder() is not None:
         return
-    ledger = Ledger.open(layout)
+    ledger = Ledger.open(layout, manifest)
     for meta in metas:
         ledger.add(meta)
     name = f"rebuilt-{os.getpid()}-{time.time_ns()}.jsonl"

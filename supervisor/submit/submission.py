@@ -350,7 +350,8 @@ def prepare(
             layout.root,
         )
         return Prepared(manifest, created=True, published=False)
-    manifest = identified.manifest or load_manifest(layout)
+    # identify read it where it found the run by its identity; a run named by --run-id is read here
+    manifest = identified.manifest if identified.manifest is not None else load_manifest(layout)
     if manifest.fingerprint != identified.fingerprint:
         raise conflict(manifest, identified.identity)
     same_model(manifest, identified.model_identity, identified.model_canary)

@@ -109,7 +109,7 @@ class Tracker:
     @property
     def throughput(self) -> Throughput:
         if self.ledger is None:
-            return throughput_of(self.layout, _DoneChunks(self.pending, self.manifest.chunks))
+            return throughput_of(self.layout, self.manifest, _DoneChunks(self.pending, self.manifest.chunks))
         return self.ledger.throughput
 
     def _mark_done(self, indices: Iterable[int]) -> None:

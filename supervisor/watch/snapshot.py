@@ -108,7 +108,7 @@ def store_snapshot(layout: RunLayout, manifest: RunManifest) -> Snapshot:
     done = layout.done_chunks(manifest.chunks)
     snap.rows_done = manifest.rows_of(done)
     snap.corpus_rows, snap.corpus_rows_done = manifest.corpus_rows, corpus_rows_of(layout, manifest, done)
-    throughput = throughput_of(layout, done)
+    throughput = throughput_of(layout, manifest, done)
     snap.chunks_done = len(done)
     last: dict[int, FailedAttempt] = {}
     for attempt in failed_attempts(layout):

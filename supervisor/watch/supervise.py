@@ -33,6 +33,7 @@ from chunkq.jobs.contract.errors import ChunkqError, StoreWriteError
 from chunkq.jobs.contract.manifest import RunManifest, load_manifest
 from chunkq.jobs.contract.outage import OutageLog
 from chunkq.jobs.contract.queueing import give_back
+from chunkq.jobs.contract.run import Run
 from chunkq.jobs.contract.run_files import RunLayout, read_json
 from chunkq.jobs.contract.specs import chunk_job_id
 from chunkq.supervisor.result.assemble import Failure, assemble
@@ -335,7 +336,8 @@ def supervise(
         if owner is None:
             owner = stack.enter_context(StoreLock(layout.owner, f"run {layout.run_id}"))
             owner.acquire(settings.wait_for_owner)
-        manifest = manifest or load_manifest(layout)
+        if manifest is None:  # read once the lock is held: a resume rewrites it (--priority) under the lock
+            manifest = load_manifest(layout)
         return _supervise(
             connection, layout, manifest, display, settings, keep_going, redis_gone, owner, phases or Phases()
         )
@@ -413,4 +415,4 @@ def _watch_and_assemble(
     if build is not None:
         build.advance(watch.tracker.pending, seconds=math.inf, phases=phases)  # the last chunks
     fence, shards, keep = watch.owner.check, settings.shard_bytes, settings.keep_outputs
-    return Outcome(snap, assemble(layout, missing, fence, shards, manifest, phases, build, keep))
+    return Outcome(snap, assemble(Run(layout, manifest), missing, fence, shards, phases, build, keep))

@@ -51,7 +51,7 @@ def cuda_device(gpu: Any) -> str:
 @pytest.fixture(scope="session")
 def gpu_model() -> str:
     """A model reference chunkq and a plain SentenceTransformer can both load on this host."""
-    from chunkq.jobs.compute.models import BUNDLED_MODEL, bundled_model_available
+    from chunkq.jobs.compute.model_refs import BUNDLED_MODEL, bundled_model_available
 
     path = os.environ.get(MODEL_ENV)
     if path:

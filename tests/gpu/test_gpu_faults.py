@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from chunkq.jobs.compute.models import resolve_model
+from chunkq.jobs.compute.model_refs import resolve_model
 from chunkq.jobs.contract.run_files import RunLayout, read_json
 from tests.helpers import make_texts, run_cli, write_corpus
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from chunkq.jobs.compute.models import resolve_model
+from chunkq.jobs.compute.model_refs import resolve_model
 from chunkq.jobs.contract.run_files import RunLayout
 from tests.gpu.test_gpu_faults import MIN_COSINE, _min_cosine, _only_run
 from tests.helpers import make_texts, run_cli, write_corpus
