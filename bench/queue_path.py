@@ -29,9 +29,9 @@ from rq import Queue
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from chunkq.jobs.contract.allowlist import AllowListedJob
 from chunkq.jobs.contract.manifest import load_manifest
 from chunkq.jobs.contract.run_files import RunLayout
+from chunkq.jobs.queue.allowlist import AllowListedJob
 from chunkq.queue_worker.worker_args import WORKER_MODULE
 from chunkq.supervisor.store.embedded_redis import EmbeddedRedis
 from chunkq.supervisor.watch.progress import Tracker

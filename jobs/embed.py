@@ -21,7 +21,6 @@ from typing import Any
 
 import numpy as np
 import redis
-from rq import get_current_job
 
 from chunkq.jobs import kinds
 from chunkq.jobs.compute import (
@@ -38,7 +37,7 @@ from chunkq.jobs.compute import (
 from chunkq.jobs.compute.model_identity import check_loaded
 from chunkq.jobs.compute.scope import check_spec
 from chunkq.jobs.compute.vector_cache import library_versions
-from chunkq.jobs.contract import errors, jobmeta
+from chunkq.jobs.contract import errors
 from chunkq.jobs.contract.chunk_output import verify_output
 from chunkq.jobs.contract.defaults import DEFAULT_KIND, DEFAULT_PRECISION
 from chunkq.jobs.contract.errors import (
@@ -60,6 +59,8 @@ from chunkq.jobs.contract.run_files import (
 )
 from chunkq.jobs.contract.specs import ChunkSpec, EncodeOptions
 from chunkq.jobs.kinds.contract import WithBadRows
+from chunkq.jobs.queue import jobmeta
+from chunkq.jobs.queue.rq_api import get_current_job
 
 log = logging.getLogger(__name__)
 

@@ -19,15 +19,15 @@ from typing import Any
 
 import redis
 import setproctitle
-from rq.exceptions import StopRequested
-from rq.worker import SimpleWorker, WorkerStatus
 
 from chunkq.jobs.compute import runtime
-from chunkq.jobs.contract import attempt_records, errors, jobmeta, run_queues
+from chunkq.jobs.contract import errors
 from chunkq.jobs.contract.defaults import HEARTBEAT_SECONDS
 from chunkq.jobs.contract.events import announce_settled
-from chunkq.jobs.contract.queueing import give_back
 from chunkq.jobs.contract.settings import SIGNAL_REPEAT_SECONDS
+from chunkq.jobs.queue import attempt_records, jobmeta, run_queues
+from chunkq.jobs.queue.queueing import give_back
+from chunkq.jobs.queue.rq_api import SimpleWorker, StopRequested, WorkerStatus
 from chunkq.queue_worker.exit_codes import (
     EXIT_CUDA_FATAL,
     EXIT_DEVICE_UNSUPPORTED,
@@ -285,7 +285,7 @@ class ChunkWorker(SimpleWorker):
         super().reorder_queues(reference_queue)
 
     def _take_turns(self) -> None:
-        """Look in the runs' queues in this turn's order (jobs/contract/run_queues.py)."""
+        """Look in the runs' queues in this turn's order (jobs/queue/run_queues.py)."""
         try:
             names = run_queues.serving_order(
                 run_queues.listed(self.connection, self.pool_queue), self.turn, self.pool_queue

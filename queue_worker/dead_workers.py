@@ -17,12 +17,9 @@ from typing import Any
 
 import psutil
 import redis
-from rq.job import Job
-from rq.queue import Queue
-from rq.serializers import JSONSerializer
-from rq.worker import SimpleWorker
 
-from chunkq.jobs.contract.abandon import forget_worker, mark_abandoned, running_job_ids
+from chunkq.jobs.queue.abandon import forget_worker, mark_abandoned, running_job_ids
+from chunkq.jobs.queue.rq_api import Job, JSONSerializer, Queue, SimpleWorker
 
 log = logging.getLogger("chunkq.queue_worker.pool")  # the pool's own lines, under its one name
 

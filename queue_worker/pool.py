@@ -23,13 +23,10 @@ from dataclasses import dataclass
 from types import FrameType
 
 import redis
-from rq.queue import Queue
 
 from chunkq.jobs.compute.models import check_precision
 from chunkq.jobs.compute.runtime import POOL_STARTED_ENV
-from chunkq.jobs.contract import run_queues
 from chunkq.jobs.contract.errors import ChunkqError
-from chunkq.jobs.contract.nopickle import forbid_pickle
 from chunkq.jobs.contract.process_clock import process_started_at
 from chunkq.jobs.contract.redaction import guard_process
 from chunkq.jobs.contract.settings import (
@@ -41,6 +38,9 @@ from chunkq.jobs.contract.settings import (
     env_of,
 )
 from chunkq.jobs.contract.units import parse_size
+from chunkq.jobs.queue import run_queues
+from chunkq.jobs.queue.nopickle import forbid_pickle
+from chunkq.jobs.queue.rq_api import Queue
 from chunkq.queue_worker import exit_codes
 from chunkq.queue_worker.dead_workers import DeadWorkers
 from chunkq.queue_worker.discovery import GpuInfo, devices_from_json

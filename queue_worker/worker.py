@@ -23,18 +23,14 @@ from types import FrameType
 from typing import Any
 
 import redis
-from rq.exceptions import StopRequested
-from rq.serializers import JSONSerializer
 
 from chunkq.jobs import kinds
 from chunkq.jobs.compute import cuda, faults, model_refs, models, runtime
 from chunkq.jobs.compute.model_info import describe
 from chunkq.jobs.compute.model_reads import no_working_directory_imports
 from chunkq.jobs.contract import environment
-from chunkq.jobs.contract.allowlist import AllowListedJob
 from chunkq.jobs.contract.defaults import DEFAULT_KIND, DEFAULT_STORE
 from chunkq.jobs.contract.errors import ConfigError
-from chunkq.jobs.contract.nopickle import forbid_pickle
 from chunkq.jobs.contract.process_clock import process_started_at
 from chunkq.jobs.contract.redaction import guard_process
 from chunkq.jobs.contract.settings import env_of, truthy
@@ -42,6 +38,9 @@ from chunkq.jobs.contract.specs import EncodeOptions
 from chunkq.jobs.contract.storage import open_store
 from chunkq.jobs.contract.units import parse_size, size_text
 from chunkq.jobs.embed import warm_up
+from chunkq.jobs.queue.allowlist import AllowListedJob
+from chunkq.jobs.queue.nopickle import forbid_pickle
+from chunkq.jobs.queue.rq_api import JSONSerializer, StopRequested
 from chunkq.queue_worker import utilisation
 from chunkq.queue_worker.chunk_worker import (
     ENDING_CODES,

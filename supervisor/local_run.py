@@ -17,21 +17,17 @@ from pathlib import Path
 from types import TracebackType
 
 import redis
-from rq import Queue
-from rq.exceptions import NoSuchJobError
-from rq.job import Job
-from rq.registry import StartedJobRegistry
-from rq.serializers import JSONSerializer
 
 from chunkq.jobs.compute.runtime import POOL_FOR_RUN_ENV
-from chunkq.jobs.contract import jobmeta
-from chunkq.jobs.contract.abandon import mark_abandoned
 from chunkq.jobs.contract.errors import StoreWriteError
 from chunkq.jobs.contract.manifest import RunManifest
 from chunkq.jobs.contract.release import chunkq_version
 from chunkq.jobs.contract.run_files import RunLayout
 from chunkq.jobs.contract.settings import DEVICES_JSON_ENV, SETTINGS_JSON_ENV, PoolSettings, env_of
 from chunkq.jobs.contract.storage import OWNER_ONLY, is_local
+from chunkq.jobs.queue import jobmeta
+from chunkq.jobs.queue.abandon import mark_abandoned
+from chunkq.jobs.queue.rq_api import Job, JSONSerializer, NoSuchJobError, Queue, StartedJobRegistry
 from chunkq.queue_worker.discovery import GpuInfo, devices_json
 from chunkq.queue_worker.lifeline import die_with_parent
 from chunkq.queue_worker.stopping import wait_or_kill

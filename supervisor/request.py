@@ -35,10 +35,10 @@ from chunkq.jobs.contract.defaults import (
 )
 from chunkq.jobs.contract.errors import ChunksFailedError, ConfigError, CorpusError, StoreError
 from chunkq.jobs.contract.run import Run
-from chunkq.jobs.contract.run_queues import MAX_PRIORITY
 from chunkq.jobs.contract.settings import PoolSettings
 from chunkq.jobs.contract.specs import BATCH_TOKENS_OFF, EncodeOptions
 from chunkq.jobs.contract.storage import is_local, open_store
+from chunkq.jobs.queue.run_queues import MAX_PRIORITY
 from chunkq.queue_worker.gpus import choose
 from chunkq.supervisor.local_run import RunOutcome, RunRequest
 from chunkq.supervisor.result.published import shard_bytes

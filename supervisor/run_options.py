@@ -17,6 +17,7 @@ from chunkq.jobs.compute.model_refs import BUNDLED_MODEL
 from chunkq.jobs.contract.defaults import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_PRECISION,
+    DEFAULT_PRIORITY,
     DEFAULT_SHARD_BYTES,
     DEFAULT_WINDOW,
     HEARTBEAT_SECONDS,
@@ -24,7 +25,6 @@ from chunkq.jobs.contract.defaults import (
     STALE_AFTER_SECONDS,
     WARN_IDLE_SECONDS,
 )
-from chunkq.jobs.contract.run_queues import DEFAULT_PRIORITY, MAX_PRIORITY
 from chunkq.jobs.contract.settings import Meta
 from chunkq.jobs.contract.specs import (
     MODEL_KWARGS,
@@ -36,6 +36,7 @@ from chunkq.jobs.contract.specs import (
     model_kwargs_value,
 )
 from chunkq.jobs.kinds import KINDS
+from chunkq.jobs.queue.run_queues import MAX_PRIORITY
 from chunkq.supervisor.submit.corpus import FORMATS, CorpusOptions
 from chunkq.supervisor.submit.enqueue import WINDOW_PER_WORKER
 from chunkq.supervisor.submit.windows import LONG_TEXTS, POOLS

@@ -486,9 +486,9 @@ def fill(disk: Path, leave: int = 0) -> Path:
 
 
 def queued(connection: Any, pool_queue: str) -> int:
-    """Jobs waiting for the pools of ``pool_queue``: in its runs' own queues (jobs/contract/run_queues.py)
+    """Jobs waiting for the pools of ``pool_queue``: in its runs' own queues (jobs/queue/run_queues.py)
     and in its own."""
-    from chunkq.jobs.contract.run_queues import listed
+    from chunkq.jobs.queue.run_queues import listed
     from chunkq.supervisor.submit.enqueue import chunk_queue
 
     names = [name for name, _ in listed(connection, pool_queue)] + [pool_queue]

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from chunkq.jobs.contract.nopickle import PickleRefusedError, forbid_pickle
 from chunkq.jobs.contract.run_files import RunLayout
 from chunkq.jobs.contract.specs import chunk_job_id
+from chunkq.jobs.queue.nopickle import PickleRefusedError, forbid_pickle
 from chunkq.supervisor.store.embedded_redis import free_port
 from chunkq.tools.dashboard import check_bind, create_app, is_loopback
 from tests.helpers import WORKER, cli_env, make_texts, run_cli, start_cli, stop_tree, wait_for, write_corpus
@@ -354,7 +354,7 @@ def test_failed_chunk_page_in_a_real_browser(
         assert _get(base + "/no/such/page")[0] == 404
     # The front page's first line links to the failed chunks (issue 24.6).
     assert front.returncode == 0, front.stderr[-2000:]
-    # Each run's chunks are in a queue of their own (jobs/contract/run_queues.py).
+    # Each run's chunks are in a queue of their own (jobs/queue/run_queues.py).
     link = 'href="/0/view/jobs/dash.dash-run/failed/20/asc/1">1 failed chunk(s) in queue dash.dash-run</a>'
     assert link in front.stdout
     # Finished jobs leave Redis: the page says so, with the count from the store (issue 37.7).

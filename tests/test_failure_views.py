@@ -16,9 +16,9 @@ from rq.job import Job
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
-from chunkq.jobs.contract.attempt_records import record_id
 from chunkq.jobs.contract.manifest import load_manifest
 from chunkq.jobs.contract.specs import chunk_job_id
+from chunkq.jobs.queue.attempt_records import record_id
 from tests.helpers import cli_env, make_texts, only_run, result_matches, run_cli, write_corpus
 
 

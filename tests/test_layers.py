@@ -98,11 +98,36 @@ def test_the_jobs_contract_imports_only_itself_and_never_torch() -> None:
 
 
 def test_every_room_says_what_it_owns_and_what_it_may_import() -> None:
-    rooms = [ROOT / "jobs" / r for r in ("contract", "compute", "kinds")]
+    rooms = [ROOT / "jobs" / r for r in ("contract", "queue", "compute", "kinds")]
     rooms += [ROOT / "supervisor" / r for r in SUPERVISOR_ROOMS]
     for room in rooms:
         doc = ast.get_docstring(ast.parse((room / "__init__.py").read_text())) or ""
         assert len(doc) > 150 and "import" in doc.lower(), room
+
+
+RQ_DOOR = ROOT / "jobs" / "queue" / "rq_api.py"
+
+
+def _product_modules() -> list[Path]:
+    folders = [ROOT / d for d in ("jobs", "queue_worker", "supervisor")]
+    folders += [ROOT / "chunkq" / d for d in ("cli", "tools", "sinks")]
+    return [p for f in folders for p in f.rglob("*.py")] + [ROOT / "chunkq" / "api.py"]
+
+
+def _reaches_rq(names: list[str]) -> list[str]:
+    return [n for n in names if n == "rq" or n.startswith("rq.")]
+
+
+def test_the_queue_is_behind_one_door() -> None:
+    """Issue 66.4: RQ was imported by 16 modules in all four layers; now by ``jobs/queue/rq_api.py``
+    alone (rq-dashboard, a separate package, by the dashboard that serves it)."""
+    through = [
+        str(p.relative_to(ROOT)) for p in _product_modules() if p != RQ_DOOR and _reaches_rq(_imports(p))
+    ]
+    assert through == []
+    assert _reaches_rq(_imports(RQ_DOOR))  # the door itself: the check sees an import of rq
+    queue_room = {p.stem for p in (ROOT / "jobs" / "queue").glob("*.py")}
+    assert {"rq_api", "queueing", "run_queues", "abandon", "allowlist", "nopickle", "jobmeta"} <= queue_room
 
 
 def test_no_module_is_longer_than_the_house_allows_unless_architecture_names_it() -> None:

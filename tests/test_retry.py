@@ -12,8 +12,8 @@ from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
 from chunkq.jobs.compute.model_refs import BUNDLED_MODEL
-from chunkq.jobs.contract import jobmeta
 from chunkq.jobs.contract.specs import chunk_job_id
+from chunkq.jobs.queue import jobmeta
 from chunkq.supervisor.submit.corpus import CorpusOptions
 from chunkq.supervisor.submit.enqueue import chunk_queue
 from chunkq.supervisor.submit.identity import SubmitRequest
@@ -27,7 +27,7 @@ def _failed_job(tmp_path: Path, store: Path, connection: redis.Redis, meta: dict
     corpus = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")
     request = SubmitRequest(corpus, store, BUNDLED_MODEL, CorpusOptions("jsonl"), chunk_size=5, queue="r")
     run_id = submit(request, connection).run_id
-    queue = chunk_queue(connection, f"r.{run_id}")  # the run's own queue (jobs/contract/run_queues.py)
+    queue = chunk_queue(connection, f"r.{run_id}")  # the run's own queue (jobs/queue/run_queues.py)
     job = Job.fetch(chunk_job_id(run_id, 0), connection=connection, serializer=JSONSerializer)
     queue.remove(job.id)
     job.meta.update(meta)

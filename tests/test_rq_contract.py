@@ -1,7 +1,8 @@
-"""Every RQ internal chunkq relies on still exists with the signature chunkq uses.
+"""Every RQ internal chunkq relies on still exists with the signature chunkq uses, reached through
+the one door to RQ (``jobs/queue/rq_api.py``), which names everything chunkq takes from it.
 
 chunkq subclasses RQ's worker and job and reads RQ's keys below its public API (worker.py's stop
-handling, jobs/contract/abandon.py's failing of a dead worker's job, the tracker's intermediate list). An RQ
+handling, jobs/queue/abandon.py's failing of a dead worker's job, the tracker's intermediate list). An RQ
 upgrade that renames or reshapes one of them fails here, in the fast tier, not in a user's run.
 pyproject.toml bounds rq below its next major version for the same reason.
 """
@@ -14,15 +15,20 @@ from typing import Any
 
 import pytest
 import redis
-from rq import Queue
-from rq.executions import WORKER_EXECUTIONS_KEY_TEMPLATE
-from rq.intermediate_queue import IntermediateQueue
-from rq.job import Job
-from rq.job_lifecycle import record_job_failure
-from rq.registry import StartedJobRegistry
-from rq.results import Result
-from rq.serializers import DefaultSerializer, JSONSerializer
-from rq.worker import SimpleWorker
+
+from chunkq.jobs.queue import rq_api
+from chunkq.jobs.queue.rq_api import (
+    WORKER_EXECUTIONS_KEY_TEMPLATE,
+    DefaultSerializer,
+    IntermediateQueue,
+    Job,
+    JSONSerializer,
+    Queue,
+    Result,
+    SimpleWorker,
+    StartedJobRegistry,
+    record_job_failure,
+)
 
 # (the callable, the leading parameters chunkq passes, in order)
 SIGNATURES: list[tuple[Callable[..., Any], tuple[str, ...]]] = [
@@ -73,7 +79,7 @@ def test_the_rq_attributes_and_keys_chunkq_reads_exist(connection: redis.Redis) 
     worker = SimpleWorker(["contract"], connection=connection, serializer=JSONSerializer)
     for attribute in ("_stop_requested", "pubsub_thread", "redis_worker_namespace_prefix", "log", "name"):
         assert hasattr(worker, attribute), f"SimpleWorker lost {attribute}"
-    # The runs' turns (jobs/contract/run_queues.py): the queues a worker looks in, set before each wait.
+    # The runs' turns (jobs/queue/run_queues.py): the queues a worker looks in, set before each wait.
     for attribute in ("queues", "_ordered_queues", "queue_class", "serializer", "job_class"):
         assert hasattr(worker, attribute), f"SimpleWorker lost {attribute}"
     assert ":w-contract:" in WORKER_EXECUTIONS_KEY_TEMPLATE.format("w-contract")  # its running executions
@@ -81,7 +87,7 @@ def test_the_rq_attributes_and_keys_chunkq_reads_exist(connection: redis.Redis) 
     assert isinstance(queue.intermediate_queue_key, str)
     job = Job.create(print, connection=connection)
     for attribute in ("_success_callback_name", "_failure_callback_name", "_stopped_callback_name"):
-        assert hasattr(job, attribute), f"Job lost {attribute} (jobs/contract/allowlist.py refuses callbacks)"
+        assert hasattr(job, attribute), f"Job lost {attribute} (jobs/queue/allowlist.py refuses callbacks)"
     assert hasattr(Job, "send_webhooks") and hasattr(Job, "func")
 
 
@@ -98,3 +104,9 @@ def test_rq_is_bounded_below_its_next_major_version() -> None:
 
     assert Version(installed.__version__) in rq.specifier
     assert Version(f"{Version(installed.__version__).major + 1}.0") not in rq.specifier
+
+
+def test_the_door_names_what_rq_still_has() -> None:
+    """Each name the door exports resolves (an RQ release that drops one fails at import, here first)."""
+    assert len(rq_api.__all__) > 20
+    assert all(getattr(rq_api, name, None) is not None for name in rq_api.__all__)

@@ -33,7 +33,7 @@ from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
 from chunkq.jobs.compute.model_refs import BUNDLED_MODEL
-from chunkq.jobs.contract.nopickle import PickleRefusedError, forbid_pickle
+from chunkq.jobs.queue.nopickle import PickleRefusedError, forbid_pickle
 from chunkq.queue_worker import exit_codes
 from tests.helpers import WORKER, cli_env, make_texts, max_abs_diff, run_cli, write_corpus
 
@@ -235,7 +235,7 @@ def test_rq_cli_reads_and_requeues_chunkq_queues(tmp_path: Path, store: Path, re
     submitted = run_cli("submit", str(corpus), "--chunk-size", "10", "--run-id", "rqcli", **env)
     assert submitted.returncode == 0, submitted.stderr
     rq_bin = str(Path(sys.executable).parent / "rq")
-    own = "rqcli.rqcli"  # the run's own queue: <queue>.<run id> (jobs/contract/run_queues.py)
+    own = "rqcli.rqcli"  # the run's own queue: <queue>.<run id> (jobs/queue/run_queues.py)
 
     info = subprocess.run(
         [rq_bin, "info", "-u", redis_url, "-S", "json", own],

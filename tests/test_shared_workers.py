@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from chunkq.jobs.contract.run_files import RunLayout, read_json
-from chunkq.jobs.contract.run_queues import listed, serving_order
+from chunkq.jobs.queue.run_queues import listed, serving_order
 from tests.helpers import make_texts, result_matches, run_cli, start_cli, stop_tree, write_corpus
 
 
@@ -77,7 +77,7 @@ def test_a_settled_runs_queue_leaves_rqs_list_unless_something_is_left_in_it(con
     from rq.registry import FailedJobRegistry
     from rq.serializers import JSONSerializer
 
-    from chunkq.jobs.contract.run_queues import retire
+    from chunkq.jobs.queue.run_queues import retire
 
     def names() -> set[str]:
         return {q.name for q in Queue.all(connection=connection)}

@@ -13,10 +13,10 @@ import redis
 from rq.job import Job
 
 from chunkq.jobs.compute.model_refs import BUNDLED_MODEL
-from chunkq.jobs.contract.allowlist import EMBED_CHUNK
 from chunkq.jobs.contract.errors import CorpusError, RunConflictError
 from chunkq.jobs.contract.run_files import RunLayout, read_chunk_input, read_json
 from chunkq.jobs.contract.specs import EncodeOptions, chunk_job_id
+from chunkq.jobs.queue.allowlist import EMBED_CHUNK
 from chunkq.supervisor.submit.corpus import CorpusOptions
 from chunkq.supervisor.submit.enqueue import chunk_queue
 from chunkq.supervisor.submit.identity import SubmitRequest
@@ -249,7 +249,7 @@ def test_a_run_resumed_with_another_priority_takes_its_turns_with_it_and_without
     manifest, and the score its queue is listed with for the workers); left out, the run keeps the
     one it had (a resume without it put a priority-5 run back to 1)."""
     from chunkq.jobs.contract.manifest import load_manifest
-    from chunkq.jobs.contract.run_queues import listed
+    from chunkq.jobs.queue.run_queues import listed
 
     corpus = write_corpus(tmp_path / "c.jsonl", *make_texts(35), "jsonl")
     first = submit(_request(corpus, store, priority=5), connection)

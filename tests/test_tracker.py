@@ -111,7 +111,7 @@ def test_incremental_looks_follow_a_run_and_the_reconcile_finds_what_they_cannot
     from rq.job import JobStatus
     from rq.registry import FailedJobRegistry
 
-    from chunkq.jobs.contract.abandon import mark_abandoned
+    from chunkq.jobs.queue.abandon import mark_abandoned
     from chunkq.supervisor.submit.enqueue import chunk_queue, forget_finished
 
     manifest = load_manifest(layout)

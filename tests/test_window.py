@@ -13,9 +13,9 @@ import redis
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 
 from chunkq.jobs.compute.model_refs import BUNDLED_MODEL
-from chunkq.jobs.contract.attempt_records import RECORD_MARK
 from chunkq.jobs.contract.manifest import load_manifest
-from chunkq.jobs.contract.run_queues import listed, run_queue
+from chunkq.jobs.queue.attempt_records import RECORD_MARK
+from chunkq.jobs.queue.run_queues import listed, run_queue
 from chunkq.supervisor.store.ledger import read_ledger
 from chunkq.supervisor.submit.corpus import CorpusOptions
 from chunkq.supervisor.submit.enqueue import chunk_queue
@@ -66,7 +66,7 @@ def test_a_run_never_holds_more_than_its_window_in_redis_and_forgets_finished_jo
                     pipe.lrange(queue.key, 0, -1)
                     pipe.zrange(StartedJobRegistry(queue=queue).key, 0, -1)
                     pipe.zrange(FailedJobRegistry(queue=queue).key, 0, -1)
-                # a failed attempt's record (jobs/contract/attempt_records.py) is not a job of the run
+                # a failed attempt's record (jobs/queue/attempt_records.py) is not a job of the run
                 held = sum(1 for ids in pipe.execute() for job in ids if RECORD_MARK.encode() not in job)
             peak[0] = max(peak[0], held)
 

@@ -327,7 +327,7 @@ def test_an_attempt_record_requeued_by_hand_is_put_back_as_it_was(
     from rq.job import JobStatus
     from rq.results import Result
 
-    from chunkq.jobs.contract.attempt_records import keep_failed_attempt, record_id
+    from chunkq.jobs.queue.attempt_records import keep_failed_attempt, record_id
     from chunkq.queue_worker.chunk_worker import ChunkWorker
 
     queue = Queue("byhand", connection=connection, serializer=JSONSerializer)

@@ -12,9 +12,9 @@ from chunkq.cli.common import interrupt_on_sigterm
 from chunkq.cli.group import cli
 from chunkq.jobs.compute.model_refs import assume_offline
 from chunkq.jobs.contract import storage
-from chunkq.jobs.contract.nopickle import forbid_pickle
 from chunkq.jobs.contract.redaction import guard_process
 from chunkq.jobs.contract.storage import OWNER_ONLY
+from chunkq.jobs.queue.nopickle import forbid_pickle
 
 __all__ = ["cli", "main"]
 COMMAND_MODULES = (

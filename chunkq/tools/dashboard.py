@@ -4,7 +4,7 @@ As shipped, rq-dashboard 0.9 binds 0.0.0.0, reads jobs with pickle unless told `
 its workers endpoint unpickles each worker's current job even then (``Worker.all()`` is called
 without a serializer). Here:
 - every endpoint reads JSON, the workers endpoint is replaced by one that passes the serializer,
-  and RQ's pickle loader is disabled in the process (``jobs.contract.nopickle``), so a path we missed fails
+  and RQ's pickle loader is disabled in the process (``jobs.queue.nopickle``), so a path we missed fails
   instead of running a planted payload;
 - it binds to loopback unless credentials are set; credentials are checked in constant time on
   every request, static files included;
@@ -32,15 +32,19 @@ from typing import Any
 from urllib.parse import quote, urlsplit
 
 import redis
-from rq import Queue
-from rq.exceptions import InvalidJobOperation, InvalidJobOperationError, NoSuchJobError
-from rq.registry import FailedJobRegistry
-from rq.serializers import JSONSerializer
 
 from chunkq.jobs.contract import errors
 from chunkq.jobs.contract.defaults import DEFAULT_QUEUE
 from chunkq.jobs.contract.errors import ChunkqError, ConfigError
-from chunkq.jobs.contract.nopickle import PickleRefusedError, forbid_pickle
+from chunkq.jobs.queue.nopickle import PickleRefusedError, forbid_pickle
+from chunkq.jobs.queue.rq_api import (
+    FailedJobRegistry,
+    InvalidJobOperation,
+    InvalidJobOperationError,
+    JSONSerializer,
+    NoSuchJobError,
+    Queue,
+)
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +102,8 @@ def _escape(value: Any) -> Any:
 def _list_workers(instance_number: int) -> dict[str, Any]:
     """rq-dashboard's workers endpoint, reading each worker's current job as JSON, never pickle."""
     from flask import current_app
-    from rq import Worker
+
+    from chunkq.jobs.queue.rq_api import Worker
 
     app: Any = current_app  # rq-dashboard keeps its connection on the app
     rows = []
@@ -179,7 +184,7 @@ def _finished_note(store: Path | None) -> str:
 
 
 def _failed_counts(connection: redis.Redis) -> list[tuple[str, int]]:
-    """Each queue with failed chunks (a run's own, jobs/contract/run_queues.py), and how many."""
+    """Each queue with failed chunks (a run's own, jobs/queue/run_queues.py), and how many."""
     counts = [
         (queue.name, FailedJobRegistry(queue=queue).count)
         for queue in Queue.all(connection=connection, serializer=JSONSerializer)

@@ -1,7 +1,7 @@
 """What a chunk spec may name on this worker: its store, its model, and whether that model's own
 code may run.
 
-The function allow-list (``jobs.contract.allowlist``) stops a job from calling anything but ``embed_chunk``;
+The function allow-list (``jobs.queue.allowlist``) stops a job from calling anything but ``embed_chunk``;
 this stops a legitimate function from being pointed elsewhere: at another store (reading or
 overwriting files outside the worker's runs) or at a model the operator never chose (loading
 weights from a path the attacker wrote). Run ids are validated by ``ChunkSpec`` itself, so

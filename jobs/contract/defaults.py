@@ -7,6 +7,7 @@ from __future__ import annotations
 
 # Where work goes and lives.
 DEFAULT_QUEUE = "chunkq"
+DEFAULT_PRIORITY = 1  # a run's share of shared workers: its queue is looked in this often a round
 DEFAULT_STORE = "chunkq-store"
 DEFAULT_CHUNK_SIZE = 1000  # texts per chunk job
 DEFAULT_WINDOW = 1000  # jobs of a run in Redis at once: ~1.5 MB, and work for 250 workers

@@ -12,10 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from chunkq.jobs.contract.defaults import DEFAULT_KIND
+from chunkq.jobs.contract.defaults import DEFAULT_KIND, DEFAULT_PRIORITY
 from chunkq.jobs.contract.errors import DamagedRunError, RunNotFoundError
 from chunkq.jobs.contract.run_files import RunLayout, read_json
-from chunkq.jobs.contract.run_queues import DEFAULT_PRIORITY
 from chunkq.jobs.contract.specs import BATCHING, ChunkSpec, EncodeOptions, without_batching
 
 
@@ -89,7 +88,7 @@ class RunManifest:
 
     @property
     def queue(self) -> str:
-        """The RQ queue the run's chunk jobs go to: its own (jobs/contract/run_queues.py), or, for a
+        """The RQ queue the run's chunk jobs go to: its own (jobs/queue/run_queues.py), or, for a
         run submitted before runs had one, the pools' queue."""
         return str(self.data.get("run_queue") or self.data["queue"])
 

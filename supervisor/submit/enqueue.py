@@ -15,23 +15,28 @@ from itertools import islice
 from typing import Any
 
 import redis
-from rq import Queue
-from rq.exceptions import DeserializationError, NoSuchJobError
-from rq.job import Job
-from rq.queue import EnqueueData
-from rq.registry import FailedJobRegistry, FinishedJobRegistry
-from rq.results import Result
-from rq.serializers import JSONSerializer
-from rq.worker import Worker
 
-from chunkq.jobs.contract import errors, jobmeta, run_queues
-from chunkq.jobs.contract.allowlist import EMBED_CHUNK, AllowListedJob
-from chunkq.jobs.contract.attempt_records import keep_failed_attempt
+from chunkq.jobs.contract import errors
 from chunkq.jobs.contract.defaults import DEFAULT_WINDOW
 from chunkq.jobs.contract.manifest import RunManifest
 from chunkq.jobs.contract.run_files import RunLayout
 from chunkq.jobs.contract.specs import chunk_job_id, chunk_job_prefix
 from chunkq.jobs.contract.storage import list_names
+from chunkq.jobs.queue import jobmeta, run_queues
+from chunkq.jobs.queue.allowlist import EMBED_CHUNK, AllowListedJob
+from chunkq.jobs.queue.attempt_records import keep_failed_attempt
+from chunkq.jobs.queue.rq_api import (
+    DeserializationError,
+    EnqueueData,
+    FailedJobRegistry,
+    FinishedJobRegistry,
+    Job,
+    JSONSerializer,
+    NoSuchJobError,
+    Queue,
+    Result,
+    Worker,
+)
 
 log = logging.getLogger(__name__)
 

@@ -58,7 +58,7 @@ class SubmitRequest:
     encode: EncodeOptions = field(default_factory=EncodeOptions)
     run_id: str | None = None
     queue: str = DEFAULT_QUEUE
-    # its turns at shared workers (jobs/contract/run_queues.py); None: the default, or a resumed run's own
+    # its turns at shared workers (jobs/queue/run_queues.py); None: the default, or a resumed run's own
     priority: int | None = None
     job_timeout: int | None = None  # seconds per chunk; default scales with the chunk size
     queue_window: int | None = None  # jobs in Redis at once (enqueue.window_size); the rest wait in the store

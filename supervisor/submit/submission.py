@@ -19,6 +19,7 @@ import redis
 
 from chunkq.jobs.calibrate import CALIBRATION_ROWS, ranges_for
 from chunkq.jobs.compute.model_info import describe
+from chunkq.jobs.contract.defaults import DEFAULT_PRIORITY
 from chunkq.jobs.contract.errors import STORAGE_ERRNOS, CorpusError, RunConflictError, StoreWriteError
 from chunkq.jobs.contract.manifest import RunManifest, load_manifest, producer_record
 from chunkq.jobs.contract.run_files import (
@@ -27,9 +28,9 @@ from chunkq.jobs.contract.run_files import (
     read_chunk_input,
     write_chunk_input,
 )
-from chunkq.jobs.contract.run_queues import DEFAULT_PRIORITY, run_queue
 from chunkq.jobs.contract.specs import FORMAT_VERSION, fingerprint
 from chunkq.jobs.contract.storage import is_local, local_scratch, remove_tree
+from chunkq.jobs.queue.run_queues import run_queue
 from chunkq.supervisor.result.chunk_reads import set_aside
 from chunkq.supervisor.result.reader import published_result
 from chunkq.supervisor.submit.corpus import Record

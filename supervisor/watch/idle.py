@@ -2,7 +2,7 @@
 
 "No worker has taken a job for 242 s (2 worker(s) listen on it); start one" was wrong advice where
 both workers were busy with another run's chunks (issue 65.1): the line now says what the workers
-on the run's queue are doing. Runs take turns at shared workers (jobs/contract/run_queues.py), so
+on the run's queue are doing. Runs take turns at shared workers (jobs/queue/run_queues.py), so
 a run waits at most for the chunks in hand; a long wait with every worker busy is chunks that each
 take that long, or one run given a far higher --priority.
 """
@@ -13,10 +13,10 @@ import logging
 from collections import Counter
 
 import redis
-from rq.worker import Worker
 
-from chunkq.jobs.contract.abandon import running_job_ids
 from chunkq.jobs.contract.manifest import RunManifest
+from chunkq.jobs.queue.abandon import running_job_ids
+from chunkq.jobs.queue.rq_api import Worker
 from chunkq.supervisor.submit.enqueue import chunk_queue
 from chunkq.supervisor.watch.snapshot import Snapshot
 

@@ -8,18 +8,22 @@ from datetime import UTC, datetime, timedelta
 from typing import cast
 
 import redis
-from rq.intermediate_queue import IntermediateQueue
-from rq.job import Job
-from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
-from rq.serializers import JSONSerializer
-from rq.utils import str_to_date
 
 from chunkq.jobs.compute import chunk_progress
-from chunkq.jobs.contract import jobmeta
 from chunkq.jobs.contract.defaults import STALE_AFTER_SECONDS
 from chunkq.jobs.contract.manifest import RunManifest
 from chunkq.jobs.contract.run_files import RunLayout, read_json
 from chunkq.jobs.contract.specs import chunk_job_id, chunk_job_prefix
+from chunkq.jobs.queue import jobmeta
+from chunkq.jobs.queue.rq_api import (
+    FailedJobRegistry,
+    FinishedJobRegistry,
+    IntermediateQueue,
+    Job,
+    JSONSerializer,
+    StartedJobRegistry,
+    str_to_date,
+)
 from chunkq.supervisor.result.assemble import Failure
 from chunkq.supervisor.result.planned_rows import corpus_rows_per_chunk, savings
 from chunkq.supervisor.store.chunk_set import ChunkSet

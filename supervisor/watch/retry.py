@@ -12,18 +12,17 @@ import time
 from dataclasses import dataclass
 
 import redis
-from rq.job import Job
-from rq.registry import FailedJobRegistry
-from rq.serializers import JSONSerializer
 
-from chunkq.jobs.contract import errors, jobmeta
-from chunkq.jobs.contract.attempt_records import keep_failed_attempt
+from chunkq.jobs.contract import errors
 from chunkq.jobs.contract.defaults import (
     BACKOFF_BASE_SECONDS,
     BACKOFF_CAP_SECONDS,
     BACKOFF_JITTER,
     DEFAULT_MAX_ATTEMPTS,
 )
+from chunkq.jobs.queue import jobmeta
+from chunkq.jobs.queue.attempt_records import keep_failed_attempt
+from chunkq.jobs.queue.rq_api import FailedJobRegistry, Job, JSONSerializer
 
 log = logging.getLogger(__name__)
 

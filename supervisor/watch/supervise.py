@@ -18,11 +18,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis
-from rq.job import Job
 
 from chunkq.jobs.compute import chunk_progress
-from chunkq.jobs.contract import errors, jobmeta, run_queues
-from chunkq.jobs.contract.abandon import mark_abandoned
+from chunkq.jobs.contract import errors
 from chunkq.jobs.contract.defaults import (
     DEFAULT_SHARD_BYTES,
     REDIS_PATIENCE_SECONDS,
@@ -32,10 +30,13 @@ from chunkq.jobs.contract.defaults import (
 from chunkq.jobs.contract.errors import ChunkqError, StoreWriteError
 from chunkq.jobs.contract.manifest import RunManifest, load_manifest
 from chunkq.jobs.contract.outage import OutageLog
-from chunkq.jobs.contract.queueing import give_back
 from chunkq.jobs.contract.run import Run
 from chunkq.jobs.contract.run_files import RunLayout, read_json
 from chunkq.jobs.contract.specs import chunk_job_id
+from chunkq.jobs.queue import jobmeta, run_queues
+from chunkq.jobs.queue.abandon import mark_abandoned
+from chunkq.jobs.queue.queueing import give_back
+from chunkq.jobs.queue.rq_api import Job
 from chunkq.supervisor.result.assemble import Failure, assemble
 from chunkq.supervisor.result.building import Build
 from chunkq.supervisor.result.mapped_building import start_build

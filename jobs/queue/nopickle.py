@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from rq.serializers import DefaultSerializer
-
 from chunkq.jobs.contract.errors import ChunkqError
+from chunkq.jobs.queue.rq_api import DefaultSerializer
 
 
 class PickleRefusedError(ChunkqError):

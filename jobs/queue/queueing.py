@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import redis
-from rq import Queue
+
+from chunkq.jobs.queue.rq_api import Queue
 
 
 def give_back(connection: redis.Redis, queue: Queue, job_ids: Iterable[str], at_front: bool) -> None:

@@ -16,11 +16,16 @@ from __future__ import annotations
 from typing import Any
 
 import redis
-from rq.queue import Queue
-from rq.registry import DeferredJobRegistry, FailedJobRegistry, ScheduledJobRegistry, StartedJobRegistry
+
+from chunkq.jobs.queue.rq_api import (
+    DeferredJobRegistry,
+    FailedJobRegistry,
+    Queue,
+    ScheduledJobRegistry,
+    StartedJobRegistry,
+)
 
 RUN_QUEUES_PREFIX = "chunkq:run-queues:"
-DEFAULT_PRIORITY = 1
 MAX_PRIORITY = 100
 
 

@@ -10,17 +10,20 @@ from __future__ import annotations
 import logging
 
 import redis
-from rq.exceptions import NoSuchJobError
-from rq.executions import WORKER_EXECUTIONS_KEY_TEMPLATE
-from rq.job import Job, JobStatus
-from rq.job_lifecycle import record_job_failure
-from rq.registry import StartedJobRegistry
-from rq.serializers import JSONSerializer
-from rq.worker import SimpleWorker
 
-from chunkq.jobs.contract import jobmeta
 from chunkq.jobs.contract.errors import ABANDONED
 from chunkq.jobs.contract.events import announce_settled
+from chunkq.jobs.queue import jobmeta
+from chunkq.jobs.queue.rq_api import (
+    WORKER_EXECUTIONS_KEY_TEMPLATE,
+    Job,
+    JobStatus,
+    JSONSerializer,
+    NoSuchJobError,
+    SimpleWorker,
+    StartedJobRegistry,
+    record_job_failure,
+)
 
 log = logging.getLogger(__name__)
 

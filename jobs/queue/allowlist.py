@@ -11,11 +11,9 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from rq.job import Job
-from rq.utils import import_attribute
-
 from chunkq.jobs.contract import environment
 from chunkq.jobs.contract.errors import JobNotAllowedError
+from chunkq.jobs.queue.rq_api import Job, import_attribute
 
 EMBED_CHUNK = "chunkq.jobs.embed.embed_chunk"
 DEFAULT_ALLOWED = frozenset({EMBED_CHUNK})

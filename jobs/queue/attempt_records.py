@@ -16,11 +16,15 @@ from __future__ import annotations
 import logging
 
 import redis
-from rq.defaults import DEFAULT_FAILURE_TTL
-from rq.job import Job, JobStatus
-from rq.registry import FailedJobRegistry
-from rq.results import Result
-from rq.serializers import JSONSerializer
+
+from chunkq.jobs.queue.rq_api import (
+    DEFAULT_FAILURE_TTL,
+    FailedJobRegistry,
+    Job,
+    JobStatus,
+    JSONSerializer,
+    Result,
+)
 
 log = logging.getLogger(__name__)
 
