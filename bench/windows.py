@@ -26,9 +26,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from chunkq.jobs.compute.model_info import load_tokenizer
 from chunkq.jobs.compute.model_refs import BUNDLED_MODEL, resolve_model
 from chunkq.supervisor.store.ledger import of_run
-from chunkq.supervisor.submit.windows import load_tokenizer
 
 CHUNKQ = str(Path(sys.executable).parent / "chunkq")
 

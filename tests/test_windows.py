@@ -7,10 +7,11 @@ import random
 
 import pytest
 
+from chunkq.jobs.compute.model_info import load_tokenizer
 from chunkq.jobs.compute.model_refs import BUNDLED_MODEL, resolve_model
 from chunkq.jobs.contract.errors import ConfigError
 from chunkq.jobs.contract.run import Run
-from chunkq.supervisor.submit.windows import default_size, load_tokenizer, windows
+from chunkq.supervisor.submit.windows import default_size, windows
 from tests.helpers import WORDS
 
 

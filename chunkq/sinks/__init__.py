@@ -17,7 +17,6 @@ columns (a column the table lacks is added), which is what hybrid search reads (
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ from chunkq.jobs.contract.errors import ConfigError, StoreError, StoreWriteError
 from chunkq.jobs.contract.redaction import redact, redacted
 from chunkq.jobs.contract.run import Run
 from chunkq.jobs.contract.run_files import RunLayout
-from chunkq.jobs.contract.storage import is_local
+from chunkq.jobs.contract.storage import inside_the_store
 from chunkq.sinks.corpus_columns import CorpusColumns, check_columns
 from chunkq.sinks.row_texts import HASH_COLUMN, RowHashes
 from chunkq.sinks.rows import SPARSE, Rows, most_active, row_keys, row_kind, sparse_batches
@@ -111,17 +110,10 @@ def open_sink(url: str, options: dict[str, Any]) -> Sink:
 
 
 def _outside_the_store(layout: RunLayout, sink: Sink, url: str) -> None:
-    """No sink writes into the store (a FAISS index over ``result/embeddings.npy`` lost the result)."""
-    if not is_local(layout.store):
-        return
-    store = os.path.realpath(layout.store)
-    for path in sink.writes_to():
-        where = os.path.realpath(path)
-        if where == store or where.startswith(store + os.sep):
-            where_said = f"--to {redacted(url)}"
-            raise ConfigError(
-                f"{where_said} is inside the store {layout.store}, which is chunkq's; export elsewhere"
-            )
+    if inside_the_store(layout.store, sink.writes_to()) is not None:
+        raise ConfigError(
+            f"--to {redacted(url)} is inside the store {layout.store}, which is chunkq's; export elsewhere"
+        )
 
 
 # Errors of the stores' own clients (FAISS's C++ ones arrive as a plain RuntimeError): a sink turns

@@ -28,7 +28,12 @@ from chunkq.jobs.contract.errors import ConfigError, StoreWriteError, refused_wr
 from chunkq.jobs.contract.manifest import RunManifest
 from chunkq.jobs.contract.run import Run
 from chunkq.jobs.contract.run_files import RunLayout
-from chunkq.jobs.contract.storage import as_the_caller_would, is_local, remove_leftovers_beside, temp_beside
+from chunkq.jobs.contract.storage import (
+    as_the_caller_would,
+    inside_the_store,
+    remove_leftovers_beside,
+    temp_beside,
+)
 from chunkq.supervisor.result.published import WINDOW_COLUMNS
 from chunkq.supervisor.result.reader import BATCH_ROWS, PublishedResult, open_result
 
@@ -112,12 +117,7 @@ def _written_whole(target: _Target) -> Iterator[Path]:
 
 
 def _outside_the_store(layout: RunLayout, out: Path) -> None:
-    """An export is never written into the store: with --force it could replace a published file."""
-    if out == STDOUT or not is_local(layout.store):
-        return
-    store = os.path.realpath(layout.store)
-    where = os.path.realpath(out)
-    if where == store or where.startswith(store + os.sep):
+    if out != STDOUT and inside_the_store(layout.store, [out]) is not None:
         raise ConfigError(
             f"{out} is inside the store {layout.store}, which is chunkq's; export somewhere else"
         )
@@ -228,8 +228,7 @@ def _arrow_type(pa: Any, array: Any) -> Any:
 
 def _vocabulary(run: RunManifest) -> Any:
     """The run's model's tokens by id (its tokenizer.json): a sparse vector's dimensions by name."""
-    from chunkq.jobs.compute.model_info import describe
-    from chunkq.supervisor.submit.windows import load_tokenizer
+    from chunkq.jobs.compute.model_info import describe, load_tokenizer
 
     folder = describe(run.model, run.options.get("revision")).folder
     if folder is None:

@@ -327,3 +327,16 @@ def check_options(info: ModelInfo, options: EncodeOptions) -> None:
             f"model {info.ref} brings its own Python code (its config.json maps classes to it); "
             "run it only if you trust it, with --trust-remote-code (pools must allow it too)"
         )
+
+
+def load_tokenizer(model_folder: str | Path) -> Any:
+    """The model's fast tokenizer, with the truncation and padding its file may carry turned off."""
+    from tokenizers import Tokenizer
+
+    path = Path(model_folder) / "tokenizer.json"
+    if not path.is_file():
+        raise ConfigError(f"{model_folder}: no tokenizer.json, so its texts cannot be cut into windows")
+    tokenizer = Tokenizer.from_file(str(path))
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    return tokenizer

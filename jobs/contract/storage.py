@@ -132,6 +132,20 @@ def _fs(path: Path) -> tuple[Any, str]:
     return remote.fs, remote.path
 
 
+def inside_the_store(store: Path, paths: list[Any]) -> Any:
+    """The first of ``paths`` that lies in the store ``store`` (links resolved), or None: no export
+    writes there (with --force it could replace a published file; a FAISS index written over
+    ``result/embeddings.npy`` lost the result)."""
+    if not is_local(store):
+        return None
+    root = os.path.realpath(store)
+    for path in paths:
+        where = os.path.realpath(path)
+        if where == root or where.startswith(root + os.sep):
+            return path
+    return None
+
+
 def is_local(path: Path) -> bool:
     return getattr(path, "protocol", "") in _LOCAL_PROTOCOLS
 

@@ -19,11 +19,10 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from chunkq.jobs.compute import late
-from chunkq.jobs.compute.model_info import describe
+from chunkq.jobs.compute.model_info import describe, load_tokenizer
 from chunkq.jobs.contract.defaults import DEFAULT_OVERLAP_SHARE
 from chunkq.jobs.contract.errors import ConfigError
 
@@ -45,19 +44,6 @@ class Window:
     char_start: int
     char_end: int
     tokens: int
-
-
-def load_tokenizer(model_folder: str | Path) -> Any:
-    """The model's fast tokenizer, with the truncation and padding its file may carry turned off."""
-    from tokenizers import Tokenizer
-
-    path = Path(model_folder) / "tokenizer.json"
-    if not path.is_file():
-        raise ConfigError(f"{model_folder}: no tokenizer.json, so its texts cannot be cut into windows")
-    tokenizer = Tokenizer.from_file(str(path))
-    tokenizer.no_truncation()
-    tokenizer.no_padding()
-    return tokenizer
 
 
 def default_size(tokenizer: Any, max_seq_length: int, prompt: str | None = None) -> int:

@@ -143,7 +143,8 @@ def test_windows_late_chunking_and_the_vector_cache_on_the_gpu(
     assert _min_cosine(np.load(layout.result / "embeddings.npy"), plain.encode(spans)) >= MIN_COSINE
     layout = _run(tmp_path / "l", gpu, corpus, "--model", gpu_model, "--long-texts", "late")
     plan = json.loads((layout.root / "manifest.json").read_text())["plan"]["windows"]
-    from chunkq.supervisor.submit.windows import late_windows, load_tokenizer
+    from chunkq.jobs.compute.model_info import load_tokenizer
+    from chunkq.supervisor.submit.windows import late_windows
 
     tokenizer = load_tokenizer(resolve_model(gpu_model))
     want = []
