@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from chunkq.jobs import kinds
 from chunkq.jobs.compute.model_info import describe
 from chunkq.jobs.compute.model_refs import check_model, default_model, resolve_model
 from chunkq.jobs.compute.quantize import stored_columns
@@ -334,8 +335,9 @@ def _pair(item: Any, number: int) -> tuple[str, str] | None:
 def _row_texts(items: list[Any], kind: str) -> list[str]:
     """What a chunk's rows hold for ``kind``: the texts, or each pair as one row text."""
     pairs = [_pair(item, n) for n, item in enumerate(items, 1)]
-    if (kind == "cross") != (pairs[0] is not None) or any((p is None) != (pairs[0] is None) for p in pairs):
-        want = "(query, passage) pairs" if kind == "cross" else "texts"
+    wants_pairs = kinds.get(kind).pairs
+    if wants_pairs != (pairs[0] is not None) or any((p is None) != (pairs[0] is None) for p in pairs):
+        want = "(query, passage) pairs" if wants_pairs else "texts"
         raise ConfigError(f"a {kind} model takes {want}, given {type(items[0]).__name__}s")
     return [item if pair is None else pair_text(*pair) for item, pair in zip(items, pairs, strict=True)]
 

@@ -42,6 +42,7 @@ IMPORT_TIME_ENV_PREFIXES = (
     "TORCH_",
     "LD_",
     environment.FORK_SERVER_PRELOAD,
+    environment.KINDS,
 )
 LIBRARIES = ("torch", "transformers", "sentence-transformers", "tokenizers", "numpy", "rq", "redis")
 CONNECT_SECONDS = 10.0  # a server that accepted but does not say it is ready is not used

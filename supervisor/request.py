@@ -161,10 +161,11 @@ def encode_options_for(model: str, encode: dict[str, Any]) -> EncodeOptions:
 
 def check_kind(options: EncodeOptions, corpus: CorpusOptions, long_texts: str) -> None:
     """A cross-encoder reads pairs, and only it does; windows are for texts that are vectors."""
-    if (options.kind == "cross") != (corpus.pair_field is not None):
+    pairs = kinds.get(options.kind).pairs
+    if pairs != (corpus.pair_field is not None):
         raise ConfigError(
             "a cross-encoder scores pairs: give --pair-field (the passage beside --text-field)"
-            if options.kind == "cross"
+            if pairs
             else f"--pair-field is for a cross-encoder (--kind cross); this model's kind is {options.kind}"
         )
     if options.kind != DEFAULT_KIND and long_texts != LONG_TEXTS[0]:

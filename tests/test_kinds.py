@@ -512,3 +512,31 @@ def test_chunkq_model_of_a_sparse_model_gives_its_space_and_its_call(splade: Pat
     shown = run_cli("model", str(splade)).stdout
     assert "dimension           30522 (the vocabulary: a sparse vector's space)" in shown, shown
     assert "SparseEncoder.encode(texts) (encode_query / encode_document with --role)" in shown
+
+
+@pytest.mark.slow
+def test_a_kind_of_ones_own_in_one_module_runs_end_to_end(tmp_path: Path, reference_model: Any) -> None:
+    """Issue 66.6: a kind registered in one module (tests/kind_scaled.py, named in CHUNKQ_KINDS) runs
+    through submit, a pool's workers, assembly and export with nothing else changed, and the vector
+    cache, filled by a dense run of the same texts first, never serves it a dense row."""
+    from tests import kind_scaled
+
+    texts = [f"{WORDS[i % len(WORDS)]} number {i} of a kind of its own" for i in range(60)]
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"id": f"t{i}", "text": t}) + "\n" for i, t in enumerate(texts)))
+    env = {"CHUNKQ_KINDS": "tests.kind_scaled", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    plain = reference_model.encode(texts, convert_to_numpy=True)
+    for kind in ("dense", "scaled"):
+        done = run_cli(
+            "run", "c.jsonl", "--store", "s", "--kind", kind, "--chunk-size", "20", cwd=tmp_path, **env
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+    runs = {
+        Run.open(tmp_path / "s", p.name).manifest.kind: p.name for p in (tmp_path / "s" / "runs").iterdir()
+    }
+    scaled = np.load(tmp_path / "s" / "runs" / runs["scaled"] / "result" / "embeddings.npy")
+    assert max_abs_diff(scaled, plain * kind_scaled.SCALE) < 1e-4
+    described = run_cli("model", "--json", cwd=tmp_path, forks=False, **env)
+    assert "scaled" in json.loads(described.stdout)["kinds"]  # the model's files allow it, as dense
+    refused = run_cli("run", "c.jsonl", "--store", "s", "--kind", "scaled", cwd=tmp_path, forks=False)
+    assert refused.returncode != 0 and "'scaled' is not one of 'dense'" in refused.stderr  # not named

@@ -200,13 +200,8 @@ def _kind_line(kind: str) -> str:
 
 
 def _dim_note(kind: str) -> str:
-    """What the dimension is, by kind: only a dense vector may be cut (--truncate-dim)."""
-    notes = {
-        "cross": " score(s) per pair",
-        "sparse": " (the vocabulary: a sparse vector's space)",
-        "multivector": " per token vector",
-    }
-    return notes.get(kind, " (--truncate-dim may keep fewer)")
+    """What the dimension is for the model's kind (only a dense vector may be cut, --truncate-dim)."""
+    return kinds.get(kind).dim_note if kind in kinds.KINDS else ""
 
 
 @command("doctor")

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from chunkq.jobs import kinds
 from chunkq.jobs.contract.errors import ConfigError
 from chunkq.jobs.contract.manifest import RunManifest
 from chunkq.supervisor.result import ragged as ragged_result
@@ -56,14 +57,13 @@ class SparseRows:
 
 def row_kind(run: RunManifest) -> str:
     """How a run's rows go into a store: dense or sparse; ConfigError for rows no store here takes."""
-    if run.kind == "sparse":
-        return SPARSE
-    if run.kind == "multivector":
+    kind = kinds.get(run.kind)
+    if not kind.sink_rows:
         raise ConfigError(
-            f"run {run.run_id} is multivector: a matrix of token vectors per text, which LanceDB, "
-            "pgvector and FAISS do not hold as one row; export it as Parquet"
+            f"run {run.run_id} is {run.kind}: {kind.row}, which LanceDB, pgvector and FAISS do not hold "
+            "as one row; export it as Parquet"
         )
-    return DENSE
+    return kind.sink_rows
 
 
 def row_keys(ids: list[Any], windowed: bool) -> tuple[list[str], dict[str, list[Any]]]:

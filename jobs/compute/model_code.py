@@ -132,7 +132,9 @@ SAME_CACHE_DIFF = 1e-4  # what the cache holds must come from code whose canary 
 def canary_vectors(model: Any, kind: str) -> list[list[float]] | None:
     """A dense model's vectors of CANARY_TEXTS, as plain floats (None for other kinds: their rows
     are scores or tokens, and their own warm-up runs instead)."""
-    if kind != "dense":
+    from chunkq.jobs import kinds
+
+    if not kinds.get(kind).canary:
         return None
     import numpy as np
 

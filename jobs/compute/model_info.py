@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from chunkq.jobs import kinds
 from chunkq.jobs.compute.model_refs import hub_reachable, model_folder
 from chunkq.jobs.contract.defaults import DEFAULT_KIND
 from chunkq.jobs.contract.errors import ConfigError
@@ -146,14 +147,6 @@ def _pooling(folder: Path) -> str | None:
 
 
 # config_sentence_transformers.json's "model_type" (sentence-transformers 5+) to chunkq's kind names.
-_MODEL_TYPES = {
-    "SentenceTransformer": "dense",
-    "CrossEncoder": "cross",
-    "SparseEncoder": "sparse",
-    "MultiVectorEncoder": "multivector",
-}
-
-
 def _labels(folder: Path) -> int | None:
     """A cross-encoder's scores per pair: its classifier's labels (config.json)."""
     config = _json(folder / "config.json") or {}
@@ -171,8 +164,10 @@ def _kind(folder: Path, st_config: dict[str, Any]) -> str:
     builds from it: a sequence classifier is a cross-encoder (as sentence-transformers 2-4 saved
     them), a Stanford ColBERT or a "...ForRetrieval" model multi-vector; else a dense model."""
     model_type = st_config.get("model_type")
-    if isinstance(model_type, str) and model_type in _MODEL_TYPES:
-        return _MODEL_TYPES[model_type]
+    # sentence-transformers' model_type is the class that loads it: the first kind that class loads
+    by_class = {k.model_class: k.name for k in reversed(kinds.KINDS.values()) if k.built_on is None}
+    if isinstance(model_type, str) and model_type in by_class:
+        return by_class[model_type]
     if (folder / "modules.json").is_file():
         return DEFAULT_KIND
     architectures = _architectures(folder)
@@ -209,7 +204,7 @@ def _kinds(folder: Path, kind: str) -> tuple[str, ...]:
     as image too; a masked-LM checkpoint without a module list as sparse too (sentence-transformers
     builds SPLADE pooling on its own head, no weight made up). Any other kind would be built with
     weights the files do not hold (jobs.compute.load_check)."""
-    found = [kind]
+    found = [kind, *(k.name for k in kinds.KINDS.values() if k.built_on == kind)]
     if kind == DEFAULT_KIND and _takes_images(folder):
         found.append("image")
     raw = not (folder / "modules.json").is_file()
@@ -248,6 +243,10 @@ def _remote_code(folder: Path) -> bool:
     return bool(config.get("auto_map")) or custom_modules
 
 
+# Where a kind's dimension is in the model's files (jobs.kinds.contract.Kind.dim_source).
+_DIM_SOURCES = {"dimension": _dimension, "labels": _labels, "vocabulary": _vocabulary}
+
+
 def describe(ref: str, revision: str | None = None) -> ModelInfo:
     """What chunkq can tell of ``ref`` from its files on this host (no torch, no download)."""
     folder, found_revision = model_folder(ref, revision)
@@ -260,11 +259,7 @@ def describe(ref: str, revision: str | None = None) -> ModelInfo:
     return ModelInfo(
         ref=ref,
         folder=str(folder),
-        dim=_labels(folder)
-        if kind == "cross"
-        else _vocabulary(folder)
-        if kind == "sparse"
-        else _dimension(folder),
+        dim=_DIM_SOURCES[kinds.get(kind).dim_source](folder),
         max_seq_length=None if static_embedding(folder) else _max_seq_length(folder),
         prompts={str(k): str(v) for k, v in prompts.items()},
         default_prompt_name=st_config.get("default_prompt_name") or None,

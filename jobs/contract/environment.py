@@ -34,6 +34,7 @@ def _declare(name: str, audience: str, purpose: str) -> str:
 ALLOWED_JOBS = _declare("CHUNKQ_ALLOWED_JOBS", USER, "extra job functions (dotted paths) workers may run")
 REDIS_SERVER = _declare("CHUNKQ_REDIS_SERVER", USER, "the server binary of the embedded Redis")
 TOKENISE_AHEAD = _declare("CHUNKQ_TOKENISE_AHEAD", USER, "1: tokenise beside the forward; 0: before it")
+KINDS = _declare("CHUNKQ_KINDS", USER, "modules that each define a kind of your own (KIND)")
 FORK_SERVER_PRELOAD = _declare(
     "CHUNKQ_FORK_SERVER_PRELOAD", USER, "more modules the fork server imports once"
 )

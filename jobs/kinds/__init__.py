@@ -2,10 +2,13 @@
 
 Each kind is one module here behind one small contract (``contract.Kind``): the sentence-transformers
 class that loads it, how a chunk's rows are encoded to a float32 matrix (row i for input row i), the
-warm-up a fresh worker runs once, and the options that mean nothing for it. Everything around a
-kind (chunks, recycling, OOM back-off, retries, resume, the manifest, the vector cache, verified
-assembly, shards, export, status) is written once and knows a kind only through ``get``. Adding a
-kind is one module and one line in ``KINDS``.
+warm-up a fresh worker runs once, the options that mean nothing for it, and what the rest of the
+house would otherwise switch on by name (what its dimension is, how a vector store takes its rows,
+whether its rows are pairs). Everything around a kind (chunks, recycling, OOM back-off, retries,
+resume, the manifest, the vector cache, verified assembly, shards, export, status) is written once
+and knows a kind only through ``get``. Adding a kind is one module and one line in ``KINDS``; one
+of your own is one module that defines ``KIND``, named in ``CHUNKQ_KINDS`` (comma-separated dotted
+module paths) wherever chunkq runs: the command, its pool and the workers.
 
 Built: ``dense`` (``SentenceTransformer.encode``), ``cross`` (``CrossEncoder.predict`` over pairs),
 ``sparse`` (``SparseEncoder``, CSR), ``multivector`` (``MultiVectorEncoder``, a token matrix per
@@ -17,6 +20,10 @@ Imports ``contract/`` and, for batches and late chunking, ``compute/``; never th
 
 from __future__ import annotations
 
+import importlib
+import os
+
+from chunkq.jobs.contract import environment
 from chunkq.jobs.contract.errors import ConfigError
 from chunkq.jobs.contract.specs import EncodeOptions
 from chunkq.jobs.kinds import cross, dense, image, multivector, sparse
@@ -27,11 +34,38 @@ KINDS: dict[str, Kind] = {
 }
 
 
+def _added() -> list[str]:
+    """Register the kinds of the modules ``CHUNKQ_KINDS`` names; what was wrong with any, said by
+    ``get`` (an import of this module never fails for it)."""
+    problems, name = [], environment.KINDS
+    for path in (p.strip() for p in os.environ.get(environment.KINDS, "").split(",")):
+        if not path:
+            continue
+        try:
+            kind = getattr(importlib.import_module(path), "KIND", None)
+        except Exception as exc:
+            problems.append(f"{name}: module {path} does not import ({type(exc).__name__}: {exc})")
+            continue
+        if not isinstance(kind, Kind):
+            problems.append(f"{name}: module {path} defines no KIND (a jobs.kinds.contract.Kind)")
+        elif kind.name in KINDS:
+            problems.append(f"{name}: {path} names kind {kind.name!r}, which is already a kind")
+        elif kind.built_on is not None and kind.built_on not in KINDS:
+            problems.append(f"{name}: {path}'s kind is built on {kind.built_on!r}, no kind")
+        else:
+            KINDS[kind.name] = kind
+    return problems
+
+
+_NOT_ADDED = _added()
+
+
 def get(name: str) -> Kind:
     """The kind called ``name``; ConfigError naming the kinds there are."""
     if name in KINDS:
         return KINDS[name]
-    raise ConfigError(f"kind {name!r}: one of {', '.join(KINDS)}")
+    why = f" ({'; '.join(_NOT_ADDED)})" if _NOT_ADDED else ""
+    raise ConfigError(f"kind {name!r}: one of {', '.join(KINDS)}{why}")
 
 
 def check_options(options: EncodeOptions) -> None:

@@ -27,6 +27,17 @@ class Kind:
     cached: bool = True  # the vector cache may hold its rows: of one width, keyed by what the row is
     reads_rows: bool = False  # a row names what to read (an image): it can be missing (--allow-missing)
     by_tokens: bool = True  # its inputs have tokens, so a token budget can batch them (an image has none)
+    pairs: bool = False  # each row is a (query, passage) pair: the corpus names a --pair-field
+    # What the model's dimension is for it, as `chunkq model` says it, and where the files say it:
+    # "dimension" (its embedding width), "labels" (a classifier's), "vocabulary" (a sparse vector's).
+    dim_note: str = " (--truncate-dim may keep fewer)"
+    dim_source: str = "dimension"
+    # How a vector store takes its rows: "dense", "sparse", or "" for rows none of them holds as one.
+    sink_rows: str = "dense"
+    canary: bool = False  # a model of this kind proves its code by its vectors of fixed texts
+    # A kind added on top of another's models (a module named in CHUNKQ_KINDS): runs on the models
+    # whose files say that kind.
+    built_on: str | None = None
 
     @property
     def matrix(self) -> bool:

@@ -83,4 +83,7 @@ KIND = Kind(
     encode=encode,
     warm_up=warm_up,
     refuse=refuse,
+    pairs=True,
+    dim_note=" score(s) per pair",
+    dim_source="labels",
 )

@@ -68,4 +68,5 @@ KIND = Kind(
     encode=encode,
     warm_up=warm_up_texts,
     refuse=refuse,
+    canary=True,
 )

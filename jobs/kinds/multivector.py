@@ -57,4 +57,6 @@ KIND = Kind(
     refuse=refuse,
     ragged=True,
     cached=False,
+    dim_note=" per token vector",
+    sink_rows="",
 )

@@ -67,4 +67,7 @@ KIND = Kind(
     refuse=refuse,
     ragged=True,
     cached=False,
+    dim_note=" (the vocabulary: a sparse vector's space)",
+    dim_source="vocabulary",
+    sink_rows="sparse",
 )
