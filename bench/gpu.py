@@ -469,7 +469,7 @@ def main() -> None:
         parser.error(f"unknown configuration(s) {sorted(unknown)}")
     args.gpu = None
     if not cpu:
-        from chunkq.queue_worker.discovery import discover
+        from chunkq.queue_worker.devices.discovery import discover
 
         found = discover()
         if not found:

@@ -47,7 +47,7 @@ np.save(sys.argv[2], model.encode(texts))
 SOCKET_ENV = env_of("fork_server_socket")
 WARM = "warm fork server (its workers)"
 KINDS = (
-    ("fork server", "queue_worker.fork_server"),
+    ("fork server", "queue_worker.processes.fork_server"),
     ("worker", "queue_worker.worker"),
     ("pool", "chunkq.queue_worker"),
     ("redis", "valkey-server"),

@@ -1,7 +1,7 @@
-"""``python -m chunkq.queue_worker``: the pool ``chunkq run`` starts (queue_worker.pool.main)."""
+"""``python -m chunkq.queue_worker``: the pool ``chunkq run`` starts (queue_worker.processes.pool.main)."""
 
 import sys
 
-from chunkq.queue_worker.pool import main
+from chunkq.queue_worker.processes.pool import main
 
 sys.exit(main())

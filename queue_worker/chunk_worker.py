@@ -34,8 +34,8 @@ from chunkq.queue_worker.exit_codes import (
     EXIT_ORPHANED,
     EXIT_STOPPED,
 )
-from chunkq.queue_worker.lifeline import ORPHANED_SIGNAL, pool_alive
-from chunkq.queue_worker.standby import announce_last_job
+from chunkq.queue_worker.processes.lifeline import ORPHANED_SIGNAL, pool_alive
+from chunkq.queue_worker.processes.standby import announce_last_job
 from chunkq.queue_worker.worker_args import worker_title
 
 log = logging.getLogger(__name__)

@@ -41,11 +41,11 @@ from chunkq.jobs.embed import warm_up
 from chunkq.jobs.queue.allowlist import AllowListedJob
 from chunkq.jobs.queue.nopickle import forbid_pickle
 from chunkq.jobs.queue.rq_api import JSONSerializer, StopRequested
-from chunkq.queue_worker import utilisation
 from chunkq.queue_worker.chunk_worker import (
     ENDING_CODES,
     ChunkWorker,
 )
+from chunkq.queue_worker.devices import utilisation
 from chunkq.queue_worker.exit_codes import (
     EXIT_CONFIG,
     EXIT_ERROR,
@@ -55,8 +55,8 @@ from chunkq.queue_worker.exit_codes import (
     EXIT_REDIS,
     EXIT_STOPPED,
 )
-from chunkq.queue_worker.lifeline import PARENT_PID_ENV, STOP_SIGNALS
-from chunkq.queue_worker.standby import announce_model_loaded, wait_for_predecessor
+from chunkq.queue_worker.processes.lifeline import PARENT_PID_ENV, STOP_SIGNALS
+from chunkq.queue_worker.processes.standby import announce_model_loaded, wait_for_predecessor
 from chunkq.queue_worker.worker_args import WORKER_MODULE, add_worker_arguments
 
 log = logging.getLogger(__name__)

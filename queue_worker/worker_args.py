@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from chunkq.jobs.contract.settings import PoolSettings, flag, schema
-from chunkq.queue_worker.lifeline import PARENT_PID_ENV, POOL_PID_ENV
+from chunkq.queue_worker.processes.lifeline import PARENT_PID_ENV, POOL_PID_ENV
 
 WORKER_MODULE = "chunkq.queue_worker.worker"  # what a pool runs: python -m WORKER_MODULE --name N ARGS
 

@@ -28,9 +28,9 @@ from chunkq.jobs.contract.storage import OWNER_ONLY, is_local
 from chunkq.jobs.queue import jobmeta
 from chunkq.jobs.queue.abandon import mark_abandoned
 from chunkq.jobs.queue.rq_api import Job, JSONSerializer, NoSuchJobError, Queue, StartedJobRegistry
-from chunkq.queue_worker.discovery import GpuInfo, devices_json
-from chunkq.queue_worker.lifeline import die_with_parent
-from chunkq.queue_worker.stopping import wait_or_kill
+from chunkq.queue_worker.devices.discovery import GpuInfo, devices_json
+from chunkq.queue_worker.processes.lifeline import die_with_parent
+from chunkq.queue_worker.processes.stopping import wait_or_kill
 from chunkq.supervisor.result.planned_rows import corpus_rows_of
 from chunkq.supervisor.store.embedded_redis import EmbeddedRedis
 from chunkq.supervisor.store.phases import IDENTIFY, QUEUE, SPLIT, Phases
@@ -93,7 +93,7 @@ class PoolProcess:
             store=str(sub.store),
             log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()),
         )
-        self.cmd = [sys.executable, "-m", "chunkq.queue_worker"]  # queue_worker.pool.main
+        self.cmd = [sys.executable, "-m", "chunkq.queue_worker"]  # queue_worker.processes.pool.main
         # Whole, in the environment: the Redis password stays off the command line.
         self.env = dict(os.environ, **{SETTINGS_JSON_ENV: settings.to_json(), env_of("redis_url"): redis_url})
         self.env[POOL_FOR_RUN_ENV] = run_id  # its workers' start-up is this run's (the report shows it)

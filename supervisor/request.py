@@ -39,7 +39,7 @@ from chunkq.jobs.contract.settings import PoolSettings
 from chunkq.jobs.contract.specs import BATCH_TOKENS_OFF, EncodeOptions
 from chunkq.jobs.contract.storage import is_local, open_store
 from chunkq.jobs.queue.run_queues import MAX_PRIORITY
-from chunkq.queue_worker.gpus import choose
+from chunkq.queue_worker.devices.gpus import choose
 from chunkq.supervisor.local_run import RunOutcome, RunRequest
 from chunkq.supervisor.result.published import shard_bytes
 from chunkq.supervisor.run_options import SUBMIT, WATCH, run_option_names
@@ -337,7 +337,7 @@ def build_run_request(
 def check_metrics_ports(port: int) -> None:
     """``chunkq run --metrics-port P`` serves the run's metrics on P and its pool's on P+1: both must
     be free before anything starts."""
-    from chunkq.queue_worker.metrics import check_listenable
+    from chunkq.queue_worker.processes.metrics import check_listenable
 
     if port >= 65535:
         raise ConfigError(

@@ -1,5 +1,5 @@
 """How busy a chunk kept its device (issue 46.5): NVML's own utilisation samples where NVML works
-(here its stand-in, ``queue_worker/simulated_nvml.py``), the time in the model's forward on the CPU;
+(here its stand-in, ``queue_worker/devices/simulated_nvml.py``), the time in the model's forward on the CPU;
 one figure per run in status, report and the metrics. A run end to end: test_observability."""
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ import pytest
 from chunkq.jobs.compute import device_busy, model_refs, models
 from chunkq.jobs.contract.specs import EncodeOptions
 from chunkq.jobs.embed import encode_texts
-from chunkq.queue_worker import metrics, utilisation
-from chunkq.queue_worker.discovery import SIMULATED_ENV
+from chunkq.queue_worker.devices import utilisation
+from chunkq.queue_worker.devices.discovery import SIMULATED_ENV
+from chunkq.queue_worker.processes import metrics
 from chunkq.supervisor.watch.display import describe
 from chunkq.supervisor.watch.snapshot import Snapshot
 from tests.helpers import make_texts

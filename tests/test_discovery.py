@@ -1,6 +1,6 @@
 """What GPUs a process may use, on hosts as they really are (issue 31, items 7-9): an inherited
 CUDA_VISIBLE_DEVICES (Slurm, the Kubernetes device plugin), MIG instances, GPUs NVML cannot read,
-compute modes. NVML is simulated (``queue_worker/simulated_nvml.py``): it fails with pynvml's own
+compute modes. NVML is simulated (``queue_worker/devices/simulated_nvml.py``): it fails with pynvml's own
 exception classes, as the real library does."""
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ import redis
 
 from chunkq.jobs.contract.errors import ConfigError
 from chunkq.jobs.contract.settings import PoolSettings
-from chunkq.queue_worker import discovery, exit_codes, torch_build
-from chunkq.queue_worker.discovery import SIMULATED_ENV, read_all, visible
-from chunkq.queue_worker.gpus import select, worker_environment
-from chunkq.queue_worker.pool import Pool
-from chunkq.queue_worker.simulated_nvml import SimulatedNvml
+from chunkq.queue_worker import exit_codes
+from chunkq.queue_worker.devices import discovery, torch_build
+from chunkq.queue_worker.devices.discovery import SIMULATED_ENV, read_all, visible
+from chunkq.queue_worker.devices.gpus import select, worker_environment
+from chunkq.queue_worker.devices.simulated_nvml import SimulatedNvml
+from chunkq.queue_worker.processes.pool import Pool
 from tests.helpers import run_cli
 
 GIB = 1 << 30
@@ -170,7 +171,7 @@ def test_the_parent_death_signal_loads_no_library_in_the_child(monkeypatch: pyte
     lock held by another thread at the fork: libc is loaded once, at import."""
     import ctypes
 
-    from chunkq.queue_worker import lifeline
+    from chunkq.queue_worker.processes import lifeline
 
     def no_loading(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a library was loaded in the child")

@@ -16,7 +16,7 @@ from chunkq.supervisor.run_options import RUN_OPTIONS
 ROOT = Path(__file__).resolve().parents[1]
 NAME = re.compile(r"\bCHUNKQ_[A-Z0-9_]*[A-Z0-9]\b")
 SPELLERS = {ROOT / "jobs/contract/environment.py", ROOT / "jobs/contract/settings.py"}
-STANDALONE = {ROOT / "queue_worker/cuda_devices.py"}  # runs as a script, the standard library alone
+STANDALONE = {ROOT / "queue_worker/devices/cuda_devices.py"}  # runs as a script, the standard library alone
 
 
 def _sources() -> list[Path]:

@@ -20,7 +20,7 @@ from chunkq.jobs.contract.errors import ChunkOutOfMemoryError, ConfigError, Cuda
 from chunkq.jobs.contract.run_files import RunLayout, read_json
 from chunkq.jobs.contract.specs import ChunkSpec, EncodeOptions
 from chunkq.jobs.embed import embed_chunk
-from chunkq.queue_worker.pool import jittered_max_jobs
+from chunkq.queue_worker.processes.pool import jittered_max_jobs
 from chunkq.supervisor.watch.retry import RetryPolicy
 from tests.helpers import max_abs_diff, write_test_run
 

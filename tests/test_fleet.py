@@ -320,6 +320,6 @@ def test_the_manifests_as_one_system(folder: str) -> None:
     assert requests["cpu"] and requests["memory"]
     if folder == "k8s":
         assert pool["args"][:3] == ["pool", "--gpus", "all"] and limits["nvidia.com/gpu"] == 1
-    else:  # no GPU anywhere; the CPU limit is what the pool counts its workers by (queue_worker/gpus.py)
+    else:  # no GPU anywhere; the CPU limit is what the pool counts its workers by (devices/gpus.py)
         assert pool["args"][:3] == ["pool", "--gpus", "none"] and "nvidia.com/gpu" not in yaml.safe_dump(docs)
         assert limits["cpu"] == requests["cpu"]

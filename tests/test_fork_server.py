@@ -28,10 +28,10 @@ from chunkq.jobs.contract.errors import ConfigError
 from chunkq.jobs.contract.run_files import RunLayout, read_json
 from chunkq.jobs.contract.settings import PoolSettings
 from chunkq.queue_worker import exit_codes
-from chunkq.queue_worker.discovery import GpuInfo
-from chunkq.queue_worker.fork_client import ForkServer
-from chunkq.queue_worker.fork_server import MODEL_ENV, ForkServerError
-from chunkq.queue_worker.pool import Pool
+from chunkq.queue_worker.devices.discovery import GpuInfo
+from chunkq.queue_worker.processes.fork_client import ForkServer
+from chunkq.queue_worker.processes.fork_server import MODEL_ENV, ForkServerError
+from chunkq.queue_worker.processes.pool import Pool
 from chunkq.supervisor.submit.corpus import CorpusOptions
 from chunkq.supervisor.submit.identity import SubmitRequest
 from chunkq.supervisor.submit.submission import SubmitResult, submit
@@ -54,6 +54,8 @@ pytestmark = pytest.mark.slow
 # These pools' claims are about a fork server of their own, not the test process's standing one, and
 # about workers forked with the threads chunkq gives them.
 OWN = {warm_forks.SOCKET_ENV: "", **CHUNKQS_OWN_THREADS}
+
+POOL_LOGGER = "chunkq.queue_worker.processes.pool"
 
 
 def _submit(tmp_path: Path, store: Path, connection: redis.Redis, rows: int, chunk: int) -> SubmitResult:
@@ -96,7 +98,7 @@ def _fork_server(pool: subprocess.Popen[bytes]) -> psutil.Process:
     (server,) = [
         c
         for c in psutil.Process(pool.pid).children()
-        if "chunkq.queue_worker.fork_server" in " ".join(c.cmdline())
+        if "chunkq.queue_worker.processes.fork_server" in " ".join(c.cmdline())
     ]
     return server
 
@@ -164,7 +166,7 @@ def test_workers_take_the_preloaded_model_from_the_fork_server(
 def test_a_model_the_fork_server_cannot_load_is_left_to_the_workers(caplog: pytest.LogCaptureFixture) -> None:
     server = ForkServer(cli_env(**{MODEL_ENV: "/no/such/model/here"}))
     try:
-        with caplog.at_level(logging.INFO, logger="chunkq.queue_worker.fork_server"):
+        with caplog.at_level(logging.INFO, logger="chunkq.queue_worker.processes.fork_server"):
             server._start()
         assert server.proc is not None and server.proc.poll() is None  # it serves all the same
         assert "fork server could not load /no/such/model/here" in caplog.text
@@ -333,7 +335,10 @@ def test_a_pool_whose_forked_gpu_workers_cannot_create_a_context_falls_back_once
     gpu = GpuInfo(index=0, name="no such GPU here", uuid="", memory_total=1 << 30, memory_free=1 << 30)
     settings = PoolSettings(redis_url=redis_url, queue="fs-gpu", restart_delay=0.0, name="fs-gpu")
     pool = Pool(settings, [gpu])
-    with signal_handlers_restored(), caplog.at_level(logging.INFO, logger="chunkq.queue_worker.pool"):
+    with (
+        signal_handlers_restored(),
+        caplog.at_level(logging.INFO, logger=POOL_LOGGER),
+    ):
         assert pool.run() == exit_codes.EXIT_CONFIG  # no device left once the CPU fallback is refused
     assert [code for _slot, code in pool.exits] == [exit_codes.EXIT_FORKED_NO_CUDA, exit_codes.EXIT_CONFIG]
     assert pool.fork_server is None
@@ -379,7 +384,10 @@ def test_a_forked_worker_whose_gpu_is_out_of_memory_costs_only_that_fork(
         workers_per_gpu="1",
     )
     pool = Pool(settings, [gpu])
-    with signal_handlers_restored(), caplog.at_level(logging.INFO, logger="chunkq.queue_worker.pool"):
+    with (
+        signal_handlers_restored(),
+        caplog.at_level(logging.INFO, logger=POOL_LOGGER),
+    ):
         assert pool.run() == exit_codes.EXIT_CONFIG  # no device left once it is retired
     assert [code for _slot, code in pool.exits] == [exit_codes.EXIT_NO_CONTEXT] * 3
     assert pool.fork_server is not None and "fork server unusable" not in caplog.text

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from chunkq.jobs.contract.errors import ConfigError
-from chunkq.queue_worker.discovery import GpuInfo, discover
-from chunkq.queue_worker.gpus import select, worker_environment
+from chunkq.queue_worker.devices.discovery import GpuInfo, discover
+from chunkq.queue_worker.devices.gpus import select, worker_environment
 
 GPUS = [GpuInfo(0, "H100", "GPU-aaa", 80 << 30, 70 << 30), GpuInfo(1, "H100", "GPU-bbb", 80 << 30, 79 << 30)]
 
@@ -57,7 +57,7 @@ def test_standby_waits_for_its_predecessor_to_exit(monkeypatch: pytest.MonkeyPat
     import subprocess
     import sys
 
-    from chunkq.queue_worker.standby import WAIT_FOR_PID_ENV, wait_for_predecessor
+    from chunkq.queue_worker.processes.standby import WAIT_FOR_PID_ENV, wait_for_predecessor
 
     old = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
     monkeypatch.setenv(WAIT_FOR_PID_ENV, str(old.pid))
@@ -74,8 +74,8 @@ def test_standby_waits_for_its_predecessor_to_exit(monkeypatch: pytest.MonkeyPat
 
 def test_busy_and_short_gpus_are_reported_and_skipped_as_configured(caplog: pytest.LogCaptureFixture) -> None:
     from chunkq.jobs.contract.units import parse_size
-    from chunkq.queue_worker.discovery import GpuProcess
-    from chunkq.queue_worker.gpus import usable
+    from chunkq.queue_worker.devices.discovery import GpuProcess
+    from chunkq.queue_worker.devices.gpus import usable
 
     busy = GpuInfo(2, "A100", "GPU-ccc", 40 << 30, 30 << 30, (GpuProcess(4242, "python", 10 << 30),))
     gpus = [*GPUS, busy]
@@ -109,7 +109,7 @@ def test_doctor_on_a_machine_without_gpus(tmp_path: Path, redis_url: str) -> Non
 
 def test_workers_per_gpu_auto_resolves_to_a_number_and_says_why(caplog: pytest.LogCaptureFixture) -> None:
     from chunkq.jobs.compute.model_refs import BUNDLED_MODEL, resolve_model
-    from chunkq.queue_worker.gpus import (
+    from chunkq.queue_worker.devices.gpus import (
         AUTO_MAX_WORKERS,
         auto_workers_per_gpu,
         model_bytes,
@@ -145,7 +145,7 @@ def test_workers_per_gpu_auto_resolves_to_a_number_and_says_why(caplog: pytest.L
     )
     assert auto_workers_per_gpu([], 16, minilm)[0] == 1
     expected, _ = auto_workers_per_gpu([h100], os.cpu_count() or 1, minilm)
-    with caplog.at_level(logging.INFO, logger="chunkq.queue_worker.gpus"):
+    with caplog.at_level(logging.INFO, logger="chunkq.queue_worker.devices.gpus"):
         assert resolve_workers_per_gpu("auto", [h100], BUNDLED_MODEL, "fp32") == expected
         assert resolve_workers_per_gpu("2", [h100], BUNDLED_MODEL, "fp32") == 2
     assert f"workers per GPU: auto means {expected} ({os.cpu_count()} CPU cores for 1 GPU(s)" in caplog.text
@@ -157,7 +157,7 @@ def test_cpu_workers_default_to_one_single_threaded_worker_per_core_as_memory_ho
 ) -> None:
     """Issue 64.4: with no GPU the default was one worker of every core's threads."""
     from chunkq.jobs.compute.model_refs import BUNDLED_MODEL
-    from chunkq.queue_worker.gpus import CPU_WORKER_BYTES, auto_cpu_workers, resolve_cpu_workers
+    from chunkq.queue_worker.devices.gpus import CPU_WORKER_BYTES, auto_cpu_workers, resolve_cpu_workers
 
     gib = 1 << 30
     assert auto_cpu_workers(2, 90 << 20, 20 * gib)[0] == 2
@@ -165,7 +165,7 @@ def test_cpu_workers_default_to_one_single_threaded_worker_per_core_as_memory_ho
     workers, why = auto_cpu_workers(16, 2 * gib, 8 * gib)  # 2.5 GiB each: 80 % of 8 GiB holds 2
     assert workers == 2 and "holds 2" in why and "one per core (16)" in why
     assert auto_cpu_workers(4, None, CPU_WORKER_BYTES)[0] == 1  # never none
-    with caplog.at_level(logging.INFO, logger="chunkq.queue_worker.gpus"):
+    with caplog.at_level(logging.INFO, logger="chunkq.queue_worker.devices.gpus"):
         assert resolve_cpu_workers(3, BUNDLED_MODEL) == 3  # given: as it is, said nowhere
         found = resolve_cpu_workers(None, BUNDLED_MODEL)
     assert found == min(os.cpu_count() or 1, found) >= 1
@@ -179,7 +179,8 @@ def test_cpu_workers_follow_the_cores_this_process_may_use_not_the_hosts() -> No
         pytest.skip("needs taskset and two cores")
     code = (
         "from chunkq.jobs.compute.model_refs import BUNDLED_MODEL\n"
-        "from chunkq.queue_worker.gpus import cpu_threads_per_worker, resolve_cpu_workers, usable_cores\n"
+        "from chunkq.queue_worker.devices.gpus import cpu_threads_per_worker, resolve_cpu_workers\n"
+        "from chunkq.queue_worker.devices.gpus import usable_cores\n"
         "print(usable_cores(), resolve_cpu_workers(None, BUNDLED_MODEL), cpu_threads_per_worker(1))"
     )
     cmd = ["taskset", "-c", "0", sys.executable, "-c", code]
@@ -189,7 +190,7 @@ def test_cpu_workers_follow_the_cores_this_process_may_use_not_the_hosts() -> No
 
 def test_auto_sizes_the_model_from_the_weights_that_load(tmp_path: Path) -> None:
     """An OpenVINO or ONNX export, or a .bin beside the .safetensors, is not loaded: not counted."""
-    from chunkq.queue_worker.gpus import model_bytes
+    from chunkq.queue_worker.devices.gpus import model_bytes
 
     model = tmp_path / "model"
     for name, size in {
@@ -234,7 +235,7 @@ def test_a_gpu_memory_limit_is_checked_where_given_and_reaches_each_worker() -> 
 
 def test_the_devices_chunkq_run_chose_reach_its_pool_whole() -> None:
     """Issue 54.2: `chunkq run` surveys the GPUs once and hands its choice to its pool."""
-    from chunkq.queue_worker.discovery import GpuProcess, devices_from_json, devices_json
+    from chunkq.queue_worker.devices.discovery import GpuProcess, devices_from_json, devices_json
 
     busy = GpuInfo(2, "H100", "MIG-ccc", 40 << 30, None, (GpuProcess(7, "python", 1 << 30),), mig=1)
     chosen = [*GPUS, busy]

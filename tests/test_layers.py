@@ -167,7 +167,8 @@ def test_a_worker_side_process_imports_nothing_of_the_front_door() -> None:
     first use, so they do not import the supervisor through it (0.3 s of CPU each: BENCHMARKS.md,
     "A small run's own cost"). ``chunkq.run`` still answers."""
     said = _a_new_interpreters_answer(
-        "import sys, chunkq.queue_worker.pool, chunkq.queue_worker.worker, chunkq.queue_worker.fork_server\n"
+        "import sys, chunkq.queue_worker.processes.pool, chunkq.queue_worker.worker\n"
+        "import chunkq.queue_worker.processes.fork_server\n"
         "print(sorted(m for m in sys.modules if m == 'chunkq.api' or m.startswith('chunkq.supervisor')))\n"
         "import chunkq; print(chunkq.run.__module__)"
     )
@@ -180,7 +181,7 @@ def test_the_command_line_imports_what_only_some_commands_use_when_they_use_it()
     command line imports none of them (BENCHMARKS.md, "A small run's own cost, again")."""
     said = _a_new_interpreters_answer(
         "import sys, chunkq.cli\n"
-        "optional = ('rich', 'prometheus_client', 'chunkq.queue_worker.pool')\n"
+        "optional = ('rich', 'prometheus_client', 'chunkq.queue_worker.processes.pool')\n"
         "print(sorted(m for m in optional if m in sys.modules))"
     )
     assert said.strip() == "[]", said

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 from chunkq.jobs.contract.errors import ConfigError
-from chunkq.queue_worker import cuda_devices, discovery, torch_build
-from chunkq.queue_worker.discovery import SIMULATED_ENV
+from chunkq.queue_worker.devices import cuda_devices, discovery, torch_build
+from chunkq.queue_worker.devices.discovery import SIMULATED_ENV
+from chunkq.queue_worker.devices.gpus import choose, worker_environment
 from chunkq.queue_worker.exit_codes import EXIT_CONFIG
-from chunkq.queue_worker.gpus import choose, worker_environment
 from tests.helpers import make_texts, run_cli, write_corpus
 from tests.nvml_standin import MESSAGE, build, compiler
 

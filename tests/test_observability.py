@@ -131,7 +131,7 @@ def test_a_metrics_port_that_is_taken_is_one_clear_error() -> None:
     from prometheus_client import CollectorRegistry
 
     from chunkq.jobs.contract.errors import ConfigError
-    from chunkq.queue_worker.metrics import serve
+    from chunkq.queue_worker.processes.metrics import serve
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

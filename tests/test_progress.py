@@ -58,7 +58,9 @@ def test_the_terminal_shows_progress_and_warnings_and_pool_lines_keep_their_leve
         return handler.filter(logging.LogRecord(name, level, "", 0, "m", None, None))
 
     assert not shown("rq.worker", logging.INFO) and not shown("chunkq.jobs.embed", logging.INFO)
-    assert shown(run_log.PROGRESS_LOGGER, logging.INFO) and shown("chunkq.queue_worker.pool", logging.WARNING)
+    assert shown(run_log.PROGRESS_LOGGER, logging.INFO) and shown(
+        "chunkq.queue_worker.processes.pool", logging.WARNING
+    )
     lines = [
         b"2026-11-24 20:37:01,990 ERROR [w gpu=-] rq.worker: job failed\n",
         b"CUDA kernel errors might be asynchronously reported\n",  # the ERROR record's next line

@@ -65,7 +65,7 @@ def _gpu_host(tmp_path: Path) -> dict[str, str]:
     """A host whose driver lists one H100 (simulated NVML), under this CPU build of torch."""
     import json
 
-    from chunkq.queue_worker.discovery import SIMULATED_ENV
+    from chunkq.queue_worker.devices.discovery import SIMULATED_ENV
 
     path = tmp_path / "gpus.json"
     path.write_text(json.dumps({"gpus": [{"name": "NVIDIA H100 80GB HBM3"}]}))
@@ -75,7 +75,7 @@ def _gpu_host(tmp_path: Path) -> dict[str, str]:
 def test_a_cpu_build_of_torch_on_a_gpu_host_is_refused_before_the_run(tmp_path: Path, corpus: Path) -> None:
     """51.11: every worker refused its GPU in turn and the terminal said only "the worker pool exited
     before the run finished" (exit 8)."""
-    from chunkq.queue_worker import torch_build
+    from chunkq.queue_worker.devices import torch_build
 
     installed = torch_build.build()
     assert installed is not None and installed["cuda"] is None and installed["__version__"].endswith("+cpu")
@@ -95,7 +95,7 @@ def test_a_cpu_build_of_torch_on_a_gpu_host_is_refused_before_the_run(tmp_path: 
 def test_a_pool_that_gives_up_says_its_workers_reason_on_the_terminal(tmp_path: Path, corpus: Path) -> None:
     """51.11: what cannot be checked before the run (here a torch said to be a CUDA build that finds no
     device) is said in the command's last line, in the worker's words, not only in run.log."""
-    from chunkq.queue_worker import torch_build
+    from chunkq.queue_worker.devices import torch_build
 
     env = {**_gpu_host(tmp_path), torch_build.SIMULATED_ENV: "13.0"}
     done = run_cli("run", str(corpus), "--store", str(tmp_path / "store"), **env)

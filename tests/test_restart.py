@@ -5,7 +5,7 @@ from __future__ import annotations
 import signal
 
 from chunkq.queue_worker import exit_codes
-from chunkq.queue_worker.restart import REDIS_BACKOFF_CAP, RestartPolicy
+from chunkq.queue_worker.processes.restart import REDIS_BACKOFF_CAP, RestartPolicy
 
 POLICY = RestartPolicy(restart_delay=1.0, crash_limit=3, crash_window=60.0)
 

@@ -20,8 +20,8 @@ import psutil
 import pytest
 
 from chunkq.jobs.contract.run_files import read_json
-from chunkq.queue_worker import standing_forks
-from chunkq.queue_worker.fork_client import ForkServer
+from chunkq.queue_worker.processes import standing_forks
+from chunkq.queue_worker.processes.fork_client import ForkServer
 from tests import warm_forks
 from tests.helpers import (
     cli_env,

@@ -598,7 +598,7 @@ def test_a_pool_acts_on_a_drain_and_its_workers_exits_at_once(
     """The pool's loop polled every 0.2 s, and its idle workers' waits for a job lasted a second:
     a drain at a run's end waited on both. Its pause now ends at a signal (the drain, a child's
     exit) or a forked worker's exit report; with a minute-long poll the pool still drains at once."""
-    from chunkq.queue_worker import pool as pool_module
+    from chunkq.queue_worker.processes import pool as pool_module
 
     monkeypatch.setattr(pool_module, "POLL_SECONDS", 60.0)
     queue = f"pause-{'forked' if fork_server else 'fresh'}"

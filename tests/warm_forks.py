@@ -32,7 +32,7 @@ from pathlib import Path
 
 from chunkq.jobs.compute.model_refs import BUNDLED_MODEL
 from chunkq.jobs.contract.settings import env_of
-from chunkq.queue_worker.lifeline import die_with_parent
+from chunkq.queue_worker.processes.lifeline import die_with_parent
 
 SOCKET_ENV = env_of("fork_server_socket")
 START_SECONDS = 180.0  # imports and a model load on a loaded 2-core machine

@@ -94,7 +94,7 @@ def serve_forks_cmd(socket_path: Path, preload: str | None, redis_url: str | Non
     environment (PYTHON*, HF_*, TRANSFORMERS_*, ...) differ from this server's uses a fork server of
     its own instead, and says why.
     """
-    from chunkq.queue_worker.fork_server import MODEL_ENV, NVML_BASED_CUDA_CHECK, SERVER_MODULE
+    from chunkq.queue_worker.processes.fork_server import MODEL_ENV, NVML_BASED_CUDA_CHECK, SERVER_MODULE
 
     env = dict(os.environ, **NVML_BASED_CUDA_CHECK)
     if preload:

@@ -159,7 +159,9 @@ def pool_cmd(redis_url: str | None, store: Path, queue: str, **kw: Any) -> None:
     settings = with_the_runs_model(settings)
     if settings.preload:  # a name people type, or one that cannot load here: before any worker
         settings = replace(settings, preload=check_model(settings.preload))
-    from chunkq.queue_worker.pool import start as start_pool  # the pool's modules: this command's alone
+    from chunkq.queue_worker.processes.pool import (
+        start as start_pool,  # the pool's modules: this command's alone
+    )
 
     sys.exit(start_pool(settings))
 

@@ -1,7 +1,7 @@
 """``chunkq doctor``: what this host offers chunkq, and advice where something is wrong.
 
 GPUs come from NVML (no CUDA context is created for them), or where NVML cannot initialise, from
-CUDA asked in a child process (queue_worker.discovery); a failing NVML on a host with a driver is a
+CUDA asked in a child process (queue_worker.devices.discovery); a failing NVML on a host with a driver is a
 problem, named with its error and what still works. torch is asked separately, so a CPU-only torch
 on a GPU host (the silent-CPU-fallback trap) is called out.
 """
@@ -19,7 +19,7 @@ import redis
 from chunkq.jobs.contract.redaction import redacted
 from chunkq.jobs.contract.run_files import atomic_write_bytes
 from chunkq.jobs.contract.storage import is_local
-from chunkq.queue_worker import discovery
+from chunkq.queue_worker.devices import discovery
 from chunkq.supervisor.store.embedded_redis import APPENDFSYNC, DURABLE_FSYNC, server_binary
 from chunkq.supervisor.store.store_redis import served_url
 

@@ -65,8 +65,8 @@ for _name in ("sentence_transformers.base.model", "sentence_transformers.Sentenc
 
 
 _cache: dict[tuple[Any, ...], LoadedModel] = {}
-# Models loaded on the CPU in fp32 by a process that forks workers (queue_worker.fork_server): a forked
-# worker takes its copy instead of reading and building the model again.
+# Models loaded on the CPU in fp32 by a process that forks workers (queue_worker.processes.fork_server):
+# a forked worker takes its copy instead of reading and building the model again.
 # (model, its class): the model loaded on the CPU before workers fork, and the files it was loaded from
 _templates: dict[tuple[str, str], tuple[Any, Identity | None]] = {}
 

@@ -26,8 +26,8 @@ import redis
 from chunkq.jobs.contract import environment
 from chunkq.jobs.contract.errors import ConfigError
 from chunkq.jobs.contract.storage import OWNER_ONLY, private_dirs
-from chunkq.queue_worker.lifeline import die_with_parent
-from chunkq.queue_worker.stopping import wait_or_kill
+from chunkq.queue_worker.processes.lifeline import die_with_parent
+from chunkq.queue_worker.processes.stopping import wait_or_kill
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Prometheus metrics of a supervised run (served on loopback by ``queue_worker.metrics.serve``)."""
+"""Prometheus metrics of a supervised run (served on loopback by ``queue_worker.processes.metrics.serve``)."""
 
 from __future__ import annotations
 

@@ -359,7 +359,7 @@ def _supervise(
     metrics = None
     if settings.metrics_port is not None:
         # Here, not at the top: prometheus_client is for runs that asked for --metrics-port.
-        from chunkq.queue_worker.metrics import serve as serve_metrics
+        from chunkq.queue_worker.processes.metrics import serve as serve_metrics
         from chunkq.supervisor.watch.metrics import RunMetrics
 
         metrics = RunMetrics(manifest.run_id)

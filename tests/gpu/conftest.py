@@ -29,7 +29,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def gpu() -> Any:
     """The GPU the tier runs on: the first this process may use, as chunkq numbers it (NVML's index,
     what ``--gpus`` takes), honouring an inherited CUDA_VISIBLE_DEVICES."""
-    from chunkq.queue_worker.discovery import discover
+    from chunkq.queue_worker.devices.discovery import discover
 
     found = discover()
     if not found:

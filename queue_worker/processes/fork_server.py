@@ -42,19 +42,19 @@ from chunkq.jobs.compute import cuda
 from chunkq.jobs.compute.model_reads import no_working_directory_imports
 from chunkq.jobs.compute.runtime import DEVICE_ENV
 from chunkq.jobs.contract import environment, errors
-from chunkq.queue_worker import standing_forks
 from chunkq.queue_worker.exit_codes import EXIT_FORKED_NO_CUDA, EXIT_NO_CONTEXT
-from chunkq.queue_worker.lifeline import (
+from chunkq.queue_worker.processes import standing_forks
+from chunkq.queue_worker.processes.lifeline import (
     ORPHANED_SIGNAL,
     PARENT_PID_ENV,
     fork_holding_stop_signals,
     process_alive,
     worker_dies_with_parent,
 )
-from chunkq.queue_worker.standby import NOTIFY_FD_ENV
+from chunkq.queue_worker.processes.standby import NOTIFY_FD_ENV
 from chunkq.queue_worker.worker_args import WORKER_MODULE, worker_title
 
-SERVER_MODULE = "chunkq.queue_worker.fork_server"
+SERVER_MODULE = "chunkq.queue_worker.processes.fork_server"
 SOCKET_FD_ENV = environment.FORK_SERVER_FD
 PRELOAD = ("torch", "sentence_transformers", WORKER_MODULE)
 PRELOAD_ENV = environment.FORK_SERVER_PRELOAD  # more modules to import once, e.g. your own job functions

@@ -11,8 +11,8 @@ from chunkq.jobs.compute.runtime import DEVICE_ENV, GPU_ENV
 from chunkq.jobs.contract.errors import ConfigError
 from chunkq.jobs.contract.settings import WORKERS_AUTO
 from chunkq.jobs.contract.units import parse_size
-from chunkq.queue_worker.discovery import VISIBLE_ENV, GpuInfo, allowed, survey
-from chunkq.queue_worker.torch_build import check_gpus_usable
+from chunkq.queue_worker.devices.discovery import VISIBLE_ENV, GpuInfo, allowed, survey
+from chunkq.queue_worker.devices.torch_build import check_gpus_usable
 
 log = logging.getLogger(__name__)
 

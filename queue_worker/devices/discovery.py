@@ -181,7 +181,7 @@ def nvml_library() -> Any:
     """NVML as this process sees it: the stand-in under CHUNKQ_SIMULATED_GPUS, else pynvml."""
     path = os.environ.get(SIMULATED_ENV)
     if path:
-        from chunkq.queue_worker import simulated_nvml
+        from chunkq.queue_worker.devices import simulated_nvml
 
         return simulated_nvml.load(path)
     try:
@@ -267,7 +267,7 @@ def survey(nvml: Any = None) -> Survey:
 
 
 def _without_nvml(error: str, name: str | None) -> Survey:
-    from chunkq.queue_worker import cuda_devices
+    from chunkq.queue_worker.devices import cuda_devices
 
     answer = cuda_devices.ask()
     gpus = _from_cuda(answer.devices)

@@ -11,7 +11,7 @@ import logging
 from typing import Any
 
 from chunkq.jobs.compute.device_busy import UtilisationSince
-from chunkq.queue_worker import discovery
+from chunkq.queue_worker.devices import discovery
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ import redis
 from chunkq.jobs.queue.abandon import forget_worker, mark_abandoned, running_job_ids
 from chunkq.jobs.queue.rq_api import Job, JSONSerializer, Queue, SimpleWorker
 
-log = logging.getLogger("chunkq.queue_worker.pool")  # the pool's own lines, under its one name
+log = logging.getLogger("chunkq.queue_worker.processes.pool")  # the pool's own lines, under its one name
 
 WATCHDOG_SECONDS = 2.0  # how often running jobs are checked against their timeouts
 

@@ -42,26 +42,26 @@ from chunkq.jobs.queue import run_queues
 from chunkq.jobs.queue.nopickle import forbid_pickle
 from chunkq.jobs.queue.rq_api import Queue
 from chunkq.queue_worker import exit_codes
-from chunkq.queue_worker.dead_workers import DeadWorkers
-from chunkq.queue_worker.discovery import GpuInfo, devices_from_json
-from chunkq.queue_worker.fork_client import ForkedWorker, ForkServer
-from chunkq.queue_worker.fork_server import MODEL_ENV as FORK_SERVER_MODEL_ENV
-from chunkq.queue_worker.fork_server import ForkServerError
-from chunkq.queue_worker.gpus import (
+from chunkq.queue_worker.devices.discovery import GpuInfo, devices_from_json
+from chunkq.queue_worker.devices.gpus import (
     choose,
     cpu_threads_per_worker,
     resolve_cpu_workers,
     resolve_workers_per_gpu,
     worker_environment,
 )
-from chunkq.queue_worker.lifeline import PARENT_PID_ENV, POOL_PID_ENV, worker_dies_with_parent
-from chunkq.queue_worker.metrics import PoolMetrics, serve
-from chunkq.queue_worker.restart import RestartPolicy
-from chunkq.queue_worker.standby import NOTIFY_FD_ENV, WAIT_FOR_PID_ENV, parse_announcements
-from chunkq.queue_worker.stopping import wait_or_kill
+from chunkq.queue_worker.processes.dead_workers import DeadWorkers
+from chunkq.queue_worker.processes.fork_client import ForkedWorker, ForkServer
+from chunkq.queue_worker.processes.fork_server import MODEL_ENV as FORK_SERVER_MODEL_ENV
+from chunkq.queue_worker.processes.fork_server import ForkServerError
+from chunkq.queue_worker.processes.lifeline import PARENT_PID_ENV, POOL_PID_ENV, worker_dies_with_parent
+from chunkq.queue_worker.processes.metrics import PoolMetrics, serve
+from chunkq.queue_worker.processes.restart import RestartPolicy
+from chunkq.queue_worker.processes.standby import NOTIFY_FD_ENV, WAIT_FOR_PID_ENV, parse_announcements
+from chunkq.queue_worker.processes.stopping import wait_or_kill
 from chunkq.queue_worker.worker_args import WORKER_MODULE, worker_argv
 
-log = logging.getLogger("chunkq.queue_worker.pool")  # one name, run as python -m chunkq.queue_worker too
+log = logging.getLogger("chunkq.queue_worker.processes.pool")  # one name, run as a module too
 
 WorkerProcess = subprocess.Popen[bytes] | ForkedWorker
 

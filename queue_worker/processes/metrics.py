@@ -16,7 +16,7 @@ from prometheus_client.registry import Collector
 
 from chunkq.jobs.contract.errors import ConfigError
 from chunkq.queue_worker import exit_codes
-from chunkq.queue_worker.discovery import discover
+from chunkq.queue_worker.devices.discovery import discover
 
 log = logging.getLogger(__name__)
 

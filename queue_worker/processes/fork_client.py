@@ -16,8 +16,8 @@ import sys
 import time
 from typing import Any
 
-from chunkq.queue_worker import standing_forks
-from chunkq.queue_worker.fork_server import (
+from chunkq.queue_worker.processes import standing_forks
+from chunkq.queue_worker.processes.fork_server import (
     MODEL_ENV,
     NVML_BASED_CUDA_CHECK,
     SERVER_MODULE,
@@ -27,8 +27,8 @@ from chunkq.queue_worker.fork_server import (
     receive_message,
     send_message,
 )
-from chunkq.queue_worker.lifeline import killed_with_parent, process_alive
-from chunkq.queue_worker.stopping import wait_or_kill
+from chunkq.queue_worker.processes.lifeline import killed_with_parent, process_alive
+from chunkq.queue_worker.processes.stopping import wait_or_kill
 from chunkq.queue_worker.worker_args import WORKER_MODULE
 
 log = logging.getLogger(__name__)
