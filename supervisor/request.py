@@ -313,7 +313,7 @@ def build_run_request(
         submit["fmt"] = submit.pop("format")
     settings = watch_settings(**watch)
     request = replace(submit_request(corpora, store, **submit), queue_window=settings.window)
-    metrics_port = watch.get("metrics_port")  # the run's; its pool's on the next port (docs/observability.md)
+    metrics_port = watch.get("metrics_port")  # the run's; its pool's on the next port (docs/operations.md)
     pool["metrics_port"] = None if metrics_port is None else (metrics_port + 1 if metrics_port else 0)
     if metrics_port:
         check_metrics_ports(metrics_port)

@@ -106,7 +106,7 @@ REAL_TEXTS: list[tuple[str, BaseException, str]] = [
         errors.OOM,
     ),
     (
-        "H100, torch 2.11: an out-of-bounds index kernel (issue 14; DESIGN.md §6)",
+        "H100, torch 2.11: an out-of-bounds index kernel (issue 14)",
         ACCELERATOR_ERROR(
             "CUDA error: device-side assert triggered"
             + CUDA_ADVICE.replace(

@@ -1,4 +1,4 @@
-"""Sinks: a published, verified result written where people search it (shared/DESIGN.md "Sinks").
+"""Sinks: a published, verified result written where people search it (docs/sinks.md).
 
 ``chunkq export RUN --to URL`` and ``RunResult.export_to(URL)``. One module per sink, chosen by the
 URL's scheme; each reads the published result and nothing else, and writes it idempotently by id,

@@ -89,7 +89,7 @@ _OOM_TEXT = (
 # "please report a bug to PyTorch. " (trailing space included); line numbers vary by release.
 NVML_ASSERTS = {
     # torch 2.11.0+cu130 on an H100 whose libnvidia-ml.so.1 failed nvmlInit_v2 with
-    # NVML_ERROR_LIB_RM_VERSION_MISMATCH, raised by the allocator itself (shared/DESIGN.md 6b, 2026-11-25).
+    # NVML_ERROR_LIB_RM_VERSION_MISMATCH, raised by the allocator itself (seen on an H100, 2026-11-25).
     "init_2_11": "NVML_SUCCESS == DriverAPI::get()->nvmlInit_v2_() INTERNAL ASSERT FAILED at "
     '"/pytorch/c10/cuda/CUDACachingAllocator.cpp":1135, please report a bug to PyTorch. ',
     # pytorch/pytorch#112950 (torch 2.1): nvmlInit_v2_ failed in the process.

@@ -1,7 +1,7 @@
 """A chunk tokenised once: the model's own preprocessing over the whole chunk, cut into batches.
 
 Planning batches needs every text's token length, and ``model.encode`` tokenises each batch again:
-on an H100 tokenising alone took 5.2 s of a 20,000-text MiniLM encode (DESIGN.md §6), on the
+on an H100 tokenising alone took 5.2 s of a 20,000-text MiniLM encode (BENCHMARKS.md), on the
 worker's only thread while the GPU waited. Here the chunk goes through ``model.preprocess``
 (``tokenize`` before sentence-transformers 5) once; the lengths come from its attention mask and
 each batch is its rows, trimmed to the batch's longest, run through the model as ``encode`` runs

@@ -1,4 +1,4 @@
-"""Model kinds: what a run's model is and what a row of its result holds (shared/DESIGN.md "Kinds").
+"""Model kinds: what a run's model is and what a row of its result holds (docs/kinds.md).
 
 Each kind is one module here behind one small contract (``contract.Kind``): the sentence-transformers
 class that loads it, how a chunk's rows are encoded to a float32 matrix (row i for input row i), the
