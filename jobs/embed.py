@@ -27,7 +27,6 @@ from chunkq.jobs.compute import (
     chunk_progress,
     cuda,
     device_busy,
-    faults,
     learned,
     models,
     quantize,
@@ -58,6 +57,7 @@ from chunkq.jobs.contract.run_files import (
     write_output,
 )
 from chunkq.jobs.contract.specs import ChunkSpec, EncodeOptions
+from chunkq.jobs.drills import faults
 from chunkq.jobs.kinds.contract import WithBadRows
 from chunkq.jobs.queue import jobmeta
 from chunkq.jobs.queue.rq_api import get_current_job

@@ -25,7 +25,7 @@ from typing import Any
 import redis
 
 from chunkq.jobs import kinds
-from chunkq.jobs.compute import cuda, faults, model_refs, models, runtime
+from chunkq.jobs.compute import cuda, model_refs, models, runtime
 from chunkq.jobs.compute.model_info import describe
 from chunkq.jobs.compute.model_reads import no_working_directory_imports
 from chunkq.jobs.contract import environment
@@ -37,6 +37,7 @@ from chunkq.jobs.contract.settings import env_of, truthy
 from chunkq.jobs.contract.specs import EncodeOptions
 from chunkq.jobs.contract.storage import open_store
 from chunkq.jobs.contract.units import parse_size, size_text
+from chunkq.jobs.drills import faults
 from chunkq.jobs.embed import warm_up
 from chunkq.jobs.queue.allowlist import AllowListedJob
 from chunkq.jobs.queue.nopickle import forbid_pickle

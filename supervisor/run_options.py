@@ -24,6 +24,7 @@ from chunkq.jobs.contract.defaults import (
     STALE_AFTER_LOWEST,
     STALE_AFTER_SECONDS,
     WARN_IDLE_SECONDS,
+    WINDOW_PER_WORKER,
 )
 from chunkq.jobs.contract.settings import Meta
 from chunkq.jobs.contract.specs import (
@@ -38,7 +39,6 @@ from chunkq.jobs.contract.specs import (
 from chunkq.jobs.kinds import KINDS
 from chunkq.jobs.queue.run_queues import MAX_PRIORITY
 from chunkq.supervisor.submit.corpus import FORMATS, CorpusOptions
-from chunkq.supervisor.submit.enqueue import WINDOW_PER_WORKER
 from chunkq.supervisor.submit.windows import LONG_TEXTS, POOLS
 from chunkq.supervisor.watch.retry import RetryPolicy
 from chunkq.supervisor.watch.supervise import WatchSettings

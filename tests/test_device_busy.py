@@ -1,5 +1,5 @@
 """How busy a chunk kept its device (issue 46.5): NVML's own utilisation samples where NVML works
-(here its stand-in, ``queue_worker/devices/simulated_nvml.py``), the time in the model's forward on the CPU;
+(here its stand-in, ``queue_worker/drills/simulated_nvml.py``), the time in the model's forward on the CPU;
 one figure per run in status, report and the metrics. A run end to end: test_observability."""
 
 from __future__ import annotations

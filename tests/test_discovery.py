@@ -1,6 +1,6 @@
 """What GPUs a process may use, on hosts as they really are (issue 31, items 7-9): an inherited
 CUDA_VISIBLE_DEVICES (Slurm, the Kubernetes device plugin), MIG instances, GPUs NVML cannot read,
-compute modes. NVML is simulated (``queue_worker/devices/simulated_nvml.py``): it fails with pynvml's own
+compute modes. NVML is simulated (``queue_worker/drills/simulated_nvml.py``): it fails with pynvml's own
 exception classes, as the real library does."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from chunkq.queue_worker import exit_codes
 from chunkq.queue_worker.devices import discovery, torch_build
 from chunkq.queue_worker.devices.discovery import SIMULATED_ENV, read_all, visible
 from chunkq.queue_worker.devices.gpus import select, worker_environment
-from chunkq.queue_worker.devices.simulated_nvml import SimulatedNvml
+from chunkq.queue_worker.drills.simulated_nvml import SimulatedNvml
 from chunkq.queue_worker.processes.pool import Pool
 from tests.helpers import run_cli
 

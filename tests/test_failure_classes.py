@@ -14,11 +14,12 @@ import pytest
 import torch
 
 from chunkq.jobs import embed
-from chunkq.jobs.compute import faults, runtime
+from chunkq.jobs.compute import runtime
 from chunkq.jobs.contract import errors
 from chunkq.jobs.contract.errors import ChunkOutOfMemoryError, ConfigError, CudaFatalError
 from chunkq.jobs.contract.run_files import RunLayout, read_json
 from chunkq.jobs.contract.specs import ChunkSpec, EncodeOptions
+from chunkq.jobs.drills import faults
 from chunkq.jobs.embed import embed_chunk
 from chunkq.queue_worker.processes.pool import jittered_max_jobs
 from chunkq.supervisor.watch.retry import RetryPolicy

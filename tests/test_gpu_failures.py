@@ -1,5 +1,5 @@
 """The GPU failures a review against PyTorch's source found misread (issue 31), in-process with the
-real model on the CPU: each fault raised with torch's real type and text (``jobs/compute/faults.py`` names
+real model on the CPU: each fault raised with torch's real type and text (``jobs/drills/faults.py`` names
 the report each comes from) where torch raises it, and what the job then does."""
 
 from __future__ import annotations
@@ -13,12 +13,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from chunkq.jobs.compute import faults, learned, models, runtime
+from chunkq.jobs.compute import learned, models, runtime
 from chunkq.jobs.contract import errors
 from chunkq.jobs.contract.chunk_output import verify_output
 from chunkq.jobs.contract.errors import CudaFatalError, DeviceUnsupportedError, NonFiniteError
 from chunkq.jobs.contract.run_files import RunLayout, non_finite_rows, read_json
 from chunkq.jobs.contract.specs import EncodeOptions
+from chunkq.jobs.drills import faults
 from chunkq.jobs.embed import embed_chunk
 from tests.helpers import max_abs_diff, write_test_run
 

@@ -98,7 +98,7 @@ def test_the_jobs_contract_imports_only_itself_and_never_torch() -> None:
 
 
 def test_every_room_says_what_it_owns_and_what_it_may_import() -> None:
-    rooms = [ROOT / "jobs" / r for r in ("contract", "queue", "compute", "kinds")]
+    rooms = [ROOT / "jobs" / r for r in ("contract", "queue", "drills", "compute", "kinds")]
     rooms += [ROOT / "supervisor" / r for r in SUPERVISOR_ROOMS]
     for room in rooms:
         doc = ast.get_docstring(ast.parse((room / "__init__.py").read_text())) or ""

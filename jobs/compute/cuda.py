@@ -6,8 +6,8 @@ import gc
 import logging
 import sys
 
-from chunkq.jobs.compute import faults
 from chunkq.jobs.contract import errors
+from chunkq.jobs.drills import faults
 
 log = logging.getLogger(__name__)
 

@@ -11,9 +11,15 @@ DEFAULT_PRIORITY = 1  # a run's share of shared workers: its queue is looked in 
 DEFAULT_STORE = "chunkq-store"
 DEFAULT_CHUNK_SIZE = 1000  # texts per chunk job
 DEFAULT_WINDOW = 1000  # jobs of a run in Redis at once: ~1.5 MB, and work for 250 workers
+WINDOW_PER_WORKER = 4  # with more workers than DEFAULT_WINDOW / 4 listening, the window grows with them
 DEFAULT_SHARD_BYTES = 1 << 30  # 1 GiB of embeddings a shard; a result up to this size is one .npy
 
+# How a corpus is read.
+DEFAULT_TEXT_FIELD = "text"
+DEFAULT_ID_FIELD = "id"
+
 # How a chunk is encoded.
+DEFAULT_OUTPUT_DTYPE = "float32"
 DEFAULT_PRECISION = "fp32"
 DEFAULT_KIND = "dense"  # what every run was before kinds (jobs.kinds)
 DEFAULT_BATCH_SIZE = 32  # sentence-transformers' own
@@ -33,6 +39,7 @@ BACKOFF_CAP_SECONDS = 120.0
 BACKOFF_JITTER = 0.25  # +-25 %, so chunks that failed together do not return together
 
 # Watching a run.
+DEFAULT_POLL_SECONDS = 1.0  # between looks at a run; a finished chunk wakes the supervisor sooner
 REDIS_PATIENCE_SECONDS = 300.0  # how long Redis may stay away before the supervisor gives up
 WARN_IDLE_SECONDS = 30.0  # a worker that lives takes a queued chunk within its model load
 HEARTBEAT_SECONDS = 5.0  # a worker's beat while its chunk runs

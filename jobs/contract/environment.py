@@ -44,7 +44,7 @@ DASHBOARD_USERNAME = _declare("CHUNKQ_DASHBOARD_USERNAME", USER, "chunkq dashboa
 DASHBOARD_PASSWORD = _declare("CHUNKQ_DASHBOARD_PASSWORD", USER, "chunkq dashboard --password")
 
 # Tests and drills.
-FAULTS = _declare("CHUNKQ_FAULTS", DRILL, "fault-injection rules (jobs/compute/faults.py)")
+FAULTS = _declare("CHUNKQ_FAULTS", DRILL, "fault-injection rules (jobs/drills/faults.py)")
 SIMULATED_GPUS = _declare("CHUNKQ_SIMULATED_GPUS", DRILL, "a JSON file that stands in for NVML")
 SIMULATED_CUDA = _declare(
     "CHUNKQ_SIMULATED_CUDA", DRILL, "a JSON file that stands in for the CUDA driver's devices"

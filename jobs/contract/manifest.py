@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from chunkq.jobs.contract.defaults import DEFAULT_KIND, DEFAULT_PRIORITY
+from chunkq.jobs.contract.defaults import DEFAULT_KIND, DEFAULT_OUTPUT_DTYPE, DEFAULT_PRIORITY
 from chunkq.jobs.contract.errors import DamagedRunError, RunNotFoundError
 from chunkq.jobs.contract.run_files import RunLayout, read_json
 from chunkq.jobs.contract.specs import BATCHING, ChunkSpec, EncodeOptions, without_batching
@@ -107,7 +107,7 @@ class RunManifest:
 
     @property
     def output_dtype(self) -> str:
-        return str(self.options.get("output_dtype", "float32"))
+        return str(self.options.get("output_dtype", DEFAULT_OUTPUT_DTYPE))
 
     @property
     def ranges(self) -> list[list[float]] | None:
@@ -183,7 +183,7 @@ class RunManifest:
 
     @property
     def chunk_dtype(self) -> str:
-        return str(self.chunk_options.get("output_dtype", "float32"))
+        return str(self.chunk_options.get("output_dtype", DEFAULT_OUTPUT_DTYPE))
 
     def spec_mismatch(self, spec: ChunkSpec) -> str:
         """How a chunk spec differs from what this manifest says the chunk is, or "" when it agrees.

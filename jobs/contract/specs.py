@@ -8,7 +8,12 @@ import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
-from chunkq.jobs.contract.defaults import DEFAULT_BATCH_SIZE, DEFAULT_KIND, DEFAULT_PRECISION
+from chunkq.jobs.contract.defaults import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_KIND,
+    DEFAULT_OUTPUT_DTYPE,
+    DEFAULT_PRECISION,
+)
 from chunkq.jobs.contract.errors import ConfigError, TamperedJobError
 
 if TYPE_CHECKING:
@@ -85,7 +90,7 @@ _NEW_FIELD_DEFAULTS = {  # left out of to_dict when unset, so older runs keep th
     "prompt": None,
     "prompt_name": None,
     "truncate_dim": None,
-    "output_dtype": "float32",
+    "output_dtype": DEFAULT_OUTPUT_DTYPE,
     "trust_remote_code": False,
     "revision": None,
     "model_kwargs": None,
@@ -173,7 +178,9 @@ class EncodeOptions:
     prompt_name: str | None = field(default=None, metadata=_VECTOR)  # a named prompt (None: its default)
     # Matryoshka: keep the first N dimensions. Not a vector's: derived at assembly from the full one.
     truncate_dim: int | None = field(default=None, metadata=_NOT_VECTOR)
-    output_dtype: str = field(default="float32", metadata=_NOT_VECTOR)  # OUTPUT_DTYPES, derived likewise
+    output_dtype: str = field(
+        default=DEFAULT_OUTPUT_DTYPE, metadata=_NOT_VECTOR
+    )  # OUTPUT_DTYPES, derived likewise
     # the model's own Python code may run (a pool must allow it too)
     trust_remote_code: bool = field(default=False, metadata=_VECTOR)
     revision: str | None = field(default=None, metadata=_VECTOR)  # the hub revision (branch, tag, commit)

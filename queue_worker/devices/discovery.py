@@ -181,7 +181,7 @@ def nvml_library() -> Any:
     """NVML as this process sees it: the stand-in under CHUNKQ_SIMULATED_GPUS, else pynvml."""
     path = os.environ.get(SIMULATED_ENV)
     if path:
-        from chunkq.queue_worker.devices import simulated_nvml
+        from chunkq.queue_worker.drills import simulated_nvml
 
         return simulated_nvml.load(path)
     try:

@@ -115,7 +115,7 @@ def _run_worker(request: dict[str, Any], fds: list[int], server_pid: int) -> int
     args = [str(a) for a in request["args"]]
     import torch
 
-    from chunkq.jobs.compute import faults
+    from chunkq.jobs.drills import faults
     from chunkq.queue_worker.worker import main
 
     setproctitle.setproctitle(worker_title(" ".join(args)))

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from chunkq.jobs.contract.defaults import DEFAULT_ID_FIELD, DEFAULT_TEXT_FIELD
 from chunkq.jobs.contract.errors import CorpusError
 from chunkq.jobs.contract.storage import is_local
 from chunkq.jobs.kinds.cross import pair_text
@@ -29,8 +30,8 @@ class CorpusOptions:
     """How to read a corpus; part of a run's identity."""
 
     format: str
-    text_field: str = "text"
-    id_field: str = "id"
+    text_field: str = DEFAULT_TEXT_FIELD
+    id_field: str = DEFAULT_ID_FIELD
     max_text_bytes: int = MAX_TEXT_BYTES  # a longer line or text is a data bug, not a document
     pair_field: str | None = None  # --kind cross: the second text of each pair (the passage)
     extra_fields: tuple[str, ...] = ()  # export --columns: fields copied beside each row (not read by runs)

@@ -17,7 +17,7 @@ from typing import Any
 import redis
 
 from chunkq.jobs.contract import errors
-from chunkq.jobs.contract.defaults import DEFAULT_WINDOW
+from chunkq.jobs.contract.defaults import DEFAULT_WINDOW, WINDOW_PER_WORKER
 from chunkq.jobs.contract.manifest import RunManifest
 from chunkq.jobs.contract.run_files import RunLayout
 from chunkq.jobs.contract.specs import chunk_job_id, chunk_job_prefix
@@ -44,7 +44,6 @@ BATCH = 1000
 # A finished job is deleted by the supervisor once it has counted the chunk's output; this is the
 # fallback when no supervisor runs (submit and pools alone), short because the store is the record.
 RESULT_TTL = 3600
-WINDOW_PER_WORKER = 4  # with more workers than DEFAULT_WINDOW / 4 listening, the window grows with them
 FAILURE_TTL = 30 * 24 * 3600
 # RQ job statuses of a job that will still run: waiting for a worker, or running now.
 QUEUED_STATUSES = frozenset({"queued", "deferred", "scheduled"})

@@ -22,6 +22,7 @@ import redis
 from chunkq.jobs.compute import chunk_progress
 from chunkq.jobs.contract import errors
 from chunkq.jobs.contract.defaults import (
+    DEFAULT_POLL_SECONDS,
     DEFAULT_SHARD_BYTES,
     REDIS_PATIENCE_SECONDS,
     STALE_AFTER_SECONDS,
@@ -65,7 +66,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-POLL_SECONDS = 1.0
 TOP_UP_FRACTION = 10  # the supervisor tops the window up once this fraction of it is free
 
 
@@ -75,7 +75,7 @@ class RedisGoneError(ChunkqError):
 
 @dataclass(frozen=True)
 class WatchSettings:
-    poll_seconds: float = POLL_SECONDS
+    poll_seconds: float = DEFAULT_POLL_SECONDS
     policy: RetryPolicy = field(default_factory=RetryPolicy)
     allow_partial: bool = False
     redis_patience: float = REDIS_PATIENCE_SECONDS

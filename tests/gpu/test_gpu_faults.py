@@ -182,7 +182,7 @@ def test_the_allocators_nvml_assert_is_halved_in_the_same_process(
     tmp_path: Path, gpu_model: str, gpu: Any, cuda_device: str
 ) -> None:
     """A real allocation larger than the GPU fails first (the allocator releases its cache), then
-    the assert torch raises where NVML cannot work (jobs/compute/faults.py's NVML_ASSERTS), above batch 8:
+    the assert torch raises where NVML cannot work (jobs/drills/faults.py's NVML_ASSERTS), above batch 8:
     the chunk halves in the same process, whose context stays usable (issue 44.2), and the chunks
     after it start at what it learned."""
     ids, texts = make_texts(120, seed=13)
