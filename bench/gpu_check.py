@@ -17,7 +17,7 @@ BENCHMARKS.md as it is), after every step, so a lease cut short keeps what was m
 folder) is installed there first and used throughout (``--model``, ``CHUNKQ_GPU_TEST_MODEL``).
 
 ``--device cpu`` runs the same steps on the CPU with small sizes (the tier then skips itself): what
-``tests/test_gpu_check.py`` runs, so the command cannot rot between leases.
+``tests/house/test_gpu_check.py`` runs, so the command cannot rot between leases.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ this one server cannot make one test's result depend on another's:
 - a pool that dies takes its workers with it as before: the server signals them once it is dead.
 Tests whose claim is about the pool's own fork server start their pools without it
 (``CHUNKQ_FORK_SERVER_SOCKET=""``); the server's own behaviour is tested in
-``tests/test_standing_forks.py`` against servers of those tests' own.
+``tests/queue_worker/test_standing_forks.py`` against servers of those tests' own.
 """
 
 from __future__ import annotations

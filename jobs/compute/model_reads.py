@@ -21,7 +21,7 @@ name code. Everything a JSON file of the folder names is checked here, whatever 
   (``model_code``).
 
 Two keys are exempt: ``_name_or_path`` and ``name_or_path``, which transformers overwrites with the
-path it loads from and never opens (``tests/test_model_reads.py`` loads a model whose keys name
+path it loads from and never opens (``tests/jobs/test_model_reads.py`` loads a model whose keys name
 another model and checks the vectors). ``tokenizer.json`` is not searched: the tokenizers library
 reads that one file, and its vocabulary is tokens ("/", "~", "x/y") that only look like paths.
 What the identity cannot see, the docs say (docs/cache.md).

@@ -22,7 +22,7 @@ _ENVIRONMENT: frozenset[str] | None = None
 
 def _front_package() -> Any:
     """The ``chunkq`` package, loaded before any of its modules: where its files are, without this
-    room importing the front door (tests/test_layers.py)."""
+    room importing the front door (tests/house/test_layers.py)."""
     return sys.modules[__name__.split(".")[0]]
 
 

@@ -3,7 +3,7 @@
 The settings' own variables (``CHUNKQ_STORE``, ``CHUNKQ_REDIS_URL``, ``CHUNKQ_WORKERS_PER_GPU``...)
 are derived from their names in ``settings.py`` and ``supervisor/run_options.py``; the rest are
 here, each with who sets it and what it does. Modules import the name from here: no other module
-spells a ``CHUNKQ_`` name (``tests/test_environment.py`` reads the source for one), and
+spells a ``CHUNKQ_`` name (``tests/jobs/test_environment.py`` reads the source for one), and
 ``docs/settings.md`` lists each.
 """
 

@@ -1,7 +1,7 @@
 """A run, opened once: where its files are, its manifest, and its published result's manifest.
 
 Every command that reads a run opens it here once and passes the value on, so nothing below reads
-the manifest again (``tests/test_run_reads.py`` counts the reads of each command). The result's
+the manifest again (``tests/whole/test_run_reads.py`` counts the reads of each command). The result's
 manifest (``result/manifest.json``, written last by assembly, so its presence commits the result)
 is a typed record: readers ask it for the facts below rather than by string key; ``fields`` keeps
 the JSON as written, for the checks that compare what it says with what the run's manifest says it

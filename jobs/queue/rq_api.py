@@ -3,7 +3,7 @@
 Everything chunkq takes from RQ is named here, public API and internals alike (chunkq subclasses
 RQ's worker, fails a dead worker's job the way RQ's own lifecycle does, reads its intermediate list
 and result keys). An RQ release that renames or reshapes one of them is met in this file and in
-``tests/test_rq_contract.py``, which pins the signatures of the internals named below; pyproject.toml
+``tests/jobs/test_rq_contract.py``, which pins the signatures of the internals named below; pyproject.toml
 bounds rq below its next major version for the same reason.
 """
 

@@ -4,7 +4,7 @@ the rest of the corpus is still read (issue 64.2: at 200,000 rows the split took
 worker had a chunk).
 
 It makes the plan ``plan.py`` makes (the texts the cache lacks first, in order of first occurrence,
-then those it holds; a row map where a row is not its own chunk row; tests/test_streamed_submit.py
+then those it holds; a row map where a row is not its own chunk row; tests/supervisor/test_streamed_submit.py
 holds the two to the same bytes), with the run's distinct texts and the cache's hashes held in
 memory (``hash_index.py``: about 48 bytes a text), which the two-pass plan partitions on disk
 instead. The cache's are held where they are at most ``STREAM_MAX_CACHE_ROWS``; past that the

@@ -102,7 +102,7 @@ def test_a_device_side_assert_an_oom_and_a_killed_worker_in_one_run(
 def oversized_corpus(rows: int) -> tuple[list[str], list[str]]:
     """``rows`` texts of more than 512 tokens, every one distinct: the vector cache encodes each
     distinct text once, so ten texts repeated (what this test first used) made one small batch and
-    no OOM (tests/test_gpu_corpora.py checks every corpus of this tier on the CPU)."""
+    no OOM (tests/house/test_gpu_corpora.py checks every corpus of this tier on the CPU)."""
     words = "alpha beta gamma delta river mountain queue worker chunk embed".split()
     texts = [f"row {i}: " + " ".join(words[(i + j) % len(words)] for j in range(600)) for i in range(rows)]
     return [f"long-{i}" for i in range(rows)], texts

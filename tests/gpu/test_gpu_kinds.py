@@ -130,7 +130,7 @@ def test_windows_late_chunking_and_the_vector_cache_on_the_gpu(
 ) -> None:
     from sentence_transformers import SentenceTransformer
 
-    from tests.test_windows import _late_reference, _long_text
+    from tests.jobs.test_windows import _late_reference, _long_text
 
     texts = [_long_text(700, seed=s) for s in range(6)] + [f"a short text {i}" for i in range(20)]
     ids = [f"t{i}" for i in range(len(texts))]

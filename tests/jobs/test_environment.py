@@ -13,7 +13,7 @@ from chunkq.jobs.contract import environment
 from chunkq.jobs.contract.settings import ENV_PREFIX, schema
 from chunkq.supervisor.run_options import RUN_OPTIONS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NAME = re.compile(r"\bCHUNKQ_[A-Z0-9_]*[A-Z0-9]\b")
 SPELLERS = {ROOT / "jobs/contract/environment.py", ROOT / "jobs/contract/settings.py"}
 STANDALONE = {ROOT / "queue_worker/devices/cuda_devices.py"}  # runs as a script, the standard library alone

@@ -8,7 +8,7 @@ import ast
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LAYERS = {"jobs": 0, "queue_worker": 1, "supervisor": 2, "cli": 3, "api": 3, "tools": 3, "sinks": 3}
 FRONT_DOOR = 3
 _FRONT_DOOR_NAMES = ("chunkq.__main__", "chunkq.api", "chunkq.run", "chunkq.embed", "chunkq.RunResult")

@@ -26,7 +26,7 @@ from chunkq.supervisor.store.embedded_redis import free_port
 from tests.helpers import make_texts, result_matches, wait_for, write_corpus
 from tests.tiny_models import bundled_copy
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "examples" / "slurm"
 DAEMONS = ("slurmctld", "slurmd", "munged")
 CLIENTS = ("sbatch", "squeue", "scancel", "sinfo")

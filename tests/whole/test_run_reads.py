@@ -23,7 +23,7 @@ KINDS = {
     "chunk inputs": r"store/runs/r/inputs/\d{6}\.jsonl\.gz",
     "chunk outputs": r"store/runs/r/outputs/\d{6}\.npy",
 }
-# Measured at b6682ca (tests/test_run_reads.py run against that tree) and now.
+# Measured at b6682ca (tests/whole/test_run_reads.py run against that tree) and now.
 BEFORE = {
     "fresh": {"manifest": 7, "corpus": 7, "chunk inputs": 9, "chunk outputs": 12},
     "resumed": {"manifest": 8, "corpus": 5, "chunk inputs": 7, "chunk outputs": 12},

@@ -16,7 +16,7 @@ import pytest
 
 from tests.helpers import cli_env, make_texts, write_corpus
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _uninstalled(tmp_path: Path) -> tuple[list[str], dict[str, str], Path]:

@@ -157,7 +157,7 @@ def test_code_the_folder_does_not_hold_is_refused_or_named_with_its_release(tmp_
                 model_identity(str(model))
         else:
             # Its files alone: such a class loads only under --trust-remote-code, whose load is
-            # watched for the code it runs (tests/test_model_code.py).
+            # watched for the code it runs (tests/jobs/test_model_code.py).
             named = model_identity(str(model))
             assert named is not None and named.startswith("files:") and "+" not in named
     modules[1] = {**modules[1], "type": "sentence_transformers.models.Pooling", "path": ".git/pooling"}

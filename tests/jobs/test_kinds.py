@@ -524,7 +524,7 @@ def test_a_kind_of_ones_own_in_one_module_runs_end_to_end(tmp_path: Path, refere
     texts = [f"{WORDS[i % len(WORDS)]} number {i} of a kind of its own" for i in range(60)]
     corpus = tmp_path / "c.jsonl"
     corpus.write_text("".join(json.dumps({"id": f"t{i}", "text": t}) + "\n" for i, t in enumerate(texts)))
-    env = {"CHUNKQ_KINDS": "tests.kind_scaled", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {"CHUNKQ_KINDS": "tests.kind_scaled", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     plain = reference_model.encode(texts, convert_to_numpy=True)
     for kind in ("dense", "scaled"):
         done = run_cli(

@@ -10,7 +10,7 @@ from pathlib import Path
 from tests.gpu.test_gpu_faults import oversized_corpus
 from tests.helpers import make_texts
 
-GPU_TIER = Path(__file__).parent / "gpu"
+GPU_TIER = Path(__file__).resolve().parents[1] / "gpu"
 
 
 def test_every_corpus_of_the_gpu_tier_has_a_distinct_text_per_row() -> None:

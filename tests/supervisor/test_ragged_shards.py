@@ -1,7 +1,7 @@
 """A ragged result (sparse CSR, token vectors) larger than ``--shard-size`` is published as ordered
 shards of whole chunks, like a matrix result: verified file by file, read back by the Python API
 and exported, equal to the same run published as one block. Model-free (random chunk outputs as
-workers leave them), so any size is cheap; the kinds' own runs are tests/test_kinds.py."""
+workers leave them), so any size is cheap; the kinds' own runs are tests/jobs/test_kinds.py."""
 
 from __future__ import annotations
 

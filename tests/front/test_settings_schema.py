@@ -15,7 +15,7 @@ from chunkq.jobs.contract.settings import flag, schema
 from chunkq.supervisor.request import POOL_NAMES, RUN_DECIDES_FOR_THE_POOL, RUN_NAMES
 from chunkq.supervisor.run_options import RUN_OPTIONS, SUBMIT, WATCH
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EVERY_COMMANDS = {"store", "queue", "redis_url", "as_json", "help_all"}  # cli/common.py, --json, --help-all
 
 

@@ -137,7 +137,7 @@ def test_first_signal_drains_the_chunk_in_hand(
     # The chunk is in hand for 8 s of its own (the slow fault) whatever the machine's load: a big
     # chunk to keep the worker busy took over 120 s to drain at load 15 (issue 37.1). Slurm's
     # scancel signals every process of the job, the worker too, and the pool relays its drain:
-    # one stop, not "stop now" (tests/test_slurm.py).
+    # one stop, not "stop now" (tests/house/test_slurm.py).
     with _holding_a_slow_chunk(tmp_path, store, connection, redis_url, 8) as held:
         pool, log, run_id, job_id = held
         (worker,) = worker_processes(pool)
@@ -233,7 +233,7 @@ def test_a_busy_worker_that_missed_its_pools_death_stops_within_a_beat(
 def test_a_pool_restarted_under_its_name_fails_the_chunks_its_killed_predecessor_held(
     tmp_path: Path, store: Path, connection: redis.Redis, redis_url: str
 ) -> None:
-    # A requeued Slurm pool job comes back with the same name (seen in tests/test_slurm.py): its new
+    # A requeued Slurm pool job comes back with the same name (seen in tests/house/test_slurm.py): its new
     # worker could not register the name its killed predecessor still held, and crashed.
     with _holding_a_slow_chunk(tmp_path, store, connection, redis_url, 600, "--name", "p1") as held:
         pool, _, _, job_id = held

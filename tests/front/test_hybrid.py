@@ -17,7 +17,7 @@ import pytest
 from tests.helpers import make_texts, run_cli, write_corpus
 from tests.tiny_models import splade_encoder
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "hybrid.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "hybrid.md"
 K, CANDIDATES, RRF, ACTIVE = 10, 100, 60, 64
 
 

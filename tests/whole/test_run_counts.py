@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import make_texts, run_cli, write_corpus
-from tests.test_windows import _long_text
+from tests.jobs.test_windows import _long_text
 
 
 def _counts(store: Path, run_id: str) -> tuple[str, str]:

@@ -98,7 +98,7 @@ def test_rq_is_bounded_below_its_next_major_version() -> None:
     from packaging.requirements import Requirement
     from packaging.version import Version
 
-    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
     (rq,) = [Requirement(r) for r in project["project"]["dependencies"] if Requirement(r).name == "rq"]
     import rq as installed
 

@@ -11,7 +11,7 @@ import pytest
 
 from tests.helpers import cli_env
 
-SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "gpu.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu.py"
 
 
 def test_its_help_works_without_a_gpu() -> None:

@@ -13,7 +13,7 @@ import pytest
 
 from tests.helpers import cli_env
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # The check's own budget is for a GPU lease; here it must not decide the test. ~120 s at rest; a

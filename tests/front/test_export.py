@@ -198,8 +198,8 @@ def test_corpus_fields_go_beside_each_row_of_a_parquet_or_jsonl_file_or_are_refu
     from chunkq.supervisor.submit.identity import SubmitRequest
     from chunkq.tools import export as export_module
     from tests.helpers import write_ragged_run
-    from tests.test_kinds import _encode_in_process
-    from tests.test_windows import _long_text
+    from tests.jobs.test_kinds import _encode_in_process
+    from tests.jobs.test_windows import _long_text
 
     monkeypatch.setattr(export_module, "BATCH_ROWS", 5)
     rows = [{"id": f"d{i}", "text": _long_text(70 if i % 2 else 10, seed=i), "n": i} for i in range(8)]

@@ -166,8 +166,8 @@ def test_corpus_fields_and_windows_go_beside_each_row(
     from chunkq.jobs.contract.manifest import load_manifest
     from chunkq.supervisor.submit.corpus import CorpusOptions
     from chunkq.supervisor.submit.identity import SubmitRequest
-    from tests.test_kinds import _encode_in_process
-    from tests.test_windows import _long_text
+    from tests.jobs.test_kinds import _encode_in_process
+    from tests.jobs.test_windows import _long_text
 
     rows = [
         {
@@ -404,8 +404,8 @@ def test_a_table_gains_the_columns_a_later_export_writes_and_windows_carry_their
     from chunkq.jobs.compute.model_refs import BUNDLED_MODEL
     from chunkq.supervisor.submit.corpus import CorpusOptions
     from chunkq.supervisor.submit.identity import SubmitRequest
-    from tests.test_kinds import _encode_in_process
-    from tests.test_windows import _long_text
+    from tests.jobs.test_kinds import _encode_in_process
+    from tests.jobs.test_windows import _long_text
 
     rows = [{"id": f"d{i}", "text": _long_text(70 if i % 2 else 10, seed=i)} for i in range(8)]
     corpus = tmp_path / "docs.jsonl"

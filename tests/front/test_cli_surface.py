@@ -20,7 +20,7 @@ from chunkq.jobs.compute import model_refs
 from chunkq.jobs.contract.errors import ConfigError
 from tests.helpers import cli_env, run_cli
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PIP_WHEEL = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
 
 
@@ -148,7 +148,7 @@ def test_the_wheel_installs_one_top_level_name(tmp_path: Path) -> None:
     tops = {n.split("/", 1)[0] for n in names if not n.split("/", 1)[0].endswith(".dist-info")}
     assert tops == {"chunkq"}
     # every module of the tree, the rooms' sub-packages included (each must be in pyproject's list)
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     tree = [
         f"chunkq/{p.relative_to(root).as_posix()}"
         for d in ("jobs", "queue_worker", "supervisor")

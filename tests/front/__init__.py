@@ -1,0 +1,1 @@
+"""Tests of the commands, exports, sinks, the dashboard and the Python API (chunkq/)."""

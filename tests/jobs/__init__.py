@@ -1,0 +1,1 @@
+"""Tests of the job contract, the job function, models, kinds and the vector cache (jobs/)."""

@@ -1,0 +1,1 @@
+"""Tests of workers, pools, fork servers and devices (queue_worker/)."""

@@ -1,0 +1,1 @@
+"""Tests of submit, watch, retries, the ledger and assembly (supervisor/)."""

@@ -1,0 +1,1 @@
+"""Tests of whole runs across every floor: faults, abuse, integrity, security, object stores."""
