@@ -186,7 +186,7 @@ def test_the_fork_server_imports_with_the_collector_off_and_freezes_what_it_impo
     workers, and the collector is on again for the server's life and every worker's."""
     probe = (
         "import gc, json\n"
-        "from chunkq.queue_worker import fork_server\n"
+        "from chunkq.queue_worker.processes import fork_server\n"
         "fork_server.PRELOAD = ('torch',)  # the same work, in short\n"
         "seen = []\n"
         "gc.callbacks.append(lambda phase, info: phase == 'start' and seen.append(info['generation']))\n"
