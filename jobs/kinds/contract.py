@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from chunkq.jobs.contract.ragged import Ragged
 from chunkq.jobs.contract.specs import EncodeOptions
 
 OnRows = Callable[[int], None] | None
@@ -65,6 +68,38 @@ def with_bad_rows(matrix: Any, bad: dict[int, str], options: EncodeOptions, what
         more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
         raise BadRowsError(f"{len(bad)} {what}: {shown}{more}", bad)
     return WithBadRows(matrix, bad)
+
+
+def matrix_rows(
+    total: int, batches: Iterable[list[int]], call: Callable[[list[int]], Any], width: int = 0
+) -> np.ndarray[Any, Any]:
+    """The batch loop of every kind whose rows are a matrix: ``call`` encodes the rows at a batch's
+    positions, which land at those positions as float32; its width is the first batch's. A row no
+    batch holds is zeros (a row left out, --allow-missing); a chunk with no batch is ``width`` wide."""
+    out: np.ndarray[Any, Any] | None = None
+    for batch in batches:
+        rows = np.asarray(call(batch), dtype=np.float32).reshape(len(batch), -1)
+        if out is None:
+            out = np.zeros((total, rows.shape[1]), dtype=np.float32)
+        out[batch] = rows
+    return out if out is not None else np.zeros((total, width), dtype=np.float32)
+
+
+def ragged_rows(
+    total: int,
+    batches: Iterable[list[int]],
+    call: Callable[[list[int]], tuple[list[dict[str, Any]], int]],
+    schema: dict[str, str],
+) -> Ragged:
+    """The batch loop of every kind whose rows are ragged: ``call`` gives a batch's rows (each its
+    entry arrays by name) and the width, placed at the batch's positions."""
+    rows: list[dict[str, Any]] = [{}] * total
+    dim = 0
+    for batch in batches:
+        found, dim = call(batch)
+        for i, row in zip(batch, found, strict=True):
+            rows[i] = row
+    return Ragged.of_rows(rows, schema, dim)
 
 
 def warm_up_texts(model: Any, lengths: list[int]) -> None:

@@ -15,7 +15,7 @@ import numpy as np
 from chunkq.jobs.compute import token_batches
 from chunkq.jobs.contract.errors import BadInputError
 from chunkq.jobs.contract.specs import EncodeOptions, canonical_json
-from chunkq.jobs.kinds.contract import Kind, OnRows
+from chunkq.jobs.kinds.contract import Kind, OnRows, matrix_rows
 
 SCORE_DTYPES = ("float32", "float16")  # scores are not embeddings: no calibrated or packed outputs
 
@@ -42,21 +42,18 @@ def _lengths(model: Any, pairs: list[tuple[str, str]]) -> list[int]:
 
 def encode(model: Any, texts: list[str], options: EncodeOptions, on_rows: OnRows) -> np.ndarray[Any, Any]:
     pairs = [parse_pair(t) for t in texts]
-    out: np.ndarray[Any, Any] | None = None
-    for batch in token_batches.each_batch(_lengths(model, pairs), options, on_rows):
-        scores = model.predict(
+    return matrix_rows(
+        len(texts),
+        token_batches.each_batch(_lengths(model, pairs), options, on_rows),
+        lambda batch: model.predict(
             [pairs[i] for i in batch],
             batch_size=len(batch),
             prompt=options.prompt,
             prompt_name=options.prompt_name,
             convert_to_numpy=True,
             show_progress_bar=False,
-        )
-        rows = np.asarray(scores, dtype=np.float32).reshape(len(batch), -1)
-        if out is None:
-            out = np.empty((len(texts), rows.shape[1]), dtype=np.float32)
-        out[batch] = rows
-    return out if out is not None else np.empty((0, 0), dtype=np.float32)
+        ),
+    )
 
 
 def warm_up(model: Any, lengths: list[int]) -> None:

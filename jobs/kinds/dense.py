@@ -9,7 +9,7 @@ import numpy as np
 from chunkq.jobs.compute import late, token_batches
 from chunkq.jobs.compute.tokenized import length_limit
 from chunkq.jobs.contract.specs import EncodeOptions
-from chunkq.jobs.kinds.contract import Kind, OnRows, warm_up_texts, with_bad_rows
+from chunkq.jobs.kinds.contract import Kind, OnRows, matrix_rows, warm_up_texts, with_bad_rows
 
 
 def encode(model: Any, texts: list[str], options: EncodeOptions, on_rows: OnRows) -> Any:
@@ -43,16 +43,13 @@ def _encode_with_role(
     or "document" prompt, its router's task), which a named prompt alone does not set."""
     call = getattr(model, f"encode_{options.role}")
     lengths = token_batches.token_lengths(model, texts, length_limit(model))
-    out = np.empty((len(texts), 0), dtype=np.float32)
-    for batch in token_batches.each_batch(lengths, options, on_rows):
-        rows = np.asarray(
-            call([texts[i] for i in batch], batch_size=len(batch), show_progress_bar=False, **kwargs),
-            dtype=np.float32,
-        )
-        if out.shape[1] != rows.shape[1]:
-            out = np.empty((len(texts), rows.shape[1]), dtype=np.float32)
-        out[batch] = rows
-    return out
+    return matrix_rows(
+        len(texts),
+        token_batches.each_batch(lengths, options, on_rows),
+        lambda batch: call(
+            [texts[i] for i in batch], batch_size=len(batch), show_progress_bar=False, **kwargs
+        ),
+    )
 
 
 def refuse(options: EncodeOptions) -> str | None:

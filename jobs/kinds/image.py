@@ -10,15 +10,14 @@ A text run of the same model gives vectors in the same space.
 from __future__ import annotations
 
 import io
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
-
-import numpy as np
 
 from chunkq.jobs.compute import token_batches
 from chunkq.jobs.contract.row_files import RowReadError, read_row_file
 from chunkq.jobs.contract.specs import BATCH_TOKENS_OFF, EncodeOptions
-from chunkq.jobs.kinds.contract import Kind, OnRows, with_bad_rows
+from chunkq.jobs.kinds.contract import Kind, OnRows, matrix_rows, with_bad_rows
 
 
 def read_image(ref: str) -> Any:
@@ -67,28 +66,28 @@ def encode(model: Any, texts: list[str], options: EncodeOptions, on_rows: OnRows
     if bad and not options.allow_missing:  # refused now, before any image is encoded
         with_bad_rows(None, bad, options, "image(s) cannot be read")
     good = sorted(images)
-    out: np.ndarray[Any, Any] | None = None
-    done = 0
-    for batch in token_batches.plan_fixed([1] * len(good), options.batch_size):
-        rows = np.asarray(
-            model.encode(
-                [images[good[j]] for j in batch],
-                batch_size=len(batch),
-                normalize_embeddings=options.normalize_embeddings,
-                truncate_dim=options.truncate_dim,
-                convert_to_numpy=True,
-                show_progress_bar=False,
-            ),
-            dtype=np.float32,
-        )
-        if out is None:
-            out = np.zeros((len(texts), rows.shape[1]), dtype=np.float32)
-        out[[good[j] for j in batch]] = rows
-        done += len(batch)
-        if on_rows is not None:
-            on_rows(done)
-    if out is None:  # every image bad: the width is the model's
-        out = np.zeros((len(texts), int(model.get_embedding_dimension() or 0)), dtype=np.float32)
+
+    def batches() -> Iterator[list[int]]:  # the readable images' rows, in batches of --batch-size
+        done = 0
+        for batch in token_batches.plan_fixed([1] * len(good), options.batch_size):
+            yield [good[j] for j in batch]
+            done += len(batch)
+            if on_rows is not None:
+                on_rows(done)
+
+    out = matrix_rows(
+        len(texts),
+        batches(),
+        lambda rows: model.encode(
+            [images[i] for i in rows],
+            batch_size=len(rows),
+            normalize_embeddings=options.normalize_embeddings,
+            truncate_dim=options.truncate_dim,
+            convert_to_numpy=True,
+            show_progress_bar=False,
+        ),
+        width=0 if good else int(model.get_embedding_dimension() or 0),  # every image bad: the model's
+    )
     return with_bad_rows(out, bad, options, "image(s) cannot be read")
 
 

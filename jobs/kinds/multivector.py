@@ -13,16 +13,15 @@ from chunkq.jobs.compute import token_batches
 from chunkq.jobs.compute.tokenized import length_limit
 from chunkq.jobs.contract.ragged import SCHEMAS, Ragged
 from chunkq.jobs.contract.specs import EncodeOptions
-from chunkq.jobs.kinds.contract import Kind, OnRows, warm_up_texts
+from chunkq.jobs.kinds.contract import Kind, OnRows, ragged_rows, warm_up_texts
 from chunkq.jobs.kinds.sparse import encode_call
 
 
 def encode(model: Any, texts: list[str], options: EncodeOptions, on_rows: OnRows) -> Ragged:
     call = encode_call(model, options.role)
     lengths = token_batches.token_lengths(model, texts, length_limit(model))
-    rows: list[dict[str, np.ndarray[Any, Any]]] = [{}] * len(texts)
-    dim = 0
-    for batch in token_batches.each_batch(lengths, options, on_rows):
+
+    def encoded(batch: list[int]) -> tuple[list[dict[str, Any]], int]:
         found = call(
             [texts[i] for i in batch],
             batch_size=len(batch),
@@ -32,10 +31,11 @@ def encode(model: Any, texts: list[str], options: EncodeOptions, on_rows: OnRows
             convert_to_numpy=True,
             show_progress_bar=False,
         )
-        for i, vectors in zip(batch, found, strict=True):
-            rows[i] = {"vectors": np.asarray(vectors, dtype=np.float32)}
-            dim = int(rows[i]["vectors"].shape[1])
-    return Ragged.of_rows(rows, SCHEMAS["multivector"], dim)
+        rows = [{"vectors": np.asarray(vectors, dtype=np.float32)} for vectors in found]
+        return rows, int(rows[-1]["vectors"].shape[1]) if rows else 0
+
+    batches = token_batches.each_batch(lengths, options, on_rows)
+    return ragged_rows(len(texts), batches, encoded, SCHEMAS["multivector"])
 
 
 def refuse(options: EncodeOptions) -> str | None:

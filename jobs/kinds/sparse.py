@@ -13,7 +13,7 @@ from chunkq.jobs.compute import token_batches
 from chunkq.jobs.compute.tokenized import length_limit
 from chunkq.jobs.contract.ragged import SCHEMAS, Ragged
 from chunkq.jobs.contract.specs import EncodeOptions
-from chunkq.jobs.kinds.contract import Kind, OnRows, warm_up_texts
+from chunkq.jobs.kinds.contract import Kind, OnRows, ragged_rows, warm_up_texts
 
 
 def encode_call(model: Any, role: str | None) -> Any:
@@ -25,9 +25,8 @@ def encode_call(model: Any, role: str | None) -> Any:
 def encode(model: Any, texts: list[str], options: EncodeOptions, on_rows: OnRows) -> Ragged:
     call = encode_call(model, options.role)
     lengths = token_batches.token_lengths(model, texts, length_limit(model))
-    rows: list[dict[str, np.ndarray[Any, Any]]] = [{}] * len(texts)
-    dim = 0
-    for batch in token_batches.each_batch(lengths, options, on_rows):
+
+    def encoded(batch: list[int]) -> tuple[list[dict[str, Any]], int]:
         found = call(
             [texts[i] for i in batch],
             batch_size=len(batch),
@@ -39,13 +38,17 @@ def encode(model: Any, texts: list[str], options: EncodeOptions, on_rows: OnRows
             show_progress_bar=False,
         )
         found = found.coalesce().cpu()
-        dim = int(found.shape[1])
         where, values = found.indices().numpy(), found.values().float().numpy()
-        for position, i in enumerate(batch):
+        rows = []
+        for position in range(len(batch)):
             mine = where[0] == position
             order = np.argsort(where[1][mine], kind="stable")
-            rows[i] = {"indices": where[1][mine][order], "values": values[mine][order]}
-    return Ragged.of_rows(rows, SCHEMAS["sparse"], dim)
+            rows.append({"indices": where[1][mine][order], "values": values[mine][order]})
+        return rows, int(found.shape[1])
+
+    return ragged_rows(
+        len(texts), token_batches.each_batch(lengths, options, on_rows), encoded, SCHEMAS["sparse"]
+    )
 
 
 def refuse(options: EncodeOptions) -> str | None:
