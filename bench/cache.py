@@ -131,7 +131,7 @@ from pathlib import Path
 import numpy as np
 from chunkq.jobs.compute.vector_cache import VectorCache, text_hashes
 from chunkq.supervisor import plan
-from chunkq.supervisor.submit.corpus import Record
+from chunkq.supervisor.corpus.records import Record
 corpus_rows, cache_rows = int(sys.argv[1]), int(sys.argv[2])
 root = Path(tempfile.mkdtemp())
 cache = VectorCache(root / "store", "b" * 32)

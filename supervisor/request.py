@@ -40,10 +40,10 @@ from chunkq.jobs.contract.specs import BATCH_TOKENS_OFF, EncodeOptions
 from chunkq.jobs.contract.storage import is_local, open_store
 from chunkq.jobs.queue.run_queues import MAX_PRIORITY
 from chunkq.queue_worker.devices.gpus import choose
+from chunkq.supervisor.corpus.records import CorpusOptions, detect_format, read_corpus
 from chunkq.supervisor.local_run import RunOutcome, RunRequest
 from chunkq.supervisor.result.published import shard_bytes
 from chunkq.supervisor.run_options import SUBMIT, WATCH, run_option_names
-from chunkq.supervisor.submit.corpus import CorpusOptions, detect_format, read_corpus
 from chunkq.supervisor.submit.identity import SubmitRequest
 from chunkq.supervisor.submit.windows import LONG_TEXTS, POOLS
 from chunkq.supervisor.watch.retry import RetryPolicy

@@ -38,7 +38,7 @@ from chunkq.jobs.contract.specs import (
 )
 from chunkq.jobs.kinds import KINDS
 from chunkq.jobs.queue.run_queues import MAX_PRIORITY
-from chunkq.supervisor.submit.corpus import FORMATS, CorpusOptions
+from chunkq.supervisor.corpus.records import FORMATS, CorpusOptions
 from chunkq.supervisor.submit.windows import LONG_TEXTS, POOLS
 from chunkq.supervisor.watch.retry import RetryPolicy
 from chunkq.supervisor.watch.supervise import WatchSettings

@@ -425,9 +425,9 @@ def run_in_process(
     from chunkq.jobs.contract.run_files import RunLayout
     from chunkq.jobs.contract.specs import EncodeOptions
     from chunkq.jobs.embed import embed_chunk
+    from chunkq.supervisor.corpus.records import CorpusOptions
     from chunkq.supervisor.result.assemble import assemble
     from chunkq.supervisor.result.reader import check_published
-    from chunkq.supervisor.submit.corpus import CorpusOptions
     from chunkq.supervisor.submit.identity import SubmitRequest
     from chunkq.supervisor.submit.submission import submit
 

@@ -13,7 +13,7 @@ import click
 from chunkq.cli.common import redis_option
 from chunkq.cli.group import command
 from chunkq.jobs.contract.errors import ConfigError
-from chunkq.supervisor.submit.corpus import CorpusOptions, detect_format, read_corpus
+from chunkq.supervisor.corpus.records import CorpusOptions, detect_format, read_corpus
 
 RERANK_MOST = 10_000  # passages scored at once in this process: a reranker's top k, not a corpus
 

@@ -49,7 +49,7 @@ def _as_text(value: Any) -> str | None:
 def check_present(manifest: Any, names: tuple[str, ...]) -> None:
     """ConfigError for a field no row of the run's corpus has a value for (``--columns nosuch``
     wrote a column of nulls): the corpus is read until each has one, its first row as a rule."""
-    from chunkq.supervisor.submit.identity import run_corpus_fields
+    from chunkq.supervisor.corpus.files import run_corpus_fields
 
     wanting = set(names)
     for record in run_corpus_fields(manifest, names):
@@ -66,7 +66,7 @@ class CorpusColumns:
     """The corpus fields of each result row."""
 
     def __init__(self, manifest: Any, names: tuple[str, ...], windowed: bool) -> None:
-        from chunkq.supervisor.submit.identity import run_corpus_fields
+        from chunkq.supervisor.corpus.files import run_corpus_fields
 
         check_present(manifest, names)
         self.names, self.windowed = names, windowed

@@ -56,7 +56,7 @@ class RowHashes:
         return found
 
     def _documents(self, manifest: RunManifest) -> Iterator[tuple[Any, str]]:
-        from chunkq.supervisor.submit.identity import run_corpus_fields
+        from chunkq.supervisor.corpus.files import run_corpus_fields
 
         try:
             for record in run_corpus_fields(manifest, ()):

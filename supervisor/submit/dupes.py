@@ -10,7 +10,7 @@ from types import TracebackType
 
 from chunkq.jobs.contract.errors import CorpusError
 from chunkq.jobs.contract.storage import private_dirs, private_open
-from chunkq.supervisor.submit.corpus import Record
+from chunkq.supervisor.corpus.records import Record
 
 
 class IdRegistry:

@@ -6,7 +6,6 @@ is fixed to. Nothing is written here; ``submit/submission.py`` creates the run.
 from __future__ import annotations
 
 import logging
-import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -19,22 +18,18 @@ from chunkq.jobs.compute.vector_cache import cache_enabled
 from chunkq.jobs.contract.defaults import DEFAULT_CHUNK_SIZE, DEFAULT_QUEUE
 from chunkq.jobs.contract.errors import (
     ConfigError,
-    CorpusError,
     ModelChangedError,
     RunConflictError,
-    StoreError,
 )
 from chunkq.jobs.contract.manifest import RunManifest, load_manifest
 from chunkq.jobs.contract.run_files import (
     RunLayout,
-    file_sha256,
 )
 from chunkq.jobs.contract.specs import BATCHING, EncodeOptions, fingerprint, validate_run_id, without_batching
-from chunkq.jobs.contract.storage import is_local, open_store
-from chunkq.supervisor.submit.corpus import (
+from chunkq.supervisor.corpus.files import describe_inputs, labels
+from chunkq.supervisor.corpus.records import (
     CorpusOptions,
     Record,
-    cannot_read,
     check_regular_file,
     read_corpus,
 )
@@ -97,42 +92,6 @@ class SubmitRequest:
         return self.corpus if isinstance(self.corpus, tuple) else (self.corpus,)
 
 
-def describe_inputs(paths: tuple[Path, ...]) -> list[dict[str, Any]]:
-    """Each corpus file with its checksum and size, for the manifest and the run's identity."""
-    described = []
-    for path in paths:
-        before = _stamp(path)
-        try:
-            sha256 = file_sha256(path)
-        except OSError as exc:
-            raise cannot_read(path, exc) from exc
-        unchanged(path, before)
-        where = str(path.resolve()) if is_local(path) else str(path)
-        described.append({"path": where, "sha256": sha256, "size": before[0], "version": before[1]})
-    return described
-
-
-def _stamp(path: Path) -> tuple[int, str]:
-    """(size, version): the modification time in ns here; an object's ETag (or time) as its store gives it."""
-    if is_local(path):
-        st = path.stat()
-        return st.st_size, str(st.st_mtime_ns)
-    remote: Any = path
-    remote.fs.invalidate_cache(remote.path)
-    info = remote.fs.info(remote.path)
-    version = info.get("ETag") or info.get("etag") or info.get("LastModified") or info.get("mtime") or ""
-    return int(info.get("size") or 0), str(version)
-
-
-def unchanged(path: Path, before: tuple[int, str]) -> None:
-    """Refuse a corpus file written to while chunkq read it: its checksum would not cover its rows."""
-    if _stamp(path) != before:
-        raise CorpusError(
-            f"{path}: the file changed while chunkq read it (size or modification time); "
-            "submit it again once whatever writes it has finished"
-        )
-
-
 def _identity(req: SubmitRequest, inputs: list[dict[str, Any]]) -> dict[str, Any]:
     """What makes two submissions the same run: the files' contents and order, not their names."""
     checksums = [i["sha256"] for i in inputs]
@@ -169,42 +128,11 @@ def default_run_id(corpus: Path, run_fingerprint: str) -> str:
     return f"{stem}-{run_fingerprint[:12]}"
 
 
-def _labels(paths: tuple[Path, ...]) -> list[str]:
-    """Names that tell several corpus files apart: their paths below the deepest common folder."""
-    if len(paths) == 1:
-        return [""]
-    names = [str(p.resolve()) if is_local(p) else str(p).partition("://")[2] for p in paths]
-    common = os.path.commonpath([os.path.dirname(n) for n in names])
-    return [os.path.relpath(n, common) for n in names]
-
-
 def read_inputs(req: SubmitRequest) -> Iterator[Record]:
     """The records of every corpus file in order. Row-number ids of several files are prefixed
     with the file's name (``a.jsonl:3``) so that they stay unique across files."""
-    for path, label in zip(req.corpora, _labels(req.corpora), strict=True):
+    for path, label in zip(req.corpora, labels(req.corpora), strict=True):
         yield from read_corpus(path, req.corpus_options, number_prefix=f"{label}:" if label else "")
-
-
-def run_corpus_fields(manifest: RunManifest, names: tuple[str, ...]) -> Iterator[Record]:
-    """The run's corpus read again, in its order, with ``names`` in each record's ``extra`` (export
-    --columns); StoreError if a file is not as the run read it (its size or version changed)."""
-    corpus = manifest.data["corpus"]
-    options = CorpusOptions(
-        format=corpus["format"],
-        text_field=corpus["text_field"],
-        id_field=corpus["id_field"],
-        pair_field=corpus.get("pair_field"),
-        extra_fields=names,
-    )
-    inputs = manifest.data.get("inputs") or [corpus]
-    paths = tuple(open_store(str(i["path"])) for i in inputs)
-    for path, described in zip(paths, inputs, strict=True):
-        if _stamp(path) != (described["size"], described["version"]):
-            raise StoreError(
-                f"{path} has changed since run {manifest.run_id} read it; --columns needs it as it was"
-            )
-    for path, label in zip(paths, _labels(paths), strict=True):
-        yield from read_corpus(path, options, number_prefix=f"{label}:" if label else "")
 
 
 def conflict(manifest: RunManifest, identity: dict[str, Any]) -> RunConflictError:

@@ -206,7 +206,7 @@ def test_runs_tells_runs_of_one_corpus_apart_by_file_format_and_options(
     """Issue 24.8: the same texts as JSONL, CSV and Parquet, one with other options."""
     from chunkq.jobs.compute.model_refs import BUNDLED_MODEL
     from chunkq.jobs.contract.specs import EncodeOptions
-    from chunkq.supervisor.submit.corpus import CorpusOptions
+    from chunkq.supervisor.corpus.records import CorpusOptions
     from chunkq.supervisor.submit.identity import SubmitRequest
     from chunkq.supervisor.submit.submission import submit
     from tests.helpers import make_texts, write_corpus

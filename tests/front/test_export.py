@@ -194,7 +194,7 @@ def test_corpus_fields_go_beside_each_row_of_a_parquet_or_jsonl_file_or_are_refu
     renamed by the window loop after the first), an .npy or a sparse run refuses them."""
     from chunkq.jobs.compute.model_refs import BUNDLED_MODEL
     from chunkq.jobs.contract.errors import ConfigError
-    from chunkq.supervisor.submit.corpus import CorpusOptions
+    from chunkq.supervisor.corpus.records import CorpusOptions
     from chunkq.supervisor.submit.identity import SubmitRequest
     from chunkq.tools import export as export_module
     from tests.helpers import write_ragged_run

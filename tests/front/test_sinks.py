@@ -164,7 +164,7 @@ def test_corpus_fields_and_windows_go_beside_each_row(
 
     from chunkq.jobs.compute.model_refs import BUNDLED_MODEL
     from chunkq.jobs.contract.manifest import load_manifest
-    from chunkq.supervisor.submit.corpus import CorpusOptions
+    from chunkq.supervisor.corpus.records import CorpusOptions
     from chunkq.supervisor.submit.identity import SubmitRequest
     from tests.jobs.test_kinds import _encode_in_process
     from tests.jobs.test_windows import _long_text
@@ -402,7 +402,7 @@ def test_a_table_gains_the_columns_a_later_export_writes_and_windows_carry_their
     import psycopg
 
     from chunkq.jobs.compute.model_refs import BUNDLED_MODEL
-    from chunkq.supervisor.submit.corpus import CorpusOptions
+    from chunkq.supervisor.corpus.records import CorpusOptions
     from chunkq.supervisor.submit.identity import SubmitRequest
     from tests.jobs.test_kinds import _encode_in_process
     from tests.jobs.test_windows import _long_text

@@ -97,7 +97,7 @@ def test_the_keda_trigger_reads_the_list_chunkq_fills_and_its_threshold_follows_
     that holds its queued jobs is the trigger's listName and holds exactly the window; the trigger's
     listLength is that window shared by the most replicas KEDA may start."""
     from chunkq.jobs.contract.specs import EncodeOptions
-    from chunkq.supervisor.submit.corpus import CorpusOptions
+    from chunkq.supervisor.corpus.records import CorpusOptions
     from chunkq.supervisor.submit.enqueue import chunk_queue
     from chunkq.supervisor.submit.identity import SubmitRequest
     from chunkq.supervisor.submit.submission import submit

@@ -53,8 +53,8 @@ def test_each_module_imports_only_its_own_layer_and_those_before_it() -> None:
 
 # The rooms inside supervisor/ and jobs/ (ARCHITECTURE.md's table). A supervisor module imports
 # only its own room and those before it; the modules beside the rooms (what the commands ask for,
-# and `chunkq run`) may use all four.
-SUPERVISOR_ROOMS = {"store": 0, "result": 1, "submit": 2, "watch": 3}
+# and `chunkq run`) may use all five.
+SUPERVISOR_ROOMS = {"corpus": 0, "store": 1, "result": 2, "submit": 3, "watch": 4}
 BESIDE_THE_ROOMS = len(SUPERVISOR_ROOMS)
 LONG_MODULE_LINES = 450
 TORCH = ("torch", "transformers", "sentence_transformers")
@@ -321,3 +321,18 @@ def test_the_cycle_check_sees_an_injected_cycle_and_the_front_door() -> None:
     assert ["chunkq.jobs.contract.run_files", "chunkq.jobs.contract.units"] in cycles(graph)
     assert _layer_of_import("chunkq") == FRONT_DOOR > LAYERS["queue_worker"]
     assert _layer_of_import("chunkq.api") == FRONT_DOOR and _layer_of_import("chunkq.jobs.kinds") == 0
+
+
+def test_reading_a_published_result_never_reaches_the_submit_room() -> None:
+    """Issue 66.5: export and the sinks reached into supervisor/submit/ (the corpus reader for
+    --columns, the tokenizer for --tokens); nothing they import, however deep, is of that room now."""
+    graph = import_graph()
+    readers = ["chunkq.tools.export", *(m for m in graph if m.startswith("chunkq.sinks"))]
+    reached, todo = set(readers), list(readers)
+    while todo:
+        for target in graph.get(todo.pop(), ()):
+            if target not in reached:
+                reached.add(target)
+                todo.append(target)
+    assert "chunkq.supervisor.result.reader" in reached  # the walk follows the imports
+    assert sorted(m for m in reached if m.startswith("chunkq.supervisor.submit")) == []

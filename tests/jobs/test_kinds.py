@@ -65,7 +65,7 @@ def test_a_pair_corpus_is_read_from_json_lines_csv_and_parquet(tmp_path: Path) -
 
     from chunkq.jobs.contract.errors import CorpusError
     from chunkq.jobs.kinds.cross import parse_pair
-    from chunkq.supervisor.submit.corpus import CorpusOptions, read_corpus
+    from chunkq.supervisor.corpus.records import CorpusOptions, read_corpus
 
     rows = _pairs(5, seed=1)
     jsonl = _write_pairs(tmp_path / "p.jsonl", rows)
@@ -182,7 +182,7 @@ def test_a_cross_encoder_with_classes_gives_a_row_of_class_scores(
     from sentence_transformers import CrossEncoder
 
     from chunkq.jobs.contract.specs import EncodeOptions
-    from chunkq.supervisor.submit.corpus import CorpusOptions
+    from chunkq.supervisor.corpus.records import CorpusOptions
     from chunkq.supervisor.submit.identity import SubmitRequest
 
     model = cross_encoder(tmp_path, labels=3, save_as_st=False)
@@ -459,7 +459,7 @@ def test_rows_left_out_are_named_on_the_dashboards_job_page(
     from chunkq.jobs.contract.run_files import RunLayout
     from chunkq.jobs.contract.specs import EncodeOptions
     from chunkq.jobs.embed import embed_chunk
-    from chunkq.supervisor.submit.corpus import CorpusOptions
+    from chunkq.supervisor.corpus.records import CorpusOptions
     from chunkq.supervisor.submit.identity import SubmitRequest
     from chunkq.supervisor.submit.submission import submit
     from chunkq.tools.dashboard import _meta_lines

@@ -315,9 +315,9 @@ def test_a_partial_result_leaves_out_every_row_of_a_missing_chunks_texts(
     from chunkq.jobs.contract.manifest import load_manifest
     from chunkq.jobs.contract.run_files import RunLayout
     from chunkq.jobs.embed import embed_chunk
+    from chunkq.supervisor.corpus.records import CorpusOptions
     from chunkq.supervisor.result.assemble import Failure, assemble
     from chunkq.supervisor.result.reader import check_published
-    from chunkq.supervisor.submit.corpus import CorpusOptions
     from chunkq.supervisor.submit.identity import SubmitRequest
     from chunkq.supervisor.submit.submission import submit
 
@@ -366,7 +366,7 @@ def test_a_run_begun_before_the_cache_resumes_as_it_was(
     no cache); it finishes without the cache. Asking for the cache by name makes a new run."""
     from chunkq.jobs.contract.manifest import load_manifest
     from chunkq.jobs.contract.run_files import RunLayout
-    from chunkq.supervisor.submit.corpus import CorpusOptions
+    from chunkq.supervisor.corpus.records import CorpusOptions
     from chunkq.supervisor.submit.identity import SubmitRequest
     from chunkq.supervisor.submit.submission import submit
 
@@ -450,8 +450,8 @@ def test_rows_encoded_by_other_library_releases_stay_out_of_the_cache(
     from chunkq.jobs.contract.manifest import load_manifest
     from chunkq.jobs.contract.run_files import RunLayout
     from chunkq.jobs.embed import embed_chunk
+    from chunkq.supervisor.corpus.records import CorpusOptions
     from chunkq.supervisor.result.assemble import assemble
-    from chunkq.supervisor.submit.corpus import CorpusOptions
     from chunkq.supervisor.submit.identity import SubmitRequest
     from chunkq.supervisor.submit.submission import submit
 

@@ -357,7 +357,7 @@ def test_a_late_window_without_a_token_is_named_and_left_out_under_allow_missing
     from chunkq.jobs.contract.run_files import RunLayout
     from chunkq.jobs.contract.specs import EncodeOptions
     from chunkq.jobs.embed import embed_chunk
-    from chunkq.supervisor.submit.corpus import CorpusOptions
+    from chunkq.supervisor.corpus.records import CorpusOptions
     from chunkq.supervisor.submit.identity import SubmitRequest
     from chunkq.supervisor.submit.submission import submit
     from tests.helpers import max_abs_diff, result_of, run_in_process, write_corpus

@@ -32,7 +32,7 @@ from chunkq.queue_worker.devices.discovery import GpuInfo
 from chunkq.queue_worker.processes.fork_client import ForkServer
 from chunkq.queue_worker.processes.fork_server import MODEL_ENV, ForkServerError
 from chunkq.queue_worker.processes.pool import Pool
-from chunkq.supervisor.submit.corpus import CorpusOptions
+from chunkq.supervisor.corpus.records import CorpusOptions
 from chunkq.supervisor.submit.identity import SubmitRequest
 from chunkq.supervisor.submit.submission import SubmitResult, submit
 from tests import warm_forks

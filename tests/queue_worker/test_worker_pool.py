@@ -30,7 +30,7 @@ from chunkq.jobs.contract.run_files import RunLayout, read_json
 from chunkq.jobs.contract.settings import SIGNAL_REPEAT_SECONDS, PoolSettings
 from chunkq.jobs.contract.specs import chunk_job_id
 from chunkq.queue_worker import exit_codes
-from chunkq.supervisor.submit.corpus import CorpusOptions
+from chunkq.supervisor.corpus.records import CorpusOptions
 from chunkq.supervisor.submit.enqueue import job_statuses
 from chunkq.supervisor.submit.identity import SubmitRequest
 from chunkq.supervisor.submit.submission import SubmitResult, submit

@@ -15,9 +15,9 @@ from chunkq.jobs.contract.manifest import load_manifest
 from chunkq.jobs.contract.run import Run
 from chunkq.jobs.contract.run_files import RunLayout
 from chunkq.jobs.embed import embed_chunk
+from chunkq.supervisor.corpus.records import CorpusOptions
 from chunkq.supervisor.result.assemble import assemble
 from chunkq.supervisor.result.mapped_building import start_build
-from chunkq.supervisor.submit.corpus import CorpusOptions
 from chunkq.supervisor.submit.identity import SubmitRequest
 from chunkq.supervisor.submit.submission import submit
 from tests.helpers import make_texts, max_abs_diff, result_of, write_corpus

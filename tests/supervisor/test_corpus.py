@@ -13,8 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from chunkq.jobs.contract.errors import CorpusError
+from chunkq.supervisor.corpus.records import CorpusOptions, check_regular_file, detect_format, read_corpus
 from chunkq.supervisor.request import check_corpora
-from chunkq.supervisor.submit.corpus import CorpusOptions, check_regular_file, detect_format, read_corpus
 from tests.helpers import make_texts, write_corpus
 
 

@@ -18,7 +18,7 @@ from chunkq.jobs.compute.model_refs import BUNDLED_MODEL
 from chunkq.jobs.contract.manifest import RunManifest, load_manifest
 from chunkq.jobs.contract.run_files import RunLayout, read_chunk_input
 from chunkq.jobs.embed import check_against_manifest
-from chunkq.supervisor.submit.corpus import CorpusOptions
+from chunkq.supervisor.corpus.records import CorpusOptions
 from chunkq.supervisor.submit.identity import SubmitRequest
 from chunkq.supervisor.submit.submission import prepare
 from tests.helpers import (

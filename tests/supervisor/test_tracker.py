@@ -19,8 +19,8 @@ from chunkq.jobs.contract.manifest import load_manifest
 from chunkq.jobs.contract.run_files import RunLayout, read_json
 from chunkq.jobs.contract.specs import chunk_job_id
 from chunkq.queue_worker import exit_codes
+from chunkq.supervisor.corpus.records import CorpusOptions
 from chunkq.supervisor.store.throughput import of_outputs
-from chunkq.supervisor.submit.corpus import CorpusOptions
 from chunkq.supervisor.submit.identity import SubmitRequest
 from chunkq.supervisor.submit.submission import SubmitResult, submit
 from chunkq.supervisor.watch.progress import Tracker

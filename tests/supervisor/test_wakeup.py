@@ -16,7 +16,7 @@ import redis
 from chunkq.jobs.compute.model_refs import BUNDLED_MODEL
 from chunkq.jobs.contract.events import announce_settled
 from chunkq.jobs.contract.run_files import RunLayout
-from chunkq.supervisor.submit.corpus import CorpusOptions
+from chunkq.supervisor.corpus.records import CorpusOptions
 from chunkq.supervisor.submit.identity import SubmitRequest
 from chunkq.supervisor.submit.submission import submit
 from chunkq.supervisor.watch.wakeup import Wakeup

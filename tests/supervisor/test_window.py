@@ -16,8 +16,8 @@ from chunkq.jobs.compute.model_refs import BUNDLED_MODEL
 from chunkq.jobs.contract.manifest import load_manifest
 from chunkq.jobs.queue.attempt_records import RECORD_MARK
 from chunkq.jobs.queue.run_queues import listed, run_queue
+from chunkq.supervisor.corpus.records import CorpusOptions
 from chunkq.supervisor.store.ledger import read_ledger
-from chunkq.supervisor.submit.corpus import CorpusOptions
 from chunkq.supervisor.submit.enqueue import chunk_queue
 from chunkq.supervisor.submit.identity import SubmitRequest
 from chunkq.supervisor.submit.submission import submit

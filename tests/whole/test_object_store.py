@@ -289,7 +289,7 @@ def test_every_corpus_format_reads_from_the_object_store_as_from_disk(
     (fsspec's buffered files take no size); only Parquet had been tried."""
     import s3fs
 
-    from chunkq.supervisor.submit.corpus import CorpusOptions, read_corpus
+    from chunkq.supervisor.corpus.records import CorpusOptions, read_corpus
 
     ids, texts = make_texts(30, seed=9)
     local = write_corpus(tmp_path / f"c.{fmt}", ids, texts, fmt)

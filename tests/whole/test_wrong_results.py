@@ -19,7 +19,7 @@ from chunkq.jobs.contract.manifest import load_manifest
 from chunkq.jobs.contract.run_files import RunLayout
 from chunkq.jobs.embed import embed_chunk
 from chunkq.queue_worker.exit_codes import EXIT_CONFIG, EXIT_CONFLICT
-from chunkq.supervisor.submit.corpus import CorpusOptions
+from chunkq.supervisor.corpus.records import CorpusOptions
 from chunkq.supervisor.submit.identity import SubmitRequest
 from chunkq.supervisor.submit.submission import prepare, submit
 from tests.helpers import make_texts, max_abs_diff, result_of, run_cli, write_corpus
