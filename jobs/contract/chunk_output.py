@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from chunkq.jobs.contract.defaults import DEFAULT_OUTPUT_DTYPE
 from chunkq.jobs.contract.ragged import OFFSETS, SCHEMAS, entry_shape
 from chunkq.jobs.contract.run_files import RunLayout, non_finite_rows, read_json, read_npy_header
 from chunkq.jobs.contract.specs import OUTPUT_DTYPES
@@ -148,7 +149,7 @@ def _array_problem(
     producer: dict[str, Any] | None,
 ) -> str:
     """What is wrong with a chunk output's array (its dtype, shape or values), or ""."""
-    output_dtype = str(((producer or {}).get("options") or {}).get("output_dtype", "float32"))
+    output_dtype = str(((producer or {}).get("options") or {}).get("output_dtype", DEFAULT_OUTPUT_DTYPE))
     expected = np.dtype(OUTPUT_DTYPES.get(output_dtype, "<f4"))
     if array.ndim != 2 or array.dtype != expected:
         shape = f"{name} has shape {array.shape} and dtype {array.dtype}"

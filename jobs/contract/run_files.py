@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from chunkq.jobs.contract.defaults import DEFAULT_OUTPUT_DTYPE
 from chunkq.jobs.contract.errors import BadInputError, StoreError
 from chunkq.jobs.contract.specs import chunk_name, storage_dtype, validate_run_id
 from chunkq.jobs.contract.storage import (
@@ -371,7 +372,7 @@ def write_output(
     index: int,
     embeddings: np.ndarray[Any, Any],
     meta: dict[str, Any],
-    output_dtype: str = "float32",
+    output_dtype: str = DEFAULT_OUTPUT_DTYPE,
 ) -> dict[str, Any]:
     """Publish a chunk output: the .npy first, then its metadata, which commits it. ``embeddings``
     are already in ``output_dtype``'s stored form (jobs.compute.quantize); ``dim`` is the stored columns."""

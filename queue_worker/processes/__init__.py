@@ -5,5 +5,6 @@ standby that loads while its predecessor works (``standby``), each child's lifel
 (``dead_workers``) and the pool's metrics (``metrics``).
 
 Imports ``jobs/``, ``devices/`` and the worker's shared modules (``exit_codes``, ``worker_args``);
-the worker itself (``worker``, ``chunk_worker``) runs in the processes this room starts.
+the fork server runs the worker's ``main`` in each child it forks, and the worker imports this
+room's ``lifeline`` and ``standby`` (its side of them).
 """
