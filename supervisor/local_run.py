@@ -27,7 +27,7 @@ from chunkq.jobs.contract.settings import DEVICES_JSON_ENV, SETTINGS_JSON_ENV, P
 from chunkq.jobs.contract.storage import OWNER_ONLY, is_local
 from chunkq.jobs.queue import jobmeta
 from chunkq.jobs.queue.abandon import mark_abandoned
-from chunkq.jobs.queue.rq_api import Job, JSONSerializer, NoSuchJobError, Queue, StartedJobRegistry
+from chunkq.jobs.queue.queueing import fetch_job, started_job_ids
 from chunkq.queue_worker.devices.discovery import GpuInfo, devices_json
 from chunkq.queue_worker.processes.lifeline import die_with_parent
 from chunkq.queue_worker.processes.stopping import wait_or_kill
@@ -165,17 +165,17 @@ def _release_orphans(connection: redis.Redis, previous: str, store: Path) -> Non
     store: the resumed submit requeues the job before any supervisor sees it failed, and status and
     report said "failed attempts: 0" where the log had said it failed (issue 65.2)."""
     why = f"its worker died with the previous chunkq run, {previous}"
-    for queue in Queue.all(connection=connection, serializer=JSONSerializer):
-        registry = StartedJobRegistry(queue.name, connection=connection, serializer=JSONSerializer)
-        for job_id in registry.get_job_ids():
-            if mark_abandoned(connection, job_id, why):
-                run_id, _, chunk = job_id.rpartition("__c")
-                try:
-                    job = Job.fetch(job_id, connection=connection, serializer=JSONSerializer)
-                    attempt = FailedAttempt.from_job(job, int(chunk), jobmeta.attempt(job.meta), None)
-                    AttemptRecorder(RunLayout(store, run_id)).record(attempt)
-                except (redis.RedisError, NoSuchJobError, ValueError, OSError) as exc:
-                    log.warning("the abandoned attempt of job %s is not recorded (%s)", job_id, exc)
+    for job_id in list(started_job_ids(connection)):
+        if mark_abandoned(connection, job_id, why):
+            run_id, _, chunk = job_id.rpartition("__c")
+            try:
+                job = fetch_job(connection, job_id)
+                if job is None:
+                    raise ValueError("Redis no longer holds the job")
+                attempt = FailedAttempt.from_job(job, int(chunk), jobmeta.attempt(job.meta), None)
+                AttemptRecorder(RunLayout(store, run_id)).record(attempt)
+            except (redis.RedisError, ValueError, OSError) as exc:
+                log.warning("the abandoned attempt of job %s is not recorded (%s)", job_id, exc)
 
 
 @contextlib.contextmanager

@@ -40,7 +40,7 @@ from chunkq.jobs.contract.settings import (
 from chunkq.jobs.contract.units import parse_size
 from chunkq.jobs.queue import run_queues
 from chunkq.jobs.queue.nopickle import forbid_pickle
-from chunkq.jobs.queue.rq_api import Queue
+from chunkq.jobs.queue.queueing import any_waiting
 from chunkq.queue_worker import exit_codes
 from chunkq.queue_worker.devices.discovery import GpuInfo, devices_from_json
 from chunkq.queue_worker.devices.gpus import (
@@ -220,7 +220,7 @@ class Pool:
         pools = self.settings.queue
         try:
             names = [name for name, _ in run_queues.listed(self.connection, pools)] + [pools]
-            return any(self.connection.llen(Queue(name, connection=self.connection).key) for name in names)
+            return any_waiting(self.connection, names)
         except redis.RedisError:
             return True  # cannot tell: the standby costs less than a cold start would
 

@@ -10,13 +10,15 @@ from __future__ import annotations
 import logging
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from chunkq.jobs.contract import errors
 from chunkq.jobs.contract.run_files import RunLayout, atomic_write_json, read_json
 from chunkq.jobs.contract.storage import list_with_mtime
 from chunkq.jobs.queue import jobmeta
-from chunkq.jobs.queue.rq_api import Job
+
+if TYPE_CHECKING:
+    from chunkq.jobs.queue.rq_api import Job
 
 log = logging.getLogger(__name__)
 

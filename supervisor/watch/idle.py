@@ -16,8 +16,7 @@ import redis
 
 from chunkq.jobs.contract.manifest import RunManifest
 from chunkq.jobs.queue.abandon import running_job_ids
-from chunkq.jobs.queue.rq_api import Worker
-from chunkq.supervisor.submit.enqueue import chunk_queue
+from chunkq.jobs.queue.queueing import listening_workers
 from chunkq.supervisor.watch.snapshot import Snapshot
 
 log = logging.getLogger("chunkq.supervisor.watch.supervise")  # the watch's own lines, under one name
@@ -25,10 +24,10 @@ log = logging.getLogger("chunkq.supervisor.watch.supervise")  # the watch's own 
 
 def busy_with(connection: redis.Redis, pool_queue: str) -> tuple[int, Counter[str]]:
     """How many workers listen on ``pool_queue``, and the runs whose chunks they hold, by count."""
-    workers = Worker.all(connection=connection, queue=chunk_queue(connection, pool_queue))
+    workers = listening_workers(connection, pool_queue)
     runs: Counter[str] = Counter()
     for worker in workers:
-        for job_id in running_job_ids(connection, worker.name):
+        for job_id in running_job_ids(connection, worker):
             if "__c" in job_id:
                 runs[job_id.rpartition("__c")[0]] += 1
     return len(workers), runs

@@ -10,6 +10,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import redis
 
@@ -22,7 +23,10 @@ from chunkq.jobs.contract.defaults import (
 )
 from chunkq.jobs.queue import jobmeta
 from chunkq.jobs.queue.attempt_records import keep_failed_attempt
-from chunkq.jobs.queue.rq_api import FailedJobRegistry, Job, JSONSerializer
+from chunkq.jobs.queue.queueing import requeue_failed_at_front
+
+if TYPE_CHECKING:
+    from chunkq.jobs.queue.rq_api import Job
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +91,6 @@ def settle_failure(
     jobmeta.next_attempt(meta)
     meta.pop(jobmeta.RETRY_AT, None)
     job.save_meta()  # type: ignore[no-untyped-call]
-    # At the front: with a bounded window, the back of the queue may be a window away.
-    registry = FailedJobRegistry(job.origin, connection=connection, serializer=JSONSerializer)
-    registry.requeue(job.id, at_front=True)
+    requeue_failed_at_front(connection, job)
     log.info("chunk job %s: attempt %d queued", job.id, jobmeta.attempt(meta))
     return "requeued"

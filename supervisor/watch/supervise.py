@@ -37,7 +37,6 @@ from chunkq.jobs.contract.specs import chunk_job_id
 from chunkq.jobs.queue import jobmeta, run_queues
 from chunkq.jobs.queue.abandon import mark_abandoned
 from chunkq.jobs.queue.queueing import give_back
-from chunkq.jobs.queue.rq_api import Job
 from chunkq.supervisor.result.assemble import Failure, assemble
 from chunkq.supervisor.result.building import Build
 from chunkq.supervisor.result.mapped_building import start_build
@@ -62,6 +61,7 @@ from chunkq.supervisor.watch.snapshot import Snapshot
 from chunkq.supervisor.watch.wakeup import Wakeup
 
 if TYPE_CHECKING:
+    from chunkq.jobs.queue.rq_api import Job
     from chunkq.supervisor.watch.metrics import RunMetrics
 
 log = logging.getLogger(__name__)

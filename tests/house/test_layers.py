@@ -141,6 +141,21 @@ def test_the_queue_is_behind_one_door() -> None:
     ]
     assert through == []
     assert _reaches_rq(_imports(RQ_DOOR))  # the door itself: the check sees an import of rq
+    # What still calls RQ's classes through the door rather than the queue room's functions: the
+    # worker (an RQ worker), the job (its own job), the supervisor's bulk reads of registries and
+    # statuses, the pool's watchdog and the dashboard (rq-dashboard's). Not to grow.
+    direct = {
+        "chunkq.jobs.embed",
+        "chunkq.queue_worker.worker",
+        "chunkq.queue_worker.chunk_worker",
+        "chunkq.queue_worker.processes.dead_workers",
+        "chunkq.supervisor.submit.enqueue",
+        "chunkq.supervisor.watch.progress",
+        "chunkq.tools.dashboard",
+    }
+    graph = import_graph()
+    callers = {m for m, to in graph.items() if "chunkq.jobs.queue.rq_api" in to}
+    assert sorted(callers - direct) == sorted(m for m in callers if m.startswith("chunkq.jobs.queue."))
     queue_room = {p.stem for p in (ROOT / "jobs" / "queue").glob("*.py")}
     assert {"rq_api", "queueing", "run_queues", "abandon", "allowlist", "nopickle", "jobmeta"} <= queue_room
 
