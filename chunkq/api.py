@@ -54,12 +54,12 @@ class RunResult:
     def result_dir(self) -> Path:
         return RunLayout(self.store, self.run_id).result
 
-    def _opened(self, level: str = "window") -> PublishedResult:
-        """The published result, checked against the run and against its files' headers and sizes (a
-        missing, truncated or foreign file is refused in one line, StoreError); what is read of it
-        is checked against its checksums as it is read."""
+    def _opened(self, level: str = "window", run: Run | None = None) -> PublishedResult:
+        """The published result, checked against the run (``run``: opened already) and against its
+        files' headers and sizes (a missing, truncated or foreign file is refused in one line,
+        StoreError); what is read of it is checked against its checksums as it is read."""
         try:
-            return open_result(Run.open(self.store, self.run_id), level)
+            return open_result(run or Run.open(self.store, self.run_id), level)
         except AssemblyError as exc:
             raise StoreError(
                 f"run {self.run_id}: {exc.problems[0]}; `chunkq assemble RUN` publishes it "
@@ -129,7 +129,7 @@ class RunResult:
         run = Run.open(self.store, self.run_id)
         if run.result is None or run.result.fields.get("texts") is None:
             return None
-        blocks = [block for _, block in self._opened("document").batches()]  # each file checked
+        blocks = [block for _, block in self._opened("document", run).batches()]  # each file checked
         return np.concatenate(blocks) if blocks else None
 
 
