@@ -116,8 +116,28 @@ def _stop_at_split(run: Any, store: Path) -> RunLayout:
     os.kill(run.pid, signal.SIGSTOP)  # the command only: its workers go on with the queued chunks
     layout = only_run(store)
     assert not layout.manifest.exists()
-    wait_for(lambda: layout.output_meta(0).exists(), 180, "a worker to encode a chunk queued mid-split")
+    try:
+        wait_for(lambda: layout.output_meta(0).exists(), 180, "a worker to encode a chunk queued mid-split")
+    except AssertionError as timed_out:
+        raise AssertionError(f"{timed_out}\n{_what_the_tree_does(run.pid, store, layout)}") from None
     return layout
+
+
+def _what_the_tree_does(pid: int, store: Path, layout: RunLayout) -> str:
+    """For a timed-out wait: each process of the command's tree, its state and where it waits in the
+    kernel, and the end of the run's log (a wait that once failed in a full suite and not alone)."""
+    import psutil
+
+    lines = []
+    for proc in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+        try:
+            wchan = Path(f"/proc/{proc.pid}/wchan").read_text()
+            lines.append(f"{proc.pid} {proc.status()} {wchan} {' '.join(proc.cmdline()[:4])}")
+        except (psutil.Error, OSError) as gone:
+            lines.append(f"{proc.pid} {gone}")
+    log = store / "runs" / layout.run_id / "logs" / "run.log"
+    tail = log.read_text(errors="replace")[-4000:] if log.is_file() else "(no run log)"
+    return "\n".join(lines) + "\n--- run log ---\n" + tail
 
 
 @pytest.mark.slow
