@@ -22,7 +22,7 @@ import numpy as np
 
 from chunkq.jobs.contract.manifest import load_manifest
 from chunkq.jobs.contract.run_files import RunLayout, write_output
-from chunkq.supervisor.store.embedded_redis import EmbeddedRedis
+from chunkq.supervisor.server.embedded_redis import EmbeddedRedis
 
 MEASURE = """
 import resource, runpy, sys

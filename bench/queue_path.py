@@ -33,7 +33,7 @@ from chunkq.jobs.contract.manifest import load_manifest
 from chunkq.jobs.contract.run_files import RunLayout
 from chunkq.jobs.queue.allowlist import AllowListedJob
 from chunkq.queue_worker.worker_args import WORKER_MODULE
-from chunkq.supervisor.store.embedded_redis import EmbeddedRedis
+from chunkq.supervisor.server.embedded_redis import EmbeddedRedis
 from chunkq.supervisor.watch.progress import Tracker
 
 

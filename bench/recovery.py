@@ -37,7 +37,7 @@ from rq.serializers import JSONSerializer
 from chunkq.jobs.compute.model_refs import BUNDLED_MODEL
 from chunkq.jobs.contract.specs import chunk_job_id
 from chunkq.queue_worker.worker_args import WORKER_MODULE
-from chunkq.supervisor.store.embedded_redis import EmbeddedRedis
+from chunkq.supervisor.server.embedded_redis import EmbeddedRedis
 
 # One chunk: after a crash the fresh worker has nothing else to take first, so the figures measure
 # recovery, not the queue order of the retried chunk.

@@ -32,7 +32,7 @@ import psutil
 import redis
 
 from chunkq.jobs.contract.run_files import RunLayout
-from chunkq.supervisor.store.embedded_redis import EmbeddedRedis
+from chunkq.supervisor.server.embedded_redis import EmbeddedRedis
 from chunkq.supervisor.store.ledger import of_run
 
 CLI = [sys.executable, "-m", "chunkq.cli"]

@@ -32,12 +32,12 @@ from chunkq.queue_worker.devices.discovery import GpuInfo, devices_json
 from chunkq.queue_worker.processes.lifeline import die_with_parent
 from chunkq.queue_worker.processes.stopping import wait_or_kill
 from chunkq.supervisor.result.planned_rows import corpus_rows_of
-from chunkq.supervisor.store.embedded_redis import EmbeddedRedis
+from chunkq.supervisor.server.embedded_redis import EmbeddedRedis
+from chunkq.supervisor.server.store_redis import embedded_redis_dir, local_state_dir, serve
 from chunkq.supervisor.store.phases import IDENTIFY, QUEUE, SPLIT, Phases
 from chunkq.supervisor.store.run_log import RunLog, log_path, relay
 from chunkq.supervisor.store.start_marks import CHUNKS_QUEUED, POOL_STARTED, REDIS_READY, StartMarks
 from chunkq.supervisor.store.store_lock import StoreLock
-from chunkq.supervisor.store.store_redis import embedded_redis_dir, local_state_dir, serve
 from chunkq.supervisor.submit.enqueue import drop_run_jobs, enqueue_chunks, window_size
 from chunkq.supervisor.submit.identity import Identified, SubmitRequest, identify
 from chunkq.supervisor.submit.submission import SubmitResult, prepare, removed_on_failure, submit

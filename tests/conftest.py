@@ -15,7 +15,7 @@ from chunkq.jobs.contract.manifest import load_manifest
 from chunkq.jobs.contract.run_files import RunLayout
 from chunkq.jobs.embed import embed_chunk
 from chunkq.supervisor.corpus.records import CorpusOptions
-from chunkq.supervisor.store.embedded_redis import EmbeddedRedis
+from chunkq.supervisor.server.embedded_redis import EmbeddedRedis
 from chunkq.supervisor.submit.identity import SubmitRequest
 from chunkq.supervisor.submit.submission import submit
 from tests.helpers import CHUNKQS_OWN_THREADS, make_texts, write_corpus

@@ -50,9 +50,9 @@ from chunkq.queue_worker.exit_codes import (
     EXIT_STORAGE,
 )
 from chunkq.supervisor.request import check_redis_url, reach_redis
+from chunkq.supervisor.server.store_redis import served_url
 from chunkq.supervisor.store.run_lock import RunLockedError
 from chunkq.supervisor.store.run_log import QUIET, show_on_terminal
-from chunkq.supervisor.store.store_redis import served_url
 from chunkq.supervisor.watch.supervise import RedisGoneError
 
 log = logging.getLogger("chunkq")

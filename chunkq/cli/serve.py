@@ -17,8 +17,8 @@ from chunkq.cli.common import redis_option, store_option
 from chunkq.cli.group import command
 from chunkq.jobs.contract.errors import ConfigError
 from chunkq.jobs.contract.storage import is_local
-from chunkq.supervisor.store.embedded_redis import LOOPBACK, WILDCARDS
-from chunkq.supervisor.store.store_redis import URL_FILE, embedded_redis_dir, serve
+from chunkq.supervisor.server.embedded_redis import LOOPBACK, WILDCARDS
+from chunkq.supervisor.server.store_redis import URL_FILE, embedded_redis_dir, serve
 from chunkq.supervisor.watch.supervise import RedisGoneError
 
 WATCH_SECONDS = 1.0  # how often the command looks for a server that is gone for good

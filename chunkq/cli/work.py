@@ -42,8 +42,8 @@ from chunkq.supervisor.request import (
 from chunkq.supervisor.result.planned_rows import describe_savings, savings
 from chunkq.supervisor.result.published import describe_left_out
 from chunkq.supervisor.run_options import run_option
+from chunkq.supervisor.server.store_redis import local_state_dir
 from chunkq.supervisor.store.run_log import RunLog, log_path
-from chunkq.supervisor.store.store_redis import local_state_dir
 from chunkq.supervisor.submit.plan import CACHE_WORKER
 from chunkq.supervisor.submit.submission import submit
 from chunkq.supervisor.watch.display import ProgressDisplay, describe

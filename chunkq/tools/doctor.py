@@ -20,8 +20,8 @@ from chunkq.jobs.contract.redaction import redacted
 from chunkq.jobs.contract.run_files import atomic_write_bytes
 from chunkq.jobs.contract.storage import is_local
 from chunkq.queue_worker.devices import discovery
-from chunkq.supervisor.store.embedded_redis import APPENDFSYNC, DURABLE_FSYNC, server_binary
-from chunkq.supervisor.store.store_redis import served_url
+from chunkq.supervisor.server.embedded_redis import APPENDFSYNC, DURABLE_FSYNC, server_binary
+from chunkq.supervisor.server.store_redis import served_url
 
 
 @dataclass

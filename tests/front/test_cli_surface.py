@@ -262,7 +262,7 @@ def test_a_wrong_redis_password_names_redis_and_its_url_masked(redis_url: str, t
 @pytest.mark.slow
 def test_doctor_calls_a_redis_without_durable_persistence_a_problem(tmp_path: Path) -> None:
     """Issue 37.17: `doctor` said "all good" with append-only off, though README asks for it."""
-    from chunkq.supervisor.store.embedded_redis import EmbeddedRedis
+    from chunkq.supervisor.server.embedded_redis import EmbeddedRedis
 
     server = EmbeddedRedis(tmp_path / "redis").start()
     try:

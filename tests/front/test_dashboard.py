@@ -23,7 +23,7 @@ import redis
 from chunkq.jobs.contract.run_files import RunLayout
 from chunkq.jobs.contract.specs import chunk_job_id
 from chunkq.jobs.queue.nopickle import PickleRefusedError, forbid_pickle
-from chunkq.supervisor.store.embedded_redis import free_port
+from chunkq.supervisor.server.embedded_redis import free_port
 from chunkq.tools.dashboard import check_bind, create_app, is_loopback
 from tests.helpers import WORKER, cli_env, make_texts, run_cli, start_cli, stop_tree, wait_for, write_corpus
 from tests.whole.test_security import Exploit

@@ -12,7 +12,7 @@ import redis
 
 from chunkq.jobs.contract.run_files import RunLayout, read_json
 from chunkq.queue_worker.exit_codes import EXIT_CONFIG
-from chunkq.supervisor.store.embedded_redis import free_port
+from chunkq.supervisor.server.embedded_redis import free_port
 from tests.helpers import make_texts, run_cli, start_cli, stop_tree, wait_for, write_corpus
 
 # Real pools, workers and CLI runs as subprocesses: the slow tier.

@@ -68,7 +68,7 @@ def test_assembly_never_replaces_a_linked_result(encoded_run: Any, tmp_path: Pat
 
 def test_a_linked_runs_folder_or_redis_folder_is_refused(tmp_path: Path) -> None:
     from chunkq.jobs.contract.run_files import RunLayout
-    from chunkq.supervisor.store.store_redis import embedded_redis_dir
+    from chunkq.supervisor.server.store_redis import embedded_redis_dir
 
     store = tmp_path / "store"
     store.mkdir()

@@ -21,7 +21,7 @@ import pytest
 import redis
 
 from chunkq.jobs.contract.run_files import RunLayout, read_json
-from chunkq.supervisor.store.embedded_redis import free_port
+from chunkq.supervisor.server.embedded_redis import free_port
 from tests.helpers import (
     cli_env,
     make_texts,

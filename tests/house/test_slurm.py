@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from chunkq.jobs.contract.run_files import RunLayout
-from chunkq.supervisor.store.embedded_redis import free_port
+from chunkq.supervisor.server.embedded_redis import free_port
 from tests.helpers import make_texts, result_matches, wait_for, write_corpus
 from tests.tiny_models import bundled_copy
 

@@ -103,7 +103,7 @@ def test_a_chunk_whose_redis_dies_under_it_fails_with_its_own_error(
     from rq.serializers import JSONSerializer
 
     import chunkq.jobs.embed as embed
-    from chunkq.supervisor.store.embedded_redis import EmbeddedRedis
+    from chunkq.supervisor.server.embedded_redis import EmbeddedRedis
 
     spec, _ = _chunk(store)
     server = EmbeddedRedis(tmp_path / "redis").start()

@@ -518,7 +518,7 @@ def test_a_pool_told_to_stop_while_redis_is_gone_or_hung_stops(tmp_path: Path, r
     job), and one SIGTERM never ended the pool. A worker with nothing in hand now stops. Issue 51.14:
     a Redis that hangs (SIGSTOP: its sockets open, nothing answered) kept an idle pool alive 45 s
     after one SIGTERM and 62 s after a second; it now stops as promptly as with Redis gone."""
-    from chunkq.supervisor.store.embedded_redis import EmbeddedRedis
+    from chunkq.supervisor.server.embedded_redis import EmbeddedRedis
 
     server = EmbeddedRedis(tmp_path / "redis").start()
     env = {"CHUNKQ_REDIS_URL": server.url, "CHUNKQ_STORE": str(tmp_path / "store"), "CHUNKQ_QUEUE": "gone"}
@@ -572,7 +572,7 @@ def test_a_worker_stopped_before_its_wait_for_a_job_leaves_a_redis_that_hangs(tm
     """The stop came 16 ms after the worker said it listened, before its wait for a job (seen in a
     full suite under load): RQ's way out then waited on the hung Redis for as long as it hung (the
     pool's 30 s bound in the test above). Holding no job, it leaves as it does from its wait."""
-    from chunkq.supervisor.store.embedded_redis import EmbeddedRedis
+    from chunkq.supervisor.server.embedded_redis import EmbeddedRedis
 
     server = EmbeddedRedis(tmp_path / "redis").start()
     assert server.proc is not None

