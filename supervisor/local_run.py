@@ -27,6 +27,7 @@ from chunkq.jobs.contract.settings import DEVICES_JSON_ENV, SETTINGS_JSON_ENV, P
 from chunkq.jobs.contract.storage import OWNER_ONLY, is_local
 from chunkq.jobs.queue import jobmeta
 from chunkq.jobs.queue.abandon import mark_abandoned
+from chunkq.jobs.queue.enqueue import drop_run_jobs, enqueue_chunks, window_size
 from chunkq.jobs.queue.queueing import fetch_job, started_job_ids
 from chunkq.queue_worker.devices.discovery import GpuInfo, devices_json
 from chunkq.queue_worker.processes.lifeline import die_with_parent
@@ -38,7 +39,6 @@ from chunkq.supervisor.store.phases import IDENTIFY, QUEUE, SPLIT, Phases
 from chunkq.supervisor.store.run_log import RunLog, log_path, relay
 from chunkq.supervisor.store.start_marks import CHUNKS_QUEUED, POOL_STARTED, REDIS_READY, StartMarks
 from chunkq.supervisor.store.store_lock import StoreLock
-from chunkq.supervisor.submit.enqueue import drop_run_jobs, enqueue_chunks, window_size
 from chunkq.supervisor.submit.identity import Identified, SubmitRequest, identify
 from chunkq.supervisor.submit.submission import SubmitResult, prepare, removed_on_failure, submit
 from chunkq.supervisor.watch.attempts import AttemptRecorder, FailedAttempt

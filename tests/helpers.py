@@ -488,8 +488,8 @@ def fill(disk: Path, leave: int = 0) -> Path:
 def queued(connection: Any, pool_queue: str) -> int:
     """Jobs waiting for the pools of ``pool_queue``: in its runs' own queues (jobs/queue/run_queues.py)
     and in its own."""
+    from chunkq.jobs.queue.enqueue import chunk_queue
     from chunkq.jobs.queue.run_queues import listed
-    from chunkq.supervisor.submit.enqueue import chunk_queue
 
     names = [name for name, _ in listed(connection, pool_queue)] + [pool_queue]
     return sum(chunk_queue(connection, name).count for name in names)

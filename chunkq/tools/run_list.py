@@ -24,11 +24,11 @@ from chunkq.jobs.contract.run import Run
 from chunkq.jobs.contract.run_files import MANIFEST_NAME, RunLayout
 from chunkq.jobs.contract.specs import EncodeOptions, chunk_job_id, chunk_job_prefix
 from chunkq.jobs.contract.storage import is_local, remove_leftovers_beside, remove_tree
+from chunkq.jobs.queue.enqueue import LIVE_STATUSES, job_statuses
 from chunkq.supervisor.result.assemble import free_outputs
 from chunkq.supervisor.result.planned_rows import corpus_rows_of, savings
 from chunkq.supervisor.result.reader import result_problems
 from chunkq.supervisor.store.store_lock import StoreLock
-from chunkq.supervisor.submit.enqueue import LIVE_STATUSES, job_statuses
 from chunkq.supervisor.watch.attempts import failed_attempts
 
 PUBLISHED, PARTIAL, DAMAGED, IN_FLIGHT, FAILED, QUARANTINED, INCOMPLETE, DAMAGED_RUN = (

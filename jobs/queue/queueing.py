@@ -11,6 +11,7 @@ the supervisor (a worker that died) give such jobs back with this one step.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import redis
 
@@ -20,6 +21,7 @@ from chunkq.jobs.queue.rq_api import (
     JSONSerializer,
     NoSuchJobError,
     Queue,
+    SimpleWorker,
     StartedJobRegistry,
     Worker,
 )
@@ -69,3 +71,26 @@ def fetch_job(connection: redis.Redis, job_id: str) -> Job | None:
         return Job.fetch(job_id, connection=connection, serializer=JSONSerializer)
     except NoSuchJobError:
         return None
+
+
+@dataclass(frozen=True)
+class RegisteredWorker:
+    """A worker as RQ registered it: its name, host and process id (None if RQ has none)."""
+
+    name: str
+    hostname: str | None
+    pid: int | None
+
+
+def workers_named(connection: redis.Redis, queue_name: str, prefix: str) -> Iterator[RegisteredWorker]:
+    """Each worker registered on ``queue_name`` whose name starts with ``prefix``, dead or alive:
+    RQ keeps a worker's record until its heartbeat expires."""
+    namespace = SimpleWorker.redis_worker_namespace_prefix
+    queue = Queue(queue_name, connection=connection)
+    for key in SimpleWorker.all_keys(connection=connection, queue=queue):
+        name = key.removeprefix(namespace)
+        if not name.startswith(prefix):
+            continue
+        worker = SimpleWorker.find_by_key(key, connection, serializer=JSONSerializer)
+        if worker is not None:
+            yield RegisteredWorker(name, worker.hostname, worker.pid)

@@ -19,7 +19,7 @@ import psutil
 import redis
 
 from chunkq.jobs.queue.abandon import forget_worker, mark_abandoned, running_job_ids
-from chunkq.jobs.queue.rq_api import Job, JSONSerializer, Queue, SimpleWorker
+from chunkq.jobs.queue.queueing import fetch_job, workers_named
 
 log = logging.getLogger("chunkq.queue_worker.processes.pool")  # the pool's own lines, under its one name
 
@@ -57,19 +57,15 @@ class DeadWorkers:
         """Workers of an earlier run of this pool under the same name (a requeued Slurm job, a
         restarted service) that died with it on this host: their jobs fail now, not once their
         heartbeat is stale, and their names are freed (RQ refuses to register a name twice)."""
-        host, prefix = socket.gethostname(), f"{self.pool_name}-"
-        namespace = SimpleWorker.redis_worker_namespace_prefix
-        queue = Queue(self.queue, connection=self.connection)
+        host = socket.gethostname()
         try:
-            for key in SimpleWorker.all_keys(connection=self.connection, queue=queue):
-                name = key.removeprefix(namespace)
-                if not name.startswith(prefix):
-                    continue
-                worker = SimpleWorker.find_by_key(key, self.connection, serializer=JSONSerializer)
-                if worker is None or worker.hostname != host or worker.pid is None:
+            for worker in workers_named(self.connection, self.queue, f"{self.pool_name}-"):
+                if worker.hostname != host or worker.pid is None:
                     continue  # on another host: its heartbeat tells the supervisor
-                if not _alive(worker.pid, name):
-                    self.add(name, f"(pid {worker.pid}) died with an earlier run of pool {self.pool_name}")
+                if not _alive(worker.pid, worker.name):
+                    self.add(
+                        worker.name, f"(pid {worker.pid}) died with an earlier run of pool {self.pool_name}"
+                    )
         except redis.RedisError as exc:
             log.warning("cannot look for workers of an earlier run of this pool (%s)", exc)
         self.release()
@@ -82,7 +78,9 @@ class DeadWorkers:
         for worker_name, proc in running:
             try:
                 for job_id in running_job_ids(self.connection, worker_name):
-                    job = Job.fetch(job_id, connection=self.connection, serializer=JSONSerializer)
+                    job = fetch_job(self.connection, job_id)
+                    if job is None:
+                        continue
                     started = job.started_at.timestamp() if job.started_at else time.time()
                     limit = (job.timeout or 0) + self.hung_grace
                     if job.timeout and time.time() - started > limit:

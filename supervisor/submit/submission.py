@@ -30,13 +30,13 @@ from chunkq.jobs.contract.run_files import (
 )
 from chunkq.jobs.contract.specs import FORMAT_VERSION, fingerprint
 from chunkq.jobs.contract.storage import is_local, local_scratch, remove_tree
+from chunkq.jobs.queue.enqueue import EnqueueCounts, enqueue_chunks, window_size
 from chunkq.jobs.queue.run_queues import run_queue
 from chunkq.supervisor.corpus.files import unchanged
 from chunkq.supervisor.corpus.records import Record
 from chunkq.supervisor.result.chunk_reads import set_aside
 from chunkq.supervisor.result.reader import published_result
 from chunkq.supervisor.submit.dupes import IdRegistry
-from chunkq.supervisor.submit.enqueue import EnqueueCounts, enqueue_chunks, window_size
 from chunkq.supervisor.submit.heap import give_back_free_heap
 from chunkq.supervisor.submit.identity import (
     Identified,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Collection, Iterable, Iterator
 from datetime import UTC, datetime, timedelta
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import redis
 
@@ -15,22 +15,17 @@ from chunkq.jobs.contract.manifest import RunManifest
 from chunkq.jobs.contract.run_files import RunLayout, read_json
 from chunkq.jobs.contract.specs import chunk_job_id, chunk_job_prefix
 from chunkq.jobs.queue import jobmeta
-from chunkq.jobs.queue.rq_api import (
-    FailedJobRegistry,
-    FinishedJobRegistry,
-    IntermediateQueue,
-    Job,
-    JSONSerializer,
-    StartedJobRegistry,
-    str_to_date,
-)
+from chunkq.jobs.queue.enqueue import QUEUED_STATUSES, job_statuses
+from chunkq.jobs.queue.queue_lists import ChunkQueueLists
 from chunkq.supervisor.result.assemble import Failure
 from chunkq.supervisor.result.planned_rows import corpus_rows_per_chunk, savings
 from chunkq.supervisor.store.chunk_set import ChunkSet
 from chunkq.supervisor.store.ledger import Ledger, throughput_of
 from chunkq.supervisor.store.throughput import Throughput
-from chunkq.supervisor.submit.enqueue import QUEUED_STATUSES, chunk_queue, job_statuses
 from chunkq.supervisor.watch.snapshot import Snapshot, set_rate
+
+if TYPE_CHECKING:
+    from chunkq.jobs.queue.rq_api import Job
 
 STRANDED_SECONDS = 10.0  # a live worker starts what it dequeued within milliseconds
 CURSOR_MARGIN_SECONDS = 300.0
@@ -98,12 +93,9 @@ class Tracker:
         self.finished_jobs: list[str] = []  # jobs whose outputs this look counted: Redis may forget them
         self.full_looks = 0
         self._prefix = chunk_job_prefix(manifest.run_id)
-        queue = chunk_queue(connection, manifest.queue)
-        self._finished_key = FinishedJobRegistry(queue=queue).key
-        self._failed_key = FailedJobRegistry(queue=queue).key
-        self._started = StartedJobRegistry(queue=queue)
-        self._intermediate = IntermediateQueue(queue.key, connection)
-        self._queue = queue
+        self._lists = ChunkQueueLists(connection, manifest.queue)
+        self._finished_key = self._lists.finished_key
+        self._failed_key = self._lists.failed_key
         self._cursors: dict[str, float] = {}
         self._failed: set[int] = set()
         self._unlisted_before: set[int] = set()  # found in no list by the last full look
@@ -289,13 +281,7 @@ class Tracker:
 
     def _unlisted_once(self, queued: list[int]) -> list[int]:
         job_ids = [self._job_id(i) for i in queued]
-        with self.connection.pipeline(transaction=True) as pipe:
-            pipe.lrange(self._queue.key, 0, -1)
-            pipe.lrange(self._queue.intermediate_queue_key, 0, -1)
-            for job_id in job_ids:
-                pipe.hget(Job.key_for(job_id), "status")
-            listed, taken, *statuses = pipe.execute()
-        held = {bytes(x).decode() for x in (*listed, *taken)}
+        held, statuses = self._lists.held_and_statuses(job_ids)
         return [
             index
             for index, job_id, status in zip(queued, job_ids, statuses, strict=True)
@@ -305,7 +291,7 @@ class Tracker:
     def _incremental_look(self, snap: Snapshot) -> tuple[set[int], set[int]]:
         # The started registry first: a chunk that finishes between the two reads is then in both
         # (and counted done), never in neither (its encoded rows gone from the display for a look).
-        started = self._started.get_job_ids(cleanup=False)
+        started = self._lists.started_ids()
         finished = self._run_indices(self._registry_tail(self._finished_key))
         self._mark_done(i for i in finished if i in self.pending and self.layout.output_meta(i).is_file())
         self._forget(finished)
@@ -332,7 +318,7 @@ class Tracker:
             )
 
     def _fetch(self, indices: list[int]) -> dict[int, Job]:
-        jobs = Job.fetch_many([self._job_id(i) for i in indices], self.connection, serializer=JSONSerializer)
+        jobs = self._lists.fetch([self._job_id(i) for i in indices])
         return {i: job for i, job in zip(indices, jobs, strict=True) if job is not None}
 
     def _stranded(self) -> list[int]:
@@ -341,13 +327,11 @@ class Tracker:
         RQ repairs these itself only in its ten-minute maintenance pass; the first-seen marks it
         keeps in Redis make this check survive a supervisor restart.
         """
-        held = self._intermediate.get_job_ids()
+        held = self._lists.taken_ids()
         stranded, limit = [], timedelta(seconds=STRANDED_SECONDS)
         for index in sorted(self._pending_indices(held)):
             job_id = self._job_id(index)
-            if self._intermediate.set_first_seen(job_id):
-                continue
-            first = self._intermediate.get_first_seen(job_id)
+            first = self._lists.taken_since(job_id)
             if first is not None and datetime.now(UTC) - first > limit:
                 stranded.append(index)
         return stranded
@@ -356,15 +340,10 @@ class Tracker:
         """Started chunks whose worker stopped beating: it died or hangs, and no pool said so."""
         if not running:
             return []
-        with self.connection.pipeline(transaction=False) as pipe:
-            for index in running:
-                pipe.hget(Job.key_for(self._job_id(index)), "last_heartbeat")
-            beats = pipe.execute()
+        beats = self._lists.heartbeats([self._job_id(i) for i in running])
         stale, wall = [], time.time()
         for index, beat in zip(running, beats, strict=True):
-            if not beat:  # RQ writes an empty last_heartbeat until the first beat (seen at 2,000+ chunks)
-                continue
-            if wall - str_to_date(beat).timestamp() > self.stale_after:
+            if beat is not None and wall - beat > self.stale_after:
                 stale.append(index)
         return stale
 

@@ -36,14 +36,7 @@ from chunkq.jobs.contract.run_files import RunLayout, read_json
 from chunkq.jobs.contract.specs import chunk_job_id
 from chunkq.jobs.queue import jobmeta, run_queues
 from chunkq.jobs.queue.abandon import mark_abandoned
-from chunkq.jobs.queue.queueing import give_back
-from chunkq.supervisor.result.assemble import Failure, assemble
-from chunkq.supervisor.result.building import Build
-from chunkq.supervisor.result.mapped_building import start_build
-from chunkq.supervisor.store.phases import WATCH, Phases
-from chunkq.supervisor.store.run_lock import RunLock
-from chunkq.supervisor.store.store_lock import StoreLock
-from chunkq.supervisor.submit.enqueue import (
+from chunkq.jobs.queue.enqueue import (
     chunk_queue,
     enqueue_chunks,
     forget_finished,
@@ -51,6 +44,13 @@ from chunkq.supervisor.submit.enqueue import (
     retry_quarantined,
     window_size,
 )
+from chunkq.jobs.queue.queueing import give_back
+from chunkq.supervisor.result.assemble import Failure, assemble
+from chunkq.supervisor.result.building import Build
+from chunkq.supervisor.result.mapped_building import start_build
+from chunkq.supervisor.store.phases import WATCH, Phases
+from chunkq.supervisor.store.run_lock import RunLock
+from chunkq.supervisor.store.store_lock import StoreLock
 from chunkq.supervisor.watch import demand
 from chunkq.supervisor.watch.attempts import AttemptRecorder, FailedAttempt
 from chunkq.supervisor.watch.display import ProgressDisplay

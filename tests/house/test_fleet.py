@@ -97,8 +97,8 @@ def test_the_keda_trigger_reads_the_list_chunkq_fills_and_its_threshold_follows_
     that holds its queued jobs is the trigger's listName and holds exactly the window; the trigger's
     listLength is that window shared by the most replicas KEDA may start."""
     from chunkq.jobs.contract.specs import EncodeOptions
+    from chunkq.jobs.queue.enqueue import chunk_queue
     from chunkq.supervisor.corpus.records import CorpusOptions
-    from chunkq.supervisor.submit.enqueue import chunk_queue
     from chunkq.supervisor.submit.identity import SubmitRequest
     from chunkq.supervisor.submit.submission import submit
     from tests.helpers import make_texts, write_corpus

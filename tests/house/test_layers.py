@@ -141,16 +141,13 @@ def test_the_queue_is_behind_one_door() -> None:
     ]
     assert through == []
     assert _reaches_rq(_imports(RQ_DOOR))  # the door itself: the check sees an import of rq
-    # What still calls RQ's classes through the door rather than the queue room's functions: the
-    # worker (an RQ worker), the job (its own job), the supervisor's bulk reads of registries and
-    # statuses, the pool's watchdog and the dashboard (rq-dashboard's). Not to grow.
+    # What still calls RQ's classes through the door rather than the queue room's functions, each
+    # by nature: the worker (an RQ worker), the job (its own job) and the dashboard (rq-dashboard's).
+    # The tracker's bulk reads, the enqueueing and the pool's watchdog moved into the room.
     direct = {
         "chunkq.jobs.embed",
         "chunkq.queue_worker.worker",
         "chunkq.queue_worker.chunk_worker",
-        "chunkq.queue_worker.processes.dead_workers",
-        "chunkq.supervisor.submit.enqueue",
-        "chunkq.supervisor.watch.progress",
         "chunkq.tools.dashboard",
     }
     graph = import_graph()
@@ -158,6 +155,7 @@ def test_the_queue_is_behind_one_door() -> None:
     assert sorted(callers - direct) == sorted(m for m in callers if m.startswith("chunkq.jobs.queue."))
     queue_room = {p.stem for p in (ROOT / "jobs" / "queue").glob("*.py")}
     assert {"rq_api", "queueing", "run_queues", "abandon", "allowlist", "nopickle", "jobmeta"} <= queue_room
+    assert {"enqueue", "queue_lists"} <= queue_room
 
 
 def test_no_module_is_longer_than_the_house_allows_unless_architecture_names_it() -> None:

@@ -168,7 +168,7 @@ def test_lifted_quarantines_are_queued_as_the_window_has_room_and_number_their_a
 
     from chunkq.jobs.contract.manifest import load_manifest
     from chunkq.jobs.contract.specs import chunk_job_id
-    from chunkq.supervisor.submit.enqueue import job_statuses, retry_quarantined
+    from chunkq.jobs.queue.enqueue import job_statuses, retry_quarantined
 
     model = bundled_copy(tmp_path / "model")
     ids, texts = make_texts(50, seed=55)

@@ -14,8 +14,8 @@ from rq.serializers import JSONSerializer
 from chunkq.jobs.compute.model_refs import BUNDLED_MODEL
 from chunkq.jobs.contract.specs import chunk_job_id
 from chunkq.jobs.queue import jobmeta
+from chunkq.jobs.queue.enqueue import chunk_queue
 from chunkq.supervisor.corpus.records import CorpusOptions
-from chunkq.supervisor.submit.enqueue import chunk_queue
 from chunkq.supervisor.submit.identity import SubmitRequest
 from chunkq.supervisor.submit.submission import submit
 from chunkq.supervisor.watch.retry import RetryPolicy, settle_failure

@@ -108,7 +108,7 @@ def test_a_waiting_run_is_told_what_the_workers_are_busy_with(
     from rq.worker import Worker
 
     from chunkq.jobs.contract.manifest import RunManifest
-    from chunkq.supervisor.submit.enqueue import chunk_queue
+    from chunkq.jobs.queue.enqueue import chunk_queue
     from chunkq.supervisor.watch.idle import warn_idle
     from chunkq.supervisor.watch.snapshot import Snapshot
 

@@ -17,8 +17,8 @@ from chunkq.jobs.contract.errors import CorpusError, RunConflictError
 from chunkq.jobs.contract.run_files import RunLayout, read_chunk_input, read_json
 from chunkq.jobs.contract.specs import EncodeOptions, chunk_job_id
 from chunkq.jobs.queue.allowlist import EMBED_CHUNK
+from chunkq.jobs.queue.enqueue import chunk_queue
 from chunkq.supervisor.corpus.records import CorpusOptions
-from chunkq.supervisor.submit.enqueue import chunk_queue
 from chunkq.supervisor.submit.identity import SubmitRequest
 from chunkq.supervisor.submit.submission import submit
 from tests.helpers import make_texts, queued, write_corpus

@@ -112,7 +112,7 @@ def test_incremental_looks_follow_a_run_and_the_reconcile_finds_what_they_cannot
     from rq.registry import FailedJobRegistry
 
     from chunkq.jobs.queue.abandon import mark_abandoned
-    from chunkq.supervisor.submit.enqueue import chunk_queue, forget_finished
+    from chunkq.jobs.queue.enqueue import chunk_queue, forget_finished
 
     manifest = load_manifest(layout)
     fresh = Tracker(connection, layout, manifest, min_reconcile_seconds=3600)
@@ -167,7 +167,7 @@ def test_a_stranded_chunk_is_counted_once_not_also_as_queued(
 
     from rq.intermediate_queue import IntermediateQueue
 
-    from chunkq.supervisor.submit.enqueue import chunk_queue
+    from chunkq.jobs.queue.enqueue import chunk_queue
     from chunkq.supervisor.watch.display import describe
     from chunkq.supervisor.watch.progress import STRANDED_SECONDS
 

@@ -15,10 +15,10 @@ from rq.registry import FailedJobRegistry, StartedJobRegistry
 from chunkq.jobs.compute.model_refs import BUNDLED_MODEL
 from chunkq.jobs.contract.manifest import load_manifest
 from chunkq.jobs.queue.attempt_records import RECORD_MARK
+from chunkq.jobs.queue.enqueue import chunk_queue
 from chunkq.jobs.queue.run_queues import listed, run_queue
 from chunkq.supervisor.corpus.records import CorpusOptions
 from chunkq.supervisor.store.ledger import read_ledger
-from chunkq.supervisor.submit.enqueue import chunk_queue
 from chunkq.supervisor.submit.identity import SubmitRequest
 from chunkq.supervisor.submit.submission import submit
 from tests.helpers import make_texts, only_run, result_matches, run_cli, write_corpus

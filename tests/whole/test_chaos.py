@@ -17,8 +17,8 @@ from rq.serializers import JSONSerializer
 
 from chunkq.jobs.contract.run_files import RunLayout, read_json
 from chunkq.jobs.contract.specs import chunk_job_id
+from chunkq.jobs.queue.enqueue import job_statuses
 from chunkq.supervisor.server.embedded_redis import EmbeddedRedis
-from chunkq.supervisor.submit.enqueue import job_statuses
 from tests.helpers import (
     failure_counts,
     make_texts,

@@ -393,7 +393,7 @@ def test_a_job_that_differs_from_its_runs_manifest_is_refused_and_restored(
     (the reported attack: max_seq_length 3, normalized), other rows, or under another chunk's id."""
     from chunkq.jobs.contract.manifest import load_manifest
     from chunkq.jobs.contract.run_files import RunLayout
-    from chunkq.supervisor.submit.enqueue import restore_from_manifest
+    from chunkq.jobs.queue.enqueue import restore_from_manifest
     from tests.helpers import write_test_run
 
     spec, texts = write_test_run(store, "victim", 0, 20, 5)
