@@ -21,10 +21,10 @@ from chunkq.jobs.contract.run import ResultManifest, Run
 from chunkq.jobs.contract.run_files import RunLayout
 from chunkq.jobs.contract.units import size_text
 from chunkq.queue_worker.exit_codes import EXIT_PARTIAL
+from chunkq.sinks.files import EXPORT_FORMATS, STDOUT, export
 from chunkq.supervisor.result.assemble import assemble
 from chunkq.supervisor.result.published import rebuild_advice, shard_bytes
 from chunkq.supervisor.result.reader import result_problems
-from chunkq.tools.export import EXPORT_FORMATS, STDOUT, export
 from chunkq.tools.run_list import RunInfo, clean, list_runs
 
 

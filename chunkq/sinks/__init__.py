@@ -10,6 +10,9 @@ so an export that is killed and run again ends with exactly the run's rows:
 - ``postgresql://.../DB?table=T`` (``pgvector``): a pgvector table, rows upserted by id a batch per
   transaction.
 
+Those and the file formats (``files``: Parquet, .npy, JSON Lines) are one table,
+``destinations.DESTINATIONS``.
+
 A dense run writes a vector column, a sparse run a sparse one (pgvector's ``sparsevec``, LanceDB's
 index and value lists): two runs of one corpus exported to one table are one row per id with both
 columns (a column the table lacks is added), which is what hybrid search reads (docs/hybrid.md).
@@ -22,12 +25,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from chunkq.jobs.contract.errors import ConfigError, StoreError, StoreWriteError, refused_write
+from chunkq.jobs.contract.errors import StoreError, StoreWriteError, refused_write
 from chunkq.jobs.contract.redaction import redact, redacted
 from chunkq.jobs.contract.run import Run
-from chunkq.jobs.contract.run_files import RunLayout
-from chunkq.jobs.contract.storage import inside_the_store
 from chunkq.sinks.corpus_columns import CorpusColumns, check_columns
+from chunkq.sinks.destinations import for_url, outside_the_store
 from chunkq.sinks.row_texts import HASH_COLUMN, RowHashes
 from chunkq.sinks.rows import SPARSE, Rows, most_active, row_keys, row_kind, sparse_batches
 from chunkq.sinks.same_rows import Held, check_same_rows
@@ -89,31 +91,9 @@ class Progress:
 
 
 def open_sink(url: str, options: dict[str, Any]) -> Sink:
-    """The sink ``url`` names, by its scheme; ConfigError for a scheme chunkq does not write."""
-    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
-    if scheme == "lancedb":
-        from chunkq.sinks.lance import LanceSink
-
-        return LanceSink(url)
-    if scheme == "faiss":
-        from chunkq.sinks.faiss_index import FaissSink
-
-        return FaissSink(url, options.get("index") or "Flat", force=bool(options.get("force")))
-    if scheme in ("postgresql", "postgres"):
-        from chunkq.sinks.pgvector import PgvectorSink
-
-        return PgvectorSink(url)
-    raise ConfigError(
-        f"--to {redacted(url)}: chunkq writes to lancedb://PATH/TABLE, faiss:PATH and "
-        "postgresql://.../DB?table=T"
-    )
-
-
-def _outside_the_store(layout: RunLayout, sink: Sink, url: str) -> None:
-    if inside_the_store(layout.store, sink.writes_to()) is not None:
-        raise ConfigError(
-            f"--to {redacted(url)} is inside the store {layout.store}, which is chunkq's; export elsewhere"
-        )
+    """The sink ``url`` names, by its scheme in the table of destinations; ConfigError for a scheme
+    chunkq does not write."""
+    return for_url(url).open(url, options)
 
 
 # Errors of the stores' own clients (FAISS's C++ ones arrive as a plain RuntimeError): a sink turns
@@ -199,7 +179,7 @@ def export_to(
     run, level = result.run, result.level
     corpus = CorpusColumns(run, columns, rows.windowed) if columns else None
     sink = open_sink(url, options)
-    _outside_the_store(layout, sink, url)
+    outside_the_store(layout.store, sink.writes_to(), f"--to {redacted(url)}")
     progress = Progress(rows.rows)
     batches: Iterator[tuple[list[Any], Any]] = (
         sparse_batches(result, batch_rows) if rows.kind == SPARSE else result.batches(batch_rows)

@@ -52,7 +52,9 @@ def written_by_chunkq(path: Path) -> bool:
 class FaissSink:
     whole = True  # built in memory, renamed into place at close
 
-    def __init__(self, url: str, factory: str, force: bool = False) -> None:
+    def __init__(self, url: str, options: dict[str, Any]) -> None:
+        """``options``: ``index`` (a FAISS factory string, Flat by default), ``force``."""
+        factory, force = str(options.get("index") or "Flat"), bool(options.get("force"))
         self.path = Path(url[len("faiss:") :]).expanduser()
         if not self.path.name or not self.path.parent.is_dir():
             raise ConfigError(f"--to {redacted(url)}: expected faiss:PATH, a file in an existing folder")

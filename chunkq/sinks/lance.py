@@ -69,7 +69,7 @@ def sparse_columns(base: str) -> tuple[str, str]:
 class LanceSink:
     whole = False  # rows merged a batch at a time
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, options: dict[str, Any]) -> None:
         self.url = url
         self.where, self.name = _split(url)
         self.table: Any = None

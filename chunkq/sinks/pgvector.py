@@ -79,7 +79,7 @@ def _value(row: Any, dtype: str, dim: int) -> Any:
 class PgvectorSink:
     whole = False  # rows upserted a transaction per batch
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, options: dict[str, Any]) -> None:
         dsn, table = split_table(url)
         if parse_postgres(dsn) is None:
             raise ConfigError(

@@ -15,8 +15,8 @@ import pytest
 from chunkq.jobs.contract.errors import AssemblyError
 from chunkq.jobs.contract.run import Run
 from chunkq.jobs.contract.run_files import RunLayout, atomic_write_json, file_sha256
+from chunkq.sinks.files import export
 from chunkq.supervisor.result.reader import BATCH_ROWS
-from chunkq.tools.export import export
 
 ROWS, DIM = 200_000, 64  # 51 MB: more than Arrow's Parquet writer buffers (~27 MB, whatever the rows)
 
@@ -194,9 +194,9 @@ def test_corpus_fields_go_beside_each_row_of_a_parquet_or_jsonl_file_or_are_refu
     renamed by the window loop after the first), an .npy or a sparse run refuses them."""
     from chunkq.jobs.compute.model_refs import BUNDLED_MODEL
     from chunkq.jobs.contract.errors import ConfigError
+    from chunkq.sinks import files as export_module
     from chunkq.supervisor.corpus.records import CorpusOptions
     from chunkq.supervisor.submit.identity import SubmitRequest
-    from chunkq.tools import export as export_module
     from tests.helpers import write_ragged_run
     from tests.jobs.test_kinds import _encode_in_process
     from tests.jobs.test_windows import _long_text

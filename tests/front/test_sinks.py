@@ -263,7 +263,7 @@ def test_a_faiss_export_writes_only_its_own_files_and_clears_what_a_killed_one_l
     said = _said(_export(layout, "--to", f"faiss:{result}"))
     assert said == (
         f"chunkq: error: --to faiss:{result} is inside the store {layout.store}, which is chunkq's; "
-        "export elsewhere"
+        "export somewhere else"
     )
     linked = tmp_path / "linked"
     linked.symlink_to(layout.result, target_is_directory=True)  # the store reached through a link

@@ -30,13 +30,13 @@ from chunkq.jobs.contract.settings import PoolSettings
 from chunkq.jobs.contract.specs import EncodeOptions
 from chunkq.jobs.embed import embed_chunk
 from chunkq.queue_worker.worker_args import worker_argv
+from chunkq.sinks.files import export
 from chunkq.supervisor.corpus.records import CorpusOptions
 from chunkq.supervisor.request import submit_request
 from chunkq.supervisor.result.assemble import assemble
 from chunkq.supervisor.result.reader import check_published
 from chunkq.supervisor.submit.identity import SubmitRequest
 from chunkq.supervisor.submit.submission import submit
-from chunkq.tools.export import export
 from tests.helpers import make_texts, max_abs_diff, run_cli, write_corpus
 from tests.tiny_models import bundled_copy
 

@@ -79,7 +79,7 @@ def test_a_run_with_windows_gives_a_row_per_window_equal_to_a_plain_encode_of_it
 ) -> None:
     import pyarrow.parquet as pq
 
-    from chunkq.tools.export import export
+    from chunkq.sinks.files import export
     from tests.helpers import max_abs_diff, result_of, run_in_process
 
     texts = [_long_text(120, seed=1), "a short one", _long_text(70, seed=2), "x"]

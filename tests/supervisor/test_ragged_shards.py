@@ -19,9 +19,9 @@ from chunkq.jobs.contract.manifest import load_manifest
 from chunkq.jobs.contract.ragged import SCHEMAS, WIDE
 from chunkq.jobs.contract.run import Run
 from chunkq.jobs.contract.run_files import RunLayout, read_json
+from chunkq.sinks.files import export
 from chunkq.supervisor.result.assemble import assemble
 from chunkq.supervisor.result.reader import check_published, open_result
-from chunkq.tools.export import export
 from tests.helpers import write_ragged_run
 
 DIM = {"sparse": 1000, "multivector": 8}  # write_ragged_run's

@@ -70,7 +70,7 @@ def published(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, int]:
 
 def _export(layout: Any, target: str, out: Path) -> None:
     from chunkq.sinks import export_to
-    from chunkq.tools.export import export
+    from chunkq.sinks.files import export
 
     if target in ("npy", "parquet", "jsonl"):
         export(Run.of(layout), target, out.with_suffix(f".{target}"))

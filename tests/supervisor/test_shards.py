@@ -17,10 +17,10 @@ from chunkq.jobs.contract.errors import AssemblyError, ConfigError
 from chunkq.jobs.contract.manifest import load_manifest
 from chunkq.jobs.contract.run import Run
 from chunkq.jobs.contract.run_files import RunLayout, read_json
+from chunkq.sinks.files import EXPORT_FORMATS, export
 from chunkq.supervisor.result.assemble import assemble
 from chunkq.supervisor.result.published import shard_bytes
 from chunkq.supervisor.result.reader import ShardedEmbeddings, check_published, published_result
-from chunkq.tools.export import EXPORT_FORMATS, export
 from tests.helpers import run_cli, write_encoded_run
 
 DIM = 8

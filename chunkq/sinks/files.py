@@ -1,5 +1,5 @@
-"""``chunkq export``: a published result (one file or shards) as one Parquet, .npy or JSON Lines file,
-with its ids.
+"""``chunkq export --out``: a published result (one file or shards) as one Parquet, .npy or JSON Lines
+file, with its ids: the file formats of the table of destinations (``destinations.py``).
 
 Streaming: rows are read and written a batch at a time, so memory stays flat in the row count.
 The values are the result's values, unchanged, in its dtype (float32, float16, int8, uint8; binary
@@ -27,17 +27,13 @@ from chunkq.jobs import kinds
 from chunkq.jobs.contract.errors import ConfigError, StoreWriteError, refused_write
 from chunkq.jobs.contract.manifest import RunManifest
 from chunkq.jobs.contract.run import Run
-from chunkq.jobs.contract.run_files import RunLayout
-from chunkq.jobs.contract.storage import (
-    as_the_caller_would,
-    inside_the_store,
-    remove_leftovers_beside,
-    temp_beside,
-)
+from chunkq.jobs.contract.storage import as_the_caller_would, remove_leftovers_beside, temp_beside
+from chunkq.sinks.corpus_columns import beside_rows
+from chunkq.sinks.destinations import FILE_FORMATS, outside_the_store
 from chunkq.supervisor.result.published import WINDOW_COLUMNS
 from chunkq.supervisor.result.reader import BATCH_ROWS, PublishedResult, open_result
 
-EXPORT_FORMATS = ("parquet", "npy", "jsonl")
+EXPORT_FORMATS = FILE_FORMATS
 
 
 def ids_path_beside(out: Path) -> Path:
@@ -116,13 +112,6 @@ def _written_whole(target: _Target) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
 
 
-def _outside_the_store(layout: RunLayout, out: Path) -> None:
-    if out != STDOUT and inside_the_store(layout.store, [out]) is not None:
-        raise ConfigError(
-            f"{out} is inside the store {layout.store}, which is chunkq's; export somewhere else"
-        )
-
-
 def export(
     published: Run,
     fmt: str,
@@ -137,7 +126,8 @@ def export(
     vectors per text instead of its windows. ``columns``: corpus fields written beside each row, as
     text (Parquet and JSON Lines; a window's text field is its own span)."""
     layout, run = published.layout, published.manifest
-    _outside_the_store(layout, out)
+    if out != STDOUT:
+        outside_the_store(layout.store, [out], str(out))
     kind = run.kind
     if tokens and kind != "sparse":
         raise ConfigError(f"--tokens names a sparse vector's dimensions; run {layout.run_id} is {kind}")
@@ -152,8 +142,6 @@ def export(
     target = _target(out, force, fmt)
     reader = open_result(published, level)
     value = value_column(kind, reader.dim)
-    from chunkq.sinks.corpus_columns import beside_rows  # the sinks read this module
-
     fields = beside_rows(run, columns, value, reader.windowed)
     if fmt == "parquet":
         _parquet(reader, value, target, fields)
