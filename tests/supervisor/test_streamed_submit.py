@@ -111,8 +111,27 @@ def _short_texts(n: int, seed: int) -> tuple[list[str], list[str]]:
 
 
 def _stop_at_split(run: Any, store: Path) -> RunLayout:
-    """Freeze the command once its first chunks are queued, its split not done; the layout."""
+    """Freeze the command once its first chunks are queued, its split not done; the layout.
+
+    ``splitting.json`` is written before the chunks it lists are queued (a split cut short between
+    the two is split again); a command frozen in between had queued nothing, and no worker ever
+    encoded (it timed out twice in full suites). So the freeze waits for chunk 0's job in Redis."""
+    import redis
+
+    from chunkq.jobs.contract.specs import chunk_job_id
+    from chunkq.jobs.queue.enqueue import job_statuses
+    from chunkq.supervisor.server.store_redis import served_url
+
     wait_for(lambda: any((store / "runs").glob("*/splitting.json")), 180, "the split's first chunks")
+    layout = only_run(store)
+    wait_for(lambda: served_url(store) is not None, 60, "the run's Redis to be advertised")
+    with redis.Redis.from_url(str(served_url(store))) as connection:
+        job = chunk_job_id(layout.run_id, 0)
+
+        def queued() -> bool:
+            return job_statuses(connection, [job]) != [None] or layout.output_meta(0).exists()
+
+        wait_for(queued, 60, "chunk 0's job in Redis")
     os.kill(run.pid, signal.SIGSTOP)  # the command only: its workers go on with the queued chunks
     layout = only_run(store)
     assert not layout.manifest.exists()
