@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-gpu gpu-check gpu-carry lint clean system-tools bytecode
+.PHONY: demo test test-fast test-gpu test-openvino gpu-check gpu-carry lint clean system-tools bytecode
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,21 @@ test: lint system-tools bytecode
 # a time: measured 61-73 s here against 93-96 s one at a time, and slower with three.
 test-fast: bytecode
 	$(BIN)/pytest -m "not slow and not gpu" -q -n 2
+
+# --backend openvino's tests in an environment of their own: optimum-intel holds transformers below
+# 5.6 (the main one resolves 5.24), and pulls a torchvision that must not replace the CPU torch. The
+# same torch pinned; torchvision removed, since the PyPI one built for another torch breaks
+# transformers' import ("operator torchvision::nms does not exist") and nothing here uses it.
+OV_VENV := .venv-openvino
+$(OV_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(OV_VENV)
+	$(OV_VENV)/bin/pip install -q torch==2.13.0
+	$(OV_VENV)/bin/pip install -q -c constraints/openvino.txt -e '.[dev,openvino]'
+	$(OV_VENV)/bin/pip uninstall -q -y torchvision
+	touch $@
+
+test-openvino: $(OV_VENV)/.installed
+	$(OV_VENV)/bin/pytest -q tests/jobs/test_openvino.py
 
 # The GPU tier (tests/gpu): real faults on a real GPU, run by the host's own python with its CUDA
 # build of torch (this venv holds the CPU wheel, which would skip every test). chunkq's other

@@ -19,6 +19,7 @@ from types import TracebackType
 import redis
 
 from chunkq.jobs.compute.runtime import POOL_FOR_RUN_ENV
+from chunkq.jobs.contract.defaults import DEFAULT_BACKEND
 from chunkq.jobs.contract.errors import StoreWriteError
 from chunkq.jobs.contract.manifest import RunManifest
 from chunkq.jobs.contract.release import chunkq_version
@@ -88,7 +89,9 @@ class PoolProcess:
             # kwargs it would be a second, unused copy (or fail), so workers load it at their first chunk.
             preload=sub.model if sub.encode.default_load else None,
             allowed_models=(sub.model,),  # this run's model, whether preloaded or not
-            precision=sub.encode.precision,
+            # What its preload and memory sizing assume; OpenVINO's precision is each chunk's own
+            # (its model is never preloaded, and its bf16 runs on CPU workers).
+            precision=sub.encode.precision if sub.encode.backend == DEFAULT_BACKEND else req.pool.precision,
             trust_remote_code=sub.encode.trust_remote_code,  # this run's pool, for this run's model
             store=str(sub.store),
             log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()),

@@ -20,6 +20,7 @@ from typing import Any
 import redis
 
 from chunkq.jobs import kinds
+from chunkq.jobs.compute import ov_backend
 from chunkq.jobs.compute.model_info import check_options, describe
 from chunkq.jobs.compute.model_refs import check_model, default_model
 from chunkq.jobs.compute.models import check_precision
@@ -36,7 +37,7 @@ from chunkq.jobs.contract.defaults import (
 from chunkq.jobs.contract.errors import ChunksFailedError, ConfigError, CorpusError, StoreError
 from chunkq.jobs.contract.run import Run
 from chunkq.jobs.contract.settings import PoolSettings
-from chunkq.jobs.contract.specs import BATCH_TOKENS_OFF, EncodeOptions
+from chunkq.jobs.contract.specs import BATCH_TOKENS_OFF, OPENVINO, EncodeOptions
 from chunkq.jobs.contract.storage import is_local, open_store
 from chunkq.jobs.queue.run_queues import MAX_PRIORITY
 from chunkq.queue_worker.devices.gpus import choose
@@ -172,6 +173,12 @@ def check_kind(options: EncodeOptions, corpus: CorpusOptions, long_texts: str) -
         raise ConfigError(
             f"--long-texts {long_texts} is for dense models; this model's kind is {options.kind}"
         )
+    if options.backend == OPENVINO:
+        if long_texts == LONG_TEXTS[-1]:
+            raise ConfigError(
+                "--backend openvino gives no token vectors for --long-texts late; leave one out"
+            )
+        ov_backend.require()  # here, before the run starts, not in each worker
 
 
 def submit_request(
@@ -321,8 +328,11 @@ def build_run_request(
     # The devices its pool will use, or why it cannot use the host's GPUs: said now, and handed to
     # the pool rather than surveyed again there.
     devices = choose(pool_settings.gpus, pool_settings.min_free_memory, pool_settings.busy_gpus)
-    if request.encode.precision != DEFAULT_PRECISION and not devices:
-        check_precision(request.encode.precision, "cpu")
+    encode = request.encode
+    if encode.backend == OPENVINO:  # its workers must be CPU workers
+        check_precision(encode.precision, "cuda" if devices else "cpu", encode.backend)
+    elif encode.precision != DEFAULT_PRECISION and not devices:
+        check_precision(encode.precision, "cpu")
     if redis_url:
         reach_redis(redis_url)
     return RunRequest(

@@ -28,6 +28,7 @@ from chunkq.jobs.contract.defaults import (
 )
 from chunkq.jobs.contract.settings import Meta
 from chunkq.jobs.contract.specs import (
+    BACKENDS,
     MODEL_KWARGS,
     OUTPUT_DTYPES,
     PRECISIONS,
@@ -165,9 +166,18 @@ RUN_OPTIONS: tuple[Option, ...] = (
     _submit(
         "precision",
         DEFAULT_PRECISION,
-        "Weights and activations on the GPU; fp16 and bf16 need a GPU.",
+        "fp32, or fp16/bf16 on GPUs. bf16 runs on CPU workers too with --backend openvino (faster, "
+        "rounded: docs/models.md).",
         kind="choice",
         choices=PRECISIONS,
+    ),
+    _submit(
+        "backend",
+        EncodeOptions.backend,
+        "torch or openvino (CPU). OpenVINO runs dense models on CPU workers, needs chunkq[openvino], "
+        "and runs in fp32, equal to torch within 1e-5, unless --precision bf16 (docs/models.md).",
+        kind="choice",
+        choices=BACKENDS,
     ),
     _submit("prompt", None, 'Text put before every text, e.g. "passage: " for E5 models.'),
     _submit(

@@ -15,7 +15,7 @@ SECTIONS: tuple[tuple[str, frozenset[str]], ...] = (
     (
         "The model",
         frozenset(
-            {"model", "kind", "role", "revision", "trust_remote_code", "model_kwargs", "precision"}
+            {"model", "kind", "role", "revision", "trust_remote_code", "model_kwargs", "precision", "backend"}
             | {"accept_unidentified_code"}
             | {"allowed_models", "preload"}
         ),

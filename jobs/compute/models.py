@@ -10,12 +10,13 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from chunkq.jobs.compute import ov_backend
 from chunkq.jobs.compute.load_check import refusing_untrained_weights
 from chunkq.jobs.compute.model_refs import OFFLINE_ENV, resolve_model
 from chunkq.jobs.compute.tokenized import length_limit
-from chunkq.jobs.contract.defaults import DEFAULT_PRECISION
+from chunkq.jobs.contract.defaults import DEFAULT_BACKEND, DEFAULT_PRECISION
 from chunkq.jobs.contract.errors import ConfigError
-from chunkq.jobs.contract.specs import EncodeOptions
+from chunkq.jobs.contract.specs import OPENVINO, EncodeOptions
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
@@ -77,8 +78,12 @@ def _torch_dtype(precision: str) -> Any:
     return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[precision]
 
 
-def check_precision(precision: str, device: str) -> None:
-    """Half precisions run on GPUs only: on a CPU they are slower than fp32 and round worse."""
+def check_precision(precision: str, device: str, backend: str = DEFAULT_BACKEND) -> None:
+    """Half precisions run on GPUs only: on a CPU they are slower than fp32 and round worse; OpenVINO
+    runs on the CPU, in fp32 or bf16 (``ov_backend``)."""
+    if backend == OPENVINO:
+        ov_backend.check_precision(precision, device)
+        return
     if precision != DEFAULT_PRECISION and not device.startswith("cuda"):
         raise ConfigError(
             f"--precision {precision} needs a GPU, and these workers run on the {device}: "
@@ -101,10 +106,10 @@ def get_model(ref: str, device: str, precision: str, options: EncodeOptions | No
             return cached
         log.warning("model %s: its files changed since this process loaded it; loading it again", ref)
         forget(ref, device, precision, options)
-    check_precision(precision, device)
+    check_precision(precision, device, options.backend)
     started = time.perf_counter()
-    model, identity, forked = _load_identified(ref, device, options)
-    if precision != DEFAULT_PRECISION:
+    model, identity, forked = _load_identified(ref, device, options, precision)
+    if precision != DEFAULT_PRECISION and options.backend == DEFAULT_BACKEND:
         model = model.to(_torch_dtype(precision))
     model.eval()
     loaded = LoadedModel(
@@ -115,7 +120,8 @@ def get_model(ref: str, device: str, precision: str, options: EncodeOptions | No
         identity,
     )
     how = "took model %s from the fork server" if forked else "loaded model %s"
-    log.info(how + " on %s (%s) in %.2f s", ref, device, precision, loaded.load_seconds)
+    runs_on = precision if options.backend == DEFAULT_BACKEND else f"{options.backend}, {precision}"
+    log.info(how + " on %s (%s) in %.2f s", ref, device, runs_on, loaded.load_seconds)
     _cache[key] = loaded
     return loaded
 
@@ -123,7 +129,9 @@ def get_model(ref: str, device: str, precision: str, options: EncodeOptions | No
 LOAD_TRIES = 3  # loads of a folder that kept changing while it was read, before giving up
 
 
-def _load_identified(ref: str, device: str, options: EncodeOptions) -> tuple[Any, Identity | None, bool]:
+def _load_identified(
+    ref: str, device: str, options: EncodeOptions, precision: str = DEFAULT_PRECISION
+) -> tuple[Any, Identity | None, bool]:
     """The model, the identity of the files it was built from, and whether it was the fork server's
     copy. The files are identified before the load and their stamp checked after it: a folder
     written to meanwhile is loaded again, so the identity is always that of the bytes loaded."""
@@ -135,7 +143,7 @@ def _load_identified(ref: str, device: str, options: EncodeOptions) -> tuple[Any
         template = _templates.pop((ref, _model_class(options.kind)), None) if options.default_load else None
         if template is not None and identity is not None and template[1] == identity:
             return template[0].to(device), identity, True
-        model, code = _load_watched(ref, device, options)
+        model, code = _load_watched(ref, device, options, _Runtime(precision, identity))
         if identity is None:  # fetched from the hub by this load: what it fetched
             return model, _with_code(identify(ref, options.revision), code), False
         if current_stamp(ref, options.revision) == identity.stamp:
@@ -149,18 +157,27 @@ def _load_identified(ref: str, device: str, options: EncodeOptions) -> tuple[Any
 _code_read: dict[tuple[Any, ...], Any] = {}
 
 
-def _load_watched(ref: str, device: str, options: EncodeOptions) -> tuple[Any, Any]:
+@dataclass(frozen=True)
+class _Runtime:
+    """What a load on a backend other than PyTorch needs: the precision it runs in, and the identity
+    of the files its export is made from (None: fetched by this load, exported anew)."""
+
+    precision: str = DEFAULT_PRECISION
+    identity: Identity | None = None
+
+
+def _load_watched(ref: str, device: str, options: EncodeOptions, runtime: _Runtime) -> tuple[Any, Any]:
     """The model and, for one that brings its own code (trust_remote_code), the listing of what its
     load and a warm-up input read (jobs.compute.model_code); None for any other model, whose code is
     the libraries' own."""
     if not options.trust_remote_code:
-        return _load(ref, device, options), None
+        return _load(ref, device, options, runtime), None
     from chunkq.jobs import kinds
     from chunkq.jobs.compute import model_code
     from chunkq.jobs.compute.model_identity import covered_paths
 
     def load_and_encode() -> tuple[Any, Any]:
-        model = _load(ref, device, options)
+        model = _load(ref, device, options, runtime)
         canary = model_code.canary_vectors(model, options.kind)
         if canary is None:
             kinds.get(options.kind).warm_up(model, [16])
@@ -217,8 +234,10 @@ def forget(ref: str, device: str, precision: str, options: EncodeOptions | None 
         torch.cuda.empty_cache()
 
 
-def _load(ref: str, device: str, options: EncodeOptions | None = None) -> SentenceTransformer:
-    options = options or EncodeOptions()
+def _load(
+    ref: str, device: str, options: EncodeOptions | None = None, runtime: _Runtime | None = None
+) -> SentenceTransformer:
+    options, runtime = options or EncodeOptions(), runtime or _Runtime()
     path = resolve_model(ref)
     if os.path.isdir(path):
         # A local model must never reach for the hub (no network on many GPU hosts).
@@ -237,15 +256,28 @@ def _load(ref: str, device: str, options: EncodeOptions | None = None) -> Senten
 
             kwargs[name] = getattr(torch, kwargs[name])
     class_name = kinds.get(options.kind).model_class
-    with refusing_untrained_weights(ref, class_name):
-        model = getattr(sentence_transformers, class_name)(
-            path,
-            device=device,
-            trust_remote_code=options.trust_remote_code,
-            revision=options.revision,
-            model_kwargs=kwargs or None,
-        )
-    return model  # type: ignore[no-any-return]
+    backend: dict[str, Any] = {}
+    if options.backend == OPENVINO:
+        import torch
+
+        ov_backend.require()
+        kwargs.update(ov_backend.load_kwargs(runtime.precision, torch.get_num_threads()))
+        backend = {"backend": OPENVINO}
+
+    def make(where: str) -> Any:
+        with refusing_untrained_weights(ref, class_name):
+            return getattr(sentence_transformers, class_name)(
+                where,
+                device=device,
+                trust_remote_code=options.trust_remote_code,
+                revision=options.revision,
+                model_kwargs=kwargs or None,
+                **backend,
+            )
+
+    if options.backend == OPENVINO:
+        return ov_backend.load(make, path, runtime.identity.value if runtime.identity else None)  # type: ignore[no-any-return]
+    return make(path)  # type: ignore[no-any-return]
 
 
 def load_template(ref: str, max_bytes: int) -> float:

@@ -40,8 +40,9 @@ from typing import Any
 import numpy as np
 
 from chunkq.jobs import kinds
+from chunkq.jobs.compute import ov_backend
 from chunkq.jobs.contract.run_files import atomic_write_json, read_json, save_npy_atomic
-from chunkq.jobs.contract.specs import EncodeOptions, fingerprint, vector_options
+from chunkq.jobs.contract.specs import OPENVINO, EncodeOptions, fingerprint, vector_options
 from chunkq.jobs.contract.storage import (
     is_local,
     list_dirs,
@@ -132,13 +133,17 @@ def _releases() -> dict[str, str]:
 def producer(model: str, model_identity: str, options: EncodeOptions) -> dict[str, Any]:
     """What decides a text's vector, beside the text: the model's identity (the hash of its files or
     its hub commit, never only its name), every option that changes a vector (the options say which
-    they are: ``specs.vector_options``) and the releases of the libraries that compute it."""
+    they are: ``specs.vector_options``: the backend and precision among them) and the releases of the
+    libraries that compute it (OpenVINO's too, for its backend)."""
+    libraries = library_versions()
+    if options.backend == OPENVINO:
+        libraries = {**libraries, **ov_backend.releases()}
     return {
         "cache_format": CACHE_FORMAT,
         "model": model,
         "model_identity": model_identity,
         "options": vector_options(options),
-        "libraries": library_versions(),
+        "libraries": libraries,
     }
 
 

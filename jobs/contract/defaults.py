@@ -21,6 +21,7 @@ DEFAULT_ID_FIELD = "id"
 # How a chunk is encoded.
 DEFAULT_OUTPUT_DTYPE = "float32"
 DEFAULT_PRECISION = "fp32"
+DEFAULT_BACKEND = "torch"  # the runtime a model runs on: sentence-transformers on PyTorch
 DEFAULT_KIND = "dense"  # what every run was before kinds (jobs.kinds)
 DEFAULT_BATCH_SIZE = 32  # sentence-transformers' own
 DEFAULT_OVERLAP_SHARE = 4  # a quarter of a window overlaps the next

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from chunkq.jobs.contract.defaults import (
+    DEFAULT_BACKEND,
     DEFAULT_BATCH_SIZE,
     DEFAULT_KIND,
     DEFAULT_OUTPUT_DTYPE,
@@ -21,6 +22,8 @@ if TYPE_CHECKING:
 
 FORMAT_VERSION = 1
 PRECISIONS = (DEFAULT_PRECISION, "fp16", "bf16")
+OPENVINO = "openvino"
+BACKENDS = (DEFAULT_BACKEND, OPENVINO)  # sentence-transformers' own backend= (ONNX measured slower here)
 BATCH_TOKENS_AUTO = "auto"  # --batch-tokens auto: the budget tunes itself (jobs.compute.token_batches)
 BATCH_TOKENS_OFF = "off"  # --batch-tokens off: --batch-size batches, on a GPU too
 BATCH_TOKENS_WORDS = (BATCH_TOKENS_AUTO, BATCH_TOKENS_OFF)
@@ -99,7 +102,13 @@ _NEW_FIELD_DEFAULTS = {  # left out of to_dict when unset, so older runs keep th
     "role": None,
     "max_active_dims": None,
     "allow_missing": False,
+    "backend": DEFAULT_BACKEND,
 }
+
+
+def _one_of(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
 
 
 def _positive(name: str, value: Any) -> None:
@@ -193,6 +202,8 @@ class EncodeOptions:
     max_active_dims: int | None = field(default=None, metadata=_VECTOR)  # sparse: the N largest values
     # image: a row that cannot be read is left out rather than fail its chunk; the rows read are as ever
     allow_missing: bool = field(default=False, metadata=_NOT_VECTOR)
+    # the runtime that runs the model (BACKENDS): OpenVINO's vectors are its own, so the cache keys it
+    backend: str = field(default=DEFAULT_BACKEND, metadata=_VECTOR)
 
     def __post_init__(self) -> None:
         if (
@@ -211,12 +222,9 @@ class EncodeOptions:
             raise ConfigError(f"batch size must be a positive integer, got {self.batch_size!r}")
         _positive("max_seq_length", self.max_seq_length)
         _positive("truncate_dim", self.truncate_dim)
-        if self.precision not in PRECISIONS:
-            raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
-        if self.output_dtype not in OUTPUT_DTYPES:
-            raise ConfigError(
-                f"output dtype must be one of {', '.join(OUTPUT_DTYPES)}, got {self.output_dtype!r}"
-            )
+        _one_of("precision", self.precision, PRECISIONS)
+        _one_of("backend", self.backend, BACKENDS)
+        _one_of("output dtype", self.output_dtype, tuple(OUTPUT_DTYPES))
         if self.prompt is not None and self.prompt_name is not None:
             raise ConfigError("give --prompt or --prompt-name, not both")
         for name in ("prompt", "prompt_name", "revision"):
@@ -241,13 +249,14 @@ class EncodeOptions:
     def load_key(self) -> tuple[Any, ...]:
         """What decides how the model is loaded (beside its name, device and precision)."""
         kwargs = tuple(sorted((self.model_kwargs or {}).items()))
-        return (self.trust_remote_code, self.revision, kwargs)
+        return (self.trust_remote_code, self.revision, kwargs, self.backend)
 
     @property
     def default_load(self) -> bool:
         """The model loads as its class loads it by name alone (``SentenceTransformer(name)``,
         ``CrossEncoder(name)``): what a preload or the fork server's copy is."""
-        return not self.trust_remote_code and self.revision is None and not self.model_kwargs
+        plain = not self.trust_remote_code and self.revision is None and not self.model_kwargs
+        return plain and self.backend == DEFAULT_BACKEND
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

@@ -72,6 +72,9 @@ def check_options(options: EncodeOptions) -> None:
     """ConfigError where ``options`` ask of the run's kind what it cannot do."""
     kind = get(options.kind)
     why = kind.refuse(options)
+    if options.backend not in kind.backends:
+        runs = ", ".join(k.name for k in KINDS.values() if options.backend in k.backends)
+        why = f"--backend {options.backend} runs {runs} models here"
     if options.allow_missing and not (kind.reads_rows or options.late_chunking):
         why = "--allow-missing is for rows that name what to read (--kind image) or late-chunking windows"
     if why:

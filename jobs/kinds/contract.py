@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from chunkq.jobs.contract.defaults import DEFAULT_BACKEND
 from chunkq.jobs.contract.ragged import Ragged
 from chunkq.jobs.contract.specs import EncodeOptions
 
@@ -41,6 +42,9 @@ class Kind:
     # A kind added on top of another's models (a module named in CHUNKQ_KINDS): runs on the models
     # whose files say that kind.
     built_on: str | None = None
+    # The runtimes its model class runs on (specs.BACKENDS): PyTorch, and OpenVINO where
+    # sentence-transformers offers it and chunkq's tests hold it equal to PyTorch.
+    backends: tuple[str, ...] = (DEFAULT_BACKEND,)
 
     @property
     def matrix(self) -> bool:

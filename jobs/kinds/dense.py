@@ -8,7 +8,7 @@ import numpy as np
 
 from chunkq.jobs.compute import late, token_batches
 from chunkq.jobs.compute.tokenized import length_limit
-from chunkq.jobs.contract.specs import EncodeOptions
+from chunkq.jobs.contract.specs import BACKENDS, EncodeOptions
 from chunkq.jobs.kinds.contract import Kind, OnRows, matrix_rows, warm_up_texts, with_bad_rows
 
 
@@ -66,4 +66,5 @@ KIND = Kind(
     warm_up=warm_up_texts,
     refuse=refuse,
     canary=True,
+    backends=BACKENDS,
 )

@@ -1,0 +1,169 @@
+"""OpenVINO as a model's runtime on the CPU, through sentence-transformers' own ``backend="openvino"``
+(optimum-intel), not a pipeline of chunkq's.
+
+Exact unless asked: OpenVINO's CPU plugin runs in bf16 by default where the CPU has it (AVX512-BF16,
+AMX), which moved an all-MiniLM-L6-v2 vector by up to 1.5e-3 here; chunkq sets the precision hint to
+f32 unless ``--precision bf16`` names it. The model is exported from its PyTorch weights once per
+host, model identity and OpenVINO release, into this host's cache, and every later load (each
+worker, each run) reads the export. OpenVINO is imported by the worker that runs the model, never
+by the fork server a worker is forked from, so no child inherits a runtime's threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from chunkq.jobs.contract.defaults import DEFAULT_PRECISION
+from chunkq.jobs.contract.errors import ConfigError
+from chunkq.jobs.contract.storage import user_cache_dir
+
+log = logging.getLogger(__name__)
+
+INSTALL = "pip install 'chunkq[openvino]'"
+PRECISION_HINTS = {DEFAULT_PRECISION: "f32", "bf16": "bf16"}  # chunkq's --precision: OpenVINO's hint
+_MODULES = ("openvino", "optimum.intel")
+_RELEASES = ("openvino", "optimum-intel")
+EXPORTED_MARK = "chunkq-openvino.json"  # written last: a folder without it is an export cut short
+
+
+def missing() -> str | None:
+    """Why OpenVINO cannot run on this host, in one line; None when it can."""
+    for module in _MODULES:
+        try:
+            found = importlib.util.find_spec(module)
+        except (ImportError, ValueError):
+            found = None
+        if found is None:
+            return f"--backend openvino needs OpenVINO and optimum-intel, which this Python lacks: {INSTALL}"
+    return None
+
+
+def require() -> None:
+    why = missing()
+    if why is not None:
+        raise ConfigError(why)
+
+
+def check_precision(precision: str, device: str) -> None:
+    """OpenVINO here runs on the CPU, in f32 (exact) or bf16 (by name)."""
+    if not device.startswith("cpu"):
+        raise ConfigError(
+            f"--backend openvino runs models on the CPU; these workers run on {device}: give --gpus none"
+        )
+    if precision not in PRECISION_HINTS:
+        raise ConfigError(
+            f"--precision {precision} with --backend openvino: give {' or '.join(PRECISION_HINTS)} "
+            f"({DEFAULT_PRECISION}, the default, equals PyTorch's vectors; bf16 is faster and rounds)"
+        )
+
+
+def releases() -> dict[str, str]:
+    """OpenVINO's and optimum-intel's releases: part of what a vector of theirs is."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for name in _RELEASES:
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = "absent"
+    return found
+
+
+def load_kwargs(precision: str, threads: int) -> dict[str, Any]:
+    """sentence-transformers' ``model_kwargs`` for OpenVINO: the precision named, this worker's threads."""
+    return {
+        "ov_config": {
+            "INFERENCE_PRECISION_HINT": PRECISION_HINTS[precision],
+            "INFERENCE_NUM_THREADS": threads,
+        }
+    }
+
+
+def export_folder(identity: str) -> Path:
+    """Where this host keeps the export of the model whose files are ``identity``."""
+    key = json.dumps({"model": identity, **releases()}, sort_keys=True)
+    return user_cache_dir() / "openvino" / hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+def exported(folder: Path) -> bool:
+    return (folder / EXPORTED_MARK).is_file()
+
+
+def load(make: Callable[[str], Any], path: str, identity: str | None) -> Any:
+    """``make(path)``, the model on OpenVINO: from this host's export of it, made first (by one
+    worker at a time: a second waits, then reads it) where there is none. ``identity`` None (files
+    fetched by this very load): exported for this load alone."""
+    if identity is None:
+        with _exporting():
+            return make(path)
+    folder = export_folder(identity)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.with_name(folder.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+        if exported(folder):
+            return make(str(folder))
+        log.info("exporting the model to OpenVINO, once for this host, into %s", folder)
+        with _exporting():
+            model = make(path)
+        keep_export(model, folder, identity)
+        return model
+
+
+class _SavedBelow(logging.Filter):
+    """sentence-transformers warns that it exports and advises saving the export; chunkq says it
+    exports in a line of its own and keeps the export (``keep_export``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        said = record.getMessage()
+        return not (
+            said.startswith("Saving the exported OpenVINO") or "Exporting the model to OpenVINO" in said
+        )
+
+
+@contextlib.contextmanager
+def _exporting() -> Iterator[None]:
+    """An export traces the PyTorch model: its tracer's warnings (a Python bool in the graph, as
+    expected of attention masks) would fill every worker's log once per export."""
+    import torch
+
+    said = logging.getLogger("sentence_transformers.backend.utils")
+    quiet = _SavedBelow()
+    said.addFilter(quiet)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)  # type: ignore[attr-defined]
+            yield
+    finally:
+        said.removeFilter(quiet)
+
+
+def keep_export(model: Any, folder: Path, identity: str) -> None:
+    """Save the model just exported, whole, where the next load finds it: written beside and
+    renamed into place, so a load never reads half an export; a host that cannot keep it exports
+    again next time (said once)."""
+    tmp = folder.with_name(f".{folder.name}.{os.getpid()}")
+    try:
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(str(tmp))
+        (tmp / EXPORTED_MARK).write_text(json.dumps({"model": identity, **releases()}))
+        os.replace(tmp, folder)  # another worker's export landed first: theirs is as good
+    except OSError as exc:
+        if not exported(folder):
+            log.warning(
+                "cannot keep the OpenVINO export in %s (%s); the next load exports again", folder, exc
+            )
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,112 @@
+"""Issue 67: ``--backend openvino``, sentence-transformers' own OpenVINO backend on CPU workers.
+
+Without the ``openvino`` extra (CI's install) a run asking for it is refused before anything starts,
+in one line; its options are part of what a vector is, so the vector cache never serves one
+backend's or precision's rows for another's. With the extra (``make test-openvino``, a side
+environment: optimum-intel holds transformers below 5.6) a run through a pool, a worker SIGKILLed
+mid-chunk, equals sentence-transformers on PyTorch within 1e-5, and a bf16 run after a PyTorch run
+of the same texts reads nothing from the cache.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from chunkq.jobs.compute import ov_backend
+from chunkq.jobs.compute.models import check_precision
+from chunkq.jobs.compute.vector_cache import producer, producer_key
+from chunkq.jobs.contract.errors import ConfigError
+from chunkq.jobs.contract.specs import EncodeOptions, vector_options
+from chunkq.queue_worker.exit_codes import EXIT_CONFIG
+from tests.helpers import make_texts, max_abs_diff, only_run, run_cli, write_corpus
+
+installed = ov_backend.missing() is None
+needs_openvino = pytest.mark.skipif(
+    not installed, reason="the openvino extra is not installed (make test-openvino)"
+)
+
+
+@pytest.mark.skipif(installed, reason="the refusal of a host without OpenVINO")
+def test_a_run_asking_for_openvino_without_it_is_refused_in_one_line(tmp_path: Path) -> None:
+    ids, texts = make_texts(20, seed=1)
+    corpus = write_corpus(tmp_path / "a.jsonl", ids, texts, "jsonl")
+    done = run_cli("run", str(corpus), "--store", str(tmp_path / "store"), "--backend", "openvino")
+    said = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == EXIT_CONFIG, done.stderr[-2000:]
+    assert said == [
+        "chunkq: error: --backend openvino needs OpenVINO and optimum-intel, which this Python lacks: "
+        "pip install 'chunkq[openvino]'"
+    ], said
+    assert not (tmp_path / "store").exists()
+
+
+def test_the_backend_and_its_precision_are_part_of_what_a_vector_is() -> None:
+    """A PyTorch run's options and cache key are what they were before backends existed; OpenVINO
+    fp32, OpenVINO bf16 and PyTorch each key the cache apart, OpenVINO's releases with them."""
+    torch_run, ov_f32 = EncodeOptions(), EncodeOptions(backend="openvino")
+    ov_bf16 = EncodeOptions(backend="openvino", precision="bf16")
+    assert "backend" not in torch_run.to_dict() and ov_f32.to_dict()["backend"] == "openvino"
+    assert vector_options(ov_f32)["backend"] == "openvino"  # keyed by itself, not only by its releases
+    keys = {producer_key(producer("m", "files:x", o)) for o in (torch_run, ov_f32, ov_bf16)}
+    assert len(keys) == 3
+    assert "openvino" in producer("m", "files:x", ov_f32)["libraries"]
+    assert "openvino" not in producer("m", "files:x", torch_run)["libraries"]
+    assert torch_run.load_key() != ov_f32.load_key() and not ov_f32.default_load
+
+
+def test_openvino_is_for_cpu_workers_in_fp32_or_bf16_and_dense_models(tmp_path: Path) -> None:
+    check_precision("bf16", "cpu", "openvino")
+    with pytest.raises(ConfigError, match=r"--backend openvino runs models on the CPU.*--gpus none"):
+        check_precision("fp32", "cuda:0", "openvino")
+    with pytest.raises(ConfigError, match="--precision fp16 with --backend openvino: give fp32 or bf16"):
+        check_precision("fp16", "cpu", "openvino")
+    with pytest.raises(ConfigError, match="backend must be one of torch, openvino, got 'onnx'"):
+        EncodeOptions(backend="onnx")
+    ids, texts = make_texts(10, seed=2)
+    corpus = write_corpus(tmp_path / "a.jsonl", ids, texts, "jsonl")
+    late = run_cli(
+        "run", str(corpus), "--store", str(tmp_path / "s"), "--backend", "openvino", "--long-texts", "late"
+    )
+    assert (
+        late.returncode == EXIT_CONFIG
+        and "--backend openvino gives no token vectors for --long-texts late" in late.stderr
+    )
+
+
+@needs_openvino
+@pytest.mark.slow
+def test_an_openvino_run_through_a_sigkill_equals_pytorch_and_bf16_never_reads_its_cache(
+    tmp_path: Path, reference_model: Any
+) -> None:
+    ids, texts = make_texts(240, seed=67)
+    corpus = write_corpus(tmp_path / "a.jsonl", ids, texts, "jsonl")
+    plain = reference_model.encode(texts)
+    store = tmp_path / "store"
+    faults = json.dumps([{"kind": "sigkill", "chunks": [1], "attempts": [1]}])
+    args = ["run", str(corpus), "--store", str(store), "--chunk-size", "60", "--backend", "openvino"]
+    done = run_cli(*args, CHUNKQ_FAULTS=faults)
+    assert done.returncode == 0, done.stderr[-3000:]
+    layout = only_run(store)
+    got = np.load(layout.result / "embeddings.npy")
+    assert [json.loads(x) for x in (layout.result / "ids.jsonl").read_text().splitlines()] == ids
+    assert max_abs_diff(got, plain) <= 1e-5
+    assert json.loads(layout.output_meta(1).read_text())["attempt"] == 2  # the killed chunk, again
+
+    torch_store = tmp_path / "torch"
+    assert run_cli("run", str(corpus), "--store", str(torch_store)).returncode == 0
+    f32 = run_cli("run", str(corpus), "--store", str(torch_store), "--backend", "openvino")
+    assert "240 encoded, 0 from the vector cache" in f32.stdout, f32.stdout
+    bf16 = run_cli(
+        "run", str(corpus), "--store", str(torch_store), "--backend", "openvino", "--precision", "bf16"
+    )
+    assert bf16.returncode == 0, bf16.stderr[-3000:]
+    assert "240 encoded, 0 from the vector cache" in bf16.stdout, bf16.stdout
+    runs = sorted((torch_store / "runs").iterdir(), key=lambda p: p.stat().st_mtime)
+    rounded = np.load(runs[-1] / "result" / "embeddings.npy")
+    cosine = (rounded * plain).sum(1) / np.linalg.norm(rounded, axis=1) / np.linalg.norm(plain, axis=1)
+    assert max_abs_diff(rounded, plain) > 1e-5 and cosine.min() > 0.999  # its own rows, close
