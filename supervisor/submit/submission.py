@@ -17,7 +17,6 @@ from typing import Any
 
 import redis
 
-from chunkq.jobs.calibrate import CALIBRATION_ROWS, ranges_for
 from chunkq.jobs.compute.model_info import describe
 from chunkq.jobs.contract.defaults import DEFAULT_PRIORITY
 from chunkq.jobs.contract.errors import STORAGE_ERRNOS, CorpusError, RunConflictError, StoreWriteError
@@ -25,7 +24,6 @@ from chunkq.jobs.contract.manifest import RunManifest, load_manifest, producer_r
 from chunkq.jobs.contract.run_files import (
     RunLayout,
     atomic_write_json,
-    read_chunk_input,
     write_chunk_input,
 )
 from chunkq.jobs.contract.specs import FORMAT_VERSION, fingerprint
@@ -49,6 +47,7 @@ from chunkq.supervisor.submit.identity import (
 from chunkq.supervisor.submit.plan import write_planned_inputs
 from chunkq.supervisor.submit.resumed import with_batching, with_priority
 from chunkq.supervisor.submit.run_cache import record_cache_use, vector_cache
+from chunkq.supervisor.submit.sampled import agreement, calibration, rounds
 from chunkq.supervisor.submit.streamed_plan import cache_index, write_streamed_inputs
 from chunkq.supervisor.submit.streaming import SplitFeed, SplitManifest, leftovers_of_a_split
 from chunkq.supervisor.submit.windows import (
@@ -256,7 +255,8 @@ def _create_run(
         # The checksums were taken in an earlier pass: the rows just copied must be of those bytes.
         for path, described in zip(req.corpora, identified.inputs, strict=True):
             unchanged(path, (described["size"], described["version"]))
-        calibration = _calibration(req, layout, chunking["chunks"]) if req.encode.calibrated else None
+        ranges = calibration(req, layout, chunking["chunks"]) if req.encode.calibrated else None
+        agreed = agreement(req, layout, chunking["chunks"]) if rounds(req.encode) else None
     except BaseException as exc:
         if split is not None and split.chunks:
             split.feed.abandon()  # what took its chunks stops before they go
@@ -270,8 +270,10 @@ def _create_run(
             ) from exc
         raise
     data = {**base, **chunking}
-    if calibration is not None:
-        data["calibration"] = calibration
+    if ranges is not None:
+        data["calibration"] = ranges
+    if agreed is not None:
+        data["agreement"] = agreed  # the result's manifest carries it too (it copies the run's)
     atomic_write_json(layout.manifest, data)
     if split is not None:
         split.finished()
@@ -294,18 +296,6 @@ def _unit_length(req: SubmitRequest) -> bool | None:
     if info.folder is None:
         return None
     return info.normalizes and req.encode.truncate_dim is None
-
-
-def _calibration(req: SubmitRequest, layout: RunLayout, chunks: int) -> dict[str, Any]:
-    """The run's one set of int8/uint8 ranges (jobs.calibrate), from up to CALIBRATION_ROWS texts
-    taken evenly across its chunks, before any chunk runs."""
-    picked = sorted({round(i * (chunks - 1) / max(1, CALIBRATION_ROWS - 1)) for i in range(CALIBRATION_ROWS)})
-    per_chunk = -(-CALIBRATION_ROWS // len(picked))
-    texts: list[str] = []
-    for index in picked:
-        texts += read_chunk_input(layout, index)[1][:per_chunk]
-    log.info("run %s: computing %s ranges from %d texts", layout.run_id, req.encode.output_dtype, len(texts))
-    return ranges_for(req.model, req.encode, texts[:CALIBRATION_ROWS])
 
 
 @contextlib.contextmanager

@@ -4,8 +4,8 @@ Without the ``openvino`` extra (CI's install) a run asking for it is refused bef
 in one line; its options are part of what a vector is, so the vector cache never serves one
 backend's or precision's rows for another's. With the extra (``make test-openvino``, a side
 environment: optimum-intel holds transformers below 5.6) a run through a pool, a worker SIGKILLed
-mid-chunk, equals sentence-transformers on PyTorch within 1e-5, and a bf16 run after a PyTorch run
-of the same texts reads nothing from the cache.
+mid-chunk, equals sentence-transformers on PyTorch within 1e-5; f32 and bf16 runs after a PyTorch run
+of the same texts read nothing from the cache, and bf16's agreement with fp32 is in its manifests.
 """
 
 from __future__ import annotations
@@ -110,3 +110,9 @@ def test_an_openvino_run_through_a_sigkill_equals_pytorch_and_bf16_never_reads_i
     rounded = np.load(runs[-1] / "result" / "embeddings.npy")
     cosine = (rounded * plain).sum(1) / np.linalg.norm(rounded, axis=1) / np.linalg.norm(plain, axis=1)
     assert max_abs_diff(rounded, plain) > 1e-5 and cosine.min() > 0.999  # its own rows, close
+    # What bf16 costs, measured at submit on a sample of the run's own texts, in both manifests.
+    agreement = json.loads((runs[-1] / "manifest.json").read_text())["agreement"]
+    assert agreement["with"] == "torch fp32" and agreement["rows"] == 200
+    assert cosine.min() - 1e-4 <= agreement["min_cosine"] <= agreement["mean_cosine"] < 1.0
+    assert json.loads((runs[-1] / "result" / "manifest.json").read_text())["agreement"] == agreement
+    assert "agreement" not in json.loads((only_run(store).manifest).read_text())  # f32: none
