@@ -116,3 +116,26 @@ def test_an_openvino_run_through_a_sigkill_equals_pytorch_and_bf16_never_reads_i
     assert cosine.min() - 1e-4 <= agreement["min_cosine"] <= agreement["mean_cosine"] < 1.0
     assert json.loads((runs[-1] / "result" / "manifest.json").read_text())["agreement"] == agreement
     assert "agreement" not in json.loads((only_run(store).manifest).read_text())  # f32: none
+
+
+@needs_openvino
+def test_the_fork_server_never_starts_openvino_so_no_forked_worker_inherits_it() -> None:
+    """What the fork server imports before it forks (``fork_server.PRELOAD``: torch,
+    sentence-transformers, the worker) imports nothing of OpenVINO or optimum-intel: each worker
+    starts OpenVINO's runtime, and its threads, itself, as it loads an OpenVINO model."""
+    import subprocess
+    import sys
+
+    from chunkq.queue_worker.processes.fork_server import PRELOAD
+
+    probe = (
+        "import importlib, sys\n"
+        f"for name in {PRELOAD!r}: importlib.import_module(name)\n"
+        "runtimes = ('openvino', 'optimum', 'nncf')\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules if m.startswith(runtimes)}))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]", done.stdout
