@@ -67,17 +67,8 @@ def plain(work: Path, corpus: Path, script: str) -> tuple[dict[str, Any], Any]:
 
 def chunkq(work: Path, corpus: Path, args: list[str]) -> tuple[dict[str, Any], Any]:
     store = work / f"store-{time.monotonic_ns()}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "chunkq.cli",
-        "--log-level",
-        "WARNING",
-        "run",
-        str(corpus),
-        "--store",
-        str(store),
-    ]
+    cmd = [sys.executable, "-m", "chunkq.cli", "--log-level", "WARNING", "run", str(corpus)]
+    cmd += ["--store", str(store)]
     found = _measured(cmd + args, _env())
     (run,) = (store / "runs").iterdir()
     return found, np.load(run / "result" / "embeddings.npy")
