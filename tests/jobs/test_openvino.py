@@ -67,6 +67,10 @@ def test_openvino_is_for_cpu_workers_in_fp32_or_bf16_and_dense_models(tmp_path: 
         check_precision("fp16", "cpu", "openvino")
     with pytest.raises(ConfigError, match="backend must be one of torch, openvino, got 'onnx'"):
         EncodeOptions(backend="onnx")
+    from chunkq.jobs import kinds
+
+    with pytest.raises(ConfigError, match="--kind sparse: --backend openvino runs dense models here"):
+        kinds.check_options(EncodeOptions(kind="sparse", backend="openvino"))
     ids, texts = make_texts(10, seed=2)
     corpus = write_corpus(tmp_path / "a.jsonl", ids, texts, "jsonl")
     late = run_cli(
