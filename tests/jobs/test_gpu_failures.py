@@ -111,7 +111,7 @@ def test_rows_that_overflow_in_half_precision_are_encoded_again_in_float32(
 ) -> None:
     """bf16 on the CPU (torch runs it; chunkq refuses it there only for speed), NaN in two rows of
     the bf16 encode as an overflow leaves them: those rows are encoded again in fp32."""
-    monkeypatch.setattr(models, "check_precision", lambda precision, device: None)
+    monkeypatch.setattr(models, "check_precision", lambda precision, device, backend="torch": None)
     inject([{"kind": "non_finite", "rows": [0, 5], "precision": "bf16"}])
     spec, texts = _chunk(store, precision="bf16")
     try:

@@ -103,6 +103,7 @@ OTHER_VALUES: dict[str, Any] = {
     "role": "query",
     "max_active_dims": 64,
     "allow_missing": True,
+    "backend": "openvino",
 }
 # What a vector cannot depend on: how rows are batched, and what assembly derives from the float32
 # vectors the cache keeps (truncation, stored dtype); a row left out is not a row.
