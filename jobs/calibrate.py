@@ -68,14 +68,14 @@ def agreement_here(model: str, options: EncodeOptions, texts: list[str]) -> dict
     import numpy as np
 
     from chunkq.jobs.compute import models
+    from chunkq.jobs.compute.model_code import row_cosines
     from chunkq.jobs.embed import encode_texts
 
     rounded = replace(options, batch_tokens=None)
     exact = replace(rounded, backend=EncodeOptions.backend, precision=EncodeOptions.precision)
     a = encode_texts(models.get_model(model, "cpu", rounded.precision, rounded), texts, rounded)
     b = encode_texts(models.get_model(model, "cpu", exact.precision, exact), texts, exact)
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    cosine = (a * b).sum(1) / np.maximum(np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1), 1e-30)
+    cosine = row_cosines(np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64))
     return {
         "rows": len(texts),
         "with": f"{exact.backend} {exact.precision}",

@@ -152,8 +152,14 @@ def canary_difference(mine: list[list[float]] | None, theirs: Any) -> tuple[floa
     a, b = np.asarray(mine, dtype=np.float64), np.asarray(theirs, dtype=np.float64)
     if a.shape != b.shape or a.ndim != 2:
         return None
-    cosine = (a * b).sum(1) / np.maximum(np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1), 1e-12)
-    return float(np.abs(a - b).max()), float(cosine.min())
+    return float(np.abs(a - b).max()), float(row_cosines(a, b).min())
+
+
+def row_cosines(a: Any, b: Any) -> Any:
+    """The cosine of each row of ``a`` with the same row of ``b`` (0 for a row of zeros)."""
+    import numpy as np
+
+    return (a * b).sum(1) / np.maximum(np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1), 1e-12)
 
 
 # --- recording ---------------------------------------------------------------------------------

@@ -12,13 +12,13 @@ from datetime import datetime
 
 import redis
 
+from chunkq.jobs.queue.enqueue import chunk_queue
 from chunkq.jobs.queue.rq_api import (
     FailedJobRegistry,
     FinishedJobRegistry,
     IntermediateQueue,
     Job,
     JSONSerializer,
-    Queue,
     StartedJobRegistry,
     str_to_date,
 )
@@ -29,7 +29,7 @@ class ChunkQueueLists:
 
     def __init__(self, connection: redis.Redis, queue_name: str) -> None:
         self.connection = connection
-        self._queue = Queue(queue_name, connection=connection, serializer=JSONSerializer)
+        self._queue = chunk_queue(connection, queue_name)
         self.finished_key: str = FinishedJobRegistry(queue=self._queue).key
         self.failed_key: str = FailedJobRegistry(queue=self._queue).key
         self._started = StartedJobRegistry(queue=self._queue)
