@@ -24,6 +24,7 @@ import redis
 
 from chunkq.jobs import kinds
 from chunkq.jobs.compute import (
+    agreement,
     chunk_progress,
     cuda,
     device_busy,
@@ -368,6 +369,9 @@ def _embed(chunk: ChunkSpec) -> dict[str, Any]:
             "them, or give --allow-missing to leave them out of the result"
         ) from exc
     seconds = time.perf_counter() - t0
+    agreed = agreement.for_chunk(
+        chunk.model, chunk.index, chunk.options, texts, encoded.embeddings, encode_texts
+    )
     late = models.late_code_reads(loaded, layout.store)  # none: every file it ran is in the identity
     if late:
         log.warning(
@@ -417,6 +421,7 @@ def _embed(chunk: ChunkSpec) -> dict[str, Any]:
         "finished_at": datetime.now(UTC).isoformat(),
         "rows_at": progress.samples,  # [seconds since started_at, rows encoded by then], for the report
         "busy": busy.to_dict(),  # how busy the device was over the chunk, and who said (compute/device_busy)
+        **agreed,  # a rounding precision's, with fp32, on a sample of the chunk (compute/agreement)
         **(
             {
                 "bad_rows": [
@@ -439,12 +444,6 @@ def _embed(chunk: ChunkSpec) -> dict[str, Any]:
         if stored.dtype.kind == "f" and len(overflow := non_finite_rows(stored)):
             raise _non_finite_error(chunk, overflow, f"once stored as {manifest.chunk_dtype}")
         published = write_output(layout, chunk.index, stored, meta, manifest.chunk_dtype)
-    log.info(
-        "chunk %s: %d rows in %.2f s (%s %d)",
-        chunk.job_id,
-        len(texts),
-        seconds,
-        "token budget" if by_tokens else "batch size",
-        encoded.limit,
-    )
+    how = "token budget" if by_tokens else "batch size"
+    log.info("chunk %s: %d rows in %.2f s (%s %d)", chunk.job_id, len(texts), seconds, how, encoded.limit)
     return {**published, "skipped": False}

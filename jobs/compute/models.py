@@ -222,6 +222,11 @@ def _key(ref: str, device: str, precision: str, options: EncodeOptions) -> tuple
     return (ref, device, precision, options.load_key(), _model_class(options.kind))
 
 
+def holds(ref: str, device: str, precision: str, options: EncodeOptions) -> bool:
+    """Whether this process has the model loaded already (``get_model`` would reuse it)."""
+    return _key(ref, device, precision, options) in _cache
+
+
 def forget(ref: str, device: str, precision: str, options: EncodeOptions | None = None) -> None:
     """Drop a model from this process's cache (a copy loaded for one use), freeing its memory."""
     _cache.pop(_key(ref, device, precision, options or EncodeOptions()), None)

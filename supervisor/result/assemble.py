@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from chunkq.jobs import kinds
+from chunkq.jobs.compute import agreement
 from chunkq.jobs.compute.model_identity import short
 from chunkq.jobs.compute.quantize import convert, derived_floats, stored_columns
 from chunkq.jobs.contract.chunk_output import output_meta
@@ -65,6 +66,7 @@ class Verified:
     embedding_dim: int = 0  # the dimensions encoded (packed bits store 8 a column)
     bad_rows: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # chunk: rows left out
     models: dict[str, int] = field(default_factory=dict)  # each model identity outputs name: a chunk of it
+    agreements: list[dict[str, Any]] = field(default_factory=list)  # a rounding precision's, per chunk
 
     def add(self, index: int, meta: dict[str, Any]) -> None:
         self.dims[index] = dim = int(meta["dim"])
@@ -77,6 +79,8 @@ class Verified:
         if meta.get("source") != "cache" and isinstance(meta.get("pid"), int):
             self.processes.add((str(meta.get("host")), int(meta["pid"])))
         self.devices.add(str(meta.get("device")))
+        if isinstance(meta.get("agreement"), dict):
+            self.agreements.append(meta["agreement"])
         try:
             self.seconds += float(meta.get("seconds") or 0.0)
         except (TypeError, ValueError):
@@ -375,7 +379,26 @@ def _result_manifest(
         "encode_seconds": round(verified.seconds, 3),
         # The model every row came from: the run's, or where submit could not tell, the chunks' one
         "model_identity": manifest.model_identity or next(iter(verified.models), None),
+        **_agreed(manifest, verified),
     }
+
+
+def _agreed(manifest: RunManifest, verified: Verified) -> dict[str, Any]:
+    """A rounding precision's agreement with fp32, as the chunks that measured it found it."""
+    found = agreement.of_the_run(verified.agreements)
+    if found is None:
+        return {}
+    log.info(
+        "run %s: %s %s agrees with %s on %d of its texts: cosine min %.6f, mean %.6f",
+        manifest.run_id,
+        manifest.options.get("backend"),
+        manifest.options.get("precision"),
+        found["with"],
+        found["rows"],
+        found["min_cosine"],
+        found["mean_cosine"],
+    )
+    return {"agreement": found}
 
 
 def _after_publish(

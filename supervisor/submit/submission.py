@@ -47,7 +47,7 @@ from chunkq.supervisor.submit.identity import (
 from chunkq.supervisor.submit.plan import write_planned_inputs
 from chunkq.supervisor.submit.resumed import with_batching, with_priority
 from chunkq.supervisor.submit.run_cache import record_cache_use, vector_cache
-from chunkq.supervisor.submit.sampled import agreement, calibration, rounds
+from chunkq.supervisor.submit.sampled import calibration
 from chunkq.supervisor.submit.streamed_plan import cache_index, write_streamed_inputs
 from chunkq.supervisor.submit.streaming import SplitFeed, SplitManifest, leftovers_of_a_split
 from chunkq.supervisor.submit.windows import (
@@ -256,7 +256,6 @@ def _create_run(
         for path, described in zip(req.corpora, identified.inputs, strict=True):
             unchanged(path, (described["size"], described["version"]))
         ranges = calibration(req, layout, chunking["chunks"]) if req.encode.calibrated else None
-        agreed = agreement(req, layout, chunking["chunks"]) if rounds(req.encode) else None
     except BaseException as exc:
         if split is not None and split.chunks:
             split.feed.abandon()  # what took its chunks stops before they go
@@ -272,8 +271,6 @@ def _create_run(
     data = {**base, **chunking}
     if ranges is not None:
         data["calibration"] = ranges
-    if agreed is not None:
-        data["agreement"] = agreed  # the result's manifest carries it too (it copies the run's)
     atomic_write_json(layout.manifest, data)
     if split is not None:
         split.finished()
