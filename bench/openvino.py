@@ -12,7 +12,12 @@ as a whole process, the order turned each round:
 - ``plain openvino f32``: the same with ``backend="openvino"`` and the f32 precision hint;
 - ``chunkq torch``, ``chunkq openvino f32``, ``chunkq openvino bf16``: ``chunkq run`` with the
   defaults and ``--backend``/``--precision``; each in a store of its own, the OpenVINO export
-  already in this host's cache (made by a first, untimed run), as every run after a host's first.
+  already in this host's cache (made by a first, untimed run), as every run after a host's first;
+- ``chunkq openvino int8``: the same with ``--precision int8`` and the model ``chunkq quantize`` made
+  (untimed, its seconds printed) from the corpus's first 300 texts.
+
+``--variants`` picks some (comma-separated); ``plain torch`` and ``chunkq torch`` always run, the
+ratios' bases.
 
 Prints and writes, per variant: the median wall seconds, the load average at each start, the ratio
 to ``chunkq torch`` and to ``plain torch``, and each chunkq result's max abs difference and min
@@ -48,7 +53,9 @@ CHUNKQ = {
     "chunkq torch": [],
     "chunkq openvino f32": ["--backend", "openvino"],
     "chunkq openvino bf16": ["--backend", "openvino", "--precision", "bf16"],
+    "chunkq openvino int8": ["--backend", "openvino", "--precision", "int8"],  # and --model: main()
 }
+BASES = ("plain torch", "chunkq torch")
 
 
 def _env() -> dict[str, str]:
@@ -85,15 +92,25 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=10_000)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--variants", default=None, help="comma-separated; default: every one")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="chunkq-ov-"))
     corpus = docstring_corpus(work / "corpus.jsonl", args.rows)
     chunkq(work, docstring_corpus(work / "warm.jsonl", 100), CHUNKQ["chunkq openvino f32"])  # the export
-    variants: dict[str, Any] = {
+    int8 = work / "int8-model"
+    made = _measured(
+        [sys.executable, "-m", "chunkq.cli", "quantize", BUNDLED_MODEL, str(corpus), "--out", str(int8)],
+        _env(),
+    )
+    print(f"chunkq quantize (300 texts): {made['wall']:.1f} s", flush=True)
+    given = {name: a + (["--model", str(int8)] if "int8" in name else []) for name, a in CHUNKQ.items()}
+    every: dict[str, Any] = {
         "plain torch": lambda: plain(work, corpus, PLAIN),
         "plain openvino f32": lambda: plain(work, corpus, PLAIN_OPENVINO),
-        **{name: (lambda a=a: chunkq(work, corpus, a)) for name, a in CHUNKQ.items()},
+        **{name: (lambda a=a: chunkq(work, corpus, a)) for name, a in given.items()},
     }
+    picked = set(args.variants.split(",")) | set(BASES) if args.variants else set(every)
+    variants = {name: run for name, run in every.items() if name in picked}
     walls: dict[str, list[float]] = {name: [] for name in variants}
     loads: dict[str, list[float]] = {name: [] for name in variants}
     vectors: dict[str, Any] = {}

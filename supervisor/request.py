@@ -24,6 +24,7 @@ from chunkq.jobs.compute import ov_backend
 from chunkq.jobs.compute.model_info import check_options, describe
 from chunkq.jobs.compute.model_refs import check_model, default_model
 from chunkq.jobs.compute.models import check_precision
+from chunkq.jobs.compute.ov_quantize import missing_quantized
 from chunkq.jobs.contract.addresses import parse_redis
 from chunkq.jobs.contract.defaults import (
     DEFAULT_CHUNK_SIZE,
@@ -37,7 +38,7 @@ from chunkq.jobs.contract.defaults import (
 from chunkq.jobs.contract.errors import ChunksFailedError, ConfigError, CorpusError, StoreError
 from chunkq.jobs.contract.run import Run
 from chunkq.jobs.contract.settings import PoolSettings
-from chunkq.jobs.contract.specs import BATCH_TOKENS_OFF, OPENVINO, EncodeOptions
+from chunkq.jobs.contract.specs import BATCH_TOKENS_OFF, INT8, OPENVINO, EncodeOptions
 from chunkq.jobs.contract.storage import is_local, open_store
 from chunkq.jobs.queue.run_queues import MAX_PRIORITY
 from chunkq.queue_worker.devices.gpus import choose
@@ -157,6 +158,8 @@ def encode_options_for(model: str, encode: dict[str, Any]) -> EncodeOptions:
         options = replace(options, kind=info.kind)
     kinds.check_options(options)
     check_options(info, options)
+    if options.precision == INT8 and (why := missing_quantized(info.folder, model)) is not None:
+        raise ConfigError(why)  # said here, not by each worker's load
     return options
 
 

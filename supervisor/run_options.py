@@ -86,7 +86,7 @@ RUN_OPTIONS: tuple[Option, ...] = (
     _submit(
         "max_active_dims",
         None,
-        "--kind sparse: keep each vector's N largest values (SparseEncoder's max_active_dims).",
+        "--kind sparse: keep each vector's N largest values. (SparseEncoder's max_active_dims.)",
         kind="int",
         low=1,
     ),
@@ -106,7 +106,7 @@ RUN_OPTIONS: tuple[Option, ...] = (
     _submit(
         "chunk_size",
         DEFAULT_CHUNK_SIZE,
-        "Rows per chunk: one job, one output file, the unit that is retried.",
+        "Rows per chunk: one job and output, retried whole.",
         kind="int",
         low=1,
     ),
@@ -167,7 +167,7 @@ RUN_OPTIONS: tuple[Option, ...] = (
         "precision",
         DEFAULT_PRECISION,
         "fp32, or fp16/bf16 on GPUs. bf16 runs on CPU workers too with --backend openvino (faster, "
-        "rounded: docs/models.md).",
+        "rounded: docs/models.md), and int8 there with a model `chunkq quantize` made.",
         kind="choice",
         choices=PRECISIONS,
     ),

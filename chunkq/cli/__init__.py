@@ -1,13 +1,13 @@
 """The ``chunkq`` command line, a module per group of commands: ``work`` (run, submit, pool,
 supervise), ``look`` (status, report, model, doctor, dashboard), ``results`` (runs, assemble,
-export, clean), ``cache``, ``serve`` (serve-redis, serve-forks), ``rerank``. Options that read an
-environment variable show it in ``--help``."""
+export, clean), ``cache``, ``serve`` (serve-redis, serve-forks), ``rerank``, ``quantize``. Options
+that read an environment variable show it in ``--help``."""
 
 from __future__ import annotations
 
 import os
 
-from chunkq.cli import cache, look, rerank, results, serve, work
+from chunkq.cli import cache, look, quantize, rerank, results, serve, work
 from chunkq.cli.common import interrupt_on_sigterm
 from chunkq.cli.group import cli
 from chunkq.jobs.compute.model_refs import assume_offline
@@ -24,6 +24,7 @@ COMMAND_MODULES = (
     cache,
     serve,
     rerank,
+    quantize,
 )  # imported for their commands, which join the group
 
 

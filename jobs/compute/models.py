@@ -80,7 +80,7 @@ def _torch_dtype(precision: str) -> Any:
 
 def check_precision(precision: str, device: str, backend: str = DEFAULT_BACKEND) -> None:
     """Half precisions run on GPUs only: on a CPU they are slower than fp32 and round worse; OpenVINO
-    runs on the CPU, in fp32 or bf16 (``ov_backend``)."""
+    runs on the CPU, in fp32, bf16 or a quantized model's int8 (``ov_backend``)."""
     if backend == OPENVINO:
         ov_backend.check_precision(precision, device)
         return
@@ -281,7 +281,8 @@ def _load(
             )
 
     if options.backend == OPENVINO:
-        return ov_backend.load(make, path, runtime.identity.value if runtime.identity else None)  # type: ignore[no-any-return]
+        identity = runtime.identity.value if runtime.identity else None
+        return ov_backend.load(make, path, identity, runtime.precision)  # type: ignore[no-any-return]
     return make(path)  # type: ignore[no-any-return]
 
 

@@ -6,7 +6,9 @@ AMX), which moved an all-MiniLM-L6-v2 vector by up to 1.5e-3 here; chunkq sets t
 f32 unless ``--precision bf16`` names it. The model is exported from its PyTorch weights once per
 host, model identity and OpenVINO release, into this host's cache, and every later load (each
 worker, each run) reads the export. OpenVINO is imported by the worker that runs the model, never
-by the fork server a worker is forked from, so no child inherits a runtime's threads.
+by the fork server a worker is forked from, so no child inherits a runtime's threads. (Imported
+there, it would have saved a worker ~1 s of its load, and mapped no plugin; but importing it starts
+a thread, openvino_telemetry's sender, which a fork must not copy mid-send.)
 """
 
 from __future__ import annotations
@@ -24,14 +26,17 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from chunkq.jobs.compute.ov_quantize import QUANTIZED_FILE, missing_quantized
 from chunkq.jobs.contract.defaults import DEFAULT_PRECISION
 from chunkq.jobs.contract.errors import ConfigError
+from chunkq.jobs.contract.specs import INT8
 from chunkq.jobs.contract.storage import user_cache_dir
 
 log = logging.getLogger(__name__)
 
 INSTALL = "pip install 'chunkq[openvino]'"
-PRECISION_HINTS = {DEFAULT_PRECISION: "f32", "bf16": "bf16"}  # chunkq's --precision: OpenVINO's hint
+# chunkq's --precision: OpenVINO's hint. int8 is a quantized model (ov_quantize), its other ops in f32.
+PRECISION_HINTS = {DEFAULT_PRECISION: "f32", "bf16": "bf16", INT8: "f32"}
 _MODULES = ("openvino", "optimum.intel")
 _RELEASES = ("openvino", "optimum-intel")
 EXPORTED_MARK = "chunkq-openvino.json"  # written last: a folder without it is an export cut short
@@ -64,7 +69,7 @@ def check_precision(precision: str, device: str) -> None:
     if precision not in PRECISION_HINTS:
         raise ConfigError(
             f"--precision {precision} with --backend openvino: give {' or '.join(PRECISION_HINTS)} "
-            f"({DEFAULT_PRECISION}, the default, equals PyTorch's vectors; bf16 is faster and rounds)"
+            f"({DEFAULT_PRECISION}, the default, equals PyTorch's vectors; bf16 and int8 run faster, rounded)"
         )
 
 
@@ -91,7 +96,8 @@ def load_kwargs(precision: str, threads: int) -> dict[str, Any]:
             "INFERENCE_PRECISION_HINT": PRECISION_HINTS[precision],
             "INFERENCE_NUM_THREADS": threads,
             "ENABLE_CPU_PINNING": False,
-        }
+        },
+        **({"file_name": QUANTIZED_FILE} if precision == INT8 else {}),
     }
 
 
@@ -105,14 +111,23 @@ def exported(folder: Path) -> bool:
     return (folder / EXPORTED_MARK).is_file()
 
 
-def load(make: Callable[[str], Any], path: str, identity: str | None) -> Any:
+def load(make: Callable[[str], Any], path: str, identity: str | None, precision: str) -> Any:
     """``make(path)``, the model on OpenVINO: from this host's export of it, made first (by one
-    worker at a time: a second waits, then reads it) where there is none. ``identity`` None (files
-    fetched by this very load): exported for this load alone."""
+    worker at a time: a second waits, then reads it) where there is none; workers read an export
+    that is there at once (under the lock, a second worker's load waited 1.2 s for the first's).
+    ``identity`` None (files fetched by this very load): exported for this load alone. int8: the
+    folder's own quantized model, which is nothing to export."""
+    if precision == INT8:
+        why = missing_quantized(path if os.path.isdir(path) else None, path)
+        if why is not None:
+            raise ConfigError(why)
+        return make(path)
     if identity is None:
         with _exporting():
             return make(path)
     folder = export_folder(identity)
+    if exported(folder):  # whole once marked, and never written again: read without the lock
+        return make(str(folder))
     folder.parent.mkdir(parents=True, exist_ok=True)
     with open(folder.with_name(folder.name + ".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies

@@ -165,7 +165,11 @@ class PoolSettings:
         flag="--allow-model",
     )
     precision: str = setting(
-        DEFAULT_PRECISION, "fp32, or fp16/bf16 on GPUs.", kind="choice", choices=PRECISIONS, worker=True
+        DEFAULT_PRECISION,
+        "fp32; fp16/bf16 on GPUs, bf16/int8 on OpenVINO.",
+        kind="choice",
+        choices=PRECISIONS,
+        worker=True,
     )
     trust_remote_code: bool = setting(
         False,

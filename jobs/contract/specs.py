@@ -21,7 +21,8 @@ if TYPE_CHECKING:
     import numpy as np
 
 FORMAT_VERSION = 1
-PRECISIONS = (DEFAULT_PRECISION, "fp16", "bf16")
+INT8 = "int8"  # a quantized OpenVINO model's (jobs.compute.ov_quantize), by name only
+PRECISIONS = (DEFAULT_PRECISION, "fp16", "bf16", INT8)
 OPENVINO = "openvino"
 BACKENDS = (DEFAULT_BACKEND, OPENVINO)  # sentence-transformers' own backend= (ONNX measured slower here)
 BATCH_TOKENS_AUTO = "auto"  # --batch-tokens auto: the budget tunes itself (jobs.compute.token_batches)
@@ -224,6 +225,8 @@ class EncodeOptions:
         _positive("truncate_dim", self.truncate_dim)
         _one_of("precision", self.precision, PRECISIONS)
         _one_of("backend", self.backend, BACKENDS)
+        if self.precision == INT8 and self.backend != OPENVINO:
+            raise ConfigError("--precision int8 runs an int8 OpenVINO model: give --backend openvino too")
         _one_of("output dtype", self.output_dtype, tuple(OUTPUT_DTYPES))
         if self.prompt is not None and self.prompt_name is not None:
             raise ConfigError("give --prompt or --prompt-name, not both")

@@ -59,11 +59,16 @@ def test_the_backend_and_its_precision_are_part_of_what_a_vector_is() -> None:
     assert torch_run.load_key() != ov_f32.load_key() and not ov_f32.default_load
 
 
-def test_openvino_is_for_cpu_workers_in_fp32_or_bf16_and_dense_models(tmp_path: Path) -> None:
+def test_openvino_is_for_cpu_workers_in_fp32_bf16_or_a_named_int8_model_and_dense_models(
+    tmp_path: Path,
+) -> None:
     check_precision("bf16", "cpu", "openvino")
+    check_precision("int8", "cpu", "openvino")
     with pytest.raises(ConfigError, match=r"--backend openvino runs models on the CPU.*--gpus none"):
         check_precision("fp32", "cuda:0", "openvino")
-    with pytest.raises(ConfigError, match="--precision fp16 with --backend openvino: give fp32 or bf16"):
+    with pytest.raises(
+        ConfigError, match="--precision fp16 with --backend openvino: give fp32 or bf16 or int8"
+    ):
         check_precision("fp16", "cpu", "openvino")
     with pytest.raises(ConfigError, match="backend must be one of torch, openvino, got 'onnx'"):
         EncodeOptions(backend="onnx")
@@ -80,6 +85,13 @@ def test_openvino_is_for_cpu_workers_in_fp32_or_bf16_and_dense_models(tmp_path: 
         late.returncode == EXIT_CONFIG
         and "--backend openvino gives no token vectors for --long-texts late" in late.stderr
     )
+    # int8 is a quantized OpenVINO model, named: never PyTorch's, never a model that holds none.
+    with pytest.raises(ConfigError, match="--precision int8 runs an int8 OpenVINO model: give --backend"):
+        EncodeOptions(precision="int8")
+    torch_int8 = run_cli("run", str(corpus), "--store", str(tmp_path / "s"), "--precision", "int8")
+    assert torch_int8.returncode == EXIT_CONFIG and "give --backend openvino too" in torch_int8.stderr
+    with pytest.raises(ConfigError, match=r"holds none \(openvino/openvino_model_qint8_quantized.xml\)"):
+        ov_backend.load(lambda where: pytest.fail(where), str(tmp_path), None, "int8")
 
 
 @needs_openvino
@@ -122,6 +134,44 @@ def test_an_openvino_run_through_a_sigkill_equals_pytorch_and_bf16_never_reads_i
     metas = [json.loads(p.read_text()) for p in sorted((runs[-1] / "outputs").glob("*.json"))]
     assert min(m["agreement"]["min_cosine"] for m in metas) == agreement["min_cosine"]
     assert "agreement" not in json.loads(only_run(store).result_manifest.read_text())  # f32: none
+
+
+@needs_openvino
+@pytest.mark.slow
+def test_int8_runs_only_a_model_quantized_and_named_as_such_and_records_what_it_costs(
+    tmp_path: Path, reference_model: Any
+) -> None:
+    """``chunkq quantize`` makes an int8 OpenVINO copy of the model from the user's own texts, offline;
+    a run names it (``--precision int8`` and the copy), rounds, and records its agreement with fp32.
+    A model without one is refused before anything starts."""
+    ids, texts = make_texts(120, seed=8)
+    corpus = write_corpus(tmp_path / "a.jsonl", ids, texts, "jsonl")
+    store = tmp_path / "store"
+    refused = run_cli(
+        "run", str(corpus), "--store", str(store), "--backend", "openvino", "--precision", "int8"
+    )
+    assert refused.returncode == EXIT_CONFIG and "chunkq quantize" in refused.stderr, refused.stderr
+    assert not (store / "runs").exists() or not list((store / "runs").iterdir())
+
+    folder = tmp_path / "int8-model"
+    made = run_cli("quantize", "bundled:all-MiniLM-L6-v2", str(corpus), "--out", str(folder), "--texts", "64")
+    assert made.returncode == 0, made.stderr[-3000:]
+    assert (folder / "openvino" / "openvino_model_qint8_quantized.xml").is_file()
+    assert (folder / "model.safetensors").is_file()  # PyTorch's weights kept: what agreement measures against
+
+    args = ["run", str(corpus), "--store", str(store), "--model", str(folder), "--chunk-size", "60"]
+    done = run_cli(*args, "--backend", "openvino", "--precision", "int8")
+    assert done.returncode == 0, done.stderr[-3000:]
+    layout = only_run(store)
+    got = np.load(layout.result / "embeddings.npy")
+    plain = reference_model.encode(texts)
+    cosine = (got * plain).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(plain, axis=1)
+    assert max_abs_diff(got, plain) > 1e-3 and cosine.min() > 0.9  # int8's own rows: rounded, close
+    result = json.loads(layout.result_manifest.read_text())
+    assert result["options"]["precision"] == "int8" and result["options"]["backend"] == "openvino"
+    agreement = result["agreement"]
+    assert agreement["rows"] == 100 and agreement["chunks"] == 2
+    assert cosine.min() - 1e-3 <= agreement["min_cosine"] <= agreement["mean_cosine"] < 1.0
 
 
 @needs_openvino
