@@ -174,8 +174,9 @@ RUN_OPTIONS: tuple[Option, ...] = (
     _submit(
         "backend",
         EncodeOptions.backend,
-        "torch or openvino (CPU). OpenVINO runs dense models on CPU workers, needs chunkq[openvino], "
-        "and runs in fp32, equal to torch within 1e-5, unless --precision bf16 (docs/models.md).",
+        "torch or openvino (CPU). OpenVINO runs dense, cross and sparse models on CPU workers, needs "
+        "chunkq[openvino], and runs in fp32, equal to torch within 1e-5, unless --precision bf16 or "
+        "int8 (dense models; docs/models.md).",
         kind="choice",
         choices=BACKENDS,
     ),

@@ -45,6 +45,9 @@ class Kind:
     # The runtimes its model class runs on (specs.BACKENDS): PyTorch, and OpenVINO where
     # sentence-transformers offers it and chunkq's tests hold it equal to PyTorch.
     backends: tuple[str, ...] = (DEFAULT_BACKEND,)
+    # Runs in a precision that rounds on such a runtime (bf16, int8 on OpenVINO): its rows are vectors,
+    # whose cosines with fp32's rows a run measures (compute/agreement.py); scores and sparse rows not.
+    rounds: bool = False
 
     @property
     def matrix(self) -> bool:

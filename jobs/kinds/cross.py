@@ -14,7 +14,7 @@ import numpy as np
 
 from chunkq.jobs.compute import token_batches
 from chunkq.jobs.contract.errors import BadInputError
-from chunkq.jobs.contract.specs import EncodeOptions, canonical_json
+from chunkq.jobs.contract.specs import BACKENDS, EncodeOptions, canonical_json
 from chunkq.jobs.kinds.contract import Kind, OnRows, matrix_rows
 
 SCORE_DTYPES = ("float32", "float16")  # scores are not embeddings: no calibrated or packed outputs
@@ -83,4 +83,5 @@ KIND = Kind(
     pairs=True,
     dim_note=" score(s) per pair",
     dim_source="labels",
+    backends=BACKENDS,
 )

@@ -67,4 +67,5 @@ KIND = Kind(
     refuse=refuse,
     canary=True,
     backends=BACKENDS,
+    rounds=True,
 )

@@ -12,7 +12,7 @@ import numpy as np
 from chunkq.jobs.compute import token_batches
 from chunkq.jobs.compute.tokenized import length_limit
 from chunkq.jobs.contract.ragged import SCHEMAS, Ragged
-from chunkq.jobs.contract.specs import EncodeOptions
+from chunkq.jobs.contract.specs import BACKENDS, EncodeOptions
 from chunkq.jobs.kinds.contract import Kind, OnRows, ragged_rows, warm_up_texts
 
 
@@ -73,4 +73,5 @@ KIND = Kind(
     dim_note=" (the vocabulary: a sparse vector's space)",
     dim_source="vocabulary",
     sink_rows="sparse",
+    backends=BACKENDS,
 )

@@ -74,8 +74,12 @@ def test_openvino_is_for_cpu_workers_in_fp32_bf16_or_a_named_int8_model_and_dens
         EncodeOptions(backend="onnx")
     from chunkq.jobs import kinds
 
-    with pytest.raises(ConfigError, match="--kind sparse: --backend openvino runs dense models here"):
-        kinds.check_options(EncodeOptions(kind="sparse", backend="openvino"))
+    kinds.check_options(EncodeOptions(kind="sparse", backend="openvino"))
+    kinds.check_options(EncodeOptions(kind="cross", backend="openvino"))
+    with pytest.raises(ConfigError, match="--kind multivector: --backend openvino runs dense, cross, sparse"):
+        kinds.check_options(EncodeOptions(kind="multivector", backend="openvino"))
+    with pytest.raises(ConfigError, match="--kind cross: --precision bf16 on openvino is for dense models"):
+        kinds.check_options(EncodeOptions(kind="cross", backend="openvino", precision="bf16"))
     ids, texts = make_texts(10, seed=2)
     corpus = write_corpus(tmp_path / "a.jsonl", ids, texts, "jsonl")
     late = run_cli(
@@ -172,6 +176,49 @@ def test_int8_runs_only_a_model_quantized_and_named_as_such_and_records_what_it_
     agreement = result["agreement"]
     assert agreement["rows"] == 100 and agreement["chunks"] == 2
     assert cosine.min() - 1e-3 <= agreement["min_cosine"] <= agreement["mean_cosine"] < 1.0
+
+
+@needs_openvino
+@pytest.mark.slow
+def test_a_cross_encoder_and_a_sparse_model_on_openvino_equal_pytorch(tmp_path: Path) -> None:
+    """sentence-transformers offers OpenVINO for CrossEncoder and SparseEncoder too: a run of each
+    kind with ``--backend openvino`` gives PyTorch's scores, and PyTorch's active dimensions and values,
+    within 1e-5."""
+    from sentence_transformers import CrossEncoder, SparseEncoder
+
+    from tests.tiny_models import cross_encoder, splade_encoder
+
+    reranker = cross_encoder(tmp_path / "reranker", labels=1, save_as_st=True)
+    splade = splade_encoder(tmp_path / "splade")
+    ids, texts = make_texts(40, seed=5)
+    pairs = [(texts[i], texts[(i + 7) % len(texts)]) for i in range(len(texts))]
+    rows = [{"id": i, "query": q, "passage": p} for i, (q, p) in zip(ids, pairs, strict=True)]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    corpus = write_corpus(tmp_path / "docs.jsonl", ids, texts, "jsonl")
+    openvino = ("--backend", "openvino", "--chunk-size", "20")
+
+    scored = run_cli(
+        *("run", str(tmp_path / "pairs.jsonl"), "--store", str(tmp_path / "a"), "--model", str(reranker)),
+        *("--text-field", "query", "--pair-field", "passage", *openvino),
+    )
+    assert scored.returncode == 0, scored.stderr[-3000:]
+    got = np.load(only_run(tmp_path / "a").result / "embeddings.npy")
+    assert "on cpu (openvino, fp32)" in (only_run(tmp_path / "a").root / "logs" / "run.log").read_text()
+    want = CrossEncoder(str(reranker), device="cpu").predict(pairs)
+    assert got.shape == (40, 1) and max_abs_diff(got[:, 0], want) <= 1e-5
+
+    done = run_cli("run", str(corpus), "--store", str(tmp_path / "b"), "--model", str(splade), *openvino)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = {
+        k: np.load(only_run(tmp_path / "b").result / f"{k}.npy") for k in ("offsets", "indices", "values")
+    }
+    wanted = SparseEncoder(str(splade), device="cpu").encode(texts, convert_to_sparse_tensor=True)
+    wanted = wanted.coalesce().to_dense().numpy()
+    dense = np.zeros_like(wanted)
+    for i in range(len(texts)):
+        span = slice(result["offsets"][i], result["offsets"][i + 1])
+        dense[i, result["indices"][span]] = result["values"][span]
+    assert np.array_equal(dense != 0, wanted != 0) and max_abs_diff(dense, wanted) <= 1e-5
 
 
 @needs_openvino
