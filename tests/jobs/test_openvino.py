@@ -222,6 +222,45 @@ def test_a_cross_encoder_and_a_sparse_model_on_openvino_equal_pytorch(tmp_path: 
 
 
 @needs_openvino
+@pytest.mark.slow
+def test_two_workers_loading_at_once_export_the_model_once_and_read_the_same_export(tmp_path: Path) -> None:
+    """Two processes load the bundled model on OpenVINO at the same moment on a host with no export:
+    one exports it (under the lock), the other waits and reads that export; one folder, marked whole,
+    nothing half-written left beside it, and the same vectors from both."""
+    import os
+    import subprocess
+    import sys
+
+    probe = (
+        "import logging, sys\n"
+        "import numpy as np\n"
+        "logging.basicConfig(level=logging.INFO, stream=sys.stderr)\n"
+        "from chunkq.jobs.compute import models\n"
+        "from chunkq.jobs.compute.model_refs import BUNDLED_MODEL\n"
+        "from chunkq.jobs.contract.specs import EncodeOptions\n"
+        "loaded = models.get_model(BUNDLED_MODEL, 'cpu', 'fp32', EncodeOptions(backend='openvino'))\n"
+        "np.save(sys.argv[1], loaded.model.encode(['one text', 'and another, longer text']))\n"
+    )
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"), HF_HUB_OFFLINE="1")
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-c", probe, str(tmp_path / f"{i}.npy")],
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    said = [run.communicate(timeout=600)[1] for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], said
+    assert "".join(said).count("exporting the model to OpenVINO, once for this host") == 1, said
+    kept = tmp_path / "cache" / "chunkq" / "openvino"
+    (folder,) = [p for p in kept.iterdir() if p.is_dir()]
+    assert ov_backend.exported(folder) and not [p for p in kept.iterdir() if p.name.startswith(".")]
+    assert np.array_equal(np.load(tmp_path / "0.npy"), np.load(tmp_path / "1.npy"))
+
+
+@needs_openvino
 def test_the_fork_server_never_starts_openvino_so_no_forked_worker_inherits_it() -> None:
     """What the fork server imports before it forks (``fork_server.PRELOAD``: torch,
     sentence-transformers, the worker) imports nothing of OpenVINO or optimum-intel: each worker
