@@ -60,17 +60,16 @@ def for_chunk(
     if not measures(options, chunk) or not texts:
         return {}
     found = measure(model, options, texts, encoded, encode)
-    log.info(
-        "chunk %d: %s %s agrees with %s on %d of its texts: cosine min %.6f, mean %.6f",
-        chunk,
-        options.backend,
-        options.precision,
-        found["with"],
-        found["rows"],
-        found["min_cosine"],
-        found["mean_cosine"],
-    )
+    log.info("chunk %d: %s", chunk, said(options.backend, options.precision, found))
     return {"agreement": found}
+
+
+def said(backend: Any, precision: Any, found: dict[str, Any]) -> str:
+    """An agreement in words, as a chunk's and a run's logs say it."""
+    return (
+        f"{backend} {precision} agrees with {found['with']} on {found['rows']} of its texts: "
+        f"cosine min {found['min_cosine']:.6f}, mean {found['mean_cosine']:.6f}"
+    )
 
 
 def measure(

@@ -388,15 +388,9 @@ def _agreed(manifest: RunManifest, verified: Verified) -> dict[str, Any]:
     found = agreement.of_the_run(verified.agreements)
     if found is None:
         return {}
+    options = manifest.options
     log.info(
-        "run %s: %s %s agrees with %s on %d of its texts: cosine min %.6f, mean %.6f",
-        manifest.run_id,
-        manifest.options.get("backend"),
-        manifest.options.get("precision"),
-        found["with"],
-        found["rows"],
-        found["min_cosine"],
-        found["mean_cosine"],
+        "run %s: %s", manifest.run_id, agreement.said(options.get("backend"), options.get("precision"), found)
     )
     return {"agreement": found}
 
