@@ -31,14 +31,8 @@ EXACT = EncodeOptions()  # what a rounding precision is measured against: PyTorc
 REFERENCE_BATCH_TOKENS = 1024
 
 
-def rounds(options: EncodeOptions) -> bool:
-    """A precision asked for by name on a backend that runs it on the CPU (OpenVINO's bf16): what it
-    costs in accuracy is measured on the run's own texts, and recorded."""
-    return options.backend != EXACT.backend and options.precision != EXACT.precision
-
-
 def measures(options: EncodeOptions, chunk: int) -> bool:
-    return rounds(options) and chunk < AGREEMENT_CHUNKS
+    return options.rounds and chunk < AGREEMENT_CHUNKS
 
 
 def sample(rows: int) -> list[int]:

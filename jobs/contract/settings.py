@@ -27,7 +27,7 @@ from chunkq.jobs.contract.defaults import (
     HUNG_GRACE_SECONDS,
 )
 from chunkq.jobs.contract.errors import ConfigError
-from chunkq.jobs.contract.specs import PRECISIONS
+from chunkq.jobs.contract.specs import TORCH_PRECISIONS
 from chunkq.jobs.contract.units import size_value
 
 # A worker takes a second stop signal this soon after the first for the same one delivered twice:
@@ -165,11 +165,7 @@ class PoolSettings:
         flag="--allow-model",
     )
     precision: str = setting(
-        DEFAULT_PRECISION,
-        "fp32; fp16/bf16 on GPUs, bf16/int8 on OpenVINO.",
-        kind="choice",
-        choices=PRECISIONS,
-        worker=True,
+        DEFAULT_PRECISION, "fp32, or fp16/bf16 on GPUs.", kind="choice", choices=TORCH_PRECISIONS, worker=True
     )
     trust_remote_code: bool = setting(
         False,

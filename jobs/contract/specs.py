@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 
 FORMAT_VERSION = 1
 INT8 = "int8"  # a quantized OpenVINO model's (jobs.compute.ov_quantize), by name only
-PRECISIONS = (DEFAULT_PRECISION, "fp16", "bf16", INT8)
+TORCH_PRECISIONS = (DEFAULT_PRECISION, "fp16", "bf16")  # what a model on PyTorch is cast to (a pool's)
+PRECISIONS = (*TORCH_PRECISIONS, INT8)
 OPENVINO = "openvino"
 BACKENDS = (DEFAULT_BACKEND, OPENVINO)  # sentence-transformers' own backend= (ONNX measured slower here)
 BATCH_TOKENS_AUTO = "auto"  # --batch-tokens auto: the budget tunes itself (jobs.compute.token_batches)
@@ -253,6 +254,12 @@ class EncodeOptions:
         """What decides how the model is loaded (beside its name, device and precision)."""
         kwargs = tuple(sorted((self.model_kwargs or {}).items()))
         return (self.trust_remote_code, self.revision, kwargs, self.backend)
+
+    @property
+    def rounds(self) -> bool:
+        """A precision asked for by name on a backend that runs it on the CPU (OpenVINO's bf16, int8):
+        what it costs in accuracy a run measures on its own texts (jobs.compute.agreement)."""
+        return self.backend != DEFAULT_BACKEND and self.precision != DEFAULT_PRECISION
 
     @property
     def default_load(self) -> bool:

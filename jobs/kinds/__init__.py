@@ -75,9 +75,8 @@ def check_options(options: EncodeOptions) -> None:
     if options.backend not in kind.backends:
         runs = ", ".join(k.name for k in KINDS.values() if options.backend in k.backends)
         why = f"--backend {options.backend} runs {runs} models here"
-    elif options.backend != EncodeOptions.backend and options.precision != EncodeOptions.precision:
-        if not kind.rounds:
-            why = f"--precision {options.precision} on {options.backend} is for dense models; run it in fp32"
+    elif options.rounds and not kind.rounds:
+        why = f"--precision {options.precision} on {options.backend} is for dense models; run it in fp32"
     if options.allow_missing and not (kind.reads_rows or options.late_chunking):
         why = "--allow-missing is for rows that name what to read (--kind image) or late-chunking windows"
     if why:
