@@ -20,15 +20,15 @@ import redis
 
 from chunkq.jobs.compute.runtime import POOL_FOR_RUN_ENV
 from chunkq.jobs.contract.defaults import DEFAULT_BACKEND
-from chunkq.jobs.contract.errors import StoreWriteError
-from chunkq.jobs.contract.manifest import RunManifest
+from chunkq.jobs.contract.errors import StoreError, StoreWriteError
+from chunkq.jobs.contract.manifest import RunManifest, load_manifest
 from chunkq.jobs.contract.release import chunkq_version
 from chunkq.jobs.contract.run_files import RunLayout
 from chunkq.jobs.contract.settings import DEVICES_JSON_ENV, SETTINGS_JSON_ENV, PoolSettings, env_of
 from chunkq.jobs.contract.storage import OWNER_ONLY, is_local
 from chunkq.jobs.queue import jobmeta
 from chunkq.jobs.queue.abandon import mark_abandoned
-from chunkq.jobs.queue.enqueue import drop_run_jobs, enqueue_chunks, window_size
+from chunkq.jobs.queue.enqueue import drop_run_jobs, enqueue_chunks, forget_run_finished, window_size
 from chunkq.jobs.queue.queueing import fetch_job, started_job_ids
 from chunkq.queue_worker.devices.discovery import GpuInfo, devices_json
 from chunkq.queue_worker.processes.lifeline import die_with_parent
@@ -278,6 +278,15 @@ def _say_resumed(layout: RunLayout, manifest: RunManifest, submitted: SubmitResu
     )
 
 
+def _forget_finished_jobs(url: str, layout: RunLayout) -> None:
+    """The run's finished jobs its pool left in Redis (``forget_run_finished``); a Redis gone by
+    then keeps them until their TTL, as it keeps everything else."""
+    if not layout.manifest.is_file():
+        return
+    with contextlib.suppress(redis.RedisError, OSError, StoreError):
+        forget_run_finished(redis.Redis.from_url(url), load_manifest(layout).queue, layout.run_id)
+
+
 def _start_redis(req: RunRequest, stack: contextlib.ExitStack) -> tuple[str, Callable[[], str | None]]:
     """The run's Redis: the user's, or the store's embedded server started under its lock; (URL, a
     callable that says why the server is gone for good, or None)."""
@@ -336,6 +345,7 @@ def _run(
             return RunOutcome(SubmitResult.already_published(prepared.manifest), None)
         url, redis_gone = _start_redis(req, stack)
         marks.mark(REDIS_READY)
+        stack.callback(_forget_finished_jobs, url, layout)  # after the pool has stopped, before Redis
         pool = None
         if prepared is None:  # a new run: its corpus is split while the pool loads the model
             pool = stack.enter_context(PoolProcess(req, url, layout.run_id, run_log))

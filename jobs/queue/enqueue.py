@@ -24,7 +24,7 @@ from chunkq.jobs.contract.specs import chunk_job_id, chunk_job_prefix
 from chunkq.jobs.contract.storage import list_names
 from chunkq.jobs.queue import jobmeta, run_queues
 from chunkq.jobs.queue.allowlist import EMBED_CHUNK, AllowListedJob
-from chunkq.jobs.queue.attempt_records import keep_failed_attempt
+from chunkq.jobs.queue.attempt_records import RECORD_MARK, keep_failed_attempt
 from chunkq.jobs.queue.rq_api import (
     DeserializationError,
     EnqueueData,
@@ -209,12 +209,33 @@ def _same_store(connection: redis.Redis, layout: RunLayout, manifest: RunManifes
         )
 
 
+def _run_job_ids(connection: redis.Redis, run_id: str) -> list[str]:
+    """The ids of the run's chunk jobs Redis holds (not their results streams)."""
+    prefix = f"rq:job:{chunk_job_prefix(run_id)}"
+    ids = [key.decode()[len("rq:job:") :] for key in connection.scan_iter(match=f"{prefix}*", count=1000)]
+    return [i for i in ids if ":" not in i]
+
+
+def forget_run_finished(connection: redis.Redis, queue_name: str, run_id: str) -> int:
+    """Delete the run's finished chunk jobs, once no worker of the run is left to touch them: the
+    supervisor forgets each as it counts it, but a chunk whose output it counted before RQ marked
+    its job finished settles the run with that job still to come (it would wait out its TTL);
+    how many there were. Failed attempts' records stay (the dashboard shows them)."""
+    ids = [i for i in _run_job_ids(connection, run_id) if RECORD_MARK not in i]
+    with connection.pipeline(transaction=False) as pipe:
+        for job_id in ids:
+            pipe.hget(Job.key_for(job_id), "status")
+        statuses = pipe.execute()
+    finished = [i for i, status in zip(ids, statuses, strict=True) if status == b"finished"]
+    forget_finished(connection, queue_name, finished)
+    return len(finished)
+
+
 def drop_run_jobs(connection: redis.Redis, run_id: str) -> int:
     """Delete every job of the run Redis holds, from its queue and registries (those of a split cut
     short or abandoned: their chunks are to be made again, or never); how many there were."""
-    prefix = f"rq:job:{chunk_job_prefix(run_id)}"
-    ids = [key.decode()[len("rq:job:") :] for key in connection.scan_iter(match=f"{prefix}*", count=1000)]
-    jobs = Job.fetch_many([i for i in ids if ":" not in i], connection=connection, serializer=JSONSerializer)
+    ids = _run_job_ids(connection, run_id)
+    jobs = Job.fetch_many(ids, connection=connection, serializer=JSONSerializer)
     for job in jobs:
         if job is not None:
             job.delete()

@@ -183,3 +183,30 @@ def test_a_stranded_chunk_is_counted_once_not_also_as_queued(
         assert look.stranded == [0] and look.chunks_queued == 2
         said = describe(look)
         assert "2 queued" in said and "1 stranded (taken by a worker that died) (chunk 0)" in said
+
+
+def test_a_runs_finished_jobs_left_in_redis_are_forgotten_and_nothing_else(
+    tmp_path: Path, store: Path, connection: redis.Redis
+) -> None:
+    """A chunk counted from its output before RQ marked its job finished settles the run with the
+    job still to come: once the pool has stopped, the run forgets it (seen as a job left behind in
+    ``test_a_run_never_holds_more_than_its_window_in_redis_and_forgets_finished_jobs``). A job not
+    finished, and a failed attempt's record, stay."""
+    from rq.job import JobStatus
+    from rq.serializers import JSONSerializer
+
+    from chunkq.jobs.queue.attempt_records import keep_failed_attempt
+    from chunkq.jobs.queue.enqueue import forget_run_finished
+
+    run = _submit(tmp_path, store, connection, rows=6, chunk=2, queue="leftfinished")
+    manifest = load_manifest(RunLayout(store, run.run_id))
+    finished, queued, failed = (
+        Job.fetch(chunk_job_id(run.run_id, i), connection=connection, serializer=JSONSerializer)
+        for i in range(3)
+    )
+    finished.set_status(JobStatus.FINISHED)
+    keep_failed_attempt(connection, failed, 1)
+    kept = {key.decode() for key in connection.scan_iter(f"rq:job:{run.run_id}__*")}
+    assert forget_run_finished(connection, manifest.queue, run.run_id) == 1
+    assert {key.decode() for key in connection.scan_iter(f"rq:job:{run.run_id}__*")} == kept - {finished.key}
+    assert connection.exists(queued.key) and len(kept) == 4  # three chunk jobs and the attempt's record
