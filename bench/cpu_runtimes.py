@@ -9,20 +9,23 @@ Needs the ``openvino`` extra (``make test-openvino``'s environment). The bundled
 ``rounds`` rounds, the order turned each round; the best time of each. Variants: ``torch``;
 ``openvino f32`` (chunkq's default hint); ``openvino default`` (OpenVINO's own precision: bf16 where
 the CPU has it); ``openvino int8`` (the model ``chunkq quantize`` made from the corpus's first 300
-texts, its other operations in f32 as chunkq runs it). Prints and writes each one's ratio to torch,
-max abs difference and min cosine against torch's vectors. ONNX Runtime and fastembed, rows of the
-issue's table, are not installed in that environment: not measured here.
+texts, its other operations in f32 as chunkq runs it); ``onnxruntime`` and ``fastembed`` where they
+are importable (``bench/onnx_rows.py`` says how). Prints and writes the host's CPU (OpenVINO's speed
+against torch's depends on its generation: ``bench/host.py``) and each variant's ratio to torch, max
+abs difference and min cosine against torch's vectors.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +33,13 @@ from typing import Any
 sys.path[:] = [p for p in sys.path if Path(p).resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import onnx_rows
 from bench.gpu import docstring_corpus
+from bench.host import cpu_described
 from chunkq.jobs.compute.model_refs import BUNDLED_MODEL, resolve_model
 from chunkq.jobs.compute.ov_quantize import QUANTIZED_FILE
+
+BATCH = 32
 
 
 def _configs(threads: int) -> dict[str, tuple[str, dict[str, Any] | None]]:
@@ -46,25 +53,36 @@ def _configs(threads: int) -> dict[str, tuple[str, dict[str, Any] | None]]:
     }
 
 
-def child(threads: int, corpus: Path, int8: Path, rounds: int) -> dict[str, Any]:
+def child(threads: int, corpus: Path, int8: Path, rounds: int, work: Path) -> dict[str, Any]:
     import numpy as np
     import torch
     from sentence_transformers import SentenceTransformer
 
     torch.set_num_threads(threads)
     texts = [json.loads(line)["text"] for line in corpus.open(encoding="utf-8")]
-    models: dict[str, Any] = {}
+    models: dict[str, Callable[[list[str]], Any]] = {}
+    loaded: dict[str, Any] = {}
     for name, (which, kwargs) in _configs(threads).items():
         path = str(int8) if which == "int8" else resolve_model(BUNDLED_MODEL)
         backend = {"backend": "openvino", "model_kwargs": kwargs} if kwargs is not None else {}
-        models[name] = SentenceTransformer(path, device="cpu", **backend)
-        models[name].encode(texts[:64], batch_size=32)
+        loaded[name] = SentenceTransformer(path, device="cpu", **backend)
+        models[name] = functools.partial(loaded[name].encode, batch_size=BATCH)
+    torch_model = loaded["torch"]
+    has = onnx_rows.available()
+    if has["onnxruntime"] or has["fastembed"]:
+        graph = onnx_rows.export(torch_model, work / f"onnx-{threads}", resolve_model(BUNDLED_MODEL))
+        if has["onnxruntime"]:
+            models["onnxruntime"] = onnx_rows.onnxruntime_encoder(torch_model, graph, threads, BATCH)
+        if has["fastembed"]:
+            models["fastembed"] = onnx_rows.fastembed_encoder(graph, threads, BATCH)
+    for encode in models.values():
+        encode(texts[:64])  # warmed
     best = dict.fromkeys(models, float("inf"))
     vectors: dict[str, Any] = {}
     for round_ in range(rounds):
         for name in list(models) if round_ % 2 == 0 else list(reversed(models)):
             started = time.perf_counter()
-            vectors[name] = models[name].encode(texts, batch_size=32)
+            vectors[name] = models[name](texts)
             best[name] = min(best[name], time.perf_counter() - started)
     want = vectors["torch"].astype(np.float64)
     table = {}
@@ -90,7 +108,7 @@ def main() -> None:
     parser.add_argument("--int8", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
-        print(json.dumps(child(args.child, args.corpus, args.int8, args.rounds)))
+        print(json.dumps(child(args.child, args.corpus, args.int8, args.rounds, args.corpus.parent)))
         return
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     work = Path(tempfile.mkdtemp(prefix="chunkq-runtimes-"))
@@ -107,7 +125,9 @@ def main() -> None:
         str(int8),
     ]
     subprocess.run(quantize, env=env, check=True, capture_output=True)
-    found: dict[str, Any] = {"rows": args.rows, "cpus": os.cpu_count(), "threads": {}}
+    host = cpu_described()
+    print(host["said"], flush=True)
+    found: dict[str, Any] = {"rows": args.rows, "host": host, "threads": {}}
     for threads in (1, 2):
         load = os.getloadavg()[0]
         command = [sys.executable, __file__, "--child", str(threads), "--rounds", str(args.rounds)]

@@ -21,7 +21,7 @@ ratios' bases.
 
 Prints and writes, per variant: the median wall seconds, the load average at each start, the ratio
 to ``chunkq torch`` and to ``plain torch``, and each chunkq result's max abs difference and min
-cosine against plain torch's vectors.
+cosine against plain torch's vectors; first, the host's CPU.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.gpu import docstring_corpus
+from bench.host import cpu_described
 from bench.whole import PLAIN, _measured
 from chunkq.jobs.compute.model_refs import BUNDLED_MODEL, resolve_model
 
@@ -94,6 +95,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--variants", default=None, help="comma-separated; default: every one")
     args = parser.parse_args()
+    host = cpu_described()
+    print(host["said"], flush=True)  # OpenVINO's speed against torch's follows the CPU (bench/host.py)
     work = Path(tempfile.mkdtemp(prefix="chunkq-ov-"))
     corpus = docstring_corpus(work / "corpus.jsonl", args.rows)
     chunkq(work, docstring_corpus(work / "warm.jsonl", 100), CHUNKQ["chunkq openvino f32"])  # the export
@@ -144,9 +147,7 @@ def main() -> None:
             f"min cos {row['min_cosine']:.6f}  loads {row['loads']}"
         )
     if args.out is not None:
-        args.out.write_text(
-            json.dumps({"rows": args.rows, "cpus": os.cpu_count(), "variants": table}, indent=2)
-        )
+        args.out.write_text(json.dumps({"rows": args.rows, "host": host, "variants": table}, indent=2))
 
 
 if __name__ == "__main__":
