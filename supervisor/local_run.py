@@ -20,8 +20,8 @@ import redis
 
 from chunkq.jobs.compute.runtime import POOL_FOR_RUN_ENV
 from chunkq.jobs.contract.defaults import DEFAULT_BACKEND
-from chunkq.jobs.contract.errors import StoreError, StoreWriteError
-from chunkq.jobs.contract.manifest import RunManifest, load_manifest
+from chunkq.jobs.contract.errors import StoreWriteError
+from chunkq.jobs.contract.manifest import RunManifest
 from chunkq.jobs.contract.release import chunkq_version
 from chunkq.jobs.contract.run_files import RunLayout
 from chunkq.jobs.contract.settings import DEVICES_JSON_ENV, SETTINGS_JSON_ENV, PoolSettings, env_of
@@ -278,13 +278,11 @@ def _say_resumed(layout: RunLayout, manifest: RunManifest, submitted: SubmitResu
     )
 
 
-def _forget_finished_jobs(url: str, layout: RunLayout) -> None:
+def _forget_finished_jobs(url: str, run_id: str) -> None:
     """The run's finished jobs its pool left in Redis (``forget_run_finished``); a Redis gone by
     then keeps them until their TTL, as it keeps everything else."""
-    if not layout.manifest.is_file():
-        return
-    with contextlib.suppress(redis.RedisError, OSError, StoreError):
-        forget_run_finished(redis.Redis.from_url(url), load_manifest(layout).queue, layout.run_id)
+    with contextlib.suppress(redis.RedisError, OSError):
+        forget_run_finished(redis.Redis.from_url(url), run_id)
 
 
 def _start_redis(req: RunRequest, stack: contextlib.ExitStack) -> tuple[str, Callable[[], str | None]]:
@@ -345,7 +343,7 @@ def _run(
             return RunOutcome(SubmitResult.already_published(prepared.manifest), None)
         url, redis_gone = _start_redis(req, stack)
         marks.mark(REDIS_READY)
-        stack.callback(_forget_finished_jobs, url, layout)  # after the pool has stopped, before Redis
+        stack.callback(_forget_finished_jobs, url, layout.run_id)  # after the pool has stopped, before Redis
         pool = None
         if prepared is None:  # a new run: its corpus is split while the pool loads the model
             pool = stack.enter_context(PoolProcess(req, url, layout.run_id, run_log))

@@ -216,7 +216,7 @@ def _run_job_ids(connection: redis.Redis, run_id: str) -> list[str]:
     return [i for i in ids if ":" not in i]
 
 
-def forget_run_finished(connection: redis.Redis, queue_name: str, run_id: str) -> int:
+def forget_run_finished(connection: redis.Redis, run_id: str) -> int:
     """Delete the run's finished chunk jobs, once no worker of the run is left to touch them: the
     supervisor forgets each as it counts it, but a chunk whose output it counted before RQ marked
     its job finished settles the run with that job still to come (it would wait out its TTL);
@@ -224,11 +224,15 @@ def forget_run_finished(connection: redis.Redis, queue_name: str, run_id: str) -
     ids = [i for i in _run_job_ids(connection, run_id) if RECORD_MARK not in i]
     with connection.pipeline(transaction=False) as pipe:
         for job_id in ids:
-            pipe.hget(Job.key_for(job_id), "status")
-        statuses = pipe.execute()
-    finished = [i for i, status in zip(ids, statuses, strict=True) if status == b"finished"]
-    forget_finished(connection, queue_name, finished)
-    return len(finished)
+            pipe.hmget(Job.key_for(job_id), ["status", "origin"])
+        found = pipe.execute()
+    by_queue: dict[str, list[str]] = {}
+    for job_id, (status, origin) in zip(ids, found, strict=True):
+        if status == b"finished" and origin:
+            by_queue.setdefault(origin.decode(), []).append(job_id)
+    for queue_name, finished in by_queue.items():
+        forget_finished(connection, queue_name, finished)
+    return sum(map(len, by_queue.values()))
 
 
 def drop_run_jobs(connection: redis.Redis, run_id: str) -> int:

@@ -199,7 +199,6 @@ def test_a_runs_finished_jobs_left_in_redis_are_forgotten_and_nothing_else(
     from chunkq.jobs.queue.enqueue import forget_run_finished
 
     run = _submit(tmp_path, store, connection, rows=6, chunk=2, queue="leftfinished")
-    manifest = load_manifest(RunLayout(store, run.run_id))
     finished, queued, failed = (
         Job.fetch(chunk_job_id(run.run_id, i), connection=connection, serializer=JSONSerializer)
         for i in range(3)
@@ -207,6 +206,6 @@ def test_a_runs_finished_jobs_left_in_redis_are_forgotten_and_nothing_else(
     finished.set_status(JobStatus.FINISHED)
     keep_failed_attempt(connection, failed, 1)
     kept = {key.decode() for key in connection.scan_iter(f"rq:job:{run.run_id}__*")}
-    assert forget_run_finished(connection, manifest.queue, run.run_id) == 1
+    assert forget_run_finished(connection, run.run_id) == 1
     assert {key.decode() for key in connection.scan_iter(f"rq:job:{run.run_id}__*")} == kept - {finished.key}
     assert connection.exists(queued.key) and len(kept) == 4  # three chunk jobs and the attempt's record
