@@ -227,3 +227,35 @@ def model2vec_folder(folder: Path, dim: int = 64, normalize: bool = True) -> Pat
         )
     (folder / "modules.json").write_text(json.dumps(modules, indent=4))
     return folder
+
+
+def decoder_embedding(folder: Path) -> Path:
+    """A decoder embedding model of Qwen3-Embedding's shape with random weights: a two-layer Qwen3
+    decoder (grouped-query attention, rotary positions), the last token's hidden state
+    (``lasttoken`` pooling), unit length; the bundled model's tokenizer padding on the left, as
+    Qwen3-Embedding's does (its own tokenizer cannot be fetched offline)."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3Model
+
+    torch.manual_seed(13)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source())
+    tokenizer.padding_side = "left"
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+    )
+    Qwen3Model(config).save_pretrained(folder / "hf")
+    tokenizer.save_pretrained(folder / "hf")
+    word = Transformer(str(folder / "hf"), max_seq_length=256)
+    pooling = Pooling(word.get_embedding_dimension(), pooling_mode="lasttoken")
+    SentenceTransformer(modules=[word, pooling, Normalize()], device="cpu").save(str(folder / "st"))
+    return folder / "st"

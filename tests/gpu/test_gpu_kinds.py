@@ -189,3 +189,43 @@ def test_half_precisions_and_batch_tokens_auto_on_the_gpu(
     measured = _min_cosine(got, want)
     print(f"{precision} --batch-tokens auto: min cosine {measured:.6f} against sentence-transformers")
     assert measured >= HALF_COSINE[precision]
+
+
+def test_a_decoder_embedding_model_with_token_budgets_windows_and_an_oom_back_off_on_the_gpu(
+    tmp_path: Path, gpu: Any, cuda_device: str
+) -> None:
+    """Issue 68.4: Qwen3-Embedding's shape (a decoder, last-token pooling, left padding; small, random
+    weights: tests/tiny_models.py) through ``--batch-tokens auto``, an OOM in its first chunk (halved
+    to batch 8) and ``--long-texts window``, each against sentence-transformers on the same GPU."""
+    from sentence_transformers import SentenceTransformer
+
+    from tests.jobs.test_windows import _long_text
+    from tests.tiny_models import decoder_embedding
+
+    decoder = decoder_embedding(tmp_path / "decoder")
+    plain = SentenceTransformer(str(decoder), device=cuda_device)
+    ids, texts = make_texts(300, seed=47)
+    texts = [" ".join([t] * (1 + i % 6)) for i, t in enumerate(texts)]  # every batch padded, on the left
+    corpus = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")
+    layout = _run(tmp_path / "b", gpu, corpus, "--model", str(decoder), "--batch-tokens", "auto")
+    assert _ids(layout) == ids
+    assert _min_cosine(np.load(layout.result / "embeddings.npy"), plain.encode(texts)) >= MIN_COSINE
+    faults = json.dumps([{"kind": "oom", "chunks": [0], "above_batch": 8}])
+    store = tmp_path / "oom-store"
+    args = ["--model", str(decoder), "--batch-size", "32", "--chunk-size", "100", "--batch-tokens", "off"]
+    done = run_cli(
+        "run", str(corpus), *args, "--gpus", str(gpu.index), "--store", str(store), CHUNKQ_FAULTS=faults
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    layout = _only_run(store)
+    meta = json.loads(layout.output_meta(0).read_text())
+    assert meta["batch_size"] == 8 and [b["batch_size"] for b in meta["oom_backoffs"]] == [32, 16]
+    assert _min_cosine(np.load(layout.result / "embeddings.npy"), plain.encode(texts)) >= MIN_COSINE
+    long_texts = [_long_text(600, seed=s) for s in range(3)] + texts[:20]
+    long_ids = [f"t{i}" for i in range(len(long_texts))]
+    corpus = write_corpus(tmp_path / "long.jsonl", long_ids, long_texts, "jsonl")
+    layout = _run(tmp_path / "w", gpu, corpus, "--model", str(decoder), "--long-texts", "window")
+    rows = _ids(layout)
+    spans = [long_texts[long_ids.index(r["id"])][r["char_start"] : r["char_end"]] for r in rows]
+    assert len(rows) > len(long_texts)
+    assert _min_cosine(np.load(layout.result / "embeddings.npy"), plain.encode(spans)) >= MIN_COSINE
