@@ -22,7 +22,7 @@ from chunkq.jobs.contract import environment
 from chunkq.jobs.contract.defaults import DASHBOARD_PORT as DEFAULT_DASHBOARD_PORT
 from chunkq.jobs.contract.run import Run
 from chunkq.jobs.contract.storage import is_local
-from chunkq.queue_worker.exit_codes import EXIT_CHUNKS_FAILED, EXIT_OK
+from chunkq.queue_worker.exit_codes import EXIT_ASSEMBLY, EXIT_CHUNKS_FAILED, EXIT_OK
 from chunkq.supervisor.request import (
     reach_redis,
 )
@@ -114,7 +114,9 @@ def report_cmd(run_id: str, out: Path | None, store: Path, redis_url: str | None
 @store_option
 @redis_option("status")
 def status_cmd(run_id: str, store: Path, redis_url: str | None, as_json: bool) -> None:
-    """Print where RUN_ID stands, once: from the store, and from Redis when one is given."""
+    """Print where RUN_ID stands, once: from the store, and from Redis when one is given. Exits 5
+    when its published result is damaged (as ``assemble --verify`` does): a script that checks a
+    run with ``status`` must not read a damaged result as done."""
     run = Run.open(store, run_id)
     layout, manifest = run.layout, run.manifest
     redis_url = redis_url or served_url(store)  # a `chunkq run` or `serve-redis` serving it now
@@ -129,6 +131,8 @@ def status_cmd(run_id: str, store: Path, redis_url: str | None, as_json: bool) -
         checked = {"every_byte": whole, "problems": damage} if snap.result_published else None
         body = {**snap.to_json(), "result_checked": checked, "failed_attempts": to_json(attempts)}
         click.echo(json.dumps(body, indent=2))
+        if damage:
+            sys.exit(EXIT_ASSEMBLY)
         return
     click.echo(describe(snap))
     if snap.cache is not None:
@@ -139,6 +143,7 @@ def status_cmd(run_id: str, store: Path, redis_url: str | None, as_json: bool) -
     if snap.result_published:
         if damage:
             click.echo(f"result in {layout.result} is DAMAGED ({damage[0]}); {rebuild_advice(layout)}")
+            sys.exit(EXIT_ASSEMBLY)
         else:
             left_out = run.result.bad_rows if run.result is not None else []
             if left_out:

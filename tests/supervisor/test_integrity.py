@@ -123,6 +123,7 @@ def test_a_damaged_result_is_never_called_published_nor_its_chunk_outputs_freed(
     assert "damaged result" in runs.stdout and "published" not in runs.stdout, runs.stdout
     status = run_cli("status", layout.run_id, "--store", str(store))
     assert "is DAMAGED (embeddings.npy is" in status.stdout and "result published" not in status.stdout
+    assert status.returncode == 5  # a script checking the run with status does not read it as done
     clean = run_cli("clean", layout.run_id, "--outputs-only", "--store", str(store))
     assert clean.returncode != 0 and "is damaged result" in clean.stderr
     assert len(list(layout.outputs.glob("*.npy"))) == 2  # the chunk outputs are all still there

@@ -157,14 +157,18 @@ def test_a_result_damaged_in_place_is_damaged_in_status_and_runs(tmp_path: Path)
     assemble(Run.of(layout))
     looked = run_cli("status", "hit", "--store", str(store), forks=False)
     assert "result published in" in looked.stdout and "every byte checked" in looked.stdout, looked.stdout
+    assert looked.returncode == 0
     path = layout.result / "embeddings.npy"
     data = bytearray(path.read_bytes())
     data[-7] ^= 0x40
     path.write_bytes(bytes(data))
     status = run_cli("status", "hit", "--store", str(store), forks=False)
     assert "is DAMAGED" in status.stdout and "encodes its chunks again" in status.stdout, status.stdout
-    as_json = json.loads(run_cli("status", "hit", "--store", str(store), "--json", forks=False).stdout)
+    assert status.returncode == 5, status.returncode
+    looked = run_cli("status", "hit", "--store", str(store), "--json", forks=False)
+    as_json = json.loads(looked.stdout)
     assert as_json["result_checked"]["every_byte"] and as_json["result_checked"]["problems"]
+    assert looked.returncode == 5
     (listed,) = json.loads(run_cli("runs", "--store", str(store), "--json", forks=False).stdout)
     assert listed["state"] == "damaged result", listed
 
