@@ -61,15 +61,28 @@ class RunResult:
         try:
             return open_result(run or Run.open(self.store, self.run_id), level)
         except AssemblyError as exc:
-            raise StoreError(
-                f"run {self.run_id}: {exc.problems[0]}; `chunkq assemble RUN` publishes it "
-                "again from the chunk outputs"
-            ) from None
+            raise self._refused(exc) from None
+
+    def _verified(self, opened: PublishedResult) -> None:
+        """Every byte of ``opened`` read once against its checksums, before an array over a file
+        is handed out whole (a memory map or ``np.load`` checks nothing of the bytes themselves)."""
+        try:
+            opened.verify()
+        except AssemblyError as exc:
+            raise self._refused(exc) from None
+
+    def _refused(self, exc: AssemblyError) -> StoreError:
+        return StoreError(
+            f"run {self.run_id}: {exc.problems[0]}; `chunkq assemble RUN` publishes it "
+            "again from the chunk outputs"
+        )
 
     def embeddings(self, mmap: bool = True) -> np.ndarray | ShardedEmbeddings:
         """The result, row i for corpus row i: a memory-mapped array (read whole with ``mmap=False``),
         or for a sharded result a lazy view that reads a shard when a row of it is asked for
-        (``np.asarray(view)`` reads them all)."""
+        (``np.asarray(view)`` reads them all). Every byte is checked against the result's checksums
+        before it is handed out: a one-file result (at most a shard, 1 GiB) is read through once
+        first, a shard as it is read."""
         import numpy as np
 
         opened = self._opened()
@@ -78,6 +91,7 @@ class RunResult:
             raise ConfigError(f"run {self.run_id} holds ragged rows, not a matrix: use .ragged()")
         if len(parts) > 1 or opened.manifest.shards is not None:
             return ShardedEmbeddings(parts, opened.dim, opened.dtype)
+        self._verified(opened)
         if mmap or not is_local(parts[0].embeddings):
             return load_npy(parts[0].embeddings)  # memory-mapped here, read whole from an object store
         array: np.ndarray = np.load(parts[0].embeddings, allow_pickle=False)
@@ -87,12 +101,13 @@ class RunResult:
         """A ragged run's rows: a sparse run's vectors as CSR (``arrays["indices"]``,
         ``arrays["values"]``), a multivector run's token vectors (``arrays["vectors"]``); row i's
         entries are ``[offsets[i]:offsets[i + 1]]`` of each. One block is memory-mapped; a sharded
-        result's shards are read and joined."""
+        result's shards are read and joined; every file checked against its checksum first."""
         from chunkq.supervisor.result import ragged as ragged_result
 
         opened = self._opened()
         if opened.ragged is None:
             raise ConfigError(f"run {self.run_id} holds a matrix, not ragged rows: use .embeddings()")
+        self._verified(opened)
         arrays = ragged_result.load(self.result_dir)
         return Ragged(arrays.pop("offsets"), arrays, opened.dim)
 

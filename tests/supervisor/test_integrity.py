@@ -135,3 +135,34 @@ def test_a_damaged_result_is_never_called_published_nor_its_chunk_outputs_freed(
     assert run_cli("assemble", layout.run_id, "--store", str(store), "--keep-outputs").returncode == 0
     assert run_cli("clean", layout.run_id, "--outputs-only", "--store", str(store)).returncode == 0
     assert not list(layout.outputs.glob("*.npy"))
+
+
+def test_the_python_api_never_hands_out_a_damaged_one_file_result(tmp_path: Path) -> None:
+    """``RunResult.embeddings()`` (memory-mapped or read whole) and ``.ragged()`` of a one-file result
+    with one byte flipped, its size unchanged: a memory map or ``np.load`` checks nothing of the
+    bytes, so the result's checksums are checked first, and the damage is refused in one line."""
+    from chunkq.api import RunResult
+    from chunkq.jobs.contract.errors import StoreError
+    from chunkq.supervisor.result.assemble import assemble
+    from tests.helpers import write_encoded_run, write_ragged_run
+
+    store = tmp_path / "store"
+    layout = write_encoded_run(store, "dense", rows=40, chunk_size=20, dim=16)
+    assemble(Run.of(layout), keep_outputs=True)
+    result = RunResult(layout.run_id, store, 40, 16, 0.0, 1, None)
+    good = result.embeddings(mmap=False)
+    assert good.shape == (40, 16) and (result.embeddings() == good).all()  # whole, the same either way
+    _flip(layout.result / "embeddings.npy")
+    for mmap in (True, False):
+        with pytest.raises(StoreError, match=r"embeddings\.npy does not match the checksum"):
+            result.embeddings(mmap=mmap)
+    ragged = write_ragged_run(tmp_path / "ragged-store", "sparse")
+    assemble(Run.of(ragged), keep_outputs=True)
+    sparse = RunResult(ragged.run_id, ragged.store, 200, 1000, 0.0, 1, None)
+    assert len(sparse.ragged().offsets) == 201
+    values = sorted(ragged.result.glob("*values.npy"))[0]
+    data = bytearray(values.read_bytes())
+    data[-1] ^= 0xFF
+    values.write_bytes(bytes(data))
+    with pytest.raises(StoreError, match=r"values\.npy does not match the checksum"):
+        sparse.ragged()
