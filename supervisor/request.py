@@ -25,7 +25,7 @@ from chunkq.jobs.compute.model_info import check_options, describe
 from chunkq.jobs.compute.model_refs import check_model, default_model
 from chunkq.jobs.compute.models import check_precision
 from chunkq.jobs.compute.ov_quantize import missing_quantized
-from chunkq.jobs.contract.addresses import parse_redis
+from chunkq.jobs.contract.addresses import parse_redis, redis_port_zero, shown
 from chunkq.jobs.contract.defaults import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_KIND,
@@ -373,6 +373,11 @@ def check_redis_url(url: str) -> None:
             "it redis://USER:PASSWORD@HOST:PORT/DB with the password's special characters "
             "percent-encoded (/ as %2F, @ as %40, : as %3A, # as %23, ? as %3F, % as %25, a space as %20), "
             "and only the query parameters its client takes (db, socket_timeout, ...)"
+        )
+    if redis_port_zero(url):  # its client reads port 0 as none, and connects to 6379: another server
+        raise ConfigError(
+            f"{shown(url)}: port 0 is no Redis server's port (its client would connect to 6379 instead); "
+            "give the port the server listens on, or leave --redis-url out to use the store's own Redis"
         )
 
 

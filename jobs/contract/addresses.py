@@ -65,6 +65,9 @@ def parse_redis(url: str) -> dict[str, Any] | None:
         return None
     if not _plain_host(str(parsed.get("host") or "")) or "@" in str(parsed.get("path") or ""):
         return None  # what a password's stray "@" or "/" left in the host, or in a socket's path
+    netloc = url.partition("://")[2].partition("/")[0].rpartition("@")[2]
+    if netloc.count("[") != netloc.count("]"):
+        return None  # "[::1]]": its client drops the stray bracket and reads another address
     query = url.partition("?")[2].partition("#")[0]
     if any("=" not in piece for piece in query.split("&") if piece):
         return None  # a piece its client drops: the rest of a password's unencoded "&"
@@ -94,6 +97,12 @@ def parse_postgres(dsn: str) -> dict[str, str] | None:
         return None
     plain = _plain_host(parsed.get("host", "")) and re.fullmatch(r"[0-9,]*", parsed.get("port", ""))
     return parsed if plain else None
+
+
+def redis_port_zero(url: str) -> bool:
+    """Whether a readable Redis URL names port 0, which its client reads as no port (6379)."""
+    netloc = url.partition("://")[2].partition("/")[0].partition("?")[0].rpartition("@")[2]
+    return re.search(r":0+$", netloc) is not None
 
 
 def _plain_host(host: str) -> bool:

@@ -204,3 +204,20 @@ def test_no_command_shows_a_password_on_any_path(
     assert not any(s in _everything_written(store, env_done, crashes) for s in (SECRET, *PIECES))
     written = run_cli("export", "dense", "--store", str(store), "--to", to_urls[3], "--json")
     assert written.returncode == 0 and "postgres:***@" in written.stdout, written.stderr
+
+
+def test_a_redis_url_its_client_would_read_as_another_address_is_refused_without_its_password() -> None:
+    """redis-py reads port 0 as no port (6379: perhaps another server) and drops a stray "]" of an
+    IPv6 host; either is refused before anything connects, in one line without the password."""
+    from chunkq.jobs.contract.errors import ConfigError
+    from chunkq.supervisor.request import check_redis_url
+
+    for url in ("redis://localhost:0", "redis://me:s3cret-pw@127.0.0.1:00/0", "redis://[::1]]:6379"):
+        with pytest.raises(ConfigError) as refused:
+            check_redis_url(url)
+        assert "s3cret-pw" not in str(refused.value)
+        assert ("port 0" in str(refused.value)) == ("]]" not in url), refused.value
+    for url in ("redis://localhost:6379", "redis://[::1]:6379/0", "redis://localhost", "unix:///tmp/r.sock"):
+        check_redis_url(url)
+    done = run_cli("status", "any", "--redis-url", "redis://localhost:0", timeout=60)
+    assert done.returncode == 2 and "port 0 is no Redis server's port" in done.stderr, done.stderr
