@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from chunkq.jobs.compute.ov_quantize import QUANTIZED_FILE, missing_quantized
+from chunkq.jobs.contract import release
 from chunkq.jobs.contract.defaults import DEFAULT_PRECISION
 from chunkq.jobs.contract.errors import ConfigError
 from chunkq.jobs.contract.specs import INT8
@@ -74,16 +75,8 @@ def check_precision(precision: str, device: str) -> None:
 
 
 def releases() -> dict[str, str]:
-    """OpenVINO's and optimum-intel's releases: part of what a vector of theirs is."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    found = {}
-    for name in _RELEASES:
-        try:
-            found[name] = version(name)
-        except PackageNotFoundError:
-            found[name] = "absent"
-    return found
+    """OpenVINO's and optimum-intel's releases, whole: part of what a vector of theirs is."""
+    return release.releases(dict.fromkeys(_RELEASES))
 
 
 def load_kwargs(precision: str, threads: int) -> dict[str, Any]:

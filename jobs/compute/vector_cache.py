@@ -41,6 +41,7 @@ import numpy as np
 
 from chunkq.jobs import kinds
 from chunkq.jobs.compute import ov_backend
+from chunkq.jobs.contract.release import releases
 from chunkq.jobs.contract.run_files import atomic_write_json, read_json, save_npy_atomic
 from chunkq.jobs.contract.specs import OPENVINO, EncodeOptions, fingerprint, vector_options
 from chunkq.jobs.contract.storage import (
@@ -107,27 +108,13 @@ VECTOR_LIBRARIES = {"sentence-transformers": 3, "transformers": 3, "tokenizers":
 
 @functools.cache
 def _library_versions() -> tuple[tuple[str, str], ...]:
-    return tuple(_releases().items())
+    return tuple(releases(VECTOR_LIBRARIES).items())
 
 
 def library_versions() -> dict[str, str]:
     """This process's releases of VECTOR_LIBRARIES (read once: importlib.metadata parses each
     package's metadata, 6 ms a call, which every chunk's output records)."""
     return dict(_library_versions())
-
-
-def _releases() -> dict[str, str]:
-    """Each of VECTOR_LIBRARIES to the parts its entry keeps ("absent" where not installed); a local
-    build's suffix (torch's "+cpu", "+cu130") is not a release."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    found = {}
-    for name, parts in VECTOR_LIBRARIES.items():
-        try:
-            found[name] = ".".join(version(name).split("+")[0].split(".")[:parts])
-        except PackageNotFoundError:
-            found[name] = "absent"
-    return found
 
 
 def producer(model: str, model_identity: str, options: EncodeOptions) -> dict[str, Any]:
