@@ -173,12 +173,14 @@ def _release_orphans(connection: redis.Redis, previous: str, store: Path) -> Non
             run_id, _, chunk = job_id.rpartition("__c")
             try:
                 job = fetch_job(connection, job_id)
-                if job is None:
-                    raise ValueError("Redis no longer holds the job")
-                attempt = FailedAttempt.from_job(job, int(chunk), jobmeta.attempt(job.meta), None)
-                AttemptRecorder(RunLayout(store, run_id)).record(attempt)
+                if job is not None:
+                    attempt = FailedAttempt.from_job(job, int(chunk), jobmeta.attempt(job.meta), None)
+                    AttemptRecorder(RunLayout(store, run_id)).record(attempt)
+                    continue
+                why_not = "Redis no longer holds the job"
             except (redis.RedisError, ValueError, OSError) as exc:
-                log.warning("the abandoned attempt of job %s is not recorded (%s)", job_id, exc)
+                why_not = str(exc)
+            log.warning("the abandoned attempt of job %s is not recorded (%s)", job_id, why_not)
 
 
 @contextlib.contextmanager
