@@ -10,6 +10,7 @@ chunkq.jobs.calibrate``, JSON in and out), so a supervisor never imports torch o
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -20,17 +21,25 @@ from chunkq.jobs.contract.specs import EncodeOptions
 
 CALIBRATION_ROWS = 1000  # texts encoded for the ranges (sentence-transformers suggests 100s or more)
 CALIBRATION_TIMEOUT = 1800.0
+CUDA_VISIBLE = "CUDA_VISIBLE_DEVICES"
 
 
-def ranges_for(model: str, options: EncodeOptions, texts: list[str]) -> dict[str, Any]:
-    """{"rows": n, "ranges": [[minimums], [maximums]]} of ``texts`` encoded as the run encodes them."""
+def ranges_for(
+    model: str, options: EncodeOptions, texts: list[str], visible: str | None = None
+) -> dict[str, Any]:
+    """{"rows": n, "ranges": [[minimums], [maximums]], "device": ..., "visible": ...} of ``texts``
+    encoded as the run encodes them. ``visible``: the process's ``CUDA_VISIBLE_DEVICES`` ("" for the
+    CPU, a GPU's UUID), so that a run given ``--gpus none`` or some GPUs does not calibrate on
+    another (busy, or in exclusive mode another process's); None: as this process sees them."""
     request = json.dumps({"model": model, "options": options.to_dict(), "texts": texts})
+    env = dict(os.environ) if visible is None else {**os.environ, CUDA_VISIBLE: visible}
     done = subprocess.run(
         [sys.executable, "-m", "chunkq.jobs.calibrate"],
         input=request.encode(),
         capture_output=True,
         timeout=CALIBRATION_TIMEOUT,
         check=False,
+        env=env,
     )
     if done.returncode != 0:
         last = (done.stderr.decode(errors="replace").strip().splitlines() or ["no message"])[-1]
@@ -64,6 +73,7 @@ def _main() -> None:
                 "rows": len(texts),
                 "ranges": ranges_here(request["model"], options, texts, device),
                 "device": device,
+                "visible": os.environ.get(CUDA_VISIBLE),
             }
         )
     )

@@ -339,7 +339,7 @@ def build_run_request(
     if redis_url:
         reach_redis(redis_url)
     return RunRequest(
-        submit=request,
+        submit=replace(request, calibrate_on=devices[0].uuid if devices else ""),
         redis_url=redis_url,
         pool=pool_settings,
         devices=tuple(devices),

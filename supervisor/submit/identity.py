@@ -64,6 +64,9 @@ class SubmitRequest:
     pool: str = POOLS[0]  # with windows: a vector per text as well (mean, or weighted by tokens)
     # --accept-unidentified-code: a --trust-remote-code model whose code is not identified; no cache
     accept_unidentified_code: bool = False
+    # CUDA_VISIBLE_DEVICES for an int8/uint8 run's calibration (jobs/calibrate.py): "" the CPU, a GPU's
+    # UUID (chunkq run: its pool's devices); None: what CUDA finds (chunkq submit: pools run elsewhere)
+    calibrate_on: str | None = None
 
     def __post_init__(self) -> None:
         # A late run's rows are late rows (jobs.compute.late): its workers must encode them so.

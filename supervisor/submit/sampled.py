@@ -31,4 +31,4 @@ def calibration(req: SubmitRequest, layout: RunLayout, chunks: int) -> dict[str,
     taken evenly across its chunks, before any chunk runs."""
     texts = _sample(layout, chunks, CALIBRATION_ROWS)
     log.info("run %s: computing %s ranges from %d texts", layout.run_id, req.encode.output_dtype, len(texts))
-    return ranges_for(req.model, req.encode, texts)
+    return ranges_for(req.model, req.encode, texts, req.calibrate_on)

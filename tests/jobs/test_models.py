@@ -353,3 +353,20 @@ def test_sentence_transformers_default_prompt_notice_stays_out_of_a_warning_log(
 
     source = Path(sentence_transformers.__file__).parent / "base" / "model.py"
     assert "Default prompt name is set to" in source.read_text()  # the text filtered is ST's own
+
+
+def test_an_int8_runs_calibration_runs_on_the_runs_own_devices(tmp_path: Path) -> None:
+    """The calibration's process sees the devices its run was given: a run on the CPU (``--gpus
+    none``, or no GPU) calibrates on the CPU, not on a GPU 0 another job may hold; a submit, whose
+    pools run elsewhere, leaves the process as it is."""
+    from chunkq.jobs.calibrate import ranges_for
+    from chunkq.supervisor.request import build_run_request
+    from tests.helpers import make_texts, write_corpus
+
+    ids, texts = make_texts(4, seed=5)
+    corpus = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")
+    request = build_run_request([corpus], store=tmp_path / "s", output_dtype="int8", gpus="none")
+    assert request.submit.calibrate_on == ""
+    found = ranges_for(BUNDLED_MODEL, EncodeOptions(output_dtype="int8"), texts, request.submit.calibrate_on)
+    assert found["visible"] == "" and found["device"] == "cpu" and found["rows"] == 4
+    assert np.array(found["ranges"]).shape == (2, 384)
