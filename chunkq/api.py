@@ -30,7 +30,12 @@ from chunkq.jobs.contract.specs import CALIBRATED_DTYPES, EncodeOptions, storage
 from chunkq.jobs.contract.storage import is_local, open_store, private_open
 from chunkq.jobs.kinds.cross import pair_text
 from chunkq.supervisor.request import ENCODE_NAMES, build_run_request, encode_options_for, finished_result
-from chunkq.supervisor.result.reader import PublishedResult, ShardedEmbeddings, open_result
+from chunkq.supervisor.result.reader import (
+    PublishedResult,
+    ShardedEmbeddings,
+    checked_embeddings,
+    open_result,
+)
 from chunkq.supervisor.watch.display import ProgressDisplay
 from chunkq.supervisor.watch.snapshot import store_snapshot
 
@@ -83,7 +88,6 @@ class RunResult:
         (``np.asarray(view)`` reads them all). Every byte is checked against the result's checksums
         before it is handed out: a one-file result (at most a shard, 1 GiB) is read through once
         first, a shard as it is read."""
-        import numpy as np
 
         opened = self._opened()
         parts = opened.parts
@@ -91,11 +95,11 @@ class RunResult:
             raise ConfigError(f"run {self.run_id} holds ragged rows, not a matrix: use .ragged()")
         if len(parts) > 1 or opened.manifest.shards is not None:
             return ShardedEmbeddings(parts, opened.dim, opened.dtype)
-        self._verified(opened)
-        if mmap or not is_local(parts[0].embeddings):
-            return load_npy(parts[0].embeddings)  # memory-mapped here, read whole from an object store
-        array: np.ndarray = np.load(parts[0].embeddings, allow_pickle=False)
-        return array
+        if mmap and is_local(parts[0].embeddings):
+            self._verified(opened)  # read through once, then mapped
+            mapped: np.ndarray = load_npy(parts[0].embeddings)
+            return mapped
+        return checked_embeddings(parts[0])  # read whole once (from an object store too), checked
 
     def ragged(self) -> Ragged:
         """A ragged run's rows: a sparse run's vectors as CSR (``arrays["indices"]``,

@@ -337,6 +337,17 @@ def published_result(layout: RunLayout, run: RunManifest) -> dict[str, Any] | No
     return dict(result.fields)
 
 
+def checked_embeddings(part: ResultPart) -> np.ndarray[Any, Any]:
+    """A result file's embeddings read whole, once, and checked against its checksum on the way."""
+    raw = part.embeddings.read_bytes()
+    if hashlib.sha256(raw).hexdigest() != part.embeddings_sha256:  # swapped or rewritten
+        raise StoreError(
+            f"{part.embeddings} does not match the checksum in its result/manifest.json: the "
+            "result is damaged; `chunkq status RUN` says how to publish it again"
+        )
+    return npy_from_bytes(raw)
+
+
 class ShardedEmbeddings:
     """A lazy, read-only view of a sharded result as one (rows, dim) matrix: ``len``,
     ``shape``, indexing by row, slice or index array, iteration by row and ``np.asarray`` (which
@@ -356,14 +367,7 @@ class ShardedEmbeddings:
 
     def shard(self, index: int) -> np.ndarray[Any, Any]:
         if self._cached is None or self._cached[0] != index:
-            part = self._parts[index]
-            raw = part.embeddings.read_bytes()
-            if hashlib.sha256(raw).hexdigest() != part.embeddings_sha256:  # swapped or rewritten
-                raise StoreError(
-                    f"{part.embeddings} does not match the checksum in its result/manifest.json: the "
-                    "result is damaged; `chunkq status RUN` says how to publish it again"
-                )
-            self._cached = (index, npy_from_bytes(raw))
+            self._cached = (index, checked_embeddings(self._parts[index]))
         return self._cached[1]
 
     def _rows(self, rows: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
