@@ -1,6 +1,6 @@
 """The host a CPU figure was measured on. OpenVINO's speed against PyTorch's follows the CPU's
 generation: the same 2-core run, the same packages, OpenVINO f32 ran at 0.95x torch 2.13 on one
-AMD EPYC host with AVX-512 BF16 and 2.13x on another (family 26) a day later (BENCHMARKS.md)."""
+AMD EPYC host with AVX-512 BF16 and 2.14x on another (family 26) a day later (BENCHMARKS.md)."""
 
 from __future__ import annotations
 

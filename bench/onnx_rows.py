@@ -42,7 +42,7 @@ def available() -> dict[str, bool]:
 
 
 def export(model: Any, folder: Path, source: str) -> Path:
-    """The sentence-transformer's transformer as an ONNX graph (TorchScript exporter, dynamic batch
+    """The sentence-transformer's transformer as an ONNX graph (the dynamo exporter, dynamic batch
     and length) in ``folder``, with the tokenizer's files copied from ``source``."""
     import torch
     from transformers import AutoModel

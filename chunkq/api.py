@@ -88,7 +88,6 @@ class RunResult:
         (``np.asarray(view)`` reads them all). Every byte is checked against the result's checksums
         before it is handed out: a one-file result (at most a shard, 1 GiB) is read through once
         first, a shard as it is read."""
-
         opened = self._opened()
         parts = opened.parts
         if opened.ragged is not None:

@@ -32,7 +32,7 @@ def ranges_for(
     CPU, a GPU's UUID), so that a run given ``--gpus none`` or some GPUs does not calibrate on
     another (busy, or in exclusive mode another process's); None: as this process sees them."""
     request = json.dumps({"model": model, "options": options.to_dict(), "texts": texts})
-    env = dict(os.environ) if visible is None else {**os.environ, CUDA_VISIBLE: visible}
+    env = None if visible is None else {**os.environ, CUDA_VISIBLE: visible}
     done = subprocess.run(
         [sys.executable, "-m", "chunkq.jobs.calibrate"],
         input=request.encode(),

@@ -65,7 +65,7 @@ def parse_redis(url: str) -> dict[str, Any] | None:
         return None
     if not _plain_host(str(parsed.get("host") or "")) or "@" in str(parsed.get("path") or ""):
         return None  # what a password's stray "@" or "/" left in the host, or in a socket's path
-    netloc = url.partition("://")[2].partition("/")[0].rpartition("@")[2]
+    netloc = _redis_netloc(url)
     if netloc.count("[") != netloc.count("]"):
         return None  # "[::1]]": its client drops the stray bracket and reads another address
     query = url.partition("?")[2].partition("#")[0]
@@ -101,8 +101,13 @@ def parse_postgres(dsn: str) -> dict[str, str] | None:
 
 def redis_port_zero(url: str) -> bool:
     """Whether a readable Redis URL names port 0, which its client reads as no port (6379)."""
-    netloc = url.partition("://")[2].partition("/")[0].partition("?")[0].rpartition("@")[2]
-    return re.search(r":0+$", netloc) is not None
+    return re.search(r":0+$", _redis_netloc(url)) is not None
+
+
+def _redis_netloc(url: str) -> str:
+    """A Redis URL's host and port as written: after the last "@" (a password may hold anything),
+    before its path or query."""
+    return url.partition("://")[2].partition("/")[0].partition("?")[0].rpartition("@")[2]
 
 
 def _plain_host(host: str) -> bool:

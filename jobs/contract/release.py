@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib.metadata
 import tomllib
 from collections.abc import Mapping
-from importlib.metadata import PackageNotFoundError, version
+from importlib.metadata import PackageNotFoundError
 from pathlib import Path
 
 DISTRIBUTION = "chunkq"
@@ -15,7 +15,7 @@ DISTRIBUTION = "chunkq"
 
 def chunkq_version() -> str:
     try:
-        return version(DISTRIBUTION)
+        return importlib.metadata.version(DISTRIBUTION)
     except PackageNotFoundError:
         pass
     # jobs/contract/release.py: jobs/ is a top-level folder of the tree, beside pyproject.toml
