@@ -172,6 +172,11 @@ def _load_watched(ref: str, device: str, options: EncodeOptions, runtime: _Runti
     the libraries' own."""
     if not options.trust_remote_code:
         return _load(ref, device, options, runtime), None
+    # Imported before the watch, as the fork server imports it before any worker loads: the library
+    # is the shared environment, exempt from the listing, so every load lists the same files however
+    # its process started; and compiled from source under the watch it cost 3 s of each probe.
+    import sentence_transformers  # noqa: F401
+
     from chunkq.jobs import kinds
     from chunkq.jobs.compute import model_code
     from chunkq.jobs.compute.model_identity import covered_paths
