@@ -162,12 +162,16 @@ class PoolProcess:
 
 
 def _release_orphans(connection: redis.Redis, previous: str, store: Path) -> None:
-    """The embedded server is private to the run that owns it: a job it shows as started belongs
-    to a worker of the previous owner, which is dead. Fail it as abandoned now, so it is retried at
-    once instead of after its heartbeat goes stale (60 s), and record the attempt in its run's
-    store: the resumed submit requeues the job before any supervisor sees it failed, and status and
-    report said "failed attempts: 0" where the log had said it failed (issue 65.2)."""
-    why = f"its worker died with the previous chunkq run, {previous}"
+    """The embedded server is private to the run that owns it, and each start gives it a new
+    password: a job it shows as started belongs to a worker of an earlier owner, which can no longer
+    report it, whether that owner was killed (``previous``: whose lock was taken over) or stopped
+    (a full disk, a second Ctrl-C). Fail it as abandoned now, so it is retried at once instead of
+    after its heartbeat goes stale (60 s: every resume after a full disk waited so), and record the
+    attempt in its run's store: the resumed submit requeues the job before any supervisor sees it
+    failed, and status and report said "failed attempts: 0" where the log had said it failed
+    (issue 65.2)."""
+    earlier = f"the previous chunkq run, {previous}" if previous else "the previous chunkq run of this store"
+    why = f"its worker died with {earlier}"
     for job_id in list(started_job_ids(connection)):
         if mark_abandoned(connection, job_id, why):
             run_id, _, chunk = job_id.rpartition("__c")
@@ -294,8 +298,7 @@ def _start_redis(req: RunRequest, stack: contextlib.ExitStack) -> tuple[str, Cal
         return req.redis_url, redis_never_gone
     served = serve(req.submit.store, stack, wait=req.watch.wait_for_owner)
     stack.enter_context(_full_disk_is_a_storage_error(served.server))
-    if served.took_over:
-        _release_orphans(redis.Redis.from_url(served.server.url), served.took_over, req.submit.store)
+    _release_orphans(redis.Redis.from_url(served.server.url), served.took_over, req.submit.store)
     return served.server.url, lambda: served.server.failure
 
 

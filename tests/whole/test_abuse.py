@@ -233,6 +233,9 @@ def test_an_embedded_server_that_cannot_write_stops_the_run_with_the_reason(
     filler.unlink()
     again = run_cli(*args, timeout=180)
     assert again.returncode == 0, again.stderr[-3000:]
+    # The chunk the stopped run had in hand is retried at once; it waited for its heartbeat (60 s).
+    assert "its worker died with the previous chunkq run of this store" in again.stderr
+    assert "no heartbeat for over" not in again.stderr
     layout = only_run(store)
     assert result_matches(layout, texts, reference_model)
 
