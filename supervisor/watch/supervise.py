@@ -365,6 +365,8 @@ def _supervise(
         metrics = RunMetrics(manifest.run_id)
         serve_metrics(metrics.registry, settings.metrics_port)
     watch = Supervisor(connection, layout, manifest, settings, lock, owner, metrics)
+    if owner.took_over:  # its supervisor is gone: its lock in Redis is too
+        _patiently(lambda: lock.take_over(owner.took_over), settings, redis_gone)
     _patiently(lock.acquire, settings, redis_gone)
     room = window_size(connection, manifest.pool_queue, settings.window or submitted_window(layout))
     retried = _patiently(lambda: retry_quarantined(connection, layout, manifest, room), settings, redis_gone)

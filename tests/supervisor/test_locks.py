@@ -18,9 +18,10 @@ from pathlib import Path
 
 import psutil
 import pytest
+import redis
 
 from chunkq.supervisor.store import store_lock as owner_module
-from chunkq.supervisor.store.run_lock import RunLockedError
+from chunkq.supervisor.store.run_lock import RunLock, RunLockedError
 from chunkq.supervisor.store.store_lock import LockLostError, StoreLock
 from tests.helpers import wait_for
 
@@ -151,3 +152,21 @@ def test_a_lock_path_that_is_no_file_is_refused_at_once(tmp_path: Path) -> None:
         with pytest.raises(RunLockedError, match=f"its lock file {path} {said}; remove it"):
             StoreLock(path, "run r").acquire(wait=True)
         assert time.monotonic() - started < 5
+
+
+def test_the_supervisor_lock_of_a_run_whose_store_lock_was_taken_over_is_dropped_at_once(
+    connection: redis.Redis,
+) -> None:
+    """A killed supervisor's lock in Redis lives out its TTL (15 s); the successor that took the run's
+    store lock over from it drops it instead of waiting, and any other successor still waits."""
+    run_id = f"locks-{os.getpid()}"
+    dead = RunLock(connection, run_id)
+    dead.acquire()  # and never released: its process was killed
+    waiting = RunLock(connection, run_id, wait=0.2)
+    with pytest.raises(RunLockedError, match=f"another supervisor is watching run {run_id}"):
+        waiting.acquire()
+    successor = RunLock(connection, run_id, wait=0.2)
+    successor.take_over("pid 4242 on this host (pid 4242 has exited)")
+    successor.acquire()
+    assert successor.lock.owned() and not dead.lock.owned()
+    successor.release()

@@ -287,6 +287,8 @@ def test_the_locks_of_a_killed_run_are_taken_over(tmp_path: Path, reference_mode
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stderr.count(f"taking over the lock of pid {killed.pid}") == 2  # embedded Redis and run
     assert f"pid {killed.pid} has exited" in again.stderr
+    # Its supervisor's lock in Redis is dropped, not waited out (its TTL: up to 15 s, every chunk done).
+    assert f"taking over the supervisor lock of pid {killed.pid}" in again.stderr
     # Its chunk in hand is failed as abandoned at once, not after its heartbeat goes stale (60 s).
     assert "its worker died with the previous chunkq run" in again.stderr
     assert "no heartbeat for over" not in again.stderr
