@@ -38,9 +38,25 @@ def test_the_gpu_check_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
     tier = result["tier"]
     assert not tier["timed_out"] and tier["counts"]["skipped"] >= 10, tier  # every GPU test reached
     assert {t["test"].split("::")[0] for t in tier["tests"]} >= {"test_gpu_faults", "test_gpu_kinds"}
+    # bench/gpu.py's CPU path: every baseline and the defaults measured on one corpus.
     figures = result["minilm"]["figures"]["minilm"]
-    assert not result["minilm"]["timed_out"] and figures["plain"]["rows_per_s"] > 0
-    assert figures["auto"]["steady_ratio"] > 0 and figures["ceiling"]["rows_per_s"] > 0
+    assert not result["minilm"]["timed_out"]
+    assert set(figures) == {"plain", "plain_tuned", "st_pool", "ceiling", "auto", "tokenisation"}
+    for baseline in ("plain", "plain_tuned", "st_pool", "ceiling"):
+        assert figures[baseline]["rows"] == 60 and figures[baseline]["rows_per_s"] > 0, baseline
+    tokenisation = figures["tokenisation"]
+    assert tokenisation["rows"] == 60 and set(tokenisation) == {"rows", "chunk_size", "batch 32"}
+    for mode in ("once", "twice"):  # a GPU adds the budget's batching; the CPU has none
+        figure = tokenisation["batch 32"]
+        assert figure[f"{mode}_seconds"] > 0 and len(figure["samples"][mode]) == 2  # both orders
+    auto = figures["auto"]
+    assert auto["rows_per_s"] > 0 and auto["steady_ratio"] > 0 and 0 < auto["share_of_ceiling"]
+    # what the run's own records say: how busy the device was, when the first rows came, no token budget
+    assert auto["busy"]["source"] == "cpu-forward" and auto["batch_tokens"] == [0]
+    assert 0 < auto["first_rows_seconds"] < auto["wall"] and auto["last_chunk_to_result_seconds"] >= 0
+    said = (out / "bench-minilm.log").read_text()
+    assert "chunkq auto" in said and "x plain" in said and "forward alone" in said
+    assert "batch 32, in-process: tokenised once" in said
     summary = (out / "gpu-check.md").read_text()
     assert summary.startswith("### GPU check, ") and "**GPU tier**" in summary
     assert "| chunkq auto |" in summary and "| plain |" in summary and summary in done.stdout
