@@ -1,9 +1,11 @@
 """``chunkq cache`` and ``chunkq cache clean``: the store's vector cache, through
-jobs/compute/vector_cache.py."""
+jobs/compute/vector_cache.py; ``chunkq cache exports``: this host's OpenVINO exports
+(jobs/compute/ov_exports.py)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +13,8 @@ import click
 
 from chunkq.cli.common import log_level_option, redis_option, reports_errors, store_option
 from chunkq.cli.group import cli
-from chunkq.jobs.compute import cache_upkeep
+from chunkq.jobs.compute import cache_upkeep, ov_exports
+from chunkq.jobs.compute.ov_backend import exports_dir
 from chunkq.jobs.compute.vector_cache import VectorCache
 from chunkq.jobs.contract.errors import ConfigError
 from chunkq.jobs.contract.specs import EncodeOptions, vector_options
@@ -49,6 +52,10 @@ def _table(entries: list[dict[str, Any]]) -> str:
         )
         for e in entries
     ]
+    return _aligned(rows)
+
+
+def _aligned(rows: Sequence[tuple[str, ...]]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join(
         "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows
@@ -105,3 +112,46 @@ def cache_clean_cmd(
     click.echo(
         f"removed {removed['shards']} shard(s), {removed['rows']:,} texts, {removed['producers']} producer(s)"
     )
+
+
+@cache_cmd.command("exports")
+@click.option(
+    "--clean", is_flag=True, help="Remove the exports no load here reads again (stale, unfinished)."
+)
+@click.option(
+    "--all", "everything", is_flag=True, help="With --clean: every export (each is made again when loaded)."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@log_level_option
+@reports_errors
+def cache_exports_cmd(clean: bool, everything: bool, as_json: bool) -> None:
+    """This host's OpenVINO exports (--backend openvino), in the user's cache, not the store: per
+    model, the OpenVINO release that made it, its size and state. An upgrade of OpenVINO or
+    optimum-intel leaves the earlier exports stale (never read again); --clean removes those."""
+    if everything and not clean:
+        raise ConfigError("--all removes every export: give it with --clean")
+    if clean:
+        removed = ov_exports.clean(everything)
+        click.echo(f"removed {removed['exports']} export(s), {size_text(removed['bytes'])}")
+        return
+    entries = ov_exports.summary()
+    if as_json:
+        click.echo(json.dumps(entries, indent=2))
+        return
+    if not entries:
+        click.echo(f"no OpenVINO exports in {exports_dir()}")
+        return
+    rows = [("EXPORT", "MODEL", "MADE WITH", "SIZE", "AGE", "STATE")]
+    rows += [
+        (
+            e["export"][:12],
+            e["model"],
+            " ".join(f"{name} {release}" for name, release in e["made_with"].items()) or "-",
+            size_text(e["bytes"]),
+            f"{e['age_seconds'] / 86400:.1f} d",
+            e["state"],
+        )
+        for e in entries
+    ]
+    click.echo(_aligned(rows))
+    click.echo(f"in {exports_dir()}")

@@ -94,10 +94,15 @@ def load_kwargs(precision: str, threads: int) -> dict[str, Any]:
     }
 
 
+def exports_dir() -> Path:
+    """This host's exports (``chunkq cache exports`` lists them: jobs/compute/ov_exports.py)."""
+    return user_cache_dir() / "openvino"
+
+
 def export_folder(identity: str) -> Path:
     """Where this host keeps the export of the model whose files are ``identity``."""
     key = json.dumps({"model": identity, **releases()}, sort_keys=True)
-    return user_cache_dir() / "openvino" / hashlib.sha256(key.encode()).hexdigest()[:32]
+    return exports_dir() / hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
 def exported(folder: Path) -> bool:
@@ -129,7 +134,7 @@ def load(make: Callable[[str], Any], path: str, identity: str | None, precision:
         log.info("exporting the model to OpenVINO, once for this host, into %s", folder)
         with _exporting():
             model = make(path)
-        keep_export(model, folder, identity)
+        keep_export(model, folder, identity, path)
         return model
 
 
@@ -161,16 +166,16 @@ def _exporting() -> Iterator[None]:
         said.removeFilter(quiet)
 
 
-def keep_export(model: Any, folder: Path, identity: str) -> None:
+def keep_export(model: Any, folder: Path, identity: str, source: str) -> None:
     """Save the model just exported, whole, where the next load finds it: written beside and
     renamed into place, so a load never reads half an export; a host that cannot keep it exports
-    again next time (said once)."""
+    again next time (said once). Its mark names the folder it was made from, for people."""
     tmp = folder.with_name(f".{folder.name}.{os.getpid()}")
     try:
         tmp.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         model.save_pretrained(str(tmp))
-        (tmp / EXPORTED_MARK).write_text(json.dumps({"model": identity, **releases()}))
+        (tmp / EXPORTED_MARK).write_text(json.dumps({"model": identity, "from": source, **releases()}))
         os.replace(tmp, folder)  # another worker's export landed first: theirs is as good
     except OSError as exc:
         if not exported(folder):

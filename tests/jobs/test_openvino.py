@@ -258,6 +258,15 @@ def test_two_workers_loading_at_once_export_the_model_once_and_read_the_same_exp
     (folder,) = [p for p in kept.iterdir() if p.is_dir()]
     assert ov_backend.exported(folder) and not [p for p in kept.iterdir() if p.name.startswith(".")]
     assert np.array_equal(np.load(tmp_path / "0.npy"), np.load(tmp_path / "1.npy"))
+    # `chunkq cache exports` lists it as current; --clean keeps it, --clean --all removes it.
+    xdg = {"XDG_CACHE_HOME": env["XDG_CACHE_HOME"]}
+    (listed,) = json.loads(run_cli("cache", "exports", "--json", **xdg).stdout)
+    assert listed["export"] == folder.name and listed["state"] == "current", listed
+    assert listed["made_with"] == ov_backend.releases() and listed["bytes"] > 1 << 20
+    assert "all_minilm_l6_v2" in listed["model"] and listed["identity"].startswith("files:")
+    assert run_cli("cache", "exports", "--clean", **xdg).stdout.startswith("removed 0 export(s)")
+    assert run_cli("cache", "exports", "--clean", "--all", **xdg).stdout.startswith("removed 1 export(s)")
+    assert list(kept.iterdir()) == []  # its lock file too
 
 
 @needs_openvino

@@ -1,0 +1,78 @@
+"""``chunkq cache exports``: this host's OpenVINO exports, listed and cleaned (jobs/compute/ov_exports.py).
+
+Here, without OpenVINO, the folders are laid out as ov_backend.keep_export lays them out (a mark
+written last, ``.KEY.PID`` while an export is written, ``KEY.lock`` beside); tests/jobs/test_openvino.py
+lists and removes a real export where the extra is installed (make test-openvino)."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from chunkq.jobs.compute import ov_backend
+from tests.helpers import run_cli
+
+
+def _export(root: Path, name: str, mark: dict[str, str] | None, size: int = 4096) -> Path:
+    folder = root / name
+    (folder / "openvino").mkdir(parents=True)
+    (folder / "openvino" / "openvino_model.bin").write_bytes(b"\0" * size)
+    if mark is not None:
+        (folder / ov_backend.EXPORTED_MARK).write_text(json.dumps(mark))
+    (root / f"{name.lstrip('.').split('.')[0]}.lock").touch()
+    return folder
+
+
+def test_stale_and_unfinished_exports_are_cleaned_and_current_ones_only_with_all(tmp_path: Path) -> None:
+    root = tmp_path / "cache" / "chunkq" / "openvino"
+    here = ov_backend.releases()  # what this environment has: OpenVINO absent, here
+    model = "bundled:all-MiniLM-L6-v2@files:1234"
+    _export(root, "a" * 32, {"model": model, "from": "/models/minilm", **here})  # by the releases here
+    _export(root, "b" * 32, {"model": model, "openvino": "2025.0.0", "optimum-intel": "1.22.0"})
+    _export(root, "c" * 32, None)  # no mark: unfinished
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True)
+    _export(root, f".{'d' * 32}.{int(dead.stdout)}", None)  # its exporter is gone
+    _export(root, f".{'e' * 32}.{os.getpid()}", None)  # its exporter lives: never touched
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+
+    listed = run_cli("cache", "exports", "--json", **env)
+    assert listed.returncode == 0, listed.stderr
+    states = {e["export"].lstrip(".")[0]: e["state"] for e in json.loads(listed.stdout)}
+    assert states == {
+        "a": "current",
+        "b": "stale",
+        "c": "unfinished",
+        "d": "unfinished",
+        "e": "being written",
+    }
+    entries = {e["export"][0]: e for e in json.loads(listed.stdout)}
+    assert entries["b"]["made_with"] == {"openvino": "2025.0.0", "optimum-intel": "1.22.0"}
+    assert entries["a"]["model"] == "/models/minilm" and entries["a"]["identity"] == model
+    assert entries["b"]["model"] == model and entries["a"]["bytes"] > 4096  # marked before "from"
+    table = run_cli("cache", "exports", **env).stdout
+    assert "openvino 2025.0.0 optimum-intel 1.22.0" in table and "being written" in table
+
+    with open(root / f"{'c' * 32}.lock", "a") as held:  # an exporter holds c's lock: it stays
+        fcntl.flock(held, fcntl.LOCK_EX)
+        cleaned = run_cli("cache", "exports", "--clean", **env)
+    assert cleaned.returncode == 0 and cleaned.stdout.startswith("removed 3 export(s), "), cleaned.stdout
+    left = sorted(p.name for p in root.iterdir())
+    assert left == sorted(
+        [
+            "a" * 32,
+            "a" * 32 + ".lock",
+            "c" * 32 + ".lock",
+            f".{'e' * 32}.{os.getpid()}",
+            "e" * 32 + ".lock",
+        ]
+    )
+
+    alone = run_cli("cache", "exports", "--all", **env)
+    assert alone.returncode != 0 and "give it with --clean" in alone.stderr and (root / ("a" * 32)).is_dir()
+    everything = run_cli("cache", "exports", "--clean", "--all", **env)
+    assert everything.stdout.startswith("removed 1 export(s), "), everything.stdout
+    assert sorted(p.name for p in root.iterdir()) == [f".{'e' * 32}.{os.getpid()}", "e" * 32 + ".lock"]
