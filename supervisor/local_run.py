@@ -165,11 +165,11 @@ def _release_orphans(connection: redis.Redis, previous: str, store: Path) -> Non
     """The embedded server is private to the run that owns it, and each start gives it a new
     password: a job it shows as started belongs to a worker of an earlier owner, which can no longer
     report it, whether that owner was killed (``previous``: whose lock was taken over) or stopped
-    (a full disk, a second Ctrl-C). Fail it as abandoned now, so it is retried at once instead of
-    after its heartbeat goes stale (60 s: every resume after a full disk waited so), and record the
-    attempt in its run's store: the resumed submit requeues the job before any supervisor sees it
-    failed, and status and report said "failed attempts: 0" where the log had said it failed
-    (issue 65.2)."""
+    with a chunk in hand (the store's disk full). Fail it as abandoned now, so it is retried at
+    once instead of after its heartbeat goes stale (60 s: every resume after a full disk waited
+    so), and record the attempt in its run's store: the resumed submit requeues the job before any
+    supervisor sees it failed, and status and report said "failed attempts: 0" where the log had
+    said it failed (issue 65.2)."""
     earlier = f"the previous chunkq run, {previous}" if previous else "the previous chunkq run of this store"
     why = f"its worker died with {earlier}"
     for job_id in list(started_job_ids(connection)):

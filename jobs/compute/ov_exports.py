@@ -67,7 +67,7 @@ def clean(everything: bool) -> dict[str, int]:
         if entry["state"] == WRITING or (entry["state"] == CURRENT and not everything):
             continue
         folder = exports_dir() / entry["export"]
-        # Out of a load's way first: a reader finds it whole or not at all.
+        # Renamed first, in one step: a load that starts later finds no export and makes one.
         aside = folder.with_name(f".{_key(folder)}.{os.getpid()}.removed")
         try:
             os.replace(folder, aside)
