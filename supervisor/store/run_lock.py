@@ -44,6 +44,8 @@ class RunLock:
         for up to 15 s with every chunk done."""
         if self.lock.redis.delete(self.lock.name):
             log.warning("run %s: taking over the supervisor lock of %s", self.run_id, whose)
+        else:  # its TTL ran out before this process got here
+            log.info("run %s: the supervisor lock of %s had expired", self.run_id, whose)
 
     def renew(self) -> None:
         """Keep the lock; if it expired (Redis was away), take it again or give up the run."""
