@@ -175,11 +175,14 @@ def _release_orphans(connection: redis.Redis, previous: str, store: Path) -> Non
     for job_id in list(started_job_ids(connection)):
         if mark_abandoned(connection, job_id, why):
             run_id, _, chunk = job_id.rpartition("__c")
+            layout = RunLayout(store, run_id)
+            if not layout.manifest.is_file():  # a run cleaned from the store: no folder made again
+                continue
             try:
                 job = fetch_job(connection, job_id)
                 if job is not None:
                     attempt = FailedAttempt.from_job(job, int(chunk), jobmeta.attempt(job.meta), None)
-                    AttemptRecorder(RunLayout(store, run_id)).record(attempt)
+                    AttemptRecorder(layout).record(attempt)
                     continue
                 why_not = "Redis no longer holds the job"
             except (redis.RedisError, ValueError, OSError) as exc:

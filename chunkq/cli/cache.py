@@ -127,7 +127,9 @@ def cache_clean_cmd(
 def cache_exports_cmd(clean: bool, everything: bool, as_json: bool) -> None:
     """This host's OpenVINO exports (--backend openvino), in the user's cache, not the store: per
     model, the OpenVINO release that made it, its size and state. An upgrade of OpenVINO or
-    optimum-intel leaves the earlier exports stale (never read again); --clean removes those."""
+    optimum-intel in this Python leaves the earlier exports stale (never read again by it); --clean
+    removes those, the unfinished and the damaged. One made by an OpenVINO this Python lacks may be
+    another installation's: only --all removes it."""
     if everything and not clean:
         raise ConfigError("--all removes every export: give it with --clean")
     if clean:

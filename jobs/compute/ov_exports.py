@@ -25,37 +25,64 @@ from chunkq.jobs.compute.ov_backend import EXPORTED_MARK, exports_dir, releases
 from chunkq.jobs.contract.storage import remove_tree
 
 CURRENT, STALE, UNFINISHED, WRITING = "current", "stale", "unfinished", "being written"
+# Made by an OpenVINO this Python lacks: another installation on the host may read it; --all only.
+ELSEWHERE = "for another installation"
+DAMAGED, UNREADABLE = "damaged", "unreadable"  # a mark that is no mark; a folder chunkq may not read
+REMOVED_BY_CLEAN = {STALE, UNFINISHED, DAMAGED}
+REMOVED_BY_ALL = REMOVED_BY_CLEAN | {CURRENT, ELSEWHERE}
 LOCK_SUFFIX = ".lock"
 
 
 def summary() -> list[dict[str, Any]]:
-    """Per export folder: its name, model, the releases that made it, its state, bytes and age."""
+    """Per export folder: its name, model, the releases that made it, its state, bytes and age.
+    Links are not chunkq's (it makes folders) and are left out."""
     root, here = exports_dir(), releases()
     if not root.is_dir():
         return []
     out = []
     for folder in sorted(root.iterdir(), key=lambda p: p.name.lstrip(".")):
-        if folder.name.endswith(LOCK_SUFFIX) or not folder.is_dir():
+        if folder.name.endswith(LOCK_SUFFIX) or folder.is_symlink() or not folder.is_dir():
             continue
         try:
-            mark = json.loads((folder / EXPORTED_MARK).read_text())
-        except (OSError, ValueError):
-            mark = None
-        made_with = {name: str(mark.get(name, "unknown")) for name in here} if mark else {}
-        state = _state(folder, mark is not None and made_with == here)
-        size, made = _size_and_time(folder)
-        out.append(
-            {
-                "export": folder.name,
-                "model": str(mark.get("from") or mark.get("model") or "unknown") if mark else "-",
-                "identity": str(mark.get("model", "")) if mark else "",
-                "made_with": made_with,
-                "state": state,
-                "bytes": size,
-                "age_seconds": round(max(0.0, time.time() - made), 1),
-            }
-        )
+            out.append(_entry(folder, here))
+        except OSError:
+            out.append(_described(folder, None, {}, UNREADABLE, 0, time.time()))
     return out
+
+
+def _entry(folder: Path, here: dict[str, str]) -> dict[str, Any]:
+    try:  # any other OSError: the folder is unreadable (summary)
+        mark = json.loads((folder / EXPORTED_MARK).read_text())
+    except FileNotFoundError:
+        mark = None
+    except ValueError:
+        mark = DAMAGED
+    if mark is not None and not isinstance(mark, dict):
+        size, made = _size_and_time(folder)
+        return _described(folder, None, {}, DAMAGED, size, made)
+    made_with = {name: str(mark.get(name, "unknown")) for name in here} if mark else {}
+    if folder.name.startswith(".") or mark is None:
+        state = _unfinished_or_writing(folder)
+    elif made_with == here:
+        state = CURRENT
+    else:
+        state = ELSEWHERE if here.get("openvino") == "absent" else STALE
+    size, made = _size_and_time(folder)
+    return _described(folder, mark, made_with, state, size, made)
+
+
+def _described(
+    folder: Path, mark: dict[str, Any] | None, made_with: dict[str, str], state: str, size: int, made: float
+) -> dict[str, Any]:
+    return {
+        "export": folder.name,
+        "model": str(mark.get("from") or mark.get("model") or "unknown") if mark else "-",
+        "identity": str(mark.get("model", "")) if mark else "",
+        "made_with": made_with,
+        "state": state,
+        "bytes": size,
+        "age_seconds": round(max(0.0, time.time() - made), 1),
+    }
 
 
 def clean(everything: bool) -> dict[str, int]:
@@ -64,7 +91,7 @@ def clean(everything: bool) -> dict[str, int]:
     Never an export being written."""
     removed = {"exports": 0, "bytes": 0}
     for entry in summary():
-        if entry["state"] == WRITING or (entry["state"] == CURRENT and not everything):
+        if entry["state"] not in (REMOVED_BY_ALL if everything else REMOVED_BY_CLEAN):
             continue
         folder = exports_dir() / entry["export"]
         # Renamed first, in one step: a load that starts later finds no export and makes one.
@@ -80,13 +107,11 @@ def clean(everything: bool) -> dict[str, int]:
     return removed
 
 
-def _state(folder: Path, marked_by_these_releases: bool) -> str:
-    if folder.name.startswith("."):  # ov_backend.keep_export's ".NAME.PID" (or one removed here)
+def _unfinished_or_writing(folder: Path) -> str:
+    if folder.name.startswith("."):  # ov_backend.keep_export's ".KEY.PID" (or one removed here)
         pid = folder.name.rsplit(".", 1)[-1]
         return WRITING if pid.isdigit() and psutil.pid_exists(int(pid)) else UNFINISHED
-    if not (folder / EXPORTED_MARK).is_file():
-        return UNFINISHED
-    return CURRENT if marked_by_these_releases else STALE
+    return UNFINISHED  # no mark: never finished
 
 
 def _size_and_time(folder: Path) -> tuple[int, float]:

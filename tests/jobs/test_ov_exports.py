@@ -13,7 +13,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from chunkq.jobs.compute import ov_backend
+import pytest
+
+from chunkq.jobs.compute import ov_backend, ov_exports
 from tests.helpers import run_cli
 
 
@@ -37,17 +39,23 @@ def test_stale_and_unfinished_exports_are_cleaned_and_current_ones_only_with_all
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True)
     _export(root, f".{'d' * 32}.{int(dead.stdout)}", None)  # its exporter is gone
     _export(root, f".{'e' * 32}.{os.getpid()}", None)  # its exporter lives: never touched
+    _export(root, "f" * 32, None)
+    (root / ("f" * 32) / ov_backend.EXPORTED_MARK).write_text("[1, 2]")  # JSON, but no mark
+    (tmp_path / "elsewhere").mkdir()
+    (root / ("9" * 32)).symlink_to(tmp_path / "elsewhere")  # not chunkq's: left out, never followed
     env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
 
     listed = run_cli("cache", "exports", "--json", **env)
     assert listed.returncode == 0, listed.stderr
     states = {e["export"].lstrip(".")[0]: e["state"] for e in json.loads(listed.stdout)}
+    # b was made by an OpenVINO this Python lacks (another installation's, perhaps): not stale here.
     assert states == {
         "a": "current",
-        "b": "stale",
+        "b": "for another installation",
         "c": "unfinished",
         "d": "unfinished",
         "e": "being written",
+        "f": "damaged",
     }
     entries = {e["export"][0]: e for e in json.loads(listed.stdout)}
     assert entries["b"]["made_with"] == {"openvino": "2025.0.0", "optimum-intel": "1.22.0"}
@@ -56,15 +64,21 @@ def test_stale_and_unfinished_exports_are_cleaned_and_current_ones_only_with_all
     table = run_cli("cache", "exports", **env).stdout
     assert "openvino 2025.0.0 optimum-intel 1.22.0" in table and "being written" in table
 
-    with open(root / f"{'c' * 32}.lock", "a") as held:  # an exporter holds c's lock: it stays
+    # c, d and f go; an exporter holds c's lock: the lock stays.
+    with open(root / f"{'c' * 32}.lock", "a") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         cleaned = run_cli("cache", "exports", "--clean", **env)
-    assert cleaned.returncode == 0 and cleaned.stdout.startswith("removed 3 export(s), "), cleaned.stdout
+    assert cleaned.returncode == 0 and cleaned.stdout.startswith("removed 3 export(s), "), (
+        cleaned.stdout
+    )  # c d f
     left = sorted(p.name for p in root.iterdir())
     assert left == sorted(
         [
             "a" * 32,
             "a" * 32 + ".lock",
+            "b" * 32,
+            "b" * 32 + ".lock",
+            "9" * 32,
             "c" * 32 + ".lock",
             f".{'e' * 32}.{os.getpid()}",
             "e" * 32 + ".lock",
@@ -74,5 +88,23 @@ def test_stale_and_unfinished_exports_are_cleaned_and_current_ones_only_with_all
     alone = run_cli("cache", "exports", "--all", **env)
     assert alone.returncode != 0 and "give it with --clean" in alone.stderr and (root / ("a" * 32)).is_dir()
     everything = run_cli("cache", "exports", "--clean", "--all", **env)
-    assert everything.stdout.startswith("removed 1 export(s), "), everything.stdout
-    assert sorted(p.name for p in root.iterdir()) == [f".{'e' * 32}.{os.getpid()}", "e" * 32 + ".lock"]
+    assert everything.stdout.startswith("removed 2 export(s), "), everything.stdout  # a b
+    left = [f".{'e' * 32}.{os.getpid()}", "9" * 32, "e" * 32 + ".lock"]
+    assert sorted(p.name for p in root.iterdir()) == sorted(left)
+    assert (tmp_path / "elsewhere").is_dir()
+
+
+def test_an_export_made_by_other_releases_than_this_installations_is_stale(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where this Python has OpenVINO, an export another release made is never read here: stale,
+    removed by --clean, as one made by this release is not."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    installed = {"openvino": "2026.4.1", "optimum-intel": "2.2.0"}
+    monkeypatch.setattr(ov_exports, "releases", lambda: installed)
+    root = ov_backend.exports_dir()
+    _export(root, "a" * 32, {"model": "m", **installed})
+    _export(root, "b" * 32, {"model": "m", "openvino": "2025.0.0", "optimum-intel": "2.2.0"})
+    assert [e["state"] for e in ov_exports.summary()] == ["current", "stale"]
+    assert ov_exports.clean(everything=False)["exports"] == 1
+    assert [e["export"][0] for e in ov_exports.summary()] == ["a"]

@@ -316,3 +316,30 @@ def test_everything_a_run_writes_is_owner_only(tmp_path: Path) -> None:
     assert not loose, loose  # result files, the append-only file and the server log included
     assert any(name.startswith("redis/appendonlydir/") for name in modes)
     assert any(name.endswith("result/embeddings.npy") for name in modes)
+
+
+def test_a_killed_run_cleaned_from_the_store_is_not_brought_back_by_the_next_run(tmp_path: Path) -> None:
+    """The hostile pass: after kill -9 and `chunkq clean RUN`, the next run on the store failed the
+    cleaned run's chunk (still started in the store's server) and wrote its attempt into a run folder
+    made again, with no manifest, whose record a later run of that corpus then counted."""
+    killed, *_ = start_run_with_a_slow_chunk(tmp_path, seed=97, seconds=60, chunk=1, rows=40)
+    store = tmp_path / "store"
+    try:
+        started = family(killed.pid)
+        killed.kill()
+        killed.wait(timeout=30)
+        psutil.wait_procs(started, timeout=30)
+    finally:
+        if killed.poll() is None:
+            killed.kill()
+    run_id = only_run(store).run_id
+    cleaned = run_cli("clean", run_id, "--store", str(store))
+    assert cleaned.returncode == 0 and not (store / "runs" / run_id).exists(), cleaned.stderr[-2000:]
+    ids, texts = make_texts(10, seed=98)
+    other = run_cli(
+        "run", str(write_corpus(tmp_path / "o.jsonl", ids, texts, "jsonl")), "--store", str(store)
+    )
+    assert other.returncode == 0, other.stderr[-3000:]
+    assert not (store / "runs" / run_id).exists(), sorted(
+        p.name for p in (store / "runs" / run_id).rglob("*")
+    )
