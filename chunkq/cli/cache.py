@@ -5,7 +5,6 @@ jobs/compute/vector_cache.py; ``chunkq cache exports``: this host's OpenVINO exp
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ from chunkq.jobs.compute.ov_backend import exports_dir
 from chunkq.jobs.compute.vector_cache import VectorCache
 from chunkq.jobs.contract.errors import ConfigError
 from chunkq.jobs.contract.specs import EncodeOptions, vector_options
-from chunkq.jobs.contract.units import DURATION_FORMS, duration_seconds, size_text
+from chunkq.jobs.contract.units import DURATION_FORMS, age_text, duration_seconds, size_text, table_text
 
 
 def age_seconds(text: str) -> float:
@@ -52,14 +51,7 @@ def _table(entries: list[dict[str, Any]]) -> str:
         )
         for e in entries
     ]
-    return _aligned(rows)
-
-
-def _aligned(rows: Sequence[tuple[str, ...]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join(
-        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows
-    )
+    return table_text(rows)
 
 
 @cli.group("cache", invoke_without_command=True)
@@ -150,10 +142,10 @@ def cache_exports_cmd(clean: bool, everything: bool, as_json: bool) -> None:
             e["model"],
             " ".join(f"{name} {release}" for name, release in e["made_with"].items()) or "-",
             size_text(e["bytes"]),
-            f"{e['age_seconds'] / 86400:.1f} d",
+            age_text(e["age_seconds"]),
             e["state"],
         )
         for e in entries
     ]
-    click.echo(_aligned(rows))
+    click.echo(table_text(rows))
     click.echo(f"in {exports_dir()}")

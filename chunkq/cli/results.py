@@ -19,22 +19,13 @@ from chunkq.cli.group import command
 from chunkq.jobs.contract.errors import AssemblyError, StoreError
 from chunkq.jobs.contract.run import ResultManifest, Run
 from chunkq.jobs.contract.run_files import RunLayout
-from chunkq.jobs.contract.units import size_text
+from chunkq.jobs.contract.units import age_text, size_text, table_text
 from chunkq.queue_worker.exit_codes import EXIT_PARTIAL
 from chunkq.sinks.files import EXPORT_FORMATS, STDOUT, export
 from chunkq.supervisor.result.assemble import assemble
 from chunkq.supervisor.result.published import rebuild_advice, shard_bytes
 from chunkq.supervisor.result.reader import result_problems
 from chunkq.tools.run_list import RunInfo, clean, list_runs
-
-
-def _age(seconds: float | None) -> str:
-    if seconds is None:
-        return "?"
-    for size, unit in ((86400, "d"), (3600, "h"), (60, "min")):
-        if seconds >= size:
-            return f"{seconds / size:.0f} {unit}"
-    return f"{seconds:.0f} s"
 
 
 def _table(runs: list[RunInfo]) -> str:
@@ -47,15 +38,12 @@ def _table(runs: list[RunInfo]) -> str:
             r.corpus,
             r.model,
             r.options or "-",
-            _age(r.age_seconds),
+            age_text(r.age_seconds),
             size_text(r.bytes),
         )
         for r in runs
     ]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join(
-        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows
-    )
+    return table_text(rows)
 
 
 @command("runs")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 
 from chunkq.jobs.contract.errors import ConfigError
 
@@ -17,6 +18,24 @@ def duration_seconds(text: str) -> float | None:
     """``text`` as seconds: a number, or one with s, m/min, h, d or w; None where it is neither."""
     match = _DURATION.fullmatch(str(text))
     return None if match is None else float(match.group(1)) * _SECONDS[(match.group(2) or "").lower()]
+
+
+def age_text(seconds: float | None) -> str:
+    """A span of seconds, rounded to its largest unit: 42 s, 5 min, 3 h, 12 d; "?" for None."""
+    if seconds is None:
+        return "?"
+    for size, unit in ((86400, "d"), (3600, "h"), (60, "min")):
+        if seconds >= size:
+            return f"{seconds / size:.0f} {unit}"
+    return f"{seconds:.0f} s"
+
+
+def table_text(rows: Sequence[tuple[str, ...]]) -> str:
+    """Rows of cells as a table for the terminal: each column as wide as its widest cell."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows
+    )
 
 
 def size_text(n: float) -> str:
