@@ -41,6 +41,7 @@ PRECISION_HINTS = {DEFAULT_PRECISION: "f32", "bf16": "bf16", INT8: "f32"}
 _MODULES = ("openvino", "optimum.intel")
 _RELEASES = ("openvino", "optimum-intel")
 EXPORTED_MARK = "chunkq-openvino.json"  # written last: a folder without it is an export cut short
+LOCK_SUFFIX = ".lock"  # beside each export: one exporter at a time
 
 
 def missing() -> str | None:
@@ -127,7 +128,7 @@ def load(make: Callable[[str], Any], path: str, identity: str | None, precision:
     if exported(folder):  # whole once marked, and never written again: read without the lock
         return make(str(folder))
     folder.parent.mkdir(parents=True, exist_ok=True)
-    with open(folder.with_name(folder.name + ".lock"), "a") as lock:
+    with open(folder.with_name(folder.name + LOCK_SUFFIX), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
         if exported(folder):
             return make(str(folder))

@@ -21,7 +21,7 @@ from typing import Any
 
 import psutil
 
-from chunkq.jobs.compute.ov_backend import EXPORTED_MARK, exports_dir, releases
+from chunkq.jobs.compute.ov_backend import EXPORTED_MARK, LOCK_SUFFIX, exports_dir, releases
 from chunkq.jobs.contract.storage import remove_tree
 
 CURRENT, STALE, UNFINISHED, WRITING = "current", "stale", "unfinished", "being written"
@@ -30,7 +30,6 @@ ELSEWHERE = "for another installation"
 DAMAGED, UNREADABLE = "damaged", "unreadable"  # a mark that is no mark; a folder chunkq may not read
 REMOVED_BY_CLEAN = {STALE, UNFINISHED, DAMAGED}
 REMOVED_BY_ALL = REMOVED_BY_CLEAN | {CURRENT, ELSEWHERE}
-LOCK_SUFFIX = ".lock"
 
 
 def summary() -> list[dict[str, Any]]:
@@ -51,6 +50,7 @@ def summary() -> list[dict[str, Any]]:
 
 
 def _entry(folder: Path, here: dict[str, str]) -> dict[str, Any]:
+    size, made = _size_and_time(folder)
     try:  # any other OSError: the folder is unreadable (summary)
         mark = json.loads((folder / EXPORTED_MARK).read_text())
     except FileNotFoundError:
@@ -58,7 +58,6 @@ def _entry(folder: Path, here: dict[str, str]) -> dict[str, Any]:
     except ValueError:
         mark = DAMAGED
     if mark is not None and not isinstance(mark, dict):
-        size, made = _size_and_time(folder)
         return _described(folder, None, {}, DAMAGED, size, made)
     made_with = {name: str(mark.get(name, "unknown")) for name in here} if mark else {}
     if folder.name.startswith(".") or mark is None:
@@ -67,7 +66,6 @@ def _entry(folder: Path, here: dict[str, str]) -> dict[str, Any]:
         state = CURRENT
     else:
         state = ELSEWHERE if here.get("openvino") == "absent" else STALE
-    size, made = _size_and_time(folder)
     return _described(folder, mark, made_with, state, size, made)
 
 
