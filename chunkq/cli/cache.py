@@ -108,7 +108,7 @@ def cache_clean_cmd(
 
 @cache_cmd.command("exports")
 @click.option(
-    "--clean", is_flag=True, help="Remove the exports no load here reads again (stale, unfinished)."
+    "--clean", is_flag=True, help="Remove the exports no load here reads: stale, unfinished, damaged."
 )
 @click.option(
     "--all", "everything", is_flag=True, help="With --clean: every export (each is made again when loaded)."
