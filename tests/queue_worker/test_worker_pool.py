@@ -416,7 +416,8 @@ def test_a_stop_cuts_an_idle_workers_wait_for_a_job_short(connection: redis.Redi
     """The drain at a run's end reached idle workers only when their wait for a job ended: every
     command ended about a second after its result. The stop now ends the wait itself (CLIENT
     UNBLOCK), so even a worker waiting a minute at a time stops at once, and takes no job."""
-    from chunkq.queue_worker.chunk_worker import ChunkWorker, client_like
+    from chunkq.queue_worker.chunk_worker import ChunkWorker
+    from chunkq.queue_worker.wait_cutter import client_like
 
     class WaitsAMinute(ChunkWorker):
         stop_poll_seconds = 60
