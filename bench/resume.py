@@ -1,19 +1,25 @@
 """How long the same ``chunkq run`` takes to finish a run whose first command died with a chunk in hand,
 against a fresh run of the same corpus in another store, measured in the same session.
 
-    python bench/resume.py [--rows 40] [--repeats 3] [--out resume.json]
+    python bench/resume.py [--rows 40] [--repeats 3] [--own-redis] [--out resume.json]
 
 Each repeat starts ``chunkq run`` whose chunk 1 takes 60 s on its first attempt (``CHUNKQ_FAULTS``'s
 ``slow``), stops it once that chunk has started (``kill -9`` of the command, then Ctrl-C twice:
-SIGINT, then SIGINT again once it said it drains), and times the same command run again until it
-exits with the result published. The rerun's chunk 1 is its only real work: what it waits for
-beside it is what this measures (before the sixteenth session a rerun after kill -9 waited out the
-dead supervisor's Redis lock: 11.7 s against a fresh run's 3.8 s; BENCHMARKS.md).
+SIGINT, then SIGINT again once it said it drains; or SIGKILL to every process of it at once, as
+systemd, ``docker stop`` and Slurm end a run past their grace period), and times the same command
+run again until it exits with the result published. ``--own-redis``: every command on a Redis of
+its own started here (``--redis-url``, each pair of commands under a run id of its own), as users
+with a Redis of their own run it, instead of the embedded one. The rerun's chunk 1 is its only real
+work: what it waits for beside it is what this measures (before the sixteenth session a rerun after
+kill -9 waited out the dead supervisor's Redis lock: 11.7 s against a fresh run's 3.8 s; before the
+seventeenth, a rerun on the user's own Redis after every process was killed waited 61 s for the
+chunk's heartbeat).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -24,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,7 +46,8 @@ def _corpus(path: Path, rows: int) -> Path:
     return path
 
 
-def _args(corpus: Path, store: Path) -> list[str]:
+def _args(corpus: Path, store: Path, redis_url: str | None, run_id: str) -> list[str]:
+    own = ["--redis-url", redis_url, "--run-id", run_id] if redis_url else []
     return [
         sys.executable,
         "-m",
@@ -50,6 +58,7 @@ def _args(corpus: Path, store: Path) -> list[str]:
         str(store),
         "--chunk-size",
         "10",
+        *own,
     ]
 
 
@@ -71,11 +80,12 @@ def _stopped(cmd: list[str], env: dict[str, str], log: Path, how: str) -> None:
             proc.kill()
             raise SystemExit(f"chunk 1 never started: {log.read_text(errors='replace')[-2000:]}")
         time.sleep(0.1)
-    if how == "kill -9":
+    if how.startswith("kill -9"):
         import psutil
 
         family = [proc_ := psutil.Process(proc.pid), *proc_.children(recursive=True)]
-        proc.kill()
+        for member in family if how == "kill -9 of every process" else family[:1]:
+            member.kill()
         psutil.wait_procs(family, timeout=60)
     else:
         proc.send_signal(signal.SIGINT)
@@ -87,10 +97,26 @@ def _stopped(cmd: list[str], env: dict[str, str], log: Path, how: str) -> None:
     proc.wait(timeout=120)
 
 
+@contextlib.contextmanager
+def _redis(tmp: Path, own: bool) -> Iterator[str | None]:
+    """The URL of a Redis of its own for every command, or None (each uses its embedded one)."""
+    if not own:
+        yield None
+        return
+    from chunkq.supervisor.server.embedded_redis import EmbeddedRedis
+
+    server = EmbeddedRedis(tmp / "own-redis").start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--own-redis", action="store_true", help="a Redis of its own, not the embedded one")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     env = dict(os.environ, HF_HUB_OFFLINE="1")
@@ -98,22 +124,30 @@ def main() -> None:
     samples: dict[str, list[float]] = {
         "fresh run": [],
         "rerun after kill -9": [],
+        "rerun after kill -9 of every process": [],
         "rerun after Ctrl-C twice": [],
     }
     loads = []
-    with tempfile.TemporaryDirectory(prefix="chunkq-resume-") as tmp:
+    with (
+        tempfile.TemporaryDirectory(prefix="chunkq-resume-") as tmp,
+        _redis(Path(tmp), args.own_redis) as url,
+    ):
         corpus = _corpus(Path(tmp) / "corpus.jsonl", args.rows)
         for repeat in range(args.repeats):
-            for name in samples:
-                store = Path(tmp) / f"store-{repeat}-{len(samples[name])}-{name.split()[-1]}"
-                cmd = _args(corpus, store)
+            for number, name in enumerate(samples):
+                store = Path(tmp) / f"store-{repeat}-{number}"
+                cmd = _args(corpus, store, url, f"resume-{repeat}-{number}")
                 if name != "fresh run":
                     _stopped(cmd, env, Path(tmp) / "first.log", name.removeprefix("rerun after "))
                 samples[name].append(_timed(cmd, env))
                 shutil.rmtree(store, ignore_errors=True)
             loads.append(os.getloadavg()[0])
     fresh = statistics.median(samples["fresh run"])
-    print(f"{args.rows} rows in chunks of 10, {args.repeats} repeats, load {min(loads):.2f}-{max(loads):.2f}")
+    where = "its own Redis (--redis-url)" if args.own_redis else "the embedded Redis"
+    print(
+        f"{args.rows} rows in chunks of 10 on {where}, {args.repeats} repeats, "
+        f"load {min(loads):.2f}-{max(loads):.2f}"
+    )
     print("| command | median s | samples | against a fresh run |\n|---|---|---|---|")
     for name, seconds in samples.items():
         median = statistics.median(seconds)
@@ -121,7 +155,10 @@ def main() -> None:
         print(f"| {name} | {median:.1f} | {shown} | {median / fresh:.2f}x |")
     if args.out:
         args.out.write_text(
-            json.dumps({"rows": args.rows, "samples": samples, "loads": loads}, indent=2) + "\n"
+            json.dumps(
+                {"rows": args.rows, "own_redis": args.own_redis, "samples": samples, "loads": loads}, indent=2
+            )
+            + "\n"
         )
 
 

@@ -25,7 +25,7 @@ from chunkq.jobs.contract import errors
 from chunkq.jobs.contract.defaults import HEARTBEAT_SECONDS
 from chunkq.jobs.contract.events import announce_settled
 from chunkq.jobs.contract.settings import SIGNAL_REPEAT_SECONDS
-from chunkq.jobs.queue import attempt_records, jobmeta, run_queues
+from chunkq.jobs.queue import attempt_records, jobmeta, run_queues, worker_place
 from chunkq.jobs.queue.queueing import give_back
 from chunkq.jobs.queue.rq_api import SimpleWorker, StopRequested, WorkerStatus
 from chunkq.queue_worker.exit_codes import (
@@ -34,7 +34,7 @@ from chunkq.queue_worker.exit_codes import (
     EXIT_ORPHANED,
     EXIT_STOPPED,
 )
-from chunkq.queue_worker.processes.lifeline import ORPHANED_SIGNAL, pool_alive
+from chunkq.queue_worker.processes.lifeline import ORPHANED_SIGNAL, POOL_PID_ENV, pool_alive
 from chunkq.queue_worker.processes.standby import announce_last_job
 from chunkq.queue_worker.wait_cutter import RedisGoneWhileStopping, StoppedWhileWaiting, WaitCutter
 from chunkq.queue_worker.worker_args import worker_title
@@ -156,6 +156,11 @@ class ChunkWorker(SimpleWorker):
             # which a Redis that hangs never answers; the cutter ends the process if it does not.
             self._cutter.asked.set()
         super()._shutdown()  # type: ignore[no-untyped-call]
+
+    def serialize(self) -> dict[str, Any]:
+        # Where it runs and its pool, so a supervisor on this host can tell once both are gone that
+        # its chunk is abandoned, without waiting for the heartbeat to go stale (worker_place).
+        return {**super().serialize(), **worker_place.place_fields(os.environ.get(POOL_PID_ENV))}
 
     def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
         # Each beat also looks at the pool: a worker that missed or misjudged its parent-death signal

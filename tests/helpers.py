@@ -259,14 +259,20 @@ def failure_counts(store: Path, run_id: str, redis_url: str) -> dict[str, int]:
 
 
 def start_run_with_a_slow_chunk(
-    tmp_path: Path, seed: int, seconds: float, chunk: int = 0, store: Path | None = None, rows: int = 60
+    tmp_path: Path,
+    seed: int,
+    seconds: float,
+    chunk: int = 0,
+    store: Path | None = None,
+    rows: int = 60,
+    extra: tuple[str, ...] = (),
 ) -> tuple[subprocess.Popen[bytes], Path, tuple[str, ...], list[str]]:
-    """``chunkq run`` in the background over ``rows`` texts in chunks of 20, whose chunk ``chunk`` takes
-    ``seconds`` longer on its first attempt; returns once that chunk has started:
-    (process, its log, the run's arguments, the texts)."""
+    """``chunkq run`` in the background over ``rows`` texts in chunks of 20 (and ``extra`` options),
+    whose chunk ``chunk`` takes ``seconds`` longer on its first attempt; returns once that chunk has
+    started: (process, its log, the run's arguments, the texts)."""
     ids, texts = make_texts(rows, seed=seed)
     corpus = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")
-    args = ("run", str(corpus), "--chunk-size", "20", "--store", str(store or tmp_path / "store"))
+    args = ("run", str(corpus), "--chunk-size", "20", "--store", str(store or tmp_path / "store"), *extra)
     faults = json.dumps([{"kind": "slow", "chunks": [chunk], "attempts": [1], "seconds": seconds}])
     log = tmp_path / "run.log"
     proc = start_cli(log, *args, CHUNKQ_FAULTS=faults)

@@ -63,6 +63,7 @@ def describe(snap: Snapshot) -> str:
         for what, chunks in (
             ("lost from Redis (queued again)", snap.lost),
             ("stale (their worker stopped beating)", snap.stale),
+            ("abandoned (their worker and its pool died on this host)", sorted(snap.gone)),
             ("stranded (taken by a worker that died)", snap.stranded),
         )
         if chunks

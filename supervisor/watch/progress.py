@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, cast
 import redis
 
 from chunkq.jobs.compute import chunk_progress
-from chunkq.jobs.contract.defaults import STALE_AFTER_SECONDS
+from chunkq.jobs.contract.defaults import HEARTBEAT_SECONDS, STALE_AFTER_SECONDS
 from chunkq.jobs.contract.manifest import RunManifest
 from chunkq.jobs.contract.run_files import RunLayout, read_json
 from chunkq.jobs.contract.specs import chunk_job_id, chunk_job_prefix
-from chunkq.jobs.queue import jobmeta
+from chunkq.jobs.queue import jobmeta, worker_place
 from chunkq.jobs.queue.enqueue import QUEUED_STATUSES, job_statuses
 from chunkq.jobs.queue.queue_lists import ChunkQueueLists
 from chunkq.supervisor.result.assemble import Failure
@@ -92,6 +92,7 @@ class Tracker:
         self.waiting = ChunkSet()  # pending chunks with no job: the window queues the lowest next
         self.finished_jobs: list[str] = []  # jobs whose outputs this look counted: Redis may forget them
         self.full_looks = 0
+        self._looked = False
         self._prefix = chunk_job_prefix(manifest.run_id)
         self._lists = ChunkQueueLists(connection, manifest.queue)
         self._finished_key = self._lists.finished_key
@@ -183,7 +184,10 @@ class Tracker:
         else:
             running, failed = self._incremental_look(snap)
         snap.chunks_running = len(running)
-        snap.stale = self._stale(sorted(running))
+        snap.stale, silent = self._stale(sorted(running))
+        # The first look checks every running chunk: a rerun meets the chunks its killed run had in hand.
+        snap.gone = self._gone(silent if self._looked else sorted(set(running) - set(snap.stale)))
+        self._looked = True
         counted, self._counted = self._counted, []
         if self.ledger is not None:  # the run's owner; a one-off look (chunkq status) writes nothing
             chunk_progress.forget(self.connection, self.manifest.run_id, counted)
@@ -336,16 +340,27 @@ class Tracker:
                 stranded.append(index)
         return stranded
 
-    def _stale(self, running: list[int]) -> list[int]:
-        """Started chunks whose worker stopped beating: it died or hangs, and no pool said so."""
+    def _stale(self, running: list[int]) -> tuple[list[int], list[int]]:
+        """Started chunks whose worker stopped beating: it died or hangs, and no pool said so; and
+        those that missed a beat or have none yet (looked at more closely by ``_gone``)."""
         if not running:
-            return []
+            return [], []
         beats = self._lists.heartbeats([self._job_id(i) for i in running])
-        stale, wall = [], time.time()
+        stale, silent, wall = [], [], time.time()
         for index, beat in zip(running, beats, strict=True):
             if beat is not None and wall - beat > self.stale_after:
                 stale.append(index)
-        return stale
+            elif beat is None or wall - beat > HEARTBEAT_SECONDS:
+                silent.append(index)
+        return stale, silent
+
+    def _gone(self, silent: list[int]) -> dict[int, str]:
+        """Of the silent chunks, those whose worker ran on this host and is gone with its pool: failed
+        now, not once their heartbeat is stale (a rerun after ``kill -9`` on the user's own Redis
+        waited 60 s for the chunk the killed run had in hand)."""
+        ids = {self._job_id(i): i for i in silent}
+        gone = worker_place.gone_workers(self.connection, list(ids))
+        return {ids[job_id]: why for job_id, why in gone.items()}
 
 
 class _DoneChunks(Collection[int]):

@@ -38,6 +38,7 @@ class Snapshot:
     chunks_waiting: int = 0  # in the store, not yet in Redis: queued in order as the window frees
     lost: list[int] = field(default_factory=list)  # had a job in Redis, now neither a job nor an output
     stale: list[int] = field(default_factory=list)
+    gone: dict[int, str] = field(default_factory=dict)  # running, their worker and its pool gone: why
     stranded: list[int] = field(default_factory=list)  # dequeued by a worker that died before starting it
     unlisted: list[int] = field(
         default_factory=list

@@ -186,7 +186,8 @@ class Supervisor:
         snap = self._poll()
         self._top_up(snap)
         self._act(snap)
-        snap = self._poll() if snap.failures or snap.stale or snap.stranded or snap.unlisted else snap
+        acted = snap.failures or snap.stale or snap.gone or snap.stranded or snap.unlisted
+        snap = self._poll() if acted else snap
         self._watch_idle(snap)
         busy = 0 if snap.settled else snap.chunks_queued + snap.chunks_running + snap.chunks_retrying
         pools, own = self.manifest.pool_queue, self.manifest.queue
@@ -249,6 +250,8 @@ class Supervisor:
                 chunk_job_id(run_id, index),
                 f"no heartbeat for over {self.settings.stale_after:g} s",
             )
+        for index, why in snap.gone.items():
+            mark_abandoned(self.connection, chunk_job_id(run_id, index), why)
         for index, job in self.tracker.failed_jobs.items():
             self._settle(index, job)
 

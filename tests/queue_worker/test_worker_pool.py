@@ -661,3 +661,21 @@ def test_a_stop_signal_taken_by_a_helper_thread_stops_a_busy_worker_at_once(
         assert not alive, "the second signal waited for the 600 s chunk to end"
         assert "second signal, stopping now" in log.read_text()
     assert job_statuses(connection, [job_id]) == ["failed"]
+
+
+def test_a_worker_records_where_it_runs_and_its_pool(
+    connection: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What lets a supervisor on this host fail its chunk at once once it and its pool are gone
+    (jobs/queue/worker_place.py), written with RQ's record of its birth."""
+    from chunkq.jobs.queue import worker_place
+    from chunkq.queue_worker.chunk_worker import ChunkWorker
+    from chunkq.queue_worker.processes.lifeline import POOL_PID_ENV
+
+    monkeypatch.setenv(POOL_PID_ENV, "4242")
+    worker = ChunkWorker([Queue("placed", connection=connection)], connection=connection, name="placed")
+    worker.register_birth()  # type: ignore[no-untyped-call]
+    record = {k.decode(): v.decode() for k, v in connection.hgetall(worker.key).items()}
+    assert record[worker_place.PLACE_FIELD] == worker_place.this_place() is not None
+    assert record[worker_place.POOL_FIELD] == "4242" and record["pid"] == str(os.getpid())
+    worker.register_death()  # type: ignore[no-untyped-call]

@@ -138,7 +138,8 @@ def test_a_started_chunk_whose_job_has_an_empty_heartbeat_is_neither_stale_nor_a
     tracker = Tracker(connection, layout, load_manifest(layout))
     connection.hset(Job.key_for(chunk_job_id(run.run_id, 1)), "last_heartbeat", "")
     assert connection.hget(Job.key_for(chunk_job_id(run.run_id, 0)), "last_heartbeat") is not None
-    assert tracker._stale([0, 1, 2]) == []
+    stale, silent = tracker._stale([0, 1, 2])
+    assert stale == [] and 1 in silent  # no beat yet: looked at for a worker gone (worker_place)
 
 
 def test_a_heartbeat_is_stale_past_the_stale_after_the_supervisor_was_given(
@@ -154,8 +155,8 @@ def test_a_heartbeat_is_stale_past_the_stale_after_the_supervisor_was_given(
     old = utcformat(datetime.now(UTC) - timedelta(seconds=20))
     connection.hset(Job.key_for(chunk_job_id(run.run_id, 1)), "last_heartbeat", old)
     connection.hset(Job.key_for(chunk_job_id(run.run_id, 0)), "last_heartbeat", utcformat(datetime.now(UTC)))
-    assert Tracker(connection, layout, load_manifest(layout))._stale([0, 1]) == []
-    assert Tracker(connection, layout, load_manifest(layout), stale_after=15)._stale([0, 1]) == [1]
+    assert Tracker(connection, layout, load_manifest(layout))._stale([0, 1]) == ([], [1])  # a missed beat
+    assert Tracker(connection, layout, load_manifest(layout), stale_after=15)._stale([0, 1]) == ([1], [])
 
 
 def test_a_stranded_chunk_is_counted_once_not_also_as_queued(

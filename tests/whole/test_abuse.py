@@ -304,6 +304,39 @@ def test_the_locks_of_a_killed_run_are_taken_over(tmp_path: Path, reference_mode
     assert "1 failed attempt(s)" in report.stdout, report.stdout
 
 
+def test_a_rerun_on_the_users_own_redis_fails_the_killed_runs_chunk_at_once(
+    tmp_path: Path, redis_url: str, reference_model: Any
+) -> None:
+    """On a Redis of the user's own, shared, a started job may be a live worker's elsewhere: after a
+    SIGKILL of every process at once (systemd's KillMode=control-group, `docker stop` past its grace
+    period, Slurm past KillWait), no worker said it stopped and the rerun waited for the chunk's
+    heartbeat to go stale (61 s). Its worker and pool ran on this host and are gone, which the
+    workers' records let the supervisor see (jobs/queue/worker_place.py)."""
+    extra = ("--redis-url", redis_url)
+    killed, _log, args, texts = start_run_with_a_slow_chunk(
+        tmp_path, seed=98, seconds=60, chunk=1, rows=40, extra=extra
+    )
+    try:
+        started = family(killed.pid)
+        for proc in [psutil.Process(killed.pid), *started]:
+            proc.kill()
+        killed.wait(timeout=30)
+        psutil.wait_procs(started, timeout=30)
+    finally:
+        if killed.poll() is None:
+            killed.kill()
+    again = run_cli(*args, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert re.search(r"marked failed: its worker \S+ \(pid \d+\) and its pool are gone", again.stderr), (
+        again.stderr[-3000:]
+    )
+    assert "no heartbeat for over" not in again.stderr
+    layout = only_run(tmp_path / "store")
+    assert result_matches(layout, texts, reference_model)
+    status = json.loads(run_cli("status", layout.run_id, "--store", str(tmp_path / "store"), "--json").stdout)
+    assert [(f["chunk"], f["error_class"]) for f in status["failed_attempts"]] == [(1, "abandoned")]
+
+
 def test_everything_a_run_writes_is_owner_only(tmp_path: Path) -> None:
     ids, texts = make_texts(30, seed=97)
     corpus, store = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl"), tmp_path / "store"
