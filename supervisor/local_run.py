@@ -36,13 +36,13 @@ from chunkq.queue_worker.processes.stopping import wait_or_kill
 from chunkq.supervisor.result.planned_rows import corpus_rows_of
 from chunkq.supervisor.server.embedded_redis import EmbeddedRedis
 from chunkq.supervisor.server.store_redis import embedded_redis_dir, local_state_dir, serve
+from chunkq.supervisor.store.attempts import AttemptRecorder, FailedAttempt, record_before_requeue
 from chunkq.supervisor.store.phases import IDENTIFY, QUEUE, SPLIT, Phases
 from chunkq.supervisor.store.run_log import RunLog, log_path, relay
 from chunkq.supervisor.store.start_marks import CHUNKS_QUEUED, POOL_STARTED, REDIS_READY, StartMarks
 from chunkq.supervisor.store.store_lock import StoreLock
 from chunkq.supervisor.submit.identity import Identified, SubmitRequest, identify
 from chunkq.supervisor.submit.submission import SubmitResult, prepare, removed_on_failure, submit
-from chunkq.supervisor.watch.attempts import AttemptRecorder, FailedAttempt
 from chunkq.supervisor.watch.display import ProgressDisplay
 from chunkq.supervisor.watch.supervise import (
     Outcome,
@@ -242,7 +242,14 @@ class _QueueWhileSplitting:
 
     def queue(self, manifest: RunManifest, indices: list[int]) -> None:
         if self.room > 0:
-            counts = enqueue_chunks(self.connection, self.layout, manifest, indices, limit=self.room)
+            counts = enqueue_chunks(
+                self.connection,
+                self.layout,
+                manifest,
+                indices,
+                limit=self.room,
+                before_requeue=record_before_requeue(self.layout),
+            )
             self.room -= counts.in_redis
             self.marks.mark(CHUNKS_QUEUED)
 

@@ -30,7 +30,7 @@ from chunkq.supervisor.result.planned_rows import describe_savings
 from chunkq.supervisor.result.published import describe_left_out, rebuild_advice
 from chunkq.supervisor.result.reader import result_problems
 from chunkq.supervisor.server.store_redis import served_url
-from chunkq.supervisor.watch.attempts import describe_attempts, failed_attempts, to_json
+from chunkq.supervisor.store.attempts import describe_attempts, failed_attempts, to_json
 from chunkq.supervisor.watch.display import describe
 from chunkq.supervisor.watch.progress import Tracker
 from chunkq.supervisor.watch.snapshot import store_snapshot

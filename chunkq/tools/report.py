@@ -22,8 +22,8 @@ from chunkq.jobs.contract.run_files import RunLayout, read_json
 from chunkq.jobs.contract.specs import BATCH_TOKENS_AUTO, BATCH_TOKENS_OFF
 from chunkq.supervisor.result.planned_rows import corpus_rows_of, describe_savings, savings
 from chunkq.supervisor.result.published import describe_left_out
+from chunkq.supervisor.store.attempts import by_class, to_json
 from chunkq.supervisor.store.throughput import PAUSE_SECONDS
-from chunkq.supervisor.watch.attempts import by_class, to_json
 from chunkq.tools import first_row
 from chunkq.tools.run_facts import (
     TIMELINE_BINS,

@@ -23,9 +23,9 @@ from chunkq.jobs.compute.model_refs import resolve_model
 from chunkq.jobs.contract.manifest import RunManifest
 from chunkq.jobs.contract.run import Run
 from chunkq.jobs.contract.run_files import RunLayout, read_chunk_input, read_json
+from chunkq.supervisor.store.attempts import FailedAttempt, failed_attempts
 from chunkq.supervisor.store.ledger import stream_records, throughput_of
 from chunkq.supervisor.store.throughput import Throughput, parse_time
-from chunkq.supervisor.watch.attempts import FailedAttempt, failed_attempts
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ from chunkq.jobs.queue.enqueue import LIVE_STATUSES, job_statuses
 from chunkq.supervisor.result.assemble import free_outputs
 from chunkq.supervisor.result.planned_rows import corpus_rows_of, savings
 from chunkq.supervisor.result.reader import result_problems
+from chunkq.supervisor.store.attempts import failed_attempts
 from chunkq.supervisor.store.store_lock import StoreLock
-from chunkq.supervisor.watch.attempts import failed_attempts
 
 PUBLISHED, PARTIAL, DAMAGED, IN_FLIGHT, FAILED, QUARANTINED, INCOMPLETE, DAMAGED_RUN = (
     "published",

@@ -9,7 +9,7 @@ grows with its window and workers, not with its chunk count.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from itertools import islice
 from typing import Any
@@ -149,9 +149,12 @@ def enqueue_chunks(
     manifest: RunManifest,
     indices: Iterable[int],
     limit: int | None = None,
+    before_requeue: Callable[[Job, int], None] | None = None,
 ) -> EnqueueCounts:
     """Queue each chunk in ``indices`` (in order) unless its job is already queued or running;
-    with ``limit``, stop once that many of them are in Redis and count the rest as waiting."""
+    with ``limit``, stop once that many of them are in Redis and count the rest as waiting.
+    ``before_requeue(job, chunk)``: given each failed job before it is queued again, while it still
+    says how it failed (the supervisor records the attempt in the store)."""
     queue = chunk_queue(connection, manifest.queue)
     failed = FailedJobRegistry(queue=queue)
     counts = EnqueueCounts()
@@ -173,6 +176,8 @@ def enqueue_chunks(
             elif status == "failed":
                 # Submitting again is the user's "try these again": fresh attempts, no quarantine.
                 job = Job.fetch(job_id, connection=connection, serializer=JSONSerializer)
+                if before_requeue is not None:
+                    before_requeue(job, index)
                 try_again(job, failed, layout, manifest, index)
                 counts.requeued += 1
             else:

@@ -14,10 +14,10 @@ from chunkq.jobs.contract.run_files import RunLayout
 from chunkq.jobs.contract.specs import chunk_job_id
 from chunkq.supervisor.result.assemble import Failure
 from chunkq.supervisor.result.planned_rows import corpus_rows_of, savings
+from chunkq.supervisor.store.attempts import FailedAttempt, failed_attempts
 from chunkq.supervisor.store.ledger import throughput_of
 from chunkq.supervisor.store.store_lock import StoreLock
 from chunkq.supervisor.store.throughput import Throughput
-from chunkq.supervisor.watch.attempts import FailedAttempt, failed_attempts
 
 
 @dataclass

@@ -20,8 +20,8 @@ from chunkq.jobs.compute import chunk_progress
 from chunkq.jobs.contract.manifest import RunManifest, load_manifest
 from chunkq.jobs.contract.run_files import RunLayout, read_json
 from chunkq.supervisor.store import run_log
+from chunkq.supervisor.store.attempts import FailedAttempt
 from chunkq.supervisor.store.throughput import Throughput
-from chunkq.supervisor.watch.attempts import FailedAttempt
 from chunkq.supervisor.watch.display import describe
 from chunkq.supervisor.watch.progress import Tracker
 from chunkq.supervisor.watch.snapshot import Snapshot, set_rate

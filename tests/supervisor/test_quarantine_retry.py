@@ -13,7 +13,7 @@ import redis
 
 from chunkq.jobs.contract.run_files import RunLayout
 from chunkq.queue_worker.exit_codes import EXIT_CHUNKS_FAILED
-from chunkq.supervisor.watch.attempts import failed_attempts
+from chunkq.supervisor.store.attempts import failed_attempts
 from tests.helpers import make_texts, max_abs_diff, result_of, run_cli, start_cli, stop_tree, write_corpus
 from tests.tiny_models import bundled_copy
 
@@ -66,7 +66,7 @@ def test_a_chunk_cut_off_after_its_quarantine_was_lifted_is_retried_not_quaranti
 
     import psutil
 
-    from chunkq.supervisor.watch.attempts import by_class
+    from chunkq.supervisor.store.attempts import by_class
     from tests.helpers import wait_for, worker_processes
 
     model = bundled_copy(tmp_path / "model")

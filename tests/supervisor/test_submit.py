@@ -306,3 +306,28 @@ def test_a_glob_that_reaches_into_the_store_leaves_the_store_out(tmp_path: Path)
         expand_corpora([f"{store}/**/*.jsonl"], store)
     with pytest.raises(CorpusError, match="is inside the store"):
         expand_corpora([str(store / "runs" / "r" / "ledger" / "done.jsonl")], store)
+
+
+def test_a_failed_job_queued_again_by_a_resubmit_is_recorded_first(
+    tmp_path: Path, store: Path, connection: redis.Redis
+) -> None:
+    """A run stopped before its supervisor settled a failure (a worker's own write on a full disk,
+    Ctrl-C then kill -9 during the drain) left the job failed in Redis; the next submit queued it
+    again without a record, and `status` said "failed attempts: 0" (the sixteenth hostile pass)."""
+    from chunkq.jobs.queue.abandon import mark_abandoned
+    from chunkq.jobs.queue.rq_api import JobStatus
+    from chunkq.supervisor.store.attempts import failed_attempts
+
+    corpus = write_corpus(tmp_path / "c.jsonl", *make_texts(35), "jsonl")
+    first = submit(_request(corpus, store), connection)
+    queue = chunk_queue(connection, "t")
+    job_id = chunk_job_id(first.run_id, 2)
+    Job.fetch(job_id, connection=connection, serializer=queue.serializer).set_status(JobStatus.STARTED)
+    assert mark_abandoned(connection, job_id, "its worker died with the previous chunkq run")
+    again = submit(_request(corpus, store), connection)
+    assert (again.counts.requeued, again.counts.in_flight) == (1, 3)
+    recorded = [
+        (a.chunk, a.attempt, a.error_class, a.error) for a in failed_attempts(RunLayout(store, first.run_id))
+    ]
+    assert recorded == [(2, 1, "abandoned", "its worker died with the previous chunkq run")]
+    assert Job.fetch(job_id, connection=connection, serializer=queue.serializer).get_status() == "queued"
