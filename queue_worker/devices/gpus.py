@@ -12,6 +12,7 @@ from chunkq.jobs.contract.errors import ConfigError
 from chunkq.jobs.contract.settings import WORKERS_AUTO
 from chunkq.jobs.contract.units import parse_size
 from chunkq.queue_worker.devices.discovery import VISIBLE_ENV, GpuInfo, allowed, survey
+from chunkq.queue_worker.devices.memory_room import memory_room
 from chunkq.queue_worker.devices.torch_build import check_gpus_usable
 
 log = logging.getLogger(__name__)
@@ -234,9 +235,10 @@ def auto_workers_per_gpu(
 CPU_WORKER_BYTES = 512 << 20  # a CPU worker beside its weights: Python, torch, a chunk's activations
 
 
-def auto_cpu_workers(cores: int, weights: int | None, available: int) -> tuple[int, str]:
-    """``--cpu-workers`` unset: one single-threaded worker per core, as many as the host's available
-    memory holds (each its weights and CPU_WORKER_BYTES). Measured on two cores (BENCHMARKS.md,
+def auto_cpu_workers(cores: int, weights: int | None, available: int, where: str = "") -> tuple[int, str]:
+    """``--cpu-workers`` unset: one single-threaded worker per core, as many as the memory available
+    to this process holds (each its weights and CPU_WORKER_BYTES; ``where``: the cgroup whose limit
+    binds, if one does: memory_room). Measured on two cores (BENCHMARKS.md,
     "The whole command"): two one-thread workers against one worker of two threads, the whole
     command 1.29x as fast for a static-embedding model at 10^5 texts and 1.24x for MiniLM at 10^4
     (57.5 s against 71.2 s, paired); a worker's second thread waits on the first for much of a chunk."""
@@ -245,7 +247,8 @@ def auto_cpu_workers(cores: int, weights: int | None, available: int) -> tuple[i
     n = max(1, min(cores, by_memory))
     weights_text = f"{model / 2**20:.0f} MiB of weights" if weights is not None else "weights unknown"
     why = (
-        f"one per core ({cores}), one thread each; {available / 2**30:.1f} GiB available holds {by_memory} "
+        f"one per core ({cores}), one thread each; "
+        f"{available / 2**30:.1f} GiB available{where} holds {by_memory} "
         f"({weights_text} + {CPU_WORKER_BYTES / 2**20:.0f} MiB each); --cpu-workers N for another count"
     )
     return n, why
@@ -255,10 +258,10 @@ def resolve_cpu_workers(value: int | None, preload: str | None) -> int:
     """``--cpu-workers``: as given, or worked out for this host and model."""
     if value is not None:
         return value
-    import psutil
-
     weights = model_bytes(_model_path(preload), "fp32")
-    workers, why = auto_cpu_workers(usable_cores(), weights, psutil.virtual_memory().available)
+    room = memory_room()
+    where = "" if room.limited_by == "the host" else f" (the memory limit of cgroup {room.limited_by})"
+    workers, why = auto_cpu_workers(usable_cores(), weights, room.available, where)
     log.info("CPU workers: %d (%s)", workers, why)
     return workers
 

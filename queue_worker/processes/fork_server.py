@@ -35,13 +35,13 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, NoReturn
 
-import psutil
 import setproctitle
 
 from chunkq.jobs.compute import cuda
 from chunkq.jobs.compute.model_reads import no_working_directory_imports
 from chunkq.jobs.compute.runtime import DEVICE_ENV
 from chunkq.jobs.contract import environment, errors
+from chunkq.queue_worker.devices.memory_room import memory_room
 from chunkq.queue_worker.exit_codes import EXIT_FORKED_NO_CUDA, EXIT_NO_CONTEXT
 from chunkq.queue_worker.processes import standing_forks
 from chunkq.queue_worker.processes.lifeline import (
@@ -59,7 +59,9 @@ SOCKET_FD_ENV = environment.FORK_SERVER_FD
 PRELOAD = ("torch", "sentence_transformers", WORKER_MODULE)
 PRELOAD_ENV = environment.FORK_SERVER_PRELOAD  # more modules to import once, e.g. your own job functions
 MODEL_ENV = environment.FORK_SERVER_MODEL  # the pool's --preload model, loaded once on the CPU
-TEMPLATE_MEMORY_SHARE = 0.25  # of host memory; a larger model is loaded by each worker instead
+TEMPLATE_MEMORY_SHARE = (
+    0.25  # of this process's memory (a cgroup's limit); a larger model is loaded by each worker instead
+)
 # torch.cuda.is_available() and device_count() then ask NVML, not the driver (whose cuInit a forked
 # child would inherit), should an import call them in the fork server.
 NVML_BASED_CUDA_CHECK = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
@@ -222,7 +224,7 @@ def _load_model_template(ref: str) -> dict[str, Any]:
     from chunkq.jobs.compute import models
 
     try:
-        limit = int(psutil.virtual_memory().total * TEMPLATE_MEMORY_SHARE)
+        limit = int(memory_room().total * TEMPLATE_MEMORY_SHARE)
         return {"model_seconds": models.load_template(ref, limit)}
     except Exception as exc:  # any failure: workers load it themselves
         return {"model_error": f"{type(exc).__name__}: {exc}"}
