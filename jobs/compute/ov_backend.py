@@ -128,8 +128,7 @@ def load(make: Callable[[str], Any], path: str, identity: str | None, precision:
     if exported(folder):  # whole once marked, and never written again: read without the lock
         return make(str(folder))
     folder.parent.mkdir(parents=True, exist_ok=True)
-    with open(folder.with_name(folder.name + LOCK_SUFFIX), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+    with export_lock(folder.with_name(folder.name + LOCK_SUFFIX)):
         if exported(folder):
             return make(str(folder))
         log.info("exporting the model to OpenVINO, once for this host, into %s", folder)
@@ -137,6 +136,24 @@ def load(make: Callable[[str], Any], path: str, identity: str | None, precision:
             model = make(path)
         keep_export(model, folder, identity, path)
         return model
+
+
+@contextlib.contextmanager
+def export_lock(path: Path) -> Iterator[None]:
+    """The lock file ``path``, held (released when the file closes, or the process dies). ``cache
+    exports --clean`` unlinks a lock no one holds (ov_exports), which may come between this open and
+    this flock: a lock on an unlinked file excludes no one (a second exporter makes a new file and
+    exports beside the first), so it is taken again on the file the path names now."""
+    while True:
+        with open(path, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                current = os.stat(path).st_ino == os.fstat(lock.fileno()).st_ino
+            except FileNotFoundError:
+                current = False
+            if current:
+                yield
+                return
 
 
 class _SavedBelow(logging.Filter):

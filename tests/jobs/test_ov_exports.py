@@ -109,3 +109,42 @@ def test_an_export_made_by_other_releases_than_this_installations_is_stale(
     assert [e["state"] for e in ov_exports.summary()] == ["current", "stale"]
     assert ov_exports.clean(everything=False)["exports"] == 1
     assert [e["export"][0] for e in ov_exports.summary()] == ["a"]
+
+
+def test_an_exporter_whose_lock_file_was_cleaned_before_it_locked_holds_the_one_there_now(
+    tmp_path: Path,
+) -> None:
+    """``--clean`` unlinks a lock file no one holds; an exporter that had opened it and not yet
+    locked it then locked an unlinked file, which excluded no second exporter (the sixteenth
+    session's hostile pass: two exports of one model at once)."""
+    import threading
+
+    from tests.helpers import wait_for
+
+    path = tmp_path / f"key{ov_backend.LOCK_SUFFIX}"
+    held, done = threading.Event(), threading.Event()
+
+    def exporter() -> None:
+        with ov_backend.export_lock(path):
+            held.set()
+            done.wait(30)
+
+    with open(path, "a") as cleaner:
+        fcntl.flock(cleaner, fcntl.LOCK_EX)  # as ov_exports holds it while it unlinks
+        thread = threading.Thread(target=exporter, daemon=True)
+        thread.start()
+
+        def opened_twice() -> bool:
+            fds = [os.path.join("/proc/self/fd", fd) for fd in os.listdir("/proc/self/fd")]
+            return sum(1 for fd in fds if os.path.realpath(fd) == str(path)) >= 2
+
+        wait_for(opened_twice, 30, "the exporter's open of the lock file")
+        path.unlink()
+    try:
+        assert held.wait(30), "the exporter never took the lock"
+        with open(path, "a") as second:  # a second exporter, now
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(second, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        done.set()
+        thread.join(30)
