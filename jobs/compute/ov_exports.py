@@ -19,9 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from chunkq.jobs.compute.ov_backend import EXPORTED_MARK, LOCK_SUFFIX, exports_dir, releases
+from chunkq.jobs.contract.process_clock import ran_since
 from chunkq.jobs.contract.storage import remove_tree
 
 CURRENT, STALE, UNFINISHED, WRITING = "current", "stale", "unfinished", "being written"
@@ -108,7 +107,11 @@ def clean(everything: bool) -> dict[str, int]:
 def _unfinished_or_writing(folder: Path) -> str:
     if folder.name.startswith("."):  # ov_backend.keep_export's ".KEY.PID" (or one removed here)
         pid = folder.name.rsplit(".", 1)[-1]
-        return WRITING if pid.isdigit() and psutil.pid_exists(int(pid)) else UNFINISHED
+        try:  # its writer made it, so ran before its last change (a pid given to another since: no)
+            writing = pid.isdigit() and ran_since(int(pid), folder.stat().st_mtime)
+        except OSError:
+            writing = False
+        return WRITING if writing else UNFINISHED
     return UNFINISHED  # no mark: never finished
 
 

@@ -29,3 +29,24 @@ def process_started_at(pid: int | None = None) -> float:
         import psutil
 
         return float(psutil.Process(pid).create_time())
+
+
+# A process that started this long after a moment it should have been alive at is another one
+# with the pid reused (the kernel's start time is in clock ticks).
+REUSED_AFTER_SECONDS = 1.0
+
+
+def ran_since(pid: int, moment: float) -> bool:
+    """Whether ``pid`` runs as a process that was already running at ``moment`` (epoch seconds): not
+    gone, not a zombie, and not a newer process the pid was given to since. A process this one may
+    not look at counts as running."""
+    import psutil
+
+    try:
+        if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+            return False
+        return process_started_at(pid) <= moment + REUSED_AFTER_SECONDS
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.Error:
+        return True

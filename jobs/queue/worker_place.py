@@ -16,17 +16,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
 import redis
 
+from chunkq.jobs.contract.process_clock import ran_since
 from chunkq.jobs.queue.rq_api import Job, SimpleWorker, str_to_date
 
 PLACE_FIELD = "chunkq_place"
 POOL_FIELD = "chunkq_pool_pid"
-# A process created this long after the worker's record was born is another one with a reused pid
-# (a worker's process starts before it registers; the record's time has microseconds, the kernel's
-# start time clock ticks).
-_REUSED_AFTER_SECONDS = 1.0
 _FIELDS = ["pid", "birth", PLACE_FIELD, POOL_FIELD]  # of a worker's record, as _record reads them
 
 
@@ -53,18 +49,6 @@ class _Record:
     pid: int
     born: float
     pool: int | None
-
-
-def _ran_since(pid: int, born: float) -> bool:
-    """Whether ``pid`` runs as the process that was there at ``born`` (a zombie is dead)."""
-    try:
-        proc = psutil.Process(pid)
-        alive = proc.status() != psutil.STATUS_ZOMBIE
-        return bool(alive and proc.create_time() <= born + _REUSED_AFTER_SECONDS)
-    except psutil.NoSuchProcess:
-        return False
-    except psutil.Error:
-        return True  # not ours to look at: alive, as far as this process can tell
 
 
 def _record(fields: list[bytes | None], place: str) -> _Record | None:
@@ -104,9 +88,9 @@ def _judged(records: Mapping[str, list[bytes | None]], held: Mapping[str, str], 
     gone = {}
     for job_id, fields in records.items():
         record = _record(fields, place)
-        if record is None or _ran_since(record.pid, record.born):
+        if record is None or ran_since(record.pid, record.born):
             continue
-        if record.pool is not None and _ran_since(record.pool, record.born):
+        if record.pool is not None and ran_since(record.pool, record.born):
             continue
         gone[job_id] = f"its worker {held[job_id]} (pid {record.pid}) and its pool are gone"
     return gone

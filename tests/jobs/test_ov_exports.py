@@ -148,3 +148,15 @@ def test_an_exporter_whose_lock_file_was_cleaned_before_it_locked_holds_the_one_
     finally:
         done.set()
         thread.join(30)
+
+
+def test_a_folder_being_written_whose_pid_went_to_a_newer_process_is_unfinished(tmp_path: Path) -> None:
+    """``.KEY.PID`` of an exporter that died, its pid since given to a process started after the
+    folder's last change: it read "being written", so ``--clean`` never removed it."""
+    root = tmp_path / "openvino"
+    root.mkdir()
+    folder = _export(root, f".{'f' * 32}.{os.getpid()}", None)
+    assert ov_exports._unfinished_or_writing(folder) == ov_exports.WRITING  # this process wrote it
+    an_hour_ago = os.stat(folder).st_mtime - 3600
+    os.utime(folder, (an_hour_ago, an_hour_ago))  # last changed before this process began
+    assert ov_exports._unfinished_or_writing(folder) == ov_exports.UNFINISHED

@@ -10,10 +10,10 @@ import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 
-import psutil
 import pytest
 import redis
 
+from chunkq.jobs.contract.process_clock import process_started_at
 from chunkq.jobs.queue import worker_place
 from chunkq.jobs.queue.rq_api import Job, SimpleWorker
 
@@ -69,7 +69,7 @@ def test_a_pid_running_again_as_another_process_is_not_the_worker(
     connection: redis.Redis, live_pid: int
 ) -> None:
     """A pid reused by a process started after the worker's record was born (the kernel reuses pids)."""
-    created = psutil.Process(live_pid).create_time()
+    created = process_started_at(live_pid)
     _started(connection, "wp-reused", live_pid, None, born=created - 30)
     _started(connection, "wp-same", live_pid, None, born=created + 0.5)
     assert sorted(worker_place.gone_workers(connection, ["wp-reused", "wp-same"])) == ["wp-reused"]
