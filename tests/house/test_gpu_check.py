@@ -60,3 +60,8 @@ def test_the_gpu_check_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
     summary = (out / "gpu-check.md").read_text()
     assert summary.startswith("### GPU check, ") and "**GPU tier**" in summary
     assert "| chunkq auto |" in summary and "| plain |" in summary and summary in done.stdout
+    # Issue 64's goal on a GPU host: MiniLM's whole command against plain at 10^5 rows (40 here).
+    whole = result["whole"]["figures"]["minilm"]
+    assert not result["whole"]["timed_out"] and set(whole) == {"plain", "auto"}, whole
+    assert whole["plain"]["rows"] == 40 and whole["auto"]["e2e_ratio"] > 0
+    assert "MiniLM fp32, the whole command (goal: >= 3x plain end to end)" in summary
