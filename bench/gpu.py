@@ -59,6 +59,9 @@ from chunkq.supervisor.store.ledger import of_run
 from chunkq.tools import first_row
 from chunkq.tools.run_facts import gather
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.tree_memory import TreeMemory
+
 CONFIGS = {
     "one": ["--workers-per-gpu", "1", "--recycle-after", "0"],
     "auto": [],  # the defaults: on a GPU, token-budget batches that tune themselves (issue 46.1)
@@ -269,10 +272,18 @@ def chunkq(
     cmd += ["--chunk-size", str(chunk_size), *extra]
     cmd += ["--gpus", str(gpu.index) if gpu is not None else "none"]
     started = time.perf_counter()
-    subprocess.run(
-        cmd, check=True, capture_output=True, env=dict(os.environ, HF_HUB_OFFLINE="1", **(env or {}))
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=dict(os.environ, HF_HUB_OFFLINE="1", **(env or {})),
     )
+    memory = TreeMemory(proc.pid)  # the host memory a GPU worker holds: no GPU lease has measured it
+    _out, err = proc.communicate()
     wall = time.perf_counter() - started
+    memory.stop()
+    if proc.returncode != 0:
+        raise subprocess.CalledProcessError(proc.returncode, cmd, stderr=err)
     (run_dir,) = (store / "runs").iterdir()
     metas = [json.loads(p.read_text()) for p in (run_dir / "outputs").glob("*.json")]
     throughput = of_run(store, run_dir.name)
@@ -295,6 +306,8 @@ def chunkq(
         "last_chunk_to_result_seconds": before["last_chunk_to_result_seconds"],
         "steps_before_first_row": before["marks"],
         "batch_tokens": sorted({m.get("batch_tokens") or 0 for m in metas}),  # 0: batches by count
+        "peak_pss_bytes": memory.peak,  # the whole command's processes, summed
+        "largest_process_pss_bytes": memory.largest,
     }
 
 

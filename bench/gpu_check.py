@@ -170,7 +170,9 @@ def markdown(result: dict[str, Any]) -> str:
                     f"steady {figure.get('steady_ratio', 0):.2f}x plain, end to end "
                     f"{figure.get('e2e_ratio', 0):.2f}x, {100 * (figure.get('share_of_ceiling') or 0):.0f} % "
                     f"of the ceiling, GPU {'-' if util is None else f'{util:.0f}'} %, first rows "
-                    f"{figure.get('first_rows_seconds') or 0:.1f} s"
+                    f"{figure.get('first_rows_seconds') or 0:.1f} s, host memory (PSS) "
+                    f"{(figure.get('peak_pss_bytes') or 0) / 2**30:.1f} GiB in all, "
+                    f"{(figure.get('largest_process_pss_bytes') or 0) / 2**30:.2f} GiB the largest process"
                 )
                 lines.append(f"| chunkq {name} | {_rate(figure)} | {notes} |")
         lines.append("")

@@ -36,16 +36,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.gpu import docstring_corpus
+from bench.tree_memory import TreeMemory
 from chunkq.jobs.compute.model_refs import BUNDLED_MODEL, resolve_model
 from chunkq.jobs.contract.run import Run
 from chunkq.jobs.contract.run_files import RunLayout, read_json
@@ -71,42 +69,6 @@ print(json.dumps({"started": t0, "loaded": loaded, "first_batch": first_batch, "
                   "rows": len(texts)}))
 """
 PHASES = ("identify", "split", "queue", "watch", "verify", "write", "cache", "publish")
-
-
-def _pss(pid: int) -> int:
-    """A process's PSS from /proc/PID/smaps_rollup: psutil's memory_full_info parses every mapping
-    of smaps, which for a 4.6 GiB plain script at 10^6 rows took half a core from the runs timed."""
-    try:
-        with open(f"/proc/{pid}/smaps_rollup", "rb") as fh:
-            for line in fh:
-                if line.startswith(b"Pss:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-class TreeMemory:
-    """The peak of a process tree's summed PSS (bytes), sampled every 0.25 s in a thread."""
-
-    def __init__(self, pid: int) -> None:
-        self.root, self.peak = psutil.Process(pid), 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.25):
-            try:
-                procs = [self.root, *self.root.children(recursive=True)]
-            except psutil.Error:
-                continue
-            self.peak = max(self.peak, sum(_pss(proc.pid) for proc in procs))
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._thread.join(5)
-        return self.peak
 
 
 def _measured(cmd: list[str], env: dict[str, str]) -> dict[str, Any]:

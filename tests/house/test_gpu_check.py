@@ -54,12 +54,14 @@ def test_the_gpu_check_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
     # what the run's own records say: how busy the device was, when the first rows came, no token budget
     assert auto["busy"]["source"] == "cpu-forward" and auto["batch_tokens"] == [0]
     assert 0 < auto["first_rows_seconds"] < auto["wall"] and auto["last_chunk_to_result_seconds"] >= 0
+    assert 0 < auto["largest_process_pss_bytes"] < auto["peak_pss_bytes"]  # host memory: GPU workers
     said = (out / "bench-minilm.log").read_text()
     assert "chunkq auto" in said and "x plain" in said and "forward alone" in said
     assert "batch 32, in-process: tokenised once" in said
     summary = (out / "gpu-check.md").read_text()
     assert summary.startswith("### GPU check, ") and "**GPU tier**" in summary
     assert "| chunkq auto |" in summary and "| plain |" in summary and summary in done.stdout
+    assert "GiB the largest process" in summary
     # Issue 64's goal on a GPU host: MiniLM's whole command against plain at 10^5 rows (40 here).
     whole = result["whole"]["figures"]["minilm"]
     assert not result["whole"]["timed_out"] and set(whole) == {"plain", "auto"}, whole
