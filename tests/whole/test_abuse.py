@@ -270,17 +270,24 @@ def test_a_second_run_of_the_same_run_is_refused_or_waits_and_nothing_is_encoded
     assert not layout.owner.exists()  # released
 
 
-def test_the_locks_of_a_killed_run_are_taken_over(tmp_path: Path, reference_model: Any) -> None:
-    killed, _log, args, texts = start_run_with_a_slow_chunk(tmp_path, seed=96, seconds=30, chunk=0, rows=40)
-    store = tmp_path / "store"
+def _sigkill(killed: subprocess.Popen[bytes], every_process: bool = False) -> None:
+    """SIGKILL the command (its own processes then die by their lifelines), or every process of it
+    at once (as systemd's KillMode=control-group does), and wait until all are gone."""
     try:
         started = family(killed.pid)
-        killed.kill()  # SIGKILL: no handler runs, both lock files stay behind
+        for proc in [psutil.Process(killed.pid), *(started if every_process else [])]:
+            proc.kill()
         killed.wait(timeout=30)
         psutil.wait_procs(started, timeout=30)
     finally:
         if killed.poll() is None:
             killed.kill()
+
+
+def test_the_locks_of_a_killed_run_are_taken_over(tmp_path: Path, reference_model: Any) -> None:
+    killed, _log, args, texts = start_run_with_a_slow_chunk(tmp_path, seed=96, seconds=30, chunk=0, rows=40)
+    store = tmp_path / "store"
+    _sigkill(killed)  # no handler runs, both lock files stay behind
     assert (store / "redis" / "owner.json").exists() and only_run(store).owner.exists()
     # Bounded generously: at load 15 a fresh run's start-up alone can pass 50 s (issue 37.1). That the
     # chunk was not waited on is shown by the path it took, not by the clock.
@@ -316,15 +323,7 @@ def test_a_rerun_on_the_users_own_redis_fails_the_killed_runs_chunk_at_once(
     killed, _log, args, texts = start_run_with_a_slow_chunk(
         tmp_path, seed=98, seconds=60, chunk=1, rows=40, extra=extra
     )
-    try:
-        started = family(killed.pid)
-        for proc in [psutil.Process(killed.pid), *started]:
-            proc.kill()
-        killed.wait(timeout=30)
-        psutil.wait_procs(started, timeout=30)
-    finally:
-        if killed.poll() is None:
-            killed.kill()
+    _sigkill(killed, every_process=True)
     again = run_cli(*args, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert re.search(r"marked failed: its worker \S+ \(pid \d+\) and its pool are gone", again.stderr), (
@@ -357,14 +356,7 @@ def test_a_killed_run_cleaned_from_the_store_is_not_brought_back_by_the_next_run
     made again, with no manifest, whose record a later run of that corpus then counted."""
     killed, *_ = start_run_with_a_slow_chunk(tmp_path, seed=97, seconds=60, chunk=1, rows=40)
     store = tmp_path / "store"
-    try:
-        started = family(killed.pid)
-        killed.kill()
-        killed.wait(timeout=30)
-        psutil.wait_procs(started, timeout=30)
-    finally:
-        if killed.poll() is None:
-            killed.kill()
+    _sigkill(killed)
     run_id = only_run(store).run_id
     cleaned = run_cli("clean", run_id, "--store", str(store))
     assert cleaned.returncode == 0 and not (store / "runs" / run_id).exists(), cleaned.stderr[-2000:]
