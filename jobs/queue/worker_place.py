@@ -3,64 +3,102 @@ dead worker from a silent one at once instead of waiting for the chunk's heartbe
 
 The embedded Redis is private to one run, so its next run fails every started job as abandoned on
 sight (supervisor/local_run.py). A user's own Redis is shared: a started job may be a live worker's
-on another host, and only a stale heartbeat (60 s) said it was not. After ``kill -9`` of a ``chunkq
-run`` (its pool and workers die with it) the same command then waited those 60 s for the chunk it had
-in hand. A pid is evidence only where it means the same process: the same kernel boot and the same
-PID namespace (containers on one host have their own), which ``this_place`` names.
+on another host, and only a stale heartbeat (60 s) said it was not. After every process of a ``chunkq
+run`` was SIGKILLed at once the same command then waited those 60 s for the chunk it had in hand.
+
+A pid is evidence only where it means the same process. The *place* says where: the kernel's boot
+id, the PID namespace (containers on one host have their own) and a token this boot's first chunkq
+process left in /dev/shm (clones of one VM snapshot share a boot id and the host's namespace
+number, not what was written after they parted). Each process is named by its pid and its start in
+clock ticks since boot (/proc/PID/stat), so a pid given to a newer process is not it, whatever the
+wall clock did meanwhile. A pid this process may not look at (another user's under ``hidepid``)
+counts as alive: the hostile pass saw a supervisor run as another user fail a live worker's chunk.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass
+import secrets
 from pathlib import Path
 
 import redis
 
-from chunkq.jobs.contract.process_clock import ran_since
-from chunkq.jobs.queue.rq_api import Job, SimpleWorker, str_to_date
+from chunkq.jobs.queue.rq_api import Job, SimpleWorker
 
 PLACE_FIELD = "chunkq_place"
-POOL_FIELD = "chunkq_pool_pid"
-_FIELDS = ["pid", "birth", PLACE_FIELD, POOL_FIELD]  # of a worker's record, as _record reads them
+PROCESS_FIELD = "chunkq_process"  # PID@START: the worker
+POOL_FIELD = "chunkq_pool"  # PID@START: its pool; empty without one
+TOKEN_FILE = Path("/dev/shm/chunkq-place")  # noqa: S108 - a per-boot tmpfs, read by every user
+_STAT_FIELDS_AFTER_NAME = 19  # starttime is /proc/PID/stat's 22nd field, the 20th after the ")"
 
 
 def this_place() -> str | None:
-    """This kernel boot and PID namespace; None where Linux's /proc does not say (no check is made)."""
+    """This kernel boot, PID namespace and boot token; None where /proc or /dev/shm does not say
+    (no judgement is made then)."""
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text(encoding="ascii").strip()
         namespace = os.readlink("/proc/self/ns/pid")
-    except OSError:
+        token = _boot_token()
+    except (OSError, ValueError):
         return None
-    return f"{boot}/{namespace}"
+    return f"{boot}/{namespace}/{token}"
+
+
+def _boot_token() -> str:
+    try:
+        fd = os.open(TOKEN_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        pass
+    else:
+        with os.fdopen(fd, "w", encoding="ascii") as out:
+            os.fchmod(out.fileno(), 0o644)  # whatever the umask: supervisors of other users read it
+            out.write(secrets.token_hex(16))
+    token = TOKEN_FILE.read_text(encoding="ascii").strip()
+    if len(token) != 32:  # being written by another process this very moment, or not chunkq's
+        raise ValueError("no boot token")
+    return token
+
+
+def process_mark(pid: int) -> str | None:
+    """``PID@START``: the process, told apart from any later one given its pid."""
+    start = _start_ticks(pid)
+    return None if start is None else f"{pid}@{start}"
+
+
+def _start_ticks(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
+            after = fh.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return after[_STAT_FIELDS_AFTER_NAME] if after[0] != "Z" else "zombie"
 
 
 def place_fields(pool_pid: str | None) -> dict[str, str]:
-    """What a worker adds to its RQ record: where it runs and the pool that watches it."""
-    place = this_place()
-    if place is None:
+    """What a worker adds to its RQ record: where it runs, itself, and the pool that watches it."""
+    place, me = this_place(), process_mark(os.getpid())
+    if place is None or me is None:
         return {}
-    return {PLACE_FIELD: place, POOL_FIELD: pool_pid or ""}
+    pool = process_mark(int(pool_pid)) if pool_pid and pool_pid.isdigit() else None
+    return {PLACE_FIELD: place, PROCESS_FIELD: me, POOL_FIELD: pool or ""}
 
 
-@dataclass(frozen=True)
-class _Record:
-    pid: int
-    born: float
-    pool: int | None
-
-
-def _record(fields: list[bytes | None], place: str) -> _Record | None:
-    """A worker's record, when it was written at ``place``; None when it says nothing usable."""
-    pid, birth, its_place, pool = (f.decode() if f else "" for f in fields)
-    if its_place != place or not pid.isdigit() or not birth:
-        return None
+def gone(mark: str) -> bool:
+    """Whether the process ``PID@START`` is gone: its pid free, a zombie, or another process's."""
+    pid_text, _, start = mark.partition("@")
+    if not pid_text.isdigit() or not start:
+        return False
+    pid = int(pid_text)
     try:
-        born = str_to_date(birth).timestamp()
-    except ValueError:
-        return None
-    return _Record(int(pid), born, int(pool) if pool.isdigit() else None)
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # another user's, and it exists
+    now = _start_ticks(pid)
+    if now is None:
+        return False  # it exists but /proc hides it (hidepid), or it ended this moment: the beat tells
+    return now != start
 
 
 def gone_workers(connection: redis.Redis, job_ids: list[str]) -> dict[str, str]:
@@ -78,19 +116,13 @@ def gone_workers(connection: redis.Redis, job_ids: list[str]) -> dict[str, str]:
     with connection.pipeline(transaction=False) as pipe:
         for name in held.values():
             pipe.hmget(
-                SimpleWorker.redis_worker_namespace_prefix + name, "pid", "birth", PLACE_FIELD, POOL_FIELD
+                SimpleWorker.redis_worker_namespace_prefix + name, PLACE_FIELD, PROCESS_FIELD, POOL_FIELD
             )
         records = dict(zip(held, pipe.execute(), strict=True))
-    return _judged(records, held, place)
-
-
-def _judged(records: Mapping[str, list[bytes | None]], held: Mapping[str, str], place: str) -> dict[str, str]:
-    gone = {}
+    found = {}
     for job_id, fields in records.items():
-        record = _record(fields, place)
-        if record is None or ran_since(record.pid, record.born):
+        its_place, worker, pool = (f.decode(errors="replace") if f else "" for f in fields)
+        if its_place != place or not worker or not gone(worker) or (pool and not gone(pool)):
             continue
-        if record.pool is not None and ran_since(record.pool, record.born):
-            continue
-        gone[job_id] = f"its worker {held[job_id]} (pid {record.pid}) and its pool are gone"
-    return gone
+        found[job_id] = f"its worker {held[job_id]} (pid {worker.partition('@')[0]}) and its pool are gone"
+    return found

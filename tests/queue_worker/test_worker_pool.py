@@ -672,10 +672,11 @@ def test_a_worker_records_where_it_runs_and_its_pool(
     from chunkq.queue_worker.chunk_worker import ChunkWorker
     from chunkq.queue_worker.processes.lifeline import POOL_PID_ENV
 
-    monkeypatch.setenv(POOL_PID_ENV, "4242")
+    monkeypatch.setenv(POOL_PID_ENV, str(os.getppid()))  # a pool: any live process
     worker = ChunkWorker([Queue("placed", connection=connection)], connection=connection, name="placed")
     worker.register_birth()  # type: ignore[no-untyped-call]
     record = {k.decode(): v.decode() for k, v in connection.hgetall(worker.key).items()}
     assert record[worker_place.PLACE_FIELD] == worker_place.this_place() is not None
-    assert record[worker_place.POOL_FIELD] == "4242" and record["pid"] == str(os.getpid())
+    assert record[worker_place.PROCESS_FIELD] == worker_place.process_mark(os.getpid()) is not None
+    assert record[worker_place.POOL_FIELD] == worker_place.process_mark(os.getppid()) is not None
     worker.register_death()  # type: ignore[no-untyped-call]
