@@ -232,6 +232,7 @@ def auto_workers_per_gpu(
     return max(1, n), why
 
 
+TOO_LITTLE_MEMORY = "which that memory may not hold (a worker past a limit is killed)"
 CPU_WORKER_BYTES = 512 << 20  # a CPU worker beside its weights: Python, torch, a chunk's activations
 
 
@@ -243,7 +244,7 @@ def auto_cpu_workers(cores: int, weights: int | None, available: int, where: str
     command 1.29x as fast for a static-embedding model at 10^5 texts and 1.24x for MiniLM at 10^4
     (57.5 s against 71.2 s, paired); a worker's second thread waits on the first for much of a chunk."""
     model = weights if weights is not None else UNKNOWN_MODEL_BYTES
-    by_memory = max(1, int(0.8 * available // (model + CPU_WORKER_BYTES)))
+    by_memory = int(0.8 * available // (model + CPU_WORKER_BYTES))
     n = max(1, min(cores, by_memory))
     weights_text = f"{model / 2**20:.0f} MiB of weights" if weights is not None else "weights unknown"
     why = (
@@ -251,6 +252,8 @@ def auto_cpu_workers(cores: int, weights: int | None, available: int, where: str
         f"{available / 2**30:.1f} GiB available{where} holds {by_memory} "
         f"({weights_text} + {CPU_WORKER_BYTES / 2**20:.0f} MiB each); --cpu-workers N for another count"
     )
+    if by_memory < 1:
+        why += f"; one all the same, {TOO_LITTLE_MEMORY}: give the pool more"
     return n, why
 
 
@@ -262,7 +265,8 @@ def resolve_cpu_workers(value: int | None, preload: str | None) -> int:
     room = memory_room()
     where = "" if room.limited_by == "the host" else f" (the memory limit of cgroup {room.limited_by})"
     workers, why = auto_cpu_workers(usable_cores(), weights, room.available, where)
-    log.info("CPU workers: %d (%s)", workers, why)
+    level = logging.WARNING if TOO_LITTLE_MEMORY in why else logging.INFO
+    log.log(level, "CPU workers: %d (%s)", workers, why)
     return workers
 
 

@@ -18,6 +18,8 @@ deepest part of it that exists is where the walk starts.
 
 from __future__ import annotations
 
+import contextlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,13 +41,21 @@ class MemoryRoom:
 def memory_room(proc_cgroup: Path = PROC_CGROUP, root: Path = CGROUP_ROOT) -> MemoryRoom:
     host = psutil.virtual_memory()
     room = MemoryRoom(int(host.total), int(host.available), "the host")
-    for folder, version in _own_folders(proc_cgroup, root):
+    try:
+        return _tightest(room, _own_folders(proc_cgroup, root))
+    except (OSError, ValueError):  # what no kernel writes: the host's memory, as before
+        return room
+
+
+def _tightest(room: MemoryRoom, folders: list[tuple[Path, int]]) -> MemoryRoom:
+    for folder, version in folders:
         limit = _limit(folder, version)
         if limit is None:
             continue
         left = max(0, limit - _used(folder, version))
         if left < room.available or limit < room.total:
-            room = MemoryRoom(min(limit, room.total), min(left, room.available), str(folder))
+            shown = os.fsencode(folder).decode("utf-8", "backslashreplace")  # any bytes, printable
+            room = MemoryRoom(min(limit, room.total), min(left, room.available), shown)
     return room
 
 
@@ -53,7 +63,8 @@ def _own_folders(proc_cgroup: Path, root: Path) -> list[tuple[Path, int]]:
     """The memory controller's folders of this process's cgroup and each above it, deepest first,
     each with its hierarchy's version."""
     try:
-        lines = proc_cgroup.read_text(encoding="utf-8").splitlines()
+        # A cgroup's name is any bytes (the hostile pass: one not UTF-8 ended the pool).
+        lines = proc_cgroup.read_text(encoding="utf-8", errors="surrogateescape").splitlines()
     except OSError:
         return []
     found: list[tuple[Path, int]] = []
@@ -81,7 +92,7 @@ def _own_folders(proc_cgroup: Path, root: Path) -> list[tuple[Path, int]]:
 def _number(path: Path) -> int | None:
     try:
         text = path.read_text(encoding="ascii").strip()
-    except OSError:
+    except (OSError, ValueError):
         return None
     return int(text) if text.isdigit() else None  # "max" (v2): no limit
 
@@ -95,10 +106,50 @@ def _used(folder: Path, version: int) -> int:
     used = _number(folder / ("memory.current" if version == 2 else "memory.usage_in_bytes")) or 0
     reclaimable = "inactive_file" if version == 2 else "total_inactive_file"
     try:
-        for line in (folder / "memory.stat").read_text(encoding="ascii").splitlines():
+        for line in (folder / "memory.stat").read_text(encoding="ascii", errors="replace").splitlines():
             name, _, value = line.partition(" ")
             if name == reclaimable and value.strip().isdigit():
                 return max(0, used - int(value))
     except OSError:
         pass
     return used
+
+
+def oom_kills(proc_cgroup: Path = PROC_CGROUP, root: Path = CGROUP_ROOT) -> int:
+    """The kills the kernel's OOM killer counted in this process's cgroups (each level's ``oom_kill``:
+    v2's memory.events, v1's memory.oom_control); 0 where none says."""
+    total = 0
+    try:
+        for folder, version in _own_folders(proc_cgroup, root):
+            name = "memory.events" if version == 2 else "memory.oom_control"
+            with contextlib.suppress(OSError, ValueError):
+                for line in (folder / name).read_text(encoding="ascii", errors="replace").splitlines():
+                    key, _, value = line.partition(" ")
+                    if key == "oom_kill" and value.strip().isdigit():
+                        total += int(value)
+    except (OSError, ValueError):
+        return 0
+    return total
+
+
+class OomWatch:
+    """Says when a worker the pool saw SIGKILLed was the OOM killer's (a memory limit), which "killed
+    by SIGKILL" alone did not (the hostile pass: five such deaths, and no line named memory)."""
+
+    def __init__(self) -> None:
+        self.seen = oom_kills()
+
+    def reason(self, killed_by_sigkill: bool) -> str | None:
+        if not killed_by_sigkill:
+            return None
+        now = oom_kills()
+        if now <= self.seen:
+            return None
+        self.seen = now
+        room = memory_room()
+        where = (
+            "this host's memory"
+            if room.limited_by == "the host"
+            else f"the memory limit of cgroup {room.limited_by}"
+        )
+        return f"(the kernel's OOM killer: {where}, {room.total / 2**30:.1f} GiB)"

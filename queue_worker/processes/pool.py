@@ -50,6 +50,7 @@ from chunkq.queue_worker.devices.gpus import (
     resolve_workers_per_gpu,
     worker_environment,
 )
+from chunkq.queue_worker.devices.memory_room import OomWatch
 from chunkq.queue_worker.processes.dead_workers import DeadWorkers
 from chunkq.queue_worker.processes.fork_client import ForkedWorker, ForkServer
 from chunkq.queue_worker.processes.fork_server import MODEL_ENV as FORK_SERVER_MODEL_ENV
@@ -124,6 +125,7 @@ class Pool:
         self._signals = 0
         self._crashes: dict[str, tuple[float, ...]] = {}  # each device's recent deaths (RestartPolicy)
         self.dead = DeadWorkers(self.connection, settings.name, settings.queue, settings.hung_grace)
+        self.oom = OomWatch()
         self.exits: list[tuple[str, int]] = []
         self.started_at = process_started_at()  # its interpreter's start-up included
         self.metrics = PoolMetrics(settings.name, [gpu.key for gpu in gpus])
@@ -276,6 +278,7 @@ class Pool:
             self.exits.append((slot.key, code))
             self.metrics.worker_exited(slot.device, code, hung=slot.worker_name in self.dead.hung)
             reason = self.dead.hung.pop(slot.worker_name, None) or exit_codes.describe(code)
+            reason = f"{reason} {oom}" if (oom := self.oom.reason(code == -signal.SIGKILL)) else reason
             dead = slot.worker_name
             slot.proc = None
             verdict = self.policy.judge(

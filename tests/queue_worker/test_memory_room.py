@@ -105,3 +105,51 @@ def test_a_pool_in_a_memory_cgroup_sizes_its_cpu_workers_by_the_limit(limited_cg
     total, where, workers = limited.stdout.split()
     assert (int(total), where, workers) == (GIB, str(limited_cgroup), "1"), limited.stderr[-2000:]
     assert f"(the memory limit of cgroup {limited_cgroup})" in limited.stderr  # the pool's one line says why
+
+
+def test_a_cgroup_name_that_is_not_utf8_is_read_and_shown(tmp_path: Path) -> None:
+    """The hostile pass: a cgroup named with a byte that is not UTF-8 ended the pool
+    (UnicodeDecodeError reading /proc/self/cgroup); any bytes are a cgroup's name."""
+    root = tmp_path / "sys-fs-cgroup"
+    odd = os.fsdecode(b"hq_\xff")
+    _write(root / "memory" / odd, memory_limit_in_bytes=f"{GIB}\n", memory_usage_in_bytes="0\n")
+    proc = tmp_path / "cgroup"
+    proc.write_bytes(b"4:memory:/hq_\xff\n")
+    room = memory_room(proc, root)
+    assert room.total == GIB and room.limited_by.endswith("hq_\\xff")  # printable in the pool's log
+    proc.write_bytes(b"4:memory:/hq_\xff\n\xfe\xff garbage with no colons\n")
+    assert memory_room(proc, root).total == GIB
+
+
+def test_memory_that_holds_no_worker_says_so() -> None:
+    """The hostile pass: under 200 MiB the line said "holds 1" and the worker was killed five times
+    on the limit with nothing naming memory."""
+    from chunkq.queue_worker.devices.gpus import TOO_LITTLE_MEMORY, auto_cpu_workers
+
+    workers, why = auto_cpu_workers(2, 90 << 20, 200 << 20, " (the memory limit of cgroup /x)")
+    assert workers == 1 and "holds 0" in why and TOO_LITTLE_MEMORY in why and "cgroup /x" in why
+    assert TOO_LITTLE_MEMORY not in auto_cpu_workers(2, 90 << 20, 2 * GIB)[1]
+
+
+def test_a_worker_killed_on_the_memory_limit_is_said_to_be(limited_cgroup: Path) -> None:
+    """What the pool adds to "killed by SIGKILL" when the kernel's OOM killer counted a kill in its
+    cgroups since the last it saw: a child that touches 2 GiB under the 1 GiB limit."""
+    code = (
+        "import os, signal, subprocess, sys\n"
+        f"open({str(limited_cgroup / 'cgroup.procs')!r}, 'w').write(str(os.getpid()))\n"
+        "from chunkq.queue_worker.devices.memory_room import OomWatch\n"
+        "watch = OomWatch()\n"
+        "print(watch.reason(True))\n"
+        "hog = 'x = bytearray(2 << 30); x[::4096] = bytes(len(x) // 4096)'\n"
+        "code = subprocess.run([sys.executable, '-c', hog]).returncode\n"
+        "print(code == -signal.SIGKILL, '|', watch.reason(True), '|', watch.reason(True))\n"
+    )
+    seen = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    before, after = seen.stdout.splitlines()
+    assert before == "None", seen.stdout
+    assert (
+        after
+        == f"True | (the kernel's OOM killer: the memory limit of cgroup {limited_cgroup}, 1.0 GiB) | None"
+    )
