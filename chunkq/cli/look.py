@@ -34,7 +34,7 @@ from chunkq.supervisor.store.attempts import describe_attempts, failed_attempts,
 from chunkq.supervisor.watch.display import describe
 from chunkq.supervisor.watch.progress import Tracker
 from chunkq.supervisor.watch.snapshot import store_snapshot
-from chunkq.supervisor.watch.supervise import failure_report
+from chunkq.supervisor.watch.supervise import failure_report, unsettled_report
 from chunkq.tools.dashboard import serve as serve_dashboard
 from chunkq.tools.doctor import examine, render
 from chunkq.tools.report import write_report
@@ -138,8 +138,10 @@ def status_cmd(run_id: str, store: Path, redis_url: str | None, as_json: bool) -
     if snap.cache is not None:
         click.echo(f"vector cache: {describe_savings(snap.cache)}")
     click.echo(describe_attempts(attempts))
-    if snap.failures:
-        click.echo(failure_report(snap.quarantined or snap.failures, snap.run_id))
+    if snap.quarantined:
+        click.echo(failure_report(snap.quarantined, snap.run_id))
+    elif snap.failures:  # in Redis, not settled yet: no supervisor has numbered or recorded them
+        click.echo(unsettled_report(snap.failures, snap.run_id))
     if snap.result_published:
         if damage:
             click.echo(f"result in {layout.result} is DAMAGED ({damage[0]}); {rebuild_advice(layout)}")

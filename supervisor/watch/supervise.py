@@ -124,6 +124,20 @@ def failure_report(failures: list[Failure], run_id: str | None = None) -> str:
     return "\n".join(lines)
 
 
+def unsettled_report(failures: list[Failure], run_id: str) -> str:
+    """Failed attempts a supervisor has not settled yet (none runs, or it is between two looks):
+    not quarantined, not yet in the store's record (the hostile pass: `status` called such a first
+    attempt "quarantined" and counted 0 failed attempts)."""
+    lines = [f"{len(failures)} chunk(s) failed, waiting for a supervisor to retry them:"]
+    lines += [
+        f"  {(f.label or f'chunk {f.chunk}').removesuffix(')')}, job {f.job_id}, {f.error_class}, "
+        f"attempt {f.attempt}): {errors.first_line(f.error)}"
+        for f in failures
+    ]
+    lines.append(f"`chunkq supervise {run_id}` or the same `chunkq run` command retries and records them")
+    return "\n".join(lines)
+
+
 def submitted_window(layout: RunLayout) -> int | None:
     """The ``--queue-window`` the run was submitted with, if any (a damaged record: none)."""
     try:

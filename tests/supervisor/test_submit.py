@@ -331,3 +331,26 @@ def test_a_failed_job_queued_again_by_a_resubmit_is_recorded_first(
     ]
     assert recorded == [(2, 1, "abandoned", "its worker died with the previous chunkq run")]
     assert Job.fetch(job_id, connection=connection, serializer=queue.serializer).get_status() == "queued"
+
+
+def test_status_calls_a_failure_no_supervisor_has_settled_neither_quarantined_nor_lost(
+    tmp_path: Path, store: Path, connection: redis.Redis, redis_url: str
+) -> None:
+    """The hostile pass: with no supervisor running, `status --redis-url` said "1 chunk(s)
+    quarantined: ... attempt 1" for a first attempt that had only failed."""
+    from chunkq.jobs.queue.abandon import mark_abandoned
+    from chunkq.jobs.queue.rq_api import JobStatus
+    from tests.helpers import run_cli
+
+    corpus = write_corpus(tmp_path / "c.jsonl", *make_texts(35), "jsonl")
+    first = submit(_request(corpus, store), connection)
+    job_id = chunk_job_id(first.run_id, 2)
+    Job.fetch(job_id, connection=connection, serializer=chunk_queue(connection, "t").serializer).set_status(
+        JobStatus.STARTED
+    )
+    assert mark_abandoned(connection, job_id, "its worker died")
+    said = run_cli("status", first.run_id, "--store", str(store), "--redis-url", redis_url)
+    assert said.returncode == 0, said.stderr[-2000:]
+    assert "1 chunk(s) failed, waiting for a supervisor to retry them:" in said.stdout, said.stdout
+    assert f"job {job_id}, abandoned, attempt 1): its worker died" in said.stdout
+    assert "quarantined:" not in said.stdout
