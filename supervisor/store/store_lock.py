@@ -134,6 +134,8 @@ class StoreLock:
         if holder.get("host") == socket.gethostname() and holder.get("pid"):
             try:
                 proc = psutil.Process(int(holder["pid"]))
+                if proc.status() == psutil.STATUS_ZOMBIE:  # killed, not yet reaped (the hostile pass)
+                    return f"pid {holder['pid']} has exited"
                 if proc.create_time() > float(holder.get("process_started", 0)) + 1:
                     return f"pid {holder['pid']} now belongs to another process"
                 return ""  # alive on this host: paused or busy, never stale, however old the file

@@ -70,6 +70,22 @@ def test_a_dead_holder_on_this_host_is_taken_over_at_once(tmp_path: Path) -> Non
         lock.release()
 
 
+def test_a_killed_holder_not_yet_reaped_is_taken_over_at_once(tmp_path: Path) -> None:
+    """The hostile pass: a rerun right after every process was SIGKILLed was refused "in use by pid
+    N" while N was a zombie its parent had not reaped yet."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])  # not waited for: a zombie once it ends
+    try:
+        wait_for(lambda: psutil.Process(proc.pid).status() == psutil.STATUS_ZOMBIE, 30, "a zombie")
+        path = tmp_path / "owner.json"
+        _write_holder(path, proc.pid, socket.gethostname(), psutil.Process(proc.pid).create_time(), age=0)
+        lock = StoreLock(path, "run r")
+        lock.acquire()
+        assert f"pid {proc.pid} has exited" in lock.took_over
+        lock.release()
+    finally:
+        proc.wait(timeout=30)
+
+
 def test_a_held_lock_is_renewed_by_its_owner_while_it_is_busy(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
