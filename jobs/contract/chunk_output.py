@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from chunkq.jobs.contract.defaults import DEFAULT_OUTPUT_DTYPE
+from chunkq.jobs.contract.errors import StoreWriteError
 from chunkq.jobs.contract.ragged import OFFSETS, SCHEMAS, entry_shape
 from chunkq.jobs.contract.run_files import RunLayout, non_finite_rows, read_json, read_npy_header
 from chunkq.jobs.contract.specs import OUTPUT_DTYPES
@@ -31,6 +32,16 @@ def npy_from_bytes(raw: bytes) -> np.ndarray[Any, Any]:
     return array.reshape(shape, order="F" if fortran else "C")
 
 
+def not_ours(path: Path, exc: OSError) -> StoreWriteError:
+    """A chunk output this process may not read is not damaged: it is set aside for nothing and
+    encoded again as another user's file (the hostile pass, on a store shared by two users: "output
+    is damaged; moved"). The store must be fixed, as when it refuses a write."""
+    return StoreWriteError(
+        f"cannot read {path}: {exc.strerror or exc}; the store's files must be readable by this user "
+        "(one user runs a store's commands): fix their owner or mode and run the same command again"
+    )
+
+
 def read_checked_npy(path: Path, digest: Any) -> tuple[np.ndarray[Any, Any] | None, str]:
     """The array in ``path``, read once and hashed from the bytes read, or (None, why): missing,
     unreadable, not an array, or not the bytes ``digest`` says."""
@@ -41,6 +52,8 @@ def read_checked_npy(path: Path, digest: Any) -> tuple[np.ndarray[Any, Any] | No
         return npy_from_bytes(raw), ""
     except FileNotFoundError:
         return None, f"{path.name} missing"
+    except PermissionError as exc:
+        raise not_ours(path, exc) from exc
     except (OSError, ValueError) as exc:
         return None, f"{path.name} unreadable: {exc}"
 
@@ -65,6 +78,8 @@ def output_meta(
         return None, "output metadata missing"
     try:
         meta = read_json(meta_path)
+    except PermissionError as exc:
+        raise not_ours(meta_path, exc) from exc
     except (OSError, ValueError) as exc:
         return None, f"output metadata unreadable: {exc}"
     if not isinstance(meta, dict):

@@ -96,6 +96,51 @@ def test_atomic_write_failure_keeps_the_old_file(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["m.json"]
 
 
+AS_ANOTHER_USER = """
+import os, sys
+from pathlib import Path
+from chunkq.jobs.contract.chunk_output import verify_output
+from chunkq.jobs.contract.errors import StoreWriteError
+from chunkq.jobs.contract.run_files import RunLayout
+os.setgid(65534); os.setuid(65534)
+try:
+    print(verify_output(RunLayout(Path(sys.argv[1]), "r1"), 0, 3))
+except StoreWriteError as exc:
+    print("StoreWriteError:", exc)
+"""
+
+
+def test_an_output_this_user_may_not_read_is_the_stores_to_fix_not_damaged(tmp_path: Path) -> None:
+    """The hostile pass, on a store shared by two users: an output another user wrote (0600) was
+    "damaged; moved to outputs/damaged" and encoded again; the store's permissions are what is wrong."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to read as another user")
+    store = Path(tempfile.mkdtemp(dir="/tmp"))  # a folder another user can pass through
+    try:
+        layout = RunLayout(store, "r1")
+        write_output(layout, 0, np.ones((3, 4), dtype=np.float32), {"run_id": "r1", "chunk": 0})
+        for folder in (store, *store.rglob("*")):
+            if folder.is_dir():
+                folder.chmod(0o755)  # every folder open; the files as chunkq writes them, owner-only
+        seen = subprocess.run(
+            [sys.executable, "-c", AS_ANOTHER_USER, str(store)], capture_output=True, text=True, timeout=60
+        )
+        said = seen.stdout.strip()
+        assert (
+            said.startswith("StoreWriteError: cannot read ") and "000000.json: Permission denied" in said
+        ), said + seen.stderr[-2000:]
+        assert "fix their owner or mode" in said and layout.output_meta(0).is_file()  # nothing moved
+    finally:
+        import shutil
+
+        shutil.rmtree(store)
+
+
 def test_verify_output_detects_every_defect(tmp_path: Path) -> None:
     layout = RunLayout(tmp_path, "r1")
     array = np.arange(12, dtype=np.float32).reshape(3, 4)
