@@ -86,21 +86,26 @@ def limited_cgroup() -> Iterator[Path]:
         folder.rmdir()
 
 
+def _inside(cgroup: Path, code: str) -> subprocess.CompletedProcess[str]:
+    """``code`` run by a Python that moved itself into ``cgroup`` first."""
+    moved = f"import os\nopen({str(cgroup / 'cgroup.procs')!r}, 'w').write(str(os.getpid()))\n"
+    return subprocess.run(
+        [sys.executable, "-c", moved + code], capture_output=True, text=True, timeout=120, check=True
+    )
+
+
 def test_a_pool_in_a_memory_cgroup_sizes_its_cpu_workers_by_the_limit(limited_cgroup: Path) -> None:
     """Two cores and 20+ GiB on this host: two workers of the bundled model (90 MB + 512 MiB each)
     unconstrained; under a 1 GiB limit, one."""
-    code = (
-        "import logging, os\n"
+    limited = _inside(
+        limited_cgroup,
+        "import logging\n"
         "logging.basicConfig(level=logging.INFO)\n"
-        f"open({str(limited_cgroup / 'cgroup.procs')!r}, 'w').write(str(os.getpid()))\n"
         "from chunkq.jobs.compute.model_refs import BUNDLED_MODEL\n"
         "from chunkq.queue_worker.devices.gpus import resolve_cpu_workers\n"
         "from chunkq.queue_worker.devices.memory_room import memory_room\n"
         "room = memory_room()\n"
-        "print(room.total, room.limited_by, resolve_cpu_workers(None, BUNDLED_MODEL))\n"
-    )
-    limited = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+        "print(room.total, room.limited_by, resolve_cpu_workers(None, BUNDLED_MODEL))\n",
     )
     total, where, workers = limited.stdout.split()
     assert (int(total), where, workers) == (GIB, str(limited_cgroup), "1"), limited.stderr[-2000:]
@@ -134,18 +139,15 @@ def test_memory_that_holds_no_worker_says_so() -> None:
 def test_a_worker_killed_on_the_memory_limit_is_said_to_be(limited_cgroup: Path) -> None:
     """What the pool adds to "killed by SIGKILL" when the kernel's OOM killer counted a kill in its
     cgroups since the last it saw: a child that touches 2 GiB under the 1 GiB limit."""
-    code = (
-        "import os, signal, subprocess, sys\n"
-        f"open({str(limited_cgroup / 'cgroup.procs')!r}, 'w').write(str(os.getpid()))\n"
+    seen = _inside(
+        limited_cgroup,
+        "import signal, subprocess, sys\n"
         "from chunkq.queue_worker.devices.memory_room import OomWatch\n"
         "watch = OomWatch()\n"
         "print(watch.reason(True))\n"
         "hog = 'x = bytearray(2 << 30); x[::4096] = bytes(len(x) // 4096)'\n"
         "code = subprocess.run([sys.executable, '-c', hog]).returncode\n"
-        "print(code == -signal.SIGKILL, '|', watch.reason(True), '|', watch.reason(True))\n"
-    )
-    seen = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+        "print(code == -signal.SIGKILL, '|', watch.reason(True), '|', watch.reason(True))\n",
     )
     before, after = seen.stdout.splitlines()
     assert before == "None", seen.stdout
