@@ -165,7 +165,9 @@ def _redis_shown(scheme: str, parsed: dict[str, Any]) -> str:
     if password:
         remember_secret(str(password))
     named = quote(str(user or ""), safe="")
-    who = f"{named}:{MASK}@" if password else (f"{named}@" if user else "")
+    # A user name alone is no login Redis accepts (AUTH needs a password), and ``redis://PW@host`` is
+    # the usual slip for ``redis://:PW@host``: the password, shown as a user name in every error.
+    who = f"{named}:{MASK}@" if password else (f"{MASK}@" if user else "")
     if scheme == "unix":
         return f"unix://{who}{parsed.get('path', '')}" + (f"?db={parsed['db']}" if parsed.get("db") else "")
     host = str(parsed.get("host") or "localhost")
@@ -201,6 +203,8 @@ def secrets_in(text: str) -> list[str]:
     if scheme in REDIS_SCHEMES:
         parsed = parse_redis(text)
         found += [str(parsed["password"])] if parsed and parsed.get("password") else []
+        if parsed and parsed.get("username") and not parsed.get("password"):  # _redis_shown: a slip
+            found.append(str(parsed["username"]))
     elif scheme in POSTGRES_SCHEMES or keyword_form(text):
         parsed_pg = parse_postgres(split_table(text)[0])
         found += [parsed_pg[k] for k in _SECRET_KEYS if parsed_pg and parsed_pg.get(k)]

@@ -50,6 +50,8 @@ def test_a_password_is_found_and_masked_in_every_form_a_url_is_written() -> None
         f"postgresql://u@/db?host=/run&password={SECRET}&table=t": "postgresql://u:***@/db?host=/run&table=t",
         f"postgresql://u:{PLAIN}@127.0.0.1:5999/db?table=t": "postgresql://u:***@127.0.0.1:5999/db?table=t",
         f"redis://:{PLAIN}@127.0.0.1:6379/0": "redis://:***@127.0.0.1:6379/0",
+        # the password where the user name goes (no ":"): Redis takes no login without a password
+        f"redis://{PLAIN}@127.0.0.1:6379/0": "redis://***@127.0.0.1:6379/0",
     }
     for url, shown in forms.items():
         assert SECRET in secrets_of(url) or PLAIN in secrets_of(url), url
