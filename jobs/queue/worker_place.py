@@ -23,13 +23,13 @@ from pathlib import Path
 
 import redis
 
+from chunkq.jobs.contract.process_clock import pid_free, start_ticks
 from chunkq.jobs.queue.rq_api import Job, SimpleWorker
 
 PLACE_FIELD = "chunkq_place"
 PROCESS_FIELD = "chunkq_process"  # PID@START: the worker
 POOL_FIELD = "chunkq_pool"  # PID@START: its pool; empty without one
 TOKEN_FILE = Path("/dev/shm/chunkq-place")  # noqa: S108 - a per-boot tmpfs, read by every user
-_STAT_FIELDS_AFTER_NAME = 19  # starttime is /proc/PID/stat's 22nd field, the 20th after the ")"
 
 
 def this_place() -> str | None:
@@ -61,17 +61,8 @@ def _boot_token() -> str:
 
 def process_mark(pid: int) -> str | None:
     """``PID@START``: the process, told apart from any later one given its pid."""
-    start = _start_ticks(pid)
+    start = start_ticks(pid)
     return None if start is None else f"{pid}@{start}"
-
-
-def _start_ticks(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
-            after = fh.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return after[_STAT_FIELDS_AFTER_NAME] if after[0] != "Z" else "zombie"
 
 
 def place_fields(pool_pid: str | None) -> dict[str, str]:
@@ -88,17 +79,11 @@ def gone(mark: str) -> bool:
     pid_text, _, start = mark.partition("@")
     if not pid_text.isdigit() or not start:
         return False
-    pid = int(pid_text)
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    if pid_free(int(pid_text)):
         return True
-    except PermissionError:
-        return False  # another user's, and it exists
-    now = _start_ticks(pid)
-    if now is None:
-        return False  # it exists but /proc hides it (hidepid), or it ended this moment: the beat tells
-    return now != start
+    now = start_ticks(int(pid_text))
+    # None: it exists but /proc hides it (hidepid), or it ended this moment: its beat tells then.
+    return now is not None and now != start
 
 
 def gone_workers(connection: redis.Redis, job_ids: list[str]) -> dict[str, str]:
