@@ -26,7 +26,6 @@ from chunkq.jobs.contract.release import chunkq_version
 from chunkq.jobs.contract.run_files import RunLayout
 from chunkq.jobs.contract.settings import DEVICES_JSON_ENV, SETTINGS_JSON_ENV, PoolSettings, env_of
 from chunkq.jobs.contract.storage import OWNER_ONLY, is_local
-from chunkq.jobs.queue import jobmeta
 from chunkq.jobs.queue.abandon import mark_abandoned
 from chunkq.jobs.queue.enqueue import drop_run_jobs, enqueue_chunks, forget_run_finished, window_size
 from chunkq.jobs.queue.queueing import fetch_job, started_job_ids
@@ -36,7 +35,7 @@ from chunkq.queue_worker.processes.stopping import wait_or_kill
 from chunkq.supervisor.result.planned_rows import corpus_rows_of
 from chunkq.supervisor.server.embedded_redis import EmbeddedRedis
 from chunkq.supervisor.server.store_redis import embedded_redis_dir, local_state_dir, serve
-from chunkq.supervisor.store.attempts import AttemptRecorder, FailedAttempt, record_before_requeue
+from chunkq.supervisor.store.attempts import AttemptRecorder
 from chunkq.supervisor.store.phases import IDENTIFY, QUEUE, SPLIT, Phases
 from chunkq.supervisor.store.run_log import RunLog, log_path, relay
 from chunkq.supervisor.store.start_marks import CHUNKS_QUEUED, POOL_STARTED, REDIS_READY, StartMarks
@@ -181,8 +180,7 @@ def _release_orphans(connection: redis.Redis, previous: str, store: Path) -> Non
             try:
                 job = fetch_job(connection, job_id)
                 if job is not None:
-                    attempt = FailedAttempt.from_job(job, int(chunk), jobmeta.attempt(job.meta), None)
-                    AttemptRecorder(layout).record(attempt)
+                    AttemptRecorder(layout).record_job(job, int(chunk))
                     continue
                 why_not = "Redis no longer holds the job"
             except (redis.RedisError, ValueError, OSError) as exc:
@@ -239,6 +237,7 @@ class _QueueWhileSplitting:
     ) -> None:
         self.connection, self.layout, self.pool, self.marks = connection, layout, pool, marks
         self.room = window_size(connection, req.submit.queue, req.submit.queue_window)
+        self.recorder = AttemptRecorder(layout)  # the failed jobs it queues again (enqueue_chunks)
 
     def queue(self, manifest: RunManifest, indices: list[int]) -> None:
         if self.room > 0:
@@ -248,7 +247,7 @@ class _QueueWhileSplitting:
                 manifest,
                 indices,
                 limit=self.room,
-                before_requeue=record_before_requeue(self.layout),
+                before_requeue=self.recorder.record_job,
             )
             self.room -= counts.in_redis
             self.marks.mark(CHUNKS_QUEUED)

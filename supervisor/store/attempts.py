@@ -8,7 +8,6 @@ the store is what ``chunkq report`` and ``chunkq status`` read failures from. On
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -85,20 +84,14 @@ class AttemptRecorder:
             atomic_write_json(path, asdict(attempt))
         self._written.add(key)
 
-
-def record_before_requeue(layout: RunLayout) -> Callable[[Job, int], None]:
-    """What a submit gives ``enqueue_chunks`` for the failed jobs it queues again: their attempt
-    recorded first. A run stopped before its supervisor settled a failure (a worker's own write on a
-    full disk, Ctrl-C then kill -9 during the drain) left the job failed in Redis, and the next
-    submit requeued it unrecorded: `status` said "failed attempts: 0" where the log had said it
-    failed. An attempt its supervisor recorded already (a quarantine) is not written again."""
-    recorder = AttemptRecorder(layout)
-
-    def record(job: Job, chunk: int) -> None:
+    def record_job(self, job: Job, chunk: int) -> None:
+        """A failed job's attempt as its meta says it ended (quarantined or not). What a submit does
+        before it queues a failed job again (``enqueue_chunks``' ``before_requeue``): a run stopped
+        before its supervisor settled a failure (a worker's own write on a full disk, Ctrl-C then
+        kill -9 during the drain) left the job failed in Redis, and the next submit requeued it
+        unrecorded: `status` said "failed attempts: 0" where the log had said it failed."""
         reason = str(job.meta.get(jobmeta.QUARANTINE_REASON, "")) if jobmeta.quarantined(job.meta) else None
-        recorder.record(FailedAttempt.from_job(job, chunk, jobmeta.attempt(job.meta), reason))
-
-    return record
+        self.record(FailedAttempt.from_job(job, chunk, jobmeta.attempt(job.meta), reason))
 
 
 def failed_attempts(layout: RunLayout) -> list[FailedAttempt]:

@@ -34,7 +34,7 @@ from chunkq.supervisor.corpus.files import unchanged
 from chunkq.supervisor.corpus.records import Record
 from chunkq.supervisor.result.chunk_reads import set_aside
 from chunkq.supervisor.result.reader import published_result
-from chunkq.supervisor.store.attempts import record_before_requeue
+from chunkq.supervisor.store.attempts import AttemptRecorder
 from chunkq.supervisor.submit.dupes import IdRegistry
 from chunkq.supervisor.submit.heap import give_back_free_heap
 from chunkq.supervisor.submit.identity import (
@@ -381,7 +381,7 @@ def submit(
             manifest,
             (i for i in range(manifest.chunks) if i not in done),
             limit=window_size(connection, req.queue, req.queue_window),
-            before_requeue=record_before_requeue(layout),
+            before_requeue=AttemptRecorder(layout).record_job,
         )
     except RunConflictError:
         if created:  # nothing of it was queued: the store is left as this command found it

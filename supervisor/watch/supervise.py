@@ -48,7 +48,7 @@ from chunkq.jobs.queue.queueing import give_back
 from chunkq.supervisor.result.assemble import Failure, assemble
 from chunkq.supervisor.result.building import Build
 from chunkq.supervisor.result.mapped_building import start_build
-from chunkq.supervisor.store.attempts import AttemptRecorder, FailedAttempt, record_before_requeue
+from chunkq.supervisor.store.attempts import AttemptRecorder, FailedAttempt
 from chunkq.supervisor.store.phases import WATCH, Phases
 from chunkq.supervisor.store.run_lock import RunLock
 from chunkq.supervisor.store.store_lock import StoreLock
@@ -171,7 +171,6 @@ class Supervisor:
             self.connection, self.layout, self.manifest, stale_after=self.settings.stale_after
         )
         self.recorder = AttemptRecorder(self.layout)
-        self.record_requeued = record_before_requeue(self.layout)  # a waiting chunk's failed job, if any
         self.submitted_window = submitted_window(self.layout)
 
     def _watch_idle(self, snap: Snapshot) -> None:
@@ -246,8 +245,8 @@ class Supervisor:
             return  # a tenth of the window at a time: one enqueue per many chunks, not one per chunk
         taken = self.tracker.take_waiting(room)
         if taken:
-            requeued = self.record_requeued
-            enqueue_chunks(self.connection, self.layout, self.manifest, taken, before_requeue=requeued)
+            recorded = self.recorder.record_job  # a waiting chunk's failed job, if it has one
+            enqueue_chunks(self.connection, self.layout, self.manifest, taken, before_requeue=recorded)
             snap.chunks_queued += len(taken)
             snap.chunks_waiting -= len(taken)
             log.debug(
