@@ -263,7 +263,7 @@ def resolve_cpu_workers(value: int | None, preload: str | None) -> int:
         return value
     weights = model_bytes(_model_path(preload), "fp32")
     room = memory_room()
-    where = "" if room.limited_by == "the host" else f" (the memory limit of cgroup {room.limited_by})"
+    where = f" ({room.source})" if room.limited else ""
     workers, why = auto_cpu_workers(usable_cores(), weights, room.available, where)
     level = logging.WARNING if TOO_LITTLE_MEMORY in why else logging.INFO
     log.log(level, "CPU workers: %d (%s)", workers, why)

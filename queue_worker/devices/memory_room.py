@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,18 +30,28 @@ PROC_CGROUP = Path("/proc/self/cgroup")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 # v1 writes "no limit" as the largest page-aligned number (9223372036854771712 on x86-64).
 _V1_UNLIMITED = 1 << 62
+HOST = "the host"
 
 
 @dataclass(frozen=True)
 class MemoryRoom:
     total: int  # bytes this process may hold at most: the host's, or the tightest cgroup limit
     available: int  # bytes it may still take
-    limited_by: str  # "the host" or the cgroup folder whose limit binds
+    limited_by: str  # HOST or the cgroup folder whose limit binds
+
+    @property
+    def limited(self) -> bool:
+        return self.limited_by != HOST
+
+    @property
+    def source(self) -> str:
+        """Whose memory it is, in the words of the pool's lines."""
+        return f"the memory limit of cgroup {self.limited_by}" if self.limited else "this host's memory"
 
 
 def memory_room(proc_cgroup: Path = PROC_CGROUP, root: Path = CGROUP_ROOT) -> MemoryRoom:
     host = psutil.virtual_memory()
-    room = MemoryRoom(int(host.total), int(host.available), "the host")
+    room = MemoryRoom(int(host.total), int(host.available), HOST)
     try:
         return _tightest(room, _own_folders(proc_cgroup, root))
     except (OSError, ValueError):  # what no kernel writes: the host's memory, as before
@@ -139,17 +150,13 @@ class OomWatch:
     def __init__(self) -> None:
         self.seen = oom_kills()
 
-    def reason(self, killed_by_sigkill: bool) -> str | None:
-        if not killed_by_sigkill:
+    def reason(self, returncode: int) -> str | None:
+        """What to add to a worker's exit ``returncode``'s reason: None unless the OOM killer's."""
+        if returncode != -signal.SIGKILL:
             return None
         now = oom_kills()
         if now <= self.seen:
             return None
         self.seen = now
         room = memory_room()
-        where = (
-            "this host's memory"
-            if room.limited_by == "the host"
-            else f"the memory limit of cgroup {room.limited_by}"
-        )
-        return f"(the kernel's OOM killer: {where}, {room.total / 2**30:.1f} GiB)"
+        return f"(the kernel's OOM killer: {room.source}, {room.total / 2**30:.1f} GiB)"

@@ -59,9 +59,9 @@ SOCKET_FD_ENV = environment.FORK_SERVER_FD
 PRELOAD = ("torch", "sentence_transformers", WORKER_MODULE)
 PRELOAD_ENV = environment.FORK_SERVER_PRELOAD  # more modules to import once, e.g. your own job functions
 MODEL_ENV = environment.FORK_SERVER_MODEL  # the pool's --preload model, loaded once on the CPU
-TEMPLATE_MEMORY_SHARE = (
-    0.25  # of this process's memory (a cgroup's limit); a larger model is loaded by each worker instead
-)
+# Of the memory this process may use (a cgroup's limit where one binds); a larger model is loaded by
+# each worker instead.
+TEMPLATE_MEMORY_SHARE = 0.25
 # torch.cuda.is_available() and device_count() then ask NVML, not the driver (whose cuInit a forked
 # child would inherit), should an import call them in the fork server.
 NVML_BASED_CUDA_CHECK = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}

@@ -278,7 +278,7 @@ class Pool:
             self.exits.append((slot.key, code))
             self.metrics.worker_exited(slot.device, code, hung=slot.worker_name in self.dead.hung)
             reason = self.dead.hung.pop(slot.worker_name, None) or exit_codes.describe(code)
-            reason = f"{reason} {oom}" if (oom := self.oom.reason(code == -signal.SIGKILL)) else reason
+            reason = f"{reason} {oom}" if (oom := self.oom.reason(code)) else reason
             dead = slot.worker_name
             slot.proc = None
             verdict = self.policy.judge(

@@ -144,10 +144,10 @@ def test_a_worker_killed_on_the_memory_limit_is_said_to_be(limited_cgroup: Path)
         "import signal, subprocess, sys\n"
         "from chunkq.queue_worker.devices.memory_room import OomWatch\n"
         "watch = OomWatch()\n"
-        "print(watch.reason(True))\n"
+        "print(watch.reason(-signal.SIGKILL))\n"
         "hog = 'x = bytearray(2 << 30); x[::4096] = bytes(len(x) // 4096)'\n"
         "code = subprocess.run([sys.executable, '-c', hog]).returncode\n"
-        "print(code == -signal.SIGKILL, '|', watch.reason(True), '|', watch.reason(True))\n",
+        "print(code == -signal.SIGKILL, '|', watch.reason(code), '|', watch.reason(code))\n",
     )
     before, after = seen.stdout.splitlines()
     assert before == "None", seen.stdout
