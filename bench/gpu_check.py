@@ -211,21 +211,22 @@ def main() -> None:
         (args.out / "gpu-check.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
         (args.out / "gpu-check.md").write_text(markdown(result))
 
-    common = ["--device", args.device, "--repeats", str(sizes["repeats"])]
+    common = ["--device", args.device]
     if os.environ.get("CHUNKQ_GPU_TEST_MODEL"):  # the bundled model's package is not on the host
         common += ["--model", os.environ["CHUNKQ_GPU_TEST_MODEL"]]
+    rounds = ["--repeats", str(sizes["repeats"])]  # tokenised once against twice
     result["tier"] = gpu_tier(args.out, left(SHARES["tier"]))
     save()
     minilm = ["--rows", str(sizes["rows"]), "--large-rows", "0", "--configs", sizes["configs"], "--baselines"]
-    result["minilm"] = bench(args.out, "minilm", [*common, *minilm], left(SHARES["minilm"]))
+    result["minilm"] = bench(args.out, "minilm", [*common, *rounds, *minilm], left(SHARES["minilm"]))
     save()
+    # Whole commands only: plain and the defaults, no baselines, no tokenisation rounds.
     whole = ["--rows", str(sizes["whole_rows"]), "--large-rows", "0", "--configs", "auto", "--no-baselines"]
-    whole += ["--repeats", "0"]  # whole commands only: plain and the defaults
-    result["whole"] = bench(args.out, "whole", [*common, *whole], left(SHARES["whole"]))
+    result["whole"] = bench(args.out, "whole", [*common, "--repeats", "0", *whole], left(SHARES["whole"]))
     save()
     if sizes["large_rows"]:
         large = ["--rows", "0", "--large-rows", str(sizes["large_rows"]), "--configs", "auto", "--baselines"]
-        result["large"] = bench(args.out, "large", [*common, *large], left(SHARES["large"]))
+        result["large"] = bench(args.out, "large", [*common, *rounds, *large], left(SHARES["large"]))
         save()
     print(markdown(result))
 
