@@ -105,13 +105,15 @@ class Outcome:
         return self.result is not None and not self.result.get("complete", True)
 
 
-def failure_report(failures: list[Failure], run_id: str | None = None) -> str:
-    lines = [f"{len(failures)} chunk(s) quarantined:"]
-    lines += [
+def _failure_line(f: Failure) -> str:
+    return (
         f"  {(f.label or f'chunk {f.chunk}').removesuffix(')')}, job {f.job_id}, {f.error_class}, "
         f"attempt {f.attempt}{', ' + f.reason if f.reason else ''}): {errors.first_line(f.error)}"
-        for f in failures
-    ]
+    )
+
+
+def failure_report(failures: list[Failure], run_id: str | None = None) -> str:
+    lines = [f"{len(failures)} chunk(s) quarantined:", *map(_failure_line, failures)]
     fixable = [f.chunk for f in failures if f.error_class != errors.BAD_INPUT]
     if fixable:
         again = f"`chunkq supervise {run_id}`" if run_id else "`chunkq supervise RUN`"
@@ -129,11 +131,7 @@ def unsettled_report(failures: list[Failure], run_id: str) -> str:
     not quarantined, not yet in the store's record (the hostile pass: `status` called such a first
     attempt "quarantined" and counted 0 failed attempts)."""
     lines = [f"{len(failures)} chunk(s) failed, waiting for a supervisor to retry them:"]
-    lines += [
-        f"  {(f.label or f'chunk {f.chunk}').removesuffix(')')}, job {f.job_id}, {f.error_class}, "
-        f"attempt {f.attempt}): {errors.first_line(f.error)}"
-        for f in failures
-    ]
+    lines += map(_failure_line, failures)
     lines.append(f"`chunkq supervise {run_id}` or the same `chunkq run` command retries and records them")
     return "\n".join(lines)
 
