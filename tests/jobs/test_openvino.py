@@ -35,7 +35,9 @@ needs_openvino = pytest.mark.skipif(
 def test_a_run_asking_for_openvino_without_it_is_refused_in_one_line(tmp_path: Path) -> None:
     ids, texts = make_texts(20, seed=1)
     corpus = write_corpus(tmp_path / "a.jsonl", ids, texts, "jsonl")
-    done = run_cli("run", str(corpus), "--store", str(tmp_path / "store"), "--backend", "openvino")
+    done = run_cli(
+        "run", str(corpus), "--store", str(tmp_path / "store"), "--backend", "openvino", forks=False
+    )
     said = [line for line in done.stderr.splitlines() if line.strip()]
     assert done.returncode == EXIT_CONFIG, done.stderr[-2000:]
     assert said == [
@@ -83,7 +85,15 @@ def test_openvino_is_for_cpu_workers_in_fp32_bf16_or_a_named_int8_model_and_dens
     ids, texts = make_texts(10, seed=2)
     corpus = write_corpus(tmp_path / "a.jsonl", ids, texts, "jsonl")
     late = run_cli(
-        "run", str(corpus), "--store", str(tmp_path / "s"), "--backend", "openvino", "--long-texts", "late"
+        "run",
+        str(corpus),
+        "--store",
+        str(tmp_path / "s"),
+        "--backend",
+        "openvino",
+        "--long-texts",
+        "late",
+        forks=False,
     )
     assert (
         late.returncode == EXIT_CONFIG
@@ -92,7 +102,9 @@ def test_openvino_is_for_cpu_workers_in_fp32_bf16_or_a_named_int8_model_and_dens
     # int8 is a quantized OpenVINO model, named: never PyTorch's, never a model that holds none.
     with pytest.raises(ConfigError, match="--precision int8 runs an int8 OpenVINO model: give --backend"):
         EncodeOptions(precision="int8")
-    torch_int8 = run_cli("run", str(corpus), "--store", str(tmp_path / "s"), "--precision", "int8")
+    torch_int8 = run_cli(
+        "run", str(corpus), "--store", str(tmp_path / "s"), "--precision", "int8", forks=False
+    )
     assert torch_int8.returncode == EXIT_CONFIG and "give --backend openvino too" in torch_int8.stderr
     with pytest.raises(ConfigError, match=r"holds none \(openvino/openvino_model_qint8_quantized.xml\)"):
         ov_backend.load(lambda where: pytest.fail(where), str(tmp_path), None, "int8")
