@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any, NoReturn, TypeVar
+from urllib.parse import urlsplit
 
 import click
 import redis
@@ -170,11 +171,22 @@ def _redis_error(exc: redis.RedisError, url: str | None) -> str:
     url = url or os.environ.get(env_of("redis_url"))
     where = f"Redis at {redacted(url)}" if url else "Redis"
     if isinstance(exc, redis.AuthenticationError):
-        return (
-            f"{where} refused the password: {exc} (give it in the URL, redis://:PASSWORD@HOST:PORT, or "
-            "in CHUNKQ_REDIS_URL)"
+        # A URL without a password meets a server that wants one as Redis's "HELLO must be called
+        # with the client already authenticated, ...": about a command the user never gave.
+        said = (
+            "wants a password, which the URL lacks"
+            if url and not _password_in(url)
+            else (f"refused the password: {exc}")
         )
+        return f"{where} {said} (give it in the URL, redis://:PASSWORD@HOST:PORT, or in CHUNKQ_REDIS_URL)"
     return f"{where}: {exc}"
+
+
+def _password_in(url: str) -> bool:
+    try:
+        return bool(urlsplit(url).password)
+    except ValueError:  # a URL Redis's client took and urllib will not (a bad port): say Redis's words
+        return True
 
 
 def _internal_error(exc: BaseException) -> NoReturn:

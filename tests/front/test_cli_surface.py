@@ -244,7 +244,9 @@ def test_the_pool_that_chunkq_run_starts_is_queue_worker_itself_and_says_what_it
 
 
 @pytest.mark.slow
-def test_a_wrong_redis_password_names_redis_and_its_url_masked(redis_url: str, tmp_path: Path) -> None:
+def test_a_wrong_or_missing_redis_password_names_redis_and_its_url_masked(
+    redis_url: str, tmp_path: Path
+) -> None:
     """Issue 37.17: a wrong password printed only Redis's `invalid username-password pair or user is
     disabled.`, naming neither Redis nor the server."""
     from urllib.parse import urlsplit
@@ -257,6 +259,17 @@ def test_a_wrong_redis_password_names_redis_and_its_url_masked(redis_url: str, t
     assert done.returncode == 7, done.stderr
     assert f"Redis at redis://:***@127.0.0.1:{real.port}/0 refused the password" in done.stderr
     assert "not-the-password" not in done.stderr and "Traceback" not in done.stderr
+    # None at all: Redis's own words are about HELLO, a command the user never gave.
+    none = run_cli(
+        "submit",
+        str(corpus),
+        "--store",
+        str(tmp_path / "s"),
+        "--redis-url",
+        f"redis://{real.hostname}:{real.port}/0",
+    )
+    assert none.returncode == 7, none.stderr
+    assert f"Redis at redis://127.0.0.1:{real.port}/0 wants a password, which the URL lacks" in none.stderr
 
 
 @pytest.mark.slow
