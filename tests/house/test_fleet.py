@@ -210,6 +210,7 @@ def _wait_for_inputs() -> str:
     return str(init["args"][0])
 
 
+@pytest.mark.slow  # 6 s of whole-second polls by sh, which counts in integers
 def test_the_runs_job_waits_for_its_corpus_and_model_to_be_copied_in(tmp_path: Path) -> None:
     """Issue 53.5: the Job started before the corpus was copied in, and failed. Its init container,
     run here by sh: it waits for the corpus (and a model on the store) until both stop growing, and
