@@ -21,6 +21,7 @@ from typing import Any
 import psutil
 import pytest
 
+from chunkq.jobs.contract.process_clock import start_ticks
 from chunkq.jobs.contract.run_files import RunLayout
 from chunkq.supervisor.server.embedded_redis import free_port
 from tests.helpers import make_texts, result_matches, wait_for, write_corpus
@@ -36,6 +37,8 @@ MISSING = [tool for tool in DAEMONS + CLIENTS if shutil.which(tool) is None]
 KILL_WAIT = 15
 DRAINED_CHUNK = 6  # its first attempt takes 4 s: the pool holding it is cancelled and finishes it
 CUT_CHUNK = 10  # its first attempt takes 600 s: the pool holding it is requeued (preempted) and cut off
+CLUSTER_DIR = "slurm"  # the folder of a cluster's files, its slurm.conf what its processes carry
+OWNER_FILE = "owner"  # PID@START of the test process whose cluster it is
 
 pytestmark = [
     pytest.mark.slow,
@@ -84,12 +87,34 @@ PartitionName=debug Nodes=n1 Default=YES MaxTime=INFINITE State=UP
 
 def _ours(conf: Path) -> list[psutil.Process]:
     """Every process of this cluster: the daemons and whatever its jobs started carry SLURM_CONF."""
-    found = []
+    return [proc for proc, its_conf in _cluster_processes() if its_conf == str(conf)]
+
+
+def _cluster_processes() -> Iterator[tuple[psutil.Process, str]]:
+    """Each process of a cluster this file made, and its cluster's slurm.conf."""
     for proc in psutil.process_iter():
         with contextlib.suppress(psutil.Error):
-            if proc.environ().get("SLURM_CONF") == str(conf):
-                found.append(proc)
-    return found
+            conf = proc.environ().get("SLURM_CONF", "")
+            if conf.endswith(f"/{CLUSTER_DIR}/slurm.conf"):
+                yield proc, conf
+
+
+def _owned(base: Path) -> None:
+    (base / OWNER_FILE).write_text(f"{os.getpid()}@{start_ticks()}")
+
+
+def _reap_orphaned_clusters() -> None:
+    """Kill what is left of clusters whose test process is gone. A test process SIGKILLed (by a
+    `timeout`, say) never runs its fixture's clean-up: the recipe's jobs then ran here for two hours,
+    one a password-protected Redis on 0.0.0.0, another a supervisor hung in its exit trap's scancel."""
+    for proc, conf in _cluster_processes():
+        owner = Path(conf).parent / OWNER_FILE
+        with contextlib.suppress(OSError, ValueError):
+            pid, ticks = owner.read_text().split("@")
+            if start_ticks(int(pid)) == ticks:
+                continue  # a live test's cluster (another xdist worker's)
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
 
 
 @pytest.fixture
@@ -98,9 +123,11 @@ def slurm(tmp_path: Path) -> Iterator[dict[str, str]]:
     assert not MISSING, f"{', '.join(MISSING)} are needed in CI (make test installs them)"
     if os.geteuid() != 0:
         pytest.skip("slurmd runs jobs as their users only when it is root")
-    base = tmp_path / "slurm"
+    _reap_orphaned_clusters()
+    base = tmp_path / CLUSTER_DIR
     for sub in ("munge", "state", "spool"):
         (base / sub).mkdir(parents=True, mode=0o700)
+    _owned(base)
     key = base / "munge" / "munge.key"
     key.write_bytes(os.urandom(1024))
     key.chmod(0o400)
@@ -314,3 +341,27 @@ def test_on_a_cpu_partition_the_pools_run_on_their_cpus_and_a_refused_submit_rel
     assert any("missing.jsonl" in text and "chunkq: error" in text for text in supervisor_logs), (
         supervisor_logs
     )
+
+
+def test_a_cluster_whose_test_process_was_killed_is_reaped_and_a_live_ones_is_not(tmp_path: Path) -> None:
+    """No Slurm needed: two processes carrying a cluster's SLURM_CONF, one cluster's owner gone."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    processes = {}
+    for name, owner in (("orphan", f"{dead.pid}@{start_ticks()}"), ("live", None)):
+        base = tmp_path / name / CLUSTER_DIR
+        base.mkdir(parents=True)
+        if owner is None:
+            _owned(base)
+        else:
+            (base / OWNER_FILE).write_text(owner)
+        env = {**os.environ, "SLURM_CONF": str(base / "slurm.conf")}
+        processes[name] = subprocess.Popen(["sleep", "120"], env=env)
+    try:
+        _reap_orphaned_clusters()
+        assert processes["orphan"].wait(timeout=30) == -9
+        assert processes["live"].poll() is None
+    finally:
+        for proc in processes.values():
+            proc.kill()
+            proc.wait()
