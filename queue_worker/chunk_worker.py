@@ -22,12 +22,12 @@ import setproctitle
 
 from chunkq.jobs.compute import runtime
 from chunkq.jobs.contract import errors
-from chunkq.jobs.contract.defaults import HEARTBEAT_SECONDS
+from chunkq.jobs.contract.defaults import HEARTBEAT_SECONDS, REDIS_REPLY_SECONDS
 from chunkq.jobs.contract.events import announce_settled
 from chunkq.jobs.contract.settings import SIGNAL_REPEAT_SECONDS
 from chunkq.jobs.queue import attempt_records, jobmeta, run_queues, worker_place
 from chunkq.jobs.queue.queueing import give_back
-from chunkq.jobs.queue.rq_api import SimpleWorker, StopRequested, WorkerStatus
+from chunkq.jobs.queue.rq_api import SimpleWorker, StopRequested, WorkerStatus, utcformat
 from chunkq.queue_worker.exit_codes import (
     EXIT_CUDA_FATAL,
     EXIT_DEVICE_UNSUPPORTED,
@@ -36,7 +36,7 @@ from chunkq.queue_worker.exit_codes import (
 )
 from chunkq.queue_worker.processes.lifeline import ORPHANED_SIGNAL, POOL_PID_ENV, pool_alive
 from chunkq.queue_worker.processes.standby import announce_last_job
-from chunkq.queue_worker.wait_cutter import RedisGoneWhileStopping, StoppedWhileWaiting, WaitCutter
+from chunkq.queue_worker.wait_cutter import RedisGoneWhileStopping, StopNote, StoppedWhileWaiting, WaitCutter
 from chunkq.queue_worker.worker_args import worker_title
 
 log = logging.getLogger(__name__)
@@ -129,6 +129,7 @@ class ChunkWorker(SimpleWorker):
         # sets the cutter's event.
         self._cutter = WaitCutter(self)
         self._cutter.start()
+        self._stop_note = StopNote(self)
         self.pool_queue = self.queues[0].name  # the one it was started on; the runs' come and go
         self.turn = 0  # jobs taken: where its round of the runs' queues starts (run_queues)
 
@@ -137,6 +138,17 @@ class ChunkWorker(SimpleWorker):
         """No job in hand: waiting for one (its BLMOVE has not returned), or neither taking nor running
         one (between jobs, or on its way out after a stop)."""
         return self.waiting or not (self._taking_job or self.in_job)
+
+    @property
+    def connection_timeout(self) -> int:
+        # RQ raises its connection's reply limit to its own wait for a job plus 10 s (415 s), which
+        # every command then had against a Redis that stopped answering; this worker's waits are
+        # STOP_POLL_SECONDS long.
+        return int(self.stop_poll_seconds + REDIS_REPLY_SECONDS)
+
+    def set_shutdown_requested_date(self) -> None:
+        if self._shutdown_requested_date is not None:  # from the signal handler: no Redis here (StopNote)
+            self._stop_note.ask(utcformat(self._shutdown_requested_date))
 
     def _shutdown(self) -> None:
         # Marked whatever follows: RQ raises StopRequested from the signal handler when the worker is

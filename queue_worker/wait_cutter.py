@@ -9,10 +9,12 @@ import logging
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import redis
 
+from chunkq.jobs.contract.defaults import REDIS_REPLY_SECONDS
+from chunkq.jobs.queue.redis_clients import client_like, one_try
 from chunkq.queue_worker.exit_codes import EXIT_STOPPED
 
 if TYPE_CHECKING:
@@ -40,13 +42,6 @@ def _silence(client: redis.Redis) -> str | None:
     except redis.RedisError as exc:
         return f"Redis cannot be reached ({exc})"
     return None
-
-
-def client_like(connection: redis.Redis, **overrides: Any) -> redis.Redis:
-    """A client of its own to ``connection``'s server, with its settings less ``overrides``."""
-    pool = connection.connection_pool
-    kwargs = {**pool.connection_kwargs, **overrides}
-    return redis.Redis(connection_pool=redis.ConnectionPool(connection_class=pool.connection_class, **kwargs))
 
 
 def wake_blocked_clients(waker: redis.Redis, name: str) -> int:
@@ -108,3 +103,34 @@ class WaitCutter:
                 with contextlib.suppress(Exception):
                     handler.flush()
             os._exit(EXIT_STOPPED)
+
+
+class StopNote:
+    """Writes RQ's note that a stop was asked for (the worker's ``shutdown_requested_date``, which
+    rq-dashboard shows) from a thread of its own. RQ writes it from its signal handler, on the
+    connection the interrupted code may be reading from: against a Redis that stopped answering the
+    handler, and the chunk it interrupted, waited as long as that connection's limit (RQ's 415 s)."""
+
+    def __init__(self, worker: ChunkWorker) -> None:
+        self.worker = worker
+        self.asked_at = ""
+        self._asked = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="chunkq-stop-note", daemon=True)
+        self._thread.start()  # now: a signal handler must not start a thread (see WaitCutter)
+
+    def ask(self, asked_at: str) -> None:
+        """Note the stop asked for at ``asked_at`` (RQ's date format); safe in a signal handler."""
+        self.asked_at = asked_at
+        self._asked.set()
+
+    def _run(self) -> None:
+        self._asked.wait()
+        worker = self.worker
+        client = one_try(worker.connection, REDIS_REPLY_SECONDS)
+        try:
+            client.hset(worker.key, "shutdown_requested_date", self.asked_at)
+        except redis.RedisError as exc:  # a note only: the stop goes on without it
+            worker.log.debug("Worker %s: could not note the stop in Redis: %s", worker.name, exc)
+        finally:
+            client.close()
+            client.connection_pool.disconnect()

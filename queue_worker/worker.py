@@ -41,6 +41,7 @@ from chunkq.jobs.drills import faults
 from chunkq.jobs.embed import warm_up
 from chunkq.jobs.queue.allowlist import AllowListedJob
 from chunkq.jobs.queue.nopickle import forbid_pickle
+from chunkq.jobs.queue.redis_clients import connect
 from chunkq.jobs.queue.rq_api import JSONSerializer, StopRequested
 from chunkq.queue_worker.chunk_worker import (
     ENDING_CODES,
@@ -238,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_NO_CONTEXT
         _limit_gpu_memory(ctx, args.gpu_memory_limit)
         # Named, every connection: a stop finds this worker's wait for a job by it, and cuts it short.
-        connection = redis.Redis.from_url(url, client_name=name)
+        connection = connect(url, client_name=name)
         connection.ping()
         if args.preload:
             kind = describe(args.preload).kind

@@ -29,6 +29,7 @@ from chunkq.jobs.contract.storage import OWNER_ONLY, is_local
 from chunkq.jobs.queue.abandon import mark_abandoned
 from chunkq.jobs.queue.enqueue import drop_run_jobs, enqueue_chunks, forget_run_finished, window_size
 from chunkq.jobs.queue.queueing import fetch_job, started_job_ids
+from chunkq.jobs.queue.redis_clients import connect
 from chunkq.queue_worker.devices.discovery import GpuInfo, devices_json
 from chunkq.queue_worker.processes.lifeline import die_with_parent
 from chunkq.queue_worker.processes.stopping import wait_or_kill
@@ -297,7 +298,7 @@ def _forget_finished_jobs(url: str, run_id: str) -> None:
     """The run's finished jobs its pool left in Redis (``forget_run_finished``); a Redis gone by
     then keeps them until their TTL, as it keeps everything else."""
     with contextlib.suppress(redis.RedisError, OSError):
-        forget_run_finished(redis.Redis.from_url(url), run_id)
+        forget_run_finished(connect(url), run_id)
 
 
 def _start_redis(req: RunRequest, stack: contextlib.ExitStack) -> tuple[str, Callable[[], str | None]]:
@@ -307,7 +308,7 @@ def _start_redis(req: RunRequest, stack: contextlib.ExitStack) -> tuple[str, Cal
         return req.redis_url, redis_never_gone
     served = serve(req.submit.store, stack, wait=req.watch.wait_for_owner)
     stack.enter_context(_full_disk_is_a_storage_error(served.server))
-    _release_orphans(redis.Redis.from_url(served.server.url), served.took_over, req.submit.store)
+    _release_orphans(connect(served.server.url), served.took_over, req.submit.store)
     return served.server.url, lambda: served.server.failure
 
 
@@ -362,7 +363,7 @@ def _run(
         if prepared is None:  # a new run: its corpus is split while the pool loads the model
             pool = stack.enter_context(PoolProcess(req, url, layout.run_id, run_log))
             marks.mark(POOL_STARTED)
-            feed = _QueueWhileSplitting(redis.Redis.from_url(url), layout, req, pool, marks)
+            feed = _QueueWhileSplitting(connect(url), layout, req, pool, marks)
             try:
                 with phases.phase(SPLIT):
                     prepared = prepare(req.submit, identified, feed)
@@ -370,7 +371,7 @@ def _run(
                 pool.kill()  # it has taken nothing: nothing was queued
                 redis_dir.remove_on_failure()  # it holds nothing of the run yet
                 raise
-        connection = redis.Redis.from_url(url)
+        connection = connect(url)
         with phases.phase(QUEUE):
             submitted = submit(req.submit, connection, identified, prepared)
         if prepared.created:  # a resumed run's first rows were a first command's

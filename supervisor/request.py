@@ -40,6 +40,7 @@ from chunkq.jobs.contract.run import Run
 from chunkq.jobs.contract.settings import PoolSettings
 from chunkq.jobs.contract.specs import BATCH_TOKENS_OFF, INT8, OPENVINO, EncodeOptions
 from chunkq.jobs.contract.storage import is_local, open_store
+from chunkq.jobs.queue.redis_clients import connect
 from chunkq.jobs.queue.run_queues import MAX_PRIORITY
 from chunkq.queue_worker.devices.gpus import choose
 from chunkq.supervisor.corpus.records import CorpusOptions, detect_format, read_corpus
@@ -385,7 +386,7 @@ def reach_redis(url: str) -> redis.Redis:
     """A connection that has answered a PING: a run or submit that cannot reach Redis stops before
     it writes anything."""
     check_redis_url(url)
-    connection = redis.Redis.from_url(url, socket_connect_timeout=5)
+    connection = connect(url)
     connection.ping()
     return connection
 

@@ -16,14 +16,22 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import redis
+
+from chunkq.jobs.queue.redis_clients import one_try
 
 log = logging.getLogger(__name__)
 
 KEY_PREFIX = "chunkq:encoding:"
 REPORT_SECONDS = 1.0  # a report per batch would cost a round trip per few milliseconds on a GPU
+# A report is two small commands, sent between batches: a Redis that has not answered them in this
+# long is not answering, and the chunk goes on without reports for QUIET_SECONDS. On the worker's own
+# connection a Redis that stopped answering held the encode for RQ's 415 s at each report.
+REPLY_SECONDS = 1.0
+QUIET_SECONDS = 30.0
 KEEP_SECONDS = 24 * 3600  # a run's hash outlives a worker that died without clearing its field
 FORGET_BLOCK = 1000  # fields a command clears at most
 SAMPLES = 8  # samples kept in a chunk's output (and its ledger record): a point every 1/8 of its rows
@@ -77,6 +85,18 @@ def forget(connection: redis.Redis, run_id: str, indices: list[int] | None = Non
         )
 
 
+_reporting_clients: weakref.WeakKeyDictionary[redis.ConnectionPool, redis.Redis] = weakref.WeakKeyDictionary()
+
+
+def reporting_client(connection: redis.Redis) -> redis.Redis:
+    """The client a worker's reports go through: one per worker connection, each command tried once."""
+    pool = connection.connection_pool
+    client = _reporting_clients.get(pool)
+    if client is None:
+        client = _reporting_clients[pool] = one_try(connection, REPLY_SECONDS)
+    return client
+
+
 @dataclass
 class RowsReporter:
     """Called with the rows encoded so far after each batch of one attempt at one chunk; called
@@ -91,6 +111,7 @@ class RowsReporter:
     samples: list[list[float]] = field(default_factory=list)
     _started_mono: float = field(default_factory=time.monotonic)
     _last_report: float = float("-inf")
+    _quiet_until: float = float("-inf")
 
     def __call__(self, rows: int) -> None:
         now = time.monotonic()
@@ -102,18 +123,23 @@ class RowsReporter:
         if not self.samples or first or rows >= self.samples[-1][1] + step or rows == self.total:
             self.samples.append([round(now - self._started_mono, 3), rows])
         self.rows = rows
-        if self.connection is not None and (now - self._last_report >= REPORT_SECONDS or rows == self.total):
+        due = now - self._last_report >= REPORT_SECONDS or rows == self.total
+        if self.connection is not None and due and now >= self._quiet_until:
             self._last_report = now
-            self._send(f"{rows} {self.started:.3f} {time.time():.3f}")
+            if not self._send(f"{rows} {self.started:.3f} {time.time():.3f}"):
+                self._quiet_until = time.monotonic() + QUIET_SECONDS
 
-    def _send(self, value: str) -> None:
+    def _send(self, value: str) -> bool:
+        """Whether Redis took the report."""
         if self.connection is None:
-            return
+            return True
         key = progress_key(self.run_id)
         try:
-            with self.connection.pipeline(transaction=False) as pipe:
+            with reporting_client(self.connection).pipeline(transaction=False) as pipe:
                 pipe.hset(key, str(self.index), value)
                 pipe.expire(key, KEEP_SECONDS)
                 pipe.execute()
         except redis.RedisError as exc:  # the display's loss, never the chunk's
             log.debug("could not report chunk %d's rows: %s", self.index, exc)
+            return False
+        return True

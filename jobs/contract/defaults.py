@@ -42,6 +42,11 @@ BACKOFF_JITTER = 0.25  # +-25 %, so chunks that failed together do not return to
 # Watching a run.
 DEFAULT_POLL_SECONDS = 1.0  # between looks at a run; a finished chunk wakes the supervisor sooner
 REDIS_PATIENCE_SECONDS = 300.0  # how long Redis may stay away before the supervisor gives up
+# A command Redis has not answered in this long fails as a timeout, which each process rides out as
+# it rides out Redis down. A Redis that stops answering (paused, its host cut off: the connection
+# stays open) otherwise held a process in one read for as long as the installed redis-py allowed:
+# no limit before redis-py 6, RQ's 415 s in a worker. (redis-py 8's own default is 5 s.)
+REDIS_REPLY_SECONDS = 5.0
 WARN_IDLE_SECONDS = 30.0  # a worker that lives takes a queued chunk within its model load
 HEARTBEAT_SECONDS = 5.0  # a worker's beat while its chunk runs
 # A running chunk whose worker has not beaten for this long is taken for stuck (a frozen or vanished

@@ -32,7 +32,7 @@ from rq.registry import (
 )
 from rq.results import Result
 from rq.serializers import DefaultSerializer, JSONSerializer
-from rq.utils import import_attribute, str_to_date
+from rq.utils import import_attribute, str_to_date, utcformat
 from rq.worker import SimpleWorker, Worker, WorkerStatus
 
 __all__ = [
@@ -63,4 +63,5 @@ __all__ = [
     "import_attribute",
     "record_job_failure",
     "str_to_date",
+    "utcformat",
 ]

@@ -41,6 +41,7 @@ from chunkq.jobs.contract.units import parse_size
 from chunkq.jobs.queue import run_queues
 from chunkq.jobs.queue.nopickle import forbid_pickle
 from chunkq.jobs.queue.queueing import any_waiting
+from chunkq.jobs.queue.redis_clients import connect
 from chunkq.queue_worker import exit_codes
 from chunkq.queue_worker.devices.discovery import GpuInfo, devices_from_json
 from chunkq.queue_worker.devices.gpus import (
@@ -120,7 +121,7 @@ class Pool:
         else:
             workers = resolve_cpu_workers(settings.cpu_workers, settings.preload)
             self.slots = [Slot(key=f"cpu-w{n}", gpu=None) for n in range(workers)]
-        self.connection = redis.Redis.from_url(settings.redis_url)
+        self.connection = connect(settings.redis_url)
         self.rng = rng or random.Random()  # noqa: S311 - jitter, not security
         self._signals = 0
         self._crashes: dict[str, tuple[float, ...]] = {}  # each device's recent deaths (RestartPolicy)

@@ -8,11 +8,13 @@ intact.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import threading
@@ -273,6 +275,10 @@ class EmbeddedRedis:
             return
         if self.proc.poll() is None:
             self.proc.terminate()  # SIGTERM: the server flushes its append-only file and exits
+            # Then SIGCONT, as systemd does (systemd.kill(5), KillSignal=): a stopped server (SIGSTOP)
+            # holds the SIGTERM until it runs again, and was killed 15 s later, its file unflushed.
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGCONT)
             wait_or_kill(self.proc, 15)
         self.proc = None
 
