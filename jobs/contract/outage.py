@@ -34,10 +34,14 @@ class OutageLog:
         """How long the current outage has lasted (0 when there is none)."""
         return 0.0 if self.since is None else self.clock() - self.since
 
-    def failed(self, exc: BaseException) -> None:
+    def failed(self, exc: BaseException, began: float | None = None) -> None:
+        """``began``: when the attempt that failed began (this log's clock). A server that answers
+        nothing fails an attempt only once its reply limit has passed: counted from the failure,
+        a 6.5 s pause was "back after 1.2 s"."""
         now = self.clock()
         if self.since is None:
-            self.since, self._next, self._gap = now, now + FIRST_REMINDER_SECONDS, FIRST_REMINDER_SECONDS
+            self.since = now if began is None else min(began, now)
+            self._next, self._gap = now + FIRST_REMINDER_SECONDS, FIRST_REMINDER_SECONDS
             self.log.warning("%s unreachable (%s); %s", self.what, exc, self.going_on)
         elif now >= self._next:
             self.log.warning("%s still unreachable after %.0f s (%s)", self.what, now - self.since, exc)

@@ -24,6 +24,7 @@ from chunkq.jobs.queue.queueing import fetch_job, workers_named
 log = logging.getLogger("chunkq.queue_worker.processes.pool")  # the pool's own lines, under its one name
 
 WATCHDOG_SECONDS = 2.0  # how often running jobs are checked against their timeouts
+RELEASE_RETRY_SECONDS = 10.0  # after Redis refused a release, before the next try
 
 
 class DeadWorkers:
@@ -37,21 +38,31 @@ class DeadWorkers:
         self.pending: list[tuple[str, str]] = []  # (worker name, reason) not yet released
         self.hung: dict[str, str] = {}  # worker name -> why the watchdog killed it
         self._next_watchdog = 0.0
+        self._retry_at = float("-inf")
 
     def add(self, worker_name: str, reason: str) -> None:
         self.pending.append((worker_name, reason))
 
-    def release(self) -> None:
-        """Fail the jobs of the workers added so far; those Redis refused stay for the next turn."""
+    def release(self, now: float | None = None) -> None:
+        """Fail the jobs of the workers added so far. Once Redis refuses one, the rest wait with it
+        for a later turn, RELEASE_RETRY_SECONDS on: against a Redis that answers nothing each try
+        costs a whole reply limit, and one after another they held the pool's loop (a signal, a
+        reaped worker) 5 s for every worker that had died meanwhile, 50 s after a few minutes."""
+        now = time.monotonic() if now is None else now
+        if now < self._retry_at:
+            return
         pending, self.pending = self.pending, []
-        for worker_name, reason in pending:
+        for number, (worker_name, reason) in enumerate(pending):
             try:
                 for job_id in running_job_ids(self.connection, worker_name):
                     mark_abandoned(self.connection, job_id, f"worker {worker_name} {reason}")
                 forget_worker(self.connection, worker_name)
             except redis.RedisError as exc:
-                log.warning("cannot release the job of %s yet (%s); will retry", worker_name, exc)
-                self.pending.append((worker_name, reason))
+                waiting = len(pending) - number
+                log.warning("cannot release the jobs of %d dead worker(s) yet (%s); will retry", waiting, exc)
+                self.pending.extend(pending[number:])
+                self._retry_at = now + RELEASE_RETRY_SECONDS
+                return
 
     def release_predecessors(self) -> None:
         """Workers of an earlier run of this pool under the same name (a requeued Slurm job, a

@@ -321,7 +321,7 @@ class Pool:
         self._reap(stopping=handled > 0, now=now)
         self.metrics.set_running(sum(1 for proc in self._processes() if proc.poll() is None))
         if self.dead.pending:
-            self.dead.release()
+            self.dead.release(now)
         if handled:
             if self._alive():
                 return None

@@ -314,6 +314,7 @@ def _patiently(
     patience, or until ``gone`` says why the server will not come back."""
     outage = OutageLog(log, "Redis", "the run goes on when it is back")
     while True:
+        began = time.monotonic()
         try:
             done = step()
         except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError) as exc:
@@ -322,7 +323,7 @@ def _patiently(
                 raise RedisGoneError(why) from exc
             if outage.seconds > settings.redis_patience:
                 raise RedisGoneError(f"Redis unreachable for {outage.seconds:.0f} s: {exc}") from exc
-            outage.failed(exc)
+            outage.failed(exc, began)
             time.sleep(settings.poll_seconds)
             continue
         outage.recovered()

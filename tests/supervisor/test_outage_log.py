@@ -37,6 +37,19 @@ def test_a_25_s_outage_seen_each_second_is_three_lines_and_its_end(caplog: pytes
     ]
 
 
+def test_a_silent_server_is_away_from_the_look_that_met_it_not_from_its_timeout(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The hostile pass: a 6.5 s pause was "back after 1.2 s", its first 5 s spent in the read."""
+    now = [105.0]
+    outage = OutageLog(logging.getLogger("outage"), "Redis", "it goes on", lambda: now[0])
+    with caplog.at_level(logging.WARNING, "outage"):
+        outage.failed(redis.TimeoutError("Timeout reading from socket"), began=100.0)
+        now[0] = 106.5
+        outage.recovered()
+    assert caplog.records[-1].getMessage() == "Redis is back after 6.5 s"
+
+
 def test_the_watch_rides_out_an_outage_in_two_lines(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A real server that is not there for 30 tries (a closed port), then is: the supervisor's way
     of riding out an outage says so twice, not 30 times."""

@@ -24,18 +24,19 @@ from chunkq.jobs.contract.defaults import REDIS_REPLY_SECONDS
 from chunkq.jobs.contract.run_files import RunLayout
 from chunkq.jobs.queue.redis_clients import connect
 from chunkq.queue_worker.chunk_worker import STOP_POLL_SECONDS, ChunkWorker
+from chunkq.queue_worker.processes.dead_workers import RELEASE_RETRY_SECONDS, DeadWorkers
 from chunkq.supervisor.server.embedded_redis import EmbeddedRedis
 from tests.helpers import result_matches, run_cli, start_run_with_a_slow_chunk, stop_tree, wait_for
 
 
 @contextlib.contextmanager
-def _server(tmp_path: Path) -> Iterator[tuple[redis.Redis, psutil.Process]]:
-    """A Redis of the test's own, and its process to pause."""
+def _server(tmp_path: Path) -> Iterator[tuple[redis.Redis, psutil.Process, str]]:
+    """A client to a Redis of the test's own, its process to pause, and its URL."""
     server = EmbeddedRedis(tmp_path / "redis").start()
     assert server.proc is not None
     process = psutil.Process(server.proc.pid)
     try:
-        yield connect(server.url), process
+        yield connect(server.url), process, server.url
     finally:
         if process.is_running():
             process.resume()
@@ -48,7 +49,7 @@ def test_a_silent_redis_holds_a_chunks_progress_reports_once_not_at_every_batch(
     """Reports are the display's: against a silent server the encode waited a whole reply limit at
     each of them (6 s on a worker's connection; RQ's 415 s before)."""
     monkeypatch.setattr(chunk_progress, "REPORT_SECONDS", 0.0)  # every batch reports
-    with _server(tmp_path) as (connection, process):
+    with _server(tmp_path) as (connection, process, _):
         reporter = chunk_progress.RowsReporter(connection, "r", 0, 100)
         reporter(0)
         assert chunk_progress.read(connection, "r", [0])[0].rows == 0
@@ -69,7 +70,7 @@ def test_a_silent_redis_holds_a_chunks_progress_reports_once_not_at_every_batch(
 def test_a_workers_note_of_a_stop_leaves_its_signal_handler_at_once(tmp_path: Path) -> None:
     """RQ notes a stop in Redis from its signal handler, which held the interrupted chunk until a
     silent server timed out; the note is written by a thread once Redis answers again."""
-    with _server(tmp_path) as (connection, process):
+    with _server(tmp_path) as (connection, process, _):
         worker = ChunkWorker(["q"], connection=connection, name="noted", serializer=JSONSerializer)
         limit = connection.connection_pool.connection_kwargs["socket_timeout"]
         assert limit == STOP_POLL_SECONDS + REDIS_REPLY_SECONDS  # not RQ's 415 s
@@ -80,6 +81,27 @@ def test_a_workers_note_of_a_stop_leaves_its_signal_handler_at_once(tmp_path: Pa
         assert time.monotonic() - started < 0.5
         process.resume()
         wait_for(lambda: connection.hget(worker.key, "shutdown_requested_date") is not None, 30, "the note")
+
+
+def test_a_pool_releases_its_dead_workers_jobs_in_one_wait_not_one_each(tmp_path: Path) -> None:
+    """The hostile pass: against a silent Redis the pool waited a reply limit for each dead worker
+    in turn, a pass of 50 s after a few minutes of restarts, its loop (signals, reaping) held."""
+    limit = 0.5
+    with _server(tmp_path) as (_, process, url):
+        dead = DeadWorkers(connect(url, socket_timeout=limit), "p", "q", 30.0)
+        for number in range(5):
+            dead.add(f"p-w{number}", "died")
+        process.suspend()
+        started = time.monotonic()
+        dead.release(now=100.0)
+        assert time.monotonic() - started < 2 * limit  # one wait, not five
+        assert [name for name, _ in dead.pending] == [f"p-w{n}" for n in range(5)]
+        started = time.monotonic()
+        dead.release(now=100.0 + RELEASE_RETRY_SECONDS - 1)
+        assert time.monotonic() - started < 0.1  # not tried again yet
+        process.resume()
+        dead.release(now=100.0 + RELEASE_RETRY_SECONDS)
+        assert dead.pending == []
 
 
 @pytest.mark.slow
