@@ -33,6 +33,7 @@ from chunkq.jobs.queue.redis_clients import connect
 from chunkq.queue_worker.devices.discovery import GpuInfo, devices_json
 from chunkq.queue_worker.processes.lifeline import die_with_parent
 from chunkq.queue_worker.processes.stopping import wait_or_kill
+from chunkq.supervisor import stop_signals
 from chunkq.supervisor.result.planned_rows import corpus_rows_of
 from chunkq.supervisor.server.embedded_redis import EmbeddedRedis
 from chunkq.supervisor.server.store_redis import embedded_redis_dir, local_state_dir, serve
@@ -143,6 +144,8 @@ class PoolProcess:
             return
         if exc_type is KeyboardInterrupt and self.run_log is not None:
             self.run_log.terminal_muted = True
+        if self.proc.poll() is None and exc_type is KeyboardInterrupt and stop_signals.stop_now_asked():
+            self._stop_now()  # the second came while the first's clean-up ran (Redis silent, say)
         if self.proc.poll() is None:
             if exc_type is KeyboardInterrupt:
                 log.warning(
@@ -154,11 +157,18 @@ class PoolProcess:
             try:
                 self.proc.wait(timeout=POOL_STOP_SECONDS)
             except (subprocess.TimeoutExpired, KeyboardInterrupt):
-                log.warning("stopping the pool now; interrupted chunks go back to the queue")
-                self.proc.send_signal(signal.SIGTERM)  # the second signal: stop now
-                wait_or_kill(self.proc, 30)
+                self._stop_now()
         if self._relay is not None:
             self._relay.join(timeout=RELAY_DRAIN_SECONDS)  # the pool's last lines, before the log closes
+
+    def _stop_now(self) -> None:
+        if self.proc is None:
+            return
+        log.warning("stopping the pool now; interrupted chunks go back to the queue")
+        for _ in range(2):  # a drain, then stop now: the pool spaces them itself (SIGNAL_REPEAT_SECONDS)
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGTERM)
+        wait_or_kill(self.proc, 30)
 
 
 def _release_orphans(connection: redis.Redis, previous: str, store: Path) -> None:

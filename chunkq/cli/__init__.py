@@ -8,13 +8,13 @@ from __future__ import annotations
 import os
 
 from chunkq.cli import cache, look, quantize, rerank, results, serve, work
-from chunkq.cli.common import interrupt_on_sigterm
 from chunkq.cli.group import cli
 from chunkq.jobs.compute.model_refs import assume_offline
 from chunkq.jobs.contract import storage
 from chunkq.jobs.contract.redaction import guard_process
 from chunkq.jobs.contract.storage import OWNER_ONLY
 from chunkq.jobs.queue.nopickle import forbid_pickle
+from chunkq.supervisor import stop_signals
 
 __all__ = ["cli", "main"]
 COMMAND_MODULES = (
@@ -35,5 +35,5 @@ def main() -> None:
     storage.caller_umask = os.umask(OWNER_ONLY)
     forbid_pickle()
     assume_offline()  # models load from folders and the cache; HF_HUB_OFFLINE=0 allows downloads
-    interrupt_on_sigterm()  # the pool installs its own handlers, which drain the same way
+    stop_signals.install()  # SIGTERM as Ctrl+C, each counted (the pool has its own, which drain alike)
     cli(prog_name="chunkq")

@@ -6,13 +6,11 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import signal
 import sys
 import tempfile
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from types import FrameType
 from typing import Any, NoReturn, TypeVar
 from urllib.parse import urlsplit
 
@@ -204,16 +202,6 @@ def _internal_error(exc: BaseException) -> NoReturn:
         err=True,
     )
     sys.exit(EXIT_INTERNAL)
-
-
-def interrupt_on_sigterm() -> None:
-    """SIGTERM (timeout, systemd, docker, kill) does what Ctrl+C does: the first drains, the second
-    stops now. Raising KeyboardInterrupt from the handler is what Python's own SIGINT handler does."""
-
-    def interrupt(signum: int, frame: FrameType | None) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, interrupt)
 
 
 def store_option(func: F) -> F:

@@ -70,7 +70,7 @@ def serve_redis_cmd(
         try:
             while server.failure is None:
                 time.sleep(WATCH_SECONDS)
-        except KeyboardInterrupt:  # SIGTERM too (interrupt_on_sigterm): the way it is meant to stop
+        except KeyboardInterrupt:  # SIGTERM too (supervisor/stop_signals.py): the way it is meant to stop
             click.echo("serve-redis: stopping; the server flushes its append-only file", err=True)
             return
         raise RedisGoneError(server.failure)

@@ -136,3 +136,29 @@ def test_a_run_asked_to_stop_while_its_redis_is_silent_finishes_its_chunk_and_st
     assert again.returncode == 0, again.stderr[-3000:]
     (run,) = store.glob("runs/*")
     assert result_matches(RunLayout(store, run.name), texts, reference_model)
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_while_the_first_waits_on_a_silent_redis_stops_now(tmp_path: Path) -> None:
+    """The hostile pass: the second Ctrl+C, 2 s after the first, landed in the release of the run's
+    Redis lock (a 5 s wait on the silent server); the pool was told to drain, and the chunk it was to
+    give back was finished instead, 20 s later."""
+    proc, log, _, _ = start_run_with_a_slow_chunk(tmp_path, seed=45, seconds=60, chunk=0)
+    server = next(p for p in psutil.Process(proc.pid).children(recursive=True) if "valkey" in p.name())
+    try:
+        server.suspend()
+        proc.send_signal(signal.SIGINT)
+        time.sleep(2)  # the two presses of a user, not one signal delivered twice
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running 60 s after two Ctrl+C:\n{log.read_text(errors='replace')[-4000:]}")
+    finally:
+        if server.is_running():
+            server.resume()
+        if proc.poll() is None:
+            stop_tree(proc)
+    said = log.read_text(errors="replace")
+    assert "stopping the pool now" in said and proc.returncode == 130, said[-3000:]
+    assert not any((tmp_path / "store").glob("runs/*/outputs/000000.npy"))  # given back, not finished
