@@ -3,11 +3,12 @@ stop with Redis answering, measured in the same session; and whether the chunk i
 
     python bench/silent_redis.py [--repeats 2] [--out silent_redis.json]
 
-Each case starts ``chunkq run`` over 60 texts in chunks of 20 whose chunk 0 takes 5 s longer on its
-first attempt (``CHUNKQ_FAULTS``'s ``slow``). Once that chunk has started it waits ``after`` seconds,
-stops the embedded Redis with SIGSTOP (a paused server keeps its connections open: nothing fails,
-nothing answers, as behind a network partition), sends the run SIGTERM and times it until it exits
-(at most 300 s, then everything is killed). "kept" is whether chunk 0's output reached the store.
+Each case starts ``chunkq run`` over 60 texts in chunks of 20 whose chunk 0 takes 15 s longer on its
+first attempt (``CHUNKQ_FAULTS``'s ``slow``). Once that chunk has started it waits a second, stops
+the embedded Redis with SIGSTOP (a paused server keeps its connections open: nothing fails, nothing
+answers, as behind a network partition), waits the case's silence, sends the run SIGTERM (a drain:
+the chunk in hand is finished) and times it until it exits (at most 300 s, then everything is
+killed). "kept" is whether chunk 0's output reached the store.
 Before the eighteenth session a worker's progress report and RQ's note of the stop each waited on
 the silent server for RQ's 415 s: the run ended 165 s after its SIGTERM, the chunk lost.
 """
@@ -30,14 +31,15 @@ from pathlib import Path
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
-SLOW_SECONDS = 5.0
+SLOW_SECONDS = 15.0
 SLOW = json.dumps([{"kind": "slow", "chunks": [0], "attempts": [1], "seconds": SLOW_SECONDS}])
 LIMIT_SECONDS = 300.0
-# (name, seconds after chunk 0 started at which Redis goes silent; None: it keeps answering)
+# (name, seconds after chunk 0 started at which Redis goes silent (None: it keeps answering), seconds
+# of silence before the SIGTERM)
 CASES = [
-    ("Redis answering", None),
-    ("silent 1 s into the chunk", 1.0),
-    ("silent after the chunk's encode", SLOW_SECONDS + 3.0),
+    ("Redis answering", None, 0.0),
+    ("silent 1 s into the chunk, SIGTERM then", 1.0, 0.0),
+    ("silent 1 s into the chunk, SIGTERM 30 s later", 1.0, 30.0),
 ]
 
 
@@ -61,7 +63,9 @@ def _wait_for(
         time.sleep(0.05)
 
 
-def _one(tmp: Path, corpus: Path, env: dict[str, str], after: float | None) -> tuple[float, bool]:
+def _one(
+    tmp: Path, corpus: Path, env: dict[str, str], after: float | None, silence: float
+) -> tuple[float, bool]:
     """Seconds from SIGTERM to the run's exit, and whether chunk 0's output reached the store."""
     store = tmp / f"store-{time.monotonic_ns()}"
     log = tmp / "run.log"
@@ -85,6 +89,7 @@ def _one(tmp: Path, corpus: Path, env: dict[str, str], after: float | None) -> t
         if after is not None:
             time.sleep(after)
             server.suspend()
+            time.sleep(silence)
         asked = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         try:
@@ -93,8 +98,7 @@ def _one(tmp: Path, corpus: Path, env: dict[str, str], after: float | None) -> t
             pass
         took = time.monotonic() - asked
     finally:
-        family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-        for member in family:
+        for member in family:  # as it was once chunk 0 ran: the run, its server, pool and workers
             try:
                 member.resume()
                 member.kill()
@@ -112,13 +116,13 @@ def main() -> None:
     args = parser.parse_args()
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
-    samples: dict[str, list[tuple[float, bool]]] = {name: [] for name, _ in CASES}
+    samples: dict[str, list[tuple[float, bool]]] = {name: [] for name, _, _ in CASES}
     loads = []
     with tempfile.TemporaryDirectory(prefix="chunkq-silent-") as tmp:
         corpus = _corpus(Path(tmp) / "corpus.jsonl", 60)
         for _ in range(args.repeats):
-            for name, after in CASES:
-                samples[name].append(_one(Path(tmp), corpus, env, after))
+            for name, after, silence in CASES:
+                samples[name].append(_one(Path(tmp), corpus, env, after, silence))
             loads.append(os.getloadavg()[0])
     answering = statistics.median(s for s, _ in samples["Redis answering"])
     print(
