@@ -37,7 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SLOW = json.dumps([{"kind": "slow", "chunks": [1], "attempts": [1], "seconds": 60}])
 
 
-def _corpus(path: Path, rows: int) -> Path:
+def corpus_file(path: Path, rows: int) -> Path:
+    """A JSONL corpus of ``rows`` distinct short texts (a fixed seed: the same in every session)."""
     words = "queue chunk worker model vector corpus shard retry fresh process context".split()
     pick = random.Random(7)
     with open(path, "w") as fh:
@@ -46,7 +47,10 @@ def _corpus(path: Path, rows: int) -> Path:
     return path
 
 
-def _args(corpus: Path, store: Path, redis_url: str | None, run_id: str) -> list[str]:
+def run_command(
+    corpus: Path, store: Path, redis_url: str | None = None, run_id: str = "", chunk_size: int = 10
+) -> list[str]:
+    """``chunkq run`` of ``corpus`` in ``store``; ``redis_url``: on that Redis under ``run_id``."""
     own = ["--redis-url", redis_url, "--run-id", run_id] if redis_url else []
     return [
         sys.executable,
@@ -57,7 +61,7 @@ def _args(corpus: Path, store: Path, redis_url: str | None, run_id: str) -> list
         "--store",
         str(store),
         "--chunk-size",
-        "10",
+        str(chunk_size),
         *own,
     ]
 
@@ -132,11 +136,11 @@ def main() -> None:
         tempfile.TemporaryDirectory(prefix="chunkq-resume-") as tmp,
         _redis(Path(tmp), args.own_redis) as url,
     ):
-        corpus = _corpus(Path(tmp) / "corpus.jsonl", args.rows)
+        corpus = corpus_file(Path(tmp) / "corpus.jsonl", args.rows)
         for repeat in range(args.repeats):
             for number, name in enumerate(samples):
                 store = Path(tmp) / f"store-{repeat}-{number}"
-                cmd = _args(corpus, store, url, f"resume-{repeat}-{number}")
+                cmd = run_command(corpus, store, url, f"resume-{repeat}-{number}")
                 if name != "fresh run":
                     _stopped(cmd, env, Path(tmp) / "first.log", name.removeprefix("rerun after "))
                 samples[name].append(_timed(cmd, env))

@@ -18,17 +18,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import psutil
+from resume import corpus_file, run_command  # bench/, the script's folder, is on the path
 
 ROOT = Path(__file__).resolve().parents[1]
 SLOW_SECONDS = 15.0
@@ -41,15 +40,6 @@ CASES = [
     ("silent 1 s into the chunk, SIGTERM then", 1.0, 0.0),
     ("silent 1 s into the chunk, SIGTERM 30 s later", 1.0, 30.0),
 ]
-
-
-def _corpus(path: Path, rows: int) -> Path:
-    words = "queue chunk worker model vector corpus shard retry fresh process context".split()
-    pick = random.Random(11)
-    with open(path, "w") as fh:
-        for i in range(rows):
-            fh.write(json.dumps({"id": f"r{i}", "text": " ".join(pick.choices(words, k=12))}) + "\n")
-    return path
 
 
 def _wait_for(
@@ -69,17 +59,7 @@ def _one(
     """Seconds from SIGTERM to the run's exit, and whether chunk 0's output reached the store."""
     store = tmp / f"store-{time.monotonic_ns()}"
     log = tmp / "run.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "chunkq.cli",
-        "run",
-        str(corpus),
-        "--store",
-        str(store),
-        "--chunk-size",
-        "20",
-    ]
+    cmd = run_command(corpus, store, chunk_size=20)
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, env={**env, "CHUNKQ_FAULTS": SLOW}, stdout=out, stderr=subprocess.STDOUT)
     _wait_for(lambda: "FAULT slow" in log.read_text(errors="replace"), 300, proc, log)
@@ -119,7 +99,7 @@ def main() -> None:
     samples: dict[str, list[tuple[float, bool]]] = {name: [] for name, _, _ in CASES}
     loads = []
     with tempfile.TemporaryDirectory(prefix="chunkq-silent-") as tmp:
-        corpus = _corpus(Path(tmp) / "corpus.jsonl", 60)
+        corpus = corpus_file(Path(tmp) / "corpus.jsonl", 60)
         for _ in range(args.repeats):
             for name, after, silence in CASES:
                 samples[name].append(_one(Path(tmp), corpus, env, after, silence))
