@@ -145,7 +145,7 @@ class PoolProcess:
         if exc_type is KeyboardInterrupt and self.run_log is not None:
             self.run_log.terminal_muted = True
         if self.proc.poll() is None and exc_type is KeyboardInterrupt and stop_signals.stop_now_asked():
-            self._stop_now()  # the second came while the first's clean-up ran (Redis silent, say)
+            self._stop_now(drained=False)  # the second came while the first's clean-up ran (Redis silent)
         if self.proc.poll() is None:
             if exc_type is KeyboardInterrupt:
                 log.warning(
@@ -157,15 +157,17 @@ class PoolProcess:
             try:
                 self.proc.wait(timeout=POOL_STOP_SECONDS)
             except (subprocess.TimeoutExpired, KeyboardInterrupt):
-                self._stop_now()
+                self._stop_now(drained=True)
         if self._relay is not None:
             self._relay.join(timeout=RELAY_DRAIN_SECONDS)  # the pool's last lines, before the log closes
 
-    def _stop_now(self) -> None:
+    def _stop_now(self, drained: bool) -> None:
+        """The pool's second signal, after the drain's (sent now if it was not): it stops at once,
+        spacing the two itself (SIGNAL_REPEAT_SECONDS)."""
         if self.proc is None:
             return
         log.warning("stopping the pool now; interrupted chunks go back to the queue")
-        for _ in range(2):  # a drain, then stop now: the pool spaces them itself (SIGNAL_REPEAT_SECONDS)
+        for _ in range(1 if drained else 2):
             if self.proc.poll() is None:
                 self.proc.send_signal(signal.SIGTERM)
         wait_or_kill(self.proc, 30)

@@ -171,11 +171,8 @@ def _redis_error(exc: redis.RedisError, url: str | None) -> str:
     if isinstance(exc, redis.AuthenticationError):
         # A URL without a password meets a server that wants one as Redis's "HELLO must be called
         # with the client already authenticated, ...": about a command the user never gave.
-        said = (
-            "wants a password, which the URL lacks"
-            if url and not _password_in(url)
-            else (f"refused the password: {exc}")
-        )
+        missing = url and not _password_in(url)
+        said = "wants a password, which the URL lacks" if missing else f"refused the password: {exc}"
         return f"{where} {said} (give it in the URL, redis://:PASSWORD@HOST:PORT, or in CHUNKQ_REDIS_URL)"
     return f"{where}: {exc}"
 
