@@ -12,13 +12,13 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
-from urllib.parse import urlsplit
 
 import click
 import redis
 from click.core import ParameterSource
 
 from chunkq.jobs.contract import errors
+from chunkq.jobs.contract.addresses import parse_redis
 from chunkq.jobs.contract.defaults import DEFAULT_QUEUE, DEFAULT_STORE
 from chunkq.jobs.contract.errors import (
     AssemblyError,
@@ -178,10 +178,8 @@ def _redis_error(exc: redis.RedisError, url: str | None) -> str:
 
 
 def _password_in(url: str) -> bool:
-    try:
-        return bool(urlsplit(url).password)
-    except ValueError:  # a URL Redis's client took and urllib will not (a bad port): say Redis's words
-        return True
+    parsed = parse_redis(url)  # as Redis's client reads it; one it cannot read: say Redis's words
+    return parsed is None or bool(parsed.get("password"))
 
 
 def _internal_error(exc: BaseException) -> NoReturn:

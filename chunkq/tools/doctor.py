@@ -19,6 +19,7 @@ import redis
 from chunkq.jobs.contract.redaction import redacted
 from chunkq.jobs.contract.run_files import atomic_write_bytes
 from chunkq.jobs.contract.storage import is_local
+from chunkq.jobs.queue.redis_clients import connect
 from chunkq.queue_worker.devices import discovery
 from chunkq.supervisor.server.embedded_redis import APPENDFSYNC, DURABLE_FSYNC, server_binary
 from chunkq.supervisor.server.store_redis import served_url
@@ -74,7 +75,7 @@ def _redis(url: str | None) -> dict[str, Any]:
         except Exception as exc:
             return {"mode": "embedded (chunkq run)", "error": str(exc), "reachable": False}
     try:
-        connection = redis.Redis.from_url(url, socket_timeout=3)
+        connection = connect(url, socket_timeout=3)
         info = connection.info("server")
         aof = bool(connection.info("persistence").get("aof_enabled"))
     except redis.RedisError as exc:

@@ -29,6 +29,11 @@ from chunkq.supervisor.server.embedded_redis import EmbeddedRedis
 from tests.helpers import result_matches, run_cli, start_run_with_a_slow_chunk, stop_tree, wait_for
 
 
+def _embedded_server(run: subprocess.Popen[bytes]) -> psutil.Process:
+    """The Valkey server ``chunkq run`` started for itself."""
+    return next(p for p in psutil.Process(run.pid).children(recursive=True) if "valkey" in p.name())
+
+
 @contextlib.contextmanager
 def _server(tmp_path: Path) -> Iterator[tuple[redis.Redis, psutil.Process, str]]:
     """A client to a Redis of the test's own, its process to pause, and its URL."""
@@ -113,7 +118,7 @@ def test_a_run_asked_to_stop_while_its_redis_is_silent_finishes_its_chunk_and_st
     waited up to RQ's 415 s on the silent server, the chunk with them; the run was stopped at its
     120 s limit with the chunk lost, and ended 165 s after the SIGTERM."""
     proc, log, args, texts = start_run_with_a_slow_chunk(tmp_path, seed=44, seconds=3, chunk=0)
-    server = next(p for p in psutil.Process(proc.pid).children(recursive=True) if "valkey" in p.name())
+    server = _embedded_server(proc)
     store = tmp_path / "store"
     try:
         server.suspend()
@@ -144,7 +149,7 @@ def test_a_second_ctrl_c_while_the_first_waits_on_a_silent_redis_stops_now(tmp_p
     Redis lock (a 5 s wait on the silent server); the pool was told to drain, and the chunk it was to
     give back was finished instead, 20 s later."""
     proc, log, _, _ = start_run_with_a_slow_chunk(tmp_path, seed=45, seconds=60, chunk=0)
-    server = next(p for p in psutil.Process(proc.pid).children(recursive=True) if "valkey" in p.name())
+    server = _embedded_server(proc)
     try:
         server.suspend()
         proc.send_signal(signal.SIGINT)
