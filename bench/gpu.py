@@ -283,6 +283,8 @@ def chunkq(
     wall = time.perf_counter() - started
     memory.stop()
     if proc.returncode != 0:
+        # The error's own words, in this script's log: the exception below shows the command only.
+        sys.stderr.write(err.decode(errors="replace")[-4000:])
         raise subprocess.CalledProcessError(proc.returncode, cmd, stderr=err)
     (run_dir,) = (store / "runs").iterdir()
     metas = [json.loads(p.read_text()) for p in (run_dir / "outputs").glob("*.json")]

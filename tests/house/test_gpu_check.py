@@ -4,10 +4,12 @@ MiniLM step, and the JSON and markdown it writes after every step."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -67,3 +69,46 @@ def test_the_gpu_check_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
     assert not result["whole"]["timed_out"] and set(whole) == {"plain", "auto"}, whole
     assert whole["plain"]["rows"] == 40 and whole["auto"]["e2e_ratio"] > 0
     assert "MiniLM fp32, the whole command (goal: >= 3x plain end to end)" in summary
+
+
+def _gpu_check() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_step_that_stops_says_why_in_the_summary(tmp_path: Path) -> None:
+    """A lease is minutes long: a step that failed or ran out of time says why in the summary itself
+    (a dry run of the carried environment failed its chunkq runs, and the summary showed only the
+    baselines' rows). chunkq's own error line is picked over the traceback that follows it."""
+    check = _gpu_check()
+    said = "print('loading'); print('chunkq: error: embedded Redis failed to start', file=sys.stderr)"
+    failing = [sys.executable, "-c", f"import sys; {said}; print('Traceback (most recent ...)'); sys.exit(6)"]
+    failed = check._bounded(failing, 60, tmp_path / "failed.log")
+    assert failed == {**failed, "exit_code": 6, "error": "chunkq: error: embedded Redis failed to start"}
+    slow = check._bounded(
+        [sys.executable, "-c", "import time; print('warming up', flush=True); time.sleep(60)"],
+        2,
+        tmp_path / "slow.log",
+    )
+    assert slow["timed_out"] and slow["error"] == "warming up"
+    fine = check._bounded([sys.executable, "-c", "print('done')"], 60, tmp_path / "fine.log")
+    assert "error" not in fine
+    plain = {"plain": {"rows_per_s": 50.0}}
+    result = {
+        "started": "2026-11-29T12:00",
+        "device": "cpu",
+        "device_name": "CPU",
+        "seconds": 9.0,
+        "budget": 60.0,
+        "tier": {**fine, "counts": dict.fromkeys(("passed", "failed", "error", "skipped"), 0), "tests": []},
+        "minilm": {**failed, "figures": {"minilm": plain}},
+        "whole": {**slow, "figures": None},
+    }
+    summary = check.markdown(result)
+    assert "**GPU tier** (exit 0," in summary
+    stopped = "exit 6: chunkq: error: embedded Redis failed to start"
+    assert f"**MiniLM fp32** ({failed['seconds']:.0f} s; {stopped}):" in summary
+    assert "no figures (cut at its time limit: warming up," in summary
