@@ -42,6 +42,8 @@ WATCH_SECONDS = 0.2  # how often the watcher looks at the server process
 LOW_DISK_BYTES = 1 << 20
 RESTART_LIMIT = 3  # deaths within RESTART_WINDOW after which the server is not started again
 RESTART_WINDOW = 60.0
+# What connecting to a loopback address says where the interface is down (ENETUNREACH).
+LOOPBACK_DOWN = "Network is unreachable"
 RESTART_TIMEOUT = 8.0  # one restart's wait for the server to answer (the append-only file is replayed)
 APPENDFSYNC = "everysec"  # why: at the server's command line below
 # What doctor accepts of a Redis that is not ours (None: a server that does not say).
@@ -171,7 +173,8 @@ class EmbeddedRedis:
                 preexec_fn=die_with_parent,
                 umask=OWNER_ONLY,  # its append-only files and log, whatever the caller's umask
             )
-            if self._wait_ready(timeout):
+            unreachable = self._wait_ready(timeout)
+            if unreachable is None:
                 log.info(
                     "embedded Redis (%s) on %s:%d, data in %s",
                     Path(server_binary()).name,
@@ -181,6 +184,11 @@ class EmbeddedRedis:
                 )
                 return self
             self._stop_process()
+            if unreachable:  # it runs but cannot be reached: another port will not help
+                raise ConfigError(
+                    f"embedded Redis started but did not answer on {LOOPBACK}:{self.port} within "
+                    f"{timeout:g} s: {unreachable}; see {self.log_path}"
+                )
         raise ConfigError(f"embedded Redis failed to start: {self.exit_reason()}; see {self.log_path}")
 
     @property
@@ -248,21 +256,26 @@ class EmbeddedRedis:
         self.failure = f"the embedded Redis is gone for good: {why}; see {self.log_path}"
         log.error("%s", self.failure)
 
-    def _wait_ready(self, timeout: float = START_TIMEOUT) -> bool:
+    def _wait_ready(self, timeout: float = START_TIMEOUT) -> str | None:
+        """None once the server answers; "" if it exited (its port taken, say: worth another try);
+        else why a running server went unanswered (a loopback interface that is down: a network
+        namespace of one's own, ``unshare -n``, starts with its ``lo`` down)."""
         client = redis.Redis(host=LOOPBACK, port=self.port, password=self.password, socket_timeout=1)
-        deadline = time.monotonic() + timeout
+        deadline, last = time.monotonic() + timeout, "no answer"
         while time.monotonic() < deadline:
             if self.proc is None or self.proc.poll() is not None:
-                return False
+                return ""
             try:
                 if client.ping():
-                    return True
+                    return None
             except redis.BusyLoadingError:
-                pass  # replaying the append-only file
-            except redis.ConnectionError:
-                pass
+                last = "it was still loading its append-only file"
+            except redis.ConnectionError as exc:
+                last = str(exc)
             time.sleep(0.05)
-        return False
+        if LOOPBACK_DOWN in last:
+            last += " (is the loopback interface up? `ip link set lo up`)"
+        return last
 
     def stop(self) -> None:
         self._stopping.set()

