@@ -17,7 +17,9 @@ distinct, so the vector cache saves nothing). For each model, in one run and on 
 - chunkq ``run`` configurations: ``one`` (1 worker per GPU, never recycled), ``auto`` (the
   defaults: --workers-per-gpu auto, token-budget batches on a GPU, recycled after 600 s of work),
   ``recycled`` (the defaults with --recycle-after 20, so recycling shows), ``fixed`` (the defaults
-  with --batch-tokens off: batches of 32, the GPU's defaults before issue 46).
+  with --batch-tokens off: batches of 32, the GPU's defaults before issue 46), ``warm`` (the
+  defaults with a standing fork server, ``chunkq serve-forks --preload``, started and warm before
+  the command: what a host's second and later runs pay; its own start is not counted).
 Printed: rows/s of each, its ratio to plain (steady state: the encode call against the span from
 the first chunk's start to the last chunk's end; end to end: whole commands) and to the tuned plain
 and the ceiling; the GPU's utilisation sampled through NVML every 0.2 s over that span, and the busy
@@ -40,8 +42,11 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import json
 import os
+import select
+import shutil
 import statistics
 import subprocess
 import sys
@@ -49,7 +54,7 @@ import sysconfig
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +73,7 @@ CONFIGS = {
     "recycled": ["--recycle-after", "20"],
     "fixed": ["--batch-tokens", "off"],  # batches of 32 texts: the defaults before issue 46
     "behind": [],  # the defaults, each chunk tokenised before its forward, not beside it (issue 52.2)
+    "warm": [],  # the defaults, workers forked by a standing fork server started before the command
 }
 CONFIG_ENV = {"behind": {"CHUNKQ_TOKENISE_AHEAD": "0"}}  # what a configuration sets beside its options
 
@@ -271,12 +277,14 @@ def chunkq(
     cmd += ["--store", str(store), "--model", model, "--precision", precision]
     cmd += ["--chunk-size", str(chunk_size), *extra]
     cmd += ["--gpus", str(gpu.index) if gpu is not None else "none"]
+    # Cold unless the configuration names a standing server: one inherited is not the defaults.
+    cold = {k: v for k, v in os.environ.items() if k != FORK_SOCKET}
     started = time.perf_counter()
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        env=dict(os.environ, HF_HUB_OFFLINE="1", **(env or {})),
+        env=dict(cold, HF_HUB_OFFLINE="1", **(env or {})),
     )
     memory = TreeMemory(proc.pid)  # the host memory a GPU worker holds: no GPU lease has measured it
     _out, err = proc.communicate()
@@ -287,6 +295,8 @@ def chunkq(
         sys.stderr.write(err.decode(errors="replace")[-4000:])
         raise subprocess.CalledProcessError(proc.returncode, cmd, stderr=err)
     (run_dir,) = (store / "runs").iterdir()
+    # A pool that cannot use the standing server says so and starts its own: then not warm at all.
+    refused = [line for line in err.decode(errors="replace").splitlines() if STANDING_REFUSED in line]
     metas = [json.loads(p.read_text()) for p in (run_dir / "outputs").glob("*.json")]
     throughput = of_run(store, run_dir.name)
     first, last = throughput.first_start, throughput.last_end
@@ -308,9 +318,45 @@ def chunkq(
         "last_chunk_to_result_seconds": before["last_chunk_to_result_seconds"],
         "steps_before_first_row": before["marks"],
         "batch_tokens": sorted({m.get("batch_tokens") or 0 for m in metas}),  # 0: batches by count
+        **({"standing_refused": refused[-1][-300:]} if refused else {}),
         "peak_pss_bytes": memory.peak,  # the whole command's processes, summed
         "largest_process_pss_bytes": memory.largest,
     }
+
+
+FORK_SOCKET = "CHUNKQ_FORK_SERVER_SOCKET"
+STANDING_REFUSED = "cannot use the standing fork server"
+STANDING_START_SECONDS = 300.0  # torch with CUDA imported and the model loaded: 12-15 s on an H200 host
+
+
+@contextlib.contextmanager
+def standing_forks(work: Path, model: str) -> Iterator[str]:
+    """``chunkq serve-forks`` with ``model`` preloaded, its socket once it serves; stopped after."""
+    folder = Path(tempfile.mkdtemp(prefix="cq-forks-"))  # a socket's path stays under 108 bytes
+    path, log = folder / "forks.sock", work / f"serve-forks-{time.monotonic_ns()}.log"
+    cmd = [sys.executable, "-m", "chunkq.cli", "serve-forks", str(path), "--preload", model]
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=err, env=dict(os.environ, HF_HUB_OFFLINE="1")
+        )
+    assert proc.stdout is not None
+    try:
+        said, deadline = b"", time.monotonic() + STANDING_START_SECONDS
+        while b"serving at" not in said:
+            left = deadline - time.monotonic()
+            if left <= 0 or proc.poll() is not None:
+                raise RuntimeError(f"serve-forks did not start: {log.read_text(errors='replace')[-2000:]}")
+            if select.select([proc.stdout], [], [], left)[0]:
+                said += os.read(proc.stdout.fileno(), 4096) or b""
+        yield str(path)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(60)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def tokenisation(
@@ -397,9 +443,9 @@ def bench_model(
         save()
         print(f"  the forward alone, pre-tokenised, batch {top['batch']}: {top['rows_per_s']:.0f} rows/s")
     for name in args.configs:
-        run = chunkq(
-            work, corpus, model, precision, CONFIGS[name], args.chunk_size, args.gpu, CONFIG_ENV.get(name)
-        )
+        with standing_forks(work, model) if name == "warm" else contextlib.nullcontext() as forks:
+            env = {**CONFIG_ENV.get(name, {}), **({FORK_SOCKET: forks} if forks else {})}
+            run = chunkq(work, corpus, model, precision, CONFIGS[name], args.chunk_size, args.gpu, env)
         util = gpu.mean(run["start"], run["end"])
         steady, e2e = base["encode_seconds"] / run["span"], base["wall"] / run["wall"]
         results[name] = {
