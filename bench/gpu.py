@@ -271,7 +271,12 @@ def chunkq(
     chunk_size: int,
     gpu: Any,
     env: dict[str, str] | None = None,
+    forks: tuple[str, int] | None = None,
 ) -> dict[str, Any]:
+    """``chunkq run`` of ``corpus``, its figures; ``forks``: the standing fork server it uses (its
+    socket and pid: its workers are that server's children, their memory counted with the run's)."""
+    if forks is not None:
+        env = {**(env or {}), FORK_SOCKET: forks[0]}
     store = work / f"store-{time.monotonic_ns()}"
     cmd = [sys.executable, "-m", "chunkq.cli", "--log-level", "WARNING", "run", str(corpus)]
     cmd += ["--store", str(store), "--model", model, "--precision", precision]
@@ -286,7 +291,8 @@ def chunkq(
         stderr=subprocess.PIPE,
         env=dict(cold, HF_HUB_OFFLINE="1", **(env or {})),
     )
-    memory = TreeMemory(proc.pid)  # the host memory a GPU worker holds: no GPU lease has measured it
+    # The host memory a GPU worker holds (no GPU lease has measured it); a standing server's too.
+    memory = TreeMemory(proc.pid, *([forks[1]] if forks else []))
     _out, err = proc.communicate()
     wall = time.perf_counter() - started
     memory.stop()
@@ -330,8 +336,9 @@ STANDING_START_SECONDS = 300.0  # torch with CUDA imported and the model loaded:
 
 
 @contextlib.contextmanager
-def standing_forks(work: Path, model: str) -> Iterator[str]:
-    """``chunkq serve-forks`` with ``model`` preloaded, its socket once it serves; stopped after."""
+def standing_forks(work: Path, model: str) -> Iterator[tuple[str, int]]:
+    """``chunkq serve-forks`` with ``model`` preloaded, its socket and pid once it serves; stopped
+    after."""
     folder = Path(tempfile.mkdtemp(prefix="cq-forks-"))  # a socket's path stays under 108 bytes
     path, log = folder / "forks.sock", work / f"serve-forks-{time.monotonic_ns()}.log"
     cmd = [sys.executable, "-m", "chunkq.cli", "serve-forks", str(path), "--preload", model]
@@ -348,7 +355,7 @@ def standing_forks(work: Path, model: str) -> Iterator[str]:
                 raise RuntimeError(f"serve-forks did not start: {log.read_text(errors='replace')[-2000:]}")
             if select.select([proc.stdout], [], [], left)[0]:
                 said += os.read(proc.stdout.fileno(), 4096) or b""
-        yield str(path)
+        yield str(path), proc.pid
     finally:
         proc.terminate()
         try:
@@ -444,8 +451,8 @@ def bench_model(
         print(f"  the forward alone, pre-tokenised, batch {top['batch']}: {top['rows_per_s']:.0f} rows/s")
     for name in args.configs:
         with standing_forks(work, model) if name == "warm" else contextlib.nullcontext() as forks:
-            env = {**CONFIG_ENV.get(name, {}), **({FORK_SOCKET: forks} if forks else {})}
-            run = chunkq(work, corpus, model, precision, CONFIGS[name], args.chunk_size, args.gpu, env)
+            env = CONFIG_ENV.get(name)
+            run = chunkq(work, corpus, model, precision, CONFIGS[name], args.chunk_size, args.gpu, env, forks)
         util = gpu.mean(run["start"], run["end"])
         steady, e2e = base["encode_seconds"] / run["span"], base["wall"] / run["wall"]
         results[name] = {

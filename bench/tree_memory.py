@@ -22,20 +22,23 @@ def _pss(pid: int) -> int:
 
 class TreeMemory:
     """The peak of a process tree's summed PSS (bytes), sampled every 0.25 s in a thread; and the
-    largest PSS one process of it had (what one more worker costs the host)."""
+    largest PSS one process of it had (what one more worker costs the host). ``also``: the roots of
+    other trees that work for it (a standing fork server, whose children are the run's workers)."""
 
-    def __init__(self, pid: int) -> None:
-        self.root, self.peak, self.largest = psutil.Process(pid), 0, 0
+    def __init__(self, pid: int, *also: int) -> None:
+        self.roots, self.peak, self.largest = [psutil.Process(p) for p in (pid, *also)], 0, 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.wait(0.25):
-            try:
-                procs = [self.root, *self.root.children(recursive=True)]
-            except psutil.Error:
-                continue
+            procs = []
+            for root in self.roots:
+                try:
+                    procs += [root, *root.children(recursive=True)]
+                except psutil.Error:
+                    continue
             each = [_pss(proc.pid) for proc in procs]
             self.peak, self.largest = max(self.peak, sum(each)), max(self.largest, *each)
 
