@@ -45,6 +45,7 @@ SECTIONS: tuple[tuple[str, frozenset[str]], ...] = (
             | {"wait", "warn_idle", "stale_after"}
         ),
     ),
+    ("The output", frozenset({"out_format", "out", "to", "index", "vector_column", "columns", "level"})),
     ("Where", frozenset({"store", "queue", "priority", "redis_url"})),
 )
 OTHER = "Other"

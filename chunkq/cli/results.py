@@ -21,6 +21,7 @@ from chunkq.jobs.contract.run import ResultManifest, Run
 from chunkq.jobs.contract.run_files import RunLayout
 from chunkq.jobs.contract.units import age_text, size_text, table_text
 from chunkq.queue_worker.exit_codes import EXIT_PARTIAL
+from chunkq.sinks.destinations import file_format
 from chunkq.sinks.files import EXPORT_FORMATS, STDOUT, export
 from chunkq.supervisor.result.assemble import assemble
 from chunkq.supervisor.result.published import rebuild_advice, shard_bytes
@@ -85,12 +86,12 @@ def clean_cmd(run_id: str, outputs_only: bool, store: Path, redis_url: str | Non
 @click.argument("run_id")
 @click.option(
     "--format",
-    "fmt",
+    "out_format",
     type=click.Choice(EXPORT_FORMATS),
-    default=EXPORT_FORMATS[0],
-    show_default=True,
-    help="parquet: columns id (string) and embedding (fixed-size list of float32); npy: the array, "
-    "and its ids beside it in NAME.ids.jsonl; jsonl: {id, embedding} per line.",
+    default=None,
+    help="The file's format: what --out's name ends in (.parquet, .npy, .jsonl), else parquet. "
+    "parquet: columns id (string) and embedding (fixed-size list of float32); npy: the array, and its "
+    "ids beside it in NAME.ids.jsonl; jsonl: {id, embedding} per line.",
 )
 @click.option(
     "--out",
@@ -148,7 +149,7 @@ def clean_cmd(run_id: str, outputs_only: bool, store: Path, redis_url: str | Non
 @redis_option("unused")
 def export_cmd(
     run_id: str,
-    fmt: str,
+    out_format: str | None,
     out: Path | None,
     to: str | None,
     index: str | None,
@@ -173,6 +174,7 @@ def export_cmd(
         return
     # Where the data itself goes to stdout, a pipe or a device, the note of what was written must not join it.
     stream = out == STDOUT or (out.exists() and not out.is_file())
+    fmt = file_format(out, out_format)
     run = Run.open(store, run_id)
     written = export(run, fmt, out, force, tokens=tokens, level=level, columns=names)
     result = run.result  # as export read it: the rows written are this manifest's

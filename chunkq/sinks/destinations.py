@@ -28,6 +28,7 @@ class Destination:
     usage: str  # how a user names it, as the refusal of an unknown one lists it
     schemes: tuple[str, ...] = ()  # a store's URL schemes; () for a file format
     sink: str = ""  # a store's "module:Class", made with (url, options); imported only when used
+    suffixes: tuple[str, ...] = ()  # a file format's names' endings, which choose it without --format
 
     def open(self, url: str, options: dict[str, Any]) -> Sink:
         module, name = self.sink.split(":")
@@ -36,9 +37,9 @@ class Destination:
 
 
 DESTINATIONS = (
-    Destination("parquet", "--format parquet"),
-    Destination("npy", "--format npy (the ids beside it, PATH.ids.jsonl)"),
-    Destination("jsonl", "--format jsonl"),
+    Destination("parquet", "--format parquet", suffixes=(".parquet", ".pq")),
+    Destination("npy", "--format npy (the ids beside it, PATH.ids.jsonl)", suffixes=(".npy",)),
+    Destination("jsonl", "--format jsonl", suffixes=(".jsonl", ".ndjson")),
     Destination("lancedb", "lancedb://PATH/TABLE", ("lancedb",), "chunkq.sinks.lance:LanceSink"),
     Destination("faiss", "faiss:PATH", ("faiss",), "chunkq.sinks.faiss_index:FaissSink"),
     Destination(
@@ -49,6 +50,25 @@ DESTINATIONS = (
     ),
 )
 FILE_FORMATS = tuple(d.name for d in DESTINATIONS if not d.schemes)
+
+
+def file_format(out: Path, asked: str | None) -> str:
+    """The file format of ``--out OUT`` (``asked``: ``--format``'s, None where not given): the one
+    its name's ending says, else ``asked``, else the first. A name that says another format than
+    ``asked``, or one chunkq does not write (``.csv``) with none asked, is refused: a file named
+    e.jsonl held Parquet, said nothing."""
+    files = [d for d in DESTINATIONS if not d.schemes]
+    suffix = out.suffix.lower() if out.name not in ("", "-") else ""
+    named = next((d.name for d in files if suffix in d.suffixes), None)
+    if asked is not None and named is not None and named != asked:
+        raise ConfigError(f"--out {out} names a {named} file, and --format is {asked}: give one of them")
+    if asked is None and named is None and suffix:
+        endings = ", ".join(f"{d.suffixes[0]} ({d.name})" for d in files)
+        raise ConfigError(
+            f"--out {out}: chunkq writes {endings} files, and {suffix} is none of them; "
+            "name the file so, or give --format"
+        )
+    return asked or named or files[0].name
 
 
 def for_url(url: str) -> Destination:

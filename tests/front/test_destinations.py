@@ -87,3 +87,36 @@ def test_the_cli_offers_the_tables_file_formats_and_refuses_other_schemes_from_i
     with pytest.raises(ConfigError) as refused:
         destinations.for_url("qdrant://localhost/c")
     assert all(d.usage in str(refused.value) for d in DESTINATIONS if d.schemes)
+
+
+def test_a_files_name_chooses_its_format_and_a_name_that_says_another_is_refused(tmp_path: Path) -> None:
+    """A newcomer's `export RUN --out e.jsonl` wrote Parquet under that name and said it was written.
+    The ending chooses the format; --format that another ending contradicts, or an ending chunkq does
+    not write (.csv) with no --format, is refused before anything is read."""
+    file_format = destinations.file_format
+    assert [file_format(Path(n), None) for n in ("a.jsonl", "a.NDJSON", "a.npy", "a.pq", "a", "-")] == [
+        "jsonl",
+        "jsonl",
+        "npy",
+        "parquet",
+        "parquet",
+        "parquet",
+    ]
+    assert file_format(Path("a.bin"), "npy") == "npy" and file_format(Path("-"), "jsonl") == "jsonl"
+    with pytest.raises(ConfigError, match=r"names a jsonl file, and --format is parquet"):
+        file_format(Path("e.jsonl"), "parquet")
+    with pytest.raises(
+        ConfigError, match=r"\.parquet \(parquet\), \.npy \(npy\), \.jsonl \(jsonl\) files, and \.csv"
+    ):
+        file_format(Path("out.csv"), None)
+    store = tmp_path / "store"
+    assemble(Run.of(write_encoded_run(store, "dense", 6, 3, 4)))
+    written = run_cli(
+        "export", "dense", "--store", str(store), "--out", str(tmp_path / "e.jsonl"), forks=False
+    )
+    assert written.returncode == 0, written.stderr
+    rows = [json.loads(line) for line in (tmp_path / "e.jsonl").read_text().splitlines()]
+    assert len(rows) == 6 and set(rows[0]) == {"id", "embedding"}
+    refused = run_cli("export", "dense", "--store", str(store), "--out", str(tmp_path / "e.csv"), forks=False)
+    assert refused.returncode != 0 and "and .csv is none of them" in refused.stderr
+    assert not (tmp_path / "e.csv").exists()
