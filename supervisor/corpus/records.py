@@ -83,7 +83,8 @@ def cannot_read(path: Path, exc: OSError) -> CorpusError:
 
 class _IdPolicy:
     """Ids from the id field if the first record has one (then every record needs it), else row
-    numbers (after ``prefix``, which tells the files of a run apart)."""
+    numbers (after ``prefix``, which tells the files of a run apart); a field other than the
+    default that the first record lacks is refused."""
 
     def __init__(self, path: Path, field: str, prefix: str = "") -> None:
         self.path, self.field, self.prefix = path, field, prefix
@@ -94,6 +95,15 @@ class _IdPolicy:
         # every later id into a line number.
         present = self.field in record
         if self.from_field is None:
+            if not present and self.field != DEFAULT_ID_FIELD:
+                # A field asked for by name that the first record lacks is a typo, not "no ids":
+                # a newcomer's --id-field doc_id gave ids 1, 2, 3... and said nothing.
+                fields = ", ".join(repr(name) for name in list(record)[:10])
+                raise CorpusError(
+                    f"{where}: no id field {self.field!r} (--id-field); this record's fields: {fields}. "
+                    f"Without --id-field, a corpus whose first record has no {DEFAULT_ID_FIELD!r} is "
+                    "numbered by line"
+                )
             self.from_field = present
         if not self.from_field:
             return f"{self.prefix}{number}"
@@ -314,6 +324,10 @@ def _read_parquet(path: Path, opts: CorpusOptions, prefix: str) -> Iterator[Reco
             text_type = text_type.value_type
         if not (pa.types.is_string(text_type) or pa.types.is_large_string(text_type)):
             raise CorpusError(f"{path}: column {name!r} has type {text_type}, expected string")
+    if opts.id_field not in schema.names and opts.id_field != DEFAULT_ID_FIELD:  # see _IdPolicy
+        raise CorpusError(
+            f"{path}: no column {opts.id_field!r} (--id-field; columns: {', '.join(schema.names)})"
+        )
     columns = [*_text_fields(opts)] + ([opts.id_field] if opts.id_field in schema.names else [])
     columns += [name for name in opts.extra_fields if name in schema.names and name not in columns]
     ids = _IdPolicy(path, opts.id_field, prefix)

@@ -48,6 +48,22 @@ def test_custom_fields(tmp_path: Path) -> None:
     assert _read(path, text_field="body", id_field="key") == [("7", "x")]
 
 
+@pytest.mark.parametrize("fmt", ["jsonl", "csv", "parquet"])
+def test_an_id_field_asked_for_by_name_that_the_corpus_lacks_is_refused(tmp_path: Path, fmt: str) -> None:
+    """A typo in --id-field numbered every row by line and said nothing (a newcomer's pass); the
+    same typo in --text-field was refused. The default field, absent, still means line numbers."""
+    ids, texts = make_texts(3, seed=4)
+    path = write_corpus(tmp_path / f"c.{fmt}", ids, texts, fmt)
+    lacks = {
+        "parquet": r"c.parquet: no column 'doc_id' \(--id-field; columns: id, text\)",
+        "csv": r"c.csv:2: no id field 'doc_id' \(--id-field\); this record's fields: 'id', 'text'",
+        "jsonl": r"c.jsonl:1: no id field 'doc_id' \(--id-field\); this record's fields: 'id', 'text'",
+    }[fmt]
+    with pytest.raises(CorpusError, match=lacks):
+        _read(path, id_field="doc_id")
+    assert [row_id for row_id, _ in _read(path, id_field="id")] == ids
+
+
 @pytest.mark.parametrize(
     ("content", "message"),
     [
