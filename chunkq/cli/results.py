@@ -77,9 +77,14 @@ def runs_cmd(store: Path, as_json: bool, redis_url: str | None) -> None:
 def clean_cmd(run_id: str, outputs_only: bool, store: Path, redis_url: str | None) -> None:
     """Delete RUN_ID from the store, or free its chunk outputs; a run in flight is refused."""
     layout = RunLayout(store, run_id)
-    freed = clean(layout, outputs_only, reach_redis_if(redis_url))
+    cleaned = clean(layout, outputs_only, reach_redis_if(redis_url))
     what = "chunk outputs of run" if outputs_only else "run"
-    click.echo(f"freed {size_text(freed)}: {what} {run_id}")
+    click.echo(f"freed {size_text(cleaned.freed)}: {what} {run_id}")
+    if cleaned.held:  # a newcomer's clean said "freed 22.7 MiB" of files the cache's links kept
+        click.echo(
+            f"{size_text(cleaned.held)} of its files stay on the disk: the store's vector cache links "
+            "them (`chunkq cache` shows it, `chunkq cache clean` frees it)"
+        )
 
 
 @command("export")

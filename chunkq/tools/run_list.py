@@ -12,7 +12,7 @@ import os
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 
@@ -96,6 +96,23 @@ def folder_bytes(path: Path) -> int:
                 except FileNotFoundError:
                     continue
     return total
+
+
+def linked_elsewhere(path: Path) -> int:
+    """The bytes of the files below ``path`` that a link outside it also holds (the vector cache
+    links a result's shards), which deleting ``path`` leaves on the disk; 0 on an object store."""
+    if not is_local(path):
+        return 0
+    inodes: dict[tuple[int, int], list[int]] = {}  # (device, inode) -> [size, links, links below path]
+    for folder, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(folder, name))
+            except FileNotFoundError:
+                continue
+            if st.st_nlink > 1:
+                inodes.setdefault((st.st_dev, st.st_ino), [st.st_size, st.st_nlink, 0])[2] += 1
+    return sum(size for size, links, below in inodes.values() if below < links)
 
 
 def owner_of(layout: RunLayout) -> dict[str, Any] | None:
@@ -236,10 +253,16 @@ def live_jobs_named(connection: redis.Redis, run_id: str) -> list[str]:
     ]
 
 
-def clean(layout: RunLayout, outputs_only: bool, connection: redis.Redis | None = None) -> int:
+class Cleaned(NamedTuple):
+    freed: int  # bytes the disk got back
+    held: int  # bytes of the deleted files that links elsewhere in the store still hold
+
+
+def clean(layout: RunLayout, outputs_only: bool, connection: redis.Redis | None = None) -> Cleaned:
     """Free a run's per-chunk outputs (``outputs_only``: only once its whole result is published)
-    or delete the run; the bytes freed. A run in flight is refused: its owner lock is taken for
-    the duration, and with Redis, no job of the run may be queued or running."""
+    or delete the run; the bytes freed, and those the vector cache's links still hold. A run in
+    flight is refused: its owner lock is taken for the duration, and with Redis, no job of the run
+    may be queued or running."""
     try:
         manifest: RunManifest | None = load_manifest(layout)
     except DamagedRunError:
@@ -258,9 +281,10 @@ def clean(layout: RunLayout, outputs_only: bool, connection: redis.Redis | None 
                     "Redis; wait for it to finish (or stop its workers) and clean it then"
                 )
         if not outputs_only or manifest is None:  # (outputs_only of a damaged run was refused above)
-            freed = folder_bytes(layout.root)
+            held = linked_elsewhere(layout.root)
+            freed = folder_bytes(layout.root) - held
             remove_tree(layout.root)  # the lock file goes with it: nobody can take the run meanwhile
-            return freed
+            return Cleaned(freed, held)
         # Every byte of the result is checked first: its chunk outputs are what could rebuild it.
         state, _ = state_of(Run(layout, manifest), checksums=True, own=lock)
         if state != PUBLISHED:
@@ -269,7 +293,7 @@ def clean(layout: RunLayout, outputs_only: bool, connection: redis.Redis | None 
                 "intact result is published; `chunkq assemble RUN` (or the same run command) publishes "
                 "one, then clean (or delete the whole run without --outputs-only)"
             )
-        return _free_outputs(layout)
+        return Cleaned(_free_outputs(layout), 0)
 
 
 def _free_outputs(layout: RunLayout) -> int:

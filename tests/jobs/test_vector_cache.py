@@ -309,6 +309,44 @@ def test_status_runs_report_metrics_and_the_cache_command_say_what_was_saved(
     assert cache_upkeep.summary(VectorCache(store)) == []
 
 
+def _disk_bytes(folder: Path) -> int:
+    """What the files below ``folder`` hold on the disk: each inode once, however many links."""
+    seen: dict[tuple[int, int], int] = {}
+    for path in folder.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            st = path.stat()
+            seen[(st.st_dev, st.st_ino)] = st.st_size
+    return sum(seen.values())
+
+
+def test_clean_says_what_the_disk_got_back_and_what_the_caches_links_keep(tmp_path: Path) -> None:
+    """A newcomer's `chunkq clean RUN` said "freed 22.7 MiB" while the store's size did not move:
+    the vector cache links the result's shards. The bytes freed are the disk's, and the rest is named
+    with the command that frees it."""
+    from chunkq.jobs.contract.run_files import RunLayout
+
+    ids, texts = make_texts(40, seed=12)
+    store, corpus = tmp_path / "store", write_corpus(tmp_path / "held.jsonl", ids, texts, "jsonl")
+    assert run_cli("run", str(corpus), "--store", str(store), "--chunk-size", "20").returncode == 0
+    (root,) = (store / "runs").iterdir()
+    layout = RunLayout(store, root.name)
+    before = _disk_bytes(store)
+    said = run_cli("clean", layout.run_id, "--store", str(store), forks=False)
+    assert said.returncode == 0, said.stderr
+    freed, kept = said.stdout.strip().splitlines()
+    assert freed.startswith("freed ") and freed.endswith(f": run {layout.run_id}")
+    assert "of its files stay on the disk: the store's vector cache links them" in kept
+    assert "`chunkq cache clean` frees it" in kept
+    gone = before - _disk_bytes(store)
+    from chunkq.tools.run_list import linked_elsewhere
+
+    number, unit = freed.split()[1:3]
+    said_bytes = float(number) * {"B": 1, "KiB": 2**10, "MiB": 2**20}[unit.rstrip(":")]
+    # What the run's lock, written by clean itself, adds is the difference: under 1 KiB.
+    assert abs(said_bytes - gone) < 1024 and gone < _disk_bytes(store), (freed, gone)
+    assert linked_elsewhere(store / "cache") == 0  # what the run held is the cache's alone now
+
+
 @pytest.mark.slow
 def test_a_partial_result_leaves_out_every_row_of_a_missing_chunks_texts(
     tmp_path: Path, store: Path, connection: redis.Redis, reference_model: Any
