@@ -228,7 +228,9 @@ def _json_line(line: str, where: str) -> Any:
     try:
         return json.loads(line)
     except json.JSONDecodeError as exc:
-        raise CorpusError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+        # json's own words for some errors end in " at" ("Invalid control character at"): one "at".
+        said = exc.msg.removesuffix(" at")
+        raise CorpusError(f"{where}: invalid JSON ({said} at column {exc.colno})") from None
 
 
 def _read_jsonl(path: Path, opts: CorpusOptions, prefix: str) -> Iterator[Record]:
@@ -282,8 +284,10 @@ def _read_csv(path: Path, opts: CorpusOptions, prefix: str) -> Iterator[Record]:
         for number, row in enumerate(reader, 1):
             where = f"{path}:{reader.line_num}"
             if None in row or any(value is None for value in row.values()):
+                # DictReader files a longer row's extra values under None, a shorter row's gaps as None.
+                found = sum(v is not None for k, v in row.items() if k is not None) + len(row.get(None) or [])
                 raise CorpusError(
-                    f"{where}: row has {len(header)} columns expected, found a different number"
+                    f"{where}: {found} column{'' if found == 1 else 's'} where the header has {len(header)}"
                 )
             yield Record(ids.pick(row, where, number), _text_of(row, opts, where), where, _extra(row, opts))
     except csv.Error as exc:
