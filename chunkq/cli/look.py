@@ -136,7 +136,7 @@ def status_cmd(run_id: str, store: Path, redis_url: str | None, as_json: bool) -
         return
     click.echo(describe(snap))
     if snap.cache is not None:
-        click.echo(f"vector cache: {describe_savings(snap.cache)}")
+        click.echo(f"vector cache: {describe_savings(snap.cache, planned=not snap.result_published)}")
     click.echo(describe_attempts(attempts))
     if snap.quarantined:
         click.echo(failure_report(snap.quarantined, snap.run_id))

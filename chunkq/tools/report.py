@@ -366,7 +366,7 @@ def _markdown(s: dict[str, Any], png: Path) -> str:
     if s["cache"] is not None:
         saved = s["cache"]
         lines += [
-            f"| vector cache | {describe_savings(saved)} |",
+            f"| vector cache | {describe_savings(saved, planned=s['chunks_done'] < s['chunks'])} |",
             f"| worker time the cached and repeated texts would have taken (estimate) | "
             f"{saved['encode_seconds_saved']} s of encoding; a whole command saves less (start-up and "
             "model load are paid either way: BENCHMARKS.md, vector cache) |",

@@ -84,12 +84,16 @@ def savings(plan: dict[str, Any] | None) -> dict[str, Any] | None:
     }
 
 
-def describe_savings(saved: dict[str, Any]) -> str:
+def describe_savings(saved: dict[str, Any], planned: bool = False) -> str:
     """One line: ``700 rows: 120 encoded, 500 from the vector cache, 80 repeating a text of the run``
-    (each distinct text is encoded or read from the cache once, whatever its copies)."""
+    (each distinct text is encoded or read from the cache once, whatever its copies). ``planned``:
+    a run not yet published, whose plan says what is to be done (its status said "15,000 encoded"
+    with 3,000 rows done)."""
+    encoded = "to encode" if planned else "encoded"
     return (
-        f"{saved['rows']:,} rows: {saved['encoded']:,} encoded, {saved['from_cache']:,} from the vector "
-        f"cache, {saved['deduplicated']:,} repeating another row's text (each text encoded or read once)"
+        f"{saved['rows']:,} rows{' planned' if planned else ''}: {saved['encoded']:,} {encoded}, "
+        f"{saved['from_cache']:,} from the vector cache, {saved['deduplicated']:,} repeating another "
+        "row's text (each text encoded or read once)"
     )
 
 

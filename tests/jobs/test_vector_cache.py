@@ -309,6 +309,39 @@ def test_status_runs_report_metrics_and_the_cache_command_say_what_was_saved(
     assert cache_upkeep.summary(VectorCache(store)) == []
 
 
+def test_status_of_a_run_under_way_says_what_its_plan_will_encode_not_that_it_did(
+    tmp_path: Path, store: Path, connection: redis.Redis
+) -> None:
+    """A newcomer's status read "15,000 rows: 15,000 encoded" with 3,000 rows done."""
+    from chunkq.jobs.compute.model_refs import BUNDLED_MODEL
+    from chunkq.jobs.contract.manifest import load_manifest
+    from chunkq.jobs.contract.run_files import RunLayout
+    from chunkq.jobs.embed import embed_chunk
+    from chunkq.supervisor.corpus.records import CorpusOptions
+    from chunkq.supervisor.result.assemble import assemble
+    from chunkq.supervisor.submit.identity import SubmitRequest
+    from chunkq.supervisor.submit.submission import submit
+
+    ids, texts = make_texts(30, seed=21)
+    corpus = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl")
+    request = SubmitRequest(corpus, store, BUNDLED_MODEL, CorpusOptions("jsonl"), chunk_size=10)
+    layout = RunLayout(store, submit(request, connection).run_id)
+    manifest = load_manifest(layout)
+    embed_chunk(manifest.chunk_spec(layout.store, 0).to_dict())
+
+    def cache_line() -> str:
+        said = run_cli("status", layout.run_id, "--store", str(store), forks=False)
+        assert said.returncode in (0, 2), said.stderr
+        (line,) = [line for line in said.stdout.splitlines() if line.startswith("vector cache: ")]
+        return line
+
+    assert cache_line().startswith("vector cache: 30 rows planned: 30 to encode, 0 from the vector cache")
+    for index in range(1, manifest.chunks):
+        embed_chunk(manifest.chunk_spec(layout.store, index).to_dict())
+    assemble(Run.of(layout))
+    assert cache_line().startswith("vector cache: 30 rows: 30 encoded, 0 from the vector cache")
+
+
 def _disk_bytes(folder: Path) -> int:
     """What the files below ``folder`` hold on the disk: each inode once, however many links."""
     seen: dict[tuple[int, int], int] = {}
