@@ -8,6 +8,7 @@ files, no keys and no processes behind.
 
 from __future__ import annotations
 
+import difflib
 import glob
 import logging
 import os
@@ -309,6 +310,12 @@ RUN_NAMES = _SUBMIT_NAMES | WATCH_NAMES  # with the pool's: every keyword chunkq
 _POOL_NAMES = POOL_NAMES - {*RUN_DECIDES_FOR_THE_POOL, "redis_url", "log_level"}
 
 
+def _with_a_guess(name: str, known: list[str]) -> str:
+    """``name``, and the option meant where one is close (chunksize: chunk_size), as the CLI says."""
+    close = difflib.get_close_matches(name, known, n=1)
+    return f"{name} (did you mean {close[0]}?)" if close else name
+
+
 def build_run_request(
     corpora: Sequence[str | Path], *, store: Path, redis_url: str | None = None, **options: Any
 ) -> RunRequest:
@@ -319,7 +326,9 @@ def build_run_request(
 
     watch, submit, pool = take(WATCH_NAMES), take(_SUBMIT_NAMES), take(_POOL_NAMES)
     if options:
-        raise ConfigError(f"unknown option(s): {', '.join(sorted(options))}")
+        known = sorted(_SUBMIT_NAMES | WATCH_NAMES | _POOL_NAMES | {"store", "redis_url"})
+        named = [_with_a_guess(name, known) for name in sorted(options)]
+        raise ConfigError(f"unknown option(s): {', '.join(named)}")
     if "format" in submit:
         submit["fmt"] = submit.pop("format")
     settings = watch_settings(**watch)

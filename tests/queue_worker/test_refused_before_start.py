@@ -38,6 +38,14 @@ def test_half_precision_on_a_run_without_a_gpu_is_refused(tmp_path: Path, corpus
         build_run_request([corpus], store=tmp_path / "s", precision="fp16", gpus="none")
 
 
+def test_an_unknown_keyword_of_the_api_names_the_one_meant(tmp_path: Path, corpus: Path) -> None:
+    """The CLI says "Did you mean --chunk-size?"; chunkq.run(chunksize=250) said only its name."""
+    with pytest.raises(
+        ConfigError, match=r"^unknown option\(s\): chunksize \(did you mean chunk_size\?\), zzz$"
+    ):
+        build_run_request([corpus], store=tmp_path / "s", chunksize=250, zzz=1)
+
+
 @pytest.mark.parametrize("option", ["window_tokens", "window_stride"])
 def test_window_sizes_without_windows_are_refused(tmp_path: Path, corpus: Path, option: str) -> None:
     """Silently ignored before (as --pool was not: it was refused)."""
