@@ -51,7 +51,7 @@ CASES = {
         "c.jsonl:2: id 'id' holds a NUL character (\\u0000 at character 1)",
     ),
     "csv-missing-column": ("c.csv", "id,body\n1,a\n", "c.csv:1: header has no column 'text'"),
-    "csv-ragged": ("c.csv", "id,text\n1,a\n2,b,extra\n", "c.csv:3: row has 2 columns"),
+    "csv-ragged": ("c.csv", "id,text\n1,a\n2,b,extra\n", "c.csv:3: 3 columns where the header has 2"),
     "over-long-line": (
         "c.jsonl",
         json.dumps({"text": "x" * (1 << 20)}) + "\n",
