@@ -66,8 +66,8 @@ def test_the_gpu_check_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
     assert "GiB the largest process" in summary
     # Issue 64's goal on a GPU host: MiniLM's whole command against plain at 10^5 rows (40 here).
     whole = result["whole"]["figures"]["minilm"]
-    assert not result["whole"]["timed_out"] and set(whole) == {"plain", "auto", "warm"}, whole
-    assert whole["plain"]["rows"] == 40 and whole["auto"]["e2e_ratio"] > 0
+    assert not result["whole"]["timed_out"] and set(whole) == {"plain", "warm"}, whole  # a GPU adds auto
+    assert whole["plain"]["rows"] == 40
     # A host's later runs: a standing fork server, started first, forks the workers (a pool that
     # cannot use it says so, and the bench keeps that line).
     assert whole["warm"]["e2e_ratio"] > 0 and "standing_refused" not in whole["warm"], whole["warm"]
