@@ -45,7 +45,6 @@ import ast
 import contextlib
 import json
 import os
-import select
 import shutil
 import statistics
 import subprocess
@@ -66,6 +65,7 @@ from chunkq.tools.run_facts import gather
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.tree_memory import TreeMemory
+from tests.warm_forks import SOCKET_ENV, start_standing_server
 
 CONFIGS = {
     "one": ["--workers-per-gpu", "1", "--recycle-after", "0"],
@@ -330,32 +330,18 @@ def chunkq(
     }
 
 
-FORK_SOCKET = "CHUNKQ_FORK_SERVER_SOCKET"
+FORK_SOCKET = SOCKET_ENV
 STANDING_REFUSED = "cannot use the standing fork server"
-STANDING_START_SECONDS = 300.0  # torch with CUDA imported and the model loaded: 12-15 s on an H200 host
 
 
 @contextlib.contextmanager
-def standing_forks(work: Path, model: str) -> Iterator[tuple[str, int]]:
-    """``chunkq serve-forks`` with ``model`` preloaded, its socket and pid once it serves; stopped
-    after."""
+def standing_forks(model: str) -> Iterator[tuple[str, int]]:
+    """``chunkq serve-forks`` with ``model`` preloaded (the tests' own starter: it returns once the
+    server serves), its socket and pid; stopped after."""
     folder = Path(tempfile.mkdtemp(prefix="cq-forks-"))  # a socket's path stays under 108 bytes
-    path, log = folder / "forks.sock", work / f"serve-forks-{time.monotonic_ns()}.log"
-    cmd = [sys.executable, "-m", "chunkq.cli", "serve-forks", str(path), "--preload", model]
-    with open(log, "wb") as err:
-        proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=err, env=dict(os.environ, HF_HUB_OFFLINE="1")
-        )
-    assert proc.stdout is not None
+    proc = start_standing_server(folder / "forks.sock", dict(os.environ, HF_HUB_OFFLINE="1"), preload=model)
     try:
-        said, deadline = b"", time.monotonic() + STANDING_START_SECONDS
-        while b"serving at" not in said:
-            left = deadline - time.monotonic()
-            if left <= 0 or proc.poll() is not None:
-                raise RuntimeError(f"serve-forks did not start: {log.read_text(errors='replace')[-2000:]}")
-            if select.select([proc.stdout], [], [], left)[0]:
-                said += os.read(proc.stdout.fileno(), 4096) or b""
-        yield str(path), proc.pid
+        yield str(folder / "forks.sock"), proc.pid
     finally:
         proc.terminate()
         try:
@@ -450,7 +436,7 @@ def bench_model(
         save()
         print(f"  the forward alone, pre-tokenised, batch {top['batch']}: {top['rows_per_s']:.0f} rows/s")
     for name in args.configs:
-        with standing_forks(work, model) if name == "warm" else contextlib.nullcontext() as forks:
+        with standing_forks(model) if name == "warm" else contextlib.nullcontext() as forks:
             env = CONFIG_ENV.get(name)
             run = chunkq(work, corpus, model, precision, CONFIGS[name], args.chunk_size, args.gpu, env, forks)
         util = gpu.mean(run["start"], run["end"])
