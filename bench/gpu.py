@@ -45,7 +45,6 @@ import ast
 import contextlib
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -65,7 +64,7 @@ from chunkq.tools.run_facts import gather
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.tree_memory import TreeMemory
-from tests.warm_forks import SOCKET_ENV, start_standing_server
+from tests.warm_forks import SOCKET_ENV, start_standing_server, stop_standing_server
 
 CONFIGS = {
     "one": ["--workers-per-gpu", "1", "--recycle-after", "0"],
@@ -276,14 +275,14 @@ def chunkq(
     """``chunkq run`` of ``corpus``, its figures; ``forks``: the standing fork server it uses (its
     socket and pid: its workers are that server's children, their memory counted with the run's)."""
     if forks is not None:
-        env = {**(env or {}), FORK_SOCKET: forks[0]}
+        env = {**(env or {}), SOCKET_ENV: forks[0]}
     store = work / f"store-{time.monotonic_ns()}"
     cmd = [sys.executable, "-m", "chunkq.cli", "--log-level", "WARNING", "run", str(corpus)]
     cmd += ["--store", str(store), "--model", model, "--precision", precision]
     cmd += ["--chunk-size", str(chunk_size), *extra]
     cmd += ["--gpus", str(gpu.index) if gpu is not None else "none"]
     # Cold unless the configuration names a standing server: one inherited is not the defaults.
-    cold = {k: v for k, v in os.environ.items() if k != FORK_SOCKET}
+    cold = {k: v for k, v in os.environ.items() if k != SOCKET_ENV}
     started = time.perf_counter()
     proc = subprocess.Popen(
         cmd,
@@ -330,7 +329,6 @@ def chunkq(
     }
 
 
-FORK_SOCKET = SOCKET_ENV
 STANDING_REFUSED = "cannot use the standing fork server"
 
 
@@ -343,13 +341,7 @@ def standing_forks(model: str) -> Iterator[tuple[str, int]]:
     try:
         yield str(folder / "forks.sock"), proc.pid
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(60)
-        shutil.rmtree(folder, ignore_errors=True)
+        stop_standing_server(proc, folder / "forks.sock")
 
 
 def tokenisation(

@@ -89,7 +89,11 @@ def standing_socket() -> str:
 
 
 def _stop() -> None:
-    proc, path = _started.pop("server")
+    stop_standing_server(*_started.pop("server"))
+
+
+def stop_standing_server(proc: subprocess.Popen[bytes], path: Path) -> None:
+    """Stop the server ``start_standing_server`` started at ``path``, and remove the folder it made."""
     proc.terminate()
     try:
         proc.wait(30)
