@@ -77,10 +77,18 @@ def run_ids(store: Path) -> list[str]:
 
 
 def folder_bytes(path: Path) -> int:
+    return bytes_below(path)[0]
+
+
+def bytes_below(path: Path) -> tuple[int, int]:
+    """The bytes of the files below ``path``, and of those the bytes a link outside it also holds
+    (the vector cache links a result's shards), which deleting ``path`` leaves on the disk; the
+    second is 0 on an object store."""
     if not is_local(path):
         fs = path.fs  # type: ignore[attr-defined]
-        return int(fs.du(path.path, total=True))  # type: ignore[attr-defined]
+        return int(fs.du(path.path, total=True)), 0  # type: ignore[attr-defined]
     total, folders = 0, [str(path)]
+    linked: dict[tuple[int, int], list[int]] = {}  # (device, inode) -> [size, links, links below path]
     while folders:  # scandir's entries carry their type: one lstat a file, none a folder
         try:
             entries = os.scandir(folders.pop())
@@ -91,28 +99,14 @@ def folder_bytes(path: Path) -> int:
                 try:
                     if entry.is_dir(follow_symlinks=False):
                         folders.append(entry.path)
-                    else:
-                        total += entry.stat(follow_symlinks=False).st_size
+                        continue
+                    st = entry.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue
-    return total
-
-
-def linked_elsewhere(path: Path) -> int:
-    """The bytes of the files below ``path`` that a link outside it also holds (the vector cache
-    links a result's shards), which deleting ``path`` leaves on the disk; 0 on an object store."""
-    if not is_local(path):
-        return 0
-    inodes: dict[tuple[int, int], list[int]] = {}  # (device, inode) -> [size, links, links below path]
-    for folder, _dirs, files in os.walk(path):
-        for name in files:
-            try:
-                st = os.lstat(os.path.join(folder, name))
-            except FileNotFoundError:
-                continue
-            if st.st_nlink > 1:
-                inodes.setdefault((st.st_dev, st.st_ino), [st.st_size, st.st_nlink, 0])[2] += 1
-    return sum(size for size, links, below in inodes.values() if below < links)
+                total += st.st_size
+                if st.st_nlink > 1:
+                    linked.setdefault((st.st_dev, st.st_ino), [st.st_size, st.st_nlink, 0])[2] += 1
+    return total, sum(size for size, links, below in linked.values() if below < links)
 
 
 def owner_of(layout: RunLayout) -> dict[str, Any] | None:
@@ -281,8 +275,8 @@ def clean(layout: RunLayout, outputs_only: bool, connection: redis.Redis | None 
                     "Redis; wait for it to finish (or stop its workers) and clean it then"
                 )
         if not outputs_only or manifest is None:  # (outputs_only of a damaged run was refused above)
-            held = linked_elsewhere(layout.root)
-            freed = folder_bytes(layout.root) - held
+            total, held = bytes_below(layout.root)
+            freed = total - held
             remove_tree(layout.root)  # the lock file goes with it: nobody can take the run meanwhile
             return Cleaned(freed, held)
         # Every byte of the result is checked first: its chunk outputs are what could rebuild it.

@@ -371,13 +371,13 @@ def test_clean_says_what_the_disk_got_back_and_what_the_caches_links_keep(tmp_pa
     assert "of its files stay on the disk: the store's vector cache links them" in kept
     assert "`chunkq cache clean` frees it" in kept
     gone = before - _disk_bytes(store)
-    from chunkq.tools.run_list import linked_elsewhere
+    from chunkq.tools.run_list import bytes_below
 
     number, unit = freed.split()[1:3]
     said_bytes = float(number) * {"B": 1, "KiB": 2**10, "MiB": 2**20}[unit.rstrip(":")]
     # What the run's lock, written by clean itself, adds is the difference: under 1 KiB.
     assert abs(said_bytes - gone) < 1024 and gone < _disk_bytes(store), (freed, gone)
-    assert linked_elsewhere(store / "cache") == 0  # what the run held is the cache's alone now
+    assert bytes_below(store / "cache")[1] == 0  # what the run held is the cache's alone now
 
 
 @pytest.mark.slow
