@@ -326,7 +326,7 @@ def build_run_request(
 
     watch, submit, pool = take(WATCH_NAMES), take(_SUBMIT_NAMES), take(_POOL_NAMES)
     if options:
-        known = sorted(_SUBMIT_NAMES | WATCH_NAMES | _POOL_NAMES | {"store", "redis_url"})
+        known = sorted(RUN_NAMES | _POOL_NAMES | {"store", "redis_url"})
         named = [_with_a_guess(name, known) for name in sorted(options)]
         raise ConfigError(f"unknown option(s): {', '.join(named)}")
     if "format" in submit:
