@@ -17,6 +17,7 @@ from chunkq.jobs.contract.defaults import DEFAULT_ID_FIELD, DEFAULT_TEXT_FIELD
 from chunkq.jobs.contract.errors import CorpusError
 from chunkq.jobs.contract.storage import is_local
 from chunkq.jobs.kinds.cross import pair_text
+from chunkq.supervisor.corpus.bad_rows import BadRows, WholeFileError
 
 FORMATS = ("jsonl", "csv", "parquet", "txt")
 _SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".parquet": "parquet", ".txt": "txt"}
@@ -99,7 +100,7 @@ class _IdPolicy:
                 # A field asked for by name that the first record lacks is a typo, not "no ids":
                 # a newcomer's --id-field doc_id gave ids 1, 2, 3... and said nothing.
                 fields = ", ".join(repr(name) for name in list(record)[:10])
-                raise CorpusError(
+                raise WholeFileError(
                     f"{where}: no id field {self.field!r} (--id-field); this record's fields: {fields}. "
                     f"Without --id-field, a corpus whose first record has no {DEFAULT_ID_FIELD!r} is "
                     "numbered by line"
@@ -155,11 +156,19 @@ def _field_text(record: dict[str, Any], field: str, opts: CorpusOptions, where: 
     if not isinstance(text, str):
         kind = "null" if text is None else type(text).__name__
         raise CorpusError(f"{where}: text field {field!r} is {kind}, not a string")
+    return check_text(text, where, opts.max_text_bytes, f"text field {field!r}", escaped)
+
+
+def check_text(
+    text: str, where: str, limit: int = MAX_TEXT_BYTES, what: str = "text", escaped: bool = True
+) -> str:
+    """``text`` if a run takes it as a row's text: not blank, at most ``limit`` bytes in UTF-8, valid
+    Unicode (``escaped``: it may hold a lone surrogate; checked then); else CorpusError at ``where``."""
     if not text.strip():
-        raise CorpusError(f"{where}: text field {field!r} is empty")
-    if _utf8_length_over(text, opts.max_text_bytes):
-        raise CorpusError(f"{where}: text is over the limit of {opts.max_text_bytes} bytes")
-    return _unicode(text, f"text field {field!r}", where) if escaped else text
+        raise CorpusError(f"{where}: {what} is empty")
+    if _utf8_length_over(text, limit):
+        raise CorpusError(f"{where}: text is over the limit of {limit} bytes")
+    return _unicode(text, what, where) if escaped else text
 
 
 def _utf8_length_over(text: str, limit: int) -> bool:
@@ -196,7 +205,8 @@ def _raw_lines(fh: Any, limit: int) -> Iterator[bytes]:
         yield pending
 
 
-def _lines(path: Path, limit: int) -> Iterator[tuple[int, str]]:
+def _lines(path: Path, limit: int, bad: BadRows | None = None) -> Iterator[tuple[int, str]]:
+    """The file's lines, numbered; with ``bad``, a line that is not UTF-8 is told to it and skipped."""
     with path.open("rb") as fh:
         lineno = 0
         for raw in _raw_lines(fh, limit):  # never more of a line than the limit allows
@@ -204,13 +214,19 @@ def _lines(path: Path, limit: int) -> Iterator[tuple[int, str]]:
             if lineno == 1 and raw.startswith(_BOM):  # written by Excel and Windows tools
                 raw = raw[len(_BOM) :]
             if len(raw.rstrip(b"\r\n")) > limit:
-                raise CorpusError(f"{path}:{lineno}: line is over the limit of {limit} bytes")
+                over = CorpusError(f"{path}:{lineno}: line is over the limit of {limit} bytes")
+                raise over if bad is None else bad.stop(over)
             try:
-                yield lineno, raw.decode("utf-8")
+                line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                raise CorpusError(
+                undecoded = CorpusError(
                     f"{path}:{lineno}: not valid UTF-8 ({exc.reason} at byte {exc.start})"
-                ) from None
+                )
+                if bad is None:
+                    raise undecoded from None
+                bad.add(undecoded)
+                continue
+            yield lineno, line
 
 
 # json.loads's own scanner, without the 1.4 us a call json.loads spends around it
@@ -235,22 +251,24 @@ def _json_line(line: str, where: str) -> Any:
 
 def _read_jsonl(path: Path, opts: CorpusOptions, prefix: str) -> Iterator[Record]:
     ids = _IdPolicy(path, opts.id_field, prefix)
-    name = str(path)
-    for lineno, line in _lines(path, opts.max_text_bytes):
+    name, bad = str(path), BadRows(path)
+    for lineno, line in _lines(path, opts.max_text_bytes, bad):
         if not line.strip():
             continue
         where = f"{name}:{lineno}"
-        record = _json_line(line, where)
-        if not isinstance(record, dict):
-            raise CorpusError(f"{where}: expected a JSON object, got {type(record).__name__}")
-        # A lone surrogate comes only from a \u escape: raw UTF-8 holding one does not decode.
-        escaped = "\\u" in line
-        yield Record(
-            ids.pick(record, where, lineno, escaped),
-            _text_of(record, opts, where, escaped),
-            where,
-            _extra(record, opts),
-        )
+        try:
+            record = _json_line(line, where)
+            if not isinstance(record, dict):
+                raise CorpusError(f"{where}: expected a JSON object, got {type(record).__name__}")
+            # A lone surrogate comes only from a \u escape: raw UTF-8 holding one does not decode.
+            escaped = "\\u" in line
+            row = _row(ids, record, opts, where, lineno, escaped)
+        except CorpusError as exc:
+            bad.add(exc)
+            continue
+        if not (bad.found and bad.reading_on(where)):  # the check costs a call only after a bad row
+            yield row
+    bad.end()
 
 
 def _text_fields(opts: CorpusOptions) -> tuple[str, ...]:
@@ -262,10 +280,12 @@ def _read_txt(path: Path, opts: CorpusOptions, prefix: str) -> Iterator[Record]:
         raise CorpusError(
             f"{path}: a text file holds one text a line, not pairs; use JSON Lines, CSV or Parquet"
         )
-    for lineno, line in _lines(path, opts.max_text_bytes):
+    bad = BadRows(path)
+    for lineno, line in _lines(path, opts.max_text_bytes, bad):
         text = line.rstrip("\r\n")
-        if text.strip():
+        if text.strip() and not (bad.found and bad.reading_on(f"{path}:{lineno}")):
             yield Record(f"{prefix}{lineno}", text, f"{path}:{lineno}")
+    bad.end()
 
 
 def _read_csv(path: Path, opts: CorpusOptions, prefix: str) -> Iterator[Record]:
@@ -276,6 +296,7 @@ def _read_csv(path: Path, opts: CorpusOptions, prefix: str) -> Iterator[Record]:
     # whole by the csv module (a 1 GB line peaked at 2.17 GB before).
     lines = (line for _, line in _lines(path, opts.max_text_bytes + CSV_LINE_SLACK))
     reader = csv.DictReader(lines)
+    bad = BadRows(path)
     try:
         header = reader.fieldnames or []
         for name in _text_fields(opts):
@@ -283,15 +304,38 @@ def _read_csv(path: Path, opts: CorpusOptions, prefix: str) -> Iterator[Record]:
                 raise CorpusError(f"{path}:1: header has no column {name!r} (columns: {', '.join(header)})")
         for number, row in enumerate(reader, 1):
             where = f"{path}:{reader.line_num}"
-            if None in row or any(value is None for value in row.values()):
-                # DictReader files a longer row's extra values under None, a shorter row's gaps as None.
-                found = sum(v is not None for k, v in row.items() if k is not None) + len(row.get(None) or [])
-                raise CorpusError(
-                    f"{where}: {found} column{'' if found == 1 else 's'} where the header has {len(header)}"
-                )
-            yield Record(ids.pick(row, where, number), _text_of(row, opts, where), where, _extra(row, opts))
+            try:
+                record = _csv_record(row, len(header), ids, opts, where, number)
+            except CorpusError as exc:
+                bad.add(exc)
+                continue
+            if not (bad.found and bad.reading_on(where)):
+                yield record
     except csv.Error as exc:
-        raise CorpusError(f"{path}:{reader.line_num}: malformed CSV: {exc}") from None
+        raise bad.stop(CorpusError(f"{path}:{reader.line_num}: malformed CSV: {exc}")) from None
+    bad.end()
+
+
+def _csv_record(
+    row: dict[Any, Any], columns: int, ids: _IdPolicy, opts: CorpusOptions, where: str, number: int
+) -> Record:
+    if None in row or any(value is None for value in row.values()):
+        # DictReader files a longer row's extra values under None, a shorter row's gaps as None.
+        found = sum(v is not None for k, v in row.items() if k is not None) + len(row.get(None) or [])
+        plural = "" if found == 1 else "s"
+        raise CorpusError(f"{where}: {found} column{plural} where the header has {columns}")
+    return _row(ids, row, opts, where, number)
+
+
+def _row(
+    ids: _IdPolicy, record: dict[str, Any], opts: CorpusOptions, where: str, number: int, escaped: bool = True
+) -> Record:
+    return Record(
+        ids.pick(record, where, number, escaped),
+        _text_of(record, opts, where, escaped),
+        where,
+        _extra(record, opts),
+    )
 
 
 PARQUET_BATCH_ROWS = 1024
@@ -319,6 +363,33 @@ def _read_parquet(path: Path, opts: CorpusOptions, prefix: str) -> Iterator[Reco
         pfile = pq.ParquetFile(str(path) if is_local(path) else path.open("rb"))
     except (pa.ArrowException, OSError) as exc:
         raise CorpusError(f"{path}: not a readable Parquet file: {exc}") from None
+    ids = _IdPolicy(path, opts.id_field, prefix)
+    number, bad = 0, BadRows(path)
+    for batch in pfile.iter_batches(
+        batch_size=PARQUET_BATCH_ROWS, columns=_parquet_columns(pfile, opts, path)
+    ):
+        try:
+            for name in _text_fields(opts):
+                _refuse_long_texts(batch.column(name), opts.max_text_bytes, path, number)
+        except CorpusError as exc:  # never copied into Python: the reading stops there
+            raise bad.stop(exc) from None
+        for record in batch.to_pylist():
+            number += 1
+            where = f"{path}: row {number}"
+            try:
+                row = _row(ids, record, opts, where, number)
+            except CorpusError as exc:
+                bad.add(exc)
+                continue
+            if not (bad.found and bad.reading_on(where)):
+                yield row
+    bad.end()
+
+
+def _parquet_columns(pfile: Any, opts: CorpusOptions, path: Path) -> list[str]:
+    """The columns a run reads, once the schema shows each as it must be."""
+    import pyarrow as pa
+
     schema = pfile.schema_arrow
     for name in _text_fields(opts):
         if name not in schema.names:
@@ -334,17 +405,7 @@ def _read_parquet(path: Path, opts: CorpusOptions, prefix: str) -> Iterator[Reco
         )
     columns = [*_text_fields(opts)] + ([opts.id_field] if opts.id_field in schema.names else [])
     columns += [name for name in opts.extra_fields if name in schema.names and name not in columns]
-    ids = _IdPolicy(path, opts.id_field, prefix)
-    number = 0
-    for batch in pfile.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns):
-        for name in _text_fields(opts):
-            _refuse_long_texts(batch.column(name), opts.max_text_bytes, path, number)
-        for record in batch.to_pylist():
-            number += 1
-            where = f"{path}: row {number}"
-            yield Record(
-                ids.pick(record, where, number), _text_of(record, opts, where), where, _extra(record, opts)
-            )
+    return columns
 
 
 _READERS = {"jsonl": _read_jsonl, "csv": _read_csv, "parquet": _read_parquet, "txt": _read_txt}

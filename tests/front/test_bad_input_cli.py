@@ -50,6 +50,12 @@ CASES = {
         '{"id": "ok", "text": "a"}\n{"id": "a\\u0000b", "text": "b"}\n',
         "c.jsonl:2: id 'id' holds a NUL character (\\u0000 at character 1)",
     ),
+    # every bad row of the file in one refusal, the first first (a newcomer mended one per run)
+    "several-bad-rows": (
+        "c.jsonl",
+        '{"id": 1, "text": "a"}\n{"id": 2, "text": }\n{"id": 3, "text": "c"}\n{"id": 4, "text": ""}\n',
+        "c.jsonl:4: text field 'text' is empty",
+    ),
     "csv-missing-column": ("c.csv", "id,body\n1,a\n", "c.csv:1: header has no column 'text'"),
     "csv-ragged": ("c.csv", "id,text\n1,a\n2,b,extra\n", "c.csv:3: 3 columns where the header has 2"),
     "over-long-line": (
