@@ -29,6 +29,7 @@ from chunkq.jobs.contract.run_files import RunLayout, load_npy
 from chunkq.jobs.contract.specs import CALIBRATED_DTYPES, EncodeOptions, storage_dtype
 from chunkq.jobs.contract.storage import is_local, open_store, private_open
 from chunkq.jobs.kinds.cross import pair_text
+from chunkq.supervisor.corpus.records import check_text
 from chunkq.supervisor.request import ENCODE_NAMES, build_run_request, encode_options_for, finished_result
 from chunkq.supervisor.result.reader import (
     PublishedResult,
@@ -342,10 +343,15 @@ PAIR_FIELD = "passage"  # where embed writes a pair's second text in its tempora
 
 
 def _pair(item: Any, number: int) -> tuple[str, str] | None:
-    """``item`` as a (query, passage) pair, None if it is a text; ConfigError if it is neither."""
+    """``item`` as a (query, passage) pair, None if it is a text; ConfigError if it is neither, and
+    CorpusError if a text is one a run refuses as a corpus row (an empty one: a list of up to
+    IN_PROCESS_TEXTS was encoded here where a longer one, through a run, was refused)."""
     if isinstance(item, str):
+        check_text(item, f"chunkq.embed, text {number}")
         return None
     if isinstance(item, tuple | list) and len(item) == 2 and all(isinstance(p, str) for p in item):
+        for part in item:
+            check_text(part, f"chunkq.embed, text {number}")
         return item[0], item[1]
     raise ConfigError(f"text {number} is {type(item).__name__}, not a string or a (query, passage) pair")
 

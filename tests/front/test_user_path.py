@@ -431,3 +431,8 @@ def test_a_few_texts_are_embedded_in_process_with_a_runs_own_results(
     assert api.IN_PROCESS_TEXTS == 1000
     with pytest.raises(chunkq.ConfigError, match="isolated=False takes encoding options only"):
         chunkq.embed(["x"], isolated=False, chunk_size=5)
+    # A text a run refuses is refused here too, in the same words whichever path the list takes
+    # (an empty text gave a vector here, and a run's refusal named its temporary file).
+    for isolated in (None, True):
+        with pytest.raises(chunkq.CorpusError, match=r"^chunkq.embed, text 2: text is empty$"):
+            chunkq.embed(["fine", " "], isolated=isolated)
