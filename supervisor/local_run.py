@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -45,6 +46,7 @@ from chunkq.supervisor.store.store_lock import StoreLock
 from chunkq.supervisor.submit.identity import Identified, SubmitRequest, identify
 from chunkq.supervisor.submit.submission import SubmitResult, prepare, removed_on_failure, submit
 from chunkq.supervisor.watch.display import ProgressDisplay
+from chunkq.supervisor.watch.snapshot import store_snapshot
 from chunkq.supervisor.watch.supervise import (
     Outcome,
     RedisGoneError,
@@ -56,6 +58,7 @@ from chunkq.supervisor.watch.supervise import (
 log = logging.getLogger(__name__)
 
 POOL_STOP_SECONDS = 120.0  # workers finish the chunk in hand; after assembly they are idle
+DRAIN_LOOK_SECONDS = 1.0  # while a pool drains, the progress bar is drawn from the store this often
 RELAY_DRAIN_SECONDS = 10.0  # the pool has exited: what is left in its pipe is a few lines
 
 
@@ -107,6 +110,7 @@ class PoolProcess:
         self._relay: threading.Thread | None = None
         self.proc: subprocess.Popen[bytes] | None = None
         self.started_at = time.monotonic()
+        self.while_draining: Callable[[], None] = _nothing  # told every DRAIN_LOOK_SECONDS of a drain
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -155,11 +159,24 @@ class PoolProcess:
                 )
             self.proc.send_signal(signal.SIGTERM)  # drain: workers finish the chunk in hand
             try:
-                self.proc.wait(timeout=POOL_STOP_SECONDS)
+                self._drain(self.proc, time.monotonic() + POOL_STOP_SECONDS)
             except (subprocess.TimeoutExpired, KeyboardInterrupt):
                 self._stop_now(drained=True)
         if self._relay is not None:
             self._relay.join(timeout=RELAY_DRAIN_SECONDS)  # the pool's last lines, before the log closes
+
+    def _drain(self, proc: subprocess.Popen[bytes], deadline: float) -> None:
+        """Wait for the pool to exit by ``deadline`` (TimeoutExpired if not), telling
+        ``while_draining`` between waits."""
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                proc.wait(timeout=max(0.0, min(left, DRAIN_LOOK_SECONDS)))
+                return
+            except subprocess.TimeoutExpired:
+                if left <= DRAIN_LOOK_SECONDS:
+                    raise
+            self.while_draining()
 
     def _stop_now(self, drained: bool) -> None:
         """The pool's second signal, after the drain's (sent now if it was not): it stops at once,
@@ -271,6 +288,10 @@ class _QueueWhileSplitting:
     def abandon(self) -> None:
         self.pool.kill()  # before the run's files go: no worker writes into them after
         drop_run_jobs(self.connection, self.layout.run_id)
+
+
+def _nothing() -> None:
+    return None
 
 
 def _always() -> bool:
@@ -397,6 +418,9 @@ def _run(
         if pool is None and submitted.done < submitted.chunks:  # resumed with chunks left to encode
             pool = stack.enter_context(PoolProcess(req, url, layout.run_id, run_log))
         keep_going = _always if pool is None else pool.alive
+        display.follow(functools.partial(store_snapshot, layout, prepared.manifest))
+        if pool is not None:
+            pool.while_draining = display.tick
         watch = req.watch if pool is None else replace(req.watch, own_pool_started=pool.started_at)
         outcome = supervise(
             connection, layout, display, watch, keep_going, redis_gone, owner, prepared.manifest, phases

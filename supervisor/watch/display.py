@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Callable
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from chunkq.jobs.compute.device_busy import GPU_SOURCES
 from chunkq.supervisor.store.run_log import PROGRESS_LOGGER, TerminalLog
@@ -109,6 +110,8 @@ class ProgressDisplay:
         self._progress: Progress | None = None
         self._task: TaskID | None = None
         self._wide = True
+        self._shown = 0  # rows the bar has shown: a look from the store alone never moves it back
+        self._source: Callable[[], Snapshot] | None = None
 
     def __enter__(self) -> ProgressDisplay:
         if self.live:
@@ -124,32 +127,31 @@ class ProgressDisplay:
             wide = [TextColumn("[bold]{task.description}"), BarColumn(), TextColumn(WIDE_FIELDS)]
             narrow = [BarColumn(bar_width=NARROW_BAR), TextColumn(NARROW_FIELDS)]
             columns = [*wide, TimeElapsedColumn()] if self._wide else narrow
+            # Started at the first snapshot, not here: a bar started before its task drew a blank
+            # first frame.
             self._progress = Progress(*columns, console=console)
-            self._progress.start()
-            TerminalLog.live = self._progress.console  # log lines print above the bar
         return self
 
-    def update(self, snap: Snapshot) -> None:
+    def follow(self, source: Callable[[], Snapshot]) -> None:
+        """Where the bar looks between the watch's own looks: the store, while a pool drains after
+        Ctrl+C (the bar stayed at the count of the first signal while the drain finished more)."""
+        self._source = source
+
+    def tick(self, eta: str = "stopping") -> None:
+        """Draw the bar from ``follow``'s source, its ETA field saying ``eta``."""
+        if self._progress is None or self._task is None or self._source is None:
+            return
+        try:
+            snap = self._source()
+        except Exception:  # a frame not drawn must never stop a run's clean-up
+            log.debug("progress: the store could not be read for the bar", exc_info=True)
+            return
+        self.update(snap, eta)
+
+    def update(self, snap: Snapshot, eta: str | None = None) -> None:
+        """One snapshot drawn (``eta``: what the ETA field says instead of the snapshot's own)."""
         if self._progress is not None:
-            if self._task is None:
-                self._task = self._progress.add_task(
-                    f"run {snap.run_id}", total=snap.rows, rows="", chunks="", rate="", eta="", failed=0
-                )
-            # The bar moves with the rows running chunks have encoded, not only when a chunk is published.
-            done = snap.rows_done + snap.rows_encoding
-            count = (lambda n: f"{n:,}") if self._wide else _short
-            rate = snap.rows_per_second
-            self._progress.update(
-                self._task,
-                completed=done,
-                rows=f"{count(done)}/{count(snap.rows)}",
-                chunks=f"{snap.chunks_done}/{snap.chunks}",
-                rate=f"{count(round(rate))}/s" if rate else "-/s",
-                eta="no worker"
-                if snap.idle_seconds
-                else ("starting" if snap.starting else _duration(snap.eta_seconds)),
-                failed=snap.chunks_retrying + snap.chunks_quarantined,
-            )
+            self._draw(self._progress, snap, eta)
             return
         line = describe(snap)
         now = time.monotonic()
@@ -157,9 +159,37 @@ class ProgressDisplay:
             log.info("%s", line)
             self._last_plain, self._last_line = now, line
 
+    def _draw(self, progress: Progress, snap: Snapshot, eta: str | None) -> None:
+        # The bar moves with the rows running chunks have encoded, not only when a chunk is published.
+        done = self._shown = max(self._shown, snap.rows_done + snap.rows_encoding)
+        count = (lambda n: f"{n:,}") if self._wide else _short
+        rate = snap.rows_per_second
+        fields: dict[str, Any] = {
+            "rows": f"{count(done)}/{count(snap.rows)}",
+            "chunks": f"{snap.chunks_done}/{snap.chunks}",
+            "rate": f"{count(round(rate))}/s" if rate else "-/s",
+            "eta": eta if eta is not None else ("done" if snap.settled else _eta(snap)),
+            "failed": snap.chunks_retrying + snap.chunks_quarantined,
+        }
+        if self._task is None:  # the task before the start: a bar started without one drew a blank frame
+            self._task = progress.add_task(f"run {snap.run_id}", total=snap.rows, completed=done, **fields)
+            progress.start()
+            TerminalLog.live = progress.console  # log lines print above the bar
+        else:
+            progress.update(self._task, completed=done, **fields)
+        progress.refresh()  # now, not at the next tick of rich's own timer: the last frame is this one
+
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if self._progress is not None:
+        if self._progress is not None and self._task is not None:
+            if exc_type is not None:  # the last frame is what the store holds, not the last look's
+                self.tick("stopped")
             TerminalLog.live = None
             self._progress.stop()
+
+
+def _eta(snap: Snapshot) -> str:
+    if snap.idle_seconds:
+        return "no worker"
+    return "starting" if snap.starting else _duration(snap.eta_seconds)

@@ -302,6 +302,46 @@ def test_the_bar_fits_the_terminal_whole(width: int) -> None:
     assert ("512,000/1,000,000" in last and run in last) if width >= 120 else ("512k/1.0M" in last), last
 
 
+def _frames(out: Any) -> list[str]:
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.getvalue()).replace("\r", "\n")
+    return [line.rstrip() for line in text.splitlines()]
+
+
+def test_the_bar_has_no_blank_first_frame_follows_a_drain_and_ends_on_the_stores_count() -> None:
+    """A newcomer's pass: the first frame was blank (the bar started before its task), after Ctrl+C
+    the bar stayed at 12/20 while the drain finished 3 more chunks, and the last frame said "ETA ?"."""
+    import io
+
+    from rich.console import Console
+
+    from chunkq.supervisor.watch.display import ProgressDisplay
+
+    out = io.StringIO()
+    console = Console(file=out, width=160, force_terminal=True, color_system=None)
+    store = [Snapshot("r", chunks=20, rows=2000, chunks_done=15, rows_done=1500)]
+    with pytest.raises(KeyboardInterrupt), ProgressDisplay(live=True, console=console) as display:
+        assert out.getvalue() == ""  # nothing drawn before there is something to draw
+        looked = Snapshot("r", chunks=20, rows=2000, chunks_done=12, rows_done=1200, rows_encoding=150)
+        looked.eta_seconds = 30.0
+        display.update(looked)
+        display.follow(lambda: store[-1])
+        store.append(Snapshot("r", chunks=20, rows=2000, chunks_done=12, rows_done=1200))
+        display.tick()  # the store, before the running chunks published: the bar does not move back
+        assert [f for f in _frames(out) if "rows" in f][-1].count("1,350/2,000"), _frames(out)
+        store.append(Snapshot("r", chunks=20, rows=2000, chunks_done=15, rows_done=1500))
+        display.tick()
+        assert "ETA stopping" in [f for f in _frames(out) if "rows" in f][-1]
+        raise KeyboardInterrupt
+    frames = [f for f in _frames(out) if "rows" in f]
+    assert frames[0].strip(), frames  # the first frame has the bar, not a blank line
+    assert "rows 1,500/2,000" in frames[-1] and "chunks 15/20" in frames[-1], frames
+    assert "ETA stopped" in frames[-1], frames
+    done = io.StringIO()
+    with ProgressDisplay(live=True, console=Console(file=done, width=160, force_terminal=True)) as display:
+        display.update(Snapshot("r", chunks=2, rows=20, chunks_done=2, rows_done=20, result_published=True))
+    assert "ETA done" in [f for f in _frames(done) if "rows" in f][-1], _frames(done)
+
+
 def test_chunk_labels_are_drawn_where_they_fit_only() -> None:
     """Issue 65.5: the report's PNG labelled every chunk, 1,000 of them an unreadable strip."""
     from chunkq.tools.report import labelled_chunks
