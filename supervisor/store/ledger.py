@@ -28,7 +28,7 @@ from chunkq.jobs.contract.manifest import RunManifest, load_manifest
 from chunkq.jobs.contract.run_files import RunLayout, atomic_write_bytes, atomic_write_json, read_json
 from chunkq.jobs.contract.storage import list_with_mtime
 from chunkq.supervisor.store.chunk_set import ChunkSet
-from chunkq.supervisor.store.throughput import Throughput, parse_time
+from chunkq.supervisor.store.throughput import Span, Throughput, parse_time
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ class Ledger:
                 "rows_recorded": t.rows,
                 "first_start": t.first_start.isoformat() if t.first_start else None,
                 "last_end": t.last_end.isoformat() if t.last_end else None,
-                "spans": None if t.spans is None else [[a.isoformat(), b.isoformat()] for a, b in t.spans],
+                "spans": None if t.spans is None else [span.to_json() for span in t.spans],
                 "busy": t.busy.by_source,
                 "ledger_batches": self._next,
                 "updated_at": datetime.now(UTC).isoformat(),
@@ -185,7 +185,7 @@ def summarised(layout: RunLayout, done: int) -> Throughput | None:
             first_start=parse_time(summary["first_start"]),
             last_end=parse_time(summary["last_end"]),
             # A summary from before spans were kept: the whole span, as it was counted then.
-            spans=[[parse_time(a), parse_time(b)] for a, b in spans] if isinstance(spans, list) else None,
+            spans=[Span.from_json(span) for span in spans] if isinstance(spans, list) else None,
             busy=Tally({str(k): [float(v[0]), float(v[1])] for k, v in (summary.get("busy") or {}).items()}),
         )
     except (OSError, ValueError, KeyError, TypeError):

@@ -4,8 +4,10 @@ rows done ÷ the time the run ran: the spans during which some chunk was being e
 chunk outputs in the store (their ``started_at`` and ``finished_at``), so every command that reads
 the store gives the same figure for the same run. Chunk spans closer than PAUSE_SECONDS are one
 span (the moments between chunks are the run's own cost); a longer pause, a run stopped and
-resumed the next day, is not counted. While the run goes on, the time since its last chunk ended
-counts, up to PAUSE_SECONDS.
+resumed the next day, is not counted, nor any pause before a pool that started after the last
+span ended (a run stopped with Ctrl+C and resumed a minute later: the minute no process ran is not
+the run's; a newcomer's resumed run said 42 rows/s where it had run at 118). While the run goes
+on, the time since its last chunk ended counts, up to PAUSE_SECONDS.
 """
 
 from __future__ import annotations
@@ -30,13 +32,40 @@ _PAUSE = timedelta(seconds=PAUSE_SECONDS)
 
 
 @dataclass
+class Span:
+    """A stretch the run ran: chunks encoded from ``start`` to ``end``; ``opened``: when the
+    earliest pool of its chunks started (None: not recorded), which tells a stop from a pause."""
+
+    start: datetime
+    end: datetime
+    opened: datetime | None = None
+
+    def joins(self, later: Span) -> bool:
+        """Whether ``later`` (starting no earlier) is this stretch going on: close enough, and
+        encoded by a pool that was already there when this one ended."""
+        if later.start - self.end > _PAUSE:
+            return False
+        return later.opened is None or later.opened <= self.end
+
+    def to_json(self) -> list[str]:
+        ends = [self.start.isoformat(), self.end.isoformat()]
+        return ends if self.opened is None else [*ends, self.opened.isoformat()]
+
+    @classmethod
+    def from_json(cls, value: list[str]) -> Span:
+        return cls(
+            parse_time(value[0]), parse_time(value[1]), parse_time(value[2]) if len(value) > 2 else None
+        )
+
+
+@dataclass
 class Throughput:
     rows: int = 0
     first_start: datetime | None = None
     last_end: datetime | None = None
-    # Merged [start, end] spans of chunk work, in time order: one per stretch the run ran (a few
-    # entries, whatever the chunk count). None: not known (a summary written before they were kept).
-    spans: list[list[datetime]] | None = field(default_factory=list)
+    # Merged spans of chunk work, in time order: one per stretch the run ran (a few entries,
+    # whatever the chunk count). None: not known (a summary written before they were kept).
+    spans: list[Span] | None = field(default_factory=list)
     busy: Tally = field(default_factory=Tally)  # how busy the chunks kept their devices (compute/device_busy)
 
     def add(self, meta: Mapping[str, Any]) -> None:
@@ -49,7 +78,7 @@ class Throughput:
         self.first_start = started if self.first_start is None else min(self.first_start, started)
         self.last_end = ended if self.last_end is None else max(self.last_end, ended)
         if self.spans is not None:
-            _merge(self.spans, started, max(started, ended))
+            _merge(self.spans, Span(started, max(started, ended), _pool_start(meta)))
         self.busy.add(meta.get("busy"), meta.get("seconds"))
 
     def ran_seconds(self) -> float | None:
@@ -58,7 +87,7 @@ class Throughput:
             return None
         if self.spans is None:
             return max((self.last_end - self.first_start).total_seconds(), 0.0)
-        return sum((end - start).total_seconds() for start, end in self.spans)
+        return sum((span.end - span.start).total_seconds() for span in self.spans)
 
     def seconds(
         self, running: bool, now: datetime | None = None, resumed_at: datetime | None = None
@@ -92,20 +121,25 @@ class Throughput:
         return (self.rows + encoding) / seconds if seconds else None
 
 
-def _merge(spans: list[list[datetime]], start: datetime, end: datetime) -> None:
-    """Add [start, end] to sorted, merged ``spans``: a span within PAUSE_SECONDS of another joins it."""
-    at = bisect.bisect_left([s for s, _ in spans], start)
-    spans.insert(at, [start, end])
-    # Merge around the new span: its left neighbour, then every span it now reaches.
-    i = max(at - 1, 0)
-    while i + 1 < len(spans):
-        if spans[i + 1][0] - spans[i][1] <= _PAUSE:
-            spans[i][1] = max(spans[i][1], spans[i + 1][1])
-            del spans[i + 1]
-        elif i + 1 > at:
-            break
+def _pool_start(meta: Mapping[str, Any]) -> datetime | None:
+    startup = meta.get("startup")
+    opened = startup.get("pool_started_at") if isinstance(startup, Mapping) else None
+    return parse_time(opened) if opened else None
+
+
+def _merge(spans: list[Span], new: Span) -> None:
+    """Add ``new`` to sorted, merged ``spans``: spans that join (Span.joins) become one."""
+    spans.insert(bisect.bisect_left([s.start for s in spans], new.start), new)
+    # A few spans, whatever the chunk count: merged again from the first, as a new one may join two.
+    merged = [spans[0]]
+    for span in spans[1:]:
+        last = merged[-1]
+        if last.joins(span) or span.start <= last.end:  # overlapping chunks are one stretch
+            openings = [t for t in (last.opened, span.opened) if t is not None]
+            merged[-1] = Span(last.start, max(last.end, span.end), min(openings) if openings else None)
         else:
-            i += 1
+            merged.append(span)
+    spans[:] = merged
 
 
 def of_outputs(metas: Iterable[Mapping[str, Any]]) -> Throughput:

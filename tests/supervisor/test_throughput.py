@@ -45,6 +45,35 @@ def test_a_stopped_stretch_is_not_counted_whatever_order_chunks_are_added_in() -
     assert gappy.seconds(running=False) == 30 + 2 * (PAUSE_SECONDS - 1)
 
 
+def _pooled(start: float, seconds: float, pool_started: float) -> dict[str, object]:
+    pool = (T0 + timedelta(seconds=pool_started)).isoformat()
+    return {**_chunk(start, seconds), "startup": {"pool_started_at": pool}}
+
+
+def test_a_pause_before_a_later_pool_is_not_counted_and_one_within_a_pool_is() -> None:
+    """A newcomer's pass: Ctrl+C, resumed a minute later: the run said 42 rows/s where it had run
+    at 118, the minute no process ran counted as the run's (it was shorter than PAUSE_SECONDS)."""
+    first = [_pooled(10 * i, 10, pool_started=-5) for i in range(5)]  # 0-50 s, its pool from -5 s
+    resumed = [_pooled(110 + 10 * i, 10, pool_started=105) for i in range(5)]  # a pool started at 105 s
+    for seed in range(4):
+        records = first + resumed
+        random.Random(seed).shuffle(records)
+        t = Throughput()
+        for record in records:
+            t.add(record)
+        assert t.seconds(running=False) == 100.0 and t.spans is not None and len(t.spans) == 2
+    # The same gap within one pool (a worker that waited for chunks) is the run's own time.
+    waited = Throughput()
+    for record in [*first, *(_pooled(110 + 10 * i, 10, pool_started=-5) for i in range(5))]:
+        waited.add(record)
+    assert waited.seconds(running=False) == 160.0
+    # Two pools at once (a fleet, one started while the other worked): one stretch.
+    fleet = Throughput()
+    for record in [*first, _pooled(60, 10, pool_started=30)]:
+        fleet.add(record)
+    assert fleet.seconds(running=False) == 70.0
+
+
 def test_while_running_the_time_since_the_last_chunk_counts_up_to_a_pause() -> None:
     t = Throughput()
     t.add(_chunk(0, 10))
@@ -70,3 +99,11 @@ def test_the_summary_keeps_the_spans_and_an_old_summary_still_reads(tmp_path: Pa
     atomic_write_json(layout.summary, old)
     before = summarised(layout, 20)
     assert before is not None and before.seconds(running=False) == 12 * 3600 + 100  # as it was counted then
+    # The pools' starts are kept: a summary of a resumed run reads as its chunks do.
+    _write_manifest(tmp_path, "resumed", 10, 100, 1000)
+    resumed = Ledger(RunLayout(tmp_path, "resumed"))
+    for i in range(10):
+        resumed.add({**_pooled(10 * i + (60 if i >= 5 else 0), 10, -5 if i < 5 else 105), "chunk": i})
+    resumed.flush(force=True)
+    kept = summarised(RunLayout(tmp_path, "resumed"), 10)
+    assert kept is not None and kept.seconds(running=False) == 100.0
