@@ -274,8 +274,23 @@ def describe(ref: str, revision: str | None = None) -> ModelInfo:
     )
 
 
+MODEL_FILES = ("modules.json", "config.json")  # sentence-transformers' module list; transformers' config
+
+
+def _holds_a_model(info: ModelInfo) -> None:
+    if info.folder is not None and not any((Path(info.folder) / name).is_file() for name in MODEL_FILES):
+        # Said here: each worker's load failed in turn and the run ended "no device left to run
+        # workers on" (a project folder given as --model, seen in a session).
+        raise ConfigError(
+            f"model {info.ref}: the folder {info.folder} holds no model (neither modules.json, as "
+            "sentence-transformers saves one, nor config.json, as transformers does); give the folder "
+            "the model was saved in"
+        )
+
+
 def check_options(info: ModelInfo, options: EncodeOptions) -> None:
     """ConfigError when ``options`` cannot work with the model: said before anything starts."""
+    _holds_a_model(info)
     if info.kinds and options.kind not in info.kinds:
         takes = " or ".join(info.kinds)
         raise ConfigError(

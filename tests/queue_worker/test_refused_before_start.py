@@ -46,6 +46,17 @@ def test_an_unknown_keyword_of_the_api_names_the_one_meant(tmp_path: Path, corpu
         build_run_request([corpus], store=tmp_path / "s", chunksize=250, zzz=1)
 
 
+def test_a_folder_that_holds_no_model_is_refused(tmp_path: Path, corpus: Path) -> None:
+    """A project folder given as --model: each worker's load failed in turn ("Unrecognized model")
+    and the run ended "no device left to run workers on"."""
+    folder = tmp_path / "project"
+    (folder / "src").mkdir(parents=True)
+    (folder / "README.md").write_text("not a model")
+    with pytest.raises(ConfigError, match=r"the folder .*project holds no model \(neither modules.json"):
+        build_run_request([corpus], store=tmp_path / "s", model=str(folder))
+    assert not (tmp_path / "s").exists()
+
+
 @pytest.mark.parametrize("option", ["window_tokens", "window_stride"])
 def test_window_sizes_without_windows_are_refused(tmp_path: Path, corpus: Path, option: str) -> None:
     """Silently ignored before (as --pool was not: it was refused)."""
