@@ -30,7 +30,7 @@ from chunkq.jobs.compute.model_info import describe
 from chunkq.jobs.compute.model_reads import no_working_directory_imports
 from chunkq.jobs.contract import environment
 from chunkq.jobs.contract.defaults import DEFAULT_KIND, DEFAULT_STORE
-from chunkq.jobs.contract.errors import ConfigError
+from chunkq.jobs.contract.errors import CUDA_FATAL, ConfigError, classify, first_line
 from chunkq.jobs.contract.process_clock import process_started_at
 from chunkq.jobs.contract.redaction import guard_process
 from chunkq.jobs.contract.settings import env_of, truthy
@@ -50,6 +50,7 @@ from chunkq.queue_worker.chunk_worker import (
 from chunkq.queue_worker.devices import utilisation
 from chunkq.queue_worker.exit_codes import (
     EXIT_CONFIG,
+    EXIT_CUDA_FATAL,
     EXIT_ERROR,
     EXIT_MAX_JOBS,
     EXIT_NO_CONTEXT,
@@ -138,6 +139,31 @@ def _exit_code(worker: ChunkWorker, max_jobs: int | None, connection: redis.Redi
     return EXIT_ERROR
 
 
+class _PreloadFailed(Exception):
+    """The model the pool named would not load: said in one line its pool passes on (a worker's
+    traceback alone left the run's last line at "no device left to run workers on")."""
+
+    def __init__(self, cause: Exception) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+def _preload(ctx: Any, model: str, precision: str) -> Any:
+    """``ctx`` with the model loaded and warmed up on its device; _PreloadFailed if it cannot be."""
+    kind = describe(model).kind
+    kind = kind if kind in kinds.KINDS else DEFAULT_KIND  # a run of it is refused at submit
+    try:
+        loaded = models.get_model(model, ctx.device, precision, EncodeOptions(kind=kind))
+        announce_model_loaded(loaded.load_seconds)
+        lengths, seconds = warm_up(loaded, ctx.device, kind)
+    except (ConfigError, redis.RedisError):
+        raise
+    except Exception as exc:  # whatever transformers or the model's code raised: one line, then exit
+        raise _PreloadFailed(exc) from exc
+    log.info("warm-up encode at %s tokens on %s in %.2f s", lengths, ctx.device, seconds)
+    return replace(ctx, warm_up_seconds=seconds)
+
+
 class _EarlyStop:
     """Until RQ installs its handlers, a stop signal only sets a flag checked after start-up."""
 
@@ -207,6 +233,19 @@ def _lost_redis(worker: ChunkWorker, exc: redis.RedisError) -> int:
     return ENDING_CODES[worker.ending] if worker.ending else EXIT_REDIS
 
 
+def _parent_and_redis() -> tuple[str, int | None]:
+    """The Redis URL, and an exit code where the worker cannot start (its parent gone, no URL)."""
+    parent = os.environ.get(PARENT_PID_ENV)
+    if parent and os.getppid() != int(parent):
+        log.error("parent %s (the pool or its fork server) is gone before this worker started", parent)
+        return "", EXIT_ORPHANED
+    url = os.environ.get(env_of("redis_url"))
+    if not url:
+        log.error("%s is not set", env_of("redis_url"))
+        return "", EXIT_CONFIG
+    return url, None
+
+
 def main(argv: list[str] | None = None) -> int:
     early_stop = _EarlyStop()
     guard_process()  # its Redis URL is in its environment: never in a line it writes
@@ -222,14 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
     if faults.active():
         log.warning("FAULT INJECTION IS ON (%s); this worker will fail on purpose", faults.ENV)
-    parent = os.environ.get(PARENT_PID_ENV)
-    if parent and os.getppid() != int(parent):
-        log.error("parent %s (the pool or its fork server) is gone before this worker started", parent)
-        return EXIT_ORPHANED
-    url = os.environ.get(env_of("redis_url"))
-    if not url:
-        log.error("%s is not set", env_of("redis_url"))
-        return EXIT_CONFIG
+    url, refused = _parent_and_redis()
+    if refused is not None:
+        return refused
     try:
         ctx = _context(name, args)
         runtime.set_context(ctx)
@@ -242,13 +276,12 @@ def main(argv: list[str] | None = None) -> int:
         connection = connect(url, client_name=name)
         connection.ping()
         if args.preload:
-            kind = describe(args.preload).kind
-            kind = kind if kind in kinds.KINDS else DEFAULT_KIND  # a run of it is refused at submit
-            loaded = models.get_model(args.preload, ctx.device, args.precision, EncodeOptions(kind=kind))
-            announce_model_loaded(loaded.load_seconds)
-            lengths, seconds = warm_up(loaded, ctx.device, kind)
-            log.info("warm-up encode at %s tokens on %s in %.2f s", lengths, ctx.device, seconds)
-            ctx = replace(ctx, warm_up_seconds=seconds)
+            ctx = _preload(ctx, args.preload, args.precision)
+    except _PreloadFailed as failed:
+        why = f"{type(failed.cause).__name__}: {first_line(str(failed.cause))}"
+        log.error("worker %s could not load model %s: %s", name, args.preload, why)
+        log.debug("the load's traceback", exc_info=failed.cause)
+        return EXIT_CUDA_FATAL if classify(failed.cause) == CUDA_FATAL else EXIT_ERROR
     except ConfigError as exc:
         log.error("%s", exc)
         return EXIT_CONFIG

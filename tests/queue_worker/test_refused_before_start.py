@@ -123,3 +123,17 @@ def test_a_pool_that_gives_up_says_its_workers_reason_on_the_terminal(tmp_path: 
     assert last.startswith("chunkq: error: the worker pool exited before the run finished: worker pool-")
     assert "was given GPU 0 but torch sees no CUDA device" in last and "refusing to run on the CPU" in last
     assert last.endswith("run.log")
+
+
+@pytest.mark.slow
+def test_a_model_its_workers_cannot_load_is_named_in_the_last_line(tmp_path: Path, corpus: Path) -> None:
+    """A folder whose config.json transformers cannot read passes every check submit can make; its
+    workers each failed to load it, with a traceback only, and the run's last line said "no device
+    left to run workers on". Now each says why in one line, which the last line repeats."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"hidden_size": 8}')
+    done = run_cli("run", str(corpus), "--store", str(tmp_path / "store"), "--model", str(model))
+    assert done.returncode == 8, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert f"could not load model {model}: ValueError: Unrecognized model in {model}" in last, last
