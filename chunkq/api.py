@@ -29,7 +29,7 @@ from chunkq.jobs.contract.run_files import RunLayout, load_npy
 from chunkq.jobs.contract.specs import CALIBRATED_DTYPES, EncodeOptions, storage_dtype
 from chunkq.jobs.contract.storage import is_local, open_store, private_open
 from chunkq.jobs.kinds.cross import pair_text
-from chunkq.supervisor.corpus.records import check_text
+from chunkq.supervisor.corpus.row_text import check_text
 from chunkq.supervisor.request import ENCODE_NAMES, build_run_request, encode_options_for, finished_result
 from chunkq.supervisor.result.reader import (
     PublishedResult,

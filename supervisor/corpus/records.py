@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import csv
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -18,12 +18,10 @@ from chunkq.jobs.contract.errors import CorpusError
 from chunkq.jobs.contract.storage import is_local
 from chunkq.jobs.kinds.cross import pair_text
 from chunkq.supervisor.corpus.bad_rows import BadRows, WholeFileError
+from chunkq.supervisor.corpus.row_text import MAX_TEXT_BYTES, check_text, unicode_checked
 
 FORMATS = ("jsonl", "csv", "parquet", "txt")
 _SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".parquet": "parquet", ".txt": "txt"}
-
-
-MAX_TEXT_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -117,27 +115,13 @@ class _IdPolicy:
             raise CorpusError(
                 f"{where}: id {self.field!r} is {type(value).__name__}, expected a string or integer"
             )
-        rid = _unicode(str(value), f"id {self.field!r}", where) if escaped else str(value)
+        rid = unicode_checked(str(value), f"id {self.field!r}", where) if escaped else str(value)
         if "\0" in rid:  # PostgreSQL's text, C strings and most stores cannot hold it (issue 63.5)
             raise CorpusError(
                 f"{where}: id {self.field!r} holds a NUL character (\\u0000 at character "
                 f"{rid.index(chr(0))}), which an id cannot carry into every store; remove it"
             )
         return rid
-
-
-def _unicode(value: str, what: str, where: str) -> str:
-    """``value`` if it can be written as UTF-8; JSON's ``"\\ud800"`` decodes to a lone surrogate,
-    which cannot be, and would fail far from here (in the store, or in the tokenizer)."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        bad = value[exc.start]
-        raise CorpusError(
-            f"{where}: {what} holds a lone surrogate (\\u{ord(bad):04x} at character {exc.start}), "
-            "which is not valid Unicode; fix or drop that escape"
-        ) from None
-    return value
 
 
 def _text_of(record: dict[str, Any], opts: CorpusOptions, where: str, escaped: bool = True) -> str:
@@ -157,31 +141,6 @@ def _field_text(record: dict[str, Any], field: str, opts: CorpusOptions, where: 
         kind = "null" if text is None else type(text).__name__
         raise CorpusError(f"{where}: text field {field!r} is {kind}, not a string")
     return check_text(text, where, opts.max_text_bytes, field, escaped)
-
-
-def check_text(
-    text: str, where: str, limit: int = MAX_TEXT_BYTES, field: str | None = None, escaped: bool = True
-) -> str:
-    """``text`` if a run takes it as a row's text: not blank, at most ``limit`` bytes in UTF-8, valid
-    Unicode (``escaped``: it may hold a lone surrogate; checked then); else CorpusError at ``where``
-    naming ``field``, the corpus field it was read from (None: a text given as it is)."""
-    if not text.strip():
-        raise CorpusError(f"{where}: {_named(field)} is empty")
-    if _utf8_length_over(text, limit):
-        raise CorpusError(f"{where}: text is over the limit of {limit} bytes")
-    return _unicode(text, _named(field), where) if escaped else text
-
-
-def _named(field: str | None) -> str:
-    return "text" if field is None else f"text field {field!r}"
-
-
-def _utf8_length_over(text: str, limit: int) -> bool:
-    """Whether ``text`` takes more than ``limit`` bytes in UTF-8 (encoded only when its characters,
-    1 to 4 bytes each, leave it in doubt)."""
-    if len(text) > limit:
-        return True
-    return len(text) * 4 > limit and len(text.encode("utf-8", "surrogatepass")) > limit
 
 
 _BOM = "\ufeff".encode()
@@ -304,26 +263,50 @@ def _read_csv(path: Path, opts: CorpusOptions, prefix: str) -> Iterator[Record]:
     csv.field_size_limit(max(csv.field_size_limit(), opts.max_text_bytes + 1))
     # Physical lines bounded as every reader's are: a huge line is refused by number, never read
     # whole by the csv module (a 1 GB line peaked at 2.17 GB before).
-    lines = (line for _, line in _lines(path, opts.max_text_bytes + CSV_LINE_SLACK))
-    reader = csv.DictReader(lines)
-    bad = BadRows(path)
+    read = [0]  # the last physical line read: the csv module's line_num lags behind it at an error
+
+    def lines() -> Iterator[str]:
+        for read[0], line in _lines(path, opts.max_text_bytes + CSV_LINE_SLACK):
+            yield line
+
+    # strict: a quote left open swallowed the lines after it into one text (a hostile pass's file
+    # published 4 rows of 5, exit 0); a quote closed mid-field ("ok"trailing) was joined silently.
+    reader = csv.DictReader(lines(), strict=True)
+    bad, ended = BadRows(path), 1
     try:
-        header = reader.fieldnames or []
-        for name in _text_fields(opts):
-            if name not in header:
-                raise CorpusError(f"{path}:1: header has no column {name!r} (columns: {', '.join(header)})")
+        _check_csv_header(reader.fieldnames or [], opts, path)
         for number, row in enumerate(reader, 1):
             where = f"{path}:{reader.line_num}"
             try:
-                record = _csv_record(row, len(header), ids, opts, where, number)
+                record = _csv_record(row, len(reader.fieldnames or []), ids, opts, where, number)
             except CorpusError as exc:
                 bad.add(exc)
                 continue
+            finally:
+                ended = read[0]
             if not (bad.found and bad.reading_on(where)):
                 yield record
     except csv.Error as exc:
-        raise bad.stop(CorpusError(f"{path}:{reader.line_num}: malformed CSV: {exc}")) from None
+        raise bad.stop(_malformed_csv(path, exc, ended + 1, read[0])) from None
     bad.end()
+
+
+def _check_csv_header(header: Sequence[str], opts: CorpusOptions, path: Path) -> None:
+    for name in _text_fields(opts):
+        if name not in header:
+            raise CorpusError(f"{path}:1: header has no column {name!r} (columns: {', '.join(header)})")
+    for name in {*_text_fields(opts), opts.id_field}:
+        if header.count(name) > 1:  # DictReader keeps the last one's values, silently
+            raise CorpusError(f"{path}:1: header names column {name!r} {header.count(name)} times")
+
+
+def _malformed_csv(path: Path, exc: csv.Error, began: int, at: int) -> CorpusError:
+    if at <= began:
+        return CorpusError(f"{path}:{at}: malformed CSV: {exc}")
+    return CorpusError(
+        f"{path}:{began}: malformed CSV: {exc} at line {at}, in the record that began on line {began} "
+        "(a quote opened there and not closed where its field ends?)"
+    )
 
 
 def _csv_record(

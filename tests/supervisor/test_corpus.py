@@ -104,6 +104,39 @@ def test_csv_missing_column_and_ragged_rows(tmp_path: Path) -> None:
         _read(path)
 
 
+def test_a_csv_quote_left_open_or_closed_mid_field_is_refused_not_joined(tmp_path: Path) -> None:
+    """A hostile pass: a quote left open swallowed the next line into its text ("a3" vanished: 4
+    rows of 5 published, exit 0); one closed mid-field ("ok"trailing) was joined into "oktrailing".
+    A quoted field over several lines is a CSV's own and still read."""
+    path = tmp_path / "c.csv"
+    path.write_text('id,text\na1,"first"\na2,"open\na3,"third"\na4,fourth\n', encoding="utf-8")
+    with pytest.raises(CorpusError) as refused:
+        _read(path)
+    assert str(refused.value) == (
+        f"{path}:3: malformed CSV: ',' expected after '\"' at line 4, in the record that began on line 3 "
+        "(a quote opened there and not closed where its field ends?)"
+    )
+    path.write_text('id,text\na1,x\na2,"open to the end\na3,third\n', encoding="utf-8")
+    with pytest.raises(CorpusError, match=r"c.csv:3: malformed CSV: unexpected end of data at line 4"):
+        _read(path)
+    path.write_text('id,text\nb3,"ok"trailing\n', encoding="utf-8")
+    with pytest.raises(CorpusError, match=r"c.csv:2: malformed CSV: ',' expected after '\"'$"):
+        _read(path)
+    path.write_text('id,text\n1,"two\nlines"\n2,plain\n', encoding="utf-8")
+    assert _read(path) == [("1", "two\nlines"), ("2", "plain")]
+
+
+def test_a_csv_header_naming_the_text_or_id_column_twice_is_refused(tmp_path: Path) -> None:
+    """DictReader kept the last column's values: the row's text was "y" of "x,y", silently."""
+    path = tmp_path / "c.csv"
+    path.write_text("id,text,text\na1,x,y\n", encoding="utf-8")
+    with pytest.raises(CorpusError, match=r"c.csv:1: header names column 'text' 2 times$"):
+        _read(path)
+    path.write_text("id,text,id\na1,x,a2\n", encoding="utf-8")
+    with pytest.raises(CorpusError, match=r"c.csv:1: header names column 'id' 2 times$"):
+        _read(path)
+
+
 def test_parquet_wrong_column_type(tmp_path: Path) -> None:
     path = tmp_path / "c.parquet"
     pq.write_table(pa.table({"id": ["a"], "text": [1]}), path)
