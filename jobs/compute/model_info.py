@@ -277,8 +277,17 @@ def describe(ref: str, revision: str | None = None) -> ModelInfo:
 MODEL_FILES = ("modules.json", "config.json")  # sentence-transformers' module list; transformers' config
 
 
+# A tokenizer's vocabulary, in the files transformers' tokenizers read it from (a fast tokenizer's
+# tokenizer.json; WordPiece's vocab.txt; BPE's vocab.json; a SentencePiece or tiktoken model).
+_VOCABULARY_FILES = ("tokenizer.json", "vocab.txt", "vocab.json")
+_VOCABULARY_SUFFIXES = (".model", ".tiktoken", ".spm")
+
+
 def _holds_a_model(info: ModelInfo) -> None:
-    if info.folder is not None and not any((Path(info.folder) / name).is_file() for name in MODEL_FILES):
+    if info.folder is None:
+        return
+    folder = Path(info.folder)
+    if not any((folder / name).is_file() for name in MODEL_FILES):
         # Said here: each worker's load failed in turn and the run ended "no device left to run
         # workers on" (a project folder given as --model, seen in a session).
         raise ConfigError(
@@ -286,6 +295,33 @@ def _holds_a_model(info: ModelInfo) -> None:
             "sentence-transformers saves one, nor config.json, as transformers does); give the folder "
             "the model was saved in"
         )
+    for tokenizer in _tokenizer_folders(folder):
+        if not _has_vocabulary(tokenizer):
+            # transformers builds a tokenizer of its special tokens alone: every word became [UNK]
+            # and every row nearly the same vector, published with exit 0 (a hostile pass).
+            raise ConfigError(
+                f"model {info.ref}: {tokenizer} holds no tokenizer vocabulary (none of "
+                f"{', '.join(_VOCABULARY_FILES)}, or a SentencePiece model): its tokenizer would read every "
+                "word as unknown; copy the model's tokenizer files into it"
+            )
+
+
+def _tokenizer_folders(folder: Path) -> list[Path]:
+    """The folders a transformer module of the model reads its tokenizer from (the model's own for a
+    checkpoint transformers saved); none where its config names a tokenizer elsewhere."""
+    modules = _modules(folder)
+    found = [path for kind, path in modules if kind.endswith("Transformer")] if modules else [folder]
+    return [
+        path
+        for path in found
+        if not (_json(path / "sentence_bert_config.json") or {}).get("tokenizer_name_or_path")
+    ]
+
+
+def _has_vocabulary(folder: Path) -> bool:
+    if any((folder / name).is_file() for name in _VOCABULARY_FILES):
+        return True
+    return folder.is_dir() and any(p.suffix in _VOCABULARY_SUFFIXES for p in folder.iterdir())
 
 
 def check_options(info: ModelInfo, options: EncodeOptions) -> None:

@@ -57,6 +57,23 @@ def test_a_folder_that_holds_no_model_is_refused(tmp_path: Path, corpus: Path) -
     assert not (tmp_path / "s").exists()
 
 
+def test_a_model_without_its_tokenizers_vocabulary_is_refused(tmp_path: Path, corpus: Path) -> None:
+    """A hostile pass: the bundled model without its tokenizer files loaded a tokenizer of five
+    special tokens, read every word as [UNK] and published 500 nearly equal vectors, exit 0."""
+    from tests.tiny_models import bundled_copy
+
+    model = bundled_copy(tmp_path / "model")
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        (model / name).unlink()
+    with pytest.raises(
+        ConfigError, match=r"model .*model holds no tokenizer vocabulary \(none of tokenizer.json"
+    ):
+        build_run_request([corpus], store=tmp_path / "s", model=str(model))
+    (model / "vocab.txt").write_text("[PAD]\n[UNK]\n")  # a vocabulary file: what it holds, the load tells
+    build_run_request([corpus], store=tmp_path / "s", model=str(model))
+    assert not (tmp_path / "s").exists()
+
+
 @pytest.mark.parametrize("option", ["window_tokens", "window_stride"])
 def test_window_sizes_without_windows_are_refused(tmp_path: Path, corpus: Path, option: str) -> None:
     """Silently ignored before (as --pool was not: it was refused)."""
