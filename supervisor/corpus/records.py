@@ -206,7 +206,10 @@ def _json_line(line: str, where: str) -> Any:
     except (StopIteration, json.JSONDecodeError):  # leading blanks, or no value: json.loads says which
         pass
     try:
-        return json.loads(line)
+        # Without its line end: an error at the end of the line ("Expecting value") was placed at
+        # column 1 of the line after, and a string left open ended at the newline, "Invalid control
+        # character" (a hostile pass).
+        return json.loads(line.rstrip("\r\n"))
     except json.JSONDecodeError as exc:
         # json's own words for some errors end in " at" ("Invalid control character at"): one "at".
         said = exc.msg.removesuffix(" at")
@@ -224,6 +227,8 @@ def _read_jsonl(path: Path, opts: CorpusOptions, prefix: str) -> Iterator[Record
             record = _json_line(line, where)
             if not isinstance(record, dict):
                 raise CorpusError(f"{where}: expected a JSON object, got {type(record).__name__}")
+            if ids.from_field is None:  # the first record: a field it lacks was named wrong
+                _named_fields(record, opts, where)
             # A lone surrogate comes only from a \u escape: raw UTF-8 holding one does not decode.
             escaped = "\\u" in line
             row = Record(  # not _row: a call fewer a line, on the readers' busiest path
@@ -238,6 +243,18 @@ def _read_jsonl(path: Path, opts: CorpusOptions, prefix: str) -> Iterator[Record
         if not (bad.found and bad.reading_on(where)):  # the check costs a call only after a bad row
             yield row
     bad.end()
+
+
+def _named_fields(record: dict[str, Any], opts: CorpusOptions, where: str) -> None:
+    """A JSON Lines file's first record has the text fields: a misspelled --text-field gave one
+    "missing text field" a row, twenty of them, where one line says what the file holds."""
+    for field in _text_fields(opts):
+        if field not in record:
+            fields = ", ".join(repr(name) for name in list(record)[:10])
+            flag = "--text-field" if field == opts.text_field else "--pair-field"
+            raise WholeFileError(
+                f"{where}: missing text field {field!r} ({flag}); this record's fields: {fields}"
+            )
 
 
 def _text_fields(opts: CorpusOptions) -> tuple[str, ...]:

@@ -110,3 +110,23 @@ def test_reading_on_is_bounded_in_time(tmp_path: Path, monkeypatch: pytest.Monke
         f"no other bad row in {path} so far:",
         f"  (read on for 0 s, to {path}:5; the rest is not checked)",
     ]
+
+
+def test_a_misnamed_text_field_is_one_error_naming_the_fields_and_columns_are_the_lines_own(
+    tmp_path: Path,
+) -> None:
+    """A hostile pass: --text-field txt gave twenty "missing text field" lines, and an error at the
+    end of a line was placed at column 1 (of the line after, the line end included)."""
+    path = _jsonl(tmp_path / "c.jsonl", {}, 30)
+    with pytest.raises(CorpusError) as refused:
+        list(read_corpus(path, CorpusOptions(format="jsonl", text_field="txt")))
+    assert (
+        str(refused.value)
+        == f"{path}:1: missing text field 'txt' (--text-field); this record's fields: 'id', 'text'"
+    )
+    cut = _jsonl(tmp_path / "cut.jsonl", {2: '{"id": "x", ', 3: '{"id": "d9", "text": "broken'}, 4)
+    assert _refusal(cut)[1] == [
+        f"{cut}:2: invalid JSON (Expecting property name enclosed in double quotes at column 13)",
+        f"1 more bad row in {cut}:",
+        f"  {cut}:3: invalid JSON (Unterminated string starting at column 22)",
+    ]
