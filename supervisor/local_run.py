@@ -26,11 +26,13 @@ from chunkq.jobs.contract.manifest import RunManifest
 from chunkq.jobs.contract.release import chunkq_version
 from chunkq.jobs.contract.run_files import RunLayout
 from chunkq.jobs.contract.settings import DEVICES_JSON_ENV, SETTINGS_JSON_ENV, PoolSettings, env_of
-from chunkq.jobs.contract.storage import OWNER_ONLY, is_local
+from chunkq.jobs.contract.storage import OWNER_ONLY, is_local, remove_tree
+from chunkq.jobs.queue import run_queues
 from chunkq.jobs.queue.abandon import mark_abandoned
 from chunkq.jobs.queue.enqueue import drop_run_jobs, enqueue_chunks, forget_run_finished, window_size
 from chunkq.jobs.queue.queueing import fetch_job, started_job_ids
 from chunkq.jobs.queue.redis_clients import connect
+from chunkq.jobs.queue.run_queues import run_queue
 from chunkq.queue_worker.devices.discovery import GpuInfo, devices_json
 from chunkq.queue_worker.processes.lifeline import die_with_parent
 from chunkq.queue_worker.processes.stopping import wait_or_kill
@@ -78,6 +80,7 @@ class RunOutcome:
     outcome: Outcome | None  # None when the result was already published
     pool_died: bool = False
     pool_said: str | None = None  # why the pool ended, in its (or a worker's) own words
+    forgotten: bool = False  # the pool died before any chunk was done: the run this command made is gone
 
 
 class PoolProcess:
@@ -403,6 +406,8 @@ def _run(
             except BaseException:
                 pool.kill()  # it has taken nothing: nothing was queued
                 redis_dir.remove_on_failure()  # it holds nothing of the run yet
+                with contextlib.suppress(redis.RedisError):  # its queue's name stayed listed (a hostile pass)
+                    _forget_queue(connect(url), req.submit.queue, layout.run_id)
                 raise
         connection = connect(url)
         with phases.phase(QUEUE):
@@ -427,4 +432,18 @@ def _run(
         )
         died = not keep_going()
         said = run_log.why_the_pool_ended() if died and run_log is not None else None
+        if died and prepared.created and not layout.done_chunks(prepared.manifest.chunks):
+            # Nothing was done (a model its workers could not load): kept, the run held the broken
+            # model's identity and refused the same command once the model was mended.
+            _forget_queue(connection, req.submit.queue, layout.run_id)
+            remove_tree(layout.root)
+            return RunOutcome(submitted, outcome, pool_died=True, pool_said=said, forgotten=True)
         return RunOutcome(submitted, outcome, pool_died=died, pool_said=said)
+
+
+def _forget_queue(connection: redis.Redis, pool_queue: str, run_id: str) -> None:
+    """Every job of a run this command made and is giving up, and its queue's name in the lists."""
+    drop_run_jobs(connection, run_id)
+    queue = run_queue(pool_queue, run_id)
+    run_queues.unregister(connection, pool_queue, queue)
+    run_queues.retire(connection, pool_queue, queue)

@@ -414,5 +414,7 @@ def finished_result(outcome: RunOutcome, request: RunRequest) -> dict[str, Any]:
         why = "the worker pool exited" if outcome.pool_died else "it stopped"
         if outcome.pool_said:
             why += f" ({outcome.pool_said})"
+        if outcome.forgotten:
+            why += "; nothing was done, so the run is not kept,"
         raise ChunksFailedError(f"run {outcome.submitted.run_id}: {why} before the run finished")
     return watched.result

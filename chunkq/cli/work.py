@@ -219,6 +219,14 @@ def run_cmd(corpus: tuple[str, ...], redis_url: str | None, verbose: int, **kw: 
     if outcome.outcome is None:
         click.echo(f"run {outcome.submitted.run_id}: already complete; result in {layout.result}")
         sys.exit(EXIT_OK)
+    if outcome.forgotten:  # nothing was done: the run is not kept, so the same command starts afresh
+        why = f": {outcome.pool_said}" if outcome.pool_said else ""
+        click.echo(
+            f"chunkq: error: the worker pool exited before any chunk was done{why}; the run is not kept "
+            "(nothing was encoded): mend the cause and run the same command",
+            err=True,
+        )
+        sys.exit(EXIT_POOL_DIED)
     if outcome.pool_died and outcome.outcome.result is None:
         where = log_path(local_state_dir(req.submit.store), outcome.submitted.run_id)
         why = f": {outcome.pool_said}" if outcome.pool_said else ""

@@ -138,3 +138,20 @@ def test_a_run_whose_corpus_fails_later_than_its_first_row_leaves_nothing(tmp_pa
             if str(store) in " ".join(proc.info["cmdline"] or []) + str(proc.info["environ"] or ""):
                 left.append(proc.info["cmdline"])
     assert left == []
+
+
+@pytest.mark.slow  # a real pool, started and killed
+def test_a_run_on_a_shared_redis_whose_corpus_fails_later_leaves_no_key(
+    tmp_path: Path, redis_url: str, connection: redis.Redis
+) -> None:
+    """A hostile pass: a bad row at line 50,000 left the run's queue listed in Redis (the pools'
+    sorted set of runs and RQ's list of queues) after its queued jobs were taken back."""
+    corpus = _write(
+        tmp_path / "c.jsonl", "".join(f'{{"id": {i}, "text": "t{i}"}}\n' for i in range(40)) + "{\n"
+    )
+    result = run_cli(
+        "run", str(corpus), "--store", str(tmp_path / "store"), "--chunk-size", "2", "--redis-url", redis_url
+    )
+    assert result.returncode == 3 and "c.jsonl:41: invalid JSON" in result.stderr, result.stderr
+    assert connection.keys("*c-*") == [] and connection.zcard("chunkq:run-queues:chunkq") == 0
+    assert connection.smembers("rq:queues") <= {b"rq:queue:chunkq"}

@@ -4,6 +4,7 @@ worker pool exited") are refused before anything starts, in one line, with nothi
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -143,14 +144,29 @@ def test_a_pool_that_gives_up_says_its_workers_reason_on_the_terminal(tmp_path: 
 
 
 @pytest.mark.slow
-def test_a_model_its_workers_cannot_load_is_named_in_the_last_line(tmp_path: Path, corpus: Path) -> None:
-    """A folder whose config.json transformers cannot read passes every check submit can make; its
-    workers each failed to load it, with a traceback only, and the run's last line said "no device
-    left to run workers on". Now each says why in one line, which the last line repeats."""
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text('{"hidden_size": 8}')
-    done = run_cli("run", str(corpus), "--store", str(tmp_path / "store"), "--model", str(model))
+def test_a_model_its_workers_cannot_load_is_named_in_the_last_line_and_not_kept(
+    tmp_path: Path, corpus: Path, redis_url: str, connection: Any
+) -> None:
+    """A config.json transformers cannot read passes every check submit can make; its workers each
+    failed to load it, with a traceback only, and the run's last line said "no device left to run
+    workers on". Now each says why in one line, which the last line repeats; and the run, in which
+    nothing was done, is not kept: kept, it held the broken model's identity and refused the same
+    command once the model was mended (a hostile pass)."""
+    from tests.tiny_models import bundled_copy
+
+    model = bundled_copy(tmp_path / "model")
+    config = (model / "config.json").read_text()
+    (model / "config.json").write_text("{not json")
+    store = tmp_path / "store"
+    common = ["--store", str(store), "--model", str(model), "--redis-url", redis_url]
+    done = run_cli("run", str(corpus), *common)
     assert done.returncode == 8, done.stderr[-3000:]
     last = done.stderr.strip().splitlines()[-1]
-    assert f"could not load model {model}: ValueError: Unrecognized model in {model}" in last, last
+    assert f"could not load model {model}: OSError: It looks like the config file at" in last, last
+    assert last.endswith("the run is not kept (nothing was encoded): mend the cause and run the same command")
+    assert not any((store / "runs").iterdir())
+    left = [key for key in connection.keys("*") if b"c-" in key or b"chunkq:run-queues" in key]
+    assert left == [] and connection.smembers("rq:queues") <= {b"rq:queue:chunkq"}, left  # its queue too
+    (model / "config.json").write_text(config)
+    again = run_cli("run", str(corpus), *common)
+    assert again.returncode == 0, again.stderr[-3000:]
