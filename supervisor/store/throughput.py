@@ -90,11 +90,16 @@ class Throughput:
         return sum((span.end - span.start).total_seconds() for span in self.spans)
 
     def seconds(
-        self, running: bool, now: datetime | None = None, resumed_at: datetime | None = None
+        self,
+        running: bool,
+        now: datetime | None = None,
+        resumed_at: datetime | None = None,
+        watching_since: datetime | None = None,
     ) -> float | None:
         """The time the run ran. ``resumed_at``: when the encoding now in progress started (the
         earliest running chunk's), which counts while nothing is published yet, and replaces the
-        PAUSE_SECONDS allowance after a longer stop."""
+        PAUSE_SECONDS allowance after a longer stop, or after a stop before ``watching_since``
+        (when the run's owner, a resumed command, began to watch it)."""
         now = now or datetime.now(UTC)
         ran = self.ran_seconds()
         if ran is None or self.last_end is None:
@@ -103,9 +108,10 @@ class Throughput:
             return None
         if running:
             since = (now - self.last_end).total_seconds()
-            if since > PAUSE_SECONDS and resumed_at is not None and resumed_at > self.last_end:
+            stopped = watching_since is not None and watching_since > self.last_end
+            if (since > PAUSE_SECONDS or stopped) and resumed_at is not None and resumed_at > self.last_end:
                 ran += (now - resumed_at).total_seconds()
-            else:
+            elif not stopped:  # resumed, nothing encoding yet: the rate it ran at, not one that sags
                 ran += min(max(since, 0.0), PAUSE_SECONDS)
         return ran
 
@@ -115,9 +121,10 @@ class Throughput:
         now: datetime | None = None,
         encoding: int = 0,
         resumed_at: datetime | None = None,
+        watching_since: datetime | None = None,
     ) -> float | None:
         """Rows per second; ``encoding``: rows running chunks have encoded and not yet published."""
-        seconds = self.seconds(running, now, resumed_at)
+        seconds = self.seconds(running, now, resumed_at, watching_since)
         return (self.rows + encoding) / seconds if seconds else None
 
 

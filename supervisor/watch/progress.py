@@ -87,6 +87,8 @@ class Tracker:
         self._corpus_counts = corpus_rows_per_chunk(layout, manifest)  # None: a chunk's rows are its own
         # What earlier looks recorded: their outputs are not read again.
         self.ledger = Ledger.open(layout, manifest) if records else None
+        # The owner's looks began now: a stop before them is no part of the run's time (the rate).
+        self.watching_since = datetime.now(UTC) if records else None
         self.failed_jobs: dict[int, Job] = {}
         self.in_redis: set[int] = set()  # pending chunks with a job in Redis, as far as the looks know
         self.waiting = ChunkSet()  # pending chunks with no job: the window queues the lowest next
@@ -201,7 +203,7 @@ class Tracker:
         snap.rows_done = self.rows_done
         snap.corpus_rows, snap.corpus_rows_done = self.manifest.corpus_rows, self.corpus_rows_done
         snap.result_published = self.layout.result_manifest.is_file()
-        set_rate(snap, self.throughput)
+        set_rate(snap, self.throughput, self.watching_since)
         return snap
 
     def _read_encoding(self, snap: Snapshot, running: list[int]) -> None:

@@ -86,14 +86,18 @@ class Snapshot:
         return data
 
 
-def set_rate(snap: Snapshot, throughput: Throughput) -> None:
+def set_rate(snap: Snapshot, throughput: Throughput, watching_since: datetime | None = None) -> None:
     """The run's rows/s (supervisor.store.throughput) and, while chunks remain and it runs, the time they
     will take. A stopped run's rate is the rate while it ran, not one that falls while nothing runs.
-    Rows the running chunks have encoded count, so the rate does not fall between two chunks."""
+    Rows the running chunks have encoded count, so the rate does not fall between two chunks.
+    ``watching_since``: when the run's owner began to watch it (a resumed run's time starts there)."""
     going = not snap.settled and snap.owned
     since = None if snap.encoding_since is None else datetime.fromtimestamp(snap.encoding_since, UTC)
     snap.rows_per_second = throughput.rows_per_second(
-        running=going, encoding=snap.rows_encoding if going else 0, resumed_at=since
+        running=going,
+        encoding=snap.rows_encoding if going else 0,
+        resumed_at=since,
+        watching_since=watching_since,
     )
     snap.device_busy = throughput.busy.figure()
     if snap.rows_per_second and going:

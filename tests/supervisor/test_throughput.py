@@ -74,6 +74,20 @@ def test_a_pause_before_a_later_pool_is_not_counted_and_one_within_a_pool_is() -
     assert fleet.seconds(running=False) == 70.0
 
 
+def test_a_resumed_runs_live_rate_counts_from_its_encoding_not_from_the_stop() -> None:
+    """A hostile pass: for the seconds after a resume, before its first chunk was published, the
+    rate counted the minute the run was stopped (76 rows/s, ETA 1:44, where it ran at 600)."""
+    t = Throughput()
+    for i in range(5):
+        t.add(_chunk(10 * i, 10))  # 0-50 s
+    resumed, now = T0 + timedelta(seconds=100), T0 + timedelta(seconds=106)
+    assert t.seconds(running=True, now=now, watching_since=resumed) == 50.0  # nothing encoding yet
+    encoding_since = T0 + timedelta(seconds=104)
+    assert t.seconds(running=True, now=now, resumed_at=encoding_since, watching_since=resumed) == 52.0
+    # A look that does not own the run (status) knows no resume: the pause counts up to PAUSE_SECONDS.
+    assert t.seconds(running=True, now=now, resumed_at=encoding_since) == 106.0
+
+
 def test_while_running_the_time_since_the_last_chunk_counts_up_to_a_pause() -> None:
     t = Throughput()
     t.add(_chunk(0, 10))
