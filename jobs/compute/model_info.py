@@ -370,7 +370,8 @@ def check_options(info: ModelInfo, options: EncodeOptions) -> None:
         )
     if info.remote_code and not options.trust_remote_code:
         raise ConfigError(
-            f"model {info.ref} brings its own Python code (its config.json maps classes to it); "
+            f"model {info.ref} brings its own Python code (its config.json's auto_map, or a module "
+            "its modules.json names outside sentence-transformers); "
             "run it only if you trust it, with --trust-remote-code (pools must allow it too)"
         )
 

@@ -75,6 +75,8 @@ def check_model(ref: str) -> str:
         return ref
     if os.path.isdir(os.path.expanduser(ref)):
         return ref
+    if os.path.isfile(os.path.expanduser(ref)):  # said as what it is, not "neither a folder nor cached"
+        raise ConfigError(f"model {ref!r} is a file; give the folder the model was saved in")
     if hub_reachable():
         return ref  # the user allowed downloads: the workers fetch it
     if ref.startswith((".", "/", "~")) or ref.count("/") > 1:  # a hub id is NAME or OWNER/NAME

@@ -53,6 +53,8 @@ def detect_format(path: Path, given: str | None = None) -> str:
             raise CorpusError(f"{path}: unknown format {given!r}; use one of {', '.join(FORMATS)}")
         return given
     fmt = _SUFFIXES.get(path.suffix.lower())
+    if fmt is None and is_local(path) and path.is_dir():  # not "cannot tell the format" of a folder
+        raise CorpusError(f"{path}: is a directory, not a corpus file")
     if fmt is None:
         raise CorpusError(
             f"{path}: cannot tell the format from the suffix {path.suffix!r}; "

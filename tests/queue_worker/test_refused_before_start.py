@@ -58,6 +58,18 @@ def test_a_folder_that_holds_no_model_is_refused(tmp_path: Path, corpus: Path) -
     assert not (tmp_path / "s").exists()
 
 
+def test_a_model_given_as_a_file_is_said_to_be_one(tmp_path: Path) -> None:
+    """A hostile pass: a file given as --model was "neither a local folder nor in the Hugging Face
+    cache", with advice to download it."""
+    from chunkq.jobs.compute.model_refs import check_model
+
+    (tmp_path / "model.safetensors").write_bytes(b"x")
+    with pytest.raises(
+        ConfigError, match=r"model '.*model.safetensors' is a file; give the folder the model"
+    ):
+        check_model(str(tmp_path / "model.safetensors"))
+
+
 def test_a_model_without_its_tokenizers_vocabulary_is_refused(tmp_path: Path, corpus: Path) -> None:
     """A hostile pass: the bundled model without its tokenizer files loaded a tokenizer of five
     special tokens, read every word as [UNK] and published 500 nearly equal vectors, exit 0."""

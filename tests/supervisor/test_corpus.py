@@ -152,6 +152,9 @@ def test_missing_file_directory_and_unknown_suffix(tmp_path: Path) -> None:
         _read(tmp_path / "dir.jsonl")
     with pytest.raises(CorpusError, match="pass --format"):
         detect_format(tmp_path / "c.dat")
+    (tmp_path / "corpora").mkdir()  # a folder without a suffix: what it is, not "cannot tell the format"
+    with pytest.raises(CorpusError, match=r"corpora: is a directory, not a corpus file$"):
+        detect_format(tmp_path / "corpora")
 
 
 def test_unreadable_file(tmp_path: Path) -> None:
