@@ -147,6 +147,14 @@ def _field_text(record: dict[str, Any], field: str, opts: CorpusOptions, where: 
 
 _BOM = "\ufeff".encode()
 CSV_LINE_SLACK = 1 << 16  # a CSV line holds its id and other columns beside a text at the limit
+JSON_ESCAPE_BYTES = 6  # the longest a character's JSON form takes: "\u0001" for one byte of text
+
+
+def _json_line_limit(opts: CorpusOptions) -> int:
+    """A JSON Lines line's limit: its texts at the limit, every character escaped, and the rest. At
+    the text limit alone, a 200,000-character Chinese text (600 KB) that json.dumps wrote escaped
+    (1.2 MB) was refused as a line over the limit, and so was every text near 1 MiB."""
+    return JSON_ESCAPE_BYTES * opts.max_text_bytes * len(_text_fields(opts)) + CSV_LINE_SLACK
 
 
 READ_BLOCK = 1 << 20
@@ -221,7 +229,7 @@ def _json_line(line: str, where: str) -> Any:
 def _read_jsonl(path: Path, opts: CorpusOptions, prefix: str) -> Iterator[Record]:
     ids = _IdPolicy(path, opts.id_field, prefix)
     name, bad = str(path), BadRows(path)
-    for lineno, line in _lines(path, opts.max_text_bytes, bad):
+    for lineno, line in _lines(path, _json_line_limit(opts), bad):
         if not line.strip():
             continue
         where = f"{name}:{lineno}"

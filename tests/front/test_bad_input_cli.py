@@ -60,7 +60,7 @@ CASES = {
     "csv-ragged": ("c.csv", "id,text\n1,a\n2,b,extra\n", "c.csv:3: 3 columns where the header has 2"),
     "over-long-line": (
         "c.jsonl",
-        json.dumps({"text": "x" * (1 << 20)}) + "\n",
+        json.dumps({"text": "x" * (7 << 20)}) + "\n",
         "c.jsonl:1: line is over the limit",
     ),
 }

@@ -82,12 +82,12 @@ def test_the_list_stops_at_its_length_and_where_the_reader_cannot_go_on(tmp_path
     assert lines[-1] == f"  (stopped at {bad_rows.SHOWN} bad rows; the rest is not checked)"
     # a line over the limit is never read whole: the reading ends at it, and says so
     over = _jsonl(
-        tmp_path / "over.jsonl", {2: '{"id": 2, "text": }', 4: json.dumps({"id": 4, "text": "x" * 200})}, 6
+        tmp_path / "over.jsonl", {2: '{"id": 2, "text": }', 4: json.dumps({"id": 4, "text": "x" * 70_000})}, 6
     )
     _, lines = _refusal(over, max_text_bytes=100)
     assert lines[1:] == [
         f"1 more bad row in {over}:",
-        f"  {over}:4: line is over the limit of 100 bytes",
+        f"  {over}:4: line is over the limit of {6 * 100 + (1 << 16)} bytes",
         "  (the reader stops at the last; the rest is not checked)",
     ]
 

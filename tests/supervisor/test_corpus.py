@@ -189,9 +189,17 @@ def test_empty_text_is_refused(tmp_path: Path, fmt: str, content: str, message: 
 
 def test_line_over_the_size_limit_is_refused_without_reading_it_whole(tmp_path: Path) -> None:
     path = tmp_path / "c.jsonl"
-    path.write_text('{"text": "ok"}\n' + json.dumps({"text": "x" * 5000}) + "\n", encoding="utf-8")
-    with pytest.raises(CorpusError, match=r"c.jsonl:2: line is over the limit of 1000 bytes"):
+    # A JSON Lines line may hold its text at the limit with every character escaped, and the rest.
+    limit = 6 * 1000 + (1 << 16)
+    path.write_text('{"text": "ok"}\n' + json.dumps({"text": "x" * limit}) + "\n", encoding="utf-8")
+    with pytest.raises(CorpusError, match=rf"c.jsonl:2: line is over the limit of {limit} bytes"):
         _read(path, max_text_bytes=1000)
+    path.write_text('{"text": "ok"}\n' + json.dumps({"text": "x" * 5000}) + "\n", encoding="utf-8")
+    with pytest.raises(CorpusError, match=r"c.jsonl:2: text is over the limit of 1000 bytes"):
+        _read(path, max_text_bytes=1000)
+    # A text under the limit that json.dumps escaped (6 bytes a character) is no line over it.
+    path.write_text(json.dumps({"text": "\u4e2d" * 300}) + "\n", encoding="utf-8")
+    assert len(path.read_bytes()) > 1000 and _read(path, max_text_bytes=1000) == [("1", "\u4e2d" * 300)]
     parquet = tmp_path / "c.parquet"
     pq.write_table(pa.table({"text": ["ok", "y" * 5000]}), parquet)
     with pytest.raises(CorpusError, match=r"row 2: text is over the limit of 1000 bytes"):
