@@ -368,6 +368,8 @@ def _refuse_long_texts(column: Any, limit: int, path: Path, before: int) -> None
 
     if pa.types.is_dictionary(column.type):
         column = column.dictionary_decode()
+    if getattr(pa.types, "is_string_view", lambda _: False)(column.type):  # binary_length takes no views
+        column = column.cast(pa.large_string())
     if len(column) == 0 or pc.max(pc.binary_length(column)).as_py() <= limit:
         return
     over = pc.indices_nonzero(pc.greater(pc.binary_length(column), limit))[0].as_py()
@@ -417,7 +419,9 @@ def _parquet_columns(pfile: Any, opts: CorpusOptions, path: Path) -> list[str]:
         text_type = schema.field(name).type
         if pa.types.is_dictionary(text_type):  # how pyarrow and pandas write repetitive string columns
             text_type = text_type.value_type
-        if not (pa.types.is_string(text_type) or pa.types.is_large_string(text_type)):
+        # string_view: what Polars and pyarrow's newer writers may give a text column (a hostile pass)
+        kinds = (pa.types.is_string, pa.types.is_large_string, getattr(pa.types, "is_string_view", None))
+        if not any(kind(text_type) for kind in kinds if kind is not None):
             raise CorpusError(f"{path}: column {name!r} has type {text_type}, expected string")
     if opts.id_field not in schema.names and opts.id_field != DEFAULT_ID_FIELD:  # see _IdPolicy
         raise CorpusError(

@@ -270,6 +270,16 @@ def test_a_dictionary_encoded_parquet_text_column_is_read(tmp_path: Path) -> Non
     assert _read(path) == [("1", "alpha"), ("2", "beta"), ("3", "alpha")]
 
 
+def test_a_string_view_parquet_text_column_is_read_and_its_limit_held(tmp_path: Path) -> None:
+    """A hostile pass: a string_view column (newer writers' strings) was refused as not a string."""
+    path = tmp_path / "c.parquet"
+    texts = pa.array(["alpha", "b" * 2000], type=pa.string_view())
+    pq.write_table(pa.table({"id": ["1", "2"], "text": texts}), path)
+    assert _read(path, max_text_bytes=5000) == [("1", "alpha"), ("2", "b" * 2000)]
+    with pytest.raises(CorpusError, match=r"c.parquet: row 2: text is over the limit of 1000 bytes"):
+        _read(path, max_text_bytes=1000)
+
+
 def test_limits_count_bytes_and_a_huge_line_or_text_is_refused_by_number_without_being_held(
     tmp_path: Path,
 ) -> None:
