@@ -222,8 +222,8 @@ def run_cmd(corpus: tuple[str, ...], redis_url: str | None, verbose: int, **kw: 
     if outcome.forgotten:  # nothing was done: the run is not kept, so the same command starts afresh
         why = f": {outcome.pool_said}" if outcome.pool_said else ""
         click.echo(
-            f"chunkq: error: the worker pool exited before any chunk was done{why}; the run is not kept "
-            "(nothing was encoded): mend the cause and run the same command",
+            f"chunkq: error: the worker pool exited before the run finished{why}; nothing was encoded, so "
+            "the run is not kept: mend the cause and run the same command",
             err=True,
         )
         sys.exit(EXIT_POOL_DIED)

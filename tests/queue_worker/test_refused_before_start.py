@@ -152,7 +152,10 @@ def test_a_pool_that_gives_up_says_its_workers_reason_on_the_terminal(tmp_path: 
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("chunkq: error: the worker pool exited before the run finished: worker pool-")
     assert "was given GPU 0 but torch sees no CUDA device" in last and "refusing to run on the CPU" in last
-    assert last.endswith("run.log")
+    # Nothing was encoded: the run (its log with it) is not kept, and the line says so.
+    assert last.endswith(
+        "nothing was encoded, so the run is not kept: mend the cause and run the same command"
+    )
 
 
 @pytest.mark.slow
@@ -175,7 +178,9 @@ def test_a_model_its_workers_cannot_load_is_named_in_the_last_line_and_not_kept(
     assert done.returncode == 8, done.stderr[-3000:]
     last = done.stderr.strip().splitlines()[-1]
     assert f"could not load model {model}: OSError: It looks like the config file at" in last, last
-    assert last.endswith("the run is not kept (nothing was encoded): mend the cause and run the same command")
+    assert last.endswith(
+        "nothing was encoded, so the run is not kept: mend the cause and run the same command"
+    )
     assert not any((store / "runs").iterdir())
     left = [key for key in connection.keys("*") if b"c-" in key or b"chunkq:run-queues" in key]
     assert left == [] and connection.smembers("rq:queues") <= {b"rq:queue:chunkq"}, left  # its queue too
