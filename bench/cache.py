@@ -9,9 +9,9 @@ Three measurements, each `chunkq run` a fresh process into a fresh store unless 
 - a new version: version 1 of a corpus (``--rows`` texts) is run to fill the cache; version 2 (2 % of
   texts changed, 1 % added) is run in the same store, and with --no-cache in another: rows encoded
   and wall time;
-- look-up: the submit's hash join alone (supervisor.submit.plan: spool the corpus, read the cache's hashes,
-  join) for corpora and caches of 10^5 and 10^6 texts, each in its own process: seconds and peak
-  resident memory.
+- look-up: the submit's hash join alone (supervisor.submit.hash_join: spool the corpus, read the
+  cache's hashes, join) for corpora and caches of 10^5 and 10^6 texts, each in its own process:
+  seconds and peak resident memory.
 Texts are paragraphs of 40-120 words drawn from a fixed vocabulary (real corpora cannot be downloaded
 here), so a text costs about what a passage of a real corpus does.
 """
@@ -130,7 +130,7 @@ import json, resource, sys, tempfile, time
 from pathlib import Path
 import numpy as np
 from chunkq.jobs.compute.vector_cache import VectorCache, text_hashes
-from chunkq.supervisor import plan
+from chunkq.supervisor.submit import hash_join
 from chunkq.supervisor.corpus.records import Record
 corpus_rows, cache_rows = int(sys.argv[1]), int(sys.argv[2])
 root = Path(tempfile.mkdtemp())
@@ -140,8 +140,8 @@ cache.write(known, np.zeros((cache_rows, 4), np.float32), "seed", 0.0)
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 records = (Record(f"r{i}", f"text {i * 2}", "") for i in range(corpus_rows))  # half of them are cached
 started = time.perf_counter()
-spooled = plan._spool(records, root, lambda batch: None)
-joined = plan._join(spooled, cache, root)
+spooled = hash_join.spool(records, root)
+joined = hash_join.join(spooled, cache, root)
 seconds = time.perf_counter() - started
 hits = int((np.asarray(joined.hit_shard[:corpus_rows]) >= 0).sum())
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -23,6 +23,36 @@ class WholeFileError(CorpusError):
     """A bad row that says the file as a whole is misread (every later row would repeat it)."""
 
 
+class BadRowsError(CorpusError):
+    """Several bad rows, or one and how far the reading went: each row's own error kept, so a
+    later check (duplicate ids, found as the rows are split) can name its rows beside them."""
+
+    def __init__(self, message: str, rows: list[CorpusError], cut: str) -> None:
+        super().__init__(message)
+        self.rows, self.cut = rows, cut
+
+
+def rows_of(error: CorpusError) -> tuple[list[CorpusError], str]:
+    """An error's bad rows, and how far the reading went ("" where it read to the end)."""
+    return (error.rows, error.cut) if isinstance(error, BadRowsError) else ([error], "")
+
+
+def told(rows: list[CorpusError], place: str, cut: str) -> CorpusError:
+    """One error for ``rows`` of ``place`` (a file, or the corpus), the first first."""
+    first, more = rows[0], rows[1:]
+    if not more and not cut:
+        return first
+    lines = [str(first)]
+    if more:
+        lines.append(f"{len(more)} more bad row{'' if len(more) == 1 else 's'} in {place}:")
+        lines += [f"  {error}" for error in more]
+    else:
+        lines.append(f"no other bad row in {place} so far:")
+    if cut:
+        lines.append(f"  ({cut})")
+    return BadRowsError("\n".join(lines), rows, cut)
+
+
 class BadRows:
     """Collects one file's bad rows; raises the combined error once it has seen enough."""
 
@@ -68,15 +98,4 @@ class BadRows:
             raise self._combined("")
 
     def _combined(self, cut: str) -> CorpusError:
-        first, more = self.found[0], self.found[1:]
-        if not more and not cut:
-            return first
-        lines = [str(first)]
-        if more:
-            lines.append(f"{len(more)} more bad row{'' if len(more) == 1 else 's'} in {self.path}:")
-            lines += [f"  {error}" for error in more]
-        else:
-            lines.append(f"no other bad row in {self.path} so far:")
-        if cut:
-            lines.append(f"  ({cut})")
-        return CorpusError("\n".join(lines))
+        return told(self.found, self.path, cut)

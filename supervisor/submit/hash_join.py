@@ -8,7 +8,7 @@ if any. ``submit/plan.py`` chooses and writes the chunks from it.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol
@@ -49,7 +49,7 @@ class Spooled:
         return np.memmap(self.path("ends.bin"), dtype=np.uint64, mode="r", shape=(self.rows,))
 
 
-def spool(records: Iterable[PlanRow], folder: Path, check: Callable[[list[Any]], None]) -> Spooled:
+def spool(records: Iterable[PlanRow], folder: Path) -> Spooled:
     """Pass one: ids, texts (UTF-8, end offsets) and hashes, in corpus order, to local scratch."""
     rows, end = 0, 0
     with (
@@ -61,7 +61,6 @@ def spool(records: Iterable[PlanRow], folder: Path, check: Callable[[list[Any]],
 
         def flush(batch: list[PlanRow]) -> None:
             nonlocal rows, end
-            check(batch)
             encoded = [r.text.encode("utf-8", "surrogatepass") for r in batch]
             ids.write("".join(json.dumps(r.id, ensure_ascii=False) + "\n" for r in batch).encode())
             texts.write(b"".join(encoded))

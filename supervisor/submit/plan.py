@@ -89,20 +89,19 @@ def write_planned_inputs(
     chunk_size: int,
     cache: VectorCache | None,
     output_producer: dict[str, Any],
-    check: Callable[[list[Any]], None],
     dedup: bool = True,
     row_map: bool = False,
 ) -> dict[str, Any]:
     """Split the corpus into chunk inputs by plan (see the module's docstring); the manifest's
-    ``plan``. ``cache``: None looks nothing up (duplicates are still encoded once). ``check``: told
-    each block of records (the duplicate-id check). ``output_producer``: what a chunk output of the
-    run records of its producer (``RunManifest.producer()``). ``dedup``: False encodes every row
+    ``plan``. ``cache``: None looks nothing up (duplicates are still encoded once).
+    ``output_producer``: what a chunk output of the run records of its producer
+    (``RunManifest.producer()``). ``dedup``: False encodes every row
     (windows with --no-cache). ``row_map``: write the row map even where it is the identity (rows
     whose ids are window objects, which chunk inputs do not carry back)."""
     with local_scratch(layout.root) as where:
         folder = Path(tempfile.mkdtemp(prefix=".plan-", dir=where))
         try:
-            spooled = spool(records, folder, check)
+            spooled = spool(records, folder)
             if not spooled.rows:
                 return {"corpus_rows": 0}
             joined = join(spooled, cache, folder) if dedup else every_row(spooled, folder)

@@ -77,7 +77,6 @@ def write_streamed_inputs(
     cache: VectorCache | None,
     found: tuple[HashIndex, list[Shard]],
     output_producer: dict[str, Any],
-    check: Callable[[list[Any]], None],
     written: Callable[[int, int], None],
 ) -> dict[str, Any]:
     """The plan in one pass (see the module's docstring); the manifest's ``plan``."""
@@ -85,16 +84,14 @@ def write_streamed_inputs(
     with local_scratch(layout.root) as where:
         folder = Path(tempfile.mkdtemp(prefix=".plan-", dir=where))
         try:
-            return _write(
-                records, layout, chunk_size, cache, index, shards, output_producer, check, written, folder
-            )
+            return _write(records, layout, chunk_size, cache, index, shards, output_producer, written, folder)
         finally:
             remove_tree(folder)
 
 
 def _blocks(records: Iterable[PlanRow], first: int) -> Iterator[list[PlanRow]]:
     """``first`` rows (a chunk: the first worker's work comes before the rest is read), then blocks
-    growing to READ_BLOCK_ROWS (each costs a round of hashing and an id check)."""
+    growing to READ_BLOCK_ROWS (each costs a round of hashing)."""
     it, size = iter(records), first
     while True:
         block = list(islice(it, size))
@@ -125,7 +122,6 @@ def _write(
     cached: HashIndex,
     shards: list[Shard],
     output_producer: dict[str, Any],
-    check: Callable[[list[Any]], None],
     written: Callable[[int, int], None],
     folder: Path,
 ) -> dict[str, Any]:
@@ -140,7 +136,6 @@ def _write(
         open(paths["hits.refs"], "wb") as refs,
     ):
         for block in _blocks(records, chunk_size):
-            check(block)
             keys, first, inverse = np.unique(
                 text_hashes(r.text for r in block), return_index=True, return_inverse=True
             )

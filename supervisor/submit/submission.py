@@ -35,7 +35,7 @@ from chunkq.supervisor.corpus.records import Record
 from chunkq.supervisor.result.chunk_reads import set_aside
 from chunkq.supervisor.result.reader import published_result
 from chunkq.supervisor.store.attempts import AttemptRecorder
-from chunkq.supervisor.submit.dupes import IdRegistry
+from chunkq.supervisor.submit.dupes import IdRegistry, unique_ids
 from chunkq.supervisor.submit.heap import give_back_free_heap
 from chunkq.supervisor.submit.identity import (
     Identified,
@@ -88,12 +88,11 @@ def _write_inputs(req: SubmitRequest, layout: RunLayout, written: Written | None
     with local_scratch(layout.root) as scratch, IdRegistry(scratch / ".ids.sqlite") as seen:
 
         def flush() -> None:
-            seen.add(buffer)
             write_chunk_input(layout, index, [(r.id, r.text) for r in buffer])
             if written is not None:
                 written(index, len(buffer))
 
-        for record in read_inputs(req):
+        for record in unique_ids(read_inputs(req), seen):
             buffer.append(record)
             if len(buffer) == req.chunk_size:
                 flush()
@@ -109,10 +108,6 @@ def _not_empty(req: SubmitRequest, rows: int) -> None:
     if rows == 0:
         names = ", ".join(str(p) for p in req.corpora)
         raise CorpusError(f"{names}: the corpus holds no texts")
-
-
-def _nothing(rows: list[Any]) -> None:
-    del rows
 
 
 def chunk_options(req: SubmitRequest) -> dict[str, Any]:
@@ -144,20 +139,18 @@ def _write_planned(
     counts = WindowCounts()
     with local_scratch(layout.root) as scratch, IdRegistry(scratch / ".ids.sqlite") as seen:
         found = cache_index(cache, scratch) if split is not None and not req.windowed else None
-        rows: Any = read_inputs(req)
-        check: Any = seen.add
+        rows: Any = unique_ids(read_inputs(req), seen)
         if split is not None and found is not None:
             split.plan, split.extra = {**known, "identity": False}, {"chunk_options": options}
             plan = write_streamed_inputs(
-                rows, layout, req.chunk_size, cache, found, output_producer, check, split.written
+                rows, layout, req.chunk_size, cache, found, output_producer, split.written
             )
         elif req.windowed:
             tokenizer, size, overlap, normalize, context = window_plan(req)
             if context is None:
-                rows = window_rows(rows, tokenizer, size, overlap, seen.add, counts)
+                rows = window_rows(rows, tokenizer, size, overlap, counts)
             else:
-                rows = late_rows(rows, tokenizer, context, size, overlap, seen.add, counts)
-            check = _nothing
+                rows = late_rows(rows, tokenizer, context, size, overlap, counts)
         if found is None:
             plan = write_planned_inputs(
                 rows,
@@ -165,7 +158,6 @@ def _write_planned(
                 req.chunk_size,
                 cache,
                 output_producer,
-                check,
                 dedup=req.cached,
                 row_map=req.windowed,
             )

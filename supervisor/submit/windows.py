@@ -132,40 +132,29 @@ def window_rows(
     tokenizer: Any,
     size: int,
     overlap: int | None,
-    check: Callable[[list[Any]], None],
     counts: WindowCounts,
 ) -> Iterator[WindowRow]:
-    """Each record's windows in order; ``check`` is told the records a batch at a time (the
-    duplicate-id check, on the corpus's ids, not the windows')."""
+    """Each record's windows in order."""
 
     def cut(record: Any) -> Iterator[WindowRow]:
         for w in windows(record.text, tokenizer, size, overlap):
             meta = {"id": record.id, "window": w.number, "char_start": w.char_start, "char_end": w.char_end}
             yield WindowRow({**meta, "tokens": w.tokens}, record.text[w.char_start : w.char_end])
 
-    return _rows_of(records, cut, check, counts)
+    return _rows_of(records, cut, counts)
 
 
 def _rows_of(
     records: Iterable[Any],
     cut: Callable[[Any], Iterator[WindowRow]],
-    check: Callable[[list[Any]], None],
     counts: WindowCounts,
-    batch: int = 1000,
 ) -> Iterator[WindowRow]:
-    held: list[Any] = []
     for record in records:
-        held.append(record)
-        if len(held) == batch:
-            check(held)
-            held = []
         rows = list(cut(record))
         counts.texts += 1
         counts.windowed += len(rows) > 1
         counts.windows += len(rows)
         yield from rows
-    if held:
-        check(held)
 
 
 def late_windows(
@@ -189,7 +178,6 @@ def late_rows(
     context: int,
     size: int,
     overlap: int | None,
-    check: Callable[[list[Any]], None],
     counts: WindowCounts,
 ) -> Iterator[WindowRow]:
     """``window_rows`` for late chunking: each row's id the same object, its text the window's place
@@ -207,7 +195,7 @@ def late_rows(
             span = (w.char_start - segment.char_start, w.char_end - segment.char_start)
             yield WindowRow({**meta, "tokens": w.tokens}, late.row_text(text, *span))
 
-    return _rows_of(records, cut, check, counts)
+    return _rows_of(records, cut, counts)
 
 
 def window_plan(req: SubmitRequest) -> tuple[Any, int, int | None, bool, int | None]:
