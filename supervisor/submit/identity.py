@@ -199,7 +199,11 @@ def identify(req: SubmitRequest) -> Identified:
     inputs = describe_inputs(req.corpora)
     identity = _identity(req, inputs)
     run_fingerprint = fingerprint(identity)
-    run_id = validate_run_id(req.run_id) if req.run_id else default_run_id(req.corpora[0], run_fingerprint)
+    run_id = (
+        validate_run_id(req.run_id)
+        if req.run_id is not None
+        else default_run_id(req.corpora[0], run_fingerprint)
+    )
     model, listing = code_identity(req, model_identity(req.model, req.encode.revision))
     code = listing.to_json() if listing is not None else None
     canary = listing.canary if listing is not None else None
@@ -253,7 +257,9 @@ def _begun_earlier(req: SubmitRequest, identified: Identified) -> Identified:
     for form, why in [(identified.identity, ""), *_earlier_forms(req, identified.identity)]:
         form_fingerprint = fingerprint(form)
         run_id = (
-            validate_run_id(req.run_id) if req.run_id else default_run_id(req.corpora[0], form_fingerprint)
+            validate_run_id(req.run_id)
+            if req.run_id is not None
+            else default_run_id(req.corpora[0], form_fingerprint)
         )
         if run_id not in read:
             layout = RunLayout(req.store, run_id)

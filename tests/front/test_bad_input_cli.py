@@ -104,16 +104,17 @@ def test_corpus_changed_between_submit_and_resume_is_refused(tmp_path: Path, red
     assert changed.returncode == 4 and "corpus_sha256: stored" in changed.stderr
 
 
+@pytest.mark.parametrize("given", ["ab\n", ""])  # "": a hostile pass's, taken as no run id at all
 def test_a_run_id_with_a_trailing_newline_is_refused_before_anything_is_written(
-    tmp_path: Path, redis_url: str, connection: redis.Redis
+    tmp_path: Path, redis_url: str, connection: redis.Redis, given: str
 ) -> None:
     corpus = _write(tmp_path / "c.jsonl", '{"id": 1, "text": "a"}\n')
     store = tmp_path / "store"
     result = run_cli(
-        "submit", str(corpus), "--store", str(store), "--run-id", "ab\n", CHUNKQ_REDIS_URL=redis_url
+        "submit", str(corpus), "--store", str(store), "--run-id", given, CHUNKQ_REDIS_URL=redis_url
     )
     assert result.returncode == 6, result.stderr
-    assert "invalid run id 'ab\\n'" in result.stderr and "Traceback" not in result.stderr
+    assert f"invalid run id {given!r}" in result.stderr and "Traceback" not in result.stderr
     assert not (store / "runs").exists() or not any((store / "runs").iterdir())
     assert connection.dbsize() == 0
 
