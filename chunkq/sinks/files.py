@@ -126,8 +126,8 @@ def export(
     vectors per text instead of its windows. ``columns``: corpus fields written beside each row, as
     text (Parquet and JSON Lines; a window's text field is its own span)."""
     layout, run = published.layout, published.manifest
-    if out != STDOUT:
-        outside_the_store(layout.store, [out], str(out))
+    if out != STDOUT:  # the ids beside an .npy too: through a link they overwrote a run's result
+        outside_the_store(layout.store, [out, ids_path_beside(out)] if fmt == "npy" else [out], str(out))
     kind = run.kind
     if tokens and kind != "sparse":
         raise ConfigError(f"--tokens names a sparse vector's dimensions; run {layout.run_id} is {kind}")

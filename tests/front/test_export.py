@@ -183,6 +183,13 @@ def test_an_export_into_the_store_is_refused_even_with_force(tmp_path: Path) -> 
         with pytest.raises(ConfigError, match="is inside the store"):
             export(Run.of(layout), "npy" if out.suffix == ".npy" else "jsonl", out, force=True)
     assert published.read_bytes() == before and not (layout.root / "copy.jsonl").exists()
+    # An .npy's ids beside it, linked into the store: a hostile pass's overwrote another run's ids.
+    ids = layout.result / "ids.jsonl"
+    ids_before = ids.read_bytes()
+    (tmp_path / "q.ids.jsonl").symlink_to(ids)
+    with pytest.raises(ConfigError, match="is inside the store"):
+        export(Run.of(layout), "npy", tmp_path / "q.npy", force=True)
+    assert ids.read_bytes() == ids_before and not (tmp_path / "q.npy").exists()
 
 
 @pytest.mark.slow
