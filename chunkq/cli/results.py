@@ -25,7 +25,7 @@ from chunkq.sinks.destinations import file_format
 from chunkq.sinks.files import EXPORT_FORMATS, STDOUT, export
 from chunkq.supervisor.result.assemble import assemble
 from chunkq.supervisor.result.published import rebuild_advice, shard_bytes
-from chunkq.supervisor.result.reader import result_problems
+from chunkq.supervisor.result.reader import result_problems, texts_of
 from chunkq.tools.run_list import RunInfo, clean, list_runs
 
 
@@ -186,16 +186,20 @@ def export_cmd(
     if result is None:
         raise StoreError(f"run {run_id} has no published result")
     if not stream:  # to stdout or a pipe there is no file to name: the data is what was written
-        click.echo(_written_line(run_id, result, written))
+        click.echo(_written_line(run, result, written, level))
     if not result.complete:
         click.echo(f"chunkq: PARTIAL: {result.partial_note()}; the export holds only those rows", err=True)
         sys.exit(EXIT_PARTIAL)
 
 
-def _written_line(run_id: str, result: ResultManifest, written: list[Path]) -> str:
+def _written_line(run: Run, result: ResultManifest, written: list[Path], level: str) -> str:
     """What a file export wrote, as --to says it: rows, of which run, where, how many bytes (it
-    printed the file's name alone)."""
-    rows, dim = result.rows, result.dim
+    printed the file's name alone); at ``level`` document, a windowed run's texts (it said the
+    windows' count of a file of texts)."""
+    rows, dim, run_id = result.rows, result.dim, run.run_id
+    if level == "document" and (run.manifest.plan or {}).get("windows"):
+        texts = texts_of(run.manifest, result)
+        rows, dim = int(texts["rows"]), int(texts["dim"])
     shape = f"{rows:,} rows" + (f" x {dim}" if dim else "") if isinstance(rows, int) else "the rows"
     size = sum(p.stat().st_size for p in written if p.is_file())
     return f"{shape} of run {run_id} written to {', '.join(str(p) for p in written)} ({size_text(size)})"

@@ -431,6 +431,16 @@ def test_a_table_gains_the_columns_a_later_export_writes_and_windows_carry_their
     ids = [json.loads(line) for line in (layout.result / "texts.ids.jsonl").read_text().splitlines()]
     assert sorted(got) == sorted(by_text) == sorted(ids)
     assert np.allclose(np.array([json.loads(got[i]) for i in ids], dtype=np.float32), want, atol=1e-6)
+    # The line a file export prints counts what it wrote: the texts at --level document (a hostile
+    # pass's said the windows' count, 305 rows, of a file of 40).
+    from chunkq.cli.results import _written_line
+    from chunkq.sinks.files import export as export_file
+
+    run = Run.of(layout)
+    written = export_file(run, "parquet", tmp_path / "texts.parquet", level="document")
+    assert run.result is not None and run.result.rows > len(rows)  # the windows
+    line = _written_line(run, run.result, written, "document")
+    assert line.startswith(f"{len(rows)} rows x {want.shape[1]} of run {layout.run_id} written to"), line
 
 
 def test_faiss_takes_its_metric_from_what_submit_recorded_not_the_model_files(tmp_path: Path) -> None:
