@@ -127,6 +127,12 @@ class Build:
             remove_leftovers_beside(spool)
             self.feed.link_later(temp_beside(spool))
 
+    def take_set_aside(self) -> list[int]:
+        """The chunks whose outputs the build found damaged and set aside since the last call."""
+        taken = sorted(self.reads.problems)
+        self.reads.problems.clear()
+        return taken
+
     def _stand_aside(self, why: str) -> bool:
         self.stood_aside = why
         log.info("run %s: the result is made after the last chunk instead (%s)", self.manifest.run_id, why)

@@ -117,15 +117,26 @@ class Tracker:
             self.pending.discard(index)
             self.in_redis.discard(index)
             self.rows_done += self.manifest.chunk_rows(index)
-            counts = self._corpus_counts
-            self.corpus_rows_done += (
-                int(counts[index]) if counts is not None else self.manifest.chunk_rows(index)
-            )
+            self.corpus_rows_done += self._corpus_rows(index)
             if self.ledger is not None and index not in self.ledger.recorded:
                 try:
                     self.ledger.add(read_json(self.layout.output_meta(index)))
                 except (OSError, ValueError):
                     pass  # a damaged output is the assembler's to name; the rate does without it
+
+    def reopen(self, indices: Iterable[int]) -> None:
+        """Chunks counted done whose outputs were found damaged (and set aside): to be queued again."""
+        for index in indices:
+            if index in self.pending:
+                continue
+            self.pending.add(index)
+            self.waiting.add(index)
+            self.rows_done -= self.manifest.chunk_rows(index)
+            self.corpus_rows_done -= self._corpus_rows(index)
+
+    def _corpus_rows(self, index: int) -> int:
+        counts = self._corpus_counts
+        return int(counts[index]) if counts is not None else self.manifest.chunk_rows(index)
 
     def _job_id(self, index: int) -> str:
         return chunk_job_id(self.manifest.run_id, index)

@@ -404,6 +404,13 @@ def _supervise(
         raise
 
 
+def _encode_again(watch: Supervisor, damaged: list[int]) -> None:
+    """Chunks counted done whose outputs the build found damaged and set aside: queued again by
+    this watch (a resumed run said "to be encoded again", then failed its assembly on them)."""
+    if damaged:
+        watch.tracker.reopen(damaged)
+
+
 def _watch_and_assemble(
     watch: Supervisor,
     wakeup: Wakeup,
@@ -423,6 +430,7 @@ def _watch_and_assemble(
                     break
                 if build is not None:
                     build.advance(watch.tracker.pending, phases=phases)
+                    _encode_again(watch, build.take_set_aside())
                 wakeup.wait(settings.poll_seconds)
         finally:
             wakeup.close()

@@ -79,6 +79,30 @@ def test_a_damaged_chunk_output_is_set_aside_and_encoded_again(tmp_path: Path, r
     assert result_matches(layout, texts, reference_model)
 
 
+def test_a_resumed_run_encodes_a_damaged_chunk_output_again_itself(
+    tmp_path: Path, reference_model: Any
+) -> None:
+    """A hostile pass: a run killed with chunks left, one finished output then damaged: the resume
+    said "to be encoded again", finished the other chunks, and failed its assembly on that one
+    (exit 5); only a second run mended it. The watch now queues it again."""
+    ids, texts = make_texts(100, seed=83)
+    corpus, store = write_corpus(tmp_path / "c.jsonl", ids, texts, "jsonl"), tmp_path / "store"
+    assert _run(corpus, store).returncode == 0
+    layout = only_run(store)
+    (layout.result / "manifest.json").unlink()  # as a killed run leaves it: chunks 2-4 not done
+    for index in (2, 3, 4):
+        layout.output_meta(index).unlink()
+        layout.output_npy(index).unlink()
+    first_meta = read_json(layout.output_meta(0))
+    _flip(layout.output_npy(0))
+
+    again = _run(corpus, store)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "chunk 0's output is damaged" in again.stderr and "to be encoded again" in again.stderr
+    assert read_json(layout.output_meta(0))["finished_at"] > first_meta["finished_at"]
+    assert result_matches(layout, texts, reference_model)
+
+
 def test_a_result_is_replaced_in_one_step(tmp_path: Path) -> None:
     """Readers polling result/ never find it missing while a new result replaces the old one."""
     result = tmp_path / "result"
