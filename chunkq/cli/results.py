@@ -26,6 +26,7 @@ from chunkq.sinks.files import EXPORT_FORMATS, STDOUT, export
 from chunkq.supervisor.result.assemble import assemble
 from chunkq.supervisor.result.published import rebuild_advice, shard_bytes
 from chunkq.supervisor.result.reader import result_problems, texts_of
+from chunkq.supervisor.store.store_lock import StoreLock
 from chunkq.tools.run_list import RunInfo, clean, list_runs
 
 
@@ -263,6 +264,15 @@ def assemble_cmd(
             click.echo(f"PARTIAL: {run.result.partial_note()}")
             sys.exit(EXIT_PARTIAL)
         return
-    result = assemble(Run.of(layout), shard_bytes=shard_bytes(shard_size), keep_outputs=keep_outputs)
+    # Under the run's lock, as clean: beside the live run that owns it, every chunk it had yet to
+    # finish was listed as "output metadata missing" (a hostile pass); now it is said to be in use.
+    run = Run.of(layout)
+    with StoreLock(
+        layout.owner, f"run {run_id}", wait_hint=f"run `chunkq assemble {run_id}` once it has finished"
+    ) as lock:
+        lock.acquire()
+        result = assemble(
+            run, fence=lock.check, shard_bytes=shard_bytes(shard_size), keep_outputs=keep_outputs
+        )
     shards = f" in {len(result['shards'])} shards" if result.get("shards") else ""
     click.echo(f"{layout.result}: {result['rows']} x {result['dim']}{shards}")

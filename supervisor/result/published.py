@@ -28,6 +28,7 @@ from chunkq.jobs.contract.ragged import OFFSETS, SCHEMAS
 from chunkq.jobs.contract.run import ResultManifest
 from chunkq.jobs.contract.run_files import (
     RunLayout,
+    read_json,
     read_npy_header,
 )
 from chunkq.jobs.contract.specs import storage_dtype
@@ -204,11 +205,24 @@ def result_name(layout: RunLayout, path: Path) -> str:
     return str(path.relative_to(layout.result)) if is_local(path) else path.name
 
 
+def _chunk_count(layout: RunLayout) -> int:
+    try:
+        return int(read_json(layout.manifest)["chunks"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0  # a run whose manifest cannot be read: what the outputs hold is all there is to say
+
+
 def rebuild_advice(layout: RunLayout) -> str:
     """What publishes a damaged result again: assembly from the chunk outputs while they are there,
     else the command that made the run, which encodes the chunks again from their inputs."""
-    if any(name.endswith(".npy") for name, _ in list_with_mtime(layout.outputs)):
+    chunks = {name.split(".")[0] for name, _ in list_with_mtime(layout.outputs) if name.endswith(".npy")}
+    if chunks and len(chunks) >= _chunk_count(layout):
         return f"`chunkq assemble {layout.run_id}` publishes it again from the chunk outputs"
+    if chunks:  # assemble would list every chunk left to encode (a hostile pass followed it)
+        return (
+            "some of its chunks have no output: the command that made the run (chunkq run, or submit "
+            "with a pool) encodes them and publishes it"
+        )
     return (
         "its chunk outputs were freed once it was published: the command that made the run (chunkq "
         "run, or submit with a pool) encodes its chunks again from their inputs and publishes it again"

@@ -145,3 +145,26 @@ def test_a_supervisor_that_lost_its_lock_publishes_nothing(encoded_run: Any) -> 
         assemble(Run.of(layout), fence=lost)
     assert not layout.result.exists() and not list(layout.root.glob(".result.tmp-*"))
     assert assemble(Run.of(layout), fence=lambda: None)["rows"] == 47
+
+
+def test_assemble_beside_the_run_that_owns_it_says_so_and_its_advice_fits_the_outputs(tmp_path: Any) -> None:
+    """A hostile pass: `chunkq assemble` of a run a live `chunkq run` owned listed every chunk it had
+    yet to finish as "output metadata missing"; and a damaged result whose run had chunks without an
+    output advised `chunkq assemble`, which could not publish it."""
+    from chunkq.supervisor.result.published import rebuild_advice
+    from chunkq.supervisor.store.store_lock import StoreLock
+    from tests.helpers import write_encoded_run
+
+    store = tmp_path / "store"
+    layout = write_encoded_run(store, "owned", 40, 10, 4)
+    with StoreLock(layout.owner, "run owned") as held:
+        held.acquire()
+        refused = run_cli("assemble", "owned", "--store", str(store))
+    assert refused.returncode == 10, refused.stderr
+    assert "run owned is in use by pid" in refused.stderr and "output metadata missing" not in refused.stderr
+    assert "`chunkq assemble owned`" in rebuild_advice(layout)  # every chunk has its output
+    layout.output_meta(3).unlink()
+    layout.output_npy(3).unlink()
+    assert rebuild_advice(layout).startswith(
+        "some of its chunks have no output: the command that made the run"
+    )
