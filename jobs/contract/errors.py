@@ -55,11 +55,12 @@ class DamagedRunError(StoreError):
 class AssemblyError(StoreError):
     """Assembly found missing or corrupt chunk outputs; ``problems`` lists every one."""
 
-    def __init__(self, run_id: str, problems: list[str]) -> None:
+    def __init__(self, run_id: str, problems: list[str], doing: str = "assemble") -> None:
+        """``doing``: what cannot be done (a reader's "read its result": an export is no assembly)."""
         self.run_id = run_id
         self.problems = problems
         lines = "\n".join(f"  - {p}" for p in problems)
-        super().__init__(f"run {run_id}: cannot assemble, {len(problems)} problem(s):\n{lines}")
+        super().__init__(f"run {run_id}: cannot {doing}, {len(problems)} problem(s):\n{lines}")
 
 
 class ChunksFailedError(ChunkqError):

@@ -186,7 +186,8 @@ class PublishedResult:
 
 def damaged(layout: RunLayout, why: str) -> AssemblyError:
     """What a reader raises for a result its manifest does not vouch for, and what publishes it again."""
-    return AssemblyError(layout.run_id, [f"the published result is damaged: {why}", rebuild_advice(layout)])
+    problems = [f"the published result is damaged: {why}", rebuild_advice(layout)]
+    return AssemblyError(layout.run_id, problems, doing="read its result")
 
 
 def open_result(run: Run, level: str = "window") -> PublishedResult:

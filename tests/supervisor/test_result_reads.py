@@ -136,6 +136,7 @@ def test_a_damaged_result_reaches_no_file_index_or_table(tmp_path: Path, damage:
     out = tmp_path / "out"
     out.mkdir()
     for target in ("npy", "parquet", "jsonl", "faiss", "lancedb"):
-        with pytest.raises(AssemblyError, match=said):
+        with pytest.raises(AssemblyError, match=said) as refused:
             _export(layout, target, out / "x")
+        assert "cannot read its result" in str(refused.value)  # an export assembles nothing
         assert sorted(p.name for p in out.iterdir()) == [], target  # no file, index or table
