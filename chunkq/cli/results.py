@@ -210,10 +210,11 @@ def _export_to(run: Run, url: str, options: dict[str, Any], columns: tuple[str, 
     from chunkq.sinks import export_to
 
     shown = False
+    counting = not as_json and sys.stderr.isatty()  # a log or a pipe kept "0/301 rows301/301 rows"
 
     def say(progress: Any) -> None:
         nonlocal shown
-        if not as_json:
+        if counting:
             click.echo(f"\r{progress.written:,}/{progress.total:,} rows", nl=False, err=True)
             shown = True
 
@@ -226,7 +227,8 @@ def _export_to(run: Run, url: str, options: dict[str, Any], columns: tuple[str, 
     if as_json:
         click.echo(json.dumps(summary, indent=2))
         return
-    click.echo("", err=True)
+    if shown:
+        click.echo("", err=True)
     click.echo(
         f"{summary['written']:,} rows of run {run.run_id} written to {summary['url']} in "
         f"{summary['seconds']} s ({summary['rows_per_second']} rows/s)"
