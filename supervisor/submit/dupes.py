@@ -23,6 +23,7 @@ from chunkq.supervisor.corpus import bad_rows
 from chunkq.supervisor.corpus.records import Record
 
 ID_BLOCK = 1000  # records checked at once: what a row waits at most before the split sees it
+ID_BLOCK_CHARACTERS = 1 << 25  # and their texts at most: 1,000 texts near the 1 MiB limit held 1 GB
 CORPUS = "the corpus"
 
 
@@ -90,14 +91,15 @@ class IdRegistry:
 
 def unique_ids(records: Iterable[Record], registry: IdRegistry) -> Iterator[Record]:
     """``records``, each once its block's ids are known to be new (see the module's docstring)."""
-    it, held = iter(records), list[Record]()
+    it, held, characters = iter(records), list[Record](), 0
     try:
         for record in it:
             held.append(record)
-            if len(held) == ID_BLOCK:
+            characters += len(record.text)
+            if len(held) == ID_BLOCK or characters > ID_BLOCK_CHARACTERS:
                 _check(held, registry, it)
                 yield from held
-                held = []
+                held, characters = [], 0
     except CorpusError as read:
         if isinstance(read, _Duplicates):
             raise

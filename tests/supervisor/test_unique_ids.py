@@ -4,6 +4,7 @@ hostile pass's duplicates came one per run, and a duplicate before a bad row was
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -70,3 +71,22 @@ def test_a_reader_error_alone_is_the_readers_own_and_the_list_is_bounded(
     _, lines = _split(many, tmp_path)
     assert len(lines) == 2 + (bad_rows.SHOWN - 1) + 1
     assert lines[-1] == f"  (stopped at {bad_rows.SHOWN} bad rows; the rest is not checked)"
+
+
+def test_a_block_is_bounded_by_its_texts_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Long texts are not held a thousand at a time (1,000 near the 1 MiB limit held 1 GB)."""
+    from chunkq.supervisor.corpus.records import Record
+
+    monkeypatch.setattr(dupes, "ID_BLOCK_CHARACTERS", 50)
+    pulled = 0
+
+    def records() -> Iterator[Record]:
+        nonlocal pulled
+        for n in range(100):
+            pulled += 1
+            yield Record(f"r{n}", "x" * 20, f"c:{n + 1}")
+
+    with IdRegistry(tmp_path / "ids.sqlite") as registry:
+        given = unique_ids(records(), registry)
+        assert next(given).id == "r0" and pulled == 3  # 60 characters: over the bound, checked
+        assert [r.id for r in given] == [f"r{n}" for n in range(1, 100)]
