@@ -269,6 +269,7 @@ class _QueueWhileSplitting:
         marks: StartMarks,
     ) -> None:
         self.connection, self.layout, self.pool, self.marks = connection, layout, pool, marks
+        self.pool_queue = req.submit.queue
         self.room = window_size(connection, req.submit.queue, req.submit.queue_window)
         self.recorder = AttemptRecorder(layout)  # the failed jobs it queues again (enqueue_chunks)
 
@@ -290,7 +291,7 @@ class _QueueWhileSplitting:
 
     def abandon(self) -> None:
         self.pool.kill()  # before the run's files go: no worker writes into them after
-        drop_run_jobs(self.connection, self.layout.run_id)
+        _forget_queue(self.connection, self.pool_queue, self.layout.run_id)  # its queue's name too
 
 
 def _nothing() -> None:
@@ -406,8 +407,6 @@ def _run(
             except BaseException:
                 pool.kill()  # it has taken nothing: nothing was queued
                 redis_dir.remove_on_failure()  # it holds nothing of the run yet
-                with contextlib.suppress(redis.RedisError):  # its queue's name stayed listed (a hostile pass)
-                    _forget_queue(connect(url), req.submit.queue, layout.run_id)
                 raise
         connection = connect(url)
         with phases.phase(QUEUE):

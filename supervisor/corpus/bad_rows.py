@@ -37,6 +37,16 @@ def rows_of(error: CorpusError) -> tuple[list[CorpusError], str]:
     return (error.rows, error.cut) if isinstance(error, BadRowsError) else ([error], "")
 
 
+def stopped_at_shown() -> str:
+    """How far a list that reached SHOWN rows went."""
+    return f"stopped at {SHOWN} bad rows; the rest is not checked"
+
+
+def read_on_to(where: str) -> str:
+    """How far the reading on went once it had taken SCAN_SECONDS."""
+    return f"read on for {SCAN_SECONDS:.0f} s, to {where}; the rest is not checked"
+
+
 def told(rows: list[CorpusError], place: str, cut: str) -> CorpusError:
     """One error for ``rows`` of ``place`` (a file, or the corpus), the first first."""
     first, more = rows[0], rows[1:]
@@ -62,9 +72,6 @@ class BadRows:
         self._since = 0.0
         self._rows = 0
 
-    def __bool__(self) -> bool:
-        return bool(self.found)
-
     def add(self, error: CorpusError) -> None:
         """One more bad row; raises where reading on must stop (enough rows, or the file is misread)."""
         if isinstance(error, WholeFileError):
@@ -73,7 +80,7 @@ class BadRows:
         if len(self.found) == 1:
             self._since = time.monotonic()
         if len(self.found) >= SHOWN:
-            raise self._combined(f"stopped at {SHOWN} bad rows; the rest is not checked")
+            raise self._combined(stopped_at_shown())
 
     def stop(self, error: CorpusError) -> CorpusError:
         """``error`` as the last row read: the reader cannot go past it."""
@@ -89,7 +96,7 @@ class BadRows:
             return False
         self._rows += 1
         if self._rows % _CHECK_EVERY == 0 and time.monotonic() - self._since > SCAN_SECONDS:
-            raise self._combined(f"read on for {SCAN_SECONDS:.0f} s, to {where}; the rest is not checked")
+            raise self._combined(read_on_to(where))
         return True
 
     def end(self) -> None:

@@ -28,7 +28,7 @@ CORPUS = "the corpus"
 
 
 class IdRegistry:
-    """``add(records)`` raises CorpusError naming both places where an id occurs twice."""
+    """The ids seen so far; ``duplicates(records)`` names both places where an id occurs twice."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -39,12 +39,6 @@ class IdRegistry:
         self.db.execute("PRAGMA journal_mode=OFF")
         self.db.execute("PRAGMA synchronous=OFF")
         self.db.execute("CREATE TABLE ids (id TEXT PRIMARY KEY, place TEXT NOT NULL) WITHOUT ROWID")
-
-    def add(self, records: list[Record]) -> None:
-        """Raises CorpusError naming the first duplicate of ``records``."""
-        found = self.duplicates(records)
-        if found:
-            raise found[0]
 
     def duplicates(self, records: list[Record]) -> list[CorpusError]:
         """Record ``records``' ids; an error for each one seen before (here or earlier), in order."""
@@ -133,10 +127,10 @@ def _read_on(found: list[CorpusError], registry: IdRegistry, rest: Iterator[Reco
             found += registry.duplicates(block)
             block = []
             if len(found) >= bad_rows.SHOWN:
-                cut = f"stopped at {bad_rows.SHOWN} bad rows; the rest is not checked"
+                cut = bad_rows.stopped_at_shown()
                 break
             if time.monotonic() - since > bad_rows.SCAN_SECONDS:
-                cut = f"read on for {bad_rows.SCAN_SECONDS:.0f} s, to {record.where}; the rest is not checked"
+                cut = bad_rows.read_on_to(record.where)
                 break
         else:
             found += registry.duplicates(block)
@@ -148,5 +142,5 @@ def _read_on(found: list[CorpusError], registry: IdRegistry, rest: Iterator[Reco
 
 def _told(found: list[CorpusError], cut: str) -> CorpusError:
     if len(found) > bad_rows.SHOWN:
-        cut = cut or f"stopped at {bad_rows.SHOWN} bad rows; the rest is not checked"
+        cut = cut or bad_rows.stopped_at_shown()
     return bad_rows.told(found[: bad_rows.SHOWN], CORPUS, cut)
